@@ -1,0 +1,160 @@
+"""Batch arithmetic: global_batch_size = micro_batch_size × grad_accum_steps × num_workers.
+
+Pure Python (no torch), so the config layer can validate with it; `rayacc.engine` re-exports it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["BatchPlan", "BatchPlanError", "resolve_batch_plan"]
+
+GLOBAL = "batch.global_batch_size"
+MICRO = "batch.micro_batch_size"
+ACCUM = "batch.grad_accum_steps"
+WORKERS = "scaling.num_workers"
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """How one optimizer step's samples are split: over workers, then over micro-steps."""
+
+    global_batch_size: int
+    micro_batch_size: int
+    grad_accum_steps: int
+    num_workers: int
+
+    @property
+    def samples_per_worker(self) -> int:
+        """Samples one worker processes per optimizer step."""
+        return self.micro_batch_size * self.grad_accum_steps
+
+    def describe(self) -> str:
+        return (
+            f"global batch {self.global_batch_size} = micro {self.micro_batch_size} × "
+            f"accum {self.grad_accum_steps} × workers {self.num_workers}"
+        )
+
+
+class BatchPlanError(ValueError):
+    """An impossible batch configuration; names the field at fault and the nearest valid values."""
+
+    def __init__(self, field: str, problem: str, fix: str):
+        self.field = field
+        self.problem = problem
+        self.fix = fix
+        super().__init__(f"{field}: {problem}. Fix: {fix}")
+
+
+def _multiples_near(value: int, unit: int) -> list[int]:
+    lower = (value // unit) * unit
+    upper = lower + unit
+    return [m for m in (lower, upper) if m >= unit]
+
+
+def _divisors_near(n: int, target: int) -> list[int]:
+    """The closest divisors of n below and above target."""
+    divisors = [d for d in range(1, n + 1) if n % d == 0]
+    below = [d for d in divisors if d <= target]
+    above = [d for d in divisors if d >= target]
+    return sorted({d for d in (below[-1] if below else None, above[0] if above else None) if d})
+
+
+def _or(values: list[int]) -> str:
+    return " or ".join(str(v) for v in values)
+
+
+def resolve_batch_plan(
+    *,
+    num_workers: int,
+    global_batch_size: int | None = None,
+    micro_batch_size: int | None = None,
+    grad_accum_steps: int | None = None,
+) -> BatchPlan:
+    """Completes the batch plan for `num_workers` workers.
+
+    - global + micro: accumulation is derived (the usual case; it follows the worker count);
+    - global + accum: the micro-batch is derived;
+    - global alone: accumulation 1;
+    - micro (+ accum, default 1) without global: the global batch is their product;
+    - all three: they must agree.
+    Raises :class:`BatchPlanError` naming the field and the nearest valid values.
+    """
+    for name, value in (
+        (WORKERS, num_workers),
+        (GLOBAL, global_batch_size),
+        (MICRO, micro_batch_size),
+        (ACCUM, grad_accum_steps),
+    ):
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise BatchPlanError(
+                name, f"must be a positive integer, got {value!r}", f"set {name} >= 1"
+            )
+    w = num_workers
+
+    if global_batch_size is None:
+        if micro_batch_size is None:
+            raise BatchPlanError(
+                GLOBAL,
+                "neither batch.global_batch_size nor batch.micro_batch_size is set",
+                "set batch.global_batch_size (and batch.micro_batch_size to derive accumulation)",
+            )
+        accum = grad_accum_steps or 1
+        return BatchPlan(micro_batch_size * accum * w, micro_batch_size, accum, w)
+
+    g = global_batch_size
+    if g % w:
+        raise BatchPlanError(
+            GLOBAL,
+            f"{g} does not split evenly over {WORKERS}={w}",
+            f"set {GLOBAL} to {_or(_multiples_near(g, w))}, or use a worker count dividing {g}",
+        )
+    per_worker = g // w
+
+    if micro_batch_size is not None and grad_accum_steps is not None:
+        product = micro_batch_size * grad_accum_steps * w
+        if product != g:
+            fix = f"remove {ACCUM} to derive it"
+            if per_worker % micro_batch_size == 0:
+                fix += f" (it would be {per_worker // micro_batch_size})"
+            fix += f", or set {GLOBAL}={product}"
+            raise BatchPlanError(
+                GLOBAL,
+                f"{g} != {MICRO} × {ACCUM} × {WORKERS} = {micro_batch_size} × "
+                f"{grad_accum_steps} × {w} = {product}",
+                fix,
+            )
+        return BatchPlan(g, micro_batch_size, grad_accum_steps, w)
+
+    if micro_batch_size is not None:
+        m = micro_batch_size
+        if m > per_worker:
+            raise BatchPlanError(
+                MICRO,
+                f"{m} is larger than one worker's share of the global batch "
+                f"({GLOBAL}={g} / {WORKERS}={w} = {per_worker})",
+                f"set {MICRO} to at most {per_worker}, e.g. {_or(_divisors_near(per_worker, m))}",
+            )
+        if per_worker % m:
+            raise BatchPlanError(
+                MICRO,
+                f"{m} does not divide one worker's share of the global batch "
+                f"({GLOBAL}={g} / {WORKERS}={w} = {per_worker}), so {ACCUM} would not be whole",
+                f"set {MICRO} to {_or(_divisors_near(per_worker, m))}, or {GLOBAL} to "
+                f"{_or(_multiples_near(g, m * w))}",
+            )
+        return BatchPlan(g, m, per_worker // m, w)
+
+    if grad_accum_steps is not None:
+        k = grad_accum_steps
+        if per_worker % k:
+            raise BatchPlanError(
+                ACCUM,
+                f"{k} does not divide one worker's share of the global batch "
+                f"({GLOBAL}={g} / {WORKERS}={w} = {per_worker})",
+                f"set {ACCUM} to {_or(_divisors_near(per_worker, k))}, or {GLOBAL} to "
+                f"{_or(_multiples_near(g, k * w))}",
+            )
+        return BatchPlan(g, per_worker // k, k, w)
+
+    return BatchPlan(g, per_worker, 1, w)

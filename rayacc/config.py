@@ -1,0 +1,540 @@
+"""Typed run configuration: YAML file + ``key.path=value`` overrides → :class:`TrainConfig`.
+
+Every problem in a config is collected and reported at once by :class:`ConfigError`, each line
+naming the field path, the value given and how to fix it.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from pathlib import Path
+from typing import Any, Literal, get_origin
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from rayacc.batch_plan import BatchPlanError, resolve_batch_plan
+
+__all__ = [
+    "BatchConfig",
+    "ConfigError",
+    "ConfigIssue",
+    "DataConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "RunConfig",
+    "ScalingConfig",
+    "TrackingConfig",
+    "TrainConfig",
+    "TrainSection",
+]
+
+
+class ConfigIssue:
+    """One problem in a config: where, what was given, what is wrong and how to fix it."""
+
+    def __init__(self, path: str, message: str, value: Any = None, fix: str | None = None):
+        self.path = path
+        self.message = message
+        self.value = value
+        self.fix = fix
+
+    def __str__(self) -> str:
+        given = "" if self.value is _MISSING else f" (got {self.value!r})"
+        fix = f" Fix: {self.fix}" if self.fix else ""
+        return f"{self.path or '<root>'}: {self.message}{given}.{fix}"
+
+    def __repr__(self) -> str:
+        return f"ConfigIssue({self!s})"
+
+
+_MISSING = object()
+
+
+class ConfigError(ValueError):
+    """All problems found in one config, reported together."""
+
+    def __init__(self, issues: list[ConfigIssue], source: str | None = None):
+        self.issues = issues
+        self.source = source
+        where = f" in {source}" if source else ""
+        n = len(issues)
+        lines = [f"invalid config{where} ({n} problem{'s' if n != 1 else ''}):"]
+        lines += [f"  - {issue}" for issue in issues]
+        super().__init__("\n".join(lines))
+
+    @property
+    def paths(self) -> list[str]:
+        return [issue.path for issue in self.issues]
+
+
+class _Section(BaseModel):
+    # attribute docstrings become field descriptions, which error messages quote as the fix
+    model_config = ConfigDict(
+        extra="forbid", use_attribute_docstrings=True, validate_assignment=True
+    )
+
+
+class ModelConfig(_Section):
+    name: Literal["mlp", "gpt", "factory"] = "mlp"
+    """Model family: `mlp` (classification on feature vectors), `gpt` (causal LM on tokens), or
+    `factory` to build the model with `model.factory`."""
+    factory: str | None = None
+    """User model factory as "package.module:function"; called with `model.kwargs` and the dataset
+    info; used only when `model.name` is `factory`."""
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments passed to `model.factory`."""
+    hidden_sizes: list[int] = Field(default_factory=lambda: [128, 128])
+    """mlp: widths of the hidden layers."""
+    n_layer: int = Field(4, ge=1)
+    """gpt: transformer blocks."""
+    n_head: int = Field(4, ge=1)
+    """gpt: attention heads per block; must divide `model.n_embd`."""
+    n_embd: int = Field(128, ge=1)
+    """gpt: embedding width."""
+    block_size: int = Field(128, ge=2)
+    """gpt: longest sequence the model accepts (positions)."""
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    """Dropout probability (0 keeps accumulation exactly equivalent to the big batch)."""
+
+
+class DataConfig(_Section):
+    source: str = "digits"
+    """A bundled dataset name (`digits`, `shakespeare`) or a Parquet file/folder path or URI
+    (local, s3://, gs://)."""
+    shuffle: bool = True
+    """Shuffle the global sample order each epoch (seeded by `seed` and the epoch)."""
+    val_fraction: float = Field(0.1, ge=0.0, lt=1.0)
+    """Share of rows held out for validation; 0 = no validation."""
+    last_window: Literal["short", "drop"] = "short"
+    """Rows that do not fill a last global batch: `short` trains on them as a smaller window
+    (normalised by its real size), `drop` skips them."""
+    seq_len: int = Field(128, ge=2)
+    """Token datasets: tokens per sample (sequence) when a bundled corpus is cut into samples."""
+    cache_dir: str | None = None
+    """Where bundled datasets are prepared as Parquet (default: ~/.cache/rayacc)."""
+
+
+class BatchConfig(_Section):
+    global_batch_size: int | None = Field(None, ge=1)
+    """Samples per optimizer step over all workers: micro_batch_size × grad_accum_steps ×
+    num_workers. The invariant kept when the number of workers changes."""
+    micro_batch_size: int | None = Field(None, ge=1)
+    """Samples per worker per forward/backward (micro-step)."""
+    grad_accum_steps: int | None = Field(None, ge=1)
+    """Micro-steps per optimizer step on each worker; derived from the other two when omitted."""
+
+
+class OptimConfig(_Section):
+    name: Literal["adamw", "sgd"] = "adamw"
+    """Optimizer."""
+    lr: float = Field(1e-3, gt=0.0)
+    """Base learning rate, tuned at `optim.base_batch_size`."""
+    base_batch_size: int | None = Field(None, ge=1)
+    """Global batch at which `optim.lr` was tuned; the LR is rescaled from it by
+    `optim.lr_scaling`. Omitted: the configured global batch (effective LR = lr)."""
+    lr_scaling: Literal["linear", "sqrt", "none"] = "linear"
+    """How the LR follows global_batch_size / base_batch_size: linear, sqrt or none."""
+    momentum: float = Field(0.0, ge=0.0, lt=1.0)
+    """SGD momentum."""
+    weight_decay: float = Field(0.0, ge=0.0)
+    """Decoupled weight decay (AdamW) or L2 penalty (SGD)."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    warmup_steps: int = Field(0, ge=0)
+    """Optimizer steps of linear LR warmup."""
+    schedule: Literal["cosine", "constant"] = "cosine"
+    """LR after warmup: cosine decay to `optim.min_lr_ratio` × LR at the last step, or constant."""
+    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0)
+    """Final LR of the cosine schedule as a share of the effective LR."""
+    max_grad_norm: float | None = Field(None, gt=0.0)
+    """Clip the global gradient norm to this value after unscaling; null = no clipping."""
+
+
+class TrainSection(_Section):
+    max_steps: int | None = Field(None, ge=1)
+    """Optimizer steps to run; null = run `train.epochs` epochs."""
+    epochs: int = Field(1, ge=1)
+    """Passes over the training rows (when `train.max_steps` is null, or as its upper bound)."""
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Compute precision: fp32, bf16 autocast, or fp16 autocast with a gradient scaler."""
+    val_every_steps: int | None = Field(None, ge=1)
+    """Run validation every N optimizer steps (and always at the end); null = only at the end."""
+    checkpoint_every_steps: int | None = Field(None, ge=1)
+    """Checkpoint every N optimizer steps (and always at the end); null = only at the end."""
+
+
+class ScalingConfig(_Section):
+    num_workers: int = Field(2, ge=1)
+    """Data-parallel training workers (one DDP rank each)."""
+    use_gpu: bool = False
+    """One GPU per worker (NCCL); CPU workers use gloo."""
+    cpus_per_worker: float = Field(1.0, gt=0.0)
+    """Logical CPUs reserved per worker (fractions allowed)."""
+
+
+class TrackingConfig(_Section):
+    enabled: bool = True
+    """Record the run in MLflow."""
+    tracking_uri: str | None = None
+    """MLflow tracking URI; null = sqlite:///<cwd>/mlflow.db."""
+    experiment: str = "rayacc"
+    """MLflow experiment name."""
+    run_name: str | None = None
+    """MLflow run name; null = generated."""
+
+
+class RunConfig(_Section):
+    name: str | None = None
+    """Name of the run's folder under `run.storage_path`; null = a fresh unique name."""
+    storage_path: str | None = None
+    """Where checkpoints and run state go (absolute path or URI; shared storage on a multi-node
+    cluster); null = <cwd>/rayacc_runs."""
+    max_failures: int = Field(0, ge=-1)
+    """Worker-group restarts from the latest checkpoint after a failure; -1 = unlimited."""
+    keep_checkpoints: int = Field(2, ge=1)
+    """Checkpoints kept on storage (the newest)."""
+
+
+class TrainConfig(_Section):
+    """The whole configuration of one training run."""
+
+    seed: int = 0
+    """Seeds the model initialisation and the data order."""
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    batch: BatchConfig = Field(default_factory=BatchConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    train: TrainSection = Field(default_factory=TrainSection)
+    scaling: ScalingConfig = Field(default_factory=ScalingConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    run: RunConfig = Field(default_factory=RunConfig)
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_dict(
+        cls, data: dict[str, Any], overrides: list[str] | None = None, source: str | None = None
+    ) -> TrainConfig:
+        """Validates `data` (after applying `overrides`), raising one :class:`ConfigError` that
+        lists every problem found."""
+        if data is None:
+            data = {}
+        if not isinstance(data, dict):
+            raise ConfigError(
+                [
+                    ConfigIssue(
+                        "",
+                        "the config must be a mapping of sections",
+                        type(data).__name__,
+                        "write the file as `section:` blocks, e.g. `batch:`",
+                    )
+                ],
+                source,
+            )
+        issues: list[ConfigIssue] = []
+        data = _apply_overrides(data, overrides or [], issues)
+        cfg = None
+        try:
+            cfg = cls.model_validate(data)
+        except ValidationError as exc:
+            issues += _issues_from_validation(exc)
+        # rules across fields run on every section that is valid by itself, so one pass
+        # reports field errors and cross-field errors together
+        sections = _valid_sections(cfg, data)
+        issues += _cross_field_issues(sections)
+        if issues:
+            raise ConfigError(issues, source)
+        assert cfg is not None
+        return cfg
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike, overrides: list[str] | None = None) -> TrainConfig:
+        """Loads a YAML file; each override is `key.path=value`, the value parsed as YAML."""
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(
+                [
+                    ConfigIssue(
+                        "",
+                        "config file not found",
+                        str(p),
+                        "pass an existing YAML file, e.g. -c jobs/digits.yaml",
+                    )
+                ],
+                str(p),
+            )
+        try:
+            data = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as exc:
+            raise ConfigError(
+                [ConfigIssue("", f"not valid YAML: {exc}", _MISSING, "correct the YAML syntax")],
+                str(p),
+            ) from None
+        return cls.from_dict(data or {}, overrides, source=str(p))
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+    def flat(self) -> dict[str, Any]:
+        """The config as dotted keys (`batch.micro_batch_size`), e.g. for tracking params."""
+        return _flatten(self.model_dump(mode="json"))
+
+
+def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in d.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            out.update(_flatten(value, path + "."))
+        else:
+            out[path] = value
+    return out
+
+
+def _apply_overrides(
+    data: dict[str, Any], overrides: list[str], issues: list[ConfigIssue]
+) -> dict[str, Any]:
+    import copy
+
+    data = copy.deepcopy(data)
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            issues.append(
+                ConfigIssue(
+                    "",
+                    "override is not of the form key.path=value",
+                    item,
+                    "write e.g. batch.micro_batch_size=16",
+                )
+            )
+            continue
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError:
+            value = raw
+        node = data
+        parts = key.split(".")
+        for i, part in enumerate(parts[:-1]):
+            prefix = tuple(parts[: i + 1])
+            child = node.get(part)
+            if child is None and not _is_value_field(prefix):
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                issues.append(
+                    ConfigIssue(
+                        ".".join(parts[: i + 1]),
+                        "is a value, not a section",
+                        _MISSING if child is None else child,
+                        f"override {'.'.join(parts[: i + 1])}=VALUE instead",
+                    )
+                )
+                break
+            node = child
+        else:
+            node[parts[-1]] = value
+    return data
+
+
+def _is_value_field(loc: tuple[str, ...]) -> bool:
+    """True when `loc` names a known field that holds a plain value (not a section or mapping)."""
+    model: type[BaseModel] = TrainConfig
+    for part in loc[:-1]:
+        field = model.model_fields.get(part)
+        ann = field.annotation if field else None
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return False
+        model = ann
+    field = model.model_fields.get(loc[-1])
+    if field is None:
+        return False
+    ann = field.annotation
+    is_section = isinstance(ann, type) and issubclass(ann, BaseModel)
+    return not is_section and get_origin(ann) is not dict
+
+
+def _section_fields(loc: tuple[Any, ...]) -> list[str]:
+    model: type[BaseModel] = TrainConfig
+    for part in loc:
+        field = model.model_fields.get(str(part))
+        ann = getattr(field, "annotation", None) if field else None
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return []
+        model = ann
+    return list(model.model_fields)
+
+
+def _description(loc: tuple[Any, ...]) -> str | None:
+    model: type[BaseModel] = TrainConfig
+    for i, part in enumerate(loc):
+        field = model.model_fields.get(str(part))
+        if field is None:
+            return None
+        if i == len(loc) - 1:
+            return field.description
+        ann = field.annotation
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return None
+        model = ann
+    return None
+
+
+def _fix_for(kind: str, ctx: dict[str, Any]) -> str | None:
+    bounds = {
+        "greater_than": ">",
+        "greater_than_equal": ">=",
+        "less_than": "<",
+        "less_than_equal": "<=",
+    }
+    if kind in bounds:
+        bound = next(iter(v for k, v in ctx.items() if k in ("gt", "ge", "lt", "le")), "")
+        return f"set a value {bounds[kind]} {bound}"
+    if kind == "literal_error":
+        return f"use one of {ctx.get('expected', '')}"
+    return {
+        "int_parsing": "use a whole number",
+        "int_type": "use a whole number",
+        "int_from_float": "use a whole number",
+        "float_parsing": "use a number",
+        "float_type": "use a number",
+        "bool_parsing": "use true or false",
+        "bool_type": "use true or false",
+        "string_type": "use a string (quote it in YAML)",
+        "model_type": "write it as a section of key: value lines",
+        "dict_type": "write it as a mapping of key: value",
+        "list_type": "write it as a list, e.g. [1, 2]",
+        "tuple_type": "write it as a list, e.g. [0.9, 0.999]",
+    }.get(kind)
+
+
+def _issues_from_validation(exc: ValidationError) -> list[ConfigIssue]:
+    issues = []
+    for err in exc.errors(include_url=False):
+        loc = tuple(p for p in err["loc"] if isinstance(p, str))
+        path = ".".join(loc)
+        kind = err["type"]
+        if kind == "extra_forbidden":
+            valid = _section_fields(loc[:-1])
+            close = difflib.get_close_matches(loc[-1], valid, n=1, cutoff=0.5)
+            prefix = ".".join(loc[:-1])
+            fix = (
+                f"did you mean {(prefix + '.' if prefix else '') + close[0]!r}?"
+                if close
+                else f"valid keys here: {', '.join(valid)}"
+            )
+            issues.append(ConfigIssue(path, "unknown key", _MISSING, fix))
+            continue
+        if kind == "value_error":
+            # a section's own cross-field rule: the message already names fields and fix
+            msg = str(err["msg"]).removeprefix("Value error, ")
+            issues.append(ConfigIssue(path, msg, _MISSING))
+            continue
+        fix = _fix_for(kind, err.get("ctx") or {})
+        desc = _description(loc)
+        if desc:
+            fix = f"{fix} — {' '.join(desc.split())}" if fix else " ".join(desc.split())
+        value = err.get("input", _MISSING)
+        if isinstance(value, dict):
+            value = _MISSING
+        issues.append(ConfigIssue(path, str(err["msg"]), value, fix))
+    return issues
+
+
+_SECTIONS: dict[str, type[BaseModel]] = {
+    name: field.annotation  # type: ignore[misc]
+    for name, field in TrainConfig.model_fields.items()
+    if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)
+}
+
+
+def _valid_sections(cfg: TrainConfig | None, data: dict[str, Any]) -> dict[str, Any]:
+    if cfg is not None:
+        return {name: getattr(cfg, name) for name in _SECTIONS}
+    sections = {}
+    for name, model in _SECTIONS.items():
+        raw = data.get(name, {})
+        try:
+            sections[name] = model.model_validate(raw if raw is not None else {})
+        except ValidationError:
+            continue
+    return sections
+
+
+def _cross_field_issues(s: dict[str, Any]) -> list[ConfigIssue]:
+    """Rules that involve several fields, checked on whichever sections are valid."""
+    issues: list[ConfigIssue] = []
+    model: ModelConfig | None = s.get("model")
+    if model is not None:
+        if model.name == "factory" and not model.factory:
+            issues.append(
+                ConfigIssue(
+                    "model.factory",
+                    "is empty while model.name is 'factory'",
+                    None,
+                    "set model.factory to 'package.module:function'",
+                )
+            )
+        if model.factory and model.name != "factory":
+            issues.append(
+                ConfigIssue(
+                    "model.factory",
+                    f"is set but model.name is {model.name!r}, so it would be ignored",
+                    model.factory,
+                    "set model.name=factory, or remove model.factory",
+                )
+            )
+        if model.factory and model.factory.count(":") != 1:
+            issues.append(
+                ConfigIssue(
+                    "model.factory",
+                    "is not of the form 'package.module:function'",
+                    model.factory,
+                    "write e.g. mypkg.models:build",
+                )
+            )
+        bad = [h for h in model.hidden_sizes if h < 1]
+        if bad:
+            issues.append(
+                ConfigIssue(
+                    "model.hidden_sizes",
+                    "must hold positive integers",
+                    model.hidden_sizes,
+                    "e.g. [128, 128]",
+                )
+            )
+        if model.n_embd % model.n_head:
+            issues.append(
+                ConfigIssue(
+                    "model.n_head",
+                    f"does not divide model.n_embd={model.n_embd}",
+                    model.n_head,
+                    f"set model.n_embd to a multiple of {model.n_head}, "
+                    "or model.n_head to a divisor "
+                    f"of {model.n_embd}",
+                )
+            )
+        data: DataConfig | None = s.get("data")
+        if model.name == "gpt" and data is not None and data.seq_len > model.block_size:
+            issues.append(
+                ConfigIssue(
+                    "data.seq_len",
+                    f"is longer than model.block_size={model.block_size}",
+                    data.seq_len,
+                    f"set data.seq_len <= {model.block_size}, or raise model.block_size",
+                )
+            )
+    batch: BatchConfig | None = s.get("batch")
+    scaling: ScalingConfig | None = s.get("scaling")
+    if batch is not None and scaling is not None:
+        try:
+            resolve_batch_plan(
+                num_workers=scaling.num_workers,
+                global_batch_size=batch.global_batch_size,
+                micro_batch_size=batch.micro_batch_size,
+                grad_accum_steps=batch.grad_accum_steps,
+            )
+        except BatchPlanError as exc:
+            issues.append(ConfigIssue(exc.field, exc.problem, _MISSING, exc.fix))
+    return issues

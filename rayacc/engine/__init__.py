@@ -1,0 +1,41 @@
+"""Pure-PyTorch training engine: batch plan, LR rules, the accumulation step, gradient-sync
+control and train state. Imports torch only (never ray or mlflow), so it runs under plain
+torch.distributed as well as inside Ray Train workers."""
+
+from rayacc.batch_plan import BatchPlan, BatchPlanError, resolve_batch_plan
+from rayacc.engine.losses import (
+    IGNORE_INDEX,
+    classification_item_losses,
+    collate_tokens,
+    count_rows,
+    count_target_tokens,
+    token_item_losses,
+)
+from rayacc.engine.lr import LR_RULES, build_scheduler, effective_lr, lr_multiplier
+from rayacc.engine.state import TrainState
+from rayacc.engine.step import PRECISIONS, AccumulationStep, MicroStepMismatchError, StepResult
+from rayacc.engine.sync import CommCounter, ddp_sync_context, install_comm_counter
+
+__all__ = [
+    "IGNORE_INDEX",
+    "LR_RULES",
+    "PRECISIONS",
+    "AccumulationStep",
+    "BatchPlan",
+    "BatchPlanError",
+    "CommCounter",
+    "MicroStepMismatchError",
+    "StepResult",
+    "TrainState",
+    "build_scheduler",
+    "classification_item_losses",
+    "collate_tokens",
+    "count_rows",
+    "count_target_tokens",
+    "ddp_sync_context",
+    "effective_lr",
+    "install_comm_counter",
+    "lr_multiplier",
+    "resolve_batch_plan",
+    "token_item_losses",
+]

@@ -1,0 +1,78 @@
+"""Per-item loss functions and item counters for the two data formats.
+
+A loss function returns one loss per loss item (ignored items contribute exactly 0); an item
+counter says how many real items a micro-batch holds. The accumulation step normalises.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = [
+    "IGNORE_INDEX",
+    "Batch",
+    "ItemCounter",
+    "LossFn",
+    "classification_item_losses",
+    "collate_tokens",
+    "count_rows",
+    "count_target_tokens",
+    "token_item_losses",
+]
+
+Batch = Mapping[str, torch.Tensor]
+LossFn = Callable[[nn.Module, Batch], torch.Tensor]
+ItemCounter = Callable[[Batch], int]
+
+IGNORE_INDEX = -100
+"""Target value of padding positions; matches F.cross_entropy's default ignore_index."""
+
+
+def count_rows(batch: Batch) -> int:
+    """Samples in a micro-batch: the leading dimension of its first tensor."""
+    return int(next(iter(batch.values())).shape[0])
+
+
+def classification_item_losses(model: nn.Module, batch: Batch) -> torch.Tensor:
+    """Cross-entropy per sample of `features` → `label`."""
+    logits = model(batch["features"])
+    return F.cross_entropy(logits.float(), batch["label"], reduction="none")
+
+
+def count_target_tokens(batch: Batch) -> int:
+    """Target tokens that carry a loss (padding excluded). A host sync when on a GPU."""
+    return int((batch["target"] != IGNORE_INDEX).sum())
+
+
+def token_item_losses(model: nn.Module, batch: Batch) -> torch.Tensor:
+    """Next-token cross-entropy per target position; padding positions give 0."""
+    logits = model(batch["input"])
+    return F.cross_entropy(
+        logits.float().reshape(-1, logits.shape[-1]),
+        batch["target"].reshape(-1),
+        ignore_index=IGNORE_INDEX,
+        reduction="none",
+    )
+
+
+def collate_tokens(
+    sequences: list[torch.Tensor] | list[list[int]], pad_id: int = 0
+) -> dict[str, torch.Tensor]:
+    """Variable-length token sequences → right-padded `input` (tokens[:-1]) and `target`
+    (tokens[1:], padding = IGNORE_INDEX). Causal attention keeps real positions from seeing the
+    padding that follows them."""
+    seqs = [torch.as_tensor(s, dtype=torch.long) for s in sequences]
+    if any(len(s) < 2 for s in seqs):
+        raise ValueError("every token sequence needs at least 2 tokens (an input and a target)")
+    width = max(len(s) for s in seqs) - 1
+    inputs = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    targets = torch.full((len(seqs), width), IGNORE_INDEX, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        n = len(s) - 1
+        inputs[i, :n] = s[:-1]
+        targets[i, :n] = s[1:]
+    return {"input": inputs, "target": targets}

@@ -1,0 +1,253 @@
+"""The accumulation step: one optimizer step over a window of micro-batches.
+
+The one normalisation rule (design.md): every micro-step back-propagates
+``sum(item losses) × world_size / N_window`` where N_window counts the loss items of the whole
+window on all ranks. DDP's gradient averaging divides by world_size again, so the accumulated
+gradient is ∇(mean item loss over the global batch) — whatever the workers, micro-batch size,
+accumulation or padding, and for a short last window too (it has its own N_window).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import resource
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from rayacc.engine.losses import Batch, ItemCounter, LossFn, count_rows
+from rayacc.engine.sync import ddp_sync_context, install_comm_counter, is_ddp
+
+__all__ = ["PRECISIONS", "AccumulationStep", "MicroStepMismatchError", "StepResult"]
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+class MicroStepMismatchError(RuntimeError):
+    """Ranks were given different numbers of micro-batches for one window. Raised on every rank
+    at once (they all see the same all-reduced counts), instead of the silent DDP hang that one
+    extra backward on a single rank would cause."""
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one optimizer step did, identical on every rank unless noted."""
+
+    loss: float
+    """Exact mean item loss of the window over all ranks (nan when the loss was not finite)."""
+    items: int
+    """Loss items in the window on all ranks (N_window)."""
+    samples: int
+    """Samples (rows) in the window on all ranks."""
+    micro_steps: int
+    """Micro-steps each rank ran."""
+    grad_norm: float
+    """Global gradient norm after unscaling, before clipping (nan when skipped before it)."""
+    lr: float
+    """Learning rate this step used (of the first param group)."""
+    skipped: bool
+    """True when the optimizer did not step (non-finite loss or gradient, or fp16 overflow)."""
+    skip_reason: str | None
+    allreduce_calls: int
+    """Gradient all-reduce launches (DDP buckets) in the window; 0 without DDP."""
+    sync_passes: int
+    """Backward passes that synced gradients (1 with accumulation done right)."""
+    step_time_s: float
+    """Wall time of the whole window."""
+    sync_time_s: float
+    """Wall time from the first gradient all-reduce launch to the last one's completion (it
+    overlaps the final backward's compute)."""
+    peak_memory_mb: float
+    """This rank: peak allocated device memory in the window on GPU; on CPU the process's peak
+    resident set size so far."""
+
+    @property
+    def compute_time_s(self) -> float:
+        return max(0.0, self.step_time_s - self.sync_time_s)
+
+    @property
+    def sync_time_frac(self) -> float:
+        return self.sync_time_s / self.step_time_s if self.step_time_s > 0 else 0.0
+
+
+class AccumulationStep:
+    """Runs windows of micro-batches through `model` and steps `optimizer` once per window.
+
+    Order per window: count items (one all-reduce) → micro-steps (forward + backward under
+    `no_sync` except the last) → loss all-reduce and finiteness check → unscale (fp16) → clip →
+    step → scheduler. Holds no global state: one instance per model.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+        precision: str = "fp32",
+        max_grad_norm: float | None = None,
+        scaler: torch.amp.GradScaler | None = None,
+        count_comm: bool = True,
+    ):
+        if precision not in PRECISIONS:
+            raise ValueError(f"train.precision={precision!r} is not one of {', '.join(PRECISIONS)}")
+        if max_grad_norm is not None and max_grad_norm <= 0:
+            raise ValueError(f"optim.max_grad_norm must be > 0 or null, got {max_grad_norm}")
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.precision = precision
+        self.max_grad_norm = max_grad_norm
+        self.device = next(model.parameters()).device
+        self.group = model.process_group if is_ddp(model) else None
+        self.world_size = self._world_size()
+        if precision == "fp16":
+            self.scaler = scaler or torch.amp.GradScaler(self.device.type)
+        else:
+            if scaler is not None:
+                raise ValueError("a GradScaler is only used with train.precision=fp16")
+            self.scaler = None
+        self.comm = install_comm_counter(model) if count_comm else None
+
+    def _world_size(self) -> int:
+        if not (dist.is_available() and dist.is_initialized()):
+            return 1
+        world = dist.get_world_size(self.group)
+        if world > 1 and not is_ddp(self.model):
+            raise ValueError(
+                f"torch.distributed runs {world} ranks but the model is not wrapped in "
+                "DistributedDataParallel: gradients would never sync. Wrap it (or prepare_model)."
+            )
+        return world
+
+    def _autocast(self) -> contextlib.AbstractContextManager[None]:
+        if self.precision == "fp32":
+            return contextlib.nullcontext()
+        dtype = torch.bfloat16 if self.precision == "bf16" else torch.float16
+        return torch.autocast(self.device.type, dtype=dtype)
+
+    def _all_reduce_sum(self, values: list[float]) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        if self.world_size > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
+        # a CPU–GPU sync point on GPU: the counts decide the scale of every backward
+        return t.tolist()
+
+    def __call__(
+        self,
+        micro_batches: Sequence[Batch],
+        loss_fn: LossFn,
+        count_items: ItemCounter = count_rows,
+    ) -> StepResult:
+        t_start = time.perf_counter()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        if self.comm is not None:
+            self.comm.begin_window()
+
+        n_micro = len(micro_batches)
+        local_items = sum(count_items(mb) for mb in micro_batches)
+        local_samples = sum(count_rows(mb) for mb in micro_batches)
+        # one all-reduce carries the item count and a micro-step parity check:
+        # Σm² · W == (Σm)² holds exactly when every rank has the same m
+        items, samples, sum_m, sum_m2 = self._all_reduce_sum(
+            [local_items, local_samples, n_micro, n_micro * n_micro]
+        )
+        items, samples = int(items), int(samples)
+        if sum_m2 * self.world_size != sum_m * sum_m:
+            raise MicroStepMismatchError(
+                f"ranks hold different numbers of micro-batches for this window (this rank: "
+                f"{n_micro}, mean over {self.world_size} ranks: {sum_m / self.world_size:g}); "
+                "every rank must run the same micro-steps or DDP hangs"
+            )
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        if n_micro == 0:
+            raise ValueError("empty window: no micro-batches on any rank")
+        if items == 0:
+            return self._result(
+                t_start, math.nan, 0, samples, n_micro, math.nan, lr, "no loss items"
+            )
+
+        scale = self.world_size / items
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        for i, mb in enumerate(micro_batches):
+            with ddp_sync_context(self.model, sync=i == n_micro - 1):
+                with self._autocast():
+                    item_losses = loss_fn(self.model, mb)
+                micro_sum = item_losses.float().sum()
+                loss_sum += micro_sum.detach()
+                scaled = micro_sum * scale
+                if self.scaler is not None:
+                    scaled = self.scaler.scale(scaled)
+                scaled.backward()
+
+        (total_loss,) = self._all_reduce_sum([float(loss_sum)])
+        if not math.isfinite(total_loss):
+            # every rank sees the same all-reduced sum, so all skip together
+            self.optimizer.zero_grad(set_to_none=True)
+            return self._result(
+                t_start, math.nan, items, samples, n_micro, math.nan, lr, "non-finite loss"
+            )
+        mean_loss = total_loss / items
+
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        params = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
+        max_norm = self.max_grad_norm if self.max_grad_norm is not None else math.inf
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+
+        skip_reason = None
+        if self.scaler is not None:
+            scale_before = self.scaler.get_scale()
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            # GradScaler backs the scale off exactly when it found inf/nan and skipped the step
+            if self.scaler.get_scale() < scale_before:
+                skip_reason = "fp16 gradient overflow"
+        elif math.isfinite(grad_norm):
+            self.optimizer.step()
+        else:
+            skip_reason = "non-finite gradient"
+
+        if skip_reason is None and self.scheduler is not None:
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return self._result(t_start, mean_loss, items, samples, n_micro, grad_norm, lr, skip_reason)
+
+    def _result(
+        self,
+        t_start: float,
+        loss: float,
+        items: int,
+        samples: int,
+        micro_steps: int,
+        grad_norm: float,
+        lr: float,
+        skip_reason: str | None,
+    ) -> StepResult:
+        if self.device.type == "cuda":
+            peak_mb = torch.cuda.max_memory_allocated(self.device) / 2**20
+        else:
+            # Linux reports ru_maxrss in KiB
+            peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        return StepResult(
+            loss=loss,
+            items=items,
+            samples=samples,
+            micro_steps=micro_steps,
+            grad_norm=grad_norm,
+            lr=lr,
+            skipped=skip_reason is not None,
+            skip_reason=skip_reason,
+            allreduce_calls=self.comm.launches if self.comm else 0,
+            sync_passes=self.comm.passes if self.comm else 0,
+            step_time_s=time.perf_counter() - t_start,
+            sync_time_s=self.comm.sync_time_s() if self.comm else 0.0,
+            peak_memory_mb=peak_mb,
+        )

@@ -1,0 +1,99 @@
+"""Gradient-sync control: the one place that decides when DDP all-reduces gradients, and the
+accounting of what that sync costs."""
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+__all__ = ["CommCounter", "ddp_sync_context", "install_comm_counter", "is_ddp"]
+
+
+def is_ddp(model: nn.Module) -> bool:
+    return isinstance(model, nn.parallel.DistributedDataParallel)
+
+
+@contextlib.contextmanager
+def ddp_sync_context(model: nn.Module, sync: bool) -> Iterator[None]:
+    """Wrap a micro-step's forward *and* backward: DDP marks what to reduce during forward, so a
+    `no_sync` around backward alone still all-reduces.
+
+    `sync=False` on every non-final micro-step."""
+    if sync or not is_ddp(model):
+        yield
+    else:
+        with model.no_sync():
+            yield
+
+
+@dataclass
+class CommCounter:
+    """Counts gradient all-reduce launches (one per DDP bucket) and passes (one per synced
+    backward), and the wall time from a pass's first launch to its last completion."""
+
+    launches: int = 0
+    passes: int = 0
+    _pass_start: float | None = None
+    _last_done: float | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def begin_window(self) -> None:
+        self.launches = 0
+        self.passes = 0
+        self._pass_start = None
+        self._last_done = None
+
+    def sync_time_s(self) -> float:
+        if self._pass_start is None or self._last_done is None:
+            return 0.0
+        return max(0.0, self._last_done - self._pass_start)
+
+    def _on_launch(self, bucket_index: int) -> None:
+        now = time.perf_counter()
+        with self._lock:
+            self.launches += 1
+            # DDP reduces every bucket once per synced backward; bucket 0 stands for the pass
+            if bucket_index == 0:
+                self.passes += 1
+            if self._pass_start is None:
+                self._pass_start = now
+
+    def _on_done(self) -> None:
+        now = time.perf_counter()
+        with self._lock:
+            self._last_done = now
+
+
+# no `from __future__ import annotations` in this module: DDP inspects the hook's annotations
+# and rejects string ones; it also rejects lambdas, so the hook is a plain function
+def _counting_allreduce_hook(
+    state: tuple[CommCounter, dist.ProcessGroup | None], bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    counter, group = state
+    counter._on_launch(bucket.index())
+    fut = default_hooks.allreduce_hook(group, bucket)
+
+    def done(f):
+        counter._on_done()
+        return f.value()
+
+    return fut.then(done)
+
+
+def install_comm_counter(model: nn.Module) -> "CommCounter | None":
+    """Registers the counting all-reduce hook on a DDP model (same arithmetic as DDP's default).
+
+    Returns None for a model that is not DDP (nothing to sync). DDP accepts one comm hook per model
+    and only before the first forward; a model that already has one raises there.
+    """
+    if not is_ddp(model):
+        return None
+    counter = CommCounter()
+    model.register_comm_hook((counter, model.process_group), _counting_allreduce_hook)
+    return counter

@@ -1,0 +1,111 @@
+"""Small models, data and single-process full-batch references for the engine's tests."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rayacc.engine import IGNORE_INDEX, collate_tokens
+
+N_FEATURES, N_CLASSES, VOCAB = 8, 3, 11
+
+
+class TinyClassifier(nn.Module):
+    def __init__(self, seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.net = nn.Sequential(nn.Linear(N_FEATURES, 16), nn.Tanh(), nn.Linear(16, N_CLASSES))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+class TinyCausalLM(nn.Module):
+    """Embedding → causal running mean over earlier positions → MLP head. Right padding is
+    invisible to real positions, as in a causal transformer."""
+
+    def __init__(self, seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.emb = nn.Embedding(VOCAB, 8)
+        self.mix = nn.Linear(8, 8)
+        self.head = nn.Linear(8, VOCAB)
+
+    def forward(self, idx):
+        e = self.emb(idx)
+        positions = torch.arange(1, idx.shape[1] + 1, device=idx.device).view(1, -1, 1)
+        h = torch.tanh(self.mix(e.cumsum(dim=1) / positions))
+        return self.head(h)
+
+
+def classification_rows(n: int, seed: int = 1) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "features": torch.randn(n, N_FEATURES, generator=g),
+        "label": torch.randint(0, N_CLASSES, (n,), generator=g),
+    }
+
+
+def slice_rows(rows: dict[str, torch.Tensor], start: int, stop: int) -> dict[str, torch.Tensor]:
+    return {k: v[start:stop] for k, v in rows.items()}
+
+
+def micro_batches(rows: dict[str, torch.Tensor], micro: int) -> list[dict[str, torch.Tensor]]:
+    n = len(next(iter(rows.values())))
+    return [slice_rows(rows, i, min(i + micro, n)) for i in range(0, n, micro)]
+
+
+def token_sequences(
+    n: int, seed: int = 2, min_len: int = 2, max_len: int = 14
+) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(min_len, max_len + 1, (n,), generator=g)
+    return [torch.randint(0, VOCAB, (int(L),), generator=g) for L in lengths]
+
+
+def token_micro_batches(seqs: list[torch.Tensor], micro: int) -> list[dict[str, torch.Tensor]]:
+    return [collate_tokens(seqs[i : i + micro]) for i in range(0, len(seqs), micro)]
+
+
+def reference_sgd_step(
+    model: nn.Module, loss: torch.Tensor, lr: float, max_grad_norm=None
+) -> float:
+    """w − lr·∇loss in one process (optionally clipped); returns the pre-clip gradient norm."""
+    model.zero_grad(set_to_none=True)
+    loss.backward()
+    norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm or float("inf")))
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= lr * p.grad
+    return norm
+
+
+def full_batch_classification_loss(model: nn.Module, rows: dict[str, torch.Tensor]) -> torch.Tensor:
+    return F.cross_entropy(model(rows["features"]), rows["label"])
+
+
+def full_batch_token_loss(model: nn.Module, seqs: list[torch.Tensor]) -> torch.Tensor:
+    """Mean over every target token of the global batch (padding excluded)."""
+    batch = collate_tokens(seqs)
+    logits = model(batch["input"])
+    return F.cross_entropy(
+        logits.reshape(-1, VOCAB), batch["target"].reshape(-1), ignore_index=IGNORE_INDEX
+    )
+
+
+def params_vector(model: nn.Module) -> torch.Tensor:
+    inner = model.module if hasattr(model, "module") else model
+    return torch.cat([p.detach().reshape(-1).double() for p in inner.parameters()])
+
+
+def update_rel_err(before: torch.Tensor, after: torch.Tensor, ref_after: torch.Tensor) -> float:
+    """‖Δ − Δ_ref‖ / ‖Δ_ref‖ over all parameters: the error of the update, not of the weights."""
+    ref_update = ref_after - before
+    return float((after - ref_after).norm() / ref_update.norm())
+
+
+def clone(model: nn.Module) -> nn.Module:
+    return copy.deepcopy(model)

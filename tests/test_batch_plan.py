@@ -1,0 +1,109 @@
+import pytest
+
+from rayacc.engine import BatchPlan, BatchPlanError, resolve_batch_plan
+
+
+@pytest.mark.parametrize(
+    ("kw", "expected"),
+    [
+        (dict(num_workers=2, global_batch_size=256, micro_batch_size=32), (256, 32, 4, 2)),
+        (dict(num_workers=1, global_batch_size=256, micro_batch_size=32), (256, 32, 8, 1)),
+        (dict(num_workers=4, global_batch_size=256, micro_batch_size=32), (256, 32, 2, 4)),
+        (dict(num_workers=2, global_batch_size=256, grad_accum_steps=8), (256, 16, 8, 2)),
+        (dict(num_workers=2, global_batch_size=256), (256, 128, 1, 2)),
+        (dict(num_workers=2, micro_batch_size=8, grad_accum_steps=3), (48, 8, 3, 2)),
+        (dict(num_workers=3, micro_batch_size=8), (24, 8, 1, 3)),
+        (
+            dict(num_workers=2, global_batch_size=64, micro_batch_size=8, grad_accum_steps=4),
+            (64, 8, 4, 2),
+        ),
+    ],
+)
+def test_valid_plans(kw, expected):
+    plan = resolve_batch_plan(**kw)
+    assert (
+        plan.global_batch_size,
+        plan.micro_batch_size,
+        plan.grad_accum_steps,
+        plan.num_workers,
+    ) == expected
+    assert (
+        plan.global_batch_size == plan.micro_batch_size * plan.grad_accum_steps * plan.num_workers
+    )
+
+
+def test_plan_keeps_global_batch_when_workers_change():
+    plans = [
+        resolve_batch_plan(num_workers=w, global_batch_size=96, micro_batch_size=4)
+        for w in (1, 2, 3, 4, 6)
+    ]
+    assert {p.global_batch_size for p in plans} == {96}
+    assert [p.grad_accum_steps for p in plans] == [24, 12, 8, 6, 4]
+
+
+def test_describe():
+    assert (
+        BatchPlan(256, 32, 4, 2).describe() == "global batch 256 = micro 32 × accum 4 × workers 2"
+    )
+    assert BatchPlan(256, 32, 4, 2).samples_per_worker == 128
+
+
+def raises(**kw) -> BatchPlanError:
+    with pytest.raises(BatchPlanError) as info:
+        resolve_batch_plan(**kw)
+    return info.value
+
+
+def test_indivisible_micro_suggests_nearest_valid_values():
+    err = raises(num_workers=2, global_batch_size=250, micro_batch_size=32)
+    assert err.field == "batch.micro_batch_size"
+    assert "125" in err.problem
+    assert "set batch.micro_batch_size to 25 or 125" in err.fix
+    assert "batch.global_batch_size to 192 or 256" in err.fix
+
+
+def test_global_not_divisible_by_workers():
+    err = raises(num_workers=3, global_batch_size=256, micro_batch_size=8)
+    assert err.field == "batch.global_batch_size"
+    assert "scaling.num_workers=3" in err.problem
+    assert "255 or 258" in err.fix
+
+
+def test_inconsistent_triple_names_all_fields_and_derivation():
+    err = raises(num_workers=2, global_batch_size=256, micro_batch_size=32, grad_accum_steps=3)
+    assert err.field == "batch.global_batch_size"
+    for name in ("batch.micro_batch_size", "batch.grad_accum_steps", "scaling.num_workers", "192"):
+        assert name in err.problem
+    assert "it would be 4" in err.fix and "batch.global_batch_size=192" in err.fix
+
+
+def test_micro_larger_than_worker_share():
+    err = raises(num_workers=4, global_batch_size=64, micro_batch_size=32)
+    assert err.field == "batch.micro_batch_size"
+    assert "at most 16" in err.fix
+
+
+def test_accum_not_dividing_worker_share():
+    err = raises(num_workers=2, global_batch_size=64, grad_accum_steps=5)
+    assert err.field == "batch.grad_accum_steps"
+    assert "4 or 8" in err.fix
+
+
+def test_nothing_given():
+    err = raises(num_workers=2)
+    assert "batch.global_batch_size" in str(err)
+
+
+@pytest.mark.parametrize(
+    "field", ["num_workers", "global_batch_size", "micro_batch_size", "grad_accum_steps"]
+)
+def test_non_positive_values(field):
+    kw = dict(num_workers=2, global_batch_size=64, micro_batch_size=8)
+    kw[field] = 0
+    err = raises(**kw)
+    assert field in err.field and "positive" in err.problem
+
+
+def test_error_is_a_value_error_with_the_fix_in_its_message():
+    with pytest.raises(ValueError, match=r"Fix: set batch.micro_batch_size to"):
+        resolve_batch_plan(num_workers=2, global_batch_size=100, micro_batch_size=7)

@@ -1,0 +1,155 @@
+import pytest
+
+from rayacc.config import ConfigError, TrainConfig
+
+GOOD = {
+    "batch": {"global_batch_size": 256, "micro_batch_size": 32},
+    "scaling": {"num_workers": 2},
+}
+
+
+def load(data, overrides=None):
+    return TrainConfig.from_dict(data, overrides)
+
+
+def errors_of(data, overrides=None) -> ConfigError:
+    with pytest.raises(ConfigError) as info:
+        load(data, overrides)
+    return info.value
+
+
+def with_(section, **values):
+    data = {k: dict(v) for k, v in GOOD.items()}
+    data.setdefault(section, {}).update(values)
+    return data
+
+
+def test_good_config_and_defaults():
+    cfg = load(GOOD)
+    assert cfg.batch.global_batch_size == 256
+    assert cfg.optim.lr_scaling == "linear"
+    assert cfg.train.precision == "fp32"
+    flat = cfg.flat()
+    assert flat["batch.micro_batch_size"] == 32 and flat["optim.name"] == "adamw"
+
+
+BAD = [
+    # (data, field path the error must name, a word of the fix or message)
+    (with_("batch", micro_batch_size=-4), "batch.micro_batch_size", ">= 1"),
+    (with_("batch", micro_batch_size=30), "batch.micro_batch_size", "32"),
+    (with_("batch", grad_accum_steps=3), "batch.global_batch_size", "it would be 4"),
+    (with_("scaling", num_workers=3), "batch.global_batch_size", "scaling.num_workers=3"),
+    (with_("scaling", num_workers=0), "scaling.num_workers", ">= 1"),
+    (with_("optim", lr=0), "optim.lr", "> 0"),
+    (with_("optim", lr_scaling="cubic"), "optim.lr_scaling", "'linear', 'sqrt' or 'none'"),
+    (with_("optim", name="lamb"), "optim.name", "'adamw' or 'sgd'"),
+    (with_("optim", max_grad_norm=-1.0), "optim.max_grad_norm", "> 0"),
+    (with_("train", precision="fp8"), "train.precision", "'fp32', 'bf16' or 'fp16'"),
+    (with_("train", max_steps="ten"), "train.max_steps", "whole number"),
+    (with_("data", val_fraction=1.5), "data.val_fraction", "< 1"),
+    (with_("data", shuffle="sometimes"), "data.shuffle", "true or false"),
+    (with_("model", n_head=3), "model.n_head", "n_embd"),
+    (with_("model", name="factory"), "model.factory", "package.module:function"),
+    (
+        with_("model", name="factory", factory="mypkg.build"),
+        "model.factory",
+        "package.module:function",
+    ),
+    (with_("model", factory="mypkg:build"), "model.factory", "set model.name=factory"),
+    (with_("model", name="gpt", block_size=64), "data.seq_len", "block_size"),
+    (with_("optim", warmup_step=10), "optim.warmup_step", "optim.warmup_steps"),
+    ({**GOOD, "trian": {}}, "trian", "'train'"),
+    ({**GOOD, "seed": "abc"}, "seed", "whole number"),
+]
+
+
+@pytest.mark.parametrize(
+    ("data", "path", "hint"), BAD, ids=[b[1] + "-" + str(i) for i, b in enumerate(BAD)]
+)
+def test_bad_config_names_the_field_and_fix(data, path, hint):
+    err = errors_of(data)
+    assert path in err.paths, str(err)
+    line = next(str(i) for i in err.issues if i.path == path)
+    assert hint in line, line
+
+
+def test_all_errors_are_reported_at_once():
+    data = {
+        "batch": {"global_batch_size": 250, "micro_batch_size": 32},
+        "optim": {"lr": -1, "lr_scaling": "lin"},
+        "train": {"precision": "fp8"},
+        "modle": {},
+    }
+    err = errors_of(data)
+    assert set(err.paths) == {
+        "batch.micro_batch_size",
+        "optim.lr",
+        "optim.lr_scaling",
+        "train.precision",
+        "modle",
+    }
+    assert "5 problems" in str(err)
+    assert "did you mean 'model'" in str(err)
+
+
+def test_value_in_message():
+    err = errors_of(with_("optim", lr=-0.5))
+    assert "(got -0.5)" in str(err)
+
+
+def test_from_yaml_with_overrides(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text(
+        "batch:\n  global_batch_size: 256\n  micro_batch_size: 32\noptim:\n  lr: 0.01\n"
+    )
+    cfg = TrainConfig.from_yaml(
+        path,
+        overrides=[
+            "batch.micro_batch_size=8",
+            "optim.max_grad_norm=null",
+            "train.precision=bf16",
+            "data.shuffle=false",
+        ],
+    )
+    assert cfg.batch.micro_batch_size == 8
+    assert cfg.optim.max_grad_norm is None
+    assert cfg.train.precision == "bf16"
+    assert cfg.data.shuffle is False
+    assert cfg.optim.lr == 0.01
+
+
+def test_override_errors(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text("batch:\n  global_batch_size: 256\n  micro_batch_size: 32\n")
+    with pytest.raises(ConfigError) as info:
+        TrainConfig.from_yaml(
+            path, overrides=["batch.micro_batch_size", "batch.micro_bach_size=4", "seed.x=1"]
+        )
+    text = str(info.value)
+    assert "key.path=value" in text
+    assert "batch.micro_bach_size: unknown key" in text and "batch.micro_batch_size" in text
+    assert "seed: is a value, not a section" in text
+    assert str(path) in text
+
+
+def test_missing_file_and_bad_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        TrainConfig.from_yaml(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("batch: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        TrainConfig.from_yaml(bad)
+    lst = tmp_path / "list.yaml"
+    lst.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="mapping of sections"):
+        TrainConfig.from_yaml(lst)
+
+
+def test_config_error_is_a_value_error():
+    assert issubclass(ConfigError, ValueError)
+
+
+def test_yaml_round_trip():
+    cfg = load(GOOD)
+    again = TrainConfig.from_dict(__import__("yaml").safe_load(cfg.to_yaml()))
+    assert again == cfg
