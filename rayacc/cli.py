@@ -39,6 +39,147 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _user_error_types() -> tuple[type[BaseException], ...]:
+    from rayacc.batch_plan import BatchPlanError
+    from rayacc.data.sources import DataError
+    from rayacc.models import ModelError
+    from rayacc.runner.checkpoint import CheckpointError
+
+    return (ConfigError, BatchPlanError, DataError, ModelError, CheckpointError)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    """Runs a training job and prints its summary."""
+    from rich.console import Console
+
+    from rayacc.runner.driver import TrainingError, fit, prepare
+
+    console = Console()
+    err = Console(stderr=True)
+    cfg = _load(args)
+    prep = prepare(cfg)  # every user mistake surfaces here, before Ray starts
+    plan = prep.plan
+    console.print(f"[bold]rayacc train[/] {args.config}")
+    console.print(f"  {plan.describe()}")
+    base = cfg.optim.base_batch_size or plan.global_batch_size
+    console.print(
+        f"  effective LR {prep.effective_lr:.6g} = {cfg.optim.lr:g} × "
+        f"{cfg.optim.lr_scaling}({plan.global_batch_size}/{base})"
+    )
+    console.print(f"  data: {prep.info.path} — {prep.layout.describe()}")
+    console.print(
+        f"  model: {cfg.model.name}, {prep.num_parameters:,} parameters; "
+        f"{prep.total_steps} optimizer steps"
+    )
+    for w in prep.warnings:
+        err.print(f"[yellow]warning:[/] {w}")
+
+    display = _ProgressDisplay(console, prep.total_steps)
+    try:
+        with display:
+            result = fit(cfg, resume=args.resume, on_record=display.update, prepared=prep)
+    except TrainingError as exc:
+        err.print(f"[red]rayacc: {exc}[/]")
+        return 1
+    _print_summary(console, cfg, result)
+    return 0
+
+
+class _ProgressDisplay:
+    """Live optimizer-step progress: a bar on a terminal, a line every 10 % elsewhere."""
+
+    def __init__(self, console, total_steps: int):
+        self.console = console
+        self.total = total_steps
+        self.progress = None
+        self.task = None
+        self.last_line_step = 0
+
+    def __enter__(self):
+        if self.console.is_terminal:
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeRemainingColumn,
+            )
+
+            self.progress = Progress(
+                TextColumn("step"),
+                MofNCompleteColumn(),
+                BarColumn(),
+                TextColumn("{task.fields[info]}"),
+                TextColumn("ETA"),
+                TimeRemainingColumn(),
+                console=self.console,
+            )
+            self.progress.__enter__()
+            self.task = self.progress.add_task("train", total=self.total, info="starting workers")
+        return self
+
+    def __exit__(self, *exc):
+        if self.progress is not None:
+            self.progress.__exit__(*exc)
+
+    def update(self, record: dict) -> None:
+        if record.get("event") == "start":
+            if record.get("resumed_from") is not None:
+                self.console.print(
+                    f"  resumed from the checkpoint at step {record['resumed_from']}"
+                )
+            return
+        if "event" in record:
+            return
+        step = record["step"]
+        info = f"loss {record['train/loss']:.4f}  {record['train/samples_per_s']:,.0f} samples/s"
+        if "val/loss" in record:
+            info += f"  val {record['val/loss']:.4f}"
+        if self.progress is not None:
+            self.progress.update(self.task, completed=step, info=info)
+        elif step - self.last_line_step >= max(1, self.total // 10) or step == self.total:
+            self.last_line_step = step
+            self.console.print(f"  step {step}/{self.total}  {info}")
+
+
+def _print_summary(console, cfg: TrainConfig, result) -> None:
+    plan = result.plan
+    m = result.metrics
+    console.print("[bold]done[/]")
+    console.print(
+        f"  global batch {plan.global_batch_size} = micro {plan.micro_batch_size} × accum "
+        f"{plan.grad_accum_steps} × workers {plan.num_workers}"
+    )
+    console.print(
+        f"  effective LR {result.effective_lr:.6g} ({cfg.optim.lr_scaling} rule, base "
+        f"{cfg.optim.lr:g} at batch {cfg.optim.base_batch_size or plan.global_batch_size})"
+    )
+    if m:
+        line = f"  step {m.get('step')}: train loss {m.get('train/loss', float('nan')):.4f}"
+        if "val/loss" in m:
+            line += f", val loss {m['val/loss']:.4f}"
+        if "val/accuracy" in m:
+            line += f", val accuracy {m['val/accuracy']:.2%}"
+        console.print(line)
+    console.print(
+        f"  wall time {result.wall_time_s:.1f} s "
+        f"(training steps {result.summary.get('train_time_s', 0.0):.1f} s)"
+    )
+    if result.mlflow_run_id:
+        uri = result.tracking_uri
+        console.print(f"  MLflow run {result.mlflow_run_id} in {uri}")
+        console.print(f"    open the UI: mlflow ui --backend-store-uri {uri}")
+    console.print(f"  checkpoint: {result.checkpoint_dir}")
+
+
+def cmd_data_prepare(args: argparse.Namespace) -> int:
+    from rayacc.data.sources import describe_dataset
+
+    info = describe_dataset(args.name, args.cache_dir, args.seq_len)
+    print(f"{args.name}: {info.num_rows} rows ({info.format}) at {info.path}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rayacc", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -52,9 +193,28 @@ def build_parser() -> argparse.ArgumentParser:
             help="config overrides, values parsed as YAML",
         )
 
+    p = sub.add_parser(
+        "train", help="run a training job on Ray (local Ray unless RAY_ADDRESS is set)"
+    )
+    with_config(p)
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue run.name (or the latest run) from its latest checkpoint",
+    )
+    p.set_defaults(func=cmd_train)
+
     p = sub.add_parser("plan", help="show the batch plan and effective LR of a config")
     with_config(p)
     p.set_defaults(func=cmd_plan)
+
+    data = sub.add_parser("data", help="bundled datasets")
+    data_sub = data.add_subparsers(dest="data_command", required=True)
+    p = data_sub.add_parser("prepare", help="prepare a bundled dataset as Parquet (cached)")
+    p.add_argument("name", choices=["digits", "shakespeare"])
+    p.add_argument("--cache-dir", default=None)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.set_defaults(func=cmd_data_prepare)
     return parser
 
 
@@ -62,9 +222,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except ConfigError as exc:
+    except _user_error_types() as exc:
         print(f"rayacc: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        print("rayacc: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

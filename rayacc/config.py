@@ -114,6 +114,10 @@ class DataConfig(_Section):
     """Token datasets: tokens per sample (sequence) when a bundled corpus is cut into samples."""
     cache_dir: str | None = None
     """Where bundled datasets are prepared as Parquet (default: ~/.cache/rayacc)."""
+    materialize: bool = True
+    """Read the Parquet once on the driver into Ray's object store (spilled to disk when large),
+    so each worker (re)start fetches its rows in a fraction of a second; false = every rank reads
+    the files itself (slower start, nothing held in the object store)."""
 
 
 class BatchConfig(_Section):

@@ -1,0 +1,84 @@
+"""build_model(cfg): the same initial weights on every worker, from cfg.seed."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from rayacc.config import TrainConfig
+from rayacc.data.sources import DatasetInfo, describe_dataset
+from rayacc.engine import (
+    classification_item_losses,
+    count_rows,
+    count_target_tokens,
+    token_item_losses,
+)
+
+__all__ = ["ModelError", "build_model", "loss_functions", "resolve_factory"]
+
+
+class ModelError(ValueError):
+    """A model that cannot be built from the config: names the field and the fix."""
+
+
+def resolve_factory(spec: str) -> Callable[..., nn.Module]:
+    module_name, _, fn_name = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ModelError(
+            f"model.factory={spec!r}: cannot import {module_name!r} ({exc}). Fix: make the module "
+            "importable on every node (installed package or the job's working_dir)"
+        ) from None
+    fn = getattr(module, fn_name, None)
+    if not callable(fn):
+        raise ModelError(f"model.factory={spec!r}: {module_name} has no callable {fn_name!r}")
+    return fn
+
+
+def build_model(cfg: TrainConfig, info: DatasetInfo | None = None) -> nn.Module:
+    """The model of `cfg`, initialised deterministically from `cfg.seed` (global RNG untouched)."""
+    if info is None:
+        info = describe_dataset(cfg.data.source, cfg.data.cache_dir, cfg.data.seq_len)
+    m = cfg.model
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        if m.name == "factory":
+            model = resolve_factory(m.factory or "")(dataset=info, **m.kwargs)
+            if not isinstance(model, nn.Module):
+                raise ModelError(
+                    f"model.factory={m.factory!r} returned {type(model).__name__}, not an nn.Module"
+                )
+            return model
+        if m.name == "mlp":
+            if info.format != "classification":
+                raise ModelError(
+                    f"model.name=mlp needs classification data (`features`, `label`); "
+                    f"{info.path} holds {info.format}. Fix: use model.name=gpt"
+                )
+            from rayacc.models.mlp import MLP
+
+            return MLP(info.num_features, info.num_classes, m.hidden_sizes, m.dropout)
+        if info.format != "tokens":
+            raise ModelError(
+                f"model.name=gpt needs token data (`tokens`); {info.path} holds {info.format}. "
+                "Fix: use model.name=mlp"
+            )
+        if info.max_tokens - 1 > m.block_size:
+            raise ModelError(
+                f"model.block_size={m.block_size} is shorter than the longest sequence of "
+                f"{info.path} ({info.max_tokens - 1} input tokens). Fix: raise model.block_size"
+            )
+        from rayacc.models.gpt import GPT
+
+        return GPT(info.vocab_size, m.block_size, m.n_layer, m.n_head, m.n_embd, m.dropout)
+
+
+def loss_functions(info: DatasetInfo):
+    """(per-item loss, item counter) for a dataset format."""
+    if info.format == "classification":
+        return classification_item_losses, count_rows
+    return token_item_losses, count_target_tokens

@@ -1,0 +1,110 @@
+"""Ray Data → the rows one rank consumes, in the global-sample order.
+
+Ray Data's `streaming_split` hands rows to ranks dynamically, so which rank sees which row (and in
+which order) is not reproducible. Here every rank streams the unsplit Parquet dataset once when it
+starts (`preserve_order=True`, so a row's position in the stream is its row id) and keeps the rows
+that the data order assigns to it in the epochs it will run. Cost: each rank reads the whole
+dataset once per start (I/O × num_workers) and holds its rows for all remaining epochs: N/W rows
+for one epoch, up to N with several shuffled epochs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from rayacc.data.sources import DatasetInfo
+from rayacc.engine import collate_tokens
+
+__all__ = ["LocalRows", "fetch_rows"]
+
+_STREAM_BATCH = 8192
+
+
+@dataclass
+class LocalRows:
+    """Rows held by one rank, in the order it consumes them; sliced into micro-batches."""
+
+    format: str
+    features: torch.Tensor | None = None
+    labels: torch.Tensor | None = None
+    tokens: torch.Tensor | None = None
+    """Equal-length sequences as one [n, L] tensor."""
+    token_lists: list[np.ndarray] | None = None
+    """Sequences of varying length (collated and padded per micro-batch)."""
+
+    def __len__(self) -> int:
+        if self.format == "classification":
+            return 0 if self.labels is None else len(self.labels)
+        return len(self.tokens) if self.tokens is not None else len(self.token_lists or [])
+
+    def take(self, index: np.ndarray) -> dict[str, torch.Tensor]:
+        """A micro-batch of the rows at local positions `index`."""
+        idx = torch.from_numpy(np.asarray(index, dtype=np.int64))
+        if self.format == "classification":
+            return {"features": self.features[idx], "label": self.labels[idx]}
+        if self.tokens is not None:
+            chunk = self.tokens[idx]
+            return {"input": chunk[:, :-1], "target": chunk[:, 1:]}
+        return collate_tokens([self.token_lists[i] for i in index])
+
+
+def _to_local(table: pa.Table, info: DatasetInfo) -> LocalRows:
+    n = table.num_rows
+    if info.format == "classification":
+        flat = table["features"].combine_chunks().flatten().to_numpy(zero_copy_only=False)
+        features = torch.from_numpy(
+            np.ascontiguousarray(flat, dtype=np.float32).reshape(n, info.num_features)
+        )
+        labels = torch.from_numpy(table["label"].to_numpy().astype(np.int64))
+        return LocalRows("classification", features=features, labels=labels)
+    col = table["tokens"].combine_chunks()
+    offsets = col.offsets.to_numpy()
+    values = col.flatten().to_numpy(zero_copy_only=False).astype(np.int64)
+    lengths = np.diff(offsets)
+    if n and (lengths == lengths[0]).all():
+        return LocalRows("tokens", tokens=torch.from_numpy(values.reshape(n, int(lengths[0]))))
+    lists = [values[offsets[i] : offsets[i + 1]] for i in range(n)]
+    return LocalRows("tokens", token_lists=lists)
+
+
+def fetch_rows(iterator, info: DatasetInfo, row_ids: np.ndarray) -> LocalRows:
+    """One pass over the dataset; returns the rows `row_ids` (sorted, unique) in that order."""
+    row_ids = np.asarray(row_ids, dtype=np.int64)
+    if len(row_ids) > 1 and not (np.diff(row_ids) > 0).all():
+        raise ValueError("row_ids must be sorted and unique")
+    wanted = np.zeros(info.num_rows, dtype=bool)
+    wanted[row_ids] = True
+    pieces: list[pa.Table] = []
+    offset = 0
+    for batch in iterator.iter_batches(
+        batch_size=_STREAM_BATCH, batch_format="pyarrow", prefetch_batches=2
+    ):
+        n = batch.num_rows
+        if offset + n > info.num_rows:
+            raise RuntimeError(
+                f"{info.path} now holds more than the {info.num_rows} rows counted at start; "
+                "the data changed during the run"
+            )
+        mask = wanted[offset : offset + n]
+        if mask.any():
+            # the stream is in row-id order, so the kept rows stay sorted
+            pieces.append(batch.filter(pa.array(mask)))
+        offset += n
+    if offset != info.num_rows:
+        raise RuntimeError(f"{info.path}: read {offset} rows, expected {info.num_rows}")
+    table = pa.concat_tables(pieces) if pieces else _empty(info)
+    if table.num_rows != len(row_ids):
+        raise RuntimeError(f"kept {table.num_rows} rows of {info.path}, expected {len(row_ids)}")
+    return _to_local(table, info)
+
+
+def _empty(info: DatasetInfo) -> pa.Table:
+    if info.format == "classification":
+        return pa.table(
+            {"features": pa.array([], pa.list_(pa.float32())), "label": pa.array([], pa.int64())}
+        )
+    return pa.table({"tokens": pa.array([], pa.list_(pa.int64()))})

@@ -1,0 +1,294 @@
+"""train_loop_per_worker: one DDP rank, the engine's accumulation step over its share of each
+window, per-step records, validation and checkpoints at window boundaries."""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+import time
+from dataclasses import asdict
+from typing import Any
+
+import numpy as np
+import ray
+import ray.train
+import torch
+import torch.distributed as dist
+from ray.train.torch import get_device, prepare_model
+
+from rayacc.batch_plan import resolve_batch_plan
+from rayacc.config import TrainConfig
+from rayacc.data.order import EpochLayout, epoch_order, split_train_val
+from rayacc.data.sources import DatasetInfo
+from rayacc.engine import AccumulationStep, TrainState, build_scheduler, effective_lr
+from rayacc.models import build_model, loss_functions
+from rayacc.runner.checkpoint import read_checkpoint, write_checkpoint
+from rayacc.runner.ingest import LocalRows, fetch_rows
+
+__all__ = ["total_optimizer_steps", "train_loop"]
+
+
+def total_optimizer_steps(cfg: TrainConfig, layout: EpochLayout) -> int:
+    by_epochs = cfg.train.epochs * layout.steps_per_epoch
+    return min(cfg.train.max_steps, by_epochs) if cfg.train.max_steps else by_epochs
+
+
+def _optimizer(cfg: TrainConfig, model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
+    o = cfg.optim
+    if o.name == "sgd":
+        return torch.optim.SGD(
+            model.parameters(), lr=lr, momentum=o.momentum, weight_decay=o.weight_decay
+        )
+    return torch.optim.AdamW(model.parameters(), lr=lr, betas=o.betas, weight_decay=o.weight_decay)
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+
+
+@torch.no_grad()
+def _validate(
+    model,
+    rows: LocalRows,
+    index: np.ndarray,
+    info: DatasetInfo,
+    loss_fn,
+    count,
+    device,
+    batch_size: int,
+    precision: str,
+) -> dict[str, float]:
+    """Mean item loss (and accuracy) over the validation rows of all ranks."""
+    inner = _unwrap(model)  # no DDP forward: ranks may run different numbers of batches here
+    was_training = inner.training
+    inner.eval()
+    totals = torch.zeros(3, dtype=torch.float64)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    for start in range(0, len(index), batch_size):
+        mb = {k: v.to(device) for k, v in rows.take(index[start : start + batch_size]).items()}
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+            losses = loss_fn(inner, mb)
+            if info.format == "classification":
+                correct = (inner(mb["features"]).argmax(-1) == mb["label"]).sum()
+                totals[2] += float(correct)
+        totals[0] += float(losses.float().sum())
+        totals[1] += count(mb)
+    inner.train(was_training)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(totals)
+    loss_sum, items, correct = totals.tolist()
+    out = {"val/loss": loss_sum / items if items else math.nan}
+    if info.format == "classification":
+        out["val/accuracy"] = correct / items if items else math.nan
+    return out
+
+
+def train_loop(config: dict[str, Any]) -> dict[str, Any]:
+    cfg = TrainConfig.model_validate(config["cfg"])
+    info = DatasetInfo.from_dict(config["dataset"])
+    progress = config.get("progress")
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    # one intra-op thread per reserved CPU: more oversubscribes the cores other ranks use
+    torch.set_num_threads(max(1, int(cfg.scaling.cpus_per_worker)))
+    device = get_device()
+
+    plan = resolve_batch_plan(
+        num_workers=world,
+        global_batch_size=cfg.batch.global_batch_size,
+        micro_batch_size=cfg.batch.micro_batch_size,
+        grad_accum_steps=cfg.batch.grad_accum_steps,
+    )
+    lr = effective_lr(
+        cfg.optim.lr, plan.global_batch_size, cfg.optim.base_batch_size, cfg.optim.lr_scaling
+    )
+    train_ids, val_ids = split_train_val(info.num_rows, cfg.data.val_fraction, cfg.seed)
+    layout = EpochLayout(
+        len(train_ids), plan.global_batch_size, plan.micro_batch_size, world, cfg.data.last_window
+    )
+    total_steps = total_optimizer_steps(cfg, layout)
+
+    model = prepare_model(build_model(cfg, info))
+    optimizer = _optimizer(cfg, model, lr)
+    scheduler = build_scheduler(
+        optimizer,
+        warmup_steps=cfg.optim.warmup_steps,
+        total_steps=total_steps,
+        schedule=cfg.optim.schedule,
+        min_lr_ratio=cfg.optim.min_lr_ratio,
+    )
+    step = AccumulationStep(
+        model,
+        optimizer,
+        scheduler=scheduler,
+        precision=cfg.train.precision,
+        max_grad_norm=cfg.optim.max_grad_norm,
+    )
+    state = TrainState()
+
+    resumed_from = None
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is not None:
+        with checkpoint.as_directory() as folder:
+            saved, _, meta = read_checkpoint(folder, map_location=device)
+        if meta["global_batch_size"] != plan.global_batch_size:
+            raise ValueError(
+                f"the checkpoint was trained at global batch {meta['global_batch_size']}, this "
+                f"run resolves to {plan.global_batch_size}; resume with the same "
+                "batch.global_batch_size"
+            )
+        _unwrap(model).load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        scheduler.load_state_dict(saved["scheduler"])
+        if step.scaler is not None and saved.get("scaler"):
+            step.scaler.load_state_dict(saved["scaler"])
+        state.load_state_dict(saved["train_state"])
+        resumed_from = state.optimizer_step
+
+    loss_fn, count = loss_functions(info)
+    shard = ray.train.get_dataset_shard("train")
+    val_share = np.array_split(val_ids, world)[rank]
+    val_batch = 2 * plan.micro_batch_size
+
+    if rank == 0 and progress is not None:
+        progress.push.remote(
+            {
+                "event": "start",
+                "step": state.optimizer_step,
+                "total_steps": total_steps,
+                "resumed_from": resumed_from,
+                "layout": layout.describe(),
+                "plan": asdict(plan),
+                "effective_lr": lr,
+                "steps_per_epoch": layout.steps_per_epoch,
+            }
+        )
+
+    last: dict[str, Any] = {}
+    val_metrics: dict[str, float] = {}
+    t_prev = time.perf_counter()
+    t_train = 0.0
+
+    def checkpoint_and_report(metrics: dict[str, Any]) -> None:
+        if rank != 0:
+            ray.train.report(metrics, checkpoint=None)
+            return
+        with tempfile.TemporaryDirectory() as tmp:
+            write_checkpoint(
+                tmp,
+                state={
+                    "model": _unwrap(model).state_dict(),
+                    "optimizer": optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict(),
+                    "scaler": step.scaler.state_dict() if step.scaler is not None else None,
+                    "train_state": state.state_dict(),
+                },
+                config=cfg.model_dump(mode="json"),
+                dataset=info.to_dict(),
+                meta={
+                    "optimizer_step": state.optimizer_step,
+                    "global_batch_size": plan.global_batch_size,
+                    "num_workers": world,
+                    "epoch": state.epoch,
+                    "epoch_sample_offset": state.epoch_sample_offset,
+                },
+            )
+            ray.train.report(
+                metrics,
+                checkpoint=ray.train.Checkpoint.from_directory(tmp),
+                checkpoint_dir_name=f"checkpoint_step{state.optimizer_step:08d}",
+            )
+
+    # the rows of every window this rank runs from here on, fetched in one pass
+    epoch_ids: dict[int, tuple[int, np.ndarray]] = {}
+    steps_left = total_steps - state.optimizer_step
+    for epoch in range(state.epoch, cfg.train.epochs):
+        if steps_left <= 0:
+            break
+        first = state.epoch_sample_offset // plan.global_batch_size if epoch == state.epoch else 0
+        stop = min(layout.steps_per_epoch, first + steps_left)
+        order = epoch_order(train_ids, epoch, cfg.seed, cfg.data.shuffle)
+        epoch_ids[epoch] = (first, order[layout.rank_positions(first, rank, stop)])
+        steps_left -= stop - first
+    needed = np.unique(np.concatenate([ids for _, ids in epoch_ids.values()] + [val_share]))
+    rows = fetch_rows(shard, info, needed)
+    val_index = np.searchsorted(needed, val_share)
+
+    for epoch, (first, ids) in epoch_ids.items():
+        if epoch != state.epoch:
+            state.start_epoch(epoch)
+        local = np.searchsorted(needed, ids)
+        cursor = 0
+        t_prev = time.perf_counter()
+        for s in range(first, layout.steps_per_epoch):
+            if state.optimizer_step >= total_steps:
+                break
+            window = layout.rank_window(s, rank)
+            micro_batches = []
+            for part in window.micro_batches:
+                mb = rows.take(local[cursor : cursor + len(part)])
+                micro_batches.append({k: v.to(device, non_blocking=True) for k, v in mb.items()})
+                cursor += len(part)
+            result = step(micro_batches, loss_fn, count)
+            state.advance(samples=result.samples, items=result.items, skipped=result.skipped)
+            if s == layout.steps_per_epoch - 1:
+                state.start_epoch(epoch + 1)
+            now = time.perf_counter()
+            wall = now - t_prev
+            t_prev = now
+            t_train += wall
+            last = {
+                "step": state.optimizer_step,
+                "train/loss": result.loss,
+                "train/lr": result.lr,
+                "train/grad_norm": result.grad_norm,
+                "train/items": result.items,
+                "train/samples": result.samples,
+                "train/samples_per_s": result.samples / wall if wall > 0 else 0.0,
+                "train/skipped_steps": state.skipped_steps,
+                "comm/allreduce_calls": result.allreduce_calls,
+                "comm/sync_time_frac": result.sync_time_frac,
+                "mem/peak_mb": result.peak_memory_mb,
+                "epoch": epoch,
+            }
+            is_last = state.optimizer_step >= total_steps
+            every_val = cfg.train.val_every_steps
+            if len(val_ids) and (is_last or (every_val and state.optimizer_step % every_val == 0)):
+                val_metrics = _validate(
+                    model,
+                    rows,
+                    val_index,
+                    info,
+                    loss_fn,
+                    count,
+                    device,
+                    val_batch,
+                    cfg.train.precision,
+                )
+                last.update(val_metrics)
+            if rank == 0 and progress is not None:
+                progress.push.remote(dict(last))
+            every_ckpt = cfg.train.checkpoint_every_steps
+            if is_last or (every_ckpt and state.optimizer_step % every_ckpt == 0):
+                checkpoint_and_report(dict(last))
+            # time spent in validation and checkpoints does not count as step time
+            t_prev = time.perf_counter()
+
+    node_id = ray.get_runtime_context().get_node_id()
+    worker_nodes = [node_id]
+    if dist.is_initialized() and world > 1:
+        worker_nodes = [None] * world
+        dist.all_gather_object(worker_nodes, node_id)
+    return {
+        "metrics": last,
+        "val": val_metrics,
+        "train_state": state.state_dict(),
+        "plan": asdict(plan),
+        "effective_lr": lr,
+        "total_steps": total_steps,
+        "resumed_from": resumed_from,
+        "train_time_s": t_train,
+        "worker_nodes": worker_nodes,
+        "pid": os.getpid(),
+    }

@@ -1,0 +1,261 @@
+"""The main job on a real local Ray with a real MLflow store: no mocks of either."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+import torch.nn.functional as F
+from mlflow.tracking import MlflowClient
+
+from rayacc import TrainConfig, build_model, fit, load_model
+from rayacc.data.sources import prepare_bundled
+
+pytestmark = pytest.mark.ray
+
+FIT_TIMEOUT_S = 300
+
+
+def fit_or_fail(cfg: TrainConfig):
+    """fit() with a deadline: a DDP hang fails the test instead of stalling the suite."""
+    box: dict = {}
+
+    def run():
+        try:
+            box["result"] = fit(cfg)
+        except BaseException as exc:
+            box["error"] = exc
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(FIT_TIMEOUT_S)
+    if t.is_alive():
+        pytest.fail(f"fit did not finish in {FIT_TIMEOUT_S} s (hung workers?)")
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
+
+
+def digits_subset(path, n: int):
+    table = pq.read_table(prepare_bundled("digits")).slice(0, n)
+    pq.write_table(table, path)
+    return str(path)
+
+
+def config(tmp_path, **sections) -> TrainConfig:
+    base = {
+        "seed": 3,
+        "model": {"name": "mlp", "hidden_sizes": [32]},
+        "data": {"source": "digits", "val_fraction": 0.0},
+        "batch": {"global_batch_size": 32, "micro_batch_size": 4},
+        "optim": {"name": "sgd", "lr": 0.1, "schedule": "constant"},
+        "train": {"max_steps": 1},
+        "scaling": {"num_workers": 2, "cpus_per_worker": 0.5},
+        "tracking": {"tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "experiment": "tests"},
+        "run": {"storage_path": str(tmp_path / "runs")},
+    }
+    for name, values in sections.items():
+        if isinstance(values, dict):
+            base.setdefault(name, {}).update(values)
+        else:
+            base[name] = values
+    return TrainConfig.from_dict(base)
+
+
+def weights(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1).double() for p in model.state_dict().values()])
+
+
+def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def test_end_to_end_fit_records_contract_params_and_every_step(ray_local, tmp_path):
+    cfg = config(
+        tmp_path,
+        data={"val_fraction": 0.2},
+        batch={"global_batch_size": 64, "micro_batch_size": 8},
+        optim={
+            "name": "adamw",
+            "lr": 0.002,
+            "base_batch_size": 32,
+            "lr_scaling": "sqrt",
+            "warmup_steps": 2,
+            "schedule": "cosine",
+        },
+        train={"max_steps": 8, "val_every_steps": 4, "checkpoint_every_steps": 4},
+    )
+    result = fit_or_fail(cfg)
+
+    client = MlflowClient(cfg.tracking.tracking_uri)
+    run = client.get_run(result.mlflow_run_id)
+    p = run.data.params
+    micro, accum, workers, glob = (
+        int(p[k])
+        for k in ("micro_batch_size", "grad_accum_steps", "num_workers", "global_batch_size")
+    )
+    assert (micro, accum, workers, glob) == (8, 4, 2, 64)
+    assert glob == micro * accum * workers
+    assert float(p["effective_lr"]) == pytest.approx(0.002 * (64 / 32) ** 0.5)
+    assert (p["lr_scaling"], float(p["base_lr"]), int(p["base_batch_size"])) == ("sqrt", 0.002, 32)
+    assert p["optim.warmup_steps"] == "2"  # the whole config, flattened
+    assert run.info.status == "FINISHED"
+
+    for key in (
+        "train/loss",
+        "train/lr",
+        "train/grad_norm",
+        "train/items",
+        "train/samples_per_s",
+        "comm/allreduce_calls",
+        "comm/sync_time_frac",
+        "mem/peak_mb",
+    ):
+        steps = [m.step for m in client.get_metric_history(run.info.run_id, key)]
+        assert sorted(steps) == list(range(1, 9)), key
+    calls = {m.value for m in client.get_metric_history(run.info.run_id, "comm/allreduce_calls")}
+    assert calls == {1.0}, "one gradient all-reduce per optimizer step (4 micro-steps, 1 bucket)"
+    lrs = [
+        m.value
+        for m in sorted(
+            client.get_metric_history(run.info.run_id, "train/lr"), key=lambda m: m.step
+        )
+    ]
+    assert lrs[0] == pytest.approx(float(p["effective_lr"]) / 2)  # warmup step 1 of 2
+    val = client.get_metric_history(run.info.run_id, "val/accuracy")
+    assert sorted(m.step for m in val) == [4, 8]
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"config.yaml", "loss_curve.png"} <= artifacts
+    assert result.checkpoint_dir and load_model(result.checkpoint_dir) is not None
+
+
+def one_batch_config(tmp_path, workers: int, micro: int, accum: int) -> TrainConfig:
+    source = digits_subset(tmp_path / "one_batch.parquet", 32)
+    return config(
+        tmp_path,
+        data={"source": source, "shuffle": False},
+        batch={"global_batch_size": 32, "micro_batch_size": micro, "grad_accum_steps": accum},
+        scaling={"num_workers": workers, "cpus_per_worker": 0.5},
+        tracking={"enabled": False},
+    )
+
+
+@pytest.mark.parametrize(("workers", "micro", "accum"), [(1, 8, 4), (2, 4, 4)])
+def test_whole_stack_step_equals_full_batch(
+    ray_local, tmp_path, workers, micro, accum, record_equivalence
+):
+    cfg = one_batch_config(tmp_path, workers, micro, accum)
+    result = fit_or_fail(cfg)
+
+    ref = build_model(cfg)
+    before = weights(ref)
+    table = pq.read_table(cfg.data.source)
+    x = torch.tensor(
+        np.stack(table["features"].to_numpy(zero_copy_only=False)), dtype=torch.float32
+    )
+    y = torch.tensor(table["label"].to_numpy())
+    F.cross_entropy(ref(x), y).backward()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p -= 0.1 * p.grad
+    trained = weights(load_model(result.checkpoint_dir))
+    err = float((trained - weights(ref)).norm() / (weights(ref) - before).norm())
+    record_equivalence(f"Ray Train, {workers} worker(s) × micro {micro} × accum {accum}", err)
+    assert err <= 1e-6, err
+
+
+def test_same_config_twice_and_same_global_batch_give_same_weights(
+    ray_local, tmp_path, record_equivalence
+):
+    source = digits_subset(tmp_path / "d160.parquet", 160)
+    common = dict(
+        data={"source": source, "shuffle": True},
+        optim={"momentum": 0.9},
+        train={"epochs": 2, "max_steps": None},
+        tracking={"enabled": False},
+    )
+    a = fit_or_fail(
+        config(tmp_path, batch={"global_batch_size": 32, "micro_batch_size": 4}, **common)
+    )
+    b = fit_or_fail(
+        config(tmp_path, batch={"global_batch_size": 32, "micro_batch_size": 4}, **common)
+    )
+    c = fit_or_fail(
+        config(
+            tmp_path,
+            batch={"global_batch_size": 32, "micro_batch_size": 16},
+            scaling={"num_workers": 1},
+            **common,
+        )
+    )
+    assert a.summary["train_state"]["optimizer_step"] == 10
+    wa, wb, wc = (weights(load_model(r.checkpoint_dir)) for r in (a, b, c))
+    assert torch.equal(wa, wb), "two runs of one config must give identical weights"
+    err = rel_diff(wc, wa)
+    record_equivalence("Ray Train, 10 shuffled SGD-momentum steps: (2w, 4×4) vs (1w, 16×2)", err)
+    assert err <= 1e-5, err
+
+
+def test_uneven_rows_with_shuffle_complete(ray_local, tmp_path):
+    source = digits_subset(tmp_path / "d203.parquet", 203)
+    cfg = config(
+        tmp_path,
+        data={"source": source, "shuffle": True},
+        train={"epochs": 2, "max_steps": None},
+        tracking={"enabled": False},
+    )
+    result = fit_or_fail(cfg)
+    # 203 rows = 6 windows of 32 + a short window of 11 (6 and 5 rows on the two ranks)
+    assert [r["train/samples"] for r in result.history] == [32] * 6 + [11] + [32] * 6 + [11]
+    assert result.summary["train_state"]["samples_seen"] == 2 * 203
+
+
+def test_killed_worker_resumes_from_checkpoint_without_gaps(ray_local, tmp_path):
+    source = digits_subset(tmp_path / "d256.parquet", 256)
+    marker = tmp_path / "died"
+
+    def cfg_with(marker_path, sub):
+        return config(
+            tmp_path / sub,
+            model={
+                "name": "factory",
+                "factory": "tests.faulty_model:build",
+                "kwargs": {"marker": str(marker_path), "die_at_forward": 4 * 5 + 2},
+            },
+            data={"source": source, "shuffle": True},
+            train={"max_steps": 8, "checkpoint_every_steps": 2},
+            run={"max_failures": 2},
+        )
+
+    killed = fit_or_fail(cfg_with(marker, "killed"))
+    assert marker.exists(), "the worker did not die: the test proves nothing"
+    assert killed.summary["resumed_from"] == 4
+
+    client = MlflowClient(killed.tracking_uri)
+    steps = [m.step for m in client.get_metric_history(killed.mlflow_run_id, "train/loss")]
+    assert sorted(steps) == list(range(1, 9)) and len(steps) == len(set(steps))
+    tags = client.get_run(killed.mlflow_run_id).data.tags
+    assert tags["rayacc.resumed_at_steps"] == "4"
+
+    never = tmp_path / "never"
+    never.touch()  # marker present: this run never dies
+    clean = fit_or_fail(cfg_with(never, "clean"))
+    err = rel_diff(
+        weights(load_model(killed.checkpoint_dir)), weights(load_model(clean.checkpoint_dir))
+    )
+    assert err == 0.0, err
+
+
+def test_wrong_columns_are_reported_before_workers_start(tmp_path):
+    from rayacc.data.sources import DataError
+    from rayacc.runner.driver import prepare
+
+    path = tmp_path / "bad.parquet"
+    pq.write_table(pa.table({"x": [1.0, 2.0]}), path)
+    cfg = config(tmp_path, data={"source": str(path)})
+    with pytest.raises(DataError, match=r"match no format.*`features`"):
+        prepare(cfg)
