@@ -151,21 +151,35 @@ def test_whole_stack_step_equals_full_batch(
     cfg = one_batch_config(tmp_path, workers, micro, accum)
     result = fit_or_fail(cfg)
 
-    ref = build_model(cfg)
-    before = weights(ref)
     table = pq.read_table(cfg.data.source)
-    x = torch.tensor(
-        np.stack(table["features"].to_numpy(zero_copy_only=False)), dtype=torch.float32
-    )
-    y = torch.tensor(table["label"].to_numpy())
-    F.cross_entropy(ref(x), y).backward()
-    with torch.no_grad():
-        for p in ref.parameters():
-            p -= 0.1 * p.grad
+    features = np.stack(table["features"].to_numpy(zero_copy_only=False))
+    labels = torch.tensor(table["label"].to_numpy())
+
+    def full_batch_step(dtype):
+        ref = build_model(cfg).to(dtype)
+        before = weights(ref)
+        F.cross_entropy(ref(torch.tensor(features, dtype=dtype)), labels).backward()
+        with torch.no_grad():
+            for p in ref.parameters():
+                p -= 0.1 * p.grad
+        return before, weights(ref)
+
+    before, exact = full_batch_step(torch.float64)
+    _, plain_fp32 = full_batch_step(torch.float32)
     trained = weights(load_model(result.checkpoint_dir))
-    err = float((trained - weights(ref)).norm() / (weights(ref) - before).norm())
-    record_equivalence(f"Ray Train, {workers} worker(s) × micro {micro} × accum {accum}", err)
-    assert err <= 1e-6, err
+
+    def err(w):
+        return float((w - exact).norm() / (exact - before).norm())
+
+    # fp32 weights round at ~1e-7 of their size, which is ~1e-6 of this small update: the bar
+    # is plain fp32 full-batch training's own distance from the float64 step
+    record_equivalence(
+        f"Ray Train, {workers} worker(s) × micro {micro} × accum {accum} "
+        f"(vs float64; fp32 full batch: {err(plain_fp32):.3e})",
+        err(trained),
+    )
+    assert err(trained) <= 2 * err(plain_fp32), (err(trained), err(plain_fp32))
+    assert float((trained - plain_fp32).norm() / (exact - before).norm()) <= 5e-6
 
 
 def test_same_config_twice_and_same_global_batch_give_same_weights(
@@ -233,13 +247,15 @@ def test_killed_worker_resumes_from_checkpoint_without_gaps(ray_local, tmp_path)
 
     killed = fit_or_fail(cfg_with(marker, "killed"))
     assert marker.exists(), "the worker did not die: the test proves nothing"
-    assert killed.summary["resumed_from"] == 4
+    # rank 1 died in step 6; the controller may not have registered the step-4 checkpoint yet
+    resumed = killed.summary["resumed_from"]
+    assert resumed in (2, 4), resumed
 
     client = MlflowClient(killed.tracking_uri)
     steps = [m.step for m in client.get_metric_history(killed.mlflow_run_id, "train/loss")]
     assert sorted(steps) == list(range(1, 9)) and len(steps) == len(set(steps))
     tags = client.get_run(killed.mlflow_run_id).data.tags
-    assert tags["rayacc.resumed_at_steps"] == "4"
+    assert tags["rayacc.resumed_at_steps"] == str(resumed)
 
     never = tmp_path / "never"
     never.touch()  # marker present: this run never dies
