@@ -107,6 +107,7 @@ def run_bare(cfg: TrainConfig) -> float:
 
 
 def run_rayacc(cfg: TrainConfig) -> tuple[float, float, float]:
+    """(steady-state samples/s, seconds to the first step, share of step time spent logging)"""
     from rayacc.runner.driver import fit
 
     first: list[float] = []
@@ -125,7 +126,8 @@ def run_rayacc(cfg: TrainConfig) -> tuple[float, float, float]:
         if r["step"] > WARMUP_STEPS and r["train/samples"] == cfg.batch.global_batch_size
     ]
     seconds = sum(r["train/samples"] / r["train/samples_per_s"] for r in steady)
-    return sum(r["train/samples"] for r in steady) / seconds, first[0], result.wall_time_s
+    log_share = result.summary["log_time_s"] / result.summary["train_time_s"]
+    return sum(r["train/samples"] for r in steady) / seconds, first[0], log_share
 
 
 def main() -> None:
@@ -139,16 +141,21 @@ def main() -> None:
     cfg = make_config(args)
     plan = f"micro {cfg.batch.micro_batch_size}, global {cfg.batch.global_batch_size}, 2 workers"
     print(f"model: MLP 64→{args.hidden}→{args.hidden}→10 on digits; {plan}; {args.epochs} epochs")
-    bare, ours, first = [], [], []
+    bare, ours, first, log_share = [], [], [], []
     for _ in range(args.repeats):
         bare.append(run_bare(cfg))
-        sps, t_first, _ = run_rayacc(cfg)
+        sps, t_first, share = run_rayacc(cfg)
         ours.append(sps)
         first.append(t_first)
+        log_share.append(share)
     b, o = statistics.median(bare), statistics.median(ours)
     print(f"bare DDP   steady-state samples/s: {b:,.0f}")
     print(f"rayacc     steady-state samples/s: {o:,.0f}")
     print(f"ratio rayacc / bare: {o / b:.3f}")
+    print(
+        f"rayacc     share of step time spent handing records to the driver: "
+        f"{statistics.median(log_share):.2%}"
+    )
     t_first = statistics.median(first)
     print(f"rayacc time to first optimizer step (fit() call, Ray start included): {t_first:.1f} s")
 

@@ -17,16 +17,10 @@ def _load(args: argparse.Namespace) -> TrainConfig:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """Prints the resolved batch plan and effective LR of a config, without running anything."""
-    from rayacc.batch_plan import resolve_batch_plan
     from rayacc.engine.lr import effective_lr
 
     cfg = _load(args)
-    plan = resolve_batch_plan(
-        num_workers=cfg.scaling.num_workers,
-        global_batch_size=cfg.batch.global_batch_size,
-        micro_batch_size=cfg.batch.micro_batch_size,
-        grad_accum_steps=cfg.batch.grad_accum_steps,
-    )
+    plan = cfg.batch_plan()
     lr = effective_lr(
         cfg.optim.lr, plan.global_batch_size, cfg.optim.base_batch_size, cfg.optim.lr_scaling
     )

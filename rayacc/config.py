@@ -14,7 +14,7 @@ from typing import Any, Literal, get_origin
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from rayacc.batch_plan import BatchPlanError, resolve_batch_plan
+from rayacc.batch_plan import BatchPlan, BatchPlanError, resolve_batch_plan
 
 __all__ = [
     "BatchConfig",
@@ -276,6 +276,15 @@ class TrainConfig(_Section):
                 str(p),
             ) from None
         return cls.from_dict(data or {}, overrides, source=str(p))
+
+    def batch_plan(self, num_workers: int | None = None) -> BatchPlan:
+        """The resolved batch plan for `num_workers` (default: `scaling.num_workers`)."""
+        return resolve_batch_plan(
+            num_workers=num_workers or self.scaling.num_workers,
+            global_batch_size=self.batch.global_batch_size,
+            micro_batch_size=self.batch.micro_batch_size,
+            grad_accum_steps=self.batch.grad_accum_steps,
+        )
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)

@@ -14,19 +14,20 @@ from mlflow.tracking import MlflowClient
 
 from rayacc import TrainConfig, build_model, fit, load_model
 from rayacc.data.sources import prepare_bundled
+from rayacc.runner.driver import TrainingError
 
 pytestmark = pytest.mark.ray
 
 FIT_TIMEOUT_S = 300
 
 
-def fit_or_fail(cfg: TrainConfig):
+def fit_or_fail(cfg: TrainConfig, resume: bool = False):
     """fit() with a deadline: a DDP hang fails the test instead of stalling the suite."""
     box: dict = {}
 
     def run():
         try:
-            box["result"] = fit(cfg)
+            box["result"] = fit(cfg, resume=resume)
         except BaseException as exc:
             box["error"] = exc
 
@@ -133,6 +134,30 @@ def test_end_to_end_fit_records_contract_params_and_every_step(ray_local, tmp_pa
     assert result.checkpoint_dir and load_model(result.checkpoint_dir) is not None
 
 
+def sgd_step_errors(cfg: TrainConfig, full_batch_loss, trained_model) -> tuple[float, float]:
+    """Distance of the trained weights, and of plain fp32 full-batch SGD (lr 0.1), from the
+    float64 full-batch step, each relative to the size of that step.
+
+    fp32 weights round at ~1e-7 of their size, ~1e-6 of a small update: the fair bar for the
+    pipeline is plain fp32 full-batch training's own distance from the float64 step.
+    """
+
+    def step(dtype):
+        ref = build_model(cfg).to(dtype)
+        before = weights(ref)
+        full_batch_loss(ref, dtype).backward()
+        with torch.no_grad():
+            for p in ref.parameters():
+                p -= 0.1 * p.grad
+        return before, weights(ref)
+
+    before, exact = step(torch.float64)
+    _, plain_fp32 = step(torch.float32)
+    scale = (exact - before).norm()
+    trained = weights(trained_model)
+    return float((trained - exact).norm() / scale), float((plain_fp32 - exact).norm() / scale)
+
+
 def one_batch_config(tmp_path, workers: int, micro: int, accum: int) -> TrainConfig:
     source = digits_subset(tmp_path / "one_batch.parquet", 32)
     return config(
@@ -155,31 +180,16 @@ def test_whole_stack_step_equals_full_batch(
     features = np.stack(table["features"].to_numpy(zero_copy_only=False))
     labels = torch.tensor(table["label"].to_numpy())
 
-    def full_batch_step(dtype):
-        ref = build_model(cfg).to(dtype)
-        before = weights(ref)
-        F.cross_entropy(ref(torch.tensor(features, dtype=dtype)), labels).backward()
-        with torch.no_grad():
-            for p in ref.parameters():
-                p -= 0.1 * p.grad
-        return before, weights(ref)
+    def full_batch_loss(model, dtype):
+        return F.cross_entropy(model(torch.tensor(features, dtype=dtype)), labels)
 
-    before, exact = full_batch_step(torch.float64)
-    _, plain_fp32 = full_batch_step(torch.float32)
-    trained = weights(load_model(result.checkpoint_dir))
-
-    def err(w):
-        return float((w - exact).norm() / (exact - before).norm())
-
-    # fp32 weights round at ~1e-7 of their size, which is ~1e-6 of this small update: the bar
-    # is plain fp32 full-batch training's own distance from the float64 step
+    err, floor = sgd_step_errors(cfg, full_batch_loss, load_model(result.checkpoint_dir))
     record_equivalence(
         f"Ray Train, {workers} worker(s) × micro {micro} × accum {accum} "
-        f"(vs float64; fp32 full batch: {err(plain_fp32):.3e})",
-        err(trained),
+        f"(vs float64; fp32 full batch: {floor:.3e})",
+        err,
     )
-    assert err(trained) <= 2 * err(plain_fp32), (err(trained), err(plain_fp32))
-    assert float((trained - plain_fp32).norm() / (exact - before).norm()) <= 5e-6
+    assert err <= 2 * floor, (err, floor)
 
 
 def test_same_config_twice_and_same_global_batch_give_same_weights(
@@ -214,56 +224,74 @@ def test_same_config_twice_and_same_global_batch_give_same_weights(
     assert err <= 1e-5, err
 
 
-def test_uneven_rows_with_shuffle_complete(ray_local, tmp_path):
+def test_uneven_rows_with_shuffle_complete(ray_local, tmp_path, capfd):
     source = digits_subset(tmp_path / "d203.parquet", 203)
+    # nothing listens on port 9: tracking turns off with one message and training goes on
     cfg = config(
         tmp_path,
         data={"source": source, "shuffle": True},
         train={"epochs": 2, "max_steps": None},
-        tracking={"enabled": False},
+        tracking={"tracking_uri": "http://127.0.0.1:9"},
     )
     result = fit_or_fail(cfg)
+    err = capfd.readouterr().err
+    assert err.count("tracking off, training goes on") == 1, err
+    assert result.mlflow_run_id is None
     # 203 rows = 6 windows of 32 + a short window of 11 (6 and 5 rows on the two ranks)
     assert [r["train/samples"] for r in result.history] == [32] * 6 + [11] + [32] * 6 + [11]
     assert result.summary["train_state"]["samples_seen"] == 2 * 203
 
 
-def test_killed_worker_resumes_from_checkpoint_without_gaps(ray_local, tmp_path):
+def test_killed_worker_recovers_automatically_and_by_resume(ray_local, tmp_path):
     source = digits_subset(tmp_path / "d256.parquet", 256)
-    marker = tmp_path / "died"
 
-    def cfg_with(marker_path, sub):
+    def cfg_with(marker_path, sub, max_failures):
         return config(
             tmp_path / sub,
             model={
                 "name": "factory",
                 "factory": "tests.faulty_model:build",
+                # rank 1 dies in its 22nd forward: step 6 of 8 (4 micro-steps per step)
                 "kwargs": {"marker": str(marker_path), "die_at_forward": 4 * 5 + 2},
             },
             data={"source": source, "shuffle": True},
             train={"max_steps": 8, "checkpoint_every_steps": 2},
-            run={"max_failures": 2},
+            run={"max_failures": max_failures},
         )
-
-    killed = fit_or_fail(cfg_with(marker, "killed"))
-    assert marker.exists(), "the worker did not die: the test proves nothing"
-    # rank 1 died in step 6; the controller may not have registered the step-4 checkpoint yet
-    resumed = killed.summary["resumed_from"]
-    assert resumed in (2, 4), resumed
-
-    client = MlflowClient(killed.tracking_uri)
-    steps = [m.step for m in client.get_metric_history(killed.mlflow_run_id, "train/loss")]
-    assert sorted(steps) == list(range(1, 9)) and len(steps) == len(set(steps))
-    tags = client.get_run(killed.mlflow_run_id).data.tags
-    assert tags["rayacc.resumed_at_steps"] == str(resumed)
 
     never = tmp_path / "never"
     never.touch()  # marker present: this run never dies
-    clean = fit_or_fail(cfg_with(never, "clean"))
-    err = rel_diff(
-        weights(load_model(killed.checkpoint_dir)), weights(load_model(clean.checkpoint_dir))
-    )
-    assert err == 0.0, err
+    clean = weights(load_model(fit_or_fail(cfg_with(never, "clean", 0)).checkpoint_dir))
+
+    def check_recovered(result, marker):
+        assert marker.exists(), "the worker did not die: the test proves nothing"
+        # the controller may not have registered the step-4 checkpoint when rank 1 died
+        resumed = result.summary["resumed_from"]
+        assert resumed in (2, 4), resumed
+        client = MlflowClient(result.tracking_uri)
+        steps = [m.step for m in client.get_metric_history(result.mlflow_run_id, "train/loss")]
+        assert sorted(steps) == list(range(1, 9)), steps
+        assert len(steps) == len(set(steps)), f"a step was recorded twice: {steps}"
+        run = client.get_run(result.mlflow_run_id)
+        assert run.data.tags["rayacc.resumed_at_steps"] == str(resumed)
+        assert run.info.status == "FINISHED"
+        assert rel_diff(weights(load_model(result.checkpoint_dir)), clean) == 0.0
+
+    # FailureConfig(max_failures): Ray Train restarts the group from the latest checkpoint
+    marker = tmp_path / "died-auto"
+    check_recovered(fit_or_fail(cfg_with(marker, "auto", 2)), marker)
+
+    # no restarts allowed: the fit fails; --resume continues the latest run in the storage path
+    marker = tmp_path / "died-manual"
+    cfg = cfg_with(marker, "manual", 0)
+    with pytest.raises(TrainingError):
+        fit_or_fail(cfg)
+    client = MlflowClient(cfg.tracking.tracking_uri)
+    (failed,) = client.search_runs(client.get_experiment_by_name("tests").experiment_id)
+    assert failed.info.status == "FAILED"
+    resumed = fit_or_fail(cfg, resume=True)
+    assert resumed.mlflow_run_id == failed.info.run_id, "resume continues the same MLflow run"
+    check_recovered(resumed, marker)
 
 
 def test_wrong_columns_are_reported_before_workers_start(tmp_path):
@@ -296,26 +324,16 @@ def test_gpt_on_padded_token_rows_equals_full_batch(ray_local, tmp_path, record_
     result = fit_or_fail(cfg)
     assert result.history[0]["train/items"] == sum(len(s) - 1 for s in seqs)
 
-    def full_batch_step(dtype):
-        ref = build_model(cfg).to(dtype)
-        before = weights(ref)
+    def full_batch_loss(model, dtype):
         batch = collate_tokens(seqs)
-        logits = ref(batch["input"])
-        F.cross_entropy(
+        logits = model(batch["input"])
+        return F.cross_entropy(
             logits.reshape(-1, logits.shape[-1]),
             batch["target"].reshape(-1),
             ignore_index=IGNORE_INDEX,
-        ).backward()
-        with torch.no_grad():
-            for p in ref.parameters():
-                p -= 0.1 * p.grad
-        return before, weights(ref)
+        )
 
-    before, exact = full_batch_step(torch.float64)
-    _, plain_fp32 = full_batch_step(torch.float32)
-    trained = weights(load_model(result.checkpoint_dir))
-    scale = (exact - before).norm()
-    err, floor = float((trained - exact).norm() / scale), float((plain_fp32 - exact).norm() / scale)
+    err, floor = sgd_step_errors(cfg, full_batch_loss, load_model(result.checkpoint_dir))
     record_equivalence(
         f"Ray Train, GPT, padded tokens, 2 workers (vs float64; fp32 full batch: {floor:.3e})", err
     )

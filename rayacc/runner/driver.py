@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rayacc.batch_plan import BatchPlan, resolve_batch_plan
+from rayacc.batch_plan import BatchPlan
 from rayacc.config import TrainConfig
 from rayacc.data.order import EpochLayout, split_train_val
 from rayacc.data.sources import DataError, DatasetInfo, describe_dataset
@@ -68,12 +68,7 @@ def prepare(cfg: TrainConfig) -> Prepared:
     """Resolves data, batch plan, LR and model; raises DataError / ModelError / BatchPlanError
     (all ValueError) for user mistakes."""
     info = describe_dataset(cfg.data.source, cfg.data.cache_dir, cfg.data.seq_len)
-    plan = resolve_batch_plan(
-        num_workers=cfg.scaling.num_workers,
-        global_batch_size=cfg.batch.global_batch_size,
-        micro_batch_size=cfg.batch.micro_batch_size,
-        grad_accum_steps=cfg.batch.grad_accum_steps,
-    )
+    plan = cfg.batch_plan()
     lr = effective_lr(
         cfg.optim.lr, plan.global_batch_size, cfg.optim.base_batch_size, cfg.optim.lr_scaling
     )

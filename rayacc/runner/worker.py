@@ -17,7 +17,6 @@ import torch
 import torch.distributed as dist
 from ray.train.torch import get_device, prepare_model
 
-from rayacc.batch_plan import resolve_batch_plan
 from rayacc.config import TrainConfig
 from rayacc.data.order import EpochLayout, epoch_order, split_train_val
 from rayacc.data.sources import DatasetInfo
@@ -94,12 +93,8 @@ def train_loop(config: dict[str, Any]) -> dict[str, Any]:
     torch.set_num_threads(max(1, int(cfg.scaling.cpus_per_worker)))
     device = get_device()
 
-    plan = resolve_batch_plan(
-        num_workers=world,
-        global_batch_size=cfg.batch.global_batch_size,
-        micro_batch_size=cfg.batch.micro_batch_size,
-        grad_accum_steps=cfg.batch.grad_accum_steps,
-    )
+    # resolved at the actual worker count: the global batch stays, accumulation follows
+    plan = cfg.batch_plan(num_workers=world)
     lr = effective_lr(
         cfg.optim.lr, plan.global_batch_size, cfg.optim.base_batch_size, cfg.optim.lr_scaling
     )
@@ -169,6 +164,7 @@ def train_loop(config: dict[str, Any]) -> dict[str, Any]:
     val_metrics: dict[str, float] = {}
     t_prev = time.perf_counter()
     t_train = 0.0
+    log_time = 0.0  # rank 0's cost of handing records to the driver
 
     def checkpoint_and_report(metrics: dict[str, Any]) -> None:
         if rank != 0:
@@ -253,6 +249,8 @@ def train_loop(config: dict[str, Any]) -> dict[str, Any]:
                 "epoch": epoch,
             }
             is_last = state.optimizer_step >= total_steps
+            # validation and checkpoints are not step time; handing the record over is
+            t_pause = time.perf_counter()
             every_val = cfg.train.val_every_steps
             if len(val_ids) and (is_last or (every_val and state.optimizer_step % every_val == 0)):
                 val_metrics = _validate(
@@ -267,13 +265,17 @@ def train_loop(config: dict[str, Any]) -> dict[str, Any]:
                     cfg.train.precision,
                 )
                 last.update(val_metrics)
+            paused = time.perf_counter() - t_pause
             if rank == 0 and progress is not None:
+                t_log = time.perf_counter()
                 progress.push.remote(dict(last))
+                log_time += time.perf_counter() - t_log
             every_ckpt = cfg.train.checkpoint_every_steps
             if is_last or (every_ckpt and state.optimizer_step % every_ckpt == 0):
+                t_ckpt = time.perf_counter()
                 checkpoint_and_report(dict(last))
-            # time spent in validation and checkpoints does not count as step time
-            t_prev = time.perf_counter()
+                paused += time.perf_counter() - t_ckpt
+            t_prev += paused
 
     node_id = ray.get_runtime_context().get_node_id()
     worker_nodes = [node_id]
@@ -289,6 +291,7 @@ def train_loop(config: dict[str, Any]) -> dict[str, Any]:
         "total_steps": total_steps,
         "resumed_from": resumed_from,
         "train_time_s": t_train,
+        "log_time_s": log_time,
         "worker_nodes": worker_nodes,
         "pid": os.getpid(),
     }

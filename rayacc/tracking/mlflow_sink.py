@@ -48,6 +48,7 @@ class MlflowSink:
     ):
         self.tracking_uri = tracking_uri
         self.run_id: str | None = None
+        self.client: Any = None
         self.disabled_reason: str | None = None
         self._logged_steps: set[tuple[str, int]] = set()
         if tracking_uri.startswith(("http://", "https://")):
@@ -62,6 +63,10 @@ class MlflowSink:
             if run_id is not None:
                 self.client.update_run(run_id, status="RUNNING")
                 self.run_id = run_id
+                # steps the interrupted attempt already recorded are not recorded again
+                for key in self.client.get_run(run_id).data.metrics:
+                    for m in self.client.get_metric_history(run_id, key):
+                        self._logged_steps.add((key, m.step))
                 return
             exp = self.client.get_experiment_by_name(experiment)
             exp_id = exp.experiment_id if exp else self.client.create_experiment(experiment)
@@ -79,13 +84,13 @@ class MlflowSink:
             self.disabled_reason = reason
             print(f"rayacc: tracking off, training goes on: {reason}", file=sys.stderr)
 
-    def _call(self, fn, *args, **kwargs) -> Any:
+    def _call(self, method: str, *args, **kwargs) -> Any:
         if not self.active:
             return None
         try:
-            return fn(*args, **kwargs)
+            return getattr(self.client, method)(*args, **kwargs)
         except Exception as exc:
-            self._disable(f"MLflow call {getattr(fn, '__name__', fn)} failed: {exc}")
+            self._disable(f"MLflow call {method} failed: {exc}")
             return None
 
     def log_params(self, params: dict[str, Any]) -> None:
@@ -93,9 +98,7 @@ class MlflowSink:
 
         items = [Param(k, _param_str(v)) for k, v in params.items()]
         for i in range(0, len(items), _MAX_PARAMS_PER_CALL):
-            self._call(
-                self.client.log_batch, self.run_id, params=items[i : i + _MAX_PARAMS_PER_CALL]
-            )
+            self._call("log_batch", self.run_id, params=items[i : i + _MAX_PARAMS_PER_CALL])
 
     def log_step_metrics(self, records: Iterable[dict[str, Any]]) -> None:
         """Records carry `step` and numeric metrics. A (key, step) already logged is dropped, so a
@@ -114,25 +117,21 @@ class MlflowSink:
                 self._logged_steps.add((key, step))
                 metrics.append(Metric(key, float(value), now, step))
         for i in range(0, len(metrics), _MAX_METRICS_PER_CALL):
-            self._call(
-                self.client.log_batch, self.run_id, metrics=metrics[i : i + _MAX_METRICS_PER_CALL]
-            )
+            self._call("log_batch", self.run_id, metrics=metrics[i : i + _MAX_METRICS_PER_CALL])
 
     def set_tags(self, tags: dict[str, Any]) -> None:
         from mlflow.entities import RunTag
 
-        self._call(
-            self.client.log_batch, self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()]
-        )
+        self._call("log_batch", self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
 
     def log_artifact(self, path: str | Path) -> None:
-        self._call(self.client.log_artifact, self.run_id, str(path))
+        self._call("log_artifact", self.run_id, str(path))
 
     def log_text(self, text: str, name: str) -> None:
-        self._call(self.client.log_text, self.run_id, text, name)
+        self._call("log_text", self.run_id, text, name)
 
     def finish(self, status: str = "FINISHED") -> None:
-        self._call(self.client.set_terminated, self.run_id, status)
+        self._call("set_terminated", self.run_id, status)
 
 
 def _param_str(value: Any) -> str:
