@@ -4,6 +4,7 @@ the fix; no traceback."""
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 from rayacc.config import ConfigError, TrainConfig
@@ -48,8 +49,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     from rayacc.runner.driver import TrainingError, fit, prepare
 
-    console = Console()
-    err = Console(stderr=True)
+    # paths and URIs stay on one line, copyable
+    console = Console(soft_wrap=True)
+    err = Console(stderr=True, soft_wrap=True)
+    logging.getLogger("mlflow").setLevel(logging.WARNING)
     cfg = _load(args)
     prep = prepare(cfg)  # every user mistake surfaces here, before Ray starts
     plan = prep.plan

@@ -241,8 +241,8 @@ def fit(
     buffer = ProgressBuffer.remote()
     if os.environ.get("RAYACC_VERBOSE") != "1":
         # Ray Data reports each execution on the driver's console; rayacc shows its own progress
+        logging.getLogger("ray.data").setLevel(logging.ERROR)
         ray.data.DataContext.get_current().enable_progress_bars = False
-        logging.getLogger("ray.data").setLevel(logging.WARNING)
     ds = ray.data.read_parquet(prep.info.path)
     # a row's position in the stream is its row id: the order must not depend on task timing
     ds.context.execution_options = ExecutionOptions(preserve_order=True)
