@@ -551,3 +551,99 @@ def _cross_field_issues(s: dict[str, Any]) -> list[ConfigIssue]:
         except BatchPlanError as exc:
             issues.append(ConfigIssue(exc.field, exc.problem, _MISSING, exc.fix))
     return issues
+
+
+class RandomSearch(_Section):
+    samples: int = Field(0, ge=0)
+    """Random trials drawn in addition to the grid."""
+    seed: int = 0
+    """Seeds the draws."""
+    space: dict[str, dict[str, list[Any]]] = Field(default_factory=dict)
+    """Key path → one distribution: {choice: [..]}, {uniform: [lo, hi]}, {loguniform: [lo, hi]}
+    or {randint: [lo, hi]} (hi exclusive)."""
+
+
+class SweepConfig(_Section):
+    """A sweep: a base training config and the settings to try."""
+
+    name: str | None = None
+    """The parent MLflow run's name; null = generated."""
+    base: str | None = None
+    """Path of the base training config (relative to the sweep file), or null with `config:`."""
+    config: dict[str, Any] | None = None
+    """The base training config inline (instead of `base`)."""
+    overrides: list[str] = Field(default_factory=list)
+    """key.path=value overrides applied to the base before the trials' own settings."""
+    hold: Literal["global_batch_size"] | None = "global_batch_size"
+    """`global_batch_size`: every trial keeps the base global batch; accumulation is derived.
+    null: trials may change the global batch."""
+    grid: dict[str, list[Any]] = Field(default_factory=dict)
+    """Key path → values; every combination is a trial."""
+    random: RandomSearch = Field(default_factory=RandomSearch)
+    max_concurrent_trials: int | None = Field(None, ge=1)
+    """Trials at once; null = as many as the cluster's CPUs (or GPUs) fit."""
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike) -> tuple[SweepConfig, dict[str, Any], str]:
+        """(sweep, base config as a dict with overrides applied, source label)."""
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(
+                [
+                    ConfigIssue(
+                        "",
+                        "sweep file not found",
+                        str(p),
+                        "pass an existing YAML file, e.g. -c jobs/sweep_accum.yaml",
+                    )
+                ],
+                str(p),
+            )
+        try:
+            raw = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(
+                [ConfigIssue("", f"not valid YAML: {exc}", _MISSING, "correct the YAML syntax")],
+                str(p),
+            ) from None
+        try:
+            sweep = cls.model_validate(raw)
+        except ValidationError as exc:
+            raise ConfigError(_issues_from_validation_of(exc, cls), str(p)) from None
+        if (sweep.base is None) == (sweep.config is None):
+            raise ConfigError(
+                [
+                    ConfigIssue(
+                        "base",
+                        "give exactly one of `base` (a file) and `config` (inline)",
+                        _MISSING,
+                        "e.g. base: digits.yaml",
+                    )
+                ],
+                str(p),
+            )
+        if sweep.base is not None:
+            base_path = (p.parent / sweep.base).resolve()
+            base = TrainConfig.from_yaml(base_path, sweep.overrides)
+        else:
+            base = TrainConfig.from_dict(sweep.config or {}, sweep.overrides, source=str(p))
+        return sweep, base.model_dump(mode="json"), str(p)
+
+
+def _issues_from_validation_of(exc: ValidationError, model: type[BaseModel]) -> list[ConfigIssue]:
+    issues = []
+    for err in exc.errors(include_url=False):
+        path = ".".join(str(x) for x in err["loc"])
+        value = err.get("input", _MISSING)
+        msg = "unknown key" if err["type"] == "extra_forbidden" else str(err["msg"])
+        issues.append(
+            ConfigIssue(
+                path,
+                msg,
+                _MISSING if isinstance(value, dict) else value,
+                f"valid keys: {', '.join(model.model_fields)}"
+                if err["type"] == "extra_forbidden"
+                else None,
+            )
+        )
+    return issues

@@ -100,9 +100,26 @@ def prepare(cfg: TrainConfig) -> Prepared:
             )
     if layout.dropped_rows:
         warnings.append(layout.describe())
+    bn = batchnorm_layers(model)
+    if bn:
+        warnings.append(
+            f"the model holds BatchNorm layers ({', '.join(bn[:3])}): their statistics come from "
+            "each micro-batch, so accumulation is not equivalent to the big batch. Fix: use "
+            "GroupNorm or LayerNorm"
+        )
     return Prepared(
         cfg, info, plan, lr, layout, total, sum(p.numel() for p in model.parameters()), warnings
     )
+
+
+def batchnorm_layers(model) -> list[str]:
+    from torch import nn
+
+    return [
+        n or "<root>"
+        for n, m in model.named_modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm)
+    ]
 
 
 def ensure_ray(cfg: TrainConfig) -> None:
@@ -182,11 +199,14 @@ def fit(
     resume: bool = False,
     on_record: Callable[[dict[str, Any]], None] | None = None,
     prepared: Prepared | None = None,
+    parent_run_id: str | None = None,
+    tags: dict[str, Any] | None = None,
 ) -> FitResult:
     """Runs the TorchTrainer for `cfg` and returns its FitResult.
 
     `resume=True` continues the run named `run.name` (or the latest run in the storage path) from
     its latest checkpoint. `on_record` sees every per-step record and event as it arrives.
+    `parent_run_id` nests the MLflow run under a sweep's parent run; `tags` are added to it.
     """
     import ray
     from ray.data import ExecutionOptions
@@ -216,6 +236,7 @@ def fit(
             cfg.tracking.experiment,
             cfg.tracking.run_name or name,
             run_id=previous.get("mlflow_run_id") if resume else None,
+            parent_run_id=parent_run_id,
         )
         if sink.active and not (resume and previous.get("mlflow_run_id")):
             sink.log_params(contract_params(cfg, prep.plan, prep.effective_lr))
@@ -226,6 +247,7 @@ def fit(
                     "rayacc.storage_path": storage,
                     "rayacc.data_layout": prep.layout.describe(),
                     "rayacc.num_parameters": prep.num_parameters,
+                    **(tags or {}),
                 }
             )
     if local_storage:

@@ -9,14 +9,14 @@ import ray
 
 @ray.remote(num_cpus=0)
 class ProgressBuffer:
-    """Rank 0 calls `push.remote(record)` and does not wait (calls from one caller run in
+    """Rank 0 calls `push.remote(records)` and does not wait (calls from one caller run in
     order); the driver drains the records it has not seen."""
 
     def __init__(self) -> None:
         self._records: list[dict[str, Any]] = []
 
-    def push(self, record: dict[str, Any]) -> None:
-        self._records.append(record)
+    def push(self, records: list[dict[str, Any]]) -> None:
+        self._records.extend(records)
 
     def drain(self) -> list[dict[str, Any]]:
         records, self._records = self._records, []

@@ -83,6 +83,34 @@ def _validate(
     return out
 
 
+class _Outbox:
+    """Rank 0's records for the driver, sent in batches at most every `interval_s`: one actor
+    call costs about a millisecond, too much to pay on every step of a fast model."""
+
+    def __init__(self, progress, interval_s: float = 0.5):
+        self.progress = progress
+        self.interval_s = interval_s
+        self.pending: list[dict[str, Any]] = []
+        self.last_sent = time.perf_counter()
+        self.cost_s = 0.0
+
+    def send(self, record: dict[str, Any]) -> None:
+        if self.progress is None:
+            return
+        self.pending.append(record)
+        if time.perf_counter() - self.last_sent >= self.interval_s:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.progress is None or not self.pending:
+            return
+        t = time.perf_counter()
+        self.progress.push.remote(self.pending)
+        self.pending = []
+        self.last_sent = time.perf_counter()
+        self.cost_s += self.last_sent - t
+
+
 def train_loop(config: dict[str, Any]) -> dict[str, Any]:
     cfg = TrainConfig.model_validate(config["cfg"])
     info = DatasetInfo.from_dict(config["dataset"])
@@ -146,25 +174,25 @@ def train_loop(config: dict[str, Any]) -> dict[str, Any]:
     val_share = np.array_split(val_ids, world)[rank]
     val_batch = 2 * plan.micro_batch_size
 
-    if rank == 0 and progress is not None:
-        progress.push.remote(
-            {
-                "event": "start",
-                "step": state.optimizer_step,
-                "total_steps": total_steps,
-                "resumed_from": resumed_from,
-                "layout": layout.describe(),
-                "plan": asdict(plan),
-                "effective_lr": lr,
-                "steps_per_epoch": layout.steps_per_epoch,
-            }
-        )
+    outbox = _Outbox(progress if rank == 0 else None)
+    outbox.send(
+        {
+            "event": "start",
+            "step": state.optimizer_step,
+            "total_steps": total_steps,
+            "resumed_from": resumed_from,
+            "layout": layout.describe(),
+            "plan": asdict(plan),
+            "effective_lr": lr,
+            "steps_per_epoch": layout.steps_per_epoch,
+        }
+    )
+    outbox.flush()
 
     last: dict[str, Any] = {}
     val_metrics: dict[str, float] = {}
     t_prev = time.perf_counter()
     t_train = 0.0
-    log_time = 0.0  # rank 0's cost of handing records to the driver
 
     def checkpoint_and_report(metrics: dict[str, Any]) -> None:
         if rank != 0:
@@ -266,17 +294,17 @@ def train_loop(config: dict[str, Any]) -> dict[str, Any]:
                 )
                 last.update(val_metrics)
             paused = time.perf_counter() - t_pause
-            if rank == 0 and progress is not None:
-                t_log = time.perf_counter()
-                progress.push.remote(dict(last))
-                log_time += time.perf_counter() - t_log
+            outbox.send(dict(last))
             every_ckpt = cfg.train.checkpoint_every_steps
             if is_last or (every_ckpt and state.optimizer_step % every_ckpt == 0):
                 t_ckpt = time.perf_counter()
+                # records up to a checkpoint are never replayed after a restart: hand them over
+                outbox.flush()
                 checkpoint_and_report(dict(last))
                 paused += time.perf_counter() - t_ckpt
             t_prev += paused
 
+    outbox.flush()
     node_id = ray.get_runtime_context().get_node_id()
     worker_nodes = [node_id]
     if dist.is_initialized() and world > 1:
@@ -291,7 +319,7 @@ def train_loop(config: dict[str, Any]) -> dict[str, Any]:
         "total_steps": total_steps,
         "resumed_from": resumed_from,
         "train_time_s": t_train,
-        "log_time_s": log_time,
+        "log_time_s": outbox.cost_s,
         "worker_nodes": worker_nodes,
         "pid": os.getpid(),
     }

@@ -1,0 +1,240 @@
+"""Sweeps of accumulation settings: every trial a full TorchTrainer run through Ray Tune, each a
+nested MLflow run under one parent run."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import math
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from rayacc.config import ConfigError, SweepConfig, TrainConfig
+
+__all__ = ["SweepResult", "Trial", "expand_trials", "run_sweep"]
+
+
+@dataclass
+class Trial:
+    index: int
+    settings: dict[str, Any]
+    """The key paths this trial sets, as given in the sweep."""
+    config: dict[str, Any] | None = None
+    """The validated training config, or None when the combination is invalid."""
+    skip_reason: str | None = None
+
+    def label(self) -> str:
+        return ", ".join(f"{k}={v}" for k, v in self.settings.items())
+
+
+@dataclass
+class SweepResult:
+    parent_run_id: str | None
+    tracking_uri: str
+    experiment: str
+    trials: list[Trial]
+    outcomes: dict[int, dict[str, Any]] = field(default_factory=dict)
+    wall_time_s: float = 0.0
+
+
+def _set_path(data: dict[str, Any], path: str, value: Any) -> None:
+    node = data
+    *parents, leaf = path.split(".")
+    for part in parents:
+        node = node.setdefault(part, {})
+    node[leaf] = value
+
+
+def _draw(rng: random.Random, dist: dict[str, list[Any]], path: str) -> Any:
+    if len(dist) != 1:
+        raise ValueError(f"random.space.{path}: give one distribution, e.g. {{choice: [8, 16]}}")
+    ((kind, args),) = dist.items()
+    if kind == "choice":
+        return rng.choice(args)
+    lo, hi = args
+    if kind == "uniform":
+        return rng.uniform(lo, hi)
+    if kind == "loguniform":
+        return math.exp(rng.uniform(math.log(lo), math.log(hi)))
+    if kind == "randint":
+        return rng.randrange(lo, hi)
+    raise ValueError(
+        f"random.space.{path}: unknown distribution {kind!r} (choice, uniform, loguniform, randint)"
+    )
+
+
+def expand_trials(sweep: SweepConfig, base: dict[str, Any]) -> list[Trial]:
+    """The grid × random settings applied to the base; invalid ones carry their reason."""
+    keys = list(sweep.grid)
+    settings = [dict(zip(keys, values)) for values in itertools.product(*sweep.grid.values())]
+    if not keys:
+        settings = [{}] if not sweep.random.samples else []
+    rng = random.Random(sweep.random.seed)
+    for _ in range(sweep.random.samples):
+        settings.append({p: _draw(rng, d, p) for p, d in sweep.random.space.items()})
+
+    base_cfg = TrainConfig.model_validate(base)
+    held_global = base_cfg.batch_plan().global_batch_size
+    trials = []
+    for i, s in enumerate(settings):
+        data = copy.deepcopy(base)
+        for path, value in s.items():
+            _set_path(data, path, value)
+        if sweep.hold == "global_batch_size":
+            data["batch"]["global_batch_size"] = held_global
+            if "batch.grad_accum_steps" not in s:
+                # derived per trial, so the global batch stays what the base says
+                data["batch"]["grad_accum_steps"] = None
+        try:
+            cfg = TrainConfig.from_dict(data)
+        except ConfigError as exc:
+            trials.append(Trial(i, s, None, "; ".join(str(issue) for issue in exc.issues)))
+            continue
+        trials.append(Trial(i, s, cfg.model_dump(mode="json")))
+    return trials
+
+
+def _concurrency(sweep: SweepConfig, configs: list[TrainConfig]) -> int:
+    import ray
+
+    if sweep.max_concurrent_trials:
+        return sweep.max_concurrent_trials
+    total = ray.cluster_resources()
+    if any(c.scaling.use_gpu for c in configs):
+        per_trial = max(c.scaling.num_workers for c in configs)
+        return max(1, int(total.get("GPU", 0) // per_trial))
+    # each trial's workers plus one CPU for its Ray Data tasks
+    per_trial = max(c.scaling.num_workers * c.scaling.cpus_per_worker + 1 for c in configs)
+    return max(1, int(total.get("CPU", 1) // per_trial))
+
+
+def run_sweep(
+    sweep: SweepConfig,
+    base: dict[str, Any],
+    sweep_text: str,
+    on_event: Callable[[str, Trial, dict[str, Any]], None] | None = None,
+) -> SweepResult:
+    """Runs the valid trials (skipped ones are recorded on the parent run) and returns outcomes."""
+    from ray import tune
+
+    from rayacc.runner.driver import ensure_ray, fit
+    from rayacc.tracking import MlflowSink, default_tracking_uri
+
+    t0 = time.perf_counter()
+    trials = expand_trials(sweep, base)
+    valid = [t for t in trials if t.config is not None]
+    base_cfg = TrainConfig.model_validate(base)
+    uri = base_cfg.tracking.tracking_uri or default_tracking_uri()
+    experiment = base_cfg.tracking.experiment
+    name = sweep.name or f"sweep-{time.strftime('%Y%m%d-%H%M%S')}"
+    parent = MlflowSink(uri, experiment, name)
+    parent.set_tags(
+        {
+            "rayacc.sweep": "true",
+            "rayacc.hold": sweep.hold or "none",
+            "rayacc.trials": len(valid),
+            "rayacc.skipped": len(trials) - len(valid),
+        }
+    )
+    parent.log_text(sweep_text, "sweep.yaml")
+    if len(valid) < len(trials):
+        parent.log_text(
+            "\n".join(
+                f"trial {t.index} ({t.label()}): {t.skip_reason}" for t in trials if t.skip_reason
+            ),
+            "skipped.txt",
+        )
+    result = SweepResult(parent.run_id, uri, experiment, trials)
+    for t in trials:
+        if t.skip_reason and on_event:
+            on_event("skipped", t, {"reason": t.skip_reason})
+    if not valid:
+        parent.finish("FAILED")
+        return result
+
+    configs = {t.index: t.config for t in valid}
+    by_index = {t.index: t for t in valid}
+    parent_id = parent.run_id
+
+    def trial_fn(config: dict[str, Any]) -> dict[str, Any]:
+        index = config["trial"]
+        cfg = TrainConfig.model_validate(configs[index])
+        # the trial's own TorchTrainer must not ask Tune for the sweep's tracking settings
+        cfg = cfg.model_copy(
+            update={"tracking": cfg.tracking.model_copy(update={"tracking_uri": uri})}
+        )
+        t_start = time.perf_counter()
+        try:
+            r = fit(cfg, parent_run_id=parent_id, tags={"rayacc.trial": index})
+        except Exception as exc:
+            return {
+                "ok": False,
+                "error": str(exc).splitlines()[0][:500],
+                "wall_time_s": time.perf_counter() - t_start,
+            }
+        return {
+            "ok": True,
+            "mlflow_run_id": r.mlflow_run_id,
+            "metrics": r.metrics,
+            "plan": r.summary.get("plan"),
+            "wall_time_s": r.wall_time_s,
+        }
+
+    class Console(tune.Callback):
+        def on_trial_start(self, iteration, trials, trial, **info):
+            if on_event:
+                on_event("started", by_index[trial.config["trial"]], {})
+
+        def on_trial_complete(self, iteration, trials, trial, **info):
+            outcome = trial.last_result or {}
+            result.outcomes[trial.config["trial"]] = outcome
+            if on_event:
+                on_event(
+                    "finished" if outcome.get("ok") else "failed",
+                    by_index[trial.config["trial"]],
+                    outcome,
+                )
+
+        def on_trial_error(self, iteration, trials, trial, **info):
+            result.outcomes[trial.config["trial"]] = {"ok": False, "error": "trial process failed"}
+            if on_event:
+                on_event(
+                    "failed",
+                    by_index[trial.config["trial"]],
+                    result.outcomes[trial.config["trial"]],
+                )
+
+    ensure_ray(base_cfg)
+    concurrency = _concurrency(sweep, [TrainConfig.model_validate(c) for c in configs.values()])
+    storage = base_cfg.run.storage_path
+    tuner = tune.Tuner(
+        # the trial function only waits on its TorchTrainer, whose workers hold the resources
+        tune.with_resources(trial_fn, {"cpu": 0.01}),
+        param_space={"trial": tune.grid_search(list(configs))},
+        tune_config=tune.TuneConfig(max_concurrent_trials=concurrency),
+        run_config=tune.RunConfig(
+            name=name, storage_path=_abs_storage(storage), callbacks=[Console()], verbose=0
+        ),
+    )
+    tuner.fit()
+    failed = [i for i in configs if not result.outcomes.get(i, {}).get("ok")]
+    parent.set_tags(
+        {
+            "rayacc.failed_trials": ",".join(map(str, failed)) or "none",
+            "rayacc.concurrency": concurrency,
+        }
+    )
+    parent.finish("FINISHED")
+    result.wall_time_s = time.perf_counter() - t0
+    return result
+
+
+def _abs_storage(storage: str | None) -> str:
+    from pathlib import Path
+
+    if storage and "://" in storage:
+        return storage
+    return str(Path(storage or Path.cwd() / "rayacc_runs").expanduser().resolve() / "sweeps")
