@@ -39,8 +39,9 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
     from rayacc.data.sources import DataError
     from rayacc.models import ModelError
     from rayacc.runner.checkpoint import CheckpointError
+    from rayacc.tracking.report import ReportError
 
-    return (ConfigError, BatchPlanError, DataError, ModelError, CheckpointError)
+    return (ConfigError, BatchPlanError, DataError, ModelError, CheckpointError, ReportError)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -169,6 +170,113 @@ def _print_summary(console, cfg: TrainConfig, result) -> None:
     console.print(f"  checkpoint: {result.checkpoint_dir}")
 
 
+def cmd_sweep(args: argparse.Namespace) -> int:
+    """Runs every trial of a sweep, then prints the comparison table."""
+    from pathlib import Path
+
+    from rayacc.config import SweepConfig
+    from rayacc.runner.sweep import run_sweep
+    from rayacc.tracking.report import build_report
+
+    console = _console()
+    logging.getLogger("mlflow").setLevel(logging.WARNING)
+    sweep, base, source = SweepConfig.from_yaml(args.config)
+    console.print(f"[bold]rayacc sweep[/] {source}")
+
+    def on_event(kind, trial, info):
+        if kind == "skipped":
+            console.print(
+                f"  [yellow]skipped[/] trial {trial.index} ({trial.label()}): {info['reason']}"
+            )
+        elif kind == "started":
+            console.print(f"  trial {trial.index} started: {trial.label()}")
+        elif kind == "finished":
+            m = info.get("metrics", {})
+            val = "".join(f", {k} {v:.4f}" for k, v in m.items() if k.startswith("val/"))
+            loss = m.get("train/loss", float("nan"))
+            console.print(
+                f"  trial {trial.index} finished: train loss {loss:.4f}"
+                f"{val}, {info.get('wall_time_s', 0):.1f} s"
+            )
+        else:
+            console.print(f"  [red]trial {trial.index} failed[/]: {info.get('error')}")
+
+    result = run_sweep(sweep, base, Path(args.config).read_text(), on_event)
+    console.print(
+        f"sweep done in {result.wall_time_s:.1f} s; MLflow parent run {result.parent_run_id}"
+    )
+    if result.parent_run_id and any(o.get("ok") for o in result.outcomes.values()):
+        _print_report(console, build_report(result.tracking_uri, result.parent_run_id))
+        console.print(f"  plots and CSV: rayacc report {result.parent_run_id} --out DIR")
+    return 0 if all(o.get("ok") for o in result.outcomes.values()) else 1
+
+
+def _console():
+    from rich.console import Console
+
+    # tables need room: a pipe or a file gets 160 columns instead of rich's default 80
+    return Console(soft_wrap=True, width=None if sys.stdout.isatty() else 160)
+
+
+def _print_report(console, report) -> None:
+    from rich.table import Table
+
+    from rayacc.tracking.report import COLUMNS, table_rows
+
+    table = Table(title=f"sweep {report.parent_run_id}")
+    for _, title in COLUMNS:
+        table.add_column(title, justify="right")
+    for cells in table_rows(report):
+        table.add_row(*(cells[key] for key, _ in COLUMNS))
+    console.print(table)
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+
+    from rayacc.tracking import default_tracking_uri
+    from rayacc.tracking.report import build_report, write_report
+
+    console = _console()
+    uri = args.tracking_uri or default_tracking_uri()
+    report = build_report(uri, args.target)
+    _print_report(console, report)
+    files = write_report(report, args.out, tracking_uri=uri)
+    console.print(
+        f"wrote {', '.join(str(f) for f in files)} (also artifacts of run {report.parent_run_id})"
+    )
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from rayacc.runner.verify import verify
+
+    console = Console(soft_wrap=True)
+    err = Console(stderr=True, soft_wrap=True)
+    logging.getLogger("mlflow").setLevel(logging.WARNING)
+    cfg = _load(args)
+    result = verify(cfg)
+    for w in result.warnings:
+        err.print(f"[yellow]warning:[/] {w}")
+    plan = cfg.batch_plan()
+    table = Table(title=f"one step of {plan.describe()}, {cfg.train.precision}, vs one process")
+    for col in ("parameter", "max abs diff", "max rel diff"):
+        table.add_column(col, justify="right")
+    for d in result.diffs:
+        table.add_row(d.name, f"{d.max_abs:.3e}", f"{d.max_rel:.3e}")
+    console.print(table)
+    verdict = "[green]PASS[/]" if result.passed else "[red]FAIL[/]"
+    console.print(
+        f"{verdict}: largest relative difference {result.worst.max_rel:.3e} "
+        f"({result.worst.name}); tolerance {result.tolerance:g} for {cfg.train.precision}"
+    )
+    if result.mlflow_run_id:
+        console.print(f"  MLflow run {result.mlflow_run_id} tagged rayacc.verified")
+    return 0 if result.passed else 1
+
+
 def cmd_data_prepare(args: argparse.Namespace) -> int:
     from rayacc.data.sources import describe_dataset
 
@@ -204,6 +312,20 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="show the batch plan and effective LR of a config")
     with_config(p)
     p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("sweep", help="run a sweep of accumulation settings through Ray Tune")
+    p.add_argument("-c", "--config", required=True, help="sweep YAML, e.g. jobs/sweep_accum.yaml")
+    p.set_defaults(func=cmd_sweep)
+
+    p = sub.add_parser("report", help="compare a sweep's trials: table, CSV and plots")
+    p.add_argument("target", metavar="EXPERIMENT_OR_PARENT_RUN")
+    p.add_argument("--out", default="rayacc_report", help="folder for report.csv and the PNGs")
+    p.add_argument("--tracking-uri", default=None, help="default: sqlite:///<cwd>/mlflow.db")
+    p.set_defaults(func=cmd_report)
+
+    p = sub.add_parser("verify", help="check one accumulated step against one process")
+    with_config(p)
+    p.set_defaults(func=cmd_verify)
 
     data = sub.add_parser("data", help="bundled datasets")
     data_sub = data.add_subparsers(dest="data_command", required=True)

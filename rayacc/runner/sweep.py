@@ -183,29 +183,11 @@ def run_sweep(
             "wall_time_s": r.wall_time_s,
         }
 
-    class Console(tune.Callback):
-        def on_trial_start(self, iteration, trials, trial, **info):
-            if on_event:
-                on_event("started", by_index[trial.config["trial"]], {})
-
-        def on_trial_complete(self, iteration, trials, trial, **info):
-            outcome = trial.last_result or {}
-            result.outcomes[trial.config["trial"]] = outcome
-            if on_event:
-                on_event(
-                    "finished" if outcome.get("ok") else "failed",
-                    by_index[trial.config["trial"]],
-                    outcome,
-                )
-
-        def on_trial_error(self, iteration, trials, trial, **info):
-            result.outcomes[trial.config["trial"]] = {"ok": False, "error": "trial process failed"}
-            if on_event:
-                on_event(
-                    "failed",
-                    by_index[trial.config["trial"]],
-                    result.outcomes[trial.config["trial"]],
-                )
+    def record(kind: str, index: int, outcome: dict[str, Any]) -> None:
+        if kind != "started":
+            result.outcomes[index] = outcome
+        if on_event:
+            on_event(kind, by_index[index], outcome)
 
     ensure_ray(base_cfg)
     concurrency = _concurrency(sweep, [TrainConfig.model_validate(c) for c in configs.values()])
@@ -216,7 +198,10 @@ def run_sweep(
         param_space={"trial": tune.grid_search(list(configs))},
         tune_config=tune.TuneConfig(max_concurrent_trials=concurrency),
         run_config=tune.RunConfig(
-            name=name, storage_path=_abs_storage(storage), callbacks=[Console()], verbose=0
+            name=name,
+            storage_path=_abs_storage(storage),
+            callbacks=[_trial_events(record)],
+            verbose=0,
         ),
     )
     tuner.fit()
@@ -230,6 +215,34 @@ def run_sweep(
     parent.finish("FINISHED")
     result.wall_time_s = time.perf_counter() - t0
     return result
+
+
+def _trial_events(record: Callable[[str, int, dict[str, Any]], None]):
+    """A Tune callback that relays trial events to `record` in the sweep driver."""
+    from ray import tune
+
+    class TrialEvents(tune.Callback):
+        # no closure over `record`: Tune pickles its callbacks with the experiment state
+        def __getstate__(self):
+            return {}
+
+        def on_trial_start(self, iteration, trials, trial, **info):
+            self.record("started", trial.config["trial"], {})
+
+        def on_trial_complete(self, iteration, trials, trial, **info):
+            outcome = trial.last_result or {}
+            self.record(
+                "finished" if outcome.get("ok") else "failed", trial.config["trial"], outcome
+            )
+
+        def on_trial_error(self, iteration, trials, trial, **info):
+            self.record(
+                "failed", trial.config["trial"], {"ok": False, "error": "the trial process failed"}
+            )
+
+    callback = TrialEvents()
+    callback.record = record
+    return callback
 
 
 def _abs_storage(storage: str | None) -> str:

@@ -1,0 +1,115 @@
+"""`rayacc verify`: one optimizer step of the configured workers / micro / accum / precision
+against the same global batch in one process, from the same initial weights."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+from rayacc.config import TrainConfig
+from rayacc.data.order import epoch_order, split_train_val
+from rayacc.engine import AccumulationStep, build_scheduler
+from rayacc.models import build_model, loss_functions
+
+__all__ = ["TOLERANCE", "TensorDiff", "VerifyResult", "verify"]
+
+TOLERANCE = {"fp32": 1e-4, "bf16": 5e-2, "fp16": 1e-2}
+"""Largest difference allowed, relative to the largest update of the tensor, by precision."""
+
+
+@dataclass(frozen=True)
+class TensorDiff:
+    name: str
+    max_abs: float
+    max_rel: float
+    """Largest |distributed − single| over the largest |single-process update| of the tensor."""
+
+
+@dataclass
+class VerifyResult:
+    passed: bool
+    tolerance: float
+    diffs: list[TensorDiff]
+    mlflow_run_id: str | None
+    tracking_uri: str | None
+    warnings: list[str]
+
+    @property
+    def worst(self) -> TensorDiff:
+        return max(self.diffs, key=lambda d: d.max_rel)
+
+
+def _probe_batch(cfg: TrainConfig, prep) -> dict[str, torch.Tensor]:
+    """The first global batch of epoch 0 in the data order, as one micro-batch."""
+    from rayacc.runner.ingest import _to_local
+
+    train_ids, _ = split_train_val(prep.info.num_rows, cfg.data.val_fraction, cfg.seed)
+    order = epoch_order(train_ids, 0, cfg.seed, cfg.data.shuffle)
+    window = order[: min(prep.plan.global_batch_size, len(order))]
+    table = pq.ParquetDataset(prep.info.path).read().take(pa.array(window))
+    return _to_local(table, prep.info).take(list(range(len(window))))
+
+
+def verify(cfg: TrainConfig) -> VerifyResult:
+    from rayacc.runner.driver import fit, prepare
+    from rayacc.runner.worker import _optimizer
+
+    prep = prepare(cfg)
+    probe = cfg.model_copy(
+        update={
+            "train": cfg.train.model_copy(update={"max_steps": 1, "epochs": 1}),
+            "tracking": cfg.tracking.model_copy(
+                update={"run_name": cfg.tracking.run_name or "verify"}
+            ),
+        }
+    )
+    probe_prep = prepare(probe)
+    result = fit(probe, prepared=probe_prep, tags={"rayacc.verify": "probe"})
+    state = torch.load(f"{result.checkpoint_dir}/state.pt", map_location="cpu", weights_only=False)
+    distributed = state["model"]
+
+    model = build_model(cfg, prep.info)
+    initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    optimizer = _optimizer(cfg, model, prep.effective_lr)
+    scheduler = build_scheduler(
+        optimizer,
+        warmup_steps=cfg.optim.warmup_steps,
+        total_steps=1,
+        schedule=cfg.optim.schedule,
+        min_lr_ratio=cfg.optim.min_lr_ratio,
+    )
+    step = AccumulationStep(
+        model,
+        optimizer,
+        scheduler=scheduler,
+        precision="fp32",
+        max_grad_norm=cfg.optim.max_grad_norm,
+    )
+    loss_fn, count = loss_functions(prep.info)
+    step([_probe_batch(cfg, prep)], loss_fn, count)
+
+    diffs = []
+    for name, single in model.state_dict().items():
+        if not torch.is_floating_point(single):
+            continue
+        update = (single - initial[name]).abs().max().item()
+        gap = (distributed[name].float() - single.float()).abs().max().item()
+        diffs.append(
+            TensorDiff(
+                name, gap, gap / update if update > 0 else (0.0 if gap == 0 else float("inf"))
+            )
+        )
+    tol = TOLERANCE[cfg.train.precision]
+    passed = all(d.max_rel <= tol for d in diffs)
+    if result.mlflow_run_id:
+        from mlflow.tracking import MlflowClient
+
+        MlflowClient(result.tracking_uri).set_tag(
+            result.mlflow_run_id, "rayacc.verified", "PASS" if passed else "FAIL"
+        )
+    return VerifyResult(
+        passed, tol, diffs, result.mlflow_run_id, result.tracking_uri, prep.warnings
+    )
