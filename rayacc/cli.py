@@ -262,7 +262,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         err.print(f"[yellow]warning:[/] {w}")
     plan = cfg.batch_plan()
     table = Table(title=f"one step of {plan.describe()}, {cfg.train.precision}, vs one process")
-    for col in ("parameter", "max abs diff", "max rel diff"):
+    for col in ("parameter", "max abs diff", "rel diff ‖Δw_ray − Δw_single‖/‖Δw_single‖"):
         table.add_column(col, justify="right")
     for d in result.diffs:
         table.add_row(d.name, f"{d.max_abs:.3e}", f"{d.max_rel:.3e}")

@@ -1,0 +1,72 @@
+"""Expanding a sweep into trials (no Ray)."""
+
+from rayacc.config import SweepConfig, TrainConfig
+from rayacc.runner.sweep import expand_trials
+
+BASE = TrainConfig.from_dict(
+    {
+        "batch": {"global_batch_size": 64, "micro_batch_size": 8},
+        "scaling": {"num_workers": 2},
+    }
+).model_dump(mode="json")
+
+
+def test_hold_global_batch_derives_accumulation_and_skips_invalid():
+    sweep = SweepConfig.model_validate(
+        {
+            "grid": {"batch.micro_batch_size": [4, 5, 32, 64], "scaling.num_workers": [1, 2]},
+        }
+    )
+    trials = expand_trials(sweep, BASE)
+    assert len(trials) == 8
+    valid = [t for t in trials if t.config]
+    plans = {
+        (
+            t.config["scaling"]["num_workers"],
+            t.config["batch"]["micro_batch_size"],
+        ): TrainConfig.model_validate(t.config).batch_plan()
+        for t in valid
+    }
+    assert {p.global_batch_size for p in plans.values()} == {64}
+    assert plans[(1, 4)].grad_accum_steps == 16 and plans[(2, 4)].grad_accum_steps == 8
+    assert plans[(1, 64)].grad_accum_steps == 1
+    skipped = {
+        (t.settings["scaling.num_workers"], t.settings["batch.micro_batch_size"]): t.skip_reason
+        for t in trials
+        if t.skip_reason
+    }
+    assert set(skipped) == {(1, 5), (2, 5), (2, 64)}
+    assert "batch.micro_batch_size" in skipped[(1, 5)] and "does not divide" in skipped[(1, 5)]
+    assert "larger than one worker's share" in skipped[(2, 64)]
+
+
+def test_without_hold_the_global_batch_follows_the_grid():
+    sweep = SweepConfig.model_validate(
+        {
+            "hold": None,
+            "grid": {"batch.global_batch_size": [32, 128]},
+        }
+    )
+    trials = expand_trials(sweep, BASE)
+    assert [TrainConfig.model_validate(t.config).batch_plan().grad_accum_steps for t in trials] == [
+        2,
+        8,
+    ]
+
+
+def test_random_samples_are_seeded():
+    spec = {
+        "grid": {},
+        "random": {
+            "samples": 3,
+            "seed": 4,
+            "space": {
+                "optim.lr": {"loguniform": [1e-4, 1e-2]},
+                "batch.micro_batch_size": {"choice": [4, 8]},
+            },
+        },
+    }
+    a = expand_trials(SweepConfig.model_validate(spec), BASE)
+    b = expand_trials(SweepConfig.model_validate(spec), BASE)
+    assert [t.settings for t in a] == [t.settings for t in b] and len(a) == 3
+    assert all(1e-4 <= t.settings["optim.lr"] <= 1e-2 for t in a)
