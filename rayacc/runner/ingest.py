@@ -56,9 +56,7 @@ def _to_local(table: pa.Table, info: DatasetInfo) -> LocalRows:
     n = table.num_rows
     if info.format == "classification":
         flat = table["features"].combine_chunks().flatten().to_numpy(zero_copy_only=False)
-        features = torch.from_numpy(
-            np.ascontiguousarray(flat, dtype=np.float32).reshape(n, info.num_features)
-        )
+        features = torch.from_numpy(np.array(flat, dtype=np.float32).reshape(n, info.num_features))
         labels = torch.from_numpy(table["label"].to_numpy().astype(np.int64))
         return LocalRows("classification", features=features, labels=labels)
     col = table["tokens"].combine_chunks()
