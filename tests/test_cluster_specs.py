@@ -1,0 +1,136 @@
+"""Every committed cluster spec and job spec is valid as written, and each check catches the
+mistake it exists for (each mutation below breaks one thing on purpose)."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+
+from rayacc.clusterspec import SpecError, check_kuberay, check_launcher, load_yaml
+from rayacc.config import SweepConfig, TrainConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+LAUNCHERS = [ROOT / "cluster" / "aws.yaml", ROOT / "cluster" / "gcp.yaml"]
+KUBERAY = [
+    ROOT / "cluster" / "kuberay" / "raycluster.yaml",
+    ROOT / "cluster" / "kuberay" / "rayjob.yaml",
+]
+
+
+@pytest.mark.parametrize("path", LAUNCHERS, ids=lambda p: p.name)
+def test_launcher_specs_are_valid(path):
+    check_launcher(load_yaml(path))
+
+
+@pytest.mark.parametrize("path", KUBERAY, ids=lambda p: p.name)
+def test_kuberay_manifests_are_valid(path):
+    check_kuberay(load_yaml(path))
+
+
+def mutate(doc, fn):
+    doc = copy.deepcopy(doc)
+    fn(doc)
+    return doc
+
+
+LAUNCHER_BREAKS = {
+    "head type not among node types": (
+        lambda c: c.update(head_node_type="head.gpu"),
+        "head_node_type",
+    ),
+    "max_workers below sum of min_workers": (
+        lambda c: (
+            c.update(max_workers=1),
+            c["available_node_types"]["worker.gpu"].update(min_workers=2),
+        ),
+        "sum of min_workers",
+    ),
+    "unknown top-level key": (lambda c: c.update(max_worker=3), "Additional properties"),
+    "fractional resource": (
+        lambda c: c["available_node_types"]["worker.gpu"].update(resources={"GPU": 0.5}),
+        "is not of type 'integer'",
+    ),
+    "unpinned or ray-ml image": (
+        lambda c: c["docker"].update(image="rayproject/ray-ml:latest-gpu"),
+        "docker.image",
+    ),
+    "dashboard open to the world": (
+        lambda c: c["head_start_ray_commands"].append("ray start --head --dashboard-host=0.0.0.0"),
+        "0.0.0.0",
+    ),
+    "node type without node_config": (
+        lambda c: c["available_node_types"]["worker.cpu"].pop("node_config"),
+        "'node_config' is a required property",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(LAUNCHER_BREAKS))
+def test_launcher_check_catches(name):
+    fn, message = LAUNCHER_BREAKS[name]
+    with pytest.raises(SpecError, match=message.replace("(", r"\(")):
+        check_launcher(mutate(load_yaml(LAUNCHERS[0]), fn))
+
+
+def _worker_group(d):
+    return d["spec"]["workerGroupSpecs"][0]
+
+
+KUBERAY_BREAKS = {
+    "rayStartParams value not a string": (
+        lambda d: _worker_group(d)["rayStartParams"].update({"num-gpus": 1}),
+        "is not of type 'string'",
+    ),
+    "unknown field": (
+        lambda d: d["spec"].update(enableInTreeAutoscaler=True),
+        "Additional properties",
+    ),
+    "replicas not explicit": (
+        lambda d: _worker_group(d).pop("minReplicas"),
+        "'minReplicas' is a required",
+    ),
+    "replicas outside bounds": (lambda d: _worker_group(d).update(replicas=9), "outside"),
+    "GPU limit missing": (
+        lambda d: _worker_group(d)["template"]["spec"]["containers"][0]["resources"]["limits"].pop(
+            "nvidia.com/gpu"
+        ),
+        "nvidia.com/gpu=None",
+    ),
+    "another Ray version": (lambda d: d["spec"].update(rayVersion="2.9.0"), "rayVersion"),
+}
+
+
+@pytest.mark.parametrize("name", list(KUBERAY_BREAKS))
+def test_kuberay_check_catches(name):
+    fn, message = KUBERAY_BREAKS[name]
+    with pytest.raises(SpecError, match=message):
+        check_kuberay(mutate(load_yaml(KUBERAY[0]), fn))
+
+
+def test_rayjob_check_catches_unknown_field():
+    with pytest.raises(SpecError, match="Additional properties"):
+        check_kuberay(mutate(load_yaml(KUBERAY[1]), lambda d: d["spec"].update(entrypointz="x")))
+
+
+JOBS = sorted((ROOT / "jobs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", JOBS, ids=lambda p: p.name)
+def test_every_job_spec_loads(path):
+    raw = load_yaml(path)
+    if "grid" in raw or "base" in raw:
+        sweep, base, _ = SweepConfig.from_yaml(path)
+        assert TrainConfig.model_validate(base).batch_plan().global_batch_size > 0
+        assert sweep.grid or sweep.random.samples
+    else:
+        cfg = TrainConfig.from_yaml(path)
+        assert cfg.batch_plan().global_batch_size > 0
+
+
+def test_rayjob_runs_a_job_spec_from_jobs():
+    entry = load_yaml(KUBERAY[1])["spec"]["entrypoint"]
+    spec = entry.split("-c ")[1].split()[0]
+    assert spec.startswith("/home/ray/rayacc/jobs/")
+    assert (ROOT / "jobs" / Path(spec).name).is_file()
