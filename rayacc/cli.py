@@ -39,9 +39,18 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
     from rayacc.data.sources import DataError
     from rayacc.models import ModelError
     from rayacc.runner.checkpoint import CheckpointError
+    from rayacc.runner.jobs import SubmitError
     from rayacc.tracking.report import ReportError
 
-    return (ConfigError, BatchPlanError, DataError, ModelError, CheckpointError, ReportError)
+    return (
+        ConfigError,
+        BatchPlanError,
+        DataError,
+        ModelError,
+        CheckpointError,
+        ReportError,
+        SubmitError,
+    )
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -277,6 +286,18 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0 if result.passed else 1
 
 
+def cmd_submit(args: argparse.Namespace) -> int:
+    from rayacc.runner.jobs import submit
+
+    return submit(args.job, args.overrides, args.address, args.follow)
+
+
+def cmd_jobs(args: argparse.Namespace) -> int:
+    from rayacc.runner.jobs import jobs_command
+
+    return jobs_command(args.action, args.job_id, args.address, getattr(args, "follow", False))
+
+
 def cmd_data_prepare(args: argparse.Namespace) -> int:
     from rayacc.data.sources import describe_dataset
 
@@ -326,6 +347,26 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("verify", help="check one accumulated step against one process")
     with_config(p)
     p.set_defaults(func=cmd_verify)
+
+    p = sub.add_parser("submit", help="submit a job spec to a Ray cluster (Ray Jobs API)")
+    p.add_argument("job", help="job spec YAML inside the project, e.g. jobs/digits.yaml")
+    p.add_argument("overrides", nargs="*", metavar="key.path=value")
+    p.add_argument(
+        "--address",
+        default=None,
+        help="Ray Jobs API, e.g. http://127.0.0.1:8265 (default: $RAY_ADDRESS)",
+    )
+    p.add_argument(
+        "--follow", action="store_true", help="stream the logs; exit with the job's status"
+    )
+    p.set_defaults(func=cmd_submit)
+
+    p = sub.add_parser("jobs", help="list, inspect, follow or stop submitted jobs")
+    p.add_argument("action", choices=["list", "status", "logs", "stop"])
+    p.add_argument("job_id", nargs="?")
+    p.add_argument("--address", default=None)
+    p.add_argument("--follow", action="store_true", help="with logs: stream until the job ends")
+    p.set_defaults(func=cmd_jobs)
 
     data = sub.add_parser("data", help="bundled datasets")
     data_sub = data.add_subparsers(dest="data_command", required=True)

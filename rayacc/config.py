@@ -176,6 +176,9 @@ class ScalingConfig(_Section):
     """One GPU per worker (NCCL); CPU workers use gloo."""
     cpus_per_worker: float = Field(1.0, gt=0.0)
     """Logical CPUs reserved per worker (fractions allowed)."""
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    """How Ray places the workers on nodes: PACK fills few nodes, SPREAD spreads when it can,
+    STRICT_SPREAD puts every worker on its own node."""
 
 
 class TrackingConfig(_Section):

@@ -22,7 +22,7 @@ def default_tracking_uri() -> str:
     return f"sqlite:///{Path.cwd().resolve() / 'mlflow.db'}"
 
 
-def _server_reachable(uri: str, timeout_s: float = 3.0) -> str | None:
+def _server_reachable(uri: str, timeout_s: float = 10.0) -> str | None:
     """None when the server answers; otherwise why not."""
     try:
         with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout_s):

@@ -1,0 +1,126 @@
+#!/usr/bin/env bash
+# A real multi-node Ray cluster on this machine, for trying and testing multi-node runs:
+#   cluster/local.sh up N     a Ray head + N worker nodes (`ray start`) and an MLflow server,
+#                             all on 127.0.0.1; writes $STATE/env with the addresses
+#   cluster/local.sh status
+#   cluster/local.sh down     stops exactly the processes `up` started (by process id)
+# Each node has its own ports and a custom resource (node_head, node_1, ..., node_N) so that
+# placement can be forced. Settings: RAYACC_LOCAL_DIR (state, default .rayacc/local-cluster),
+# RAYACC_LOCAL_PORT (first port, default 26379), RAYACC_LOCAL_CPUS (CPUs per node, default 2).
+set -euo pipefail
+
+STATE=${RAYACC_LOCAL_DIR:-$PWD/.rayacc/local-cluster}
+BASE=${RAYACC_LOCAL_PORT:-26379}
+CPUS=${RAYACC_LOCAL_CPUS:-2}
+HOST=127.0.0.1
+# Ray >= 2.59 starts local clusters with token authentication; every client here must use it
+export RAY_AUTH_MODE=${RAY_AUTH_MODE:-token}
+BIN=$(dirname "$(command -v python3)")
+[ -x "$PWD/.venv/bin/ray" ] && BIN=$PWD/.venv/bin
+# job drivers run `python` from the nodes' PATH: the project's environment comes first
+export PATH="$BIN:$PATH"
+RAY=${RAY:-$BIN/ray}
+MLFLOW=${MLFLOW:-$BIN/mlflow}
+GCS_PORT=$BASE
+DASH_PORT=$((BASE + 1))
+MLFLOW_PORT=$((BASE + 2))
+# Unix socket paths must stay short: Ray's session folders live under /tmp, named after $BASE
+TEMP=/tmp/rayacc-local-$BASE
+
+node_ports() {  # the ports of node $1 (0 = head), each node in its own block of 200
+  local o=$((BASE + 100 + 200 * $1))
+  echo "--node-manager-port=$o --object-manager-port=$((o + 1)) --dashboard-agent-grpc-port=$((o + 2))" \
+       "--dashboard-agent-listen-port=$((o + 3)) --metrics-export-port=$((o + 4))" \
+       "--runtime-env-agent-port=$((o + 5)) --min-worker-port=$((o + 10)) --max-worker-port=$((o + 199))"
+}
+
+start_bg() {  # start a command in its own session; record its pid under $1
+  local name=$1; shift
+  setsid "$@" >"$STATE/$name.log" 2>&1 < /dev/null &
+  echo $! >"$STATE/$name.pid"
+}
+
+descendants() {  # a process id and all its descendants
+  local pid=$1
+  echo "$pid"
+  for child in $(ps -o pid= --ppid "$pid" 2>/dev/null); do descendants "$child"; done
+}
+
+wait_for() {  # wait_for SECONDS DESCRIPTION COMMAND...
+  local limit=$1 what=$2; shift 2
+  local deadline=$((SECONDS + limit))
+  until "$@" >/dev/null 2>&1; do
+    if [ $SECONDS -ge $deadline ]; then echo "local.sh: $what not ready after $limit s" >&2; return 1; fi
+    sleep 1
+  done
+}
+
+up() {
+  local n=${1:?usage: local.sh up N}
+  if [ -f "$STATE/env" ]; then echo "local.sh: a cluster is already up ($STATE); run down first" >&2; exit 1; fi
+  mkdir -p "$STATE" "$TEMP"
+  # shellcheck disable=SC2046
+  start_bg head "$RAY" start --head --block --node-ip-address=$HOST --port=$GCS_PORT \
+    --dashboard-host=$HOST --dashboard-port=$DASH_PORT --include-dashboard=true \
+    --ray-client-server-port=$((BASE + 3)) --temp-dir="$TEMP" --num-cpus="$CPUS" --num-gpus=0 \
+    --object-store-memory=$((512 * 1024 * 1024)) --resources='{"node_head": 1}' $(node_ports 0)
+  wait_for 60 "Ray head" "$RAY" status --address=$HOST:$GCS_PORT
+  for i in $(seq 1 "$n"); do
+    # shellcheck disable=SC2046
+    start_bg "worker$i" "$RAY" start --block --address=$HOST:$GCS_PORT --node-ip-address=$HOST \
+      --num-cpus="$CPUS" --num-gpus=0 --object-store-memory=$((512 * 1024 * 1024)) \
+      --resources="{\"node_$i\": 1}" $(node_ports "$i")
+  done
+  start_bg mlflow "$MLFLOW" server --host $HOST --port $MLFLOW_PORT \
+    --backend-store-uri "sqlite:///$STATE/mlflow.db" --artifacts-destination "$STATE/mlartifacts"
+  # the last worker node's resource shows once every node has joined
+  wait_for 90 "$n worker node(s)" bash -c "'$RAY' status --address=$HOST:$GCS_PORT | grep -q node_$n"
+  wait_for 60 "MLflow server" curl -sf "http://$HOST:$MLFLOW_PORT/health"
+  cat >"$STATE/env" <<ENV
+export RAY_ADDRESS=http://$HOST:$DASH_PORT
+export RAYACC_GCS_ADDRESS=$HOST:$GCS_PORT
+export MLFLOW_TRACKING_URI=http://$HOST:$MLFLOW_PORT
+export RAY_AUTH_MODE=$RAY_AUTH_MODE
+ENV
+  echo "local cluster up: head + $n worker node(s), $CPUS CPUs each"
+  cat "$STATE/env"
+}
+
+down() {
+  [ -d "$STATE" ] || { echo "local.sh: nothing to stop ($STATE)"; return 0; }
+  local pids=()
+  for f in "$STATE"/*.pid; do
+    [ -f "$f" ] || continue
+    local pid; pid=$(cat "$f")
+    # shellcheck disable=SC2207
+    kill -0 "$pid" 2>/dev/null && pids+=($(descendants "$pid"))
+  done
+  if [ ${#pids[@]} -gt 0 ]; then
+    kill -TERM "${pids[@]}" 2>/dev/null || true
+    for _ in $(seq 1 20); do
+      local alive=0
+      for p in "${pids[@]}"; do kill -0 "$p" 2>/dev/null && alive=1; done
+      [ $alive -eq 0 ] && break
+      sleep 0.5
+    done
+    kill -KILL "${pids[@]}" 2>/dev/null || true
+  fi
+  rm -f "$STATE"/*.pid "$STATE/env"
+  rm -rf "$TEMP"
+  echo "local cluster down: stopped ${#pids[@]} process(es)"
+}
+
+status() {
+  for f in "$STATE"/*.pid; do
+    [ -f "$f" ] || { echo "no local cluster in $STATE"; return 0; }
+    local pid; pid=$(cat "$f")
+    if kill -0 "$pid" 2>/dev/null; then echo "$(basename "$f" .pid): running (pid $pid)"; else echo "$(basename "$f" .pid): gone"; fi
+  done
+}
+
+case "${1:-}" in
+  up) up "${2:-1}" ;;
+  down) down ;;
+  status) status ;;
+  *) echo "usage: cluster/local.sh up N | status | down" >&2; exit 2 ;;
+esac

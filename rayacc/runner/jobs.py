@@ -1,0 +1,147 @@
+"""`rayacc submit` and `rayacc jobs`: the Ray Jobs SDK with the project as working_dir."""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from rayacc.config import TrainConfig
+
+__all__ = ["MAX_UPLOAD_BYTES", "SubmitError", "project_root", "submit", "upload_size"]
+
+MAX_UPLOAD_BYTES = 100 * 1024**2
+"""Largest working_dir rayacc uploads; Ray keeps it in the GCS of the head node."""
+
+TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
+
+
+class SubmitError(ValueError):
+    pass
+
+
+def project_root(start: Path) -> Path:
+    for folder in (start.resolve(), *start.resolve().parents):
+        if (folder / "pyproject.toml").is_file() and (folder / "rayacc").is_dir():
+            return folder
+    raise SubmitError(
+        f"no rayacc project (pyproject.toml beside rayacc/) at or above {start}. "
+        "Fix: run `rayacc submit` inside the project"
+    )
+
+
+def upload_files(root: Path) -> list[Path]:
+    """The files Ray uploads as working_dir: .gitignore'd ones stay behind (as Ray does)."""
+    try:
+        out = subprocess.run(
+            ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+            cwd=root,
+            capture_output=True,
+            check=True,
+        )
+        return [root / p for p in out.stdout.decode().split("\0") if p and (root / p).is_file()]
+    except (OSError, subprocess.CalledProcessError):
+        return [p for p in root.rglob("*") if p.is_file() and ".git" not in p.parts]
+
+
+def upload_size(root: Path) -> int:
+    return sum(p.stat().st_size for p in upload_files(root))
+
+
+def _client(address: str | None):
+    from ray.job_submission import JobSubmissionClient
+
+    try:
+        return JobSubmissionClient(address)
+    except Exception as exc:
+        raise SubmitError(
+            f"cannot reach the Ray Jobs API at {address or '$RAY_ADDRESS'}: {exc}. Fix: pass "
+            "--address http://HOST:8265 (through an SSH tunnel for cloud clusters), start the "
+            "cluster with `ray[default]`, and set RAY_AUTH_MODE=token when the cluster uses "
+            "token authentication"
+        ) from None
+
+
+def submit(job_file: str, overrides: list[str], address: str | None, follow: bool) -> int:
+    job_path = Path(job_file)
+    TrainConfig.from_yaml(job_path, overrides)  # user mistakes stop here, before any upload
+    root = project_root(Path.cwd())
+    try:
+        rel = job_path.resolve().relative_to(root)
+    except ValueError:
+        raise SubmitError(
+            f"{job_file} is outside the project {root}; the job runs in the "
+            "uploaded project folder. Fix: put the job spec under jobs/"
+        ) from None
+    size = upload_size(root)
+    if size > MAX_UPLOAD_BYTES:
+        raise SubmitError(
+            f"the project folder {root} would upload {size / 2**20:.0f} MiB (limit "
+            f"{MAX_UPLOAD_BYTES / 2**20:.0f} MiB). Fix: add large files (data, checkpoints, "
+            "virtual environments) to .gitignore, and read data from a Parquet URI instead"
+        )
+    # `python -m` imports rayacc from the uploaded folder, not a copy installed on the node
+    entrypoint = " ".join(
+        [
+            "python",
+            "-m",
+            "rayacc.cli",
+            "train",
+            "-c",
+            shlex.quote(str(rel)),
+            *(shlex.quote(o) for o in overrides),
+        ]
+    )
+    client = _client(address)
+    job_id = client.submit_job(
+        entrypoint=entrypoint,
+        runtime_env={"working_dir": str(root), "env_vars": {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}},
+        metadata={"rayacc.job_spec": str(rel)},
+    )
+    where = f" --address {address}" if address else ""
+    print(f"submitted {job_id}: {entrypoint}")
+    print(f"  follow it: rayacc jobs logs {job_id}{where} --follow")
+    if not follow:
+        return 0
+    return follow_logs(client, job_id)
+
+
+def follow_logs(client, job_id: str) -> int:
+    import asyncio
+
+    async def tail() -> None:
+        async for chunk in client.tail_job_logs(job_id):
+            sys.stdout.write(chunk)
+            sys.stdout.flush()
+
+    asyncio.run(tail())
+    status = str(client.get_job_status(job_id))
+    while status.split(".")[-1] not in TERMINAL:
+        time.sleep(1)
+        status = str(client.get_job_status(job_id))
+    status = status.split(".")[-1]
+    print(f"job {job_id}: {status}")
+    return 0 if status == "SUCCEEDED" else 1
+
+
+def jobs_command(action: str, job_id: str | None, address: str | None, follow: bool) -> int:
+    client = _client(address)
+    if action == "list":
+        for job in client.list_jobs():
+            print(f"{job.submission_id}\t{str(job.status).split('.')[-1]}\t{job.entrypoint}")
+        return 0
+    if not job_id:
+        raise SubmitError(f"`rayacc jobs {action}` needs a job id (see `rayacc jobs list`)")
+    if action == "status":
+        print(str(client.get_job_status(job_id)).split(".")[-1])
+        return 0
+    if action == "logs":
+        if follow:
+            return follow_logs(client, job_id)
+        print(client.get_job_logs(job_id), end="")
+        return 0
+    stopped = client.stop_job(job_id)
+    print(f"job {job_id}: {'stop requested' if stopped else 'already finished'}")
+    return 0

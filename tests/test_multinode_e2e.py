@@ -1,0 +1,114 @@
+"""End to end on a real multi-node Ray cluster on loopback (cluster/local.sh): a head, one worker
+node and an MLflow server; `rayacc submit --follow` runs jobs/digits.yaml with one training worker
+on each node."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+pytestmark = pytest.mark.ray
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def read_env(path: Path) -> dict[str, str]:
+    env = {}
+    for line in path.read_text().splitlines():
+        key, _, value = line.removeprefix("export ").partition("=")
+        env[key] = value
+    return env
+
+
+def pids_of(state: Path) -> list[int]:
+    return [int(p.read_text()) for p in state.glob("*.pid")]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie has exited: only its parent has not collected it yet
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().split(")")[-1].split()[0] != "Z"
+
+
+def test_submit_to_local_multinode_cluster(tmp_path):
+    state = tmp_path / "cluster"
+    env = dict(
+        os.environ,
+        RAYACC_LOCAL_DIR=str(state),
+        RAYACC_LOCAL_PORT="27379",
+        PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+    )
+    env.pop("RAY_ADDRESS", None)
+    up = subprocess.run(
+        ["bash", "cluster/local.sh", "up", "1"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    started = pids_of(state)
+    try:
+        assert up.returncode == 0, up.stdout + up.stderr
+        cluster = read_env(state / "env")
+        job_env = dict(env, **cluster)
+        submit = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "rayacc.cli",
+                "submit",
+                "jobs/digits.yaml",
+                "train.epochs=2",
+                "scaling.placement_strategy=STRICT_SPREAD",
+                f"tracking.tracking_uri={cluster['MLFLOW_TRACKING_URI']}",
+                "tracking.experiment=e2e",
+                f"run.storage_path={tmp_path / 'runs'}",
+                "--address",
+                cluster["RAY_ADDRESS"],
+                "--follow",
+            ],
+            cwd=ROOT,
+            env=job_env,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+        assert submit.returncode == 0, submit.stdout[-4000:] + submit.stderr[-4000:]
+        assert "SUCCEEDED" in submit.stdout
+        assert "tracking off" not in submit.stdout + submit.stderr
+
+        client = MlflowClient(cluster["MLFLOW_TRACKING_URI"])
+        (run,) = client.search_runs([client.get_experiment_by_name("e2e").experiment_id])
+        p = run.data.params
+        assert (
+            p["micro_batch_size"],
+            p["grad_accum_steps"],
+            p["num_workers"],
+            p["global_batch_size"],
+        ) == ("32", "4", "2", "256")
+        assert float(p["effective_lr"]) == pytest.approx(0.006)
+        nodes = run.data.tags["rayacc.worker_nodes"].split(",")
+        assert len(nodes) == 2 and len(set(nodes)) == 2, f"workers ran on {nodes}"
+        steps = [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")]
+        assert sorted(steps) == list(range(1, 13))
+    finally:
+        down = subprocess.run(
+            ["bash", "cluster/local.sh", "down"],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert down.returncode == 0, down.stderr
+    assert len(started) == 3, started  # head, worker node, MLflow server
+    assert not [pid for pid in started if alive(pid)], "local.sh down left processes running"
