@@ -2,8 +2,10 @@
 # A real multi-node Ray cluster on this machine, for trying and testing multi-node runs:
 #   cluster/local.sh up N     a Ray head + N worker nodes (`ray start`) and an MLflow server,
 #                             all on 127.0.0.1; writes $STATE/env with the addresses
+#   cluster/local.sh add      one more worker node (autoscaling experiments)
+#   cluster/local.sh remove I kills worker node I and its processes, as a lost machine would go
 #   cluster/local.sh status
-#   cluster/local.sh down     stops exactly the processes `up` started (by process id)
+#   cluster/local.sh down     stops exactly the processes `up` and `add` started (by process id)
 # Each node has its own ports and a custom resource (node_head, node_1, ..., node_N) so that
 # placement can be forced. Settings: RAYACC_LOCAL_DIR (state, default .rayacc/local-cluster),
 # RAYACC_LOCAL_PORT (first port, default 26379), RAYACC_LOCAL_CPUS (CPUs per node, default 2).
@@ -55,6 +57,31 @@ wait_for() {  # wait_for SECONDS DESCRIPTION COMMAND...
   done
 }
 
+start_worker() {  # worker node $1
+  # shellcheck disable=SC2046
+  start_bg "worker$1" "$RAY" start --block --address=$HOST:$GCS_PORT --node-ip-address=$HOST \
+    --num-cpus="$CPUS" --num-gpus=0 --object-store-memory=$((512 * 1024 * 1024)) \
+    --resources="{\"node_$1\": 1}" $(node_ports "$1")
+}
+
+add() {
+  [ -f "$STATE/env" ] || { echo "local.sh: no cluster is up ($STATE)" >&2; exit 1; }
+  local i=1
+  while [ -f "$STATE/worker$i.pid" ]; do i=$((i + 1)); done
+  start_worker "$i"
+  wait_for 90 "worker node $i" bash -c "'$RAY' status --address=$HOST:$GCS_PORT | grep -q node_$i"
+  echo "worker node $i up"
+}
+
+remove() {
+  local f="$STATE/worker${1:?usage: local.sh remove I}.pid"
+  [ -f "$f" ] || { echo "local.sh: no worker node $1" >&2; exit 1; }
+  local pid; pid=$(cat "$f")
+  # shellcheck disable=SC2046
+  running "$pid" && kill -KILL $(descendants "$pid") 2>/dev/null
+  echo "worker node $1 killed"
+}
+
 up() {
   local n=${1:?usage: local.sh up N}
   if [ -f "$STATE/env" ]; then echo "local.sh: a cluster is already up ($STATE); run down first" >&2; exit 1; fi
@@ -65,17 +92,15 @@ up() {
     --ray-client-server-port=$((BASE + 3)) --temp-dir="$TEMP" --num-cpus="$CPUS" --num-gpus=0 \
     --object-store-memory=$((512 * 1024 * 1024)) --resources='{"node_head": 1}' $(node_ports 0)
   wait_for 60 "Ray head" "$RAY" status --address=$HOST:$GCS_PORT
-  for i in $(seq 1 "$n"); do
-    # shellcheck disable=SC2046
-    start_bg "worker$i" "$RAY" start --block --address=$HOST:$GCS_PORT --node-ip-address=$HOST \
-      --num-cpus="$CPUS" --num-gpus=0 --object-store-memory=$((512 * 1024 * 1024)) \
-      --resources="{\"node_$i\": 1}" $(node_ports "$i")
-  done
-  start_bg mlflow "$MLFLOW" server --host $HOST --port $MLFLOW_PORT \
+  for i in $(seq 1 "$n"); do start_worker "$i"; done
+  # one server process: each of the default 4 imports MLflow anew (slow on a small machine)
+  start_bg mlflow "$MLFLOW" server --host $HOST --port $MLFLOW_PORT --workers 1 \
     --backend-store-uri "sqlite:///$STATE/mlflow.db" --artifacts-destination "$STATE/mlartifacts"
   # the last worker node's resource shows once every node has joined
-  wait_for 90 "$n worker node(s)" bash -c "'$RAY' status --address=$HOST:$GCS_PORT | grep -q node_$n"
-  wait_for 60 "MLflow server" curl -sf "http://$HOST:$MLFLOW_PORT/health"
+  if [ "$n" -gt 0 ]; then
+    wait_for 90 "$n worker node(s)" bash -c "'$RAY' status --address=$HOST:$GCS_PORT | grep -q node_$n"
+  fi
+  wait_for 120 "MLflow server" curl -sf "http://$HOST:$MLFLOW_PORT/health"
   cat >"$STATE/env" <<ENV
 export RAY_ADDRESS=http://$HOST:$DASH_PORT
 export RAYACC_GCS_ADDRESS=$HOST:$GCS_PORT
@@ -86,41 +111,63 @@ ENV
   cat "$STATE/env"
 }
 
-down() {
-  [ -d "$STATE" ] || { echo "local.sh: nothing to stop ($STATE)"; return 0; }
-  local pids=()
+running() {  # is $1 a live process (an exited one awaiting its parent does not count)
+  local state
+  state=$(awk '{print $3}' "/proc/$1/stat" 2>/dev/null) || return 1
+  [ -n "$state" ] && [ "$state" != Z ] && [ "$state" != X ]
+}
+
+tree_of_recorded() {  # every live process `up`/`add` started, with its descendants
   for f in "$STATE"/*.pid; do
     [ -f "$f" ] || continue
     local pid; pid=$(cat "$f")
-    # shellcheck disable=SC2207
-    kill -0 "$pid" 2>/dev/null && pids+=($(descendants "$pid"))
+    running "$pid" && descendants "$pid"
   done
-  if [ ${#pids[@]} -gt 0 ]; then
+}
+
+down() {
+  [ -d "$STATE" ] || { echo "local.sh: nothing to stop ($STATE)"; return 0; }
+  local pids
+  # shellcheck disable=SC2207
+  pids=($(tree_of_recorded))
+  local count=${#pids[@]}
+  if [ "$count" -gt 0 ]; then
     kill -TERM "${pids[@]}" 2>/dev/null || true
     for _ in $(seq 1 20); do
       local alive=0
-      for p in "${pids[@]}"; do kill -0 "$p" 2>/dev/null && alive=1; done
+      for p in "${pids[@]}"; do running "$p" && alive=1; done
       [ $alive -eq 0 ] && break
       sleep 0.5
     done
+    # what is left, children spawned meanwhile included, is killed outright
+    # shellcheck disable=SC2207
+    pids=("${pids[@]}" $(tree_of_recorded))
     kill -KILL "${pids[@]}" 2>/dev/null || true
+    for _ in $(seq 1 20); do
+      local alive=0
+      for p in "${pids[@]}"; do running "$p" && alive=1; done
+      [ $alive -eq 0 ] && break
+      sleep 0.25
+    done
   fi
   rm -f "$STATE"/*.pid "$STATE/env"
   rm -rf "$TEMP"
-  echo "local cluster down: stopped ${#pids[@]} process(es)"
+  echo "local cluster down: stopped $count process(es)"
 }
 
 status() {
   for f in "$STATE"/*.pid; do
     [ -f "$f" ] || { echo "no local cluster in $STATE"; return 0; }
     local pid; pid=$(cat "$f")
-    if kill -0 "$pid" 2>/dev/null; then echo "$(basename "$f" .pid): running (pid $pid)"; else echo "$(basename "$f" .pid): gone"; fi
+    if running "$pid"; then echo "$(basename "$f" .pid): running (pid $pid)"; else echo "$(basename "$f" .pid): gone"; fi
   done
 }
 
 case "${1:-}" in
   up) up "${2:-1}" ;;
+  add) add ;;
+  remove) remove "${2:-}" ;;
   down) down ;;
   status) status ;;
-  *) echo "usage: cluster/local.sh up N | status | down" >&2; exit 2 ;;
+  *) echo "usage: cluster/local.sh up N | add | remove I | status | down" >&2; exit 2 ;;
 esac

@@ -7,7 +7,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["BatchPlan", "BatchPlanError", "resolve_batch_plan"]
+__all__ = [
+    "BatchPlan",
+    "BatchPlanError",
+    "elastic_sizes",
+    "plan_for_workers",
+    "resolve_batch_plan",
+]
 
 GLOBAL = "batch.global_batch_size"
 MICRO = "batch.micro_batch_size"
@@ -158,3 +164,42 @@ def resolve_batch_plan(
         return BatchPlan(g, per_worker // k, k, w)
 
     return BatchPlan(g, per_worker, 1, w)
+
+
+def plan_for_workers(base: BatchPlan, num_workers: int, on_resize: str) -> BatchPlan:
+    """The plan when an elastic run has `num_workers` workers; `base` is the plan at its most.
+
+    keep_global_batch: the global batch stays; accumulation is re-derived, and the micro-batch
+    becomes the largest divisor of the worker's share not above the configured one when it must.
+    keep_micro_batch: micro-batch and accumulation stay; the global batch follows the workers.
+    """
+    if on_resize == "keep_micro_batch":
+        return BatchPlan(
+            base.samples_per_worker * num_workers,
+            base.micro_batch_size,
+            base.grad_accum_steps,
+            num_workers,
+        )
+    g = base.global_batch_size
+    if g % num_workers:
+        raise BatchPlanError(
+            WORKERS,
+            f"the global batch {g} cannot be kept at {num_workers} workers (it does not split "
+            "evenly)",
+            f"use a [min, max] without {num_workers}, a global batch divisible by it, or "
+            "scaling.on_resize=keep_micro_batch",
+        )
+    per_worker = g // num_workers
+    micro = max(d for d in range(1, base.micro_batch_size + 1) if per_worker % d == 0)
+    return BatchPlan(g, micro, per_worker // micro, num_workers)
+
+
+def elastic_sizes(base: BatchPlan, lo: int, hi: int, on_resize: str) -> dict[int, BatchPlan | str]:
+    """For each worker count in [lo, hi]: its plan, or why the policy cannot run there."""
+    sizes: dict[int, BatchPlan | str] = {}
+    for w in range(lo, hi + 1):
+        try:
+            sizes[w] = plan_for_workers(base, w, on_resize)
+        except BatchPlanError as exc:
+            sizes[w] = exc.problem
+    return sizes

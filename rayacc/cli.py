@@ -27,6 +27,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     )
     base = cfg.optim.base_batch_size or plan.global_batch_size
     print(plan.describe())
+    if cfg.scaling.elastic:
+        print(cfg.elastic_summary())
     print(
         f"effective LR {lr:.6g} = {cfg.optim.lr:g} × "
         f"{cfg.optim.lr_scaling}({plan.global_batch_size}/{base})"
@@ -78,6 +80,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         f"  model: {cfg.model.name}, {prep.num_parameters:,} parameters; "
         f"{prep.total_steps} optimizer steps"
     )
+    for note in prep.notes:
+        console.print(f"  {note}")
     for w in prep.warnings:
         err.print(f"[yellow]warning:[/] {w}")
 
@@ -130,6 +134,14 @@ class _ProgressDisplay:
             self.progress.__exit__(*exc)
 
     def update(self, record: dict) -> None:
+        if record.get("event") == "resize":
+            self.console.print(
+                f"  resize at step {record['step']}: workers {record['old_workers']} → "
+                f"{record['new_workers']}, accumulation {record['old_grad_accum_steps']} → "
+                f"{record['new_grad_accum_steps']}, global batch {record['old_global_batch_size']}"
+                f" → {record['new_global_batch_size']}, effective LR {record['effective_lr']:.6g}"
+            )
+            return
         if record.get("event") == "start":
             if record.get("resumed_from") is not None:
                 self.console.print(

@@ -170,8 +170,15 @@ class TrainSection(_Section):
 
 
 class ScalingConfig(_Section):
-    num_workers: int = Field(2, ge=1)
-    """Data-parallel training workers (one DDP rank each)."""
+    num_workers: int | tuple[int, int] = 2
+    """Data-parallel training workers (one DDP rank each), or [min, max] for an elastic run:
+    Ray starts as many as fit and restarts the group at a new size when capacity changes."""
+    on_resize: Literal["keep_global_batch", "keep_micro_batch"] = "keep_global_batch"
+    """Elastic runs: `keep_global_batch` re-derives accumulation (and the micro-batch when it
+    must) so the global batch and effective LR stay; `keep_micro_batch` keeps accumulation, so
+    the global batch follows the workers and the LR follows `optim.lr_scaling`."""
+    resize_interval_s: float = Field(60.0, gt=0)
+    """Elastic runs: how often Ray checks whether more workers fit."""
     use_gpu: bool = False
     """One GPU per worker (NCCL); CPU workers use gloo."""
     cpus_per_worker: float = Field(1.0, gt=0.0)
@@ -179,6 +186,18 @@ class ScalingConfig(_Section):
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
     """How Ray places the workers on nodes: PACK fills few nodes, SPREAD spreads when it can,
     STRICT_SPREAD puts every worker on its own node."""
+
+    @property
+    def elastic(self) -> bool:
+        return not isinstance(self.num_workers, int)
+
+    @property
+    def min_workers(self) -> int:
+        return self.num_workers if isinstance(self.num_workers, int) else self.num_workers[0]
+
+    @property
+    def max_workers(self) -> int:
+        return self.num_workers if isinstance(self.num_workers, int) else self.num_workers[1]
 
 
 class TrackingConfig(_Section):
@@ -281,13 +300,41 @@ class TrainConfig(_Section):
         return cls.from_dict(data or {}, overrides, source=str(p))
 
     def batch_plan(self, num_workers: int | None = None) -> BatchPlan:
-        """The resolved batch plan for `num_workers` (default: `scaling.num_workers`)."""
+        """The resolved batch plan for `num_workers` (default: the most workers the run uses)."""
         return resolve_batch_plan(
-            num_workers=num_workers or self.scaling.num_workers,
+            num_workers=num_workers or self.scaling.max_workers,
             global_batch_size=self.batch.global_batch_size,
             micro_batch_size=self.batch.micro_batch_size,
             grad_accum_steps=self.batch.grad_accum_steps,
         )
+
+    def elastic_summary(self) -> str:
+        """Which worker counts of an elastic run keep the global batch (or what they do
+        instead); raises BatchPlanError when none can run."""
+        from rayacc.batch_plan import elastic_sizes
+
+        lo, hi, policy = self.scaling.min_workers, self.scaling.max_workers, self.scaling.on_resize
+        sizes = elastic_sizes(self.batch_plan(), lo, hi, policy)
+        ok = {w: p for w, p in sizes.items() if isinstance(p, BatchPlan)}
+        bad = {w: why for w, why in sizes.items() if isinstance(why, str)}
+        if not ok:
+            raise BatchPlanError(
+                "scaling.num_workers",
+                f"no worker count in [{lo}, {hi}] can run under {policy}",
+                next(iter(bad.values())),
+            )
+        parts = [
+            f"{w} → micro {p.micro_batch_size} × accum {p.grad_accum_steps}, global "
+            f"{p.global_batch_size}"
+            for w, p in ok.items()
+        ]
+        text = f"elastic run [{lo}, {hi}] ({policy}): " + "; ".join(parts)
+        if bad:
+            text += (
+                f". Not at {', '.join(map(str, bad))} worker(s): {next(iter(bad.values()))};"
+                " a restart at such a size stops with that message"
+            )
+        return text
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
@@ -543,10 +590,38 @@ def _cross_field_issues(s: dict[str, Any]) -> list[ConfigIssue]:
             )
     batch: BatchConfig | None = s.get("batch")
     scaling: ScalingConfig | None = s.get("scaling")
+    if scaling is not None:
+        lo, hi = scaling.min_workers, scaling.max_workers
+        if lo < 1 or hi < lo:
+            issues.append(
+                ConfigIssue(
+                    "scaling.num_workers",
+                    "must be a positive count or [min, max] with 1 <= min <= max",
+                    scaling.num_workers,
+                    "e.g. 2, or [1, 4] for an elastic run",
+                )
+            )
+            scaling = None
+        elif not scaling.elastic:
+            # compared with the defaults, not "was it set": a dumped config sets every field
+            ignored = {
+                name
+                for name in ("on_resize", "resize_interval_s")
+                if getattr(scaling, name) != ScalingConfig.model_fields[name].default
+            }
+            if ignored:
+                issues.append(
+                    ConfigIssue(
+                        "scaling." + sorted(ignored)[0],
+                        "only applies to elastic runs",
+                        _MISSING,
+                        "give scaling.num_workers as [min, max], or remove it",
+                    )
+                )
     if batch is not None and scaling is not None:
         try:
             resolve_batch_plan(
-                num_workers=scaling.num_workers,
+                num_workers=scaling.max_workers,
                 global_batch_size=batch.global_batch_size,
                 micro_batch_size=batch.micro_batch_size,
                 grad_accum_steps=batch.grad_accum_steps,

@@ -107,3 +107,19 @@ def test_non_positive_values(field):
 def test_error_is_a_value_error_with_the_fix_in_its_message():
     with pytest.raises(ValueError, match=r"Fix: set batch.micro_batch_size to"):
         resolve_batch_plan(num_workers=2, global_batch_size=100, micro_batch_size=7)
+
+
+def test_elastic_plans_keep_the_global_batch_or_follow_the_workers():
+    from rayacc.batch_plan import elastic_sizes, plan_for_workers
+
+    base = resolve_batch_plan(num_workers=3, global_batch_size=96, micro_batch_size=32)
+    kept = elastic_sizes(base, 1, 4, "keep_global_batch")
+    assert kept[1] == BatchPlan(96, 32, 3, 1)
+    assert kept[2] == BatchPlan(96, 24, 2, 2)  # 48 per worker: micro re-derived to 24
+    assert kept[3] == base
+    assert kept[4] == BatchPlan(96, 24, 1, 4)
+    followed = elastic_sizes(base, 1, 3, "keep_micro_batch")
+    assert [p.global_batch_size for p in followed.values()] == [32, 64, 96]
+    assert {p.grad_accum_steps for p in followed.values()} == {1}
+    with pytest.raises(BatchPlanError, match="cannot be kept at 5 workers"):
+        plan_for_workers(base, 5, "keep_global_batch")

@@ -66,3 +66,51 @@ def test_scheduler_drives_the_optimizer_per_step():
         opt.step()
         sched.step()
     assert lrs == pytest.approx([0.1, 0.2, 0.2, 0.0])
+
+
+def test_sample_schedule_matches_steps_at_the_reference_batch_and_does_not_jump():
+    from rayacc.engine import SampleSchedule
+
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([p], lr=1.0)
+    s = SampleSchedule(
+        opt,
+        peak_lr=0.4,
+        reference_batch=64,
+        warmup_steps=2,
+        total_steps=6,
+        schedule="cosine",
+        min_lr_ratio=0.0,
+    )
+    by_steps = [
+        0.4 * lr_multiplier(i, warmup_steps=2, total_steps=6, min_lr_ratio=0.0) for i in range(6)
+    ]
+    seen = []
+    for _ in range(3):
+        seen.append(opt.param_groups[0]["lr"])
+        s.step(64)
+    # the global batch halves (keep_micro_batch at fewer workers): two steps cover one old step
+    s.set_peak(0.2, rewarm_steps=2)
+    mid = opt.param_groups[0]["lr"]
+    assert mid == pytest.approx(
+        0.4 * lr_multiplier(3, warmup_steps=2, total_steps=6, min_lr_ratio=0.0)
+    )
+    s.step(32)
+    halfway = opt.param_groups[0]["lr"]
+    assert halfway == pytest.approx(
+        0.3 * lr_multiplier(3.5, warmup_steps=2, total_steps=6, min_lr_ratio=0.0)
+    )
+    s.step(32)
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.2 * by_steps[4] / 0.4)
+    assert seen == pytest.approx(by_steps[:3])
+    restored = SampleSchedule(
+        opt,
+        peak_lr=1.0,
+        reference_batch=64,
+        warmup_steps=2,
+        total_steps=6,
+        schedule="cosine",
+        min_lr_ratio=0.0,
+    )
+    restored.load_state_dict(s.state_dict())
+    assert restored.lr() == pytest.approx(s.lr())

@@ -11,7 +11,7 @@ from rayacc.engine.losses import (
     count_target_tokens,
     token_item_losses,
 )
-from rayacc.engine.lr import LR_RULES, build_scheduler, effective_lr, lr_multiplier
+from rayacc.engine.lr import LR_RULES, SampleSchedule, build_scheduler, effective_lr, lr_multiplier
 from rayacc.engine.state import TrainState
 from rayacc.engine.step import PRECISIONS, AccumulationStep, MicroStepMismatchError, StepResult
 from rayacc.engine.sync import CommCounter, ddp_sync_context, install_comm_counter
@@ -25,6 +25,7 @@ __all__ = [
     "BatchPlanError",
     "CommCounter",
     "MicroStepMismatchError",
+    "SampleSchedule",
     "StepResult",
     "TrainState",
     "build_scheduler",

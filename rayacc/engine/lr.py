@@ -6,7 +6,7 @@ import math
 
 import torch
 
-__all__ = ["LR_RULES", "build_scheduler", "effective_lr", "lr_multiplier"]
+__all__ = ["LR_RULES", "SampleSchedule", "build_scheduler", "effective_lr", "lr_multiplier"]
 
 LR_RULES = ("linear", "sqrt", "none")
 
@@ -35,7 +35,7 @@ def effective_lr(
 
 
 def lr_multiplier(
-    step: int,
+    step: float,
     *,
     warmup_steps: int,
     total_steps: int | None,
@@ -80,3 +80,89 @@ def build_scheduler(
         )
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, fn)
+
+
+class SampleSchedule:
+    """The LR schedule counted in samples, so it does not jump when the global batch changes.
+
+    Position = samples of applied steps / `reference_batch` (the global batch the schedule was
+    planned for), fed to `lr_multiplier`; LR = peak × multiplier. `set_peak` moves to a new peak
+    LR (a resize under keep_micro_batch) linearly over `rewarm_steps` applied steps. Call `step`
+    once per applied optimizer step; skipped steps do not advance it.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        peak_lr: float,
+        reference_batch: int,
+        warmup_steps: int,
+        total_steps: int | None,
+        schedule: str = "cosine",
+        min_lr_ratio: float = 0.0,
+    ):
+        self.optimizer = optimizer
+        self.reference_batch = reference_batch
+        self.warmup_steps = warmup_steps
+        self.total_steps = total_steps
+        self.schedule = schedule
+        self.min_lr_ratio = min_lr_ratio
+        self.samples = 0
+        self.peak_lr = peak_lr
+        self.ramp_from = peak_lr
+        self.ramp_steps = 0
+        self.ramp_done = 0
+        self.apply()
+
+    def current_peak(self) -> float:
+        if self.ramp_done >= self.ramp_steps:
+            return self.peak_lr
+        frac = self.ramp_done / self.ramp_steps
+        return self.ramp_from + (self.peak_lr - self.ramp_from) * frac
+
+    def lr(self) -> float:
+        position = self.samples / self.reference_batch
+        return self.current_peak() * lr_multiplier(
+            position,
+            warmup_steps=self.warmup_steps,
+            total_steps=self.total_steps,
+            schedule=self.schedule,
+            min_lr_ratio=self.min_lr_ratio,
+        )
+
+    def apply(self) -> None:
+        lr = self.lr()
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def set_peak(self, peak_lr: float, rewarm_steps: int) -> None:
+        if peak_lr == self.peak_lr:
+            return
+        self.ramp_from = self.current_peak()
+        self.peak_lr = peak_lr
+        self.ramp_steps = rewarm_steps
+        self.ramp_done = 0
+        self.apply()
+
+    def step(self, samples: int) -> None:
+        self.samples += samples
+        self.ramp_done += 1
+        self.apply()
+
+    def state_dict(self) -> dict[str, float]:
+        return {
+            "samples": self.samples,
+            "peak_lr": self.peak_lr,
+            "ramp_from": self.ramp_from,
+            "ramp_steps": self.ramp_steps,
+            "ramp_done": self.ramp_done,
+        }
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.samples = int(state["samples"])
+        self.peak_lr = float(state["peak_lr"])
+        self.ramp_from = float(state["ramp_from"])
+        self.ramp_steps = int(state["ramp_steps"])
+        self.ramp_done = int(state["ramp_done"])
+        self.apply()

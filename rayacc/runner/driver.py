@@ -62,6 +62,7 @@ class Prepared:
     total_steps: int
     num_parameters: int
     warnings: list[str]
+    notes: list[str] = field(default_factory=list)
 
 
 def prepare(cfg: TrainConfig) -> Prepared:
@@ -100,6 +101,7 @@ def prepare(cfg: TrainConfig) -> Prepared:
             )
     if layout.dropped_rows:
         warnings.append(layout.describe())
+    notes = [cfg.elastic_summary()] if cfg.scaling.elastic else []
     bn = batchnorm_layers(model)
     if bn:
         warnings.append(
@@ -108,7 +110,15 @@ def prepare(cfg: TrainConfig) -> Prepared:
             "GroupNorm or LayerNorm"
         )
     return Prepared(
-        cfg, info, plan, lr, layout, total, sum(p.numel() for p in model.parameters()), warnings
+        cfg,
+        info,
+        plan,
+        lr,
+        layout,
+        total,
+        sum(p.numel() for p in model.parameters()),
+        warnings,
+        notes,
     )
 
 
@@ -134,7 +144,7 @@ def ensure_ray(cfg: TrainConfig) -> None:
         ray.init(logging_level=logging.WARNING)
         return
     # Ray Data's read tasks need CPUs beside the workers' or ingestion starves and hangs
-    workers_cpu = cfg.scaling.num_workers * cfg.scaling.cpus_per_worker
+    workers_cpu = cfg.scaling.max_workers * cfg.scaling.cpus_per_worker
     num_cpus = max(os.cpu_count() or 2, math.ceil(workers_cpu) + 2)
     ray.init(
         address="local",
@@ -279,7 +289,10 @@ def fit(
             "progress": buffer,
         },
         scaling_config=ScalingConfig(
-            num_workers=cfg.scaling.num_workers,
+            num_workers=tuple(cfg.scaling.num_workers)
+            if cfg.scaling.elastic
+            else cfg.scaling.num_workers,
+            elastic_resize_monitor_interval_s=cfg.scaling.resize_interval_s,
             use_gpu=cfg.scaling.use_gpu,
             resources_per_worker={"CPU": cfg.scaling.cpus_per_worker},
             placement_strategy=cfg.scaling.placement_strategy,
@@ -300,11 +313,21 @@ def fit(
     history: dict[int, dict[str, Any]] = {}
     events: list[dict[str, Any]] = []
     resumed_at: list[str] = []
+    resizes: list[str] = []
 
     def relay() -> None:
         for record in ray.get(buffer.drain.remote()):
             if "event" in record:
                 events.append(record)
+                if record["event"] == "resize":
+                    resizes.append(
+                        f"step {record['step']}: workers {record['old_workers']}→"
+                        f"{record['new_workers']}, accum {record['old_grad_accum_steps']}→"
+                        f"{record['new_grad_accum_steps']}, global "
+                        f"{record['old_global_batch_size']}→{record['new_global_batch_size']}"
+                    )
+                    if sink is not None:
+                        sink.set_tags({"rayacc.resizes": "; ".join(resizes)})
                 if record["event"] == "start" and record.get("resumed_from") is not None:
                     resumed_at.append(str(record["resumed_from"]))
                     if sink is not None:

@@ -104,10 +104,10 @@ def _concurrency(sweep: SweepConfig, configs: list[TrainConfig]) -> int:
         return sweep.max_concurrent_trials
     total = ray.cluster_resources()
     if any(c.scaling.use_gpu for c in configs):
-        per_trial = max(c.scaling.num_workers for c in configs)
+        per_trial = max(c.scaling.max_workers for c in configs)
         return max(1, int(total.get("GPU", 0) // per_trial))
     # each trial's workers plus one CPU for its Ray Data tasks
-    per_trial = max(c.scaling.num_workers * c.scaling.cpus_per_worker + 1 for c in configs)
+    per_trial = max(c.scaling.max_workers * c.scaling.cpus_per_worker + 1 for c in configs)
     return max(1, int(total.get("CPU", 1) // per_trial))
 
 

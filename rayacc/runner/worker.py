@@ -17,15 +17,19 @@ import torch
 import torch.distributed as dist
 from ray.train.torch import get_device, prepare_model
 
+from rayacc.batch_plan import plan_for_workers
 from rayacc.config import TrainConfig
 from rayacc.data.order import EpochLayout, epoch_order, split_train_val
 from rayacc.data.sources import DatasetInfo
-from rayacc.engine import AccumulationStep, TrainState, build_scheduler, effective_lr
+from rayacc.engine import AccumulationStep, SampleSchedule, TrainState, effective_lr
 from rayacc.models import build_model, loss_functions
 from rayacc.runner.checkpoint import read_checkpoint, write_checkpoint
 from rayacc.runner.ingest import LocalRows, fetch_rows
 
-__all__ = ["total_optimizer_steps", "train_loop"]
+__all__ = ["REWARM_STEPS", "total_optimizer_steps", "train_loop"]
+
+REWARM_STEPS = 5
+"""Applied steps over which the LR moves to a new peak after a resize that changed it."""
 
 
 def total_optimizer_steps(cfg: TrainConfig, layout: EpochLayout) -> int:
@@ -121,41 +125,58 @@ def train_loop(config: dict[str, Any]) -> dict[str, Any]:
     torch.set_num_threads(max(1, int(cfg.scaling.cpus_per_worker)))
     device = get_device()
 
-    # resolved at the actual worker count: the global batch stays, accumulation follows
-    plan = cfg.batch_plan(num_workers=world)
+    # the plan at the worker count Ray gave this attempt; `reference` is the plan at the most
+    # workers, which the LR schedule is laid out for
+    reference = cfg.batch_plan()
+    if cfg.scaling.elastic:
+        plan = plan_for_workers(reference, world, cfg.scaling.on_resize)
+    else:
+        plan = cfg.batch_plan(num_workers=world)
     lr = effective_lr(
         cfg.optim.lr, plan.global_batch_size, cfg.optim.base_batch_size, cfg.optim.lr_scaling
     )
     train_ids, val_ids = split_train_val(info.num_rows, cfg.data.val_fraction, cfg.seed)
-    layout = EpochLayout(
-        len(train_ids), plan.global_batch_size, plan.micro_batch_size, world, cfg.data.last_window
-    )
-    total_steps = total_optimizer_steps(cfg, layout)
 
+    def layout_of(rows: int) -> EpochLayout:
+        return EpochLayout(
+            rows, plan.global_batch_size, plan.micro_batch_size, world, cfg.data.last_window
+        )
+
+    reference_layout = EpochLayout(
+        len(train_ids),
+        reference.global_batch_size,
+        reference.micro_batch_size,
+        reference.num_workers,
+        cfg.data.last_window,
+    )
     model = prepare_model(build_model(cfg, info))
     optimizer = _optimizer(cfg, model, lr)
-    scheduler = build_scheduler(
+    schedule = SampleSchedule(
         optimizer,
+        peak_lr=lr,
+        reference_batch=reference.global_batch_size,
         warmup_steps=cfg.optim.warmup_steps,
-        total_steps=total_steps,
+        total_steps=total_optimizer_steps(cfg, reference_layout),
         schedule=cfg.optim.schedule,
         min_lr_ratio=cfg.optim.min_lr_ratio,
     )
+    # the schedule advances by samples (below), not by the engine's per-step scheduler hook
     step = AccumulationStep(
         model,
         optimizer,
-        scheduler=scheduler,
         precision=cfg.train.precision,
         max_grad_norm=cfg.optim.max_grad_norm,
     )
     state = TrainState()
 
     resumed_from = None
+    resize: dict[str, Any] | None = None
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is not None:
         with checkpoint.as_directory() as folder:
             saved, _, meta = read_checkpoint(folder, map_location=device)
-        if meta["global_batch_size"] != plan.global_batch_size:
+        keeps_global = not cfg.scaling.elastic or cfg.scaling.on_resize == "keep_global_batch"
+        if keeps_global and meta["global_batch_size"] != plan.global_batch_size:
             raise ValueError(
                 f"the checkpoint was trained at global batch {meta['global_batch_size']}, this "
                 f"run resolves to {plan.global_batch_size}; resume with the same "
@@ -163,31 +184,31 @@ def train_loop(config: dict[str, Any]) -> dict[str, Any]:
             )
         _unwrap(model).load_state_dict(saved["model"])
         optimizer.load_state_dict(saved["optimizer"])
-        scheduler.load_state_dict(saved["scheduler"])
+        schedule.load_state_dict(saved["schedule"])
         if step.scaler is not None and saved.get("scaler"):
             step.scaler.load_state_dict(saved["scaler"])
         state.load_state_dict(saved["train_state"])
         resumed_from = state.optimizer_step
+        if meta["num_workers"] != world:
+            resize = {
+                "event": "resize",
+                "step": state.optimizer_step,
+                "policy": cfg.scaling.on_resize,
+                "old_workers": meta["num_workers"],
+                "new_workers": world,
+                "old_grad_accum_steps": meta.get("grad_accum_steps"),
+                "new_grad_accum_steps": plan.grad_accum_steps,
+                "old_global_batch_size": meta["global_batch_size"],
+                "new_global_batch_size": plan.global_batch_size,
+                "effective_lr": lr,
+            }
+        # a new global batch (keep_micro_batch) moves to its LR over a short re-warmup
+        schedule.set_peak(lr, rewarm_steps=REWARM_STEPS)
 
     loss_fn, count = loss_functions(info)
     shard = ray.train.get_dataset_shard("train")
     val_share = np.array_split(val_ids, world)[rank]
     val_batch = 2 * plan.micro_batch_size
-
-    outbox = _Outbox(progress if rank == 0 else None)
-    outbox.send(
-        {
-            "event": "start",
-            "step": state.optimizer_step,
-            "total_steps": total_steps,
-            "resumed_from": resumed_from,
-            "layout": layout.describe(),
-            "plan": asdict(plan),
-            "effective_lr": lr,
-            "steps_per_epoch": layout.steps_per_epoch,
-        }
-    )
-    outbox.flush()
 
     last: dict[str, Any] = {}
     val_metrics: dict[str, float] = {}
@@ -204,7 +225,7 @@ def train_loop(config: dict[str, Any]) -> dict[str, Any]:
                 state={
                     "model": _unwrap(model).state_dict(),
                     "optimizer": optimizer.state_dict(),
-                    "scheduler": scheduler.state_dict(),
+                    "schedule": schedule.state_dict(),
                     "scaler": step.scaler.state_dict() if step.scaler is not None else None,
                     "train_state": state.state_dict(),
                 },
@@ -213,6 +234,7 @@ def train_loop(config: dict[str, Any]) -> dict[str, Any]:
                 meta={
                     "optimizer_step": state.optimizer_step,
                     "global_batch_size": plan.global_batch_size,
+                    "grad_accum_steps": plan.grad_accum_steps,
                     "num_workers": world,
                     "epoch": state.epoch,
                     "epoch_sample_offset": state.epoch_sample_offset,
@@ -224,39 +246,58 @@ def train_loop(config: dict[str, Any]) -> dict[str, Any]:
                 checkpoint_dir_name=f"checkpoint_step{state.optimizer_step:08d}",
             )
 
-    # the rows of every window this rank runs from here on, fetched in one pass
-    epoch_ids: dict[int, tuple[int, np.ndarray]] = {}
-    steps_left = total_steps - state.optimizer_step
+    # every window this rank runs from here on: per epoch, its layout over the rows left from
+    # the saved sample position (which a new global batch need not divide)
+    epochs: list[tuple[int, EpochLayout, int, np.ndarray]] = []
+    steps_left = (cfg.train.max_steps or 10**12) - state.optimizer_step
     for epoch in range(state.epoch, cfg.train.epochs):
         if steps_left <= 0:
             break
-        first = state.epoch_sample_offset // plan.global_batch_size if epoch == state.epoch else 0
-        stop = min(layout.steps_per_epoch, first + steps_left)
+        offset = state.epoch_sample_offset if epoch == state.epoch else 0
+        lay = layout_of(len(train_ids) - offset)
+        n_steps = min(lay.steps_per_epoch, steps_left)
         order = epoch_order(train_ids, epoch, cfg.seed, cfg.data.shuffle)
-        epoch_ids[epoch] = (first, order[layout.rank_positions(first, rank, stop)])
-        steps_left -= stop - first
-    needed = np.unique(np.concatenate([ids for _, ids in epoch_ids.values()] + [val_share]))
+        epochs.append((epoch, lay, n_steps, order[offset + lay.rank_positions(0, rank, n_steps)]))
+        steps_left -= n_steps
+    total_steps = state.optimizer_step + sum(e[2] for e in epochs)
+    needed = np.unique(np.concatenate([e[3] for e in epochs] + [val_share]))
     rows = fetch_rows(shard, info, needed)
     val_index = np.searchsorted(needed, val_share)
 
-    for epoch, (first, ids) in epoch_ids.items():
+    outbox = _Outbox(progress if rank == 0 else None)
+    outbox.send(
+        {
+            "event": "start",
+            "step": state.optimizer_step,
+            "total_steps": total_steps,
+            "resumed_from": resumed_from,
+            "layout": (epochs[0][1] if epochs else layout_of(len(train_ids))).describe(),
+            "plan": asdict(plan),
+            "effective_lr": lr,
+        }
+    )
+    if resize is not None:
+        outbox.send(resize)
+    outbox.flush()
+
+    for epoch, lay, n_steps, ids in epochs:
         if epoch != state.epoch:
             state.start_epoch(epoch)
         local = np.searchsorted(needed, ids)
         cursor = 0
         t_prev = time.perf_counter()
-        for s in range(first, layout.steps_per_epoch):
-            if state.optimizer_step >= total_steps:
-                break
-            window = layout.rank_window(s, rank)
+        for s in range(n_steps):
+            window = lay.rank_window(s, rank)
             micro_batches = []
             for part in window.micro_batches:
                 mb = rows.take(local[cursor : cursor + len(part)])
                 micro_batches.append({k: v.to(device, non_blocking=True) for k, v in mb.items()})
                 cursor += len(part)
             result = step(micro_batches, loss_fn, count)
+            if not result.skipped:
+                schedule.step(result.samples)
             state.advance(samples=result.samples, items=result.items, skipped=result.skipped)
-            if s == layout.steps_per_epoch - 1:
+            if s == lay.steps_per_epoch - 1:
                 state.start_epoch(epoch + 1)
             now = time.perf_counter()
             wall = now - t_prev
@@ -271,6 +312,9 @@ def train_loop(config: dict[str, Any]) -> dict[str, Any]:
                 "train/samples": result.samples,
                 "train/samples_per_s": result.samples / wall if wall > 0 else 0.0,
                 "train/skipped_steps": state.skipped_steps,
+                "scaling/num_workers": world,
+                "scaling/grad_accum_steps": plan.grad_accum_steps,
+                "scaling/global_batch_size": plan.global_batch_size,
                 "comm/allreduce_calls": result.allreduce_calls,
                 "comm/sync_time_frac": result.sync_time_frac,
                 "mem/peak_mb": result.peak_memory_mb,
