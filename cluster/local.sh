@@ -38,8 +38,13 @@ node_ports() {  # the ports of node $1 (0 = head), each node in its own block of
 
 start_bg() {  # start a command in its own session; record its pid under $1
   local name=$1; shift
-  setsid "$@" >"$STATE/$name.log" 2>&1 < /dev/null &
-  echo $! >"$STATE/$name.pid"
+  # the command records its own pid: setsid forks when it cannot detach in place, so $! can
+  # name a process that is already gone
+  setsid bash -c 'echo $$ >"$0"; exec "$@"' "$STATE/$name.pid" "$@" >"$STATE/$name.log" 2>&1 < /dev/null &
+  local i
+  for i in $(seq 1 50); do [ -s "$STATE/$name.pid" ] && return 0; sleep 0.1; done
+  echo "local.sh: $name did not start" >&2
+  return 1
 }
 
 descendants() {  # a process id and all its descendants
@@ -121,8 +126,9 @@ tree_of_recorded() {  # every live process `up`/`add` started, with its descenda
   for f in "$STATE"/*.pid; do
     [ -f "$f" ] || continue
     local pid; pid=$(cat "$f")
-    running "$pid" && descendants "$pid"
+    if running "$pid"; then descendants "$pid"; fi
   done
+  return 0
 }
 
 down() {

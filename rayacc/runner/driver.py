@@ -270,7 +270,13 @@ def fit(
         (Path(storage) / LATEST).write_text(name)
 
     ensure_ray(cfg)
-    buffer = ProgressBuffer.remote()
+    # on the driver's node: a worker node may leave mid-run (elastic runs), the driver may not
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = ray.get_runtime_context().get_node_id()
+    buffer = ProgressBuffer.options(
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=here, soft=False)
+    ).remote()
     if os.environ.get("RAYACC_VERBOSE") != "1":
         # Ray Data reports each execution on the driver's console; rayacc shows its own progress
         logging.getLogger("ray.data").setLevel(logging.ERROR)
