@@ -6,8 +6,9 @@
 #   cluster/local.sh remove I kills worker node I and its processes, as a lost machine would go
 #   cluster/local.sh status
 #   cluster/local.sh down     stops exactly the processes `up` and `add` started (by process id)
-# Each node has its own ports and a custom resource (node_head, node_1, ..., node_N) so that
-# placement can be forced. Settings: RAYACC_LOCAL_DIR (state, default .rayacc/local-cluster),
+# Each node has its own ports and custom resources: node_head, node_1, ..., node_N to force
+# placement, and one worker_slot each (scaling.extra_resources={worker_slot: 1} puts at most one
+# training worker on a node, which elastic runs need: their sizing counts resources). Settings: RAYACC_LOCAL_DIR (state, default .rayacc/local-cluster),
 # RAYACC_LOCAL_PORT (first port, default 26379), RAYACC_LOCAL_CPUS (CPUs per node, default 2).
 set -euo pipefail
 
@@ -66,7 +67,7 @@ start_worker() {  # worker node $1
   # shellcheck disable=SC2046
   start_bg "worker$1" "$RAY" start --block --address=$HOST:$GCS_PORT --node-ip-address=$HOST \
     --num-cpus="$CPUS" --num-gpus=0 --object-store-memory=$((512 * 1024 * 1024)) \
-    --resources="{\"node_$1\": 1}" $(node_ports "$1")
+    --resources="{\"node_$1\": 1, \"worker_slot\": 1}" $(node_ports "$1")
 }
 
 add() {
@@ -95,7 +96,8 @@ up() {
   start_bg head "$RAY" start --head --block --node-ip-address=$HOST --port=$GCS_PORT \
     --dashboard-host=$HOST --dashboard-port=$DASH_PORT --include-dashboard=true \
     --ray-client-server-port=$((BASE + 3)) --temp-dir="$TEMP" --num-cpus="$CPUS" --num-gpus=0 \
-    --object-store-memory=$((512 * 1024 * 1024)) --resources='{"node_head": 1}' $(node_ports 0)
+    --object-store-memory=$((512 * 1024 * 1024)) --resources='{"node_head": 1, "worker_slot": 1}' \
+    $(node_ports 0)
   wait_for 60 "Ray head" "$RAY" status --address=$HOST:$GCS_PORT
   for i in $(seq 1 "$n"); do start_worker "$i"; done
   # one server process: each of the default 4 imports MLflow anew (slow on a small machine)

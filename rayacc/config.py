@@ -183,6 +183,10 @@ class ScalingConfig(_Section):
     """One GPU per worker (NCCL); CPU workers use gloo."""
     cpus_per_worker: float = Field(1.0, gt=0.0)
     """Logical CPUs reserved per worker (fractions allowed)."""
+    extra_resources: dict[str, float] = Field(default_factory=dict)
+    """Custom Ray resources each worker needs besides CPUs/GPUs, e.g. {worker_slot: 1} on nodes
+    that offer one slot each. Elastic sizing counts resources, not the placement strategy, so
+    this is how an elastic run is held to one worker per node."""
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
     """How Ray places the workers on nodes: PACK fills few nodes, SPREAD spreads when it can,
     STRICT_SPREAD puts every worker on its own node."""

@@ -300,7 +300,10 @@ def fit(
             else cfg.scaling.num_workers,
             elastic_resize_monitor_interval_s=cfg.scaling.resize_interval_s,
             use_gpu=cfg.scaling.use_gpu,
-            resources_per_worker={"CPU": cfg.scaling.cpus_per_worker},
+            resources_per_worker={
+                "CPU": cfg.scaling.cpus_per_worker,
+                **cfg.scaling.extra_resources,
+            },
             placement_strategy=cfg.scaling.placement_strategy,
         ),
         run_config=RunConfig(
