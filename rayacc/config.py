@@ -332,10 +332,7 @@ class TrainConfig(_Section):
             f"{p.global_batch_size}"
             for w, p in ok.items()
         ]
-        text = (
-            f"elastic run [{lo}, {hi}] ({policy}; experimental: a restart after a lost "
-            f"node is not yet proven here): " + "; ".join(parts)
-        )
+        text = f"elastic run [{lo}, {hi}] ({policy}): " + "; ".join(parts)
         if bad:
             text += (
                 f". Not at {', '.join(map(str, bad))} worker(s): {next(iter(bad.values()))};"

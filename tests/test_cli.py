@@ -115,3 +115,11 @@ def test_data_prepare(cache):
     assert proc.returncode == 0, proc.stderr
     assert "digits: 1797 rows (classification)" in proc.stdout
     assert (cache / "digits" / "digits.parquet").is_file()
+
+
+def test_plan_lists_the_worker_counts_of_an_elastic_run(cache):
+    proc = rayacc("plan", "-c", DIGITS_JOB, "scaling.num_workers=[1,4]", cache=cache)
+    assert proc.returncode == 0, proc.stderr
+    assert "elastic run [1, 4] (keep_global_batch)" in proc.stdout
+    assert "1 → micro 32 × accum 8, global 256" in proc.stdout
+    assert "Not at 3 worker(s): the global batch 256 cannot be kept at 3 workers" in proc.stdout
