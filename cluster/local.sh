@@ -133,6 +133,17 @@ tree_of_recorded() {  # every live process `up`/`add` started, with its descenda
   return 0
 }
 
+wait_gone() {  # wait_gone INTERVAL PID...: up to 20 checks, INTERVAL apart, until none runs
+  local interval=$1; shift
+  for _ in $(seq 1 20); do
+    local alive=0
+    for p in "$@"; do running "$p" && alive=1; done
+    [ $alive -eq 0 ] && return 0
+    sleep "$interval"
+  done
+  return 0
+}
+
 down() {
   [ -d "$STATE" ] || { echo "local.sh: nothing to stop ($STATE)"; return 0; }
   local pids
@@ -141,22 +152,12 @@ down() {
   local count=${#pids[@]}
   if [ "$count" -gt 0 ]; then
     kill -TERM "${pids[@]}" 2>/dev/null || true
-    for _ in $(seq 1 20); do
-      local alive=0
-      for p in "${pids[@]}"; do running "$p" && alive=1; done
-      [ $alive -eq 0 ] && break
-      sleep 0.5
-    done
+    wait_gone 0.5 "${pids[@]}"
     # what is left, children spawned meanwhile included, is killed outright
     # shellcheck disable=SC2207
     pids=("${pids[@]}" $(tree_of_recorded))
     kill -KILL "${pids[@]}" 2>/dev/null || true
-    for _ in $(seq 1 20); do
-      local alive=0
-      for p in "${pids[@]}"; do running "$p" && alive=1; done
-      [ $alive -eq 0 ] && break
-      sleep 0.25
-    done
+    wait_gone 0.25 "${pids[@]}"
   fi
   rm -f "$STATE"/*.pid "$STATE/env"
   rm -rf "$TEMP"

@@ -179,8 +179,12 @@ def _run_name(cfg: TrainConfig, storage: str, resume: bool) -> str:
 
 
 def _loss_curve_png(history: list[dict[str, Any]], path: Path) -> bool:
-    steps = [r["step"] for r in history if "train/loss" in r and math.isfinite(r["train/loss"])]
-    if not steps:
+    points = [
+        (r["step"], r["train/loss"])
+        for r in history
+        if "train/loss" in r and math.isfinite(r["train/loss"])
+    ]
+    if not points:
         return False
     import matplotlib
 
@@ -188,9 +192,7 @@ def _loss_curve_png(history: list[dict[str, Any]], path: Path) -> bool:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(
-        steps, [r["train/loss"] for r in history if r["step"] in set(steps)], label="train/loss"
-    )
+    ax.plot(*zip(*points), label="train/loss")
     val = [(r["step"], r["val/loss"]) for r in history if "val/loss" in r]
     if val:
         ax.plot(*zip(*val), "o-", label="val/loss")
