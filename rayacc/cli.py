@@ -142,6 +142,14 @@ class _ProgressDisplay:
                 f" → {record['new_global_batch_size']}, effective LR {record['effective_lr']:.6g}"
             )
             return
+        if record.get("event") == "micro_batch":
+            tried = ", ".join(f"{m}{'✓' if ok else '✗'}" for m, ok in record.get("trials", []))
+            self.console.print(
+                f"  micro-batch {record['micro_batch_size']} × accumulation "
+                f"{record['grad_accum_steps']} from step {record['step'] + 1} "
+                f"({record['reason']}{'; tried ' + tried if tried else ''})"
+            )
+            return
         if record.get("event") == "start":
             if record.get("resumed_from") is not None:
                 self.console.print(
@@ -159,6 +167,27 @@ class _ProgressDisplay:
         elif step - self.last_line_step >= max(1, self.total // 10) or step == self.total:
             self.last_line_step = step
             self.console.print(f"  step {step}/{self.total}  {info}")
+
+
+def _perf_summary(history: list[dict]) -> str:
+    """Medians of the steady-state steps' cost metrics, as one line."""
+    import statistics
+
+    steady = history[3:] or history
+    parts = []
+    for key, label, fmt in (
+        ("train/samples_per_s", "samples/s", "{:,.0f}"),
+        ("perf/tokens_per_s", "tokens/s", "{:,.0f}"),
+        ("perf/tflops", "TFLOP/s per worker", "{:.3g}"),
+        ("perf/mfu", "MFU", "{:.1%}"),
+        ("perf/data_wait_frac", "data wait", "{:.1%}"),
+        ("comm/sync_time_frac", "gradient sync", "{:.1%}"),
+        ("mem/peak_mb", "peak memory MB", "{:,.0f}"),
+    ):
+        values = [r[key] for r in steady if isinstance(r.get(key), (int, float))]
+        if values:
+            parts.append(f"{label} {fmt.format(statistics.median(values))}")
+    return ", ".join(parts)
 
 
 def _print_summary(console, cfg: TrainConfig, result) -> None:
@@ -180,6 +209,9 @@ def _print_summary(console, cfg: TrainConfig, result) -> None:
         if "val/accuracy" in m:
             line += f", val accuracy {m['val/accuracy']:.2%}"
         console.print(line)
+    perf = _perf_summary(result.history)
+    if perf:
+        console.print("  per step (median of the steps after the first 3): " + perf)
     console.print(
         f"  wall time {result.wall_time_s:.1f} s "
         f"(training steps {result.summary.get('train_time_s', 0.0):.1f} s)"

@@ -9,7 +9,7 @@ from __future__ import annotations
 import difflib
 import os
 from pathlib import Path
-from typing import Any, Literal, get_origin
+from typing import Annotated, Any, Literal, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -35,6 +35,7 @@ class ConfigIssue:
     """One problem in a config: where, what was given, what is wrong and how to fix it."""
 
     def __init__(self, path: str, message: str, value: Any = None, fix: str | None = None):
+        self.loc: tuple[str, ...] = ()
         self.path = path
         self.message = message
         self.value = value
@@ -124,10 +125,28 @@ class BatchConfig(_Section):
     global_batch_size: int | None = Field(None, ge=1)
     """Samples per optimizer step over all workers: micro_batch_size × grad_accum_steps ×
     num_workers. The invariant kept when the number of workers changes."""
-    micro_batch_size: int | None = Field(None, ge=1)
-    """Samples per worker per forward/backward (micro-step)."""
+    micro_batch_size: Annotated[int, Field(ge=1)] | Literal["auto"] | None = None
+    """Samples per worker per forward/backward (micro-step), or `auto`: before training, the
+    largest divisor of one worker's share of the global batch whose forward + backward fits the
+    memory budget on every rank (accumulation follows, the global batch is kept exactly); on a
+    GPU an out-of-memory error later halves it on all ranks and redoes the window."""
     grad_accum_steps: int | None = Field(None, ge=1)
     """Micro-steps per optimizer step on each worker; derived from the other two when omitted."""
+    memory_budget: float = Field(0.9, gt=0.0, le=1.0)
+    """`micro_batch_size: auto` on GPU: share of the device's memory a micro-step may use."""
+    memory_budget_mb: float | None = Field(None, gt=0.0)
+    """`micro_batch_size: auto`: memory a micro-step may use per worker, in MiB (required on
+    CPU, where it is checked against parameters, gradients, optimizer state and activations;
+    on GPU it replaces `batch.memory_budget`)."""
+
+    @property
+    def auto_micro_batch(self) -> bool:
+        return self.micro_batch_size == "auto"
+
+    @property
+    def fixed_micro_batch_size(self) -> int | None:
+        """The configured micro-batch, None when omitted or `auto`."""
+        return None if self.micro_batch_size == "auto" else self.micro_batch_size
 
 
 class OptimConfig(_Section):
@@ -154,6 +173,8 @@ class OptimConfig(_Section):
     """Final LR of the cosine schedule as a share of the effective LR."""
     max_grad_norm: float | None = Field(None, gt=0.0)
     """Clip the global gradient norm to this value after unscaling; null = no clipping."""
+    fused: bool | None = None
+    """AdamW's fused kernel (one launch for all parameters); null = on GPU workers only."""
 
 
 class TrainSection(_Section):
@@ -167,6 +188,19 @@ class TrainSection(_Section):
     """Run validation every N optimizer steps (and always at the end); null = only at the end."""
     checkpoint_every_steps: int | None = Field(None, ge=1)
     """Checkpoint every N optimizer steps (and always at the end); null = only at the end."""
+    compile: bool = False
+    """torch.compile the model (before DDP wraps it). The first steps pay the compilation
+    (tens of seconds for GPT-2 small); accumulation and no_sync work as without it."""
+    allow_tf32: bool = False
+    """GPU, fp32 precision: let matmuls and convolutions use TF32 tensor cores (about 10 bits
+    of mantissa instead of 23: faster, not bit-equal to fp32)."""
+    loss_chunk_tokens: int | None = Field(8192, ge=1)
+    """Token models with an output head (`gpt`): compute the vocabulary projection and
+    cross-entropy this many positions at a time, so fp32 logits of a whole micro-batch are never
+    held; null = all at once."""
+    peak_tflops: float | None = Field(None, gt=0.0)
+    """Peak TFLOP/s of one worker's device for `perf/mfu`; null = a known GPU's dense bf16
+    peak, none on CPU (then only `perf/tflops` is logged)."""
 
 
 class ScalingConfig(_Section):
@@ -308,7 +342,7 @@ class TrainConfig(_Section):
         return resolve_batch_plan(
             num_workers=num_workers or self.scaling.max_workers,
             global_batch_size=self.batch.global_batch_size,
-            micro_batch_size=self.batch.micro_batch_size,
+            micro_batch_size=self.batch.fixed_micro_batch_size,
             grad_accum_steps=self.batch.grad_accum_steps,
         )
 
@@ -472,14 +506,43 @@ def _fix_for(kind: str, ctx: dict[str, Any]) -> str | None:
         "model_type": "write it as a section of key: value lines",
         "dict_type": "write it as a mapping of key: value",
         "list_type": "write it as a list, e.g. [1, 2]",
-        "tuple_type": "write it as a list, e.g. [0.9, 0.999]",
+        "tuple_type": "write it as a list of two values, e.g. [1, 2]",
     }.get(kind)
+
+
+_UNION_TAGS = {"int", "float", "str", "bool", "none", "list", "dict", "tuple"}
+
+
+def _is_union_tag(part: str) -> bool:
+    """pydantic names the branch of a union field in the error location (`constrained-int`,
+    `literal['auto']`, `tuple[int, int]`); field names never look like that."""
+    return "[" in part or "-" in part or part in _UNION_TAGS
+
+
+def _merge_union_branches(issues: list[ConfigIssue]) -> list[ConfigIssue]:
+    """One issue per field: a value that fits no branch of a union gets the branches' fixes."""
+    merged: dict[str, ConfigIssue] = {}
+    out: list[ConfigIssue] = []
+    for issue in issues:
+        first = merged.get(issue.path)
+        if first is None or issue.message == "unknown key":
+            merged[issue.path] = issue
+            out.append(issue)
+            continue
+        fixes = [f for f in (first.fix, issue.fix) if f]
+        combined = ConfigIssue(
+            issue.path, "is not a valid value", first.value, "; or ".join(dict.fromkeys(fixes))
+        )
+        combined.loc = issue.loc
+        out[out.index(first)] = combined
+        merged[issue.path] = combined
+    return out
 
 
 def _issues_from_validation(exc: ValidationError) -> list[ConfigIssue]:
     issues = []
     for err in exc.errors(include_url=False):
-        loc = tuple(p for p in err["loc"] if isinstance(p, str))
+        loc = tuple(p for p in err["loc"] if isinstance(p, str) and not _is_union_tag(p))
         path = ".".join(loc)
         kind = err["type"]
         if kind == "extra_forbidden":
@@ -498,14 +561,18 @@ def _issues_from_validation(exc: ValidationError) -> list[ConfigIssue]:
             msg = str(err["msg"]).removeprefix("Value error, ")
             issues.append(ConfigIssue(path, msg, _MISSING))
             continue
-        fix = _fix_for(kind, err.get("ctx") or {})
-        desc = _description(loc)
-        if desc:
-            fix = f"{fix} — {' '.join(desc.split())}" if fix else " ".join(desc.split())
         value = err.get("input", _MISSING)
         if isinstance(value, dict):
             value = _MISSING
-        issues.append(ConfigIssue(path, str(err["msg"]), value, fix))
+        issue = ConfigIssue(path, str(err["msg"]), value, _fix_for(kind, err.get("ctx") or {}))
+        issue.loc = loc
+        issues.append(issue)
+    issues = _merge_union_branches(issues)
+    for issue in issues:
+        desc = _description(issue.loc) if issue.loc else None
+        if desc:
+            desc = " ".join(desc.split())
+            issue.fix = f"{issue.fix} — {desc}" if issue.fix else desc
     return issues
 
 
@@ -622,12 +689,40 @@ def _cross_field_issues(s: dict[str, Any]) -> list[ConfigIssue]:
                         "give scaling.num_workers as [min, max], or remove it",
                     )
                 )
+    if batch is not None and batch.auto_micro_batch:
+        if batch.global_batch_size is None:
+            issues.append(
+                ConfigIssue(
+                    "batch.global_batch_size",
+                    "is required with batch.micro_batch_size=auto (the search keeps it fixed)",
+                    None,
+                    "set batch.global_batch_size",
+                )
+            )
+        if batch.grad_accum_steps is not None:
+            issues.append(
+                ConfigIssue(
+                    "batch.grad_accum_steps",
+                    "is derived when batch.micro_batch_size=auto, so it cannot be set too",
+                    batch.grad_accum_steps,
+                    "remove batch.grad_accum_steps, or give a micro_batch_size",
+                )
+            )
+        if scaling is not None and not scaling.use_gpu and batch.memory_budget_mb is None:
+            issues.append(
+                ConfigIssue(
+                    "batch.memory_budget_mb",
+                    "is required for batch.micro_batch_size=auto on CPU workers",
+                    None,
+                    "set batch.memory_budget_mb (MiB per worker), e.g. 2048",
+                )
+            )
     if batch is not None and scaling is not None:
         try:
             resolve_batch_plan(
                 num_workers=scaling.max_workers,
                 global_batch_size=batch.global_batch_size,
-                micro_batch_size=batch.micro_batch_size,
+                micro_batch_size=batch.fixed_micro_batch_size,
                 grad_accum_steps=batch.grad_accum_steps,
             )
         except BatchPlanError as exc:

@@ -157,6 +157,53 @@ def scenario_micro_step_mismatch(rank, world, out):
         out["mismatch"] = str(exc)
 
 
+def scenario_out_of_memory_on_one_rank(rank, world, out):
+    """Rank 1 'runs out of memory' on micro-batches of more than 2 rows, in its second
+    micro-step: both ranks cut their micro-batches in two and redo the window."""
+    rows = classification_rows(GLOBAL_ROWS)
+    model = DDP(TinyClassifier())
+    step = AccumulationStep(model, torch.optim.SGD(model.parameters(), lr=LR), oom_retry=True)
+    lo, hi = shard(rank, world, GLOBAL_ROWS)
+    calls = []
+
+    def loss_fn(m, batch):
+        calls.append(len(batch["label"]))
+        if rank == 1 and len(calls) == 2 and len(batch["label"]) > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+        return classification_item_losses(m, batch)
+
+    result = step(micro_batches(slice_rows(rows, lo, hi), MICRO), classification_item_losses)
+    first = {"splits": result.micro_batch_splits, "micro_steps": result.micro_steps}
+    # the next window is cut the same way from the start
+    model2 = DDP(TinyClassifier())
+    step2 = AccumulationStep(model2, torch.optim.SGD(model2.parameters(), lr=LR), oom_retry=True)
+    result2 = step2(micro_batches(slice_rows(rows, lo, hi), MICRO), loss_fn)
+    after_retry = params_vector(model2)
+    second = step2(micro_batches(slice_rows(rows, lo, hi), MICRO), classification_item_losses)
+    out["oom"] = {
+        "no_oom": first,
+        "params_after_retry": after_retry,
+        "result": result2,
+        "calls": calls,
+        "next_window": {"splits": second.micro_batch_splits, "micro_steps": second.micro_steps},
+    }
+
+
+def scenario_out_of_memory_without_retry_raises(rank, world, out):
+    """Without oom_retry an out-of-memory error is not swallowed."""
+    model = DDP(TinyClassifier())
+    step = AccumulationStep(model, torch.optim.SGD(model.parameters(), lr=LR))
+
+    def loss_fn(m, batch):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    try:
+        step(micro_batches(classification_rows(6), MICRO), loss_fn)
+        out["oom_plain"] = "no error"
+    except torch.OutOfMemoryError as exc:
+        out["oom_plain"] = str(exc)
+
+
 SCENARIOS = [
     scenario_classify,
     scenario_tokens,
@@ -164,6 +211,8 @@ SCENARIOS = [
     scenario_sync_counts,
     scenario_nan_on_one_rank,
     scenario_micro_step_mismatch,
+    scenario_out_of_memory_on_one_rank,
+    scenario_out_of_memory_without_retry_raises,
 ]
 
 

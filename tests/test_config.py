@@ -159,3 +159,28 @@ def test_yaml_round_trip():
     cfg = load(GOOD)
     again = TrainConfig.from_dict(__import__("yaml").safe_load(cfg.to_yaml()))
     assert again == cfg
+
+
+def test_auto_micro_batch_rules_name_their_fields():
+    cfg = TrainConfig.from_dict(
+        {"batch": {"global_batch_size": 64, "micro_batch_size": "auto", "memory_budget_mb": 512}}
+    )
+    assert cfg.batch.auto_micro_batch and cfg.batch.fixed_micro_batch_size is None
+    # the plan known before the search: accumulation 1, the largest micro-batch it may pick
+    assert (cfg.batch_plan().micro_batch_size, cfg.batch_plan().grad_accum_steps) == (32, 1)
+    with pytest.raises(ConfigError) as err:
+        TrainConfig.from_dict({"batch": {"micro_batch_size": "auto", "grad_accum_steps": 2}})
+    text = str(err.value)
+    for field in ("batch.global_batch_size", "batch.grad_accum_steps", "batch.memory_budget_mb"):
+        assert field in text, text
+    gpu = {"global_batch_size": 64, "micro_batch_size": "auto"}
+    assert TrainConfig.from_dict({"batch": gpu, "scaling": {"use_gpu": True}}).batch.memory_budget
+
+
+def test_a_value_no_union_branch_takes_is_one_problem():
+    with pytest.raises(ConfigError) as err:
+        TrainConfig.from_dict({"batch": {"global_batch_size": 8, "micro_batch_size": "big"}})
+    assert len(err.value.issues) == 1
+    text = str(err.value)
+    assert "batch.micro_batch_size: is not a valid value (got 'big')" in text
+    assert "whole number" in text and "'auto'" in text

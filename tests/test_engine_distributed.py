@@ -121,6 +121,31 @@ def test_unequal_micro_steps_raise_on_every_rank_instead_of_hanging(ranks):
         assert "different numbers of micro-batches" in ranks[r]["mismatch"]
 
 
+def test_out_of_memory_on_one_rank_halves_the_micro_batch_on_all(ranks, record_equivalence):
+    for r in range(WORLD):
+        oom = ranks[r]["oom"]
+        assert oom["no_oom"] == {"splits": 1, "micro_steps": 4}
+        assert oom["result"].micro_batch_splits == 2
+        assert oom["result"].micro_steps == 8
+        assert oom["result"].items == W.GLOBAL_ROWS
+        assert oom["next_window"] == {"splits": 2, "micro_steps": 8}
+    # rank 1 failed in its 2nd micro-step (rows 3); then every micro-batch was cut to 2 + 1
+    assert ranks[1]["oom"]["calls"] == [3, 3, 2, 1, 2, 1, 2, 1, 2, 1]
+    assert ranks[0]["oom"]["calls"][:1] == [3]
+    assert ranks[0]["oom"]["calls"][-8:] == [2, 1] * 4
+    assert torch.equal(ranks[0]["oom"]["params_after_retry"], ranks[1]["oom"]["params_after_retry"])
+    model = TinyClassifier()
+    before = params_vector(model)
+    reference_sgd_step(
+        model, full_batch_classification_loss(model, classification_rows(W.GLOBAL_ROWS)), W.LR
+    )
+    err = update_rel_err(before, ranks[0]["oom"]["params_after_retry"], params_vector(model))
+    record_equivalence("2 ranks, out-of-memory retry at half the micro-batch, SGD", err)
+    assert err <= FP32_TOL, err
+    for r in range(WORLD):
+        assert "CUDA out of memory" in ranks[r]["oom_plain"]
+
+
 def test_the_counter_records_what_a_wrong_loop_would_hide():
     """Sanity of the reference itself: a half-size global batch gives a different step."""
     model = TinyClassifier()

@@ -3,6 +3,8 @@ control and train state. Imports torch only (never ray or mlflow), so it runs un
 torch.distributed as well as inside Ray Train workers."""
 
 from rayacc.batch_plan import BatchPlan, BatchPlanError, resolve_batch_plan
+from rayacc.engine.autobatch import MicroBatchSearch, find_micro_batch_size
+from rayacc.engine.chunked_loss import chunked_cross_entropy
 from rayacc.engine.losses import (
     IGNORE_INDEX,
     classification_item_losses,
@@ -12,6 +14,7 @@ from rayacc.engine.losses import (
     token_item_losses,
 )
 from rayacc.engine.lr import LR_RULES, SampleSchedule, build_scheduler, effective_lr, lr_multiplier
+from rayacc.engine.perf import StepCost, device_peak_tflops, flops_per_item
 from rayacc.engine.state import TrainState
 from rayacc.engine.step import PRECISIONS, AccumulationStep, MicroStepMismatchError, StepResult
 from rayacc.engine.sync import CommCounter, ddp_sync_context, install_comm_counter
@@ -24,17 +27,23 @@ __all__ = [
     "BatchPlan",
     "BatchPlanError",
     "CommCounter",
+    "MicroBatchSearch",
     "MicroStepMismatchError",
     "SampleSchedule",
+    "StepCost",
     "StepResult",
     "TrainState",
     "build_scheduler",
+    "chunked_cross_entropy",
     "classification_item_losses",
     "collate_tokens",
     "count_rows",
     "count_target_tokens",
     "ddp_sync_context",
+    "device_peak_tflops",
     "effective_lr",
+    "find_micro_batch_size",
+    "flops_per_item",
     "install_comm_counter",
     "lr_multiplier",
     "resolve_batch_plan",

@@ -65,6 +65,8 @@ class StepResult:
     peak_memory_mb: float
     """This rank: peak allocated device memory in the window on GPU; on CPU the process's peak
     resident set size so far."""
+    micro_batch_splits: int = 1
+    """Each given micro-batch was cut into this many (doubled by every out-of-memory retry)."""
 
     @property
     def compute_time_s(self) -> float:
@@ -93,6 +95,7 @@ class AccumulationStep:
         max_grad_norm: float | None = None,
         scaler: torch.amp.GradScaler | None = None,
         count_comm: bool = True,
+        oom_retry: bool = False,
     ):
         if precision not in PRECISIONS:
             raise ValueError(f"train.precision={precision!r} is not one of {', '.join(PRECISIONS)}")
@@ -113,6 +116,12 @@ class AccumulationStep:
                 raise ValueError("a GradScaler is only used with train.precision=fp16")
             self.scaler = None
         self.comm = install_comm_counter(model) if count_comm else None
+        self.oom_retry = oom_retry
+        self.micro_batch_splits = 1
+        """With `oom_retry`: an out-of-memory error on any rank in a micro-step before the
+        window's last makes every rank cut each micro-batch in two (for this and every later
+        window) and run the window again; the gradient sum, and so the step, stays the same.
+        It costs one small all-reduce per window, before the last micro-step."""
 
     def _world_size(self) -> int:
         if not (dist.is_available() and dist.is_initialized()):
@@ -145,6 +154,24 @@ class AccumulationStep:
         count_items: ItemCounter = count_rows,
     ) -> StepResult:
         t_start = time.perf_counter()
+        while True:
+            given = micro_batches
+            if self.micro_batch_splits > 1:
+                given = [p for mb in micro_batches for p in _split(mb, self.micro_batch_splits)]
+            result = self._window(t_start, given, loss_fn, count_items)
+            if result is not None:
+                return result
+            # some rank ran out of memory: all ranks retry with half the micro-batch
+            self.micro_batch_splits *= 2
+
+    def _window(
+        self,
+        t_start: float,
+        micro_batches: Sequence[Batch],
+        loss_fn: LossFn,
+        count_items: ItemCounter,
+    ) -> StepResult | None:
+        """One attempt at the window; None when an out-of-memory retry is due."""
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         if self.comm is not None:
@@ -176,16 +203,33 @@ class AccumulationStep:
         scale = self.world_size / items
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        out_of_memory = None
         for i, mb in enumerate(micro_batches):
-            with ddp_sync_context(self.model, sync=i == n_micro - 1):
-                with self._autocast():
-                    item_losses = loss_fn(self.model, mb)
-                micro_sum = item_losses.float().sum()
-                loss_sum += micro_sum.detach()
-                scaled = micro_sum * scale
-                if self.scaler is not None:
-                    scaled = self.scaler.scale(scaled)
-                scaled.backward()
+            last = i == n_micro - 1
+            if (
+                last
+                and self.oom_retry
+                and self._any_rank_out_of_memory(out_of_memory, micro_batches)
+            ):
+                return None
+            if out_of_memory is not None:
+                continue
+            try:
+                with ddp_sync_context(self.model, sync=last):
+                    with self._autocast():
+                        item_losses = loss_fn(self.model, mb)
+                    micro_sum = item_losses.float().sum()
+                    loss_sum += micro_sum.detach()
+                    scaled = micro_sum * scale
+                    if self.scaler is not None:
+                        scaled = self.scaler.scale(scaled)
+                    scaled.backward()
+            except torch.OutOfMemoryError as exc:
+                # before the last micro-step nothing has synced: the window can be redone
+                if last or not self.oom_retry:
+                    raise
+                out_of_memory = exc
+                item_losses = micro_sum = scaled = None
 
         (total_loss,) = self._all_reduce_sum([float(loss_sum)])
         if not math.isfinite(total_loss):
@@ -220,6 +264,27 @@ class AccumulationStep:
         self.optimizer.zero_grad(set_to_none=True)
         return self._result(t_start, mean_loss, items, samples, n_micro, grad_norm, lr, skip_reason)
 
+    def _any_rank_out_of_memory(
+        self, error: BaseException | None, micro_batches: Sequence[Batch]
+    ) -> bool:
+        """Agrees, before the window's syncing micro-step, whether any rank ran out of memory;
+        if so every rank drops the window's gradients (and raises when a micro-batch is down to
+        one row and cannot be cut)."""
+        unsplittable = min(count_rows(mb) for mb in micro_batches) < 2
+        oom, stuck = self._all_reduce_sum([float(error is not None), float(unsplittable)])
+        if not oom:
+            return False
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        if stuck:
+            raise torch.OutOfMemoryError(
+                f"out of memory on {int(oom)} rank(s) with micro-batches already cut "
+                f"{self.micro_batch_splits}× down to one row: the model does not fit; "
+                "use a smaller model or sequence, or more memory per worker"
+            ) from error
+        return True
+
     def _result(
         self,
         t_start: float,
@@ -250,4 +315,11 @@ class AccumulationStep:
             step_time_s=time.perf_counter() - t_start,
             sync_time_s=self.comm.sync_time_s() if self.comm else 0.0,
             peak_memory_mb=peak_mb,
+            micro_batch_splits=self.micro_batch_splits,
         )
+
+
+def _split(batch: Batch, parts: int) -> list[Batch]:
+    """`batch` cut along its rows into `parts` micro-batches (sizes differ by at most one)."""
+    pieces = {k: torch.tensor_split(v, parts) for k, v in batch.items()}
+    return [{k: v[i] for k, v in pieces.items()} for i in range(parts)]

@@ -1,5 +1,17 @@
 """Model registry: `mlp`, `gpt`, and user factories "package.module:function"."""
 
-from rayacc.models.registry import ModelError, build_model, loss_functions
+from rayacc.models.registry import (
+    ModelError,
+    build_model,
+    loss_functions,
+    supports_chunked_loss,
+    unwrap_model,
+)
 
-__all__ = ["ModelError", "build_model", "loss_functions"]
+__all__ = [
+    "ModelError",
+    "build_model",
+    "loss_functions",
+    "supports_chunked_loss",
+    "unwrap_model",
+]

@@ -79,7 +79,18 @@ class GPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, std=0.02)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def flops_per_item(self, item_shape=None) -> float:
+        """Training FLOPs per target token (forward + backward), as nanoGPT and the bare
+        anchor count them: 6 × parameters + 12 × layers × heads × head size × sequence."""
+        n = sum(p.numel() for p in self.parameters())
+        seq = item_shape[-1] if item_shape else self.block_size
+        attn = self.blocks[0].attn
+        head_size = attn.qkv.in_features // attn.n_head
+        return 6.0 * n + 12.0 * len(self.blocks) * attn.n_head * head_size * seq
+
+    def forward(self, idx: torch.Tensor, return_hidden: bool = False) -> torch.Tensor:
+        """Logits, or with `return_hidden` the final hidden states that `head` projects (a
+        chunked loss applies the head itself, never holding all the logits)."""
         t = idx.shape[1]
         if t > self.block_size:
             raise ValueError(f"sequence of {t} tokens exceeds model.block_size={self.block_size}")
@@ -87,4 +98,5 @@ class GPT(nn.Module):
         x = self.drop(self.tok(idx) + self.pos(pos))
         for block in self.blocks:
             x = block(x)
-        return self.head(self.ln_f(x))
+        hidden = self.ln_f(x)
+        return hidden if return_hidden else self.head(hidden)

@@ -23,3 +23,7 @@ class MLP(nn.Module):
 
     def forward(self, features):
         return self.net(features)
+
+    def flops_per_item(self, item_shape=None) -> float:
+        """Training FLOPs per sample: forward + backward ≈ 6 × the matmul weights."""
+        return 6.0 * sum(m.weight.numel() for m in self.net if isinstance(m, nn.Linear))

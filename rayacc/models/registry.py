@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Callable
 
 import torch
@@ -16,8 +17,16 @@ from rayacc.engine import (
     count_target_tokens,
     token_item_losses,
 )
+from rayacc.engine.chunked_loss import chunked_cross_entropy
 
-__all__ = ["ModelError", "build_model", "loss_functions", "resolve_factory"]
+__all__ = [
+    "ModelError",
+    "build_model",
+    "loss_functions",
+    "resolve_factory",
+    "supports_chunked_loss",
+    "unwrap_model",
+]
 
 
 class ModelError(ValueError):
@@ -77,8 +86,40 @@ def build_model(cfg: TrainConfig, info: DatasetInfo | None = None) -> nn.Module:
         return GPT(info.vocab_size, m.block_size, m.n_layer, m.n_head, m.n_embd, m.dropout)
 
 
-def loss_functions(info: DatasetInfo):
-    """(per-item loss, item counter) for a dataset format."""
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The user's module inside DistributedDataParallel and torch.compile wrappers."""
+    while True:
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            model = model.module
+        elif type(model).__name__ == "OptimizedModule":  # torch.compile's wrapper
+            model = model._orig_mod
+        else:
+            return model
+
+
+def supports_chunked_loss(model: nn.Module) -> bool:
+    """A token model whose forward can return the hidden states its `head` projects."""
+    inner = unwrap_model(model)
+    return isinstance(getattr(inner, "head", None), nn.Linear) and (
+        "return_hidden" in inspect.signature(inner.forward).parameters
+    )
+
+
+def loss_functions(info: DatasetInfo, model: nn.Module | None = None, chunk: int | None = None):
+    """(per-item loss, item counter) for a dataset format. Token models that support it (see
+    `supports_chunked_loss`) get the chunked cross-entropy when `chunk` is set."""
     if info.format == "classification":
         return classification_item_losses, count_rows
-    return token_item_losses, count_target_tokens
+    if chunk is None or model is None or not supports_chunked_loss(model):
+        return token_item_losses, count_target_tokens
+
+    def chunked_token_item_losses(m: nn.Module, batch) -> torch.Tensor:
+        # through the wrapper's forward (DDP prepares its gradient sync there); the head's
+        # weight is then used directly, which DDP's per-parameter hooks see all the same
+        hidden = m(batch["input"], return_hidden=True)
+        head = unwrap_model(m).head
+        return chunked_cross_entropy(
+            hidden, head.weight, batch["target"], bias=head.bias, chunk=chunk
+        )
+
+    return chunked_token_item_losses, count_target_tokens

@@ -251,7 +251,11 @@ def fit(
             parent_run_id=parent_run_id,
         )
         if sink.active and not (resume and previous.get("mlflow_run_id")):
-            sink.log_params(contract_params(cfg, prep.plan, prep.effective_lr))
+            params = contract_params(cfg, prep.plan, prep.effective_lr)
+            if cfg.batch.auto_micro_batch:
+                # known once the workers have searched: logged from their event
+                del params["micro_batch_size"], params["grad_accum_steps"]
+            sink.log_params(params)
             sink.log_text(cfg.to_yaml(), "config.yaml")
             sink.set_tags(
                 {
@@ -325,6 +329,7 @@ def fit(
     events: list[dict[str, Any]] = []
     resumed_at: list[str] = []
     resizes: list[str] = []
+    micro_changes: list[str] = []
 
     def relay() -> None:
         for record in ray.get(buffer.drain.remote()):
@@ -339,6 +344,20 @@ def fit(
                     )
                     if sink is not None:
                         sink.set_tags({"rayacc.resizes": "; ".join(resizes)})
+                if record["event"] == "micro_batch":
+                    micro_changes.append(
+                        f"step {record['step']}: micro {record['micro_batch_size']} × accum "
+                        f"{record['grad_accum_steps']} ({record['reason']})"
+                    )
+                    if sink is not None:
+                        if len(micro_changes) == 1 and not previous.get("mlflow_run_id"):
+                            sink.log_params(
+                                {
+                                    "micro_batch_size": record["micro_batch_size"],
+                                    "grad_accum_steps": record["grad_accum_steps"],
+                                }
+                            )
+                        sink.set_tags({"rayacc.micro_batch_events": "; ".join(micro_changes)})
                 if record["event"] == "start" and record.get("resumed_from") is not None:
                     resumed_at.append(str(record["resumed_from"]))
                     if sink is not None:
@@ -391,7 +410,8 @@ def fit(
         checkpoint_dir=checkpoint_dir,
         mlflow_run_id=sink.run_id if sink else None,
         metrics=summary.get("metrics", {}),
-        plan=prep.plan,
+        # what the last worker group ran with (an auto micro-batch is known only there)
+        plan=BatchPlan(**summary["plan"]) if summary.get("plan") else prep.plan,
         effective_lr=prep.effective_lr,
         run_name=name,
         storage_path=storage,

@@ -17,12 +17,21 @@ import torch
 import torch.distributed as dist
 from ray.train.torch import get_device, prepare_model
 
-from rayacc.batch_plan import plan_for_workers
+from rayacc.batch_plan import BatchPlan, plan_for_workers
 from rayacc.config import TrainConfig
 from rayacc.data.order import EpochLayout, epoch_order, split_train_val
 from rayacc.data.sources import DatasetInfo
-from rayacc.engine import AccumulationStep, SampleSchedule, TrainState, effective_lr
-from rayacc.models import build_model, loss_functions
+from rayacc.engine import (
+    AccumulationStep,
+    SampleSchedule,
+    StepCost,
+    TrainState,
+    device_peak_tflops,
+    effective_lr,
+    find_micro_batch_size,
+    flops_per_item,
+)
+from rayacc.models import build_model, loss_functions, unwrap_model
 from rayacc.runner.checkpoint import read_checkpoint, write_checkpoint
 from rayacc.runner.ingest import LocalRows, fetch_rows
 
@@ -37,17 +46,66 @@ def total_optimizer_steps(cfg: TrainConfig, layout: EpochLayout) -> int:
     return min(cfg.train.max_steps, by_epochs) if cfg.train.max_steps else by_epochs
 
 
-def _optimizer(cfg: TrainConfig, model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
+def _optimizer(
+    cfg: TrainConfig, model: torch.nn.Module, lr: float, device: torch.device
+) -> torch.optim.Optimizer:
     o = cfg.optim
+    # one kernel launch for all parameters instead of several per tensor: pays off on GPU
+    fused = o.fused if o.fused is not None else device.type == "cuda"
     if o.name == "sgd":
         return torch.optim.SGD(
-            model.parameters(), lr=lr, momentum=o.momentum, weight_decay=o.weight_decay
+            model.parameters(),
+            lr=lr,
+            momentum=o.momentum,
+            weight_decay=o.weight_decay,
+            fused=fused or None,
         )
-    return torch.optim.AdamW(model.parameters(), lr=lr, betas=o.betas, weight_decay=o.weight_decay)
+    return torch.optim.AdamW(
+        model.parameters(), lr=lr, betas=o.betas, weight_decay=o.weight_decay, fused=fused or None
+    )
 
 
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+def _memory_budget_bytes(cfg: TrainConfig, device: torch.device) -> int:
+    if cfg.batch.memory_budget_mb is not None:
+        return int(cfg.batch.memory_budget_mb * 2**20)
+    total = torch.cuda.get_device_properties(device).total_memory
+    return int(cfg.batch.memory_budget * total)
+
+
+def _search_micro_batch(cfg, model, loss_fn, rows, ids, plan, device) -> tuple[BatchPlan, dict]:
+    """`batch.micro_batch_size: auto`: the largest micro-batch that fits, the same on all ranks.
+    Runs on the eager module (a compiled one would recompile for every size tried) with real
+    rows of this rank; gradients are dropped and the RNG is left as it was."""
+    share = plan.samples_per_worker
+    index = np.resize(ids, share) if len(ids) else ids
+
+    def make_batch(n: int):
+        return {k: v.to(device) for k, v in rows.take(index[:n]).items()}
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.train.precision)
+    inner = unwrap_model(model)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        search = find_micro_batch_size(
+            inner,
+            loss_fn,
+            make_batch,
+            samples_per_worker=share,
+            budget_bytes=_memory_budget_bytes(cfg, device),
+            autocast_dtype=dtype,
+            optimizer_slots=2 if cfg.optim.name == "adamw" else int(cfg.optim.momentum > 0),
+        )
+    chosen = BatchPlan(
+        plan.global_batch_size, search.micro_batch_size, search.grad_accum_steps, plan.num_workers
+    )
+    event = {
+        "event": "micro_batch",
+        "reason": "auto search",
+        "micro_batch_size": chosen.micro_batch_size,
+        "grad_accum_steps": chosen.grad_accum_steps,
+        "budget_mb": search.budget_bytes / 2**20,
+        "trials": search.trials,
+    }
+    return chosen, event
 
 
 @torch.no_grad()
@@ -63,7 +121,9 @@ def _validate(
     precision: str,
 ) -> dict[str, float]:
     """Mean item loss (and accuracy) over the validation rows of all ranks."""
-    inner = _unwrap(model)  # no DDP forward: ranks may run different numbers of batches here
+    # no DDP forward: ranks may run different numbers of batches here (and the eager module:
+    # validation shapes would make a compiled one recompile)
+    inner = unwrap_model(model)
     was_training = inner.training
     inner.eval()
     totals = torch.zeros(3, dtype=torch.float64)
@@ -124,6 +184,9 @@ def train_loop(config: dict[str, Any]) -> dict[str, Any]:
     # one intra-op thread per reserved CPU: more oversubscribes the cores other ranks use
     torch.set_num_threads(max(1, int(cfg.scaling.cpus_per_worker)))
     device = get_device()
+    if cfg.train.allow_tf32 and device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
 
     # the plan at the worker count Ray gave this attempt; `reference` is the plan at the most
     # workers, which the LR schedule is laid out for
@@ -149,8 +212,12 @@ def train_loop(config: dict[str, Any]) -> dict[str, Any]:
         reference.num_workers,
         cfg.data.last_window,
     )
-    model = prepare_model(build_model(cfg, info))
-    optimizer = _optimizer(cfg, model, lr)
+    module = build_model(cfg, info)
+    if cfg.train.compile:
+        # compiled before DDP wraps it, so no_sync and the gradient hooks stay outside the graph
+        module = torch.compile(module)
+    model = prepare_model(module)
+    optimizer = _optimizer(cfg, model, lr, device)
     schedule = SampleSchedule(
         optimizer,
         peak_lr=lr,
@@ -166,6 +233,8 @@ def train_loop(config: dict[str, Any]) -> dict[str, Any]:
         optimizer,
         precision=cfg.train.precision,
         max_grad_norm=cfg.optim.max_grad_norm,
+        # a CUDA out-of-memory error halves the micro-batch on all ranks (auto micro-batch)
+        oom_retry=cfg.batch.auto_micro_batch and device.type == "cuda",
     )
     state = TrainState()
 
@@ -182,7 +251,7 @@ def train_loop(config: dict[str, Any]) -> dict[str, Any]:
                 f"run resolves to {plan.global_batch_size}; resume with the same "
                 "batch.global_batch_size"
             )
-        _unwrap(model).load_state_dict(saved["model"])
+        unwrap_model(model).load_state_dict(saved["model"])
         optimizer.load_state_dict(saved["optimizer"])
         schedule.load_state_dict(saved["schedule"])
         if step.scaler is not None and saved.get("scaler"):
@@ -205,10 +274,9 @@ def train_loop(config: dict[str, Any]) -> dict[str, Any]:
         # a new global batch (keep_micro_batch) moves to its LR over a short re-warmup
         schedule.set_peak(lr, rewarm_steps=REWARM_STEPS)
 
-    loss_fn, count = loss_functions(info)
+    loss_fn, count = loss_functions(info, model, cfg.train.loss_chunk_tokens)
     shard = ray.train.get_dataset_shard("train")
     val_share = np.array_split(val_ids, world)[rank]
-    val_batch = 2 * plan.micro_batch_size
 
     last: dict[str, Any] = {}
     val_metrics: dict[str, float] = {}
@@ -223,7 +291,7 @@ def train_loop(config: dict[str, Any]) -> dict[str, Any]:
             write_checkpoint(
                 tmp,
                 state={
-                    "model": _unwrap(model).state_dict(),
+                    "model": unwrap_model(model).state_dict(),
                     "optimizer": optimizer.state_dict(),
                     "schedule": schedule.state_dict(),
                     "scaler": step.scaler.state_dict() if step.scaler is not None else None,
@@ -246,23 +314,38 @@ def train_loop(config: dict[str, Any]) -> dict[str, Any]:
                 checkpoint_dir_name=f"checkpoint_step{state.optimizer_step:08d}",
             )
 
-    # every window this rank runs from here on: per epoch, its layout over the rows left from
-    # the saved sample position (which a new global batch need not divide)
-    epochs: list[tuple[int, EpochLayout, int, np.ndarray]] = []
-    steps_left = (cfg.train.max_steps or 10**12) - state.optimizer_step
-    for epoch in range(state.epoch, cfg.train.epochs):
-        if steps_left <= 0:
-            break
-        offset = state.epoch_sample_offset if epoch == state.epoch else 0
-        lay = layout_of(len(train_ids) - offset)
-        n_steps = min(lay.steps_per_epoch, steps_left)
-        order = epoch_order(train_ids, epoch, cfg.seed, cfg.data.shuffle)
-        epochs.append((epoch, lay, n_steps, order[offset + lay.rank_positions(0, rank, n_steps)]))
-        steps_left -= n_steps
+    def plan_epochs() -> list[tuple[int, EpochLayout, int, np.ndarray]]:
+        """Every window this rank runs from here on: per epoch, its layout over the rows left
+        from the saved sample position (which a new global batch need not divide). Which rows
+        a rank gets does not depend on the micro-batch, only how they are cut."""
+        epochs = []
+        steps_left = (cfg.train.max_steps or 10**12) - state.optimizer_step
+        for epoch in range(state.epoch, cfg.train.epochs):
+            if steps_left <= 0:
+                break
+            offset = state.epoch_sample_offset if epoch == state.epoch else 0
+            lay = layout_of(len(train_ids) - offset)
+            n_steps = min(lay.steps_per_epoch, steps_left)
+            order = epoch_order(train_ids, epoch, cfg.seed, cfg.data.shuffle)
+            ids = order[offset + lay.rank_positions(0, rank, n_steps)]
+            epochs.append((epoch, lay, n_steps, ids))
+            steps_left -= n_steps
+        return epochs
+
+    epochs = plan_epochs()
     total_steps = state.optimizer_step + sum(e[2] for e in epochs)
     needed = np.unique(np.concatenate([e[3] for e in epochs] + [val_share]))
     rows = fetch_rows(shard, info, needed)
     val_index = np.searchsorted(needed, val_share)
+    micro_event = None
+    if cfg.batch.auto_micro_batch:
+        first_ids = np.searchsorted(needed, epochs[0][3]) if epochs else np.arange(len(needed))
+        plan, micro_event = _search_micro_batch(cfg, model, loss_fn, rows, first_ids, plan, device)
+        micro_event["step"] = state.optimizer_step
+        epochs = plan_epochs()
+    val_batch = 2 * plan.micro_batch_size
+    peak_tflops = device_peak_tflops(device, cfg.train.peak_tflops)
+    fpi: float | None = None
 
     outbox = _Outbox(progress if rank == 0 else None)
     outbox.send(
@@ -278,7 +361,10 @@ def train_loop(config: dict[str, Any]) -> dict[str, Any]:
     )
     if resize is not None:
         outbox.send(resize)
+    if micro_event is not None:
+        outbox.send(micro_event)
     outbox.flush()
+    splits = 1
 
     for epoch, lay, n_steps, ids in epochs:
         if epoch != state.epoch:
@@ -287,13 +373,29 @@ def train_loop(config: dict[str, Any]) -> dict[str, Any]:
         cursor = 0
         t_prev = time.perf_counter()
         for s in range(n_steps):
+            t_data = time.perf_counter()
             window = lay.rank_window(s, rank)
             micro_batches = []
             for part in window.micro_batches:
                 mb = rows.take(local[cursor : cursor + len(part)])
                 micro_batches.append({k: v.to(device, non_blocking=True) for k, v in mb.items()})
                 cursor += len(part)
+            data_s = time.perf_counter() - t_data
+            if fpi is None and micro_batches:
+                first = next(iter(micro_batches[0].values()))
+                fpi = flops_per_item(unwrap_model(model), tuple(first.shape[1:])) or 0.0
             result = step(micro_batches, loss_fn, count)
+            if result.micro_batch_splits != splits:
+                splits = result.micro_batch_splits
+                outbox.send(
+                    {
+                        "event": "micro_batch",
+                        "reason": "out of memory",
+                        "step": state.optimizer_step + 1,
+                        "micro_batch_size": math.ceil(plan.micro_batch_size / splits),
+                        "grad_accum_steps": plan.grad_accum_steps * splits,
+                    }
+                )
             if not result.skipped:
                 schedule.step(result.samples)
             state.advance(samples=result.samples, items=result.items, skipped=result.skipped)
@@ -313,13 +415,23 @@ def train_loop(config: dict[str, Any]) -> dict[str, Any]:
                 "train/samples_per_s": result.samples / wall if wall > 0 else 0.0,
                 "train/skipped_steps": state.skipped_steps,
                 "scaling/num_workers": world,
-                "scaling/grad_accum_steps": plan.grad_accum_steps,
+                "scaling/grad_accum_steps": plan.grad_accum_steps * splits,
+                "scaling/micro_batch_size": math.ceil(plan.micro_batch_size / splits),
                 "scaling/global_batch_size": plan.global_batch_size,
                 "comm/allreduce_calls": result.allreduce_calls,
                 "comm/sync_time_frac": result.sync_time_frac,
                 "mem/peak_mb": result.peak_memory_mb,
                 "epoch": epoch,
             }
+            cost = StepCost(
+                wall_s=wall,
+                data_s=data_s,
+                items=result.items,
+                world_size=world,
+                flops_per_item=fpi or None,
+                peak_tflops=peak_tflops,
+            )
+            last.update(cost.metrics(token_items=info.format == "tokens"))
             is_last = state.optimizer_step >= total_steps
             # validation and checkpoints are not step time; handing the record over is
             t_pause = time.perf_counter()

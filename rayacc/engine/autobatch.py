@@ -1,0 +1,180 @@
+"""`batch.micro_batch_size: auto`: the largest micro-batch whose forward + backward fits a memory
+budget, agreed on by every rank, and never one that changes the global batch.
+
+The candidates are the divisors of one worker's share of the global batch, so the accumulation
+derived from any of them keeps the global batch exactly. Memory grows with the micro-batch, so a
+binary search over the candidates needs about log2(#divisors) trial steps.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from rayacc.engine.losses import Batch, LossFn
+from rayacc.engine.sync import ddp_sync_context
+
+__all__ = [
+    "MicroBatchSearch",
+    "agree_on_min",
+    "candidate_micro_sizes",
+    "find_micro_batch_size",
+    "is_oom",
+    "largest_fitting",
+    "measure_step_bytes",
+]
+
+
+def candidate_micro_sizes(samples_per_worker: int, upper: int | None = None) -> list[int]:
+    """Divisors of `samples_per_worker` (at most `upper`), largest first."""
+    if samples_per_worker < 1:
+        raise ValueError(f"samples_per_worker must be >= 1, got {samples_per_worker}")
+    top = min(samples_per_worker, upper or samples_per_worker)
+    return [d for d in range(top, 0, -1) if samples_per_worker % d == 0]
+
+
+def largest_fitting(candidates: Sequence[int], fits: Callable[[int], bool]) -> tuple[int, list]:
+    """The largest candidate `fits` accepts, by binary search over `candidates` (largest
+    first), assuming what fits stays fitting as it shrinks. Returns it and the trials made as
+    (size, fitted). Raises ValueError when not even the smallest fits."""
+    order = sorted(candidates)
+    trials: list[tuple[int, bool]] = []
+    lo, hi, best = 0, len(order) - 1, None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        ok = fits(order[mid])
+        trials.append((order[mid], ok))
+        if ok:
+            best, lo = order[mid], mid + 1
+        else:
+            hi = mid - 1
+    if best is None:
+        raise ValueError(
+            f"no micro-batch size fits the memory budget, not even {order[0]} "
+            f"(tried {', '.join(str(s) for s, _ in trials)}); raise batch.memory_budget / "
+            "batch.memory_budget_mb, or use a smaller model or sequence"
+        )
+    return best, trials
+
+
+def is_oom(exc: BaseException) -> bool:
+    return isinstance(exc, torch.OutOfMemoryError) or (
+        isinstance(exc, RuntimeError) and "out of memory" in str(exc)
+    )
+
+
+def _param_bytes(model: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+
+
+def measure_step_bytes(
+    model: nn.Module, loss_fn: LossFn, batch: Batch, *, autocast_dtype=None, optimizer_slots=2
+) -> int:
+    """Peak memory of one forward + backward on `batch`, gradients not synced, plus the
+    `optimizer_slots` buffers per parameter the optimizer will hold (AdamW: 2), which do not
+    exist yet before the first step.
+
+    GPU: the allocator's peak while it runs (parameters and gradients are in it). CPU, where no
+    allocator keeps a peak: parameters + gradients + the bytes autograd saves for backward during
+    forward (activations), an estimate that leaves out short-lived temporaries. An
+    out-of-memory error counts as too large (a huge value)."""
+    device = next(model.parameters()).device
+    ctx = torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None)
+    optimizer_bytes = optimizer_slots * _param_bytes(model)
+    try:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            with ddp_sync_context(model, sync=False), ctx:
+                loss_fn(model, batch).float().sum().backward()
+            torch.cuda.synchronize(device)
+            return torch.cuda.max_memory_allocated(device) + optimizer_bytes
+        saved: dict[int, int] = {}
+
+        def pack(t: torch.Tensor):
+            storage = t.untyped_storage()
+            saved[storage.data_ptr()] = storage.nbytes()
+            return t
+
+        with ddp_sync_context(model, sync=False), ctx:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                losses = loss_fn(model, batch)
+            losses.float().sum().backward()
+        return 2 * _param_bytes(model) + sum(saved.values()) + optimizer_bytes
+    except RuntimeError as exc:  # torch.OutOfMemoryError is one
+        # only running out of memory means "too large"; anything else is a real error
+        if not is_oom(exc):
+            raise
+        return 1 << 62
+    finally:
+        model.zero_grad(set_to_none=True)
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def agree_on_min(value: int, group=None) -> int:
+    """The smallest `value` over all ranks (every rank gets the same)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return value
+    backend = dist.get_backend(group)
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else "cpu"
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    return int(t.item())
+
+
+@dataclass(frozen=True)
+class MicroBatchSearch:
+    """What the search chose and what it tried."""
+
+    micro_batch_size: int
+    grad_accum_steps: int
+    budget_bytes: int
+    local_choice: int
+    """This rank's own answer before the ranks agreed on the minimum."""
+    trials: list[tuple[int, bool]]
+    """(micro-batch size, fitted) in the order tried on this rank."""
+
+
+def find_micro_batch_size(
+    model: nn.Module,
+    loss_fn: LossFn,
+    make_batch: Callable[[int], Batch],
+    *,
+    samples_per_worker: int,
+    budget_bytes: int,
+    autocast_dtype=None,
+    optimizer_slots: int = 2,
+    group=None,
+) -> MicroBatchSearch:
+    """The largest divisor of `samples_per_worker` whose forward + backward on
+    `make_batch(size)` stays within `budget_bytes` on every rank."""
+
+    def fits(size: int) -> bool:
+        used = measure_step_bytes(
+            model,
+            loss_fn,
+            make_batch(size),
+            autocast_dtype=autocast_dtype,
+            optimizer_slots=optimizer_slots,
+        )
+        return used <= budget_bytes
+
+    try:
+        local, trials = largest_fitting(candidate_micro_sizes(samples_per_worker), fits)
+    except ValueError:
+        local, trials = 0, []
+    chosen = agree_on_min(local, group)
+    if chosen == 0:
+        raise ValueError(
+            f"batch.micro_batch_size=auto: not even a micro-batch of 1 fits the memory budget "
+            f"of {budget_bytes / 2**20:,.0f} MiB on some rank; raise batch.memory_budget (GPU "
+            "share) or batch.memory_budget_mb, or use a smaller model or sequence"
+        )
+    return MicroBatchSearch(chosen, samples_per_worker // chosen, budget_bytes, local, trials)

@@ -1,0 +1,58 @@
+"""Per-step cost accounting: FLOPs, model FLOPs utilisation, and where a step's time went."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+__all__ = ["PEAK_BF16_TFLOPS", "StepCost", "device_peak_tflops", "flops_per_item"]
+
+PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}
+"""Dense bf16 tensor-core peaks from the vendor's data sheets, by device-name fragment."""
+
+
+def device_peak_tflops(device: torch.device, configured: float | None = None) -> float | None:
+    """`configured`, else a known GPU's dense bf16 peak; None on CPU or an unknown device."""
+    if configured is not None:
+        return configured
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
+
+
+def flops_per_item(model: nn.Module, item_shape: tuple[int, ...] | None = None) -> float | None:
+    """Training FLOPs per loss item from the model's own `flops_per_item(item_shape)`, when it
+    has one (the built-in models do; a user factory may add it)."""
+    fn = getattr(model, "flops_per_item", None)
+    return float(fn(item_shape)) if callable(fn) else None
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """One optimizer step as a worker saw it: its wall time, the part spent waiting for data,
+    and the loss items it trained on (for throughput and FLOPs)."""
+
+    wall_s: float
+    data_s: float
+    items: int
+    world_size: int
+    flops_per_item: float | None = None
+    peak_tflops: float | None = None
+
+    def metrics(self, token_items: bool) -> dict[str, float]:
+        out = {
+            "perf/data_wait_frac": self.data_s / self.wall_s if self.wall_s > 0 else 0.0,
+            "perf/step_time_s": self.wall_s,
+        }
+        if token_items and self.wall_s > 0:
+            out["perf/tokens_per_s"] = self.items / self.wall_s
+        if self.flops_per_item is not None and self.wall_s > 0:
+            # per device: the window's FLOPs are spread over the ranks
+            tflops = self.flops_per_item * self.items / self.wall_s / self.world_size / 1e12
+            out["perf/tflops"] = tflops
+            if self.peak_tflops:
+                out["perf/mfu"] = tflops / self.peak_tflops
+        return out
