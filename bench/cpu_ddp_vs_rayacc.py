@@ -48,17 +48,9 @@ def make_config(args) -> TrainConfig:
     )
 
 
-def bare_rank(rank: int, world: int, init: str, cfg_json: str, out: str) -> None:
-    """A plain DDP loop: no_sync on non-final micro-steps, mean loss / accum, AdamW."""
-    cfg = TrainConfig.model_validate_json(cfg_json)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{init}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=120),
-    )
-    torch.set_num_threads(1)
+def bare_loop(cfg: TrainConfig, rank: int, world: int, wrap) -> dict[str, list[float]]:
+    """A plain DDP loop: no_sync on non-final micro-steps, mean loss / accum, AdamW. Returns
+    per-step wall times and the part of each spent slicing the micro-batches (data)."""
     table = pq.read_table(prepare_bundled("digits"))
     x = torch.tensor(
         np.stack(table["features"].to_numpy(zero_copy_only=False)), dtype=torch.float32
@@ -68,30 +60,68 @@ def bare_rank(rank: int, world: int, init: str, cfg_json: str, out: str) -> None
     train_ids, _ = split_train_val(len(y), 0.0, cfg.seed)
     layout = EpochLayout(len(train_ids), g, micro, world, "drop")
     torch.manual_seed(cfg.seed)
-    model = DDP(MLP(x.shape[1], 10, cfg.model.hidden_sizes))
+    model = wrap(MLP(x.shape[1], 10, cfg.model.hidden_sizes))
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr)
-    times = []
+    times, data = [], []
     for epoch in range(cfg.train.epochs):
         order = epoch_order(train_ids, epoch, cfg.seed, True)
         for s in range(layout.steps_per_epoch):
             t = time.perf_counter()
             parts = layout.rank_window(s, rank).micro_batches
+            batches = [(x[idx], y[idx]) for idx in (torch.from_numpy(order[p]) for p in parts)]
+            data.append(time.perf_counter() - t)
             opt.zero_grad(set_to_none=True)
-            for i, pos in enumerate(parts):
-                idx = torch.from_numpy(order[pos])
+            for i, (xb, yb) in enumerate(batches):
                 if i < len(parts) - 1:
                     with model.no_sync():
-                        (F.cross_entropy(model(x[idx]), y[idx]) / len(parts)).backward()
+                        (F.cross_entropy(model(xb), yb) / len(parts)).backward()
                 else:
-                    (F.cross_entropy(model(x[idx]), y[idx]) / len(parts)).backward()
+                    (F.cross_entropy(model(xb), yb) / len(parts)).backward()
             opt.step()
             times.append(time.perf_counter() - t)
+    return {"times": times, "data": data}
+
+
+def bare_rank(rank: int, world: int, init: str, cfg_json: str, out: str) -> None:
+    cfg = TrainConfig.model_validate_json(cfg_json)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=120),
+    )
+    torch.set_num_threads(1)
+    res = bare_loop(cfg, rank, world, DDP)
     if rank == 0:
-        torch.save({"times": times, "samples_per_step": g}, out)
+        torch.save(res, out)
     dist.destroy_process_group()
 
 
-def run_bare(cfg: TrainConfig) -> float:
+def bare_in_ray_loop(config: dict) -> None:
+    """The same bare loop as a Ray Train worker: what Ray's process environment costs."""
+    import ray.train
+    from ray.train.torch import prepare_model
+
+    cfg = TrainConfig.model_validate_json(config["cfg"])
+    ctx = ray.train.get_context()
+    torch.set_num_threads(1)
+    res = bare_loop(cfg, ctx.get_world_rank(), ctx.get_world_size(), prepare_model)
+    if ctx.get_world_rank() == 0:
+        torch.save(res, config["out"])
+    ray.train.report({"done": 1})
+
+
+def steady(res: dict[str, list[float]], samples_per_step: int) -> dict[str, float]:
+    times, data = res["times"][WARMUP_STEPS:], res["data"][WARMUP_STEPS:]
+    return {
+        "samples_per_s": samples_per_step * len(times) / sum(times),
+        "step_ms": 1e3 * statistics.median(times),
+        "data_ms": 1e3 * statistics.median(data),
+    }
+
+
+def run_bare(cfg: TrainConfig) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "bare.pt")
         mp.start_processes(
@@ -101,13 +131,35 @@ def run_bare(cfg: TrainConfig) -> float:
             join=True,
             start_method="spawn",
         )
+        return steady(torch.load(out), cfg.batch.global_batch_size)
+
+
+def run_bare_in_ray(cfg: TrainConfig) -> dict[str, float]:
+    import ray
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from rayacc.runner.driver import ensure_ray
+
+    ensure_ray(cfg)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "bare_ray.pt")
+        TorchTrainer(
+            bare_in_ray_loop,
+            train_loop_config={"cfg": cfg.model_dump_json(), "out": out},
+            scaling_config=ScalingConfig(
+                num_workers=2, resources_per_worker={"CPU": cfg.scaling.cpus_per_worker}
+            ),
+            run_config=RunConfig(storage_path=tmp, name="bare"),
+        ).fit()
         res = torch.load(out)
-    steady = res["times"][WARMUP_STEPS:]
-    return res["samples_per_step"] * len(steady) / sum(steady)
+    assert ray.is_initialized()
+    return steady(res, cfg.batch.global_batch_size)
 
 
-def run_rayacc(cfg: TrainConfig) -> tuple[float, float, float]:
-    """(steady-state samples/s, seconds to the first step, share of step time spent logging)"""
+def run_rayacc(cfg: TrainConfig) -> dict[str, float]:
+    """Steady-state samples/s, the per-step breakdown from the run's own metrics, and the
+    time to the first optimizer step."""
     from rayacc.runner.driver import fit
 
     first: list[float] = []
@@ -120,14 +172,22 @@ def run_rayacc(cfg: TrainConfig) -> tuple[float, float, float]:
     with tempfile.TemporaryDirectory() as tmp:
         cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"storage_path": tmp})})
         result = fit(cfg, on_record=on_record)
-    steady = [
+    rows = [
         r
         for r in result.history
         if r["step"] > WARMUP_STEPS and r["train/samples"] == cfg.batch.global_batch_size
     ]
-    seconds = sum(r["train/samples"] / r["train/samples_per_s"] for r in steady)
-    log_share = result.summary["log_time_s"] / result.summary["train_time_s"]
-    return sum(r["train/samples"] for r in steady) / seconds, first[0], log_share
+    walls = [r["train/samples"] / r["train/samples_per_s"] for r in rows]
+    data = [r["perf/data_wait_frac"] * w for r, w in zip(rows, walls, strict=True)]
+    sync = [r["comm/sync_time_frac"] * (w - d) for r, w, d in zip(rows, walls, data, strict=True)]
+    return {
+        "samples_per_s": sum(r["train/samples"] for r in rows) / sum(walls),
+        "step_ms": 1e3 * statistics.median(walls),
+        "data_ms": 1e3 * statistics.median(data),
+        "sync_ms": 1e3 * statistics.median(sync),
+        "log_ms": 1e3 * result.summary["log_time_s"] / len(result.history),
+        "first_step_s": first[0],
+    }
 
 
 def main() -> None:
@@ -141,23 +201,43 @@ def main() -> None:
     cfg = make_config(args)
     plan = f"micro {cfg.batch.micro_batch_size}, global {cfg.batch.global_batch_size}, 2 workers"
     print(f"model: MLP 64→{args.hidden}→{args.hidden}→10 on digits; {plan}; {args.epochs} epochs")
-    bare, ours, first, log_share = [], [], [], []
+    runs: dict[str, list[dict[str, float]]] = {"bare": [], "bare_in_ray": [], "rayacc": []}
+    # interleaved, so that slow phases of a shared machine hit all three alike
     for _ in range(args.repeats):
-        bare.append(run_bare(cfg))
-        sps, t_first, share = run_rayacc(cfg)
-        ours.append(sps)
-        first.append(t_first)
-        log_share.append(share)
-    b, o = statistics.median(bare), statistics.median(ours)
-    print(f"bare DDP   steady-state samples/s: {b:,.0f}")
-    print(f"rayacc     steady-state samples/s: {o:,.0f}")
-    print(f"ratio rayacc / bare: {o / b:.3f}")
+        runs["bare"].append(run_bare(cfg))
+        runs["bare_in_ray"].append(run_bare_in_ray(cfg))
+        runs["rayacc"].append(run_rayacc(cfg))
+
+    def med(name: str, key: str) -> float:
+        return statistics.median(r[key] for r in runs[name])
+
+    labels = {
+        "bare": "bare DDP (torch.multiprocessing)",
+        "bare_in_ray": "the same loop in Ray Train workers",
+        "rayacc": "rayacc",
+    }
+    print(f"{'':36} {'samples/s':>10} {'step ms':>8} {'data ms':>8} {'sync ms':>8} {'log ms':>7}")
+    for name, label in labels.items():
+        line = f"{label:36} {med(name, 'samples_per_s'):>10,.0f} {med(name, 'step_ms'):>8.2f}"
+        line += f" {med(name, 'data_ms'):>8.2f}"
+        if name == "rayacc":
+            line += f" {med(name, 'sync_ms'):>8.2f} {med(name, 'log_ms'):>7.3f}"
+        print(line)
     print(
-        f"rayacc     share of step time spent handing records to the driver: "
-        f"{statistics.median(log_share):.2%}"
+        "(medians per optimizer step; sync = first gradient all-reduce launch to last "
+        "completion, overlapping the last backward; log = handing records to the driver)"
     )
-    t_first = statistics.median(first)
-    print(f"rayacc time to first optimizer step (fit() call, Ray start included): {t_first:.1f} s")
+    b = med("bare", "samples_per_s")
+    print(f"ratio rayacc / bare DDP: {med('rayacc', 'samples_per_s') / b:.3f}")
+    print(f"ratio bare loop in Ray / bare DDP: {med('bare_in_ray', 'samples_per_s') / b:.3f}")
+    print(
+        "ratio rayacc / bare loop in Ray: "
+        f"{med('rayacc', 'samples_per_s') / med('bare_in_ray', 'samples_per_s'):.3f}"
+    )
+    print(
+        "rayacc time to first optimizer step (fit() call, Ray start included): "
+        f"{med('rayacc', 'first_step_s'):.1f} s"
+    )
 
 
 if __name__ == "__main__":

@@ -1,10 +1,13 @@
 """The accumulation step: one optimizer step over a window of micro-batches.
 
-The one normalisation rule (design.md): every micro-step back-propagates
-``sum(item losses) × world_size / N_window`` where N_window counts the loss items of the whole
-window on all ranks. DDP's gradient averaging divides by world_size again, so the accumulated
-gradient is ∇(mean item loss over the global batch) — whatever the workers, micro-batch size,
-accumulation or padding, and for a short last window too (it has its own N_window).
+The one normalisation rule (design.md): the gradient the optimizer sees is
+``∇ sum(item losses of the window) × world_size / N_window``, N_window the loss items of the whole
+window on all ranks. Micro-steps back-propagate item-loss sums; DDP's all-reduce averages over
+world_size ranks; once N_window arrives (it travels with the gradients, see `CommCounter`) the
+gradients are multiplied by world_size / N_window. So the step follows ∇(mean item loss over the
+global batch) whatever the workers, micro-batch size, accumulation or padding, and for a short
+last window too (it has its own N_window). fp16 applies the same factor to the loss before
+backward instead, as GradScaler expects gradients of that size.
 """
 
 from __future__ import annotations
@@ -178,31 +181,32 @@ class AccumulationStep:
             self.comm.begin_window()
 
         n_micro = len(micro_batches)
+        if n_micro == 0:
+            raise ValueError("empty window: no micro-batches on this rank")
         local_items = sum(count_items(mb) for mb in micro_batches)
         local_samples = sum(count_rows(mb) for mb in micro_batches)
-        # one all-reduce carries the item count and a micro-step parity check:
-        # Σm² · W == (Σm)² holds exactly when every rank has the same m
-        items, samples, sum_m, sum_m2 = self._all_reduce_sum(
-            [local_items, local_samples, n_micro, n_micro * n_micro]
-        )
-        items, samples = int(items), int(samples)
-        if sum_m2 * self.world_size != sum_m * sum_m:
-            raise MicroStepMismatchError(
-                f"ranks hold different numbers of micro-batches for this window (this rank: "
-                f"{n_micro}, mean over {self.world_size} ranks: {sum_m / self.world_size:g}); "
-                "every rank must run the same micro-steps or DDP hangs"
-            )
         lr = float(self.optimizer.param_groups[0]["lr"])
-        if n_micro == 0:
-            raise ValueError("empty window: no micro-batches on any rank")
-        if items == 0:
-            return self._result(
-                t_start, math.nan, 0, samples, n_micro, math.nan, lr, "no loss items"
+        # fp16 needs the exact scale before backward (GradScaler's range is tuned to gradients
+        # of the mean), which costs an all-reduce before the first micro-step; fp32 and bf16
+        # back-propagate item-loss sums and divide once the total is known, after backward
+        exact_scale_first = self.scaler is not None
+        scale = 1.0
+        if exact_scale_first:
+            items, _, sum_m, sum_m2 = self._all_reduce_sum(
+                [local_items, local_samples, n_micro, n_micro * n_micro]
             )
+            self._check_micro_steps(n_micro, sum_m, sum_m2)
+            scale = self.world_size / items if items else 0.0
 
-        scale = self.world_size / items
         self.optimizer.zero_grad(set_to_none=True)
-        loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        # summed over ranks with the gradients: loss, items, samples and a micro-step parity
+        # check (Σm² · W == (Σm)² exactly when every rank ran the same m)
+        stats = torch.tensor(
+            [0.0, local_items, local_samples, n_micro, n_micro * n_micro],
+            dtype=torch.float64,
+            device=self.device,
+        )
         out_of_memory = None
         for i, mb in enumerate(micro_batches):
             last = i == n_micro - 1
@@ -220,7 +224,11 @@ class AccumulationStep:
                         item_losses = loss_fn(self.model, mb)
                     micro_sum = item_losses.float().sum()
                     loss_sum += micro_sum.detach()
-                    scaled = micro_sum * scale
+                    if last:
+                        stats[0] = loss_sum
+                        if self.comm is not None:
+                            self.comm.attach_window_stats(stats)
+                    scaled = micro_sum * scale if exact_scale_first else micro_sum
                     if self.scaler is not None:
                         scaled = self.scaler.scale(scaled)
                     scaled.backward()
@@ -231,7 +239,21 @@ class AccumulationStep:
                 out_of_memory = exc
                 item_losses = micro_sum = scaled = None
 
-        (total_loss,) = self._all_reduce_sum([float(loss_sum)])
+        reduced = self.comm.reduced_window_stats() if self.comm is not None else None
+        if reduced is None:
+            reduced = stats
+            if self.world_size > 1:
+                dist.all_reduce(reduced, group=self.group)
+        # a CPU–GPU sync point on GPU: whether to step depends on these
+        total_loss, items, samples, sum_m, sum_m2 = reduced.tolist()
+        items, samples = int(items), int(samples)
+        if not exact_scale_first:
+            self._check_micro_steps(n_micro, sum_m, sum_m2)
+        if items == 0:
+            self.optimizer.zero_grad(set_to_none=True)
+            return self._result(
+                t_start, math.nan, 0, samples, n_micro, math.nan, lr, "no loss items"
+            )
         if not math.isfinite(total_loss):
             # every rank sees the same all-reduced sum, so all skip together
             self.optimizer.zero_grad(set_to_none=True)
@@ -239,12 +261,20 @@ class AccumulationStep:
                 t_start, math.nan, items, samples, n_micro, math.nan, lr, "non-finite loss"
             )
         mean_loss = total_loss / items
-
+        grads = [
+            p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None
+        ]
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
-        params = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
-        max_norm = self.max_grad_norm if self.max_grad_norm is not None else math.inf
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        # the one normalisation: DDP averaged over W ranks, so × W / N turns the gradient of
+        # the window's item-loss sum into that of the mean item loss over the whole window;
+        # it is folded into clipping's multiply, one pass over the gradients for both
+        factor = 1.0 if exact_scale_first else self.world_size / items
+        grad_norm = float(torch.nn.utils.get_total_norm(grads)) * factor if grads else 0.0
+        if self.max_grad_norm is not None and math.isfinite(grad_norm):
+            factor *= min(1.0, self.max_grad_norm / (grad_norm + 1e-6))
+        if factor != 1.0 and grads:
+            torch._foreach_mul_(grads, factor)
 
         skip_reason = None
         if self.scaler is not None:
@@ -263,6 +293,15 @@ class AccumulationStep:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return self._result(t_start, mean_loss, items, samples, n_micro, grad_norm, lr, skip_reason)
+
+    def _check_micro_steps(self, n_micro: int, sum_m: float, sum_m2: float) -> None:
+        if sum_m2 * self.world_size != sum_m * sum_m:
+            self.optimizer.zero_grad(set_to_none=True)
+            raise MicroStepMismatchError(
+                f"ranks hold different numbers of micro-batches for this window (this rank: "
+                f"{n_micro}, mean over {self.world_size} ranks: {sum_m / self.world_size:g}); "
+                "every rank must run the same micro-steps or a plain DDP loop hangs"
+            )
 
     def _any_rank_out_of_memory(
         self, error: BaseException | None, micro_batches: Sequence[Batch]

@@ -35,19 +35,45 @@ def ddp_sync_context(model: nn.Module, sync: bool) -> Iterator[None]:
 @dataclass
 class CommCounter:
     """Counts gradient all-reduce launches (one per DDP bucket) and passes (one per synced
-    backward), and the wall time from a pass's first launch to its last completion."""
+    backward), and the wall time from a pass's first launch to its last completion.
+
+    It also carries the window's statistics (loss sum, item counts) to the other ranks: a small
+    tensor attached before the syncing backward is all-reduced right behind the first gradient
+    bucket, while the backward goes on. A separate all-reduce before or after the backward
+    would add a point where every rank waits for the slowest (measured on 2 CPU ranks: +2.2 ms
+    before, +0.7 ms after, on an 8 ms step)."""
 
     launches: int = 0
     passes: int = 0
     _pass_start: float | None = None
     _last_done: float | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _stats: torch.Tensor | None = field(default=None, repr=False)
+    _stats_work: dist.Work | None = field(default=None, repr=False)
 
     def begin_window(self) -> None:
         self.launches = 0
         self.passes = 0
         self._pass_start = None
         self._last_done = None
+        self._stats = None
+        self._stats_work = None
+
+    def attach_window_stats(self, stats: torch.Tensor) -> None:
+        """`stats` is summed over the ranks during the next synced backward (in place)."""
+        self._stats = stats
+        self._stats_work = None
+
+    def reduced_window_stats(self) -> torch.Tensor | None:
+        """The attached stats summed over all ranks, or None when no synced backward ran."""
+        if self._stats_work is None:
+            return None
+        self._stats_work.wait()
+        return self._stats
+
+    def _launch_stats(self, group: dist.ProcessGroup | None) -> None:
+        if self._stats is not None and self._stats_work is None:
+            self._stats_work = dist.all_reduce(self._stats, group=group, async_op=True)
 
     def sync_time_s(self) -> float:
         if self._pass_start is None or self._last_done is None:
@@ -78,6 +104,9 @@ def _counting_allreduce_hook(
     counter, group = state
     counter._on_launch(bucket.index())
     fut = default_hooks.allreduce_hook(group, bucket)
+    if bucket.index() == 0:
+        # every rank launches its collectives in this same order (DDP launches buckets by index)
+        counter._launch_stats(group)
 
     def done(f):
         counter._on_done()
