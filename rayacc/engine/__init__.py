@@ -4,7 +4,7 @@ torch.distributed as well as inside Ray Train workers."""
 
 from rayacc.batch_plan import BatchPlan, BatchPlanError, resolve_batch_plan
 from rayacc.engine.autobatch import MicroBatchSearch, find_micro_batch_size
-from rayacc.engine.chunked_loss import chunked_cross_entropy
+from rayacc.engine.chunked_loss import chunked_cross_entropy_sum
 from rayacc.engine.losses import (
     IGNORE_INDEX,
     classification_item_losses,
@@ -34,7 +34,7 @@ __all__ = [
     "StepResult",
     "TrainState",
     "build_scheduler",
-    "chunked_cross_entropy",
+    "chunked_cross_entropy_sum",
     "classification_item_losses",
     "collate_tokens",
     "count_rows",

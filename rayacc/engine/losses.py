@@ -1,7 +1,9 @@
 """Per-item loss functions and item counters for the two data formats.
 
-A loss function returns one loss per loss item (ignored items contribute exactly 0); an item
-counter says how many real items a micro-batch holds. The accumulation step normalises.
+A loss function returns one loss per loss item (ignored items contribute exactly 0), or their
+sum as a 0-dim tensor (a fused kernel such as `chunked_cross_entropy_sum` never forms the
+per-item values); an item counter says how many real items a micro-batch holds. The
+accumulation step normalises.
 """
 
 from __future__ import annotations

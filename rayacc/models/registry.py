@@ -17,7 +17,7 @@ from rayacc.engine import (
     count_target_tokens,
     token_item_losses,
 )
-from rayacc.engine.chunked_loss import chunked_cross_entropy
+from rayacc.engine.chunked_loss import chunked_cross_entropy_sum
 
 __all__ = [
     "ModelError",
@@ -113,13 +113,13 @@ def loss_functions(info: DatasetInfo, model: nn.Module | None = None, chunk: int
     if chunk is None or model is None or not supports_chunked_loss(model):
         return token_item_losses, count_target_tokens
 
-    def chunked_token_item_losses(m: nn.Module, batch) -> torch.Tensor:
+    def chunked_token_loss_sum(m: nn.Module, batch) -> torch.Tensor:
         # through the wrapper's forward (DDP prepares its gradient sync there); the head's
         # weight is then used directly, which DDP's per-parameter hooks see all the same
         hidden = m(batch["input"], return_hidden=True)
         head = unwrap_model(m).head
-        return chunked_cross_entropy(
+        return chunked_cross_entropy_sum(
             hidden, head.weight, batch["target"], bias=head.bias, chunk=chunk
         )
 
-    return chunked_token_item_losses, count_target_tokens
+    return chunked_token_loss_sum, count_target_tokens

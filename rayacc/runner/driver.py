@@ -227,7 +227,6 @@ def fit(
 
     from rayacc.runner.progress import ProgressBuffer
     from rayacc.runner.worker import train_loop
-    from rayacc.tracking import MlflowSink, contract_params, default_tracking_uri
 
     t0 = time.perf_counter()
     prep = prepared or prepare(cfg)
@@ -242,6 +241,9 @@ def fit(
     sink = None
     tracking_uri = None
     if cfg.tracking.enabled:
+        # imported only when tracking is on: a machine without MLflow can still train
+        from rayacc.tracking import MlflowSink, contract_params, default_tracking_uri
+
         tracking_uri = cfg.tracking.tracking_uri or default_tracking_uri()
         sink = MlflowSink(
             tracking_uri,
