@@ -204,6 +204,24 @@ def scenario_out_of_memory_without_retry_raises(rank, world, out):
         out["oom_plain"] = str(exc)
 
 
+def scenario_stats_beside_a_bf16_bucket(rank, world, out):
+    """bf16 gradients cannot carry exact counts: the window's stats take their own all-reduce."""
+    rows = classification_rows(GLOBAL_ROWS)
+    model = DDP(TinyClassifier().to(torch.bfloat16))
+    step = AccumulationStep(model, torch.optim.SGD(model.parameters(), lr=LR))
+    lo, hi = shard(rank, world, GLOBAL_ROWS)
+
+    def loss_fn(m, batch):
+        return classification_item_losses(m, {**batch, "features": batch["features"].bfloat16()})
+
+    with torch.no_grad():
+        mine = sum(
+            loss_fn(model, mb).float().sum() for mb in micro_batches(slice_rows(rows, lo, hi), 3)
+        )
+    result = step(micro_batches(slice_rows(rows, lo, hi), MICRO), loss_fn)
+    out["bf16"] = {"result": result, "local_loss_sum": float(mine)}
+
+
 SCENARIOS = [
     scenario_classify,
     scenario_tokens,
@@ -213,6 +231,7 @@ SCENARIOS = [
     scenario_micro_step_mismatch,
     scenario_out_of_memory_on_one_rank,
     scenario_out_of_memory_without_retry_raises,
+    scenario_stats_beside_a_bf16_bucket,
 ]
 
 

@@ -146,6 +146,16 @@ def test_out_of_memory_on_one_rank_halves_the_micro_batch_on_all(ranks, record_e
         assert "CUDA out of memory" in ranks[r]["oom_plain"]
 
 
+def test_window_stats_reach_all_ranks_beside_a_bf16_bucket(ranks):
+    results = [ranks[r]["bf16"]["result"] for r in range(WORLD)]
+    assert [r.items for r in results] == [W.GLOBAL_ROWS] * WORLD
+    assert results[0].loss == results[1].loss
+    assert not results[0].skipped and results[0].sync_passes == 1
+    # the mean item loss over both ranks' rows, as each rank measured its own before the step
+    both = sum(ranks[r]["bf16"]["local_loss_sum"] for r in range(WORLD))
+    assert results[0].loss == pytest.approx(both / W.GLOBAL_ROWS, rel=1e-5)
+
+
 def test_the_counter_records_what_a_wrong_loop_would_hide():
     """Sanity of the reference itself: a half-size global batch gives a different step."""
     model = TinyClassifier()

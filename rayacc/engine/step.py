@@ -120,6 +120,8 @@ class AccumulationStep:
             self.scaler = None
         self.comm = install_comm_counter(model) if count_comm else None
         self.oom_retry = oom_retry
+        self._rss_read_at = -math.inf
+        self._rss_peak_mb = 0.0
         self.micro_batch_splits = 1
         """With `oom_retry`: an out-of-memory error on any rank in a micro-step before the
         window's last makes every rank cut each micro-batch in two (for this and every later
@@ -155,13 +157,19 @@ class AccumulationStep:
         micro_batches: Sequence[Batch],
         loss_fn: LossFn,
         count_items: ItemCounter = count_rows,
+        local_items: int | None = None,
     ) -> StepResult:
+        """`local_items`: this rank's loss items in the window when the caller already knows
+        them (counted on the host before the batches moved to the GPU, where counting would
+        stall the host once per micro-batch); otherwise `count_items` counts them."""
         t_start = time.perf_counter()
+        if local_items is None:
+            local_items = sum(count_items(mb) for mb in micro_batches)
         while True:
             given = micro_batches
             if self.micro_batch_splits > 1:
                 given = [p for mb in micro_batches for p in _split(mb, self.micro_batch_splits)]
-            result = self._window(t_start, given, loss_fn, count_items)
+            result = self._window(t_start, given, loss_fn, local_items)
             if result is not None:
                 return result
             # some rank ran out of memory: all ranks retry with half the micro-batch
@@ -172,7 +180,7 @@ class AccumulationStep:
         t_start: float,
         micro_batches: Sequence[Batch],
         loss_fn: LossFn,
-        count_items: ItemCounter,
+        local_items: int,
     ) -> StepResult | None:
         """One attempt at the window; None when an out-of-memory retry is due."""
         if self.device.type == "cuda":
@@ -183,7 +191,6 @@ class AccumulationStep:
         n_micro = len(micro_batches)
         if n_micro == 0:
             raise ValueError("empty window: no micro-batches on this rank")
-        local_items = sum(count_items(mb) for mb in micro_batches)
         local_samples = sum(count_rows(mb) for mb in micro_batches)
         lr = float(self.optimizer.param_groups[0]["lr"])
         # fp16 needs the exact scale before backward (GradScaler's range is tuned to gradients
@@ -227,7 +234,9 @@ class AccumulationStep:
                     if last:
                         stats[0] = loss_sum
                         if self.comm is not None:
-                            self.comm.attach_window_stats(stats)
+                            # counts stay exact in a float32 bucket below 2**24
+                            exact = max(local_items, n_micro * n_micro) * self.world_size < 2**24
+                            self.comm.attach_window_stats(stats, exact_in_fp32=exact)
                     scaled = micro_sum * scale if exact_scale_first else micro_sum
                     if self.scaler is not None:
                         scaled = self.scaler.scale(scaled)
@@ -338,8 +347,13 @@ class AccumulationStep:
         if self.device.type == "cuda":
             peak_mb = torch.cuda.max_memory_allocated(self.device) / 2**20
         else:
-            # Linux reports ru_maxrss in KiB
-            peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+            now = time.perf_counter()
+            # a system call that costs about 1 % of a small CPU step: read once a second
+            if now - self._rss_read_at > 1.0:
+                # Linux reports ru_maxrss in KiB
+                self._rss_peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+                self._rss_read_at = now
+            peak_mb = self._rss_peak_mb
         return StepResult(
             loss=loss,
             items=items,

@@ -376,15 +376,17 @@ def train_loop(config: dict[str, Any]) -> dict[str, Any]:
             t_data = time.perf_counter()
             window = lay.rank_window(s, rank)
             micro_batches = []
+            local_items = 0
             for part in window.micro_batches:
                 mb = rows.take(local[cursor : cursor + len(part)])
+                local_items += count(mb)  # on the host: no GPU sync
                 micro_batches.append({k: v.to(device, non_blocking=True) for k, v in mb.items()})
                 cursor += len(part)
             data_s = time.perf_counter() - t_data
             if fpi is None and micro_batches:
                 first = next(iter(micro_batches[0].values()))
                 fpi = flops_per_item(unwrap_model(model), tuple(first.shape[1:])) or 0.0
-            result = step(micro_batches, loss_fn, count)
+            result = step(micro_batches, loss_fn, count, local_items=local_items)
             if result.micro_batch_splits != splits:
                 splits = result.micro_batch_splits
                 outbox.send(
