@@ -29,6 +29,10 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
+# Ray's worker processes find the project through the environment, not this process's sys.path
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p
+)
 
 import bare_gpt2_anchor as anchor  # noqa: E402
 
@@ -63,7 +67,12 @@ def rayacc_config(args, cfg: dict, data: str, micro: int, compiled: bool, storag
                 "n_embd": cfg["d"],
                 "block_size": cfg["block"],
             },
-            "data": {"source": data, "shuffle": False, "val_fraction": 0.0},
+            "data": {
+                "source": data,
+                "shuffle": False,
+                "val_fraction": 0.0,
+                "seq_len": cfg["block"],
+            },
             "batch": {"global_batch_size": args.global_batch, "micro_batch_size": micro},
             # the anchor's optimizer: AdamW 6e-4, clipping at 1.0, fused on GPU
             "optim": {"name": "adamw", "lr": 6e-4, "schedule": "constant", "max_grad_norm": 1.0},
