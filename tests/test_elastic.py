@@ -157,7 +157,7 @@ def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 
 
-def test_node_leaves_and_joins_with_global_batch_and_lr_kept(tmp_path, cluster):
+def test_node_leaves_and_joins_with_global_batch_and_lr_kept(tmp_path, cluster, record_equivalence):
     local("up", "1", env=cluster)
     env_file = tmp_path / "cluster" / "env"
 
@@ -181,6 +181,7 @@ def test_node_leaves_and_joins_with_global_batch_and_lr_kept(tmp_path, cluster):
     assert len(series("train/loss")) == 16, "optimizer steps are contiguous, none repeated"
     assert "step 4: workers 2→1, accum 4→8, global 32→32" in run.data.tags["rayacc.resizes"]
     shrink_err = rel_diff(weights(final_checkpoint(tmp_path, "shrink")), reference)
+    record_equivalence("elastic: 2 → 1 workers at step 4 vs 2 workers throughout", shrink_err)
     assert shrink_err <= 1e-5, shrink_err
 
     # 1 worker while only the head has a slot, held in step 5 until a node joins: 2 workers
@@ -198,6 +199,7 @@ def test_node_leaves_and_joins_with_global_batch_and_lr_kept(tmp_path, cluster):
     assert set(series("train/lr")) == {0.05}
     assert len(series("train/loss")) == 16
     grow_err = rel_diff(weights(final_checkpoint(tmp_path, "grow")), reference)
+    record_equivalence("elastic: 1 → 2 workers at step 4 vs 2 workers throughout", grow_err)
     assert grow_err <= 1e-5, grow_err
 
     # keep_micro_batch: accumulation stays 4, the global batch follows the workers (32 → 16)
@@ -223,7 +225,3 @@ def test_node_leaves_and_joins_with_global_batch_and_lr_kept(tmp_path, cluster):
     expected_lr = [0.05] * 4 + [0.05 - 0.025 * min(k, 5) / 5 for k in range(12)]
     assert series("train/lr") == pytest.approx(expected_lr, rel=1e-9), series("train/lr")
     assert "step 4: workers 2→1, accum 4→4, global 32→16" in run.data.tags["rayacc.resizes"]
-    print(
-        f"final-weight difference vs uninterrupted 2 workers: shrink {shrink_err:.3e}, "
-        f"grow {grow_err:.3e}"
-    )

@@ -102,6 +102,12 @@ def prepare(cfg: TrainConfig) -> Prepared:
     if layout.dropped_rows:
         warnings.append(layout.describe())
     notes = [cfg.elastic_summary()] if cfg.scaling.elastic else []
+    if cfg.batch.auto_micro_batch:
+        notes.append(
+            f"micro-batch auto: the workers search the largest divisor of {plan.micro_batch_size} "
+            "(one worker's share) that fits the memory budget; the line above shows that upper "
+            "bound, the chosen size is printed when training starts"
+        )
     bn = batchnorm_layers(model)
     if bn:
         warnings.append(

@@ -75,7 +75,7 @@ def verify(cfg: TrainConfig) -> VerifyResult:
 
     model = build_model(cfg, prep.info)
     initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    optimizer = _optimizer(cfg, model, prep.effective_lr)
+    optimizer = _optimizer(cfg, model, prep.effective_lr, torch.device("cpu"))
     scheduler = build_scheduler(
         optimizer,
         warmup_steps=cfg.optim.warmup_steps,
