@@ -75,7 +75,6 @@ class CommCounter:
         """The attached stats summed over all ranks, or None when no synced backward ran."""
         if self._stats_work is not None:
             self._stats_work.wait()
-            self._reduced = self._stats
             self._stats_work = None
         return self._reduced
 
@@ -113,7 +112,9 @@ def _counting_allreduce_hook(
 ) -> torch.futures.Future[torch.Tensor]:
     counter, group = state
     counter._on_launch(bucket.index())
-    stats, fits = counter._take_stats(bucket.buffer().dtype) if bucket.index() == 0 else (None, 0)
+    stats, fits = (
+        counter._take_stats(bucket.buffer().dtype) if bucket.index() == 0 else (None, False)
+    )
     if stats is not None and fits:
         # the window's stats ride in this bucket's all-reduce: no collective of their own
         grads = bucket.buffer()
@@ -133,8 +134,9 @@ def _counting_allreduce_hook(
     fut = default_hooks.allreduce_hook(group, bucket)
     if stats is not None:
         # every rank launches its collectives in this same order (DDP launches buckets by index)
+        # reduced in place: valid once the work is waited for
         counter._stats_work = dist.all_reduce(stats, group=group, async_op=True)
-        counter._stats = stats
+        counter._reduced = stats
 
     def done(f):
         counter._on_done()

@@ -364,7 +364,9 @@ def train_loop(config: dict[str, Any]) -> dict[str, Any]:
     if micro_event is not None:
         outbox.send(micro_event)
     outbox.flush()
+    # the micro-batch and accumulation running now: an out-of-memory retry cuts micro-batches
     splits = 1
+    micro_now, accum_now = plan.micro_batch_size, plan.grad_accum_steps
 
     for epoch, lay, n_steps, ids in epochs:
         if epoch != state.epoch:
@@ -389,13 +391,15 @@ def train_loop(config: dict[str, Any]) -> dict[str, Any]:
             result = step(micro_batches, loss_fn, count, local_items=local_items)
             if result.micro_batch_splits != splits:
                 splits = result.micro_batch_splits
+                micro_now = math.ceil(plan.micro_batch_size / splits)
+                accum_now = plan.grad_accum_steps * splits
                 outbox.send(
                     {
                         "event": "micro_batch",
                         "reason": "out of memory",
                         "step": state.optimizer_step + 1,
-                        "micro_batch_size": math.ceil(plan.micro_batch_size / splits),
-                        "grad_accum_steps": plan.grad_accum_steps * splits,
+                        "micro_batch_size": micro_now,
+                        "grad_accum_steps": accum_now,
                     }
                 )
             if not result.skipped:
@@ -417,8 +421,8 @@ def train_loop(config: dict[str, Any]) -> dict[str, Any]:
                 "train/samples_per_s": result.samples / wall if wall > 0 else 0.0,
                 "train/skipped_steps": state.skipped_steps,
                 "scaling/num_workers": world,
-                "scaling/grad_accum_steps": plan.grad_accum_steps * splits,
-                "scaling/micro_batch_size": math.ceil(plan.micro_batch_size / splits),
+                "scaling/grad_accum_steps": accum_now,
+                "scaling/micro_batch_size": micro_now,
                 "scaling/global_batch_size": plan.global_batch_size,
                 "comm/allreduce_calls": result.allreduce_calls,
                 "comm/sync_time_frac": result.sync_time_frac,
