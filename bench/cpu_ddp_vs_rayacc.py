@@ -1,6 +1,8 @@
-"""rayacc vs bare torch.distributed DDP on 2 CPU workers: same model, data, micro-batch and
-accumulation; and the same bare loop inside Ray Train workers, which separates what Ray's
-process environment costs from what rayacc's loop costs. Prints steady-state samples/s of each,
+"""rayacc vs bare torch.distributed DDP on 2 CPU workers: same model, data, micro-batch,
+accumulation and optimizer kernel (fused AdamW, rayacc's default; `--bare-default-optimizer`
+gives the bare loop PyTorch's default per-tensor AdamW instead); and the same bare loop inside
+Ray Train workers, which separates what Ray's process environment costs from what rayacc's loop
+costs. Prints steady-state samples/s of each,
 a per-step breakdown (data wait, gradient sync, handing records over), the ratios, and rayacc's
 time to its first optimizer step. On a small shared machine single runs swing by ±10 %: use
 --repeats (runs are interleaved) and read the medians.
@@ -51,7 +53,7 @@ def make_config(args) -> TrainConfig:
     )
 
 
-def bare_loop(cfg: TrainConfig, rank: int, world: int, wrap) -> dict[str, list[float]]:
+def bare_loop(cfg: TrainConfig, rank: int, world: int, wrap, fused: bool) -> dict[str, list[float]]:
     """A plain DDP loop: no_sync on non-final micro-steps, mean loss / accum, AdamW. Returns
     per-step wall times and the part of each spent slicing the micro-batches (data)."""
     table = pq.read_table(prepare_bundled("digits"))
@@ -64,7 +66,14 @@ def bare_loop(cfg: TrainConfig, rank: int, world: int, wrap) -> dict[str, list[f
     layout = EpochLayout(len(train_ids), g, micro, world, "drop")
     torch.manual_seed(cfg.seed)
     model = wrap(MLP(x.shape[1], 10, cfg.model.hidden_sizes))
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr)
+    o = cfg.optim
+    opt = torch.optim.AdamW(
+        model.parameters(),
+        lr=o.lr,
+        betas=o.betas,
+        weight_decay=o.weight_decay,
+        fused=fused or None,
+    )
     times, data = [], []
     for epoch in range(cfg.train.epochs):
         order = epoch_order(train_ids, epoch, cfg.seed, True)
@@ -85,7 +94,7 @@ def bare_loop(cfg: TrainConfig, rank: int, world: int, wrap) -> dict[str, list[f
     return {"times": times, "data": data}
 
 
-def bare_rank(rank: int, world: int, init: str, cfg_json: str, out: str) -> None:
+def bare_rank(rank: int, world: int, init: str, cfg_json: str, out: str, fused: bool) -> None:
     cfg = TrainConfig.model_validate_json(cfg_json)
     dist.init_process_group(
         "gloo",
@@ -95,9 +104,11 @@ def bare_rank(rank: int, world: int, init: str, cfg_json: str, out: str) -> None
         timeout=datetime.timedelta(seconds=120),
     )
     torch.set_num_threads(1)
-    res = bare_loop(cfg, rank, world, DDP)
+    res = bare_loop(cfg, rank, world, DDP, fused)
     if rank == 0:
         torch.save(res, out)
+    # both ranks done with gloo before either tears it down
+    dist.barrier()
     dist.destroy_process_group()
 
 
@@ -109,7 +120,7 @@ def bare_in_ray_loop(config: dict) -> None:
     cfg = TrainConfig.model_validate_json(config["cfg"])
     ctx = ray.train.get_context()
     torch.set_num_threads(1)
-    res = bare_loop(cfg, ctx.get_world_rank(), ctx.get_world_size(), prepare_model)
+    res = bare_loop(cfg, ctx.get_world_rank(), ctx.get_world_size(), prepare_model, config["fused"])
     if ctx.get_world_rank() == 0:
         torch.save(res, config["out"])
     ray.train.report({"done": 1})
@@ -125,12 +136,12 @@ def steady(res: dict[str, list[float]], samples_per_step: int) -> dict[str, floa
     }
 
 
-def run_bare(cfg: TrainConfig) -> dict[str, float]:
+def run_bare(cfg: TrainConfig, fused: bool) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "bare.pt")
         mp.start_processes(
             bare_rank,
-            args=(2, os.path.join(tmp, "init"), cfg.model_dump_json(), out),
+            args=(2, os.path.join(tmp, "init"), cfg.model_dump_json(), out, fused),
             nprocs=2,
             join=True,
             start_method="spawn",
@@ -138,7 +149,7 @@ def run_bare(cfg: TrainConfig) -> dict[str, float]:
         return steady(torch.load(out), cfg.batch.global_batch_size)
 
 
-def run_bare_in_ray(cfg: TrainConfig) -> dict[str, float]:
+def run_bare_in_ray(cfg: TrainConfig, fused: bool) -> dict[str, float]:
     import ray
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
@@ -150,7 +161,7 @@ def run_bare_in_ray(cfg: TrainConfig) -> dict[str, float]:
         out = os.path.join(tmp, "bare_ray.pt")
         TorchTrainer(
             bare_in_ray_loop,
-            train_loop_config={"cfg": cfg.model_dump_json(), "out": out},
+            train_loop_config={"cfg": cfg.model_dump_json(), "out": out, "fused": fused},
             scaling_config=ScalingConfig(
                 num_workers=2, resources_per_worker={"CPU": cfg.scaling.cpus_per_worker}
             ),
@@ -202,15 +213,23 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=20)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument(
+        "--bare-default-optimizer",
+        action="store_true",
+        help="the bare loops use PyTorch's default (per-tensor) AdamW, not the fused kernel",
+    )
     args = parser.parse_args()
     cfg = make_config(args)
+    fused = not args.bare_default_optimizer
     plan = f"micro {cfg.batch.micro_batch_size}, global {cfg.batch.global_batch_size}, 2 workers"
     print(f"model: MLP 64→{args.hidden}→{args.hidden}→10 on digits; {plan}; {args.epochs} epochs")
+    kernel = "fused, as rayacc" if fused else "PyTorch's default per-tensor loop; rayacc: fused"
+    print(f"bare loops' AdamW: {kernel}")
     runs: dict[str, list[dict[str, float]]] = {"bare": [], "bare_in_ray": [], "rayacc": []}
     # interleaved, so that slow phases of a shared machine hit all three alike
     for _ in range(args.repeats):
-        runs["bare"].append(run_bare(cfg))
-        runs["bare_in_ray"].append(run_bare_in_ray(cfg))
+        runs["bare"].append(run_bare(cfg, fused))
+        runs["bare_in_ray"].append(run_bare_in_ray(cfg, fused))
         runs["rayacc"].append(run_rayacc(cfg))
 
     def med(name: str, key: str) -> float:

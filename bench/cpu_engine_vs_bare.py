@@ -1,9 +1,13 @@
 """The accumulation step alone against a bare DDP loop, in 2 plain gloo processes (no Ray): the
-same MLP, micro-batches and AdamW; the bare loop does no_sync on non-final micro-steps and
+same MLP, micro-batches and fused AdamW; the bare loop does no_sync on non-final micro-steps and
 mean loss / accum, the engine its item-count normalisation, window statistics, gradient norm
-and accounting. Runs the two alternately and prints median step times and their ratio.
+and accounting.
 
-    .venv/bin/python bench/cpu_engine_vs_bare.py [--repeats 3] [--steps 300]
+Both run in the same two processes, alternating in blocks of a few steps, so that whatever
+else the machine does hits both alike (separate runs on a small shared machine differ by
+±20 %). Prints each one's mean, median and 20th-percentile step time and the ratios.
+
+    .venv/bin/python bench/cpu_engine_vs_bare.py [--blocks 100] [--block-steps 10]
 """
 
 from __future__ import annotations
@@ -28,10 +32,31 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from rayacc.engine import AccumulationStep, classification_item_losses
 from rayacc.models.mlp import MLP
 
-MICRO, ACCUM, WARMUP = 32, 4, 20
+MICRO, ACCUM = 32, 4
+VARIANTS = ("bare", "engine")
 
 
-def rank_body(rank: int, world: int, init: str, variant: str, steps: int, queue) -> None:
+def make_runner(variant: str):
+    torch.manual_seed(0)
+    model = DDP(MLP(64, 10, [256, 256]))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    if variant == "engine":
+        step = AccumulationStep(model, opt)
+        return lambda mbs: step(mbs, classification_item_losses)
+
+    def bare(mbs):
+        opt.zero_grad(set_to_none=True)
+        for i, mb in enumerate(mbs):
+            # no_sync around forward and backward: DDP arms the all-reduce in forward
+            sync = contextlib.nullcontext() if i == len(mbs) - 1 else model.no_sync()
+            with sync:
+                (F.cross_entropy(model(mb["features"]), mb["label"]) / len(mbs)).backward()
+        opt.step()
+
+    return bare
+
+
+def rank_body(rank: int, world: int, init: str, blocks: int, block_steps: int, queue) -> None:
     dist.init_process_group(
         "gloo",
         init_method=f"file://{init}",
@@ -42,66 +67,73 @@ def rank_body(rank: int, world: int, init: str, variant: str, steps: int, queue)
     torch.set_num_threads(1)
     torch.manual_seed(0)
     x, y = torch.randn(4096, 64), torch.randint(0, 10, (4096,))
-    model = DDP(MLP(64, 10, [256, 256]))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    step = AccumulationStep(model, opt) if variant == "engine" else None
-    times = []
-    for s in range(steps):
-        t = time.perf_counter()
-        start = (s * MICRO * ACCUM) % (4096 - MICRO * ACCUM)
-        mbs = [
-            {"features": x[i : i + MICRO], "label": y[i : i + MICRO]}
-            for i in range(start, start + MICRO * ACCUM, MICRO)
-        ]
-        if step is not None:
-            step(mbs, classification_item_losses)
-        else:
-            opt.zero_grad(set_to_none=True)
-            for i, mb in enumerate(mbs):
-                # no_sync around forward and backward: DDP arms the all-reduce in forward
-                sync = contextlib.nullcontext() if i == ACCUM - 1 else model.no_sync()
-                with sync:
-                    (F.cross_entropy(model(mb["features"]), mb["label"]) / ACCUM).backward()
-            opt.step()
-        times.append(time.perf_counter() - t)
+    runners = {v: make_runner(v) for v in VARIANTS}
+    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    s = 0
+    for _ in range(blocks):
+        for variant in VARIANTS:
+            for _ in range(block_steps):
+                t = time.perf_counter()
+                start = (s * MICRO * ACCUM) % (4096 - MICRO * ACCUM)
+                s += 1
+                runners[variant](
+                    [
+                        {"features": x[i : i + MICRO], "label": y[i : i + MICRO]}
+                        for i in range(start, start + MICRO * ACCUM, MICRO)
+                    ]
+                )
+                times[variant].append(time.perf_counter() - t)
     if rank == 0:
-        queue.put(statistics.median(times[WARMUP:]))
+        # the first two blocks warm up allocator and caches
+        queue.put({v: t[2 * block_steps :] for v, t in times.items()})
+    dist.barrier()
     dist.destroy_process_group()
-
-
-def run(variant: str, steps: int) -> float:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [
-            ctx.Process(target=rank_body, args=(r, 2, f"{tmp}/init", variant, steps, queue))
-            for r in range(2)
-        ]
-        for p in procs:
-            p.start()
-        result = queue.get(timeout=600)
-        for p in procs:
-            p.join()
-    return result
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--blocks", type=int, default=100)
+    parser.add_argument("--block-steps", type=int, default=10)
     args = parser.parse_args()
-    bare, engine = [], []
-    for _ in range(args.repeats):
-        bare.append(run("bare", args.steps))
-        engine.append(run("engine", args.steps))
-    b, e = statistics.median(bare), statistics.median(engine)
-    print(f"MLP 64→256→256→10, 2 gloo ranks × micro {MICRO} × accum {ACCUM}, AdamW")
-    for label, med, runs in (("bare DDP loop", b, bare), ("engine step", e, engine)):
-        each = ", ".join(f"{v * 1e3:.2f}" for v in runs)
-        print(f"{label:14} median step {med * 1e3:.2f} ms  (runs: {each})")
-    print(f"throughput ratio engine / bare: {b / e:.3f}")
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [
+            ctx.Process(
+                target=rank_body,
+                args=(r, 2, f"{tmp}/init", args.blocks, args.block_steps, queue),
+            )
+            for r in range(2)
+        ]
+        for p in procs:
+            p.start()
+        times = queue.get(timeout=900)
+        for p in procs:
+            p.join()
+    print(
+        f"MLP 64→256→256→10, 2 gloo ranks × micro {MICRO} × accum {ACCUM}, fused AdamW; "
+        f"{args.blocks} alternating blocks of {args.block_steps} steps each"
+    )
+    stats = {
+        v: {
+            "mean": statistics.mean(t),
+            "median": statistics.median(t),
+            "p20": statistics.quantiles(t, n=5)[0],
+        }
+        for v, t in times.items()
+    }
+    for v, st in stats.items():
+        print(
+            f"{v:7} step ms: mean {st['mean'] * 1e3:.3f}  median {st['median'] * 1e3:.3f}  "
+            f"p20 {st['p20'] * 1e3:.3f}"
+        )
+    b, e = stats["bare"], stats["engine"]
+    print(
+        f"throughput ratio engine / bare: {b['mean'] / e['mean']:.3f} (mean step time; "
+        f"median {b['median'] / e['median']:.3f}, p20 {b['p20'] / e['p20']:.3f})"
+    )
 
 
 if __name__ == "__main__":

@@ -174,7 +174,9 @@ class OptimConfig(_Section):
     max_grad_norm: float | None = Field(None, gt=0.0)
     """Clip the global gradient norm to this value after unscaling; null = no clipping."""
     fused: bool | None = None
-    """AdamW's fused kernel (one launch for all parameters); null = on GPU workers only."""
+    """The optimizer's fused kernel (AdamW and SGD: one kernel per parameter instead of several
+    per step; on a small CPU model about 3× faster than the per-tensor loop); null = on, on
+    CPU and GPU workers alike."""
 
 
 class TrainSection(_Section):

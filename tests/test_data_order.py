@@ -75,3 +75,28 @@ def test_rank_positions_cover_each_rank_share_from_a_step():
     assert np.array_equal(np.sort(from_step_1), np.arange(32, 70))
     with pytest.raises(IndexError):
         layout.rank_window(3, 0)
+
+
+@pytest.mark.parametrize("fmt", ["classification", "tokens", "token_lists"])
+def test_take_split_equals_one_take_per_micro_batch(fmt):
+    import torch
+
+    from rayacc.runner.ingest import LocalRows
+
+    g = torch.Generator().manual_seed(0)
+    if fmt == "classification":
+        rows = LocalRows(fmt, features=torch.randn(20, 3, generator=g), labels=torch.arange(20))
+    elif fmt == "tokens":
+        rows = LocalRows("tokens", tokens=torch.randint(0, 50, (20, 6), generator=g))
+    else:
+        lists = [np.arange(2 + i % 5) + i for i in range(20)]
+        rows = LocalRows("tokens", token_lists=lists)
+    index = np.array([7, 3, 19, 0, 12, 5, 5, 8, 1])
+    sizes = [4, 4, 1]
+    parts = rows.take_split(index, sizes)
+    assert len(parts) == 3
+    for part, lo, hi in zip(parts, [0, 4, 8], [4, 8, 9], strict=True):
+        alone = rows.take(index[lo:hi])
+        assert part.keys() == alone.keys()
+        for key in part:
+            assert torch.equal(part[key], alone[key]), (fmt, key, lo)

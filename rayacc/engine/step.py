@@ -1,10 +1,11 @@
 """The accumulation step: one optimizer step over a window of micro-batches.
 
 The one normalisation rule (design.md): the gradient the optimizer sees is
-``∇ sum(item losses of the window) × world_size / N_window``, N_window the loss items of the whole
-window on all ranks. Micro-steps back-propagate item-loss sums; DDP's all-reduce averages over
-world_size ranks; once N_window arrives (it travels with the gradients, see `CommCounter`) the
-gradients are multiplied by world_size / N_window. So the step follows ∇(mean item loss over the
+``∇ sum(item losses of the window on all ranks) / N_window``, N_window the loss items of the whole
+window on all ranks. Micro-steps back-propagate item-loss sums; the gradient all-reduce sums them
+over the ranks (the engine's comm hook; DDP's default one averages, and then the factor carries
+world_size); once N_window arrives (it travels with the gradients, see `CommCounter`) the
+gradients are multiplied by 1 / N_window, once. So the step follows ∇(mean item loss over the
 global batch) whatever the workers, micro-batch size, accumulation or padding, and for a short
 last window too (it has its own N_window). fp16 applies the same factor to the loss before
 backward instead, as GradScaler expects gradients of that size.
@@ -118,8 +119,15 @@ class AccumulationStep:
             if scaler is not None:
                 raise ValueError("a GradScaler is only used with train.precision=fp16")
             self.scaler = None
-        self.comm = install_comm_counter(model) if count_comm else None
+        # the engine's hook sums gradients over ranks and the one multiply below divides by
+        # N; DDP's default hook (count_comm=False) has averaged them already
+        self.comm = install_comm_counter(model, average=False) if count_comm else None
+        self._rank_factor = 1.0 if self.comm is not None else float(self.world_size)
         self.oom_retry = oom_retry
+        # all parameters on one device in one dtype: the gradient norm skips the grouping
+        self._uniform_params = (
+            len({(p.device, p.dtype) for g in optimizer.param_groups for p in g["params"]}) <= 1
+        )
         self._rss_read_at = -math.inf
         self._rss_peak_mb = 0.0
         self.micro_batch_splits = 1
@@ -203,17 +211,11 @@ class AccumulationStep:
                 [local_items, local_samples, n_micro, n_micro * n_micro]
             )
             self._check_micro_steps(n_micro, sum_m, sum_m2)
-            scale = self.world_size / items if items else 0.0
+            scale = self._rank_factor / items if items else 0.0
 
-        self.optimizer.zero_grad(set_to_none=True)
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        # summed over ranks with the gradients: loss, items, samples and a micro-step parity
-        # check (Σm² · W == (Σm)² exactly when every rank ran the same m)
-        stats = torch.tensor(
-            [0.0, local_items, local_samples, n_micro, n_micro * n_micro],
-            dtype=torch.float64,
-            device=self.device,
-        )
+        self._clear_grads()
+        micro_sums: list[torch.Tensor] = []
+        stats = None
         out_of_memory = None
         for i, mb in enumerate(micro_batches):
             last = i == n_micro - 1
@@ -230,9 +232,14 @@ class AccumulationStep:
                     with self._autocast():
                         item_losses = loss_fn(self.model, mb)
                     micro_sum = item_losses.float().sum()
-                    loss_sum += micro_sum.detach()
+                    micro_sums.append(micro_sum.detach())
                     if last:
-                        stats[0] = loss_sum
+                        # summed over ranks with the gradients: loss, items, samples and a
+                        # micro-step parity check (Σm² · W == (Σm)² exactly when every rank ran
+                        # the same m)
+                        stats = self._window_stats(
+                            micro_sums, [local_items, local_samples, n_micro, n_micro * n_micro]
+                        )
                         if self.comm is not None:
                             # counts stay exact in a float32 bucket below 2**24
                             exact = max(local_items, n_micro * n_micro) * self.world_size < 2**24
@@ -259,13 +266,13 @@ class AccumulationStep:
         if not exact_scale_first:
             self._check_micro_steps(n_micro, sum_m, sum_m2)
         if items == 0:
-            self.optimizer.zero_grad(set_to_none=True)
+            self._clear_grads()
             return self._result(
                 t_start, math.nan, 0, samples, n_micro, math.nan, lr, "no loss items"
             )
         if not math.isfinite(total_loss):
             # every rank sees the same all-reduced sum, so all skip together
-            self.optimizer.zero_grad(set_to_none=True)
+            self._clear_grads()
             return self._result(
                 t_start, math.nan, items, samples, n_micro, math.nan, lr, "non-finite loss"
             )
@@ -275,11 +282,11 @@ class AccumulationStep:
         ]
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
-        # the one normalisation: DDP averaged over W ranks, so × W / N turns the gradient of
-        # the window's item-loss sum into that of the mean item loss over the whole window;
+        # the one normalisation: × 1 / N (× W / N after DDP's averaging hook) turns the gradient
+        # of the window's item-loss sum into that of the mean item loss over the whole window;
         # it is folded into clipping's multiply, one pass over the gradients for both
-        factor = 1.0 if exact_scale_first else self.world_size / items
-        grad_norm = float(torch.nn.utils.get_total_norm(grads)) * factor if grads else 0.0
+        factor = 1.0 if exact_scale_first else self._rank_factor / items
+        grad_norm = self._grad_norm(grads) * factor if grads else 0.0
         if self.max_grad_norm is not None and math.isfinite(grad_norm):
             factor *= min(1.0, self.max_grad_norm / (grad_norm + 1e-6))
         if factor != 1.0 and grads:
@@ -300,12 +307,34 @@ class AccumulationStep:
 
         if skip_reason is None and self.scheduler is not None:
             self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self._clear_grads()
         return self._result(t_start, mean_loss, items, samples, n_micro, grad_norm, lr, skip_reason)
+
+    def _grad_norm(self, grads: list[torch.Tensor]) -> float:
+        if self._uniform_params:
+            # torch.nn.utils.get_total_norm without its grouping by device and dtype, which
+            # costs as much as the norms on a small model
+            norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+        else:
+            norm = torch.nn.utils.get_total_norm(grads)
+        # a CPU–GPU sync point on GPU: clipping and the non-finite skip decide on it
+        return float(norm)
+
+    def _clear_grads(self) -> None:
+        """optimizer.zero_grad(set_to_none=True) without its profiler scope, which costs as
+        much as the loop itself on a small model."""
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                p.grad = None
+
+    def _window_stats(self, micro_sums: list[torch.Tensor], counts: list[int]) -> torch.Tensor:
+        """[loss sum, *counts] in float64: the loss summed in float64 whatever its dtype."""
+        loss = torch.stack(micro_sums).sum(dtype=torch.float64).reshape(1)
+        return torch.cat([loss, torch.tensor(counts, dtype=torch.float64, device=self.device)])
 
     def _check_micro_steps(self, n_micro: int, sum_m: float, sum_m2: float) -> None:
         if sum_m2 * self.world_size != sum_m * sum_m:
-            self.optimizer.zero_grad(set_to_none=True)
+            self._clear_grads()
             raise MicroStepMismatchError(
                 f"ranks hold different numbers of micro-batches for this window (this rank: "
                 f"{n_micro}, mean over {self.world_size} ranks: {sum_m / self.world_size:g}); "
@@ -322,7 +351,7 @@ class AccumulationStep:
         oom, stuck = self._all_reduce_sum([float(error is not None), float(unsplittable)])
         if not oom:
             return False
-        self.optimizer.zero_grad(set_to_none=True)
+        self._clear_grads()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         if stuck:

@@ -4,13 +4,11 @@ accounting of what that sync costs."""
 import contextlib
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 __all__ = ["CommCounter", "ddp_sync_context", "install_comm_counter", "is_ddp"]
 
@@ -19,17 +17,14 @@ def is_ddp(model: nn.Module) -> bool:
     return isinstance(model, nn.parallel.DistributedDataParallel)
 
 
-@contextlib.contextmanager
-def ddp_sync_context(model: nn.Module, sync: bool) -> Iterator[None]:
+def ddp_sync_context(model: nn.Module, sync: bool) -> contextlib.AbstractContextManager[None]:
     """Wrap a micro-step's forward *and* backward: DDP marks what to reduce during forward, so a
     `no_sync` around backward alone still all-reduces.
 
     `sync=False` on every non-final micro-step."""
     if sync or not is_ddp(model):
-        yield
-    else:
-        with model.no_sync():
-            yield
+        return contextlib.nullcontext()
+    return model.no_sync()
 
 
 @dataclass
@@ -39,11 +34,17 @@ class CommCounter:
 
     It also carries the window's statistics (loss sum, item counts) to the other ranks: a small
     tensor attached before the syncing backward rides along in the first gradient bucket's
-    all-reduce (appended to it; a bucket in a dtype that cannot hold the counts exactly gets a
-    separate all-reduce launched right behind it instead). A separate all-reduce before or after
-    the backward would add a point where every rank waits for the slowest (measured on 2 CPU
-    ranks: +2.2 ms before, +0.7 ms after, on an 8 ms step)."""
+    all-reduce (appended to it in a buffer kept between windows; a bucket in a dtype that cannot
+    hold the counts exactly gets a separate all-reduce launched right behind it instead). A
+    separate all-reduce before or after the backward would add a point where every rank waits
+    for the slowest (measured on 2 CPU ranks: +2.2 ms before, +0.7 ms after, on an 8 ms step).
 
+    `average=False` sums the gradients over the ranks instead of averaging them (DDP's default):
+    a caller that rescales the gradients anyway (the accumulation step) saves DDP's pass that
+    divides every bucket by the world size."""
+
+    average: bool = True
+    world_size: int = 1
     launches: int = 0
     passes: int = 0
     _pass_start: float | None = None
@@ -53,6 +54,7 @@ class CommCounter:
     _stats_exact_in_fp32: bool = False
     _stats_work: dist.Work | None = field(default=None, repr=False)
     _reduced: torch.Tensor | None = field(default=None, repr=False)
+    _riding: torch.Tensor | None = field(default=None, repr=False)
 
     def begin_window(self) -> None:
         self.launches = 0
@@ -84,6 +86,15 @@ class CommCounter:
         fits = dtype == torch.float64 or (dtype == torch.float32 and self._stats_exact_in_fp32)
         return stats, fits
 
+    def _riding_buffer(self, like: torch.Tensor, numel: int) -> torch.Tensor:
+        """A buffer for bucket + stats, allocated once: a fresh one each window costs an
+        allocation the size of the bucket (page faults on CPU)."""
+        buf = self._riding
+        same = buf is not None and (buf.dtype, buf.device) == (like.dtype, like.device)
+        if not same or buf.numel() != numel:
+            buf = self._riding = torch.empty(numel, dtype=like.dtype, device=like.device)
+        return buf
+
     def sync_time_s(self) -> float:
         if self._pass_start is None or self._last_done is None:
             return 0.0
@@ -112,26 +123,28 @@ def _counting_allreduce_hook(
 ) -> torch.futures.Future[torch.Tensor]:
     counter, group = state
     counter._on_launch(bucket.index())
-    stats, fits = (
-        counter._take_stats(bucket.buffer().dtype) if bucket.index() == 0 else (None, False)
-    )
+    grads = bucket.buffer()
+    if counter.average and counter.world_size > 1:
+        grads.div_(counter.world_size)
+    stats, fits = counter._take_stats(grads.dtype) if bucket.index() == 0 else (None, False)
     if stats is not None and fits:
         # the window's stats ride in this bucket's all-reduce: no collective of their own
-        grads = bucket.buffer()
         n = grads.numel()
-        world = dist.get_world_size(group)
-        combined = torch.cat([grads.div_(world), stats.to(grads.dtype)])
+        combined = counter._riding_buffer(grads, n + stats.numel())
+        combined[:n].copy_(grads)
+        combined[n:].copy_(stats)
         fut = dist.all_reduce(combined, group=group, async_op=True).get_future()
 
         def split(f):
             out = f.value()[0]
-            counter._reduced = out[n:].to(stats.dtype)
+            # a copy: the buffer is reused by the next window
+            counter._reduced = out[n:].to(stats.dtype, copy=True)
             counter._on_done()
             return out[:n]
 
         return fut.then(split)
 
-    fut = default_hooks.allreduce_hook(group, bucket)
+    fut = dist.all_reduce(grads, group=group, async_op=True).get_future()
     if stats is not None:
         # every rank launches its collectives in this same order (DDP launches buckets by index)
         # reduced in place: valid once the work is waited for
@@ -140,19 +153,20 @@ def _counting_allreduce_hook(
 
     def done(f):
         counter._on_done()
-        return f.value()
+        return f.value()[0]
 
     return fut.then(done)
 
 
-def install_comm_counter(model: nn.Module) -> "CommCounter | None":
-    """Registers the counting all-reduce hook on a DDP model (same arithmetic as DDP's default).
+def install_comm_counter(model: nn.Module, average: bool = True) -> "CommCounter | None":
+    """Registers the counting all-reduce hook on a DDP model: DDP's arithmetic (the mean over
+    ranks), or with `average=False` the sum over ranks.
 
     Returns None for a model that is not DDP (nothing to sync). DDP accepts one comm hook per model
     and only before the first forward; a model that already has one raises there.
     """
     if not is_ddp(model):
         return None
-    counter = CommCounter()
+    counter = CommCounter(average=average, world_size=dist.get_world_size(model.process_group))
     model.register_comm_hook((counter, model.process_group), _counting_allreduce_hook)
     return counter

@@ -10,6 +10,7 @@ for one epoch, up to N with several shuffled epochs.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -50,6 +51,17 @@ class LocalRows:
             chunk = self.tokens[idx]
             return {"input": chunk[:, :-1], "target": chunk[:, 1:]}
         return collate_tokens([self.token_lists[i] for i in index])
+
+    def take_split(self, index: np.ndarray, sizes: list[int]) -> list[dict[str, torch.Tensor]]:
+        """Consecutive micro-batches of `sizes` rows from the rows at `index`: one gather for
+        the whole window, the micro-batches are views of it (sequences of varying length are
+        padded per micro-batch)."""
+        if self.token_lists is not None:
+            bounds = np.cumsum([0, *sizes])
+            return [self.take(index[lo:hi]) for lo, hi in itertools.pairwise(bounds)]
+        window = self.take(index)
+        pieces = {k: torch.split(v, sizes) for k, v in window.items()}
+        return [{k: v[i] for k, v in pieces.items()} for i in range(len(sizes))]
 
 
 def _to_local(table: pa.Table, info: DatasetInfo) -> LocalRows:
