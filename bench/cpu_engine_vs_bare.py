@@ -7,7 +7,10 @@ Both run in the same two processes, alternating in blocks of a few steps, so tha
 else the machine does hits both alike (separate runs on a small shared machine differ by
 ±20 %). Prints each one's mean, median and 20th-percentile step time and the ratios.
 
-    .venv/bin/python bench/cpu_engine_vs_bare.py [--blocks 100] [--block-steps 10]
+`--in-ray` runs the same two processes as Ray Train workers (a local Ray cluster): what Ray's
+process environment does to each.
+
+    .venv/bin/python bench/cpu_engine_vs_bare.py [--blocks 100] [--block-steps 10] [--in-ray]
 """
 
 from __future__ import annotations
@@ -56,14 +59,8 @@ def make_runner(variant: str):
     return bare
 
 
-def rank_body(rank: int, world: int, init: str, blocks: int, block_steps: int, queue) -> None:
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{init}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=120),
-    )
+def alternate(blocks: int, block_steps: int) -> dict[str, list[float]]:
+    """Both variants on this rank's process group, in alternating blocks; per-step times."""
     torch.set_num_threads(1)
     torch.manual_seed(0)
     x, y = torch.randn(4096, 64), torch.randint(0, 10, (4096,))
@@ -83,11 +80,49 @@ def rank_body(rank: int, world: int, init: str, blocks: int, block_steps: int, q
                     ]
                 )
                 times[variant].append(time.perf_counter() - t)
+    # the first two blocks warm up allocator and caches
+    return {v: t[2 * block_steps :] for v, t in times.items()}
+
+
+def rank_body(rank: int, world: int, init: str, blocks: int, block_steps: int, queue) -> None:
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=120),
+    )
+    times = alternate(blocks, block_steps)
     if rank == 0:
-        # the first two blocks warm up allocator and caches
-        queue.put({v: t[2 * block_steps :] for v, t in times.items()})
+        queue.put(times)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def ray_worker(config: dict) -> None:
+    import ray.train
+
+    times = alternate(config["blocks"], config["block_steps"])
+    if ray.train.get_context().get_world_rank() == 0:
+        torch.save(times, config["out"])
+    ray.train.report({"done": 1})
+
+
+def run_in_ray(blocks: int, block_steps: int) -> dict[str, list[float]]:
+    import ray
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = f"{tmp}/times.pt"
+        TorchTrainer(
+            ray_worker,
+            train_loop_config={"blocks": blocks, "block_steps": block_steps, "out": out},
+            scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1}),
+            run_config=RunConfig(storage_path=tmp, name="engine_vs_bare"),
+        ).fit()
+        return torch.load(out)
 
 
 def main() -> None:
@@ -96,24 +131,29 @@ def main() -> None:
     )
     parser.add_argument("--blocks", type=int, default=100)
     parser.add_argument("--block-steps", type=int, default=10)
+    parser.add_argument("--in-ray", action="store_true", help="as Ray Train workers")
     args = parser.parse_args()
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [
-            ctx.Process(
-                target=rank_body,
-                args=(r, 2, f"{tmp}/init", args.blocks, args.block_steps, queue),
-            )
-            for r in range(2)
-        ]
-        for p in procs:
-            p.start()
-        times = queue.get(timeout=900)
-        for p in procs:
-            p.join()
+    if args.in_ray:
+        times = run_in_ray(args.blocks, args.block_steps)
+    else:
+        ctx = mp.get_context("spawn")
+        queue = ctx.Queue()
+        with tempfile.TemporaryDirectory() as tmp:
+            procs = [
+                ctx.Process(
+                    target=rank_body,
+                    args=(r, 2, f"{tmp}/init", args.blocks, args.block_steps, queue),
+                )
+                for r in range(2)
+            ]
+            for p in procs:
+                p.start()
+            times = queue.get(timeout=900)
+            for p in procs:
+                p.join()
+    where = "Ray Train workers" if args.in_ray else "gloo ranks"
     print(
-        f"MLP 64→256→256→10, 2 gloo ranks × micro {MICRO} × accum {ACCUM}, fused AdamW; "
+        f"MLP 64→256→256→10, 2 {where} × micro {MICRO} × accum {ACCUM}, fused AdamW; "
         f"{args.blocks} alternating blocks of {args.block_steps} steps each"
     )
     stats = {

@@ -60,6 +60,17 @@ def scenario_classify(rank, world, out):
     out["classify"] = {"params": params_vector(model), "result": result}
 
 
+def scenario_classify_with_ddp_default_hook(rank, world, out):
+    """Without the engine's hook DDP averages the gradients over ranks; the engine's factor
+    must then carry the world size."""
+    rows = classification_rows(GLOBAL_ROWS)
+    model = DDP(TinyClassifier())
+    step = AccumulationStep(model, torch.optim.SGD(model.parameters(), lr=LR), count_comm=False)
+    lo, hi = shard(rank, world, GLOBAL_ROWS)
+    result = step(micro_batches(slice_rows(rows, lo, hi), MICRO), classification_item_losses)
+    out["default_hook"] = {"params": params_vector(model), "result": result}
+
+
 def scenario_tokens(rank, world, out):
     _, mine = long_and_short_token_shards(rank)
     model = DDP(TinyCausalLM())
@@ -224,6 +235,7 @@ def scenario_stats_beside_a_bf16_bucket(rank, world, out):
 
 SCENARIOS = [
     scenario_classify,
+    scenario_classify_with_ddp_default_hook,
     scenario_tokens,
     scenario_adamw_steps,
     scenario_sync_counts,

@@ -66,6 +66,20 @@ def test_ddp_accumulation_equals_full_batch(ranks, record_equivalence):
     assert result.micro_steps == 4
 
 
+def test_ddp_default_hook_gives_the_same_step(ranks, record_equivalence):
+    """The engine's hook sums over ranks, DDP's own averages (the engine's factor then carries
+    the world size): both give the full-batch step."""
+    model = TinyClassifier()
+    before = params_vector(model)
+    reference_sgd_step(
+        model, full_batch_classification_loss(model, classification_rows(W.GLOBAL_ROWS)), W.LR
+    )
+    err = update_rel_err(before, ranks[0]["default_hook"]["params"], params_vector(model))
+    record_equivalence("2 ranks × 4 micro-steps, DDP's own averaging hook", err)
+    assert err <= FP32_TOL, err
+    assert ranks[0]["default_hook"]["result"].items == W.GLOBAL_ROWS
+
+
 def test_ranks_with_different_token_counts_give_token_mean_step(ranks, record_equivalence):
     seqs, _ = W.long_and_short_token_shards(0)
     local = [ranks[r]["tokens"]["local_tokens"] for r in range(WORLD)]
