@@ -124,7 +124,8 @@ class AccumulationStep:
         self.comm = install_comm_counter(model, average=False) if count_comm else None
         self._rank_factor = 1.0 if self.comm is not None else float(self.world_size)
         self.oom_retry = oom_retry
-        # all parameters on one device in one dtype: the gradient norm skips the grouping
+        # all parameters (those the optimizer holds now) on one device in one dtype: the
+        # gradient norm skips the grouping by device and dtype
         self._uniform_params = (
             len({(p.device, p.dtype) for g in optimizer.param_groups for p in g["params"]}) <= 1
         )
