@@ -52,32 +52,26 @@ def test_ranks_end_with_identical_weights(ranks):
         assert torch.equal(ranks[0][key]["params"], ranks[1][key]["params"]), key
 
 
-def test_ddp_accumulation_equals_full_batch(ranks, record_equivalence):
+@pytest.mark.parametrize(
+    ("key", "label"),
+    [
+        ("classify", "2 ranks × 4 micro-steps, classification, SGD"),
+        # the engine's hook sums over ranks; DDP's own averages and the factor carries W
+        ("default_hook", "2 ranks × 4 micro-steps, DDP's own averaging hook"),
+    ],
+)
+def test_ddp_accumulation_equals_full_batch(ranks, record_equivalence, key, label):
     model = TinyClassifier()
     before = params_vector(model)
     reference_sgd_step(
         model, full_batch_classification_loss(model, classification_rows(W.GLOBAL_ROWS)), W.LR
     )
-    err = update_rel_err(before, ranks[0]["classify"]["params"], params_vector(model))
-    record_equivalence("2 ranks × 4 micro-steps, classification, SGD", err)
+    err = update_rel_err(before, ranks[0][key]["params"], params_vector(model))
+    record_equivalence(label, err)
     assert err <= FP32_TOL, err
-    result = ranks[0]["classify"]["result"]
+    result = ranks[0][key]["result"]
     assert result.items == result.samples == W.GLOBAL_ROWS
     assert result.micro_steps == 4
-
-
-def test_ddp_default_hook_gives_the_same_step(ranks, record_equivalence):
-    """The engine's hook sums over ranks, DDP's own averages (the engine's factor then carries
-    the world size): both give the full-batch step."""
-    model = TinyClassifier()
-    before = params_vector(model)
-    reference_sgd_step(
-        model, full_batch_classification_loss(model, classification_rows(W.GLOBAL_ROWS)), W.LR
-    )
-    err = update_rel_err(before, ranks[0]["default_hook"]["params"], params_vector(model))
-    record_equivalence("2 ranks × 4 micro-steps, DDP's own averaging hook", err)
-    assert err <= FP32_TOL, err
-    assert ranks[0]["default_hook"]["result"].items == W.GLOBAL_ROWS
 
 
 def test_ranks_with_different_token_counts_give_token_mean_step(ranks, record_equivalence):

@@ -378,8 +378,9 @@ def train_loop(config: dict[str, Any]) -> dict[str, Any]:
         for s in range(n_steps):
             t_data = time.perf_counter()
             sizes = [len(part) for part in lay.rank_window(s, rank).micro_batches]
-            host = rows.take_split(local[cursor : cursor + sum(sizes)], sizes)
-            cursor += sum(sizes)
+            window_rows = sum(sizes)
+            host = rows.take_split(local[cursor : cursor + window_rows], sizes)
+            cursor += window_rows
             local_items = sum(count(mb) for mb in host)  # on the host: no GPU sync
             micro_batches = [
                 {k: v.to(device, non_blocking=True) for k, v in mb.items()} for mb in host
