@@ -1,0 +1,172 @@
+"""Rules across fields, one small function per section. Each runs on whichever sections are
+valid by themselves, so one pass reports field errors and cross-field errors together."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from rayacc.batch_plan import BatchPlanError, resolve_batch_plan
+from rayacc.config.errors import MISSING, ConfigIssue
+
+if TYPE_CHECKING:
+    from rayacc.config.schema import BatchConfig, DataConfig, ModelConfig, ScalingConfig
+
+__all__ = ["cross_field_issues"]
+
+
+def _model_rules(model: ModelConfig, data: DataConfig | None) -> list[ConfigIssue]:
+    issues = []
+    if model.name == "factory" and not model.factory:
+        issues.append(
+            ConfigIssue(
+                "model.factory",
+                "is empty while model.name is 'factory'",
+                None,
+                "set model.factory to 'package.module:function'",
+            )
+        )
+    if model.factory and model.name != "factory":
+        issues.append(
+            ConfigIssue(
+                "model.factory",
+                f"is set but model.name is {model.name!r}, so it would be ignored",
+                model.factory,
+                "set model.name=factory, or remove model.factory",
+            )
+        )
+    if model.factory and model.factory.count(":") != 1:
+        issues.append(
+            ConfigIssue(
+                "model.factory",
+                "is not of the form 'package.module:function'",
+                model.factory,
+                "write e.g. mypkg.models:build",
+            )
+        )
+    if any(h < 1 for h in model.hidden_sizes):
+        issues.append(
+            ConfigIssue(
+                "model.hidden_sizes",
+                "must hold positive integers",
+                model.hidden_sizes,
+                "e.g. [128, 128]",
+            )
+        )
+    if model.n_embd % model.n_head:
+        issues.append(
+            ConfigIssue(
+                "model.n_head",
+                f"does not divide model.n_embd={model.n_embd}",
+                model.n_head,
+                f"set model.n_embd to a multiple of {model.n_head}, or model.n_head to a "
+                f"divisor of {model.n_embd}",
+            )
+        )
+    if model.name == "gpt" and data is not None and data.seq_len > model.block_size:
+        issues.append(
+            ConfigIssue(
+                "data.seq_len",
+                f"is longer than model.block_size={model.block_size}",
+                data.seq_len,
+                f"set data.seq_len <= {model.block_size}, or raise model.block_size",
+            )
+        )
+    return issues
+
+
+def _scaling_rules(scaling: ScalingConfig) -> list[ConfigIssue]:
+    lo, hi = scaling.min_workers, scaling.max_workers
+    if lo < 1 or hi < lo:
+        return [
+            ConfigIssue(
+                "scaling.num_workers",
+                "must be a positive count or [min, max] with 1 <= min <= max",
+                scaling.num_workers,
+                "e.g. 2, or [1, 4] for an elastic run",
+            )
+        ]
+    if scaling.elastic:
+        return []
+    # compared with the defaults, not "was it set": a dumped config sets every field
+    ignored = sorted(
+        name
+        for name in ("on_resize", "resize_interval_s")
+        if getattr(scaling, name) != type(scaling).model_fields[name].default
+    )
+    if not ignored:
+        return []
+    return [
+        ConfigIssue(
+            "scaling." + ignored[0],
+            "only applies to elastic runs",
+            MISSING,
+            "give scaling.num_workers as [min, max], or remove it",
+        )
+    ]
+
+
+def _auto_micro_batch_rules(batch: BatchConfig, scaling: ScalingConfig | None) -> list[ConfigIssue]:
+    if not batch.auto_micro_batch:
+        return []
+    issues = []
+    if batch.global_batch_size is None:
+        issues.append(
+            ConfigIssue(
+                "batch.global_batch_size",
+                "is required with batch.micro_batch_size=auto (the search keeps it fixed)",
+                None,
+                "set batch.global_batch_size",
+            )
+        )
+    if batch.grad_accum_steps is not None:
+        issues.append(
+            ConfigIssue(
+                "batch.grad_accum_steps",
+                "is derived when batch.micro_batch_size=auto, so it cannot be set too",
+                batch.grad_accum_steps,
+                "remove batch.grad_accum_steps, or give a micro_batch_size",
+            )
+        )
+    if scaling is not None and not scaling.use_gpu and batch.memory_budget_mb is None:
+        issues.append(
+            ConfigIssue(
+                "batch.memory_budget_mb",
+                "is required for batch.micro_batch_size=auto on CPU workers",
+                None,
+                "set batch.memory_budget_mb (MiB per worker), e.g. 2048",
+            )
+        )
+    return issues
+
+
+def _batch_plan_rules(batch: BatchConfig, scaling: ScalingConfig) -> list[ConfigIssue]:
+    try:
+        resolve_batch_plan(
+            num_workers=scaling.max_workers,
+            global_batch_size=batch.global_batch_size,
+            micro_batch_size=batch.fixed_micro_batch_size,
+            grad_accum_steps=batch.grad_accum_steps,
+        )
+    except BatchPlanError as exc:
+        return [ConfigIssue(exc.field, exc.problem, MISSING, exc.fix)]
+    return []
+
+
+def cross_field_issues(sections: dict[str, Any]) -> list[ConfigIssue]:
+    """Every rule whose sections are valid, in a fixed order."""
+    model, data = sections.get("model"), sections.get("data")
+    batch, scaling = sections.get("batch"), sections.get("scaling")
+    issues: list[ConfigIssue] = []
+    if model is not None:
+        issues += _model_rules(model, data)
+    if scaling is not None:
+        scaling_issues = _scaling_rules(scaling)
+        issues += scaling_issues
+        if any(i.path == "scaling.num_workers" for i in scaling_issues):
+            # a worker count that makes no sense would only add noise below
+            scaling = None
+    if batch is not None:
+        issues += _auto_micro_batch_rules(batch, scaling)
+        if scaling is not None:
+            issues += _batch_plan_rules(batch, scaling)
+    return issues

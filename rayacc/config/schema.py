@@ -1,0 +1,341 @@
+"""The config schema: one pydantic section per concern, each field with its docstring (which
+error messages quote as the fix), and :class:`TrainConfig`, the whole configuration of a run."""
+
+from __future__ import annotations
+
+import os
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from rayacc.batch_plan import BatchPlan, BatchPlanError, resolve_batch_plan
+from rayacc.config.errors import ConfigError, ConfigIssue, issues_from_validation
+from rayacc.config.loader import read_yaml
+from rayacc.config.overrides import apply_overrides, flatten
+from rayacc.config.rules import cross_field_issues
+
+__all__ = [
+    "BatchConfig",
+    "DataConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "RunConfig",
+    "ScalingConfig",
+    "Section",
+    "TrackingConfig",
+    "TrainConfig",
+    "TrainSection",
+]
+
+
+class Section(BaseModel):
+    # attribute docstrings become field descriptions, which error messages quote as the fix
+    model_config = ConfigDict(
+        extra="forbid", use_attribute_docstrings=True, validate_assignment=True
+    )
+
+
+class ModelConfig(Section):
+    name: Literal["mlp", "gpt", "factory"] = "mlp"
+    """Model family: `mlp` (classification on feature vectors), `gpt` (causal LM on tokens), or
+    `factory` to build the model with `model.factory`."""
+    factory: str | None = None
+    """User model factory as "package.module:function"; called with `model.kwargs` and the dataset
+    info; used only when `model.name` is `factory`."""
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments passed to `model.factory`."""
+    hidden_sizes: list[int] = Field(default_factory=lambda: [128, 128])
+    """mlp: widths of the hidden layers."""
+    n_layer: int = Field(4, ge=1)
+    """gpt: transformer blocks."""
+    n_head: int = Field(4, ge=1)
+    """gpt: attention heads per block; must divide `model.n_embd`."""
+    n_embd: int = Field(128, ge=1)
+    """gpt: embedding width."""
+    block_size: int = Field(128, ge=2)
+    """gpt: longest sequence the model accepts (positions)."""
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    """Dropout probability (0 keeps accumulation exactly equivalent to the big batch)."""
+
+
+class DataConfig(Section):
+    source: str = "digits"
+    """A bundled dataset name (`digits`, `shakespeare`) or a Parquet file/folder path or URI
+    (local, s3://, gs://)."""
+    shuffle: bool = True
+    """Shuffle the global sample order each epoch (seeded by `seed` and the epoch)."""
+    val_fraction: float = Field(0.1, ge=0.0, lt=1.0)
+    """Share of rows held out for validation; 0 = no validation."""
+    last_window: Literal["short", "drop"] = "short"
+    """Rows that do not fill a last global batch: `short` trains on them as a smaller window
+    (normalised by its real size), `drop` skips them."""
+    seq_len: int = Field(128, ge=2)
+    """Token datasets: tokens per sample (sequence) when a bundled corpus is cut into samples."""
+    cache_dir: str | None = None
+    """Where bundled datasets are prepared as Parquet (default: ~/.cache/rayacc)."""
+    materialize: bool = True
+    """Read the Parquet once on the driver into Ray's object store (spilled to disk when large),
+    so each worker (re)start fetches its rows in a fraction of a second; false = every rank reads
+    the files itself (slower start, nothing held in the object store)."""
+
+
+class BatchConfig(Section):
+    global_batch_size: int | None = Field(None, ge=1)
+    """Samples per optimizer step over all workers: micro_batch_size × grad_accum_steps ×
+    num_workers. The invariant kept when the number of workers changes."""
+    micro_batch_size: Annotated[int, Field(ge=1)] | Literal["auto"] | None = None
+    """Samples per worker per forward/backward (micro-step), or `auto`: before training, the
+    largest divisor of one worker's share of the global batch whose forward + backward fits the
+    memory budget on every rank (accumulation follows, the global batch is kept exactly); on a
+    GPU an out-of-memory error later halves it on all ranks and redoes the window."""
+    grad_accum_steps: int | None = Field(None, ge=1)
+    """Micro-steps per optimizer step on each worker; derived from the other two when omitted."""
+    memory_budget: float = Field(0.9, gt=0.0, le=1.0)
+    """`micro_batch_size: auto` on GPU: share of the device's memory a micro-step may use."""
+    memory_budget_mb: float | None = Field(None, gt=0.0)
+    """`micro_batch_size: auto`: memory a micro-step may use per worker, in MiB (required on
+    CPU, where it is checked against parameters, gradients, optimizer state and activations;
+    on GPU it replaces `batch.memory_budget`)."""
+
+    @property
+    def auto_micro_batch(self) -> bool:
+        return self.micro_batch_size == "auto"
+
+    @property
+    def fixed_micro_batch_size(self) -> int | None:
+        """The configured micro-batch, None when omitted or `auto`."""
+        return None if self.micro_batch_size == "auto" else self.micro_batch_size
+
+
+class OptimConfig(Section):
+    name: Literal["adamw", "sgd"] = "adamw"
+    """Optimizer."""
+    lr: float = Field(1e-3, gt=0.0)
+    """Base learning rate, tuned at `optim.base_batch_size`."""
+    base_batch_size: int | None = Field(None, ge=1)
+    """Global batch at which `optim.lr` was tuned; the LR is rescaled from it by
+    `optim.lr_scaling`. Omitted: the configured global batch (effective LR = lr)."""
+    lr_scaling: Literal["linear", "sqrt", "none"] = "linear"
+    """How the LR follows global_batch_size / base_batch_size: linear, sqrt or none."""
+    momentum: float = Field(0.0, ge=0.0, lt=1.0)
+    """SGD momentum."""
+    weight_decay: float = Field(0.0, ge=0.0)
+    """Decoupled weight decay (AdamW) or L2 penalty (SGD)."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    warmup_steps: int = Field(0, ge=0)
+    """Optimizer steps of linear LR warmup."""
+    schedule: Literal["cosine", "constant"] = "cosine"
+    """LR after warmup: cosine decay to `optim.min_lr_ratio` × LR at the last step, or constant."""
+    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0)
+    """Final LR of the cosine schedule as a share of the effective LR."""
+    max_grad_norm: float | None = Field(None, gt=0.0)
+    """Clip the global gradient norm to this value after unscaling; null = no clipping."""
+    fused: bool | None = None
+    """The optimizer's fused kernel (AdamW and SGD: one kernel per parameter instead of several
+    per step; on a small CPU model about 3× faster than the per-tensor loop); null = on, on
+    CPU and GPU workers alike."""
+
+
+class TrainSection(Section):
+    max_steps: int | None = Field(None, ge=1)
+    """Optimizer steps to run; null = run `train.epochs` epochs."""
+    epochs: int = Field(1, ge=1)
+    """Passes over the training rows (when `train.max_steps` is null, or as its upper bound)."""
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Compute precision: fp32, bf16 autocast, or fp16 autocast with a gradient scaler."""
+    val_every_steps: int | None = Field(None, ge=1)
+    """Run validation every N optimizer steps (and always at the end); null = only at the end."""
+    checkpoint_every_steps: int | None = Field(None, ge=1)
+    """Checkpoint every N optimizer steps (and always at the end); null = only at the end."""
+    compile: bool = False
+    """torch.compile the model (before DDP wraps it). The first steps pay the compilation
+    (tens of seconds for GPT-2 small); accumulation and no_sync work as without it."""
+    allow_tf32: bool = False
+    """GPU, fp32 precision: let matmuls and convolutions use TF32 tensor cores (about 10 bits
+    of mantissa instead of 23: faster, not bit-equal to fp32)."""
+    loss_chunk_tokens: int | None = Field(8192, ge=1)
+    """Token models with an output head (`gpt`): compute the vocabulary projection and
+    cross-entropy this many positions at a time, so fp32 logits of a whole micro-batch are never
+    held; null = all at once."""
+    peak_tflops: float | None = Field(None, gt=0.0)
+    """Peak TFLOP/s of one worker's device for `perf/mfu`; null = a known GPU's dense bf16
+    peak, none on CPU (then only `perf/tflops` is logged)."""
+
+
+class ScalingConfig(Section):
+    num_workers: int | tuple[int, int] = 2
+    """Data-parallel training workers (one DDP rank each), or [min, max] for an elastic run:
+    Ray starts as many as fit and restarts the group at a new size when capacity changes."""
+    on_resize: Literal["keep_global_batch", "keep_micro_batch"] = "keep_global_batch"
+    """Elastic runs: `keep_global_batch` re-derives accumulation (and the micro-batch when it
+    must) so the global batch and effective LR stay; `keep_micro_batch` keeps accumulation, so
+    the global batch follows the workers and the LR follows `optim.lr_scaling`."""
+    resize_interval_s: float = Field(60.0, gt=0)
+    """Elastic runs: how often Ray checks whether more workers fit."""
+    use_gpu: bool = False
+    """One GPU per worker (NCCL); CPU workers use gloo."""
+    cpus_per_worker: float = Field(1.0, gt=0.0)
+    """Logical CPUs reserved per worker (fractions allowed)."""
+    extra_resources: dict[str, float] = Field(default_factory=dict)
+    """Custom Ray resources each worker needs besides CPUs/GPUs, e.g. {worker_slot: 1} on nodes
+    that offer one slot each. Elastic sizing counts resources, not the placement strategy, so
+    this is how an elastic run is held to one worker per node."""
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    """How Ray places the workers on nodes: PACK fills few nodes, SPREAD spreads when it can,
+    STRICT_SPREAD puts every worker on its own node."""
+
+    @property
+    def elastic(self) -> bool:
+        return not isinstance(self.num_workers, int)
+
+    @property
+    def min_workers(self) -> int:
+        return self.num_workers if isinstance(self.num_workers, int) else self.num_workers[0]
+
+    @property
+    def max_workers(self) -> int:
+        return self.num_workers if isinstance(self.num_workers, int) else self.num_workers[1]
+
+
+class TrackingConfig(Section):
+    enabled: bool = True
+    """Record the run in MLflow."""
+    tracking_uri: str | None = None
+    """MLflow tracking URI; null = sqlite:///<cwd>/mlflow.db."""
+    experiment: str = "rayacc"
+    """MLflow experiment name."""
+    run_name: str | None = None
+    """MLflow run name; null = generated."""
+
+
+class RunConfig(Section):
+    name: str | None = None
+    """Name of the run's folder under `run.storage_path`; null = a fresh unique name."""
+    storage_path: str | None = None
+    """Where checkpoints and run state go (absolute path or URI; shared storage on a multi-node
+    cluster); null = <cwd>/rayacc_runs."""
+    max_failures: int = Field(0, ge=-1)
+    """Worker-group restarts from the latest checkpoint after a failure; -1 = unlimited."""
+    keep_checkpoints: int = Field(2, ge=1)
+    """Checkpoints kept on storage (the newest)."""
+
+
+class TrainConfig(Section):
+    """The whole configuration of one training run."""
+
+    seed: int = 0
+    """Seeds the model initialisation and the data order."""
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    batch: BatchConfig = Field(default_factory=BatchConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    train: TrainSection = Field(default_factory=TrainSection)
+    scaling: ScalingConfig = Field(default_factory=ScalingConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    run: RunConfig = Field(default_factory=RunConfig)
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_dict(
+        cls, data: dict[str, Any], overrides: list[str] | None = None, source: str | None = None
+    ) -> TrainConfig:
+        """Validates `data` (after applying `overrides`), raising one :class:`ConfigError` that
+        lists every problem found."""
+        if data is None:
+            data = {}
+        if not isinstance(data, dict):
+            raise ConfigError(
+                [
+                    ConfigIssue(
+                        "",
+                        "the config must be a mapping of sections",
+                        type(data).__name__,
+                        "write the file as `section:` blocks, e.g. `batch:`",
+                    )
+                ],
+                source,
+            )
+        issues: list[ConfigIssue] = []
+        data = apply_overrides(data, overrides or [], issues, cls)
+        cfg = None
+        try:
+            cfg = cls.model_validate(data)
+        except ValidationError as exc:
+            issues += issues_from_validation(exc, cls)
+        issues += cross_field_issues(_valid_sections(cfg, data))
+        if issues:
+            raise ConfigError(issues, source)
+        assert cfg is not None
+        return cfg
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike, overrides: list[str] | None = None) -> TrainConfig:
+        """Loads a YAML file; each override is `key.path=value`, the value parsed as YAML."""
+        data = read_yaml(path, "config", "jobs/digits.yaml")
+        return cls.from_dict(data or {}, overrides, source=str(path))
+
+    def batch_plan(self, num_workers: int | None = None) -> BatchPlan:
+        """The resolved batch plan for `num_workers` (default: the most workers the run uses)."""
+        return resolve_batch_plan(
+            num_workers=num_workers or self.scaling.max_workers,
+            global_batch_size=self.batch.global_batch_size,
+            micro_batch_size=self.batch.fixed_micro_batch_size,
+            grad_accum_steps=self.batch.grad_accum_steps,
+        )
+
+    def elastic_summary(self) -> str:
+        """Which worker counts of an elastic run keep the global batch (or what they do
+        instead); raises BatchPlanError when none can run."""
+        from rayacc.batch_plan import elastic_sizes
+
+        lo, hi, policy = self.scaling.min_workers, self.scaling.max_workers, self.scaling.on_resize
+        sizes = elastic_sizes(self.batch_plan(), lo, hi, policy)
+        ok = {w: p for w, p in sizes.items() if isinstance(p, BatchPlan)}
+        bad = {w: why for w, why in sizes.items() if isinstance(why, str)}
+        if not ok:
+            raise BatchPlanError(
+                "scaling.num_workers",
+                f"no worker count in [{lo}, {hi}] can run under {policy}",
+                next(iter(bad.values())),
+            )
+        parts = [
+            f"{w} → micro {p.micro_batch_size} × accum {p.grad_accum_steps}, global "
+            f"{p.global_batch_size}"
+            for w, p in ok.items()
+        ]
+        text = f"elastic run [{lo}, {hi}] ({policy}): " + "; ".join(parts)
+        if bad:
+            text += (
+                f". Not at {', '.join(map(str, bad))} worker(s): {next(iter(bad.values()))};"
+                " a restart at such a size stops with that message"
+            )
+        return text
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+    def flat(self) -> dict[str, Any]:
+        """The config as dotted keys (`batch.micro_batch_size`), e.g. for tracking params."""
+        return flatten(self.model_dump(mode="json"))
+
+
+def _valid_sections(cfg: TrainConfig | None, data: dict[str, Any]) -> dict[str, Any]:
+    """The sections of `cfg`, or (when the whole config is invalid) those of `data` that are
+    valid by themselves."""
+    sections = {
+        name: field.annotation
+        for name, field in TrainConfig.model_fields.items()
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)
+    }
+    if cfg is not None:
+        return {name: getattr(cfg, name) for name in sections}
+    valid = {}
+    for name, model in sections.items():
+        raw = data.get(name, {})
+        try:
+            valid[name] = model.model_validate(raw if raw is not None else {})
+        except ValidationError:
+            continue
+    return valid
