@@ -175,18 +175,20 @@ def run_bare_in_ray(cfg: TrainConfig, fused: bool) -> dict[str, float]:
 def run_rayacc(cfg: TrainConfig) -> dict[str, float]:
     """Steady-state samples/s, the per-step breakdown from the run's own metrics, and the
     time to the first optimizer step."""
+    from rayacc.events import RunObserver
     from rayacc.runner.driver import fit
 
     first: list[float] = []
     t0 = time.perf_counter()
 
-    def on_record(rec):
-        if rec.get("step") == 1 and "event" not in rec and not first:
-            first.append(time.perf_counter() - t0)
+    class FirstStep(RunObserver):
+        def on_step(self, record):
+            if record["step"] == 1 and not first:
+                first.append(time.perf_counter() - t0)
 
     with tempfile.TemporaryDirectory() as tmp:
         cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"storage_path": tmp})})
-        result = fit(cfg, on_record=on_record)
+        result = fit(cfg, observers=[FirstStep()])
     rows = [
         r
         for r in result.history

@@ -35,6 +35,8 @@ def ray_local(tmp_path_factory):
     # Ray workers inherit the environment: test-only model factories import from tests/
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
     os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
+    # as the `rayacc` command does: a finished group is noticed in 0.2 s instead of 2 s
+    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
     os.environ["RAYACC_CACHE"] = str(tmp_path_factory.mktemp("cache"))
     # "local" never joins a cluster left behind by an earlier crash
     ray.init(
@@ -44,6 +46,7 @@ def ray_local(tmp_path_factory):
         object_store_memory=1024**3,
         logging_level=logging.WARNING,
         log_to_driver=False,
+        _system_config={"prestart_worker_first_driver": False},
     )
     yield
     ray.shutdown()

@@ -18,6 +18,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from rayacc import env
+
 __all__ = ["BUNDLED", "DataError", "DatasetInfo", "describe_dataset", "prepare_bundled"]
 
 BUNDLED = ("digits", "shakespeare")
@@ -51,10 +53,6 @@ class DatasetInfo:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> DatasetInfo:
         return cls(**d)
-
-
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("RAYACC_CACHE", Path.home() / ".cache" / "rayacc"))
 
 
 def _write_atomic(table: pa.Table, path: Path) -> None:
@@ -124,7 +122,7 @@ def prepare_bundled(
     name: str, cache_dir: str | os.PathLike | None = None, seq_len: int = 128
 ) -> Path:
     """Prepares a bundled dataset as Parquet once; returns its path (cached)."""
-    root = Path(cache_dir) if cache_dir else default_cache_dir()
+    root = Path(cache_dir) if cache_dir else env.cache_dir()
     if name == "digits":
         path = root / "digits" / "digits.parquet"
         if not path.exists():

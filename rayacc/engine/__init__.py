@@ -11,10 +11,12 @@ from rayacc.engine.losses import (
     collate_tokens,
     count_rows,
     count_target_tokens,
+    to_device,
     token_item_losses,
 )
 from rayacc.engine.lr import LR_RULES, SampleSchedule, build_scheduler, effective_lr, lr_multiplier
-from rayacc.engine.perf import StepCost, device_peak_tflops, flops_per_item
+from rayacc.engine.perf import StepClock, StepCost, device_peak_tflops, flops_per_item
+from rayacc.engine.precision import autocast, autocast_dtype
 from rayacc.engine.state import TrainState
 from rayacc.engine.step import PRECISIONS, AccumulationStep, MicroStepMismatchError, StepResult
 from rayacc.engine.sync import CommCounter, ddp_sync_context, install_comm_counter
@@ -30,9 +32,12 @@ __all__ = [
     "MicroBatchSearch",
     "MicroStepMismatchError",
     "SampleSchedule",
+    "StepClock",
     "StepCost",
     "StepResult",
     "TrainState",
+    "autocast",
+    "autocast_dtype",
     "build_scheduler",
     "chunked_cross_entropy_sum",
     "classification_item_losses",
@@ -47,5 +52,6 @@ __all__ = [
     "install_comm_counter",
     "lr_multiplier",
     "resolve_batch_plan",
+    "to_device",
     "token_item_losses",
 ]

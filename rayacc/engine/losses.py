@@ -23,12 +23,22 @@ __all__ = [
     "collate_tokens",
     "count_rows",
     "count_target_tokens",
+    "to_device",
     "token_item_losses",
 ]
 
 Batch = Mapping[str, torch.Tensor]
 LossFn = Callable[[nn.Module, Batch], torch.Tensor]
 ItemCounter = Callable[[Batch], int]
+
+
+def to_device(
+    batch: Batch, device: torch.device, non_blocking: bool = False
+) -> dict[str, torch.Tensor]:
+    """The batch's tensors on `device` (`non_blocking` copies from pinned host memory overlap
+    with compute on a GPU)."""
+    return {k: v.to(device, non_blocking=non_blocking) for k, v in batch.items()}
+
 
 IGNORE_INDEX = -100
 """Target value of padding positions; matches F.cross_entropy's default ignore_index."""

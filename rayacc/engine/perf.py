@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-__all__ = ["PEAK_BF16_TFLOPS", "StepCost", "device_peak_tflops", "flops_per_item"]
+__all__ = ["PEAK_BF16_TFLOPS", "StepClock", "StepCost", "device_peak_tflops", "flops_per_item"]
 
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}
 """Dense bf16 tensor-core peaks from the vendor's data sheets, by device-name fragment."""
@@ -56,3 +59,32 @@ class StepCost:
             if self.peak_tflops:
                 out["perf/mfu"] = tflops / self.peak_tflops
         return out
+
+
+class StepClock:
+    """Wall time of training steps, with what is not step time (validation, checkpoints, the
+    gap between epochs) paused out. `lap()` closes a step and returns its wall time."""
+
+    def __init__(self) -> None:
+        self._mark = time.perf_counter()
+        self.total_s = 0.0
+        """Wall time of all laps."""
+
+    def restart(self) -> None:
+        """The next lap starts now (what happened since the last lap is not counted)."""
+        self._mark = time.perf_counter()
+
+    def lap(self) -> float:
+        now = time.perf_counter()
+        wall, self._mark = now - self._mark, now
+        self.total_s += wall
+        return wall
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """The time spent inside is left out of the current lap."""
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._mark += time.perf_counter() - t

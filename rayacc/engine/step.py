@@ -25,11 +25,10 @@ import torch.distributed as dist
 from torch import nn
 
 from rayacc.engine.losses import Batch, ItemCounter, LossFn, count_rows
+from rayacc.engine.precision import PRECISIONS, autocast
 from rayacc.engine.sync import ddp_sync_context, install_comm_counter, is_ddp
 
 __all__ = ["PRECISIONS", "AccumulationStep", "MicroStepMismatchError", "StepResult"]
-
-PRECISIONS = ("fp32", "bf16", "fp16")
 
 
 class MicroStepMismatchError(RuntimeError):
@@ -149,10 +148,7 @@ class AccumulationStep:
         return world
 
     def _autocast(self) -> contextlib.AbstractContextManager[None]:
-        if self.precision == "fp32":
-            return contextlib.nullcontext()
-        dtype = torch.bfloat16 if self.precision == "bf16" else torch.float16
-        return torch.autocast(self.device.type, dtype=dtype)
+        return autocast(self.device.type, self.precision)
 
     def _all_reduce_sum(self, values: list[float]) -> list[float]:
         t = torch.tensor(values, dtype=torch.float64, device=self.device)

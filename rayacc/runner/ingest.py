@@ -1,11 +1,12 @@
 """Ray Data → the rows one rank consumes, in the global-sample order.
 
 Ray Data's `streaming_split` hands rows to ranks dynamically, so which rank sees which row (and in
-which order) is not reproducible. Here every rank streams the unsplit Parquet dataset once when it
-starts (`preserve_order=True`, so a row's position in the stream is its row id) and keeps the rows
-that the data order assigns to it in the epochs it will run. Cost: each rank reads the whole
-dataset once per start (I/O × num_workers) and holds its rows for all remaining epochs: N/W rows
-for one epoch, up to N with several shuffled epochs.
+which order) is not reproducible. Here every rank streams the unsplit dataset (`train_dataset`)
+once when it starts, in row order (`preserve_order=True`, so a row's position in the stream is
+its row id), and keeps the rows that the data order assigns to it in the epochs it will run.
+Cost: each rank streams the whole dataset once per start (from the object store when
+materialized) and holds its rows for all remaining epochs: N/W rows for one epoch, up to N with
+several shuffled epochs.
 """
 
 from __future__ import annotations
@@ -15,12 +16,14 @@ from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
+import ray
 import torch
 
 from rayacc.data.sources import DatasetInfo
 from rayacc.engine import collate_tokens
 
-__all__ = ["LocalRows", "fetch_rows"]
+__all__ = ["LocalRows", "fetch_rows", "read_rows", "train_dataset"]
 
 _STREAM_BATCH = 8192
 
@@ -81,8 +84,31 @@ def _to_local(table: pa.Table, info: DatasetInfo) -> LocalRows:
     return LocalRows("tokens", token_lists=lists)
 
 
-def fetch_rows(iterator, info: DatasetInfo, row_ids: np.ndarray) -> LocalRows:
-    """One pass over the dataset; returns the rows `row_ids` (sorted, unique) in that order."""
+def train_dataset(info: DatasetInfo, materialize: bool) -> ray.data.Dataset:
+    """The Ray Dataset the ranks stream their rows from. Materialized: the Parquet read once
+    here with pyarrow into Ray's object store (for data that fits this process's memory; it
+    starts no Ray Data execution, which costs seconds on a small cluster); otherwise read by
+    Ray Data in every rank."""
+    if materialize:
+        return ray.data.from_arrow(_read_table(info))
+    return ray.data.read_parquet(info.path)
+
+
+def _read_table(info: DatasetInfo) -> pa.Table:
+    # the fragments in the order describe_dataset counted them: a row's position is its id
+    return pq.ParquetDataset(info.path).read()
+
+
+def read_rows(info: DatasetInfo, row_ids: np.ndarray) -> dict[str, torch.Tensor]:
+    """The rows `row_ids` of the source, in that order, as one batch, read on this process
+    with pyarrow (for a probe of a few rows, as `verify` takes)."""
+    table = _read_table(info).take(pa.array(row_ids))
+    return _to_local(table, info).take(np.arange(len(row_ids)))
+
+
+def fetch_rows(dataset, info: DatasetInfo, row_ids: np.ndarray) -> LocalRows:
+    """One pass over `dataset` (anything with Ray Data's `iter_batches`, in row order);
+    returns the rows `row_ids` (sorted, unique) in that order."""
     row_ids = np.asarray(row_ids, dtype=np.int64)
     if len(row_ids) > 1 and not (np.diff(row_ids) > 0).all():
         raise ValueError("row_ids must be sorted and unique")
@@ -90,7 +116,7 @@ def fetch_rows(iterator, info: DatasetInfo, row_ids: np.ndarray) -> LocalRows:
     wanted[row_ids] = True
     pieces: list[pa.Table] = []
     offset = 0
-    for batch in iterator.iter_batches(
+    for batch in dataset.iter_batches(
         batch_size=_STREAM_BATCH, batch_format="pyarrow", prefetch_batches=2
     ):
         n = batch.num_rows

@@ -5,14 +5,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
 
 from rayacc.config import TrainConfig
-from rayacc.data.order import epoch_order, split_train_val
-from rayacc.engine import AccumulationStep, build_scheduler
+from rayacc.data.order import epoch_order
+from rayacc.engine import AccumulationStep
 from rayacc.models import build_model, loss_functions
+from rayacc.optim import build_optimizer, build_schedule
+from rayacc.quantities import train_val_ids
+from rayacc.runner.checkpoint import load_model
+from rayacc.runner.driver import Prepared, fit, prepare
+from rayacc.runner.ingest import read_rows
 
 __all__ = ["TOLERANCE", "TensorDiff", "VerifyResult", "verify"]
 
@@ -44,21 +47,14 @@ class VerifyResult:
         return max(self.diffs, key=lambda d: d.max_rel)
 
 
-def _probe_batch(cfg: TrainConfig, prep) -> dict[str, torch.Tensor]:
+def _probe_batch(cfg: TrainConfig, prep: Prepared) -> dict[str, torch.Tensor]:
     """The first global batch of epoch 0 in the data order, as one micro-batch."""
-    from rayacc.runner.ingest import _to_local
-
-    train_ids, _ = split_train_val(prep.info.num_rows, cfg.data.val_fraction, cfg.seed)
+    train_ids, _ = train_val_ids(cfg, prep.info.num_rows)
     order = epoch_order(train_ids, 0, cfg.seed, cfg.data.shuffle)
-    window = order[: min(prep.plan.global_batch_size, len(order))]
-    table = pq.ParquetDataset(prep.info.path).read().take(pa.array(window))
-    return _to_local(table, prep.info).take(list(range(len(window))))
+    return read_rows(prep.info, order[: min(prep.plan.global_batch_size, len(order))])
 
 
 def verify(cfg: TrainConfig) -> VerifyResult:
-    from rayacc.runner.driver import fit, prepare
-    from rayacc.runner.worker import _optimizer
-
     prep = prepare(cfg)
     probe = cfg.model_copy(
         update={
@@ -68,27 +64,22 @@ def verify(cfg: TrainConfig) -> VerifyResult:
             ),
         }
     )
-    probe_prep = prepare(probe)
-    result = fit(probe, prepared=probe_prep, tags={"rayacc.verify": "probe"})
-    state = torch.load(f"{result.checkpoint_dir}/state.pt", map_location="cpu", weights_only=False)
-    distributed = state["model"]
+    result = fit(probe, prepared=prepare(probe), tags={"rayacc.verify": "probe"})
+    distributed = load_model(result.checkpoint_dir).state_dict()
 
     model = build_model(cfg, prep.info)
     initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    optimizer = _optimizer(cfg, model, prep.effective_lr, torch.device("cpu"))
-    scheduler = build_scheduler(
+    optimizer = build_optimizer(cfg, model.parameters(), prep.effective_lr, torch.device("cpu"))
+    # the training run's schedule object, laid out for the probe's single step
+    build_schedule(
+        cfg,
         optimizer,
-        warmup_steps=cfg.optim.warmup_steps,
+        peak_lr=prep.effective_lr,
+        reference_batch=prep.plan.global_batch_size,
         total_steps=1,
-        schedule=cfg.optim.schedule,
-        min_lr_ratio=cfg.optim.min_lr_ratio,
     )
     step = AccumulationStep(
-        model,
-        optimizer,
-        scheduler=scheduler,
-        precision="fp32",
-        max_grad_norm=cfg.optim.max_grad_norm,
+        model, optimizer, precision="fp32", max_grad_norm=cfg.optim.max_grad_norm
     )
     loss_fn, count = loss_functions(prep.info)
     step([_probe_batch(cfg, prep)], loss_fn, count)

@@ -1,0 +1,67 @@
+"""Quantities derived from a config, in one place: the batch plan at a worker count, the
+effective LR and how it was derived, the train/validation split, the epoch layout and the number
+of optimizer steps. The driver, the workers, `verify` and the CLI all ask here."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from rayacc.batch_plan import BatchPlan, plan_for_workers
+from rayacc.config import TrainConfig
+from rayacc.data.order import EpochLayout, split_train_val
+from rayacc.engine.lr import effective_lr
+
+__all__ = [
+    "epoch_layout",
+    "lr_explanation",
+    "plan_at",
+    "run_effective_lr",
+    "total_optimizer_steps",
+    "train_val_ids",
+]
+
+
+def plan_at(cfg: TrainConfig, num_workers: int) -> BatchPlan:
+    """The batch plan a group of `num_workers` runs: an elastic run follows `scaling.on_resize`
+    from the plan at the most workers; a fixed-size run resolves the config at that count."""
+    if cfg.scaling.elastic:
+        return plan_for_workers(cfg.batch_plan(), num_workers, cfg.scaling.on_resize)
+    return cfg.batch_plan(num_workers=num_workers)
+
+
+def run_effective_lr(cfg: TrainConfig, plan: BatchPlan) -> float:
+    """`optim.lr` rescaled from `optim.base_batch_size` to the plan's global batch."""
+    return effective_lr(
+        cfg.optim.lr, plan.global_batch_size, cfg.optim.base_batch_size, cfg.optim.lr_scaling
+    )
+
+
+def lr_explanation(cfg: TrainConfig, plan: BatchPlan) -> str:
+    """E.g. `effective LR 0.006 = 0.003 × linear(256/128)`."""
+    base = cfg.optim.base_batch_size or plan.global_batch_size
+    return (
+        f"effective LR {run_effective_lr(cfg, plan):.6g} = {cfg.optim.lr:g} × "
+        f"{cfg.optim.lr_scaling}({plan.global_batch_size}/{base})"
+    )
+
+
+def train_val_ids(cfg: TrainConfig, num_rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """Row ids of the training rows and of the held-out validation rows (fixed for the run)."""
+    return split_train_val(num_rows, cfg.data.val_fraction, cfg.seed)
+
+
+def epoch_layout(cfg: TrainConfig, rows: int, plan: BatchPlan) -> EpochLayout:
+    """How `rows` rows of an epoch split into windows of the plan's global batch."""
+    return EpochLayout(
+        rows,
+        plan.global_batch_size,
+        plan.micro_batch_size,
+        plan.num_workers,
+        cfg.data.last_window,
+    )
+
+
+def total_optimizer_steps(cfg: TrainConfig, layout: EpochLayout) -> int:
+    """Steps of the whole run: `train.epochs` epochs of `layout`, capped by `train.max_steps`."""
+    by_epochs = cfg.train.epochs * layout.steps_per_epoch
+    return min(cfg.train.max_steps, by_epochs) if cfg.train.max_steps else by_epochs

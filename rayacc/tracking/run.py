@@ -1,0 +1,125 @@
+"""The MLflow run of one fit: opened with its params and tags, fed as an observer of the run's
+events and step records, closed with its outcome."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rayacc.batch_plan import BatchPlan
+from rayacc.config import TrainConfig
+from rayacc.events import Event, MicroBatchChanged, Resized, RunObserver, RunStarted
+from rayacc.tracking.mlflow_sink import MlflowSink, default_tracking_uri
+from rayacc.tracking.params import contract_params
+from rayacc.tracking.plots import loss_curve_png
+
+__all__ = ["RunIdentity", "TrackedRun", "open_tracking"]
+
+
+@dataclass(frozen=True)
+class RunIdentity:
+    """What the tracking record says about the run besides its config."""
+
+    name: str
+    storage_path: str
+    plan: BatchPlan
+    effective_lr: float
+    data_layout: str
+    num_parameters: int
+    previous_run_id: str | None = None
+    """The MLflow run of an earlier attempt of this run (a resume continues it)."""
+    parent_run_id: str | None = None
+    tags: dict[str, Any] = field(default_factory=dict)
+
+
+class TrackedRun(RunObserver):
+    """Writes the run's events as tags and its step records as metrics (rank 0's records only,
+    on the driver)."""
+
+    def __init__(self, sink: MlflowSink, reopened: bool):
+        self.sink = sink
+        self.reopened = reopened
+        self.resizes: list[str] = []
+        self.resumed_at: list[str] = []
+        self.micro_changes: list[str] = []
+
+    @property
+    def run_id(self) -> str | None:
+        return self.sink.run_id
+
+    def on_event(self, event: Event) -> None:
+        if isinstance(event, Resized):
+            self.resizes.append(event.describe())
+            self.sink.set_tags({"rayacc.resizes": "; ".join(self.resizes)})
+        elif isinstance(event, MicroBatchChanged):
+            self.micro_changes.append(event.describe())
+            if len(self.micro_changes) == 1 and not self.reopened:
+                # with micro_batch_size: auto these two params are known only now
+                self.sink.log_params(
+                    {
+                        "micro_batch_size": event.micro_batch_size,
+                        "grad_accum_steps": event.grad_accum_steps,
+                    }
+                )
+            self.sink.set_tags({"rayacc.micro_batch_events": "; ".join(self.micro_changes)})
+        elif isinstance(event, RunStarted) and event.resumed_from is not None:
+            self.resumed_at.append(str(event.resumed_from))
+            self.sink.set_tags({"rayacc.resumed_at_steps": ",".join(self.resumed_at)})
+
+    def on_step(self, record: dict[str, Any]) -> None:
+        self.sink.log_step_metrics([record])
+
+    def close(
+        self,
+        status: str,
+        *,
+        history: Sequence[dict[str, Any]] = (),
+        checkpoint_dir: str | None = None,
+        worker_nodes: Sequence[str] = (),
+        loss_curve: Path | None = None,
+    ) -> None:
+        """Final tags, the loss curve and the run's status."""
+        if status == "FINISHED":
+            self.sink.set_tags(
+                {
+                    "rayacc.checkpoint_dir": checkpoint_dir,
+                    "rayacc.worker_nodes": ",".join(worker_nodes),
+                }
+            )
+            if loss_curve is not None and loss_curve_png(list(history), loss_curve):
+                self.sink.log_artifact(loss_curve)
+        self.sink.finish(status)
+
+
+def open_tracking(cfg: TrainConfig, run: RunIdentity) -> TrackedRun:
+    """Creates the MLflow run of `cfg` (or reopens `run.previous_run_id`) with the contract
+    params, the resolved config and the run's tags. An unreachable store turns tracking off
+    with one message (the sink's rule); training goes on."""
+    uri = cfg.tracking.tracking_uri or default_tracking_uri()
+    sink = MlflowSink(
+        uri,
+        cfg.tracking.experiment,
+        cfg.tracking.run_name or run.name,
+        run_id=run.previous_run_id,
+        parent_run_id=run.parent_run_id,
+    )
+    reopened = run.previous_run_id is not None
+    if sink.active and not reopened:
+        params = contract_params(cfg, run.plan, run.effective_lr)
+        if cfg.batch.auto_micro_batch:
+            # known once the workers have searched: logged from their event
+            del params["micro_batch_size"], params["grad_accum_steps"]
+        sink.log_params(params)
+        sink.log_text(cfg.to_yaml(), "config.yaml")
+        sink.set_tags(
+            {
+                "rayacc.run_name": run.name,
+                "rayacc.storage_path": run.storage_path,
+                "rayacc.data_layout": run.data_layout,
+                "rayacc.num_parameters": run.num_parameters,
+                **run.tags,
+            }
+        )
+    return TrackedRun(sink, reopened)
