@@ -86,18 +86,8 @@ def resolve_batch_plan(
     - all three: they must agree.
     Raises :class:`BatchPlanError` naming the field and the nearest valid values.
     """
-    for name, value in (
-        (WORKERS, num_workers),
-        (GLOBAL, global_batch_size),
-        (MICRO, micro_batch_size),
-        (ACCUM, grad_accum_steps),
-    ):
-        if value is not None and (not isinstance(value, int) or value < 1):
-            raise BatchPlanError(
-                name, f"must be a positive integer, got {value!r}", f"set {name} >= 1"
-            )
+    _check_positive(num_workers, global_batch_size, micro_batch_size, grad_accum_steps)
     w = num_workers
-
     if global_batch_size is None:
         if micro_batch_size is None:
             raise BatchPlanError(
@@ -107,7 +97,6 @@ def resolve_batch_plan(
             )
         accum = grad_accum_steps or 1
         return BatchPlan(micro_batch_size * accum * w, micro_batch_size, accum, w)
-
     g = global_batch_size
     if g % w:
         raise BatchPlanError(
@@ -115,55 +104,69 @@ def resolve_batch_plan(
             f"{g} does not split evenly over {WORKERS}={w}",
             f"set {GLOBAL} to {_or(_multiples_near(g, w))}, or use a worker count dividing {g}",
         )
-    per_worker = g // w
-
     if micro_batch_size is not None and grad_accum_steps is not None:
-        product = micro_batch_size * grad_accum_steps * w
-        if product != g:
-            fix = f"remove {ACCUM} to derive it"
-            if per_worker % micro_batch_size == 0:
-                fix += f" (it would be {per_worker // micro_batch_size})"
-            fix += f", or set {GLOBAL}={product}"
-            raise BatchPlanError(
-                GLOBAL,
-                f"{g} != {MICRO} × {ACCUM} × {WORKERS} = {micro_batch_size} × "
-                f"{grad_accum_steps} × {w} = {product}",
-                fix,
-            )
-        return BatchPlan(g, micro_batch_size, grad_accum_steps, w)
-
+        return _all_three(g, micro_batch_size, grad_accum_steps, w)
     if micro_batch_size is not None:
-        m = micro_batch_size
-        if m > per_worker:
-            raise BatchPlanError(
-                MICRO,
-                f"{m} is larger than one worker's share of the global batch "
-                f"({GLOBAL}={g} / {WORKERS}={w} = {per_worker})",
-                f"set {MICRO} to at most {per_worker}, e.g. {_or(_divisors_near(per_worker, m))}",
-            )
-        if per_worker % m:
-            raise BatchPlanError(
-                MICRO,
-                f"{m} does not divide one worker's share of the global batch "
-                f"({GLOBAL}={g} / {WORKERS}={w} = {per_worker}), so {ACCUM} would not be whole",
-                f"set {MICRO} to {_or(_divisors_near(per_worker, m))}, or {GLOBAL} to "
-                f"{_or(_multiples_near(g, m * w))}",
-            )
-        return BatchPlan(g, m, per_worker // m, w)
-
+        return _accum_from_micro(g, micro_batch_size, w)
     if grad_accum_steps is not None:
-        k = grad_accum_steps
-        if per_worker % k:
-            raise BatchPlanError(
-                ACCUM,
-                f"{k} does not divide one worker's share of the global batch "
-                f"({GLOBAL}={g} / {WORKERS}={w} = {per_worker})",
-                f"set {ACCUM} to {_or(_divisors_near(per_worker, k))}, or {GLOBAL} to "
-                f"{_or(_multiples_near(g, k * w))}",
-            )
-        return BatchPlan(g, per_worker // k, k, w)
+        return _micro_from_accum(g, grad_accum_steps, w)
+    return BatchPlan(g, g // w, 1, w)
 
-    return BatchPlan(g, per_worker, 1, w)
+
+def _check_positive(*values: int | None) -> None:
+    for name, value in zip((WORKERS, GLOBAL, MICRO, ACCUM), values):
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise BatchPlanError(
+                name, f"must be a positive integer, got {value!r}", f"set {name} >= 1"
+            )
+
+
+def _all_three(g: int, m: int, k: int, w: int) -> BatchPlan:
+    product = m * k * w
+    if product != g:
+        fix = f"remove {ACCUM} to derive it"
+        if (g // w) % m == 0:
+            fix += f" (it would be {g // w // m})"
+        fix += f", or set {GLOBAL}={product}"
+        raise BatchPlanError(
+            GLOBAL,
+            f"{g} != {MICRO} × {ACCUM} × {WORKERS} = {m} × {k} × {w} = {product}",
+            fix,
+        )
+    return BatchPlan(g, m, k, w)
+
+
+def _accum_from_micro(g: int, m: int, w: int) -> BatchPlan:
+    per_worker = g // w
+    share = f"({GLOBAL}={g} / {WORKERS}={w} = {per_worker})"
+    if m > per_worker:
+        raise BatchPlanError(
+            MICRO,
+            f"{m} is larger than one worker's share of the global batch {share}",
+            f"set {MICRO} to at most {per_worker}, e.g. {_or(_divisors_near(per_worker, m))}",
+        )
+    if per_worker % m:
+        raise BatchPlanError(
+            MICRO,
+            f"{m} does not divide one worker's share of the global batch {share}, so {ACCUM} "
+            "would not be whole",
+            f"set {MICRO} to {_or(_divisors_near(per_worker, m))}, or {GLOBAL} to "
+            f"{_or(_multiples_near(g, m * w))}",
+        )
+    return BatchPlan(g, m, per_worker // m, w)
+
+
+def _micro_from_accum(g: int, k: int, w: int) -> BatchPlan:
+    per_worker = g // w
+    if per_worker % k:
+        raise BatchPlanError(
+            ACCUM,
+            f"{k} does not divide one worker's share of the global batch "
+            f"({GLOBAL}={g} / {WORKERS}={w} = {per_worker})",
+            f"set {ACCUM} to {_or(_divisors_near(per_worker, k))}, or {GLOBAL} to "
+            f"{_or(_multiples_near(g, k * w))}",
+        )
+    return BatchPlan(g, per_worker // k, k, w)
 
 
 def plan_for_workers(base: BatchPlan, num_workers: int, on_resize: str) -> BatchPlan:

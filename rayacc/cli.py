@@ -78,11 +78,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     _console_owns_ray_output()
     cfg = _load(args)
     prep = prepare(cfg)  # every user mistake surfaces here, before Ray starts
+    t_checked = time.time()
     with ThreadPoolExecutor(1, thread_name_prefix="rayacc-imports") as pool:
         # Ray's start is mostly other processes' work: the modules the fit needs next load
         # meanwhile instead of after it
         pool.submit(_import_ray_layer)
         ensure_ray(cfg)
+    t_ray = time.time()
     console.print(f"[bold]rayacc train[/] {args.config}")
     console.print(f"  {prep.plan.describe()}")
     console.print(f"  {lr_explanation(cfg, prep.plan)}")
@@ -105,7 +107,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 1
     _print_summary(console, cfg, result)
     if args.timings:
-        result.phases.update(main_entered=t_main, imported=t_imported)
+        result.phases.update(
+            main_entered=t_main, imported=t_imported, cli_checked=t_checked, cli_ray_started=t_ray
+        )
         _write_timings(args.timings, result)
     return 0
 

@@ -39,7 +39,7 @@ MICRO = 3  # 2 ranks × 4 micro-steps × 3 = 24
 
 
 def shard(rank: int, world: int, n: int) -> tuple[int, int]:
-    """Rank r's contiguous share of a window of n samples (design.md data order)."""
+    """Rank r's contiguous share of a window of n samples (docs/design.md, data order)."""
     per = n // world
     return rank * per, (rank + 1) * per
 

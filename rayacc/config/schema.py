@@ -75,9 +75,10 @@ class DataConfig(Section):
     cache_dir: str | None = None
     """Where bundled datasets are prepared as Parquet (default: ~/.cache/rayacc)."""
     materialize: bool = True
-    """Read the Parquet once on the driver into Ray's object store (spilled to disk when large),
-    so each worker (re)start fetches its rows in a fraction of a second; false = every rank reads
-    the files itself (slower start, nothing held in the object store)."""
+    """Read the Parquet once on the driver into Ray's object store (the table passes through
+    the driver's memory: for data that fits it), so each worker (re)start fetches its rows in a
+    fraction of a second; false = every rank reads the files itself through Ray Data (slower
+    start, nothing held in the object store)."""
 
 
 class BatchConfig(Section):

@@ -1,4 +1,4 @@
-"""The data order in global-sample units (design.md), in plain numpy.
+"""The data order in global-sample units (docs/design.md), in plain numpy.
 
 Each epoch has one seeded order of all training rows. Optimizer step s of the epoch consumes
 positions [s·G, (s+1)·G) of that order; rank r takes its contiguous share of the window and

@@ -1,6 +1,6 @@
 """Bundled datasets prepared as Parquet, and inspection of any Parquet source.
 
-Formats (design.md): classification rows hold `features` (list<float32>, fixed length) and
+Formats (docs/design.md): classification rows hold `features` (list<float32>, fixed length) and
 `label` (int64); token rows hold `tokens` (list<int64>, length ≥ 2).
 """
 

@@ -1,4 +1,6 @@
-"""LR scaling rules and schedules. Schedules count optimizer steps, not micro-steps."""
+"""LR scaling rules and schedules, never counted in micro-steps: `build_scheduler` counts
+optimizer steps; `SampleSchedule`, which training and `verify` use, counts samples in units of a
+reference global batch, so an elastic run's LR does not jump when its global batch changes."""
 
 from __future__ import annotations
 

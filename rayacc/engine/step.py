@@ -1,6 +1,6 @@
 """The accumulation step: one optimizer step over a window of micro-batches.
 
-The one normalisation rule (design.md): the gradient the optimizer sees is
+The one normalisation rule (docs/design.md): the gradient the optimizer sees is
 ``∇ sum(item losses of the window on all ranks) / N_window``, N_window the loss items of the whole
 window on all ranks. Micro-steps back-propagate item-loss sums; the gradient all-reduce sums them
 over the ranks (the engine's comm hook; DDP's default one averages, and then the factor carries
@@ -83,9 +83,12 @@ class StepResult:
 class AccumulationStep:
     """Runs windows of micro-batches through `model` and steps `optimizer` once per window.
 
-    Order per window: count items (one all-reduce) → micro-steps (forward + backward under
-    `no_sync` except the last) → loss all-reduce and finiteness check → unscale (fp16) → clip →
-    step → scheduler. Holds no global state: one instance per model.
+    Order per window: micro-steps (forward + backward of item-loss sums, under `no_sync` except
+    the last) → the window's statistics (loss sum, items, samples, micro-step parity) summed
+    over the ranks with the last micro-step's gradient all-reduce → parity and finiteness
+    checks → unscale (fp16) → × 1 / N_window folded into clipping's multiply → step →
+    scheduler. fp16 all-reduces the counts before the first backward instead and scales the
+    loss there. Holds no global state: one instance per model.
     """
 
     def __init__(
@@ -192,25 +195,52 @@ class AccumulationStep:
             torch.cuda.reset_peak_memory_stats(self.device)
         if self.comm is not None:
             self.comm.begin_window()
-
         n_micro = len(micro_batches)
         if n_micro == 0:
             raise ValueError("empty window: no micro-batches on this rank")
-        local_samples = sum(count_rows(mb) for mb in micro_batches)
+        # this rank's items, samples and micro-steps (and their square, for the parity check)
+        counts = [local_items, sum(count_rows(mb) for mb in micro_batches), n_micro, n_micro**2]
         lr = float(self.optimizer.param_groups[0]["lr"])
         # fp16 needs the exact scale before backward (GradScaler's range is tuned to gradients
         # of the mean), which costs an all-reduce before the first micro-step; fp32 and bf16
         # back-propagate item-loss sums and divide once the total is known, after backward
-        exact_scale_first = self.scaler is not None
-        scale = 1.0
-        if exact_scale_first:
-            items, _, sum_m, sum_m2 = self._all_reduce_sum(
-                [local_items, local_samples, n_micro, n_micro * n_micro]
-            )
-            self._check_micro_steps(n_micro, sum_m, sum_m2)
-            scale = self._rank_factor / items if items else 0.0
-
+        scale = self._scale_before_backward(counts) if self.scaler is not None else None
         self._clear_grads()
+        stats = self._micro_steps(micro_batches, loss_fn, counts, scale)
+        if stats is None:
+            return None
+        total_loss, items, samples, sum_m, sum_m2 = self._reduced(stats)
+        if scale is None:
+            self._check_micro_steps(n_micro, sum_m, sum_m2)
+        if items == 0 or not math.isfinite(total_loss):
+            # every rank sees the same all-reduced sums, so all skip together
+            self._clear_grads()
+            why = "no loss items" if items == 0 else "non-finite loss"
+            return self._result(t_start, math.nan, items, samples, n_micro, math.nan, lr, why)
+        grad_norm, skip_reason = self._normalise_clip_step(items, divided=scale is not None)
+        self._clear_grads()
+        return self._result(
+            t_start, total_loss / items, items, samples, n_micro, grad_norm, lr, skip_reason
+        )
+
+    def _scale_before_backward(self, counts: list[int]) -> float:
+        """fp16: 1 / N_window (× W after DDP's averaging hook), known before the first
+        backward at the cost of an all-reduce of the counts."""
+        items, _, sum_m, sum_m2 = self._all_reduce_sum([float(c) for c in counts])
+        self._check_micro_steps(counts[2], sum_m, sum_m2)
+        return self._rank_factor / items if items else 0.0
+
+    def _micro_steps(
+        self,
+        micro_batches: Sequence[Batch],
+        loss_fn: LossFn,
+        counts: list[int],
+        scale: float | None,
+    ) -> torch.Tensor | None:
+        """Forward and backward of every micro-batch, gradients synced on the last one only;
+        the window's statistics for the all-reduce, or None when an out-of-memory retry is
+        due."""
+        n_micro = len(micro_batches)
         micro_sums: list[torch.Tensor] = []
         stats = None
         out_of_memory = None
@@ -234,14 +264,12 @@ class AccumulationStep:
                         # summed over ranks with the gradients: loss, items, samples and a
                         # micro-step parity check (Σm² · W == (Σm)² exactly when every rank ran
                         # the same m)
-                        stats = self._window_stats(
-                            micro_sums, [local_items, local_samples, n_micro, n_micro * n_micro]
-                        )
+                        stats = self._window_stats(micro_sums, counts)
                         if self.comm is not None:
                             # counts stay exact in a float32 bucket below 2**24
-                            exact = max(local_items, n_micro * n_micro) * self.world_size < 2**24
+                            exact = max(counts[0], counts[3]) * self.world_size < 2**24
                             self.comm.attach_window_stats(stats, exact_in_fp32=exact)
-                    scaled = micro_sum * scale if exact_scale_first else micro_sum
+                    scaled = micro_sum if scale is None else micro_sum * scale
                     if self.scaler is not None:
                         scaled = self.scaler.scale(scaled)
                     scaled.backward()
@@ -251,7 +279,10 @@ class AccumulationStep:
                     raise
                 out_of_memory = exc
                 item_losses = micro_sum = scaled = None
+        return stats
 
+    def _reduced(self, stats: torch.Tensor) -> tuple[float, int, int, float, float]:
+        """(loss sum, items, samples, Σm, Σm²) over all ranks."""
         reduced = self.comm.reduced_window_stats() if self.comm is not None else None
         if reduced is None:
             reduced = stats
@@ -259,21 +290,11 @@ class AccumulationStep:
                 dist.all_reduce(reduced, group=self.group)
         # a CPU–GPU sync point on GPU: whether to step depends on these
         total_loss, items, samples, sum_m, sum_m2 = reduced.tolist()
-        items, samples = int(items), int(samples)
-        if not exact_scale_first:
-            self._check_micro_steps(n_micro, sum_m, sum_m2)
-        if items == 0:
-            self._clear_grads()
-            return self._result(
-                t_start, math.nan, 0, samples, n_micro, math.nan, lr, "no loss items"
-            )
-        if not math.isfinite(total_loss):
-            # every rank sees the same all-reduced sum, so all skip together
-            self._clear_grads()
-            return self._result(
-                t_start, math.nan, items, samples, n_micro, math.nan, lr, "non-finite loss"
-            )
-        mean_loss = total_loss / items
+        return total_loss, int(items), int(samples), sum_m, sum_m2
+
+    def _normalise_clip_step(self, items: int, divided: bool) -> tuple[float, str | None]:
+        """Unscale → normalise → clip → step → schedule; (gradient norm, why skipped or None).
+        `divided`: the loss was already scaled by 1 / N before backward (fp16)."""
         grads = [
             p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None
         ]
@@ -282,7 +303,7 @@ class AccumulationStep:
         # the one normalisation: × 1 / N (× W / N after DDP's averaging hook) turns the gradient
         # of the window's item-loss sum into that of the mean item loss over the whole window;
         # it is folded into clipping's multiply, one pass over the gradients for both
-        factor = 1.0 if exact_scale_first else self._rank_factor / items
+        factor = 1.0 if divided else self._rank_factor / items
         grad_norm = self._grad_norm(grads) * factor if grads else 0.0
         if self.max_grad_norm is not None and math.isfinite(grad_norm):
             factor *= min(1.0, self.max_grad_norm / (grad_norm + 1e-6))
@@ -301,11 +322,9 @@ class AccumulationStep:
             self.optimizer.step()
         else:
             skip_reason = "non-finite gradient"
-
         if skip_reason is None and self.scheduler is not None:
             self.scheduler.step()
-        self._clear_grads()
-        return self._result(t_start, mean_loss, items, samples, n_micro, grad_norm, lr, skip_reason)
+        return grad_norm, skip_reason
 
     def _grad_norm(self, grads: list[torch.Tensor]) -> float:
         if self._uniform_params:

@@ -120,16 +120,65 @@ def run_sweep(
     """Runs the valid trials (skipped ones are recorded on the parent run) and returns outcomes."""
     from ray import tune
 
-    from rayacc.runner.driver import ensure_ray, fit
-    from rayacc.tracking import MlflowSink, default_tracking_uri
+    from rayacc.runner.driver import ensure_ray
+    from rayacc.tracking import default_tracking_uri
 
     t0 = time.perf_counter()
     trials = expand_trials(sweep, base)
     valid = [t for t in trials if t.config is not None]
     base_cfg = TrainConfig.model_validate(base)
     uri = base_cfg.tracking.tracking_uri or default_tracking_uri()
-    experiment = base_cfg.tracking.experiment
     name = sweep.name or f"sweep-{time.strftime('%Y%m%d-%H%M%S')}"
+    parent = _open_parent(sweep, trials, uri, base_cfg.tracking.experiment, name, sweep_text)
+    result = SweepResult(parent.run_id, uri, base_cfg.tracking.experiment, trials)
+    for t in trials:
+        if t.skip_reason and on_event:
+            on_event("skipped", t, {"reason": t.skip_reason})
+    if not valid:
+        parent.finish("FAILED")
+        return result
+
+    configs = {t.index: t.config for t in valid}
+    by_index = {t.index: t for t in valid}
+
+    def record(kind: str, index: int, outcome: dict[str, Any]) -> None:
+        if kind != "started":
+            result.outcomes[index] = outcome
+        if on_event:
+            on_event(kind, by_index[index], outcome)
+
+    ensure_ray(base_cfg)
+    concurrency = _concurrency(sweep, [TrainConfig.model_validate(c) for c in configs.values()])
+    tuner = tune.Tuner(
+        # the trial function only waits on its TorchTrainer, whose workers hold the resources
+        tune.with_resources(_trial_function(configs, uri, parent.run_id), {"cpu": 0.01}),
+        param_space={"trial": tune.grid_search(list(configs))},
+        tune_config=tune.TuneConfig(max_concurrent_trials=concurrency),
+        run_config=tune.RunConfig(
+            name=name,
+            storage_path=_abs_storage(base_cfg.run.storage_path),
+            callbacks=[_trial_events(record)],
+            verbose=0,
+        ),
+    )
+    tuner.fit()
+    failed = [i for i in configs if not result.outcomes.get(i, {}).get("ok")]
+    parent.set_tags(
+        {
+            "rayacc.failed_trials": ",".join(map(str, failed)) or "none",
+            "rayacc.concurrency": concurrency,
+        }
+    )
+    parent.finish("FINISHED")
+    result.wall_time_s = time.perf_counter() - t0
+    return result
+
+
+def _open_parent(sweep: SweepConfig, trials: list[Trial], uri, experiment, name, sweep_text):
+    """The sweep's parent MLflow run, with the sweep file and the skipped trials' reasons."""
+    from rayacc.tracking import MlflowSink
+
+    valid = [t for t in trials if t.config is not None]
     parent = MlflowSink(uri, experiment, name)
     parent.set_tags(
         {
@@ -147,17 +196,13 @@ def run_sweep(
             ),
             "skipped.txt",
         )
-    result = SweepResult(parent.run_id, uri, experiment, trials)
-    for t in trials:
-        if t.skip_reason and on_event:
-            on_event("skipped", t, {"reason": t.skip_reason})
-    if not valid:
-        parent.finish("FAILED")
-        return result
+    return parent
 
-    configs = {t.index: t.config for t in valid}
-    by_index = {t.index: t for t in valid}
-    parent_id = parent.run_id
+
+def _trial_function(configs: dict[int, dict[str, Any]], uri: str, parent_id: str | None):
+    """Tune's function trainable: one full fit of trial `config["trial"]`, nested under the
+    sweep's parent run."""
+    from rayacc.runner.driver import fit
 
     def trial_fn(config: dict[str, Any]) -> dict[str, Any]:
         index = config["trial"]
@@ -183,38 +228,7 @@ def run_sweep(
             "wall_time_s": r.wall_time_s,
         }
 
-    def record(kind: str, index: int, outcome: dict[str, Any]) -> None:
-        if kind != "started":
-            result.outcomes[index] = outcome
-        if on_event:
-            on_event(kind, by_index[index], outcome)
-
-    ensure_ray(base_cfg)
-    concurrency = _concurrency(sweep, [TrainConfig.model_validate(c) for c in configs.values()])
-    storage = base_cfg.run.storage_path
-    tuner = tune.Tuner(
-        # the trial function only waits on its TorchTrainer, whose workers hold the resources
-        tune.with_resources(trial_fn, {"cpu": 0.01}),
-        param_space={"trial": tune.grid_search(list(configs))},
-        tune_config=tune.TuneConfig(max_concurrent_trials=concurrency),
-        run_config=tune.RunConfig(
-            name=name,
-            storage_path=_abs_storage(storage),
-            callbacks=[_trial_events(record)],
-            verbose=0,
-        ),
-    )
-    tuner.fit()
-    failed = [i for i in configs if not result.outcomes.get(i, {}).get("ok")]
-    parent.set_tags(
-        {
-            "rayacc.failed_trials": ",".join(map(str, failed)) or "none",
-            "rayacc.concurrency": concurrency,
-        }
-    )
-    parent.finish("FINISHED")
-    result.wall_time_s = time.perf_counter() - t0
-    return result
+    return trial_fn
 
 
 def _trial_events(record: Callable[[str, int, dict[str, Any]], None]):

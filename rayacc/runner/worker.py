@@ -16,6 +16,7 @@ from dataclasses import asdict
 from typing import Any
 
 import numpy as np
+import psutil
 import ray
 import ray.train
 import torch
@@ -70,8 +71,7 @@ class WorkerRun:
     plan at the most workers; `plan` is the plan at the worker count of this group."""
 
     def __init__(self, config: dict[str, Any]):
-        import psutil
-
+        # when this process started and when its run began: bench/startup.py's worker phases
         self.timeline = {"process_started": psutil.Process().create_time(), "entered": time.time()}
         self.cfg = cfg = TrainConfig.model_validate(config["cfg"])
         self.info = DatasetInfo.from_dict(config["dataset"])

@@ -7,7 +7,8 @@ from rayacc.config import TrainConfig
 
 
 def contract_params(cfg: TrainConfig, plan: BatchPlan, effective_lr: float) -> dict[str, Any]:
-    """The resolved values every run records (design.md), plus the whole config as dotted keys."""
+    """The resolved values every run records (docs/design.md), plus the whole config as dotted
+    keys."""
     params: dict[str, Any] = dict(cfg.flat())
     params.update(
         micro_batch_size=plan.micro_batch_size,
