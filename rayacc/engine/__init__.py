@@ -5,6 +5,7 @@ torch.distributed as well as inside Ray Train workers."""
 from rayacc.batch_plan import BatchPlan, BatchPlanError, resolve_batch_plan
 from rayacc.engine.autobatch import MicroBatchSearch, find_micro_batch_size
 from rayacc.engine.chunked_loss import chunked_cross_entropy_sum
+from rayacc.engine.collectives import all_gather_objects, all_reduce, group_device
 from rayacc.engine.losses import (
     IGNORE_INDEX,
     classification_item_losses,
@@ -36,6 +37,8 @@ __all__ = [
     "StepCost",
     "StepResult",
     "TrainState",
+    "all_gather_objects",
+    "all_reduce",
     "autocast",
     "autocast_dtype",
     "build_scheduler",
@@ -49,6 +52,7 @@ __all__ = [
     "effective_lr",
     "find_micro_batch_size",
     "flops_per_item",
+    "group_device",
     "install_comm_counter",
     "lr_multiplier",
     "resolve_batch_plan",

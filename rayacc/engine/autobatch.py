@@ -13,9 +13,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from rayacc.engine.collectives import all_reduce
 from rayacc.engine.losses import Batch, LossFn
 from rayacc.engine.sync import ddp_sync_context
 
@@ -120,13 +120,7 @@ def measure_step_bytes(
 
 def agree_on_min(value: int, group=None) -> int:
     """The smallest `value` over all ranks (every rank gets the same)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
-        return value
-    backend = dist.get_backend(group)
-    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else "cpu"
-    t = torch.tensor([value], dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
-    return int(t.item())
+    return int(all_reduce(torch.tensor([value], dtype=torch.int64), op="min", group=group).item())
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from rayacc.engine.collectives import all_reduce
 from rayacc.engine.losses import Batch, ItemCounter, LossFn, count_rows
 from rayacc.engine.precision import PRECISIONS, autocast
 from rayacc.engine.sync import ddp_sync_context, install_comm_counter, is_ddp
@@ -155,10 +156,8 @@ class AccumulationStep:
 
     def _all_reduce_sum(self, values: list[float]) -> list[float]:
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
-        if self.world_size > 1:
-            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
         # a CPU–GPU sync point on GPU: the counts decide the scale of every backward
-        return t.tolist()
+        return all_reduce(t, group=self.group).tolist()
 
     def __call__(
         self,
@@ -285,9 +284,7 @@ class AccumulationStep:
         """(loss sum, items, samples, Σm, Σm²) over all ranks."""
         reduced = self.comm.reduced_window_stats() if self.comm is not None else None
         if reduced is None:
-            reduced = stats
-            if self.world_size > 1:
-                dist.all_reduce(reduced, group=self.group)
+            reduced = all_reduce(stats, group=self.group)
         # a CPU–GPU sync point on GPU: whether to step depends on these
         total_loss, items, samples, sum_m, sum_m2 = reduced.tolist()
         return total_loss, int(items), int(samples), sum_m, sum_m2

@@ -10,6 +10,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from rayacc.engine.collectives import all_reduce_async
+
 __all__ = ["CommCounter", "ddp_sync_context", "install_comm_counter", "is_ddp"]
 
 
@@ -133,7 +135,7 @@ def _counting_allreduce_hook(
         combined = counter._riding_buffer(grads, n + stats.numel())
         combined[:n].copy_(grads)
         combined[n:].copy_(stats)
-        fut = dist.all_reduce(combined, group=group, async_op=True).get_future()
+        fut = all_reduce_async(combined, group).get_future()
 
         def split(f):
             out = f.value()[0]
@@ -144,11 +146,11 @@ def _counting_allreduce_hook(
 
         return fut.then(split)
 
-    fut = dist.all_reduce(grads, group=group, async_op=True).get_future()
+    fut = all_reduce_async(grads, group).get_future()
     if stats is not None:
         # every rank launches its collectives in this same order (DDP launches buckets by index)
         # reduced in place: valid once the work is waited for
-        counter._stats_work = dist.all_reduce(stats, group=group, async_op=True)
+        counter._stats_work = all_reduce_async(stats, group)
         counter._reduced = stats
 
     def done(f):

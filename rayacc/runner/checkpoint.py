@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +60,17 @@ def read_checkpoint(
             f"{folder} is not a complete rayacc checkpoint (no {META_FILE}). Fix: pass the "
             "checkpoint_dir of a finished fit, or a checkpoint_* folder of the run"
         )
-    state = torch.load(folder / STATE_FILE, map_location=map_location, weights_only=False)
+    try:
+        # tensors, numbers, strings and plain containers only: a checkpoint from shared storage
+        # or a downloaded run must not be able to run code here
+        state = torch.load(folder / STATE_FILE, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise CheckpointError(
+            f"{folder / STATE_FILE} holds more than tensors and plain values, so it is not "
+            "loaded (it could run code). rayacc checkpoints hold only tensors, numbers, strings "
+            "and plain containers. Fix: load checkpoints written by rayacc; if you trust this "
+            f"file, convert it to a plain state dict ({str(exc).splitlines()[0][:200]})"
+        ) from None
     description = json.loads((folder / MODEL_FILE).read_text())
     meta = json.loads((folder / META_FILE).read_text())
     return state, description, meta

@@ -20,7 +20,6 @@ import psutil
 import ray
 import ray.train
 import torch
-import torch.distributed as dist
 from ray.train.torch import get_device, prepare_model
 
 from rayacc.batch_plan import BatchPlan
@@ -33,6 +32,8 @@ from rayacc.engine import (
     StepCost,
     StepResult,
     TrainState,
+    all_gather_objects,
+    all_reduce,
     autocast,
     autocast_dtype,
     device_peak_tflops,
@@ -409,9 +410,7 @@ class WorkerRun:
             totals[0] += float(losses.float().sum())
             totals[1] += self.count(mb)
         inner.train(was_training)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(totals)
-        loss_sum, items, correct = totals.tolist()
+        loss_sum, items, correct = all_reduce(totals).tolist()
         out = {"val/loss": loss_sum / items if items else math.nan}
         if classification:
             out["val/accuracy"] = correct / items if items else math.nan
@@ -450,11 +449,7 @@ class WorkerRun:
             )
 
     def _summary(self) -> dict[str, Any]:
-        node_id = ray.get_runtime_context().get_node_id()
-        worker_nodes = [node_id]
-        if dist.is_initialized() and self.world > 1:
-            worker_nodes = [None] * self.world
-            dist.all_gather_object(worker_nodes, node_id)
+        worker_nodes = all_gather_objects(ray.get_runtime_context().get_node_id())
         self.timeline["finished"] = time.time()
         return {
             "metrics": self.last,
