@@ -34,10 +34,11 @@ def build_schedule(
     *,
     peak_lr: float,
     reference_batch: int,
-    total_steps: int,
+    total_steps: float,
 ) -> SampleSchedule:
     """The LR schedule, counted in samples of `reference_batch` (the global batch the run's
-    steps were planned for), so it does not jump when an elastic run changes the batch."""
+    steps were planned for), so it does not jump when an elastic run changes the batch.
+    `total_steps`: `quantities.schedule_length`, fractional when a short window ends an epoch."""
     return SampleSchedule(
         optimizer,
         peak_lr=peak_lr,

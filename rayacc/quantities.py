@@ -16,6 +16,7 @@ __all__ = [
     "lr_explanation",
     "plan_at",
     "run_effective_lr",
+    "schedule_length",
     "total_optimizer_steps",
     "train_val_ids",
 ]
@@ -65,3 +66,16 @@ def total_optimizer_steps(cfg: TrainConfig, layout: EpochLayout) -> int:
     """Steps of the whole run: `train.epochs` epochs of `layout`, capped by `train.max_steps`."""
     by_epochs = cfg.train.epochs * layout.steps_per_epoch
     return min(cfg.train.max_steps, by_epochs) if cfg.train.max_steps else by_epochs
+
+
+def schedule_length(cfg: TrainConfig, layout: EpochLayout) -> float:
+    """The run's length for the LR schedule, which counts samples in units of the layout's
+    global batch: the sample position where the last optimizer step starts, plus one. A short
+    last window is a fraction of a step, so with one the length is fractional, and the LR
+    reaches its end (`optim.min_lr_ratio` × peak for cosine) exactly at the last step."""
+    g = layout.global_batch_size
+    steps_before_last = total_optimizer_steps(cfg, layout) - 1
+    epochs, rest = divmod(steps_before_last, layout.steps_per_epoch)
+    # the steps of an epoch before its last one are whole windows
+    epoch_samples = layout.full_windows * g + layout.short_window_rows
+    return (epochs * epoch_samples + rest * g) / g + 1

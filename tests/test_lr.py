@@ -114,3 +114,56 @@ def test_sample_schedule_matches_steps_at_the_reference_batch_and_does_not_jump(
     )
     restored.load_state_dict(s.state_dict())
     assert restored.lr() == pytest.approx(s.lr())
+
+
+def _last_lr(rows: int, global_batch: int, epochs: int, *, resize_at: int | None = None):
+    """The LR the worker's schedule gives the last step of a run (built as the worker builds
+    it), stepping it by each window's real samples. With `resize_at`, an elastic run under
+    keep_micro_batch halves its global batch from that step on (a new peak, re-warmed)."""
+    from rayacc.config import TrainConfig
+    from rayacc.optim import build_schedule
+    from rayacc.quantities import epoch_layout, schedule_length
+
+    cfg = TrainConfig.from_dict(
+        {
+            "batch": {"global_batch_size": global_batch, "micro_batch_size": 4},
+            "scaling": {"num_workers": 2},
+            "optim": {"lr": 0.5, "warmup_steps": 2, "schedule": "cosine", "min_lr_ratio": 0.1},
+            "train": {"epochs": epochs},
+        }
+    )
+    layout = epoch_layout(cfg, rows, cfg.batch_plan())
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.5)
+    schedule = build_schedule(
+        cfg,
+        opt,
+        peak_lr=0.5,
+        reference_batch=global_batch,
+        total_steps=schedule_length(cfg, layout),
+    )
+    g, step, lr = global_batch, 0, None
+    for _ in range(epochs):
+        left = rows
+        while left >= 2:  # a window needs a row per rank
+            if step == resize_at:
+                g = global_batch // 2
+                schedule.set_peak(0.25, rewarm_steps=5)
+            lr = opt.param_groups[0]["lr"]
+            samples = min(g, left)
+            schedule.step(samples)
+            left -= samples
+            step += 1
+    return lr
+
+
+@pytest.mark.parametrize(
+    "rows, global_batch", [(300, 256), (256, 256), (203, 32)], ids=["short", "exact", "uneven"]
+)
+def test_the_last_step_runs_at_the_minimum_lr_with_or_without_short_windows(rows, global_batch):
+    assert _last_lr(rows, global_batch, epochs=10) == pytest.approx(0.1 * 0.5, rel=1e-9)
+
+
+def test_the_last_step_runs_at_the_minimum_lr_after_an_elastic_resize():
+    # 203 rows, global 32 → 16 at step 20: the schedule counts samples, so it still ends at the
+    # last step, at the new peak's minimum
+    assert _last_lr(203, 32, epochs=4, resize_at=20) == pytest.approx(0.1 * 0.25, rel=1e-9)

@@ -40,7 +40,7 @@ def lr_multiplier(
     step: float,
     *,
     warmup_steps: int,
-    total_steps: int | None,
+    total_steps: float | None,
     schedule: str = "cosine",
     min_lr_ratio: float = 0.0,
 ) -> float:
@@ -90,7 +90,9 @@ class SampleSchedule:
     Position = samples of applied steps / `reference_batch` (the global batch the schedule was
     planned for), fed to `lr_multiplier`; LR = peak × multiplier. `set_peak` moves to a new peak
     LR (a resize under keep_micro_batch) linearly over `rewarm_steps` applied steps. Call `step`
-    once per applied optimizer step; skipped steps do not advance it.
+    once per applied optimizer step; skipped steps do not advance it. `total_steps` is in the
+    same units: the sample position of the last step / `reference_batch`, plus one (fractional
+    when a short window ends an epoch), so the schedule ends exactly at the last step.
     """
 
     def __init__(
@@ -100,7 +102,7 @@ class SampleSchedule:
         peak_lr: float,
         reference_batch: int,
         warmup_steps: int,
-        total_steps: int | None,
+        total_steps: float | None,
         schedule: str = "cosine",
         min_lr_ratio: float = 0.0,
     ):

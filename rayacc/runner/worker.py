@@ -48,7 +48,7 @@ from rayacc.quantities import (
     epoch_layout,
     plan_at,
     run_effective_lr,
-    total_optimizer_steps,
+    schedule_length,
     train_val_ids,
 )
 from rayacc.runner.checkpoint import read_checkpoint, write_checkpoint
@@ -138,7 +138,7 @@ class WorkerRun:
             self.optimizer,
             peak_lr=self.lr,
             reference_batch=self.reference.global_batch_size,
-            total_steps=total_optimizer_steps(cfg, reference_layout),
+            total_steps=schedule_length(cfg, reference_layout),
         )
         self.step = AccumulationStep(
             self.model,
