@@ -15,6 +15,7 @@ __all__ = [
     "epoch_layout",
     "lr_explanation",
     "plan_at",
+    "rank_seed",
     "run_effective_lr",
     "schedule_length",
     "total_optimizer_steps",
@@ -79,3 +80,9 @@ def schedule_length(cfg: TrainConfig, layout: EpochLayout) -> float:
     # the steps of an epoch before its last one are whole windows
     epoch_samples = layout.full_windows * g + layout.short_window_rows
     return (epochs * epoch_samples + rest * g) / g + 1
+
+
+def rank_seed(seed: int, *stream: int) -> int:
+    """A seed for the random stream `stream` (e.g. a rank) of run seed `seed`: independent
+    streams for different ranks, the same stream for the same (seed, rank) in every run."""
+    return int(np.random.SeedSequence([seed, *stream]).generate_state(1, dtype=np.uint64)[0] >> 1)

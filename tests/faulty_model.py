@@ -30,7 +30,9 @@ class DiesOnce(nn.Module):
         return self.inner(x)
 
 
-def build(dataset, marker: str, die_at_forward: int, hidden: int = 32) -> nn.Module:
+def build(
+    dataset, marker: str, die_at_forward: int, hidden: int = 32, dropout: float = 0.0
+) -> nn.Module:
     return DiesOnce(
-        MLP(dataset.num_features, dataset.num_classes, [hidden]), marker, die_at_forward
+        MLP(dataset.num_features, dataset.num_classes, [hidden], dropout), marker, die_at_forward
     )

@@ -242,6 +242,24 @@ def test_uneven_rows_with_shuffle_complete(ray_local, tmp_path, capfd):
     assert result.summary["train_state"]["samples_seen"] == 2 * 203
 
 
+def test_two_runs_with_dropout_give_the_same_weights(ray_local, tmp_path):
+    source = digits_subset(tmp_path / "d160.parquet", 160)
+    runs = [
+        fit_or_fail(
+            config(
+                tmp_path / name,
+                model={"dropout": 0.1},
+                data={"source": source, "shuffle": True},
+                train={"max_steps": 5},
+                tracking={"enabled": False},
+            )
+        )
+        for name in ("a", "b")
+    ]
+    wa, wb = (weights(load_model(r.checkpoint_dir)) for r in runs)
+    assert torch.equal(wa, wb), "dropout must draw the same masks in two runs of one config"
+
+
 def test_killed_worker_recovers_automatically_and_by_resume(ray_local, tmp_path):
     source = digits_subset(tmp_path / "d256.parquet", 256)
 
@@ -251,8 +269,13 @@ def test_killed_worker_recovers_automatically_and_by_resume(ray_local, tmp_path)
             model={
                 "name": "factory",
                 "factory": "tests.faulty_model:build",
-                # rank 1 dies in its 22nd forward: step 6 of 8 (4 micro-steps per step)
-                "kwargs": {"marker": str(marker_path), "die_at_forward": 4 * 5 + 2},
+                # rank 1 dies in its 22nd forward: step 6 of 8 (4 micro-steps per step);
+                # dropout: a resumed run must draw the masks an uninterrupted one draws
+                "kwargs": {
+                    "marker": str(marker_path),
+                    "die_at_forward": 4 * 5 + 2,
+                    "dropout": 0.1,
+                },
             },
             data={"source": source, "shuffle": True},
             train={"max_steps": 8, "checkpoint_every_steps": 2},

@@ -47,6 +47,7 @@ from rayacc.optim import build_optimizer, build_schedule
 from rayacc.quantities import (
     epoch_layout,
     plan_at,
+    rank_seed,
     run_effective_lr,
     schedule_length,
     train_val_ids,
@@ -80,6 +81,8 @@ class WorkerRun:
         self.rank, self.world = ctx.get_world_rank(), ctx.get_world_size()
         self.outbox = Outbox(config.get("progress") if self.rank == 0 else None)
         self.device = self._device()
+        # dropout and anything else random: one stream per rank, the same in every run
+        torch.manual_seed(rank_seed(cfg.seed, self.rank))
         self.reference = cfg.batch_plan()
         self.plan = plan_at(cfg, self.world)
         self.lr = run_effective_lr(cfg, self.plan)
@@ -175,6 +178,7 @@ class WorkerRun:
         if self.step.scaler is not None and saved.get("scaler"):
             self.step.scaler.load_state_dict(saved["scaler"])
         self.state.load_state_dict(saved["train_state"])
+        self._restore_rng(saved.get("rng"))
         self.resumed_from = self.state.optimizer_step
         # a new global batch (keep_micro_batch) moves to its LR over a short re-warmup
         self.schedule.set_peak(self.lr, rewarm_steps=REWARM_STEPS)
@@ -193,6 +197,25 @@ class WorkerRun:
                 effective_lr=self.lr,
             )
         ]
+
+    def _rng_state(self) -> dict[str, torch.Tensor | None]:
+        cuda = self.device.type == "cuda"
+        return {
+            "cpu": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state(self.device) if cuda else None,
+        }
+
+    def _restore_rng(self, saved: list[dict[str, torch.Tensor | None]] | None) -> None:
+        """This rank's random state as the checkpoint left it, so a resumed run draws what an
+        uninterrupted one would; after a resize (other ranks) a fresh stream of its own,
+        seeded by the step."""
+        if saved is None or len(saved) != self.world:
+            torch.manual_seed(rank_seed(self.cfg.seed, self.rank, self.state.optimizer_step))
+            return
+        mine = saved[self.rank]
+        torch.set_rng_state(mine["cpu"].cpu())
+        if mine["cuda"] is not None and self.device.type == "cuda":
+            torch.cuda.set_rng_state(mine["cuda"].cpu(), self.device)
 
     # ------------------------------------------------------------------ data
     def _plan_epochs(self) -> None:
@@ -417,7 +440,9 @@ class WorkerRun:
         return out
 
     def _checkpoint(self, metrics: dict[str, Any]) -> None:
-        """Every rank reports (a barrier); rank 0 writes the folder and attaches it."""
+        """Every rank reports (a barrier); rank 0 writes the folder, with every rank's random
+        state, and attaches it."""
+        rng = all_gather_objects(self._rng_state())
         if self.rank != 0:
             ray.train.report(metrics, checkpoint=None)
             return
@@ -430,6 +455,7 @@ class WorkerRun:
                     "schedule": self.schedule.state_dict(),
                     "scaler": self.step.scaler.state_dict() if self.step.scaler else None,
                     "train_state": self.state.state_dict(),
+                    "rng": rng,
                 },
                 config=self.cfg.model_dump(mode="json"),
                 dataset=self.info.to_dict(),
