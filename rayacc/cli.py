@@ -69,7 +69,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from rayacc.quantities import lr_explanation
-    from rayacc.runner.driver import TrainingError, ensure_ray, fit, prepare
+    from rayacc.runner.driver import TrainingError, ensure_ray, fit, locate_run, prepare
 
     t_imported = time.time()
     # paths and URIs stay on one line, copyable
@@ -77,7 +77,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     err = Console(stderr=True, soft_wrap=True)
     _console_owns_ray_output()
     cfg = _load(args)
-    prep = prepare(cfg)  # every user mistake surfaces here, before Ray starts
+    # every user mistake surfaces here, before Ray starts
+    prep = prepare(cfg)
+    location = locate_run(cfg, args.resume)
     t_checked = time.time()
     with ThreadPoolExecutor(1, thread_name_prefix="rayacc-imports") as pool:
         # Ray's start is mostly other processes' work: the modules the fit needs next load
@@ -101,7 +103,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     display = ConsoleProgress(console, prep.total_steps)
     try:
         with display:
-            result = fit(cfg, resume=args.resume, observers=[display], prepared=prep)
+            result = fit(
+                cfg, resume=args.resume, observers=[display], prepared=prep, location=location
+            )
     except TrainingError as exc:
         err.print(f"[red]rayacc: {exc}[/]")
         return 1

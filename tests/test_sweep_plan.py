@@ -70,3 +70,15 @@ def test_random_samples_are_seeded():
     b = expand_trials(SweepConfig.model_validate(spec), BASE)
     assert [t.settings for t in a] == [t.settings for t in b] and len(a) == 3
     assert all(1e-4 <= t.settings["optim.lr"] <= 1e-2 for t in a)
+
+
+def test_trials_of_a_named_base_run_each_get_a_folder_of_their_own():
+    named = TrainConfig.from_dict(
+        {
+            "batch": {"global_batch_size": 64, "micro_batch_size": 8},
+            "run": {"name": "exp"},
+        }
+    ).model_dump(mode="json")
+    sweep = SweepConfig.model_validate({"grid": {"batch.micro_batch_size": [4, 8, 16]}})
+    names = [t.config["run"]["name"] for t in expand_trials(sweep, named)]
+    assert names == ["exp-trial0", "exp-trial1", "exp-trial2"]

@@ -188,7 +188,9 @@ class RunLocation:
 
 def locate_run(cfg: TrainConfig, resume: bool) -> RunLocation:
     """The run's storage path and name: `run.name`, else on a resume the latest run of the
-    storage path, else a fresh unique name."""
+    storage path, else a fresh unique name. A name means one run: a fresh run may not reuse
+    the name of one that exists (Ray Train would silently continue it), and a resume needs an
+    existing run."""
     storage = cfg.run.storage_path or str(Path.cwd() / "rayacc_runs")
     if "://" not in storage:
         storage = str(Path(storage).expanduser().resolve())
@@ -201,11 +203,41 @@ def locate_run(cfg: TrainConfig, resume: bool) -> RunLocation:
                 "Fix: set run.name to the run to resume"
             )
         name = latest.read_text().strip()
+    elif name is not None:
+        _check_name(storage, name, resume)
     name = name or f"rayacc-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
     loc = RunLocation(storage, name)
     if resume and loc.local and (loc.run_dir / RUN_INFO).is_file():
         loc = RunLocation(storage, name, json.loads((loc.run_dir / RUN_INFO).read_text()))
     return loc
+
+
+def _check_name(storage: str, name: str, resume: bool) -> None:
+    runs = _runs_in(storage)
+    if resume and name not in runs:
+        known = ", ".join(sorted(runs)[:10]) or "none"
+        raise DataError(
+            f"--resume: no run named run.name={name!r} in {storage} (runs there: {known}). Fix: "
+            "give the name of an existing run, or drop --resume to start a new one"
+        )
+    if not resume and name in runs:
+        raise DataError(
+            f"run.name={name!r} already names a run in {storage}; starting it again would "
+            "continue or overwrite that run. Fix: add --resume to continue it, or choose another "
+            "run.name (or leave it unset for a fresh unique name)"
+        )
+
+
+def _runs_in(storage: str) -> set[str]:
+    """The names of the run folders in `storage` (a local path or a pyarrow-supported URI)."""
+    from pyarrow import fs
+
+    if "://" in storage:
+        filesystem, root = fs.FileSystem.from_uri(storage)
+    else:
+        filesystem, root = fs.LocalFileSystem(), storage
+    infos = filesystem.get_file_info(fs.FileSelector(root, allow_not_found=True))
+    return {i.base_name for i in infos if i.type == fs.FileType.Directory}
 
 
 # ----------------------------------------------------------------------------- Ray
@@ -358,17 +390,19 @@ def fit(
     prepared: Prepared | None = None,
     parent_run_id: str | None = None,
     tags: dict[str, Any] | None = None,
+    location: RunLocation | None = None,
 ) -> FitResult:
     """Runs the TorchTrainer for `cfg` and returns its FitResult.
 
     `resume=True` continues the run named `run.name` (or the latest run in the storage path) from
     its latest checkpoint. `observers` see every event and per-step record as it arrives.
     `parent_run_id` nests the MLflow run under a sweep's parent run; `tags` are added to it.
+    `location`: `locate_run(cfg, resume)` when the caller checked it already.
     """
     t0 = time.perf_counter()
     phases = {"called": time.time()}
     prep = prepared or prepare(cfg)
-    loc = locate_run(cfg, resume)
+    loc = location or locate_run(cfg, resume)
     phases["checked"] = time.time()
     ensure_ray(cfg)
     phases["ray_started"] = time.time()

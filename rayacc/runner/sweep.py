@@ -83,6 +83,9 @@ def expand_trials(sweep: SweepConfig, base: dict[str, Any]) -> list[Trial]:
         data = copy.deepcopy(base)
         for path, value in s.items():
             _set_path(data, path, value)
+        if base.get("run", {}).get("name") and "run.name" not in s:
+            # a run name means one run: each trial its own folder
+            data["run"]["name"] = f"{base['run']['name']}-trial{i}"
         if sweep.hold == "global_batch_size":
             data["batch"]["global_batch_size"] = held_global
             if "batch.grad_accum_steps" not in s:
