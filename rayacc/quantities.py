@@ -9,6 +9,7 @@ import numpy as np
 from rayacc.batch_plan import BatchPlan, plan_for_workers
 from rayacc.config import TrainConfig
 from rayacc.data.order import EpochLayout, split_train_val
+from rayacc.data.sources import DatasetInfo
 from rayacc.engine.lr import effective_lr
 
 __all__ = [
@@ -17,6 +18,7 @@ __all__ = [
     "plan_at",
     "rank_seed",
     "run_effective_lr",
+    "run_identity",
     "schedule_length",
     "total_optimizer_steps",
     "train_val_ids",
@@ -86,3 +88,30 @@ def rank_seed(seed: int, *stream: int) -> int:
     """A seed for the random stream `stream` (e.g. a rank) of run seed `seed`: independent
     streams for different ranks, the same stream for the same (seed, rank) in every run."""
     return int(np.random.SeedSequence([seed, *stream]).generate_state(1, dtype=np.uint64)[0] >> 1)
+
+
+IDENTITY_FIELDS = (
+    "seed",
+    "data.source",
+    "data.val_fraction",
+    "data.shuffle",
+    "data.last_window",
+    "data.seq_len",
+    "model.",
+    "train.precision",
+)
+"""Config fields (a trailing dot: a whole section) that fix the data order and the model: a
+resume must keep them. Anything else (epochs, max_steps, cadences, tracking, workers of an
+elastic run) may change."""
+
+
+def run_identity(cfg: TrainConfig, info: DatasetInfo) -> dict[str, object]:
+    """What a checkpoint must match to be resumed: the identity fields and the dataset's
+    fingerprint (Parquet files, sizes, row counts)."""
+    identity: dict[str, object] = {
+        key: value
+        for key, value in cfg.flat().items()
+        if any(key == f or (f.endswith(".") and key.startswith(f)) for f in IDENTITY_FIELDS)
+    }
+    identity["dataset (Parquet files, sizes, row counts)"] = info.fingerprint
+    return identity

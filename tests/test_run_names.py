@@ -37,3 +37,50 @@ def test_resume_needs_an_existing_run_of_that_name(tmp_path):
 def test_unnamed_runs_get_fresh_names(tmp_path):
     a, b = (locate_run(cfg(tmp_path), resume=False) for _ in range(2))
     assert a.name != b.name
+
+
+def test_resume_refuses_another_seed_order_or_dataset_listing_every_difference(tmp_path):
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from rayacc.data.sources import describe_dataset
+    from rayacc.quantities import run_identity
+
+    def table(n):
+        return pa.table(
+            {"features": [[float(i), 1.0] for i in range(n)], "label": [i % 3 for i in range(n)]}
+        )
+
+    data = tmp_path / "data.parquet"
+    pq.write_table(table(64), data)
+
+    original = cfg(tmp_path / "runs", "exp")
+    original = original.model_copy(
+        update={"data": original.data.model_copy(update={"source": str(data)})}
+    )
+    ckpt = tmp_path / "runs" / "exp" / "checkpoint_step00000004"
+    ckpt.mkdir(parents=True)
+    meta = {"optimizer_step": 4, "identity": run_identity(original, describe_dataset(str(data)))}
+    (ckpt / "meta.json").write_text(json.dumps(meta))
+
+    same = locate_run(original, resume=True, info=describe_dataset(str(data)))
+    assert same.name == "exp"
+
+    other = original.model_copy(
+        update={
+            "seed": 7,
+            "data": original.data.model_copy(update={"shuffle": False, "val_fraction": 0.2}),
+        }
+    )
+    with pytest.raises(DataError) as err:
+        locate_run(other, resume=True, info=describe_dataset(str(data)))
+    message = str(err.value)
+    for field in ("seed", "data.shuffle", "data.val_fraction"):
+        assert f"{field}:" in message, message
+    assert "Fix:" in message
+
+    pq.write_table(table(65), data)  # a row more: the same path, other data
+    with pytest.raises(DataError, match="dataset"):
+        locate_run(original, resume=True, info=describe_dataset(str(data)))

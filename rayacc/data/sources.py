@@ -6,6 +6,8 @@ Formats (docs/design.md): classification rows hold `features` (list<float32>, fi
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
 import tempfile
@@ -46,6 +48,9 @@ class DatasetInfo:
     """Longest token sequence (tokens format)."""
     vocab: str | None = None
     """Characters of a character-level corpus, index = token id."""
+    fingerprint: str = ""
+    """A hash of the Parquet files' names, sizes and row counts (their metadata, not their
+    contents): a resume checks that the data it continues on is the data it started on."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -154,6 +159,12 @@ def _dataset(source: str) -> pq.ParquetDataset:
         ) from None
 
 
+def _fingerprint(ds: pq.ParquetDataset, counts: list[int]) -> str:
+    infos = ds.filesystem.get_file_info([f.path for f in ds.fragments])
+    files = [(Path(i.path).name, i.size, n) for i, n in zip(infos, counts, strict=True)]
+    return hashlib.sha256(json.dumps(files).encode()).hexdigest()[:16]
+
+
 def describe_dataset(source: str, cache_dir: str | None = None, seq_len: int = 128) -> DatasetInfo:
     """Resolves `data.source` (preparing a bundled dataset on first use) and checks its columns."""
     if source in BUNDLED:
@@ -169,9 +180,11 @@ def describe_dataset(source: str, cache_dir: str | None = None, seq_len: int = 1
     ds = _dataset(source)
     schema = ds.schema
     names = set(schema.names)
-    num_rows = sum(f.count_rows() for f in ds.fragments)
+    counts = [f.count_rows() for f in ds.fragments]
+    num_rows = sum(counts)
     if num_rows == 0:
         raise DataError(f"data.source={source!r} holds no rows")
+    fingerprint = _fingerprint(ds, counts)
 
     if {"features", "label"} <= names:
         ftype, ltype = schema.field("features").type, schema.field("label").type
@@ -194,7 +207,12 @@ def describe_dataset(source: str, cache_dir: str | None = None, seq_len: int = 1
         if lmin < 0:
             raise DataError(f"{source}: `label` must be class indices >= 0 (found {lmin})")
         return DatasetInfo(
-            source, "classification", num_rows, num_features=int(hi), num_classes=int(lmax) + 1
+            source,
+            "classification",
+            num_rows,
+            num_features=int(hi),
+            num_classes=int(lmax) + 1,
+            fingerprint=fingerprint,
         )
 
     if "tokens" in names:
@@ -218,6 +236,7 @@ def describe_dataset(source: str, cache_dir: str | None = None, seq_len: int = 1
             vocab_size=vocab_size,
             max_tokens=int(pc.max(lengths).as_py()),
             vocab=vocab,
+            fingerprint=fingerprint,
         )
 
     raise DataError(

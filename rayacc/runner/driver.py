@@ -186,11 +186,12 @@ class RunLocation:
         (Path(self.storage) / LATEST).write_text(self.name)
 
 
-def locate_run(cfg: TrainConfig, resume: bool) -> RunLocation:
+def locate_run(cfg: TrainConfig, resume: bool, info: DatasetInfo | None = None) -> RunLocation:
     """The run's storage path and name: `run.name`, else on a resume the latest run of the
     storage path, else a fresh unique name. A name means one run: a fresh run may not reuse
     the name of one that exists (Ray Train would silently continue it), and a resume needs an
-    existing run."""
+    existing run whose latest checkpoint has this config's identity (`info`: the data it
+    checks the dataset's fingerprint against)."""
     storage = cfg.run.storage_path or str(Path.cwd() / "rayacc_runs")
     if "://" not in storage:
         storage = str(Path(storage).expanduser().resolve())
@@ -207,9 +208,68 @@ def locate_run(cfg: TrainConfig, resume: bool) -> RunLocation:
         _check_name(storage, name, resume)
     name = name or f"rayacc-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
     loc = RunLocation(storage, name)
+    if resume and info is not None:
+        _check_identity(cfg, info, loc)
     if resume and loc.local and (loc.run_dir / RUN_INFO).is_file():
         loc = RunLocation(storage, name, json.loads((loc.run_dir / RUN_INFO).read_text()))
     return loc
+
+
+def _check_identity(cfg: TrainConfig, info: DatasetInfo, loc: RunLocation) -> None:
+    """The latest checkpoint's identity against this config's: another seed, data, split,
+    order or model would re-split and re-order the data under the saved sample position."""
+    from rayacc.quantities import run_identity
+
+    meta = _latest_checkpoint_meta(loc)
+    saved = (meta or {}).get("identity")
+    if saved is None:
+        return  # nothing saved yet (or a checkpoint from before identities)
+    now = json.loads(json.dumps(run_identity(cfg, info)))
+    diffs = [
+        f"{key}: the run has {saved.get(key)!r}, this config {now.get(key)!r}"
+        for key in sorted(set(saved) | set(now))
+        if saved.get(key) != now.get(key)
+    ]
+    if diffs:
+        raise DataError(
+            f"--resume of run {loc.name!r}: the checkpoint at step {meta.get('optimizer_step')} "
+            "was trained on other data or another model, and resuming would re-split and "
+            "re-order the data under its saved position:\n  "
+            + "\n  ".join(diffs)
+            + "\nFix: resume with the run's values of these fields (and its data), or start a "
+            "new run (drop --resume, or another run.name)"
+        )
+
+
+def _latest_checkpoint_meta(loc: RunLocation) -> dict[str, Any] | None:
+    """meta.json of the run's newest complete checkpoint folder, if any."""
+    from pyarrow import fs
+
+    filesystem, root = _filesystem(loc.storage)
+    infos = filesystem.get_file_info(fs.FileSelector(f"{root}/{loc.name}", allow_not_found=True))
+    folders = sorted(
+        (
+            i.path
+            for i in infos
+            if i.type == fs.FileType.Directory and i.base_name.startswith("checkpoint_")
+        ),
+        reverse=True,
+    )
+    for folder in folders:
+        meta = f"{folder}/meta.json"
+        if filesystem.get_file_info(meta).type == fs.FileType.File:
+            with filesystem.open_input_stream(meta) as f:
+                return json.loads(f.read())
+    return None
+
+
+def _filesystem(storage: str):
+    """(pyarrow filesystem, root path) of a local path or a pyarrow-supported URI."""
+    from pyarrow import fs
+
+    if "://" in storage:
+        return fs.FileSystem.from_uri(storage)
+    return fs.LocalFileSystem(), storage
 
 
 def _check_name(storage: str, name: str, resume: bool) -> None:
@@ -232,10 +292,7 @@ def _runs_in(storage: str) -> set[str]:
     """The names of the run folders in `storage` (a local path or a pyarrow-supported URI)."""
     from pyarrow import fs
 
-    if "://" in storage:
-        filesystem, root = fs.FileSystem.from_uri(storage)
-    else:
-        filesystem, root = fs.LocalFileSystem(), storage
+    filesystem, root = _filesystem(storage)
     infos = filesystem.get_file_info(fs.FileSelector(root, allow_not_found=True))
     return {i.base_name for i in infos if i.type == fs.FileType.Directory}
 
@@ -402,7 +459,7 @@ def fit(
     t0 = time.perf_counter()
     phases = {"called": time.time()}
     prep = prepared or prepare(cfg)
-    loc = location or locate_run(cfg, resume)
+    loc = location or locate_run(cfg, resume, prep.info)
     phases["checked"] = time.time()
     ensure_ray(cfg)
     phases["ray_started"] = time.time()

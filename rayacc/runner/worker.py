@@ -49,6 +49,7 @@ from rayacc.quantities import (
     plan_at,
     rank_seed,
     run_effective_lr,
+    run_identity,
     schedule_length,
     train_val_ids,
 )
@@ -466,6 +467,7 @@ class WorkerRun:
                     "num_workers": self.world,
                     "epoch": self.state.epoch,
                     "epoch_sample_offset": self.state.epoch_sample_offset,
+                    "identity": run_identity(self.cfg, self.info),
                 },
             )
             ray.train.report(
