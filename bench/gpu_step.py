@@ -113,6 +113,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     parser.add_argument("--no-compile", action="store_true", help="eager rows only")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument(
+        "--micros", default=None, help="micro-batches to try, e.g. 16,8 (default: 16,8; tiny 4,2)"
+    )
     args = parser.parse_args()
     cfg = TINY if args.tiny else GPT2
     args.global_batch = 8 if args.tiny else 64
@@ -120,6 +123,8 @@ def main() -> None:
     if dev == "cpu" and not args.tiny:
         sys.exit("no GPU here: run with --tiny for a CPU smoke run of the same code path")
     micros = (4, 2) if args.tiny else (16, 8)
+    if args.micros:
+        micros = tuple(int(m) for m in args.micros.split(","))
     modes = (False,) if args.no_compile else (False, True)
     name = torch.cuda.get_device_name() if dev == "cuda" else "cpu"
     print(f"torch {torch.__version__} on {name}; model {cfg}; global batch {args.global_batch}")

@@ -123,7 +123,12 @@ def _write_timings(path: str, result) -> None:
     import json
     from pathlib import Path
 
-    timings = {"driver": result.phases, "worker": result.summary.get("timeline", {})}
+    run = {k: result.summary.get(k) for k in ("device", "backend", "plan", "train_time_s")}
+    timings = {
+        "driver": result.phases,
+        "worker": result.summary.get("timeline", {}),
+        "run": {**run, "checkpoint_dir": result.checkpoint_dir},
+    }
     Path(path).write_text(json.dumps(timings, indent=1))
 
 
@@ -393,7 +398,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--timings",
         metavar="FILE",
         default=None,
-        help="write when each phase of the run ended (driver and rank 0) as JSON",
+        help="write when each phase of the run ended (driver and rank 0), and what it ran on, "
+        "as JSON",
     )
     p.set_defaults(func=cmd_train)
 

@@ -79,6 +79,8 @@ class MicroBatchChanged:
     budget_mb: float | None = None
     trials: tuple[tuple[int, bool], ...] = field(default_factory=tuple)
     """Sizes the search tried, each with whether it fitted."""
+    out_of_memory: tuple[int, ...] = ()
+    """Sizes the search tried that ran out of device memory."""
 
     def describe(self) -> str:
         """The line kept in the run's `rayacc.micro_batch_events` tag."""
@@ -89,9 +91,11 @@ class MicroBatchChanged:
 
     def console_line(self) -> str:
         tried = ", ".join(f"{m}{'✓' if ok else '✗'}" for m, ok in self.trials)
+        oom = ", ".join(map(str, self.out_of_memory))
         return (
             f"micro-batch {self.micro_batch_size} × accumulation {self.grad_accum_steps} from "
-            f"step {self.step + 1} ({self.reason}{'; tried ' + tried if tried else ''})"
+            f"step {self.step + 1} ({self.reason}{'; tried ' + tried if tried else ''}"
+            f"{'; out of memory at ' + oom if oom else ''})"
         )
 
 

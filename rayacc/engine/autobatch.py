@@ -110,7 +110,7 @@ def measure_step_bytes(
         # only running out of memory means "too large"; anything else is a real error
         if not is_oom(exc):
             raise
-        return 1 << 62
+        return OUT_OF_MEMORY
     finally:
         model.zero_grad(set_to_none=True)
         gc.collect()
@@ -121,6 +121,10 @@ def measure_step_bytes(
 def agree_on_min(value: int, group=None) -> int:
     """The smallest `value` over all ranks (every rank gets the same)."""
     return int(all_reduce(torch.tensor([value], dtype=torch.int64), op="min", group=group).item())
+
+
+OUT_OF_MEMORY = 1 << 62
+"""What `measure_step_bytes` reports for a size that ran out of memory."""
 
 
 @dataclass(frozen=True)
@@ -134,6 +138,8 @@ class MicroBatchSearch:
     """This rank's own answer before the ranks agreed on the minimum."""
     trials: list[tuple[int, bool]]
     """(micro-batch size, fitted) in the order tried on this rank."""
+    out_of_memory: tuple[int, ...] = ()
+    """The sizes tried that ran out of device memory (not merely over the budget)."""
 
 
 def find_micro_batch_size(
@@ -150,6 +156,8 @@ def find_micro_batch_size(
     """The largest divisor of `samples_per_worker` whose forward + backward on
     `make_batch(size)` stays within `budget_bytes` on every rank."""
 
+    out_of_memory: list[int] = []
+
     def fits(size: int) -> bool:
         used = measure_step_bytes(
             model,
@@ -158,6 +166,8 @@ def find_micro_batch_size(
             autocast_dtype=autocast_dtype,
             optimizer_slots=optimizer_slots,
         )
+        if used == OUT_OF_MEMORY:
+            out_of_memory.append(size)
         return used <= budget_bytes
 
     try:
@@ -171,4 +181,6 @@ def find_micro_batch_size(
             f"of {budget_bytes / 2**20:,.0f} MiB on some rank; raise batch.memory_budget (GPU "
             "share) or batch.memory_budget_mb, or use a smaller model or sequence"
         )
-    return MicroBatchSearch(chosen, samples_per_worker // chosen, budget_bytes, local, trials)
+    return MicroBatchSearch(
+        chosen, samples_per_worker // chosen, budget_bytes, local, trials, tuple(out_of_memory)
+    )

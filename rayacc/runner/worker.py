@@ -20,6 +20,7 @@ import psutil
 import ray
 import ray.train
 import torch
+import torch.distributed as dist
 from ray.train.torch import get_device, prepare_model
 
 from rayacc.batch_plan import BatchPlan
@@ -293,6 +294,7 @@ class WorkerRun:
             reason="auto search",
             budget_mb=search.budget_bytes / 2**20,
             trials=tuple(tuple(t) for t in search.trials),
+            out_of_memory=search.out_of_memory,
         )
 
     def _memory_budget_bytes(self) -> int:
@@ -491,5 +493,7 @@ class WorkerRun:
             "log_time_s": self.outbox.cost_s,
             "worker_nodes": worker_nodes,
             "pid": os.getpid(),
+            "device": str(self.device),
+            "backend": dist.get_backend() if dist.is_initialized() else None,
             "timeline": self.timeline,
         }

@@ -1,0 +1,152 @@
+"""The first GPU run, checked: `rayacc train` of jobs/gpu_gpt.yaml on one GPU worker, then
+bench/gpu_step.py against the bare anchor; one table of what passed and the figures.
+
+Run through bench/gpu_check.sh (it sets up the wheels); `--dry-run` runs every step on CPU with
+a tiny model, gloo and fp32 where a GPU run would use NCCL and bf16, so that CI proves the
+script and the code paths it drives.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+ROOT = Path(__file__).resolve().parent.parent
+JOB = ROOT / "jobs" / "gpu_gpt.yaml"
+TRAIN_TIMEOUT_S = 300
+STEP_TIMEOUT_S = 300
+
+# what the dry run changes in the job: a tiny model and data, CPU, gloo; the rest as on a GPU
+DRY_OVERRIDES = [
+    "model.n_layer=2",
+    "model.n_head=2",
+    "model.n_embd=32",
+    "model.block_size=32",
+    "data.seq_len=32",
+    "batch.global_batch_size=32",
+    "batch.memory_budget_mb=4096",
+    "scaling.use_gpu=false",
+    "scaling.cpus_per_worker=1",
+]
+
+
+def token_data(path: Path, seq_len: int, rows: int, vocab: int) -> str:
+    """Random token sequences of seq_len + 1 tokens (inputs and next-token targets)."""
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, vocab, (rows, seq_len + 1), dtype=np.int64)
+    tokens[0, 0] = vocab - 1  # the vocabulary is exactly `vocab`
+    pq.write_table(pa.table({"tokens": pa.array(list(tokens), pa.list_(pa.int64()))}), path)
+    return str(path)
+
+
+def run(cmd: list[str], log: Path, timeout: float) -> tuple[int, str, float]:
+    """(exit status, output, seconds); 124 when it ran past `timeout`."""
+    t0 = time.time()
+    try:
+        proc = subprocess.run(
+            cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=dict(os.environ)
+        )
+        code, out = proc.returncode, proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as exc:
+        code, out = 124, f"{exc.stdout or ''}{exc.stderr or ''}"
+        out = out if isinstance(out, str) else out.decode(errors="replace")
+    log.write_text(out)
+    return code, out, time.time() - t0
+
+
+def check_train(out_dir: Path, dry: bool) -> list[tuple[str, bool, str]]:
+    """Runs `rayacc train` and returns (check, passed, figures) rows."""
+    seq_len, global_batch = (32, 32) if dry else (1024, 512)
+    rows_needed = int(global_batch * 6 / 0.95) + 64
+    data = token_data(out_dir / "tokens.parquet", seq_len, rows_needed, 256 if dry else 50304)
+    timings = out_dir / "timings.json"
+    entry = "import sys, rayacc.cli as c; c.run()"
+    cmd = [sys.executable, "-c", entry, "train", "-c", str(JOB), f"data.source={data}"]
+    cmd += [f"run.storage_path={out_dir / 'runs'}", *(DRY_OVERRIDES if dry else [])]
+    cmd += ["--timings", str(timings)]
+    code, out, wall = run(cmd, out_dir / "train.log", TRAIN_TIMEOUT_S)
+    checks = [("rayacc train exits 0", code == 0, f"exit {code}, {wall:.0f} s")]
+    if code != 0:
+        last = out.strip().splitlines()[-1][:120] if out.strip() else ""
+        return [*checks, ("(see train.log)", False, last)]
+    info = json.loads(timings.read_text())["run"]
+    want_backend, want_device = ("gloo", "cpu") if dry else ("nccl", "cuda")
+    checks.append(
+        (
+            f"one worker on {want_device} ({want_backend} or no group)",
+            str(info["device"]).startswith(want_device) and info["backend"] in (want_backend, None),
+            f"device {info['device']}, backend {info['backend']}",
+        )
+    )
+    search = re.search(
+        r"micro-batch (\d+) × accumulation (\d+) from step 1 \(auto search[^)]*\)", out
+    )
+    oom = re.search(r"out of memory at ([\d, ]+)", search.group(0)) if search else None
+    checks.append(
+        (
+            "auto micro-batch" + ("" if dry else " with a real CUDA out-of-memory"),
+            bool(search) and (dry or bool(oom)),
+            search.group(0) if search else "no search line",
+        )
+    )
+    val = re.findall(r"val loss ([\d.]+)", out)
+    checks.append(("validation ran", bool(val), f"val loss {val[-1]}" if val else "none"))
+    ckpt = info.get("checkpoint_dir")
+    complete = bool(ckpt) and (Path(ckpt) / "meta.json").is_file()
+    checks.append(("final checkpoint complete", complete, str(ckpt)))
+    perf = re.search(r"per step \(median[^:]*\): (.*)", out)
+    checks.append(("bf16 + compile + fused AdamW steps", code == 0, perf.group(1) if perf else ""))
+    return checks
+
+
+def check_gpu_step(out_dir: Path, dry: bool) -> list[tuple[str, bool, str]]:
+    cmd = [sys.executable, str(ROOT / "bench" / "gpu_step.py"), "--out", str(out_dir)]
+    cmd += (
+        ["--tiny", "--no-compile", "--steps", "2", "--warmup", "1"] if dry else ["--micros", "16"]
+    )
+    code, _, wall = run(cmd, out_dir / "gpu_step.log", STEP_TIMEOUT_S)
+    rows = []
+    result = out_dir / "gpu_step.json"
+    if code == 0 and result.is_file():
+        for r in json.loads(result.read_text())["rows"]:
+            rows.append(
+                (
+                    f"gpu_step {r['micro']}×{r['accum']} compile={r['compiled']}",
+                    True,
+                    f"bare {r['bare']['tokens_per_s']:,} tok/s, rayacc "
+                    f"{r['rayacc']['tokens_per_s']:,} tok/s, ratio {r['ratio']:.3f}",
+                )
+            )
+    return [("bench/gpu_step.py exits 0", code == 0, f"exit {code}, {wall:.0f} s"), *rows]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dry-run", action="store_true", help="on CPU, a tiny model")
+    parser.add_argument("--out", default=os.environ.get("OUT") or "/tmp/rayacc_gpu_check")
+    args = parser.parse_args()
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows = check_train(out_dir, args.dry_run) + check_gpu_step(out_dir, args.dry_run)
+    width = max(len(name) for name, _, _ in rows)
+    print(f"\n{'check':{width}}  result  figures")
+    for name, ok, figures in rows:
+        print(f"{name:{width}}  {'PASS' if ok else 'FAIL':6}  {figures}")
+    passed = all(ok for _, ok, _ in rows)
+    where = "dry run on CPU" if args.dry_run else "GPU"
+    print(f"\n{'all passed' if passed else 'FAILED'} ({where}); logs in {out_dir}")
+    sys.exit(0 if passed else 1)
+
+
+if __name__ == "__main__":
+    main()
