@@ -260,6 +260,27 @@ def test_two_runs_with_dropout_give_the_same_weights(ray_local, tmp_path):
     assert torch.equal(wa, wb), "dropout must draw the same masks in two runs of one config"
 
 
+def test_a_size_that_ran_out_of_memory_in_training_is_not_chosen_again(ray_local, tmp_path):
+    """Out of memory in a window's last micro-step cannot be retried in place (the peers
+    already wait in the gradient all-reduce): the group restarts, and its auto search stays
+    below every size that failed. Micro 32 and then 16 fail here; 8 trains."""
+    cfg = config(
+        tmp_path,
+        model={
+            "name": "factory",
+            "factory": "tests.oom_model:build",
+            "kwargs": {"threshold": 16},
+        },
+        batch={"global_batch_size": 64, "micro_batch_size": "auto", "memory_budget_mb": 4096},
+        train={"max_steps": 2},
+        run={"max_failures": 3},
+        tracking={"enabled": False},
+    )
+    result = fit_or_fail(cfg)
+    assert [r["scaling/micro_batch_size"] for r in result.history] == [8, 8]
+    assert result.summary["plan"]["micro_batch_size"] == 8
+
+
 def test_killed_worker_recovers_automatically_and_by_resume(ray_local, tmp_path):
     source = digits_subset(tmp_path / "d256.parquet", 256)
 

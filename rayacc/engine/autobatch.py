@@ -152,9 +152,11 @@ def find_micro_batch_size(
     autocast_dtype=None,
     optimizer_slots: int = 2,
     group=None,
+    below: int | None = None,
 ) -> MicroBatchSearch:
     """The largest divisor of `samples_per_worker` whose forward + backward on
-    `make_batch(size)` stays within `budget_bytes` on every rank."""
+    `make_batch(size)` stays within `budget_bytes` on every rank; with `below`, only sizes
+    smaller than it are tried (a size that ran out of memory in training before)."""
 
     out_of_memory: list[int] = []
 
@@ -171,7 +173,8 @@ def find_micro_batch_size(
         return used <= budget_bytes
 
     try:
-        local, trials = largest_fitting(candidate_micro_sizes(samples_per_worker), fits)
+        upper = below - 1 if below is not None else None
+        local, trials = largest_fitting(candidate_micro_sizes(samples_per_worker, upper), fits)
     except ValueError:
         local, trials = 0, []
     chosen = agree_on_min(local, group)

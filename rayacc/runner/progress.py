@@ -1,4 +1,5 @@
-"""Events and per-step records from rank 0 to the driver, without making rank 0 wait."""
+"""Events and per-step records from rank 0 to the driver, without making rank 0 wait; and the
+micro-batch sizes that ran out of memory, remembered across worker-group restarts."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ class ProgressBuffer:
 
     def __init__(self) -> None:
         self._items: list[Any] = []
+        self._out_of_memory: list[int] = []
 
     def push(self, items: list[Any]) -> None:
         self._items.extend(items)
@@ -24,6 +26,14 @@ class ProgressBuffer:
     def drain(self) -> list[Any]:
         items, self._items = self._items, []
         return items
+
+    def remember_out_of_memory(self, micro_batch_size: int) -> None:
+        """A micro-batch size that ran out of memory in training: the worker group restarted
+        after it searches below it (the buffer lives as long as the fit, across restarts)."""
+        self._out_of_memory.append(micro_batch_size)
+
+    def out_of_memory_sizes(self) -> list[int]:
+        return list(self._out_of_memory)
 
 
 class Outbox:

@@ -81,7 +81,8 @@ class WorkerRun:
         self.info = DatasetInfo.from_dict(config["dataset"])
         ctx = ray.train.get_context()
         self.rank, self.world = ctx.get_world_rank(), ctx.get_world_size()
-        self.outbox = Outbox(config.get("progress") if self.rank == 0 else None)
+        self.progress = config.get("progress")
+        self.outbox = Outbox(self.progress if self.rank == 0 else None)
         self.device = self._device()
         # dropout and anything else random: one stream per rank, the same in every run
         torch.manual_seed(rank_seed(cfg.seed, self.rank))
@@ -272,6 +273,8 @@ class WorkerRun:
         def make_batch(n: int):
             return to_device(self.rows.take(index[:n]), device)
 
+        failed = ray.get(self.progress.out_of_memory_sizes.remote()) if self.progress else []
+        below = min(failed) if failed else None
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             search = find_micro_batch_size(
                 unwrap_model(self.model),
@@ -281,6 +284,7 @@ class WorkerRun:
                 budget_bytes=self._memory_budget_bytes(),
                 autocast_dtype=autocast_dtype(cfg.train.precision),
                 optimizer_slots=2 if cfg.optim.name == "adamw" else int(cfg.optim.momentum > 0),
+                below=below,
             )
         self.plan = BatchPlan(
             plan.global_batch_size, search.micro_batch_size, search.grad_accum_steps, self.world
@@ -291,7 +295,8 @@ class WorkerRun:
             step=self.state.optimizer_step,
             micro_batch_size=self.plan.micro_batch_size,
             grad_accum_steps=self.plan.grad_accum_steps,
-            reason="auto search",
+            reason="auto search"
+            + (f", below {below} (out of memory in training before)" if below else ""),
             budget_mb=search.budget_bytes / 2**20,
             trials=tuple(tuple(t) for t in search.trials),
             out_of_memory=search.out_of_memory,
@@ -302,6 +307,15 @@ class WorkerRun:
             return int(self.cfg.batch.memory_budget_mb * 2**20)
         total = torch.cuda.get_device_properties(self.device).total_memory
         return int(self.cfg.batch.memory_budget * total)
+
+    def _remember_out_of_memory(self) -> None:
+        """An out-of-memory error the step could not recover from (in a window's last
+        micro-step, where peers already wait in the gradient all-reduce, or without retries):
+        the group fails and restarts from the checkpoint, and its auto search then stays below
+        this size instead of choosing it again."""
+        if self.cfg.batch.auto_micro_batch and self.progress is not None:
+            # waited for: the process is about to fail
+            ray.get(self.progress.remember_out_of_memory.remote(self.micro_now), timeout=30)
 
     def _note_splits(self, result: StepResult) -> None:
         """An out-of-memory retry cut the micro-batches: say so once, from the next step on."""
@@ -352,7 +366,11 @@ class WorkerRun:
             first = next(iter(micro_batches[0].values()))
             shape = tuple(first.shape[1:])
             self.flops_per_item = flops_per_item(unwrap_model(self.model), shape) or 0.0
-        result = self.step(micro_batches, self.loss_fn, self.count, local_items=local_items)
+        try:
+            result = self.step(micro_batches, self.loss_fn, self.count, local_items=local_items)
+        except torch.OutOfMemoryError:
+            self._remember_out_of_memory()
+            raise
         self._note_splits(result)
         if not result.skipped:
             self.schedule.step(result.samples)
