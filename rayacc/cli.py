@@ -241,7 +241,10 @@ def _print_summary(console, cfg: TrainConfig, result) -> None:
     if result.mlflow_run_id:
         uri = result.tracking_uri
         console.print(f"  MLflow run {result.mlflow_run_id} in {uri}")
-        console.print(f"    open the UI: mlflow ui --backend-store-uri {uri}")
+        if uri and uri.startswith(("http://", "https://")):
+            console.print(f"    open the UI: {uri}")
+        else:
+            console.print(f"    open the UI: mlflow ui --backend-store-uri {uri}")
     console.print(f"  checkpoint: {result.checkpoint_dir}")
 
 
@@ -451,8 +454,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, with `key.path=value` overrides accepted anywhere among the flags
+    (argparse alone takes them only before the first flag)."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    stray = [a for a in extra if a.startswith("-") or "=" not in a]
+    if stray or (extra and not hasattr(args, "overrides")):
+        parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     try:
         return args.func(args)
     except _user_error_types() as exc:

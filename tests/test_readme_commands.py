@@ -1,0 +1,93 @@
+"""Every `rayacc …` command the READMEs show parses as written (synopsis lines with [options]
+or a|b alternatives are left out; they are not commands)."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from rayacc.cli import parse_args
+
+ROOT = Path(__file__).resolve().parent.parent
+READMES = ["README.md", "cluster/README.md", "bench/README.md", "docs/design.md"]
+
+
+def code_lines(text: str) -> list[str]:
+    """Lines of fenced and indented code blocks, backslash continuations joined, and inline
+    code spans, as shell text."""
+    block, prose, fenced = [], [], False
+    for line in text.splitlines():
+        if line.strip().startswith("```"):
+            fenced = not fenced
+            continue
+        (block if fenced or line.startswith("    ") else prose).append(line.strip())
+    out = "\n".join(block).replace("\\\n", " ").splitlines()
+    spans = re.findall(r"`([^`]+)`", "\n".join(prose), flags=re.S)
+    return out + [" ".join(span.split()) for span in spans]
+
+
+def commands() -> list[tuple[str, str]]:
+    found = []
+    for name in READMES:
+        for line in code_lines((ROOT / name).read_text()):
+            line = re.sub(r"<[^>]*>", "PLACEHOLDER", line.split(" #")[0].strip())
+            # environment assignments and the venv prefix come before the command
+            line = re.sub(r"^(?:[A-Z_]+=\S+\s+)*(?:\.venv/bin/)?", "", line)
+            if not line.startswith("rayacc "):
+                continue
+            if any(mark in line for mark in ("[", "|", "...", "…")) or len(line.split()) < 3:
+                continue  # a synopsis or a mention, not a command
+            line = line.replace("$", "")
+            found.append((name, line))
+    return found
+
+
+def test_the_readmes_show_commands():
+    shown = {line.split()[1] for _, line in commands()}
+    assert {"train", "submit"} <= shown, shown
+
+
+@pytest.mark.parametrize("where, line", commands(), ids=[line for _, line in commands()])
+def test_every_command_shown_parses(where, line):
+    try:
+        args = parse_args(shlex.split(line)[1:])
+    except SystemExit as exc:
+        pytest.fail(f"{where}: `{line}` does not parse (exit {exc.code})")
+    assert callable(args.func)
+
+
+@pytest.mark.parametrize(
+    "uri, hint",
+    [
+        ("http://127.0.0.1:5000", "open the UI: http://127.0.0.1:5000"),
+        ("sqlite:////tmp/m.db", "open the UI: mlflow ui --backend-store-uri sqlite:////tmp/m.db"),
+    ],
+)
+def test_the_summary_says_how_to_open_the_ui(uri, hint):
+    from types import SimpleNamespace
+
+    from rich.console import Console
+
+    from rayacc.batch_plan import BatchPlan
+    from rayacc.cli import _print_summary
+    from rayacc.config import TrainConfig
+
+    cfg = TrainConfig.from_dict({"batch": {"global_batch_size": 8, "micro_batch_size": 4}})
+    result = SimpleNamespace(
+        plan=BatchPlan(8, 4, 1, 2),
+        metrics={},
+        history=[],
+        summary={},
+        wall_time_s=1.0,
+        mlflow_run_id="abc",
+        tracking_uri=uri,
+        checkpoint_dir="/tmp/ckpt",
+    )
+    console = Console(record=True, width=200)
+    _print_summary(console, cfg, result)
+    text = console.export_text()
+    assert hint in text
+    assert uri.startswith("sqlite") or "--backend-store-uri" not in text
