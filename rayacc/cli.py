@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from rayacc.config import ConfigError, TrainConfig
 from rayacc.events import Event, RunObserver, RunStarted
+from rayacc.redact import redact
 
 EXIT_USER_ERROR = 2
 
@@ -90,7 +91,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     console.print(f"[bold]rayacc train[/] {args.config}")
     console.print(f"  {prep.plan.describe()}")
     console.print(f"  {lr_explanation(cfg, prep.plan)}")
-    console.print(f"  data: {prep.info.path} — {prep.layout.describe()}")
+    console.print(f"  data: {redact(prep.info.path)} — {prep.layout.describe()}")
     console.print(
         f"  model: {cfg.model.name}, {prep.num_parameters:,} parameters; "
         f"{prep.total_steps} optimizer steps"
@@ -239,7 +240,7 @@ def _print_summary(console, cfg: TrainConfig, result) -> None:
         f"(training steps {result.summary.get('train_time_s', 0.0):.1f} s)"
     )
     if result.mlflow_run_id:
-        uri = result.tracking_uri
+        uri = redact(result.tracking_uri)
         console.print(f"  MLflow run {result.mlflow_run_id} in {uri}")
         if uri and uri.startswith(("http://", "https://")):
             console.print(f"    open the UI: {uri}")

@@ -1,5 +1,6 @@
 """MLflow sink. One process writes (the driver); a tracking server that cannot be reached turns
-tracking off with one message and training goes on."""
+tracking off with one message and training goes on. Every param, tag, text and message passes
+through `redact`: credentials in a URI (`user:password@`) are never logged or printed."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import urllib.request
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
+
+from rayacc.redact import redact
 
 __all__ = ["MlflowSink", "default_tracking_uri"]
 
@@ -81,6 +84,7 @@ class MlflowSink:
 
     def _disable(self, reason: str) -> None:
         if self.disabled_reason is None:
+            reason = redact(reason)
             self.disabled_reason = reason
             print(f"rayacc: tracking off, training goes on: {reason}", file=sys.stderr)
 
@@ -96,7 +100,7 @@ class MlflowSink:
     def log_params(self, params: dict[str, Any]) -> None:
         from mlflow.entities import Param
 
-        items = [Param(k, _param_str(v)) for k, v in params.items()]
+        items = [Param(k, _param_str(redact(v))) for k, v in params.items()]
         for i in range(0, len(items), _MAX_PARAMS_PER_CALL):
             self._call("log_batch", self.run_id, params=items[i : i + _MAX_PARAMS_PER_CALL])
 
@@ -122,13 +126,14 @@ class MlflowSink:
     def set_tags(self, tags: dict[str, Any]) -> None:
         from mlflow.entities import RunTag
 
-        self._call("log_batch", self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+        tags = [RunTag(k, redact(str(v))) for k, v in tags.items()]
+        self._call("log_batch", self.run_id, tags=tags)
 
     def log_artifact(self, path: str | Path) -> None:
         self._call("log_artifact", self.run_id, str(path))
 
     def log_text(self, text: str, name: str) -> None:
-        self._call("log_text", self.run_id, text, name)
+        self._call("log_text", self.run_id, redact(text), name)
 
     def finish(self, status: str = "FINISHED") -> None:
         self._call("set_terminated", self.run_id, status)
