@@ -49,6 +49,7 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
     from rayacc.models import ModelError
     from rayacc.runner.checkpoint import CheckpointError
     from rayacc.runner.jobs import SubmitError
+    from rayacc.runner.resources import ResourceError
     from rayacc.tracking.report import ReportError
 
     return (
@@ -59,6 +60,7 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
         CheckpointError,
         ReportError,
         SubmitError,
+        ResourceError,
     )
 
 

@@ -426,6 +426,22 @@ class TrainerRun:
         return self.outcome["result"]
 
 
+def _check_cluster(cfg: TrainConfig) -> None:
+    """A worker group the cluster can never hold is a user error (Ray Train would wait
+    forever); on a cluster that may grow (one rayacc did not start), a warning."""
+    import os
+    import sys
+
+    import ray
+
+    from rayacc.runner.resources import check_resources
+
+    may_grow = bool(os.environ.get("RAY_ADDRESS"))
+    warning = check_resources(cfg, ray.nodes(), may_grow)
+    if warning:
+        print(f"rayacc: warning: {warning}; waiting for the cluster to grow", file=sys.stderr)
+
+
 def _progress_buffer():
     """On the driver's node: a worker node may leave mid-run (elastic runs), the driver may
     not."""
@@ -462,6 +478,7 @@ def fit(
     loc = location or locate_run(cfg, resume, prep.info)
     phases["checked"] = time.time()
     ensure_ray(cfg)
+    _check_cluster(cfg)
     phases["ray_started"] = time.time()
     buffer = _progress_buffer()
     running = TrainerRun(build_trainer(cfg, prep, loc, buffer), buffer)

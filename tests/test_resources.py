@@ -1,0 +1,66 @@
+"""A worker group the cluster can never hold is an error before launching, not a silent wait."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rayacc.config import TrainConfig
+from rayacc.runner.resources import ResourceError, check_resources, workers_that_fit
+
+ROOT = Path(__file__).resolve().parent.parent
+NODE = {"Alive": True, "Resources": {"CPU": 4.0, "memory": 1e10, "node:127.0.0.1": 1.0}}
+
+
+def cfg(**scaling) -> TrainConfig:
+    return TrainConfig.from_dict(
+        {"batch": {"global_batch_size": 32, "micro_batch_size": 4}, "scaling": scaling}
+    )
+
+
+def test_workers_that_fit_count_per_node():
+    assert workers_that_fit([{"CPU": 4.0}, {"CPU": 1.5}], {"CPU": 1.0}) == 5
+    assert workers_that_fit([{"CPU": 4.0}], {"CPU": 1.0, "GPU": 1.0}) == 0
+    assert workers_that_fit([{"CPU": 4.0, "slot": 1.0}] * 2, {"CPU": 1.0, "slot": 1.0}) == 2
+
+
+@pytest.mark.parametrize(
+    "scaling, names",
+    [
+        ({"num_workers": 2, "use_gpu": True}, ["GPU", "scaling.use_gpu=false"]),
+        ({"num_workers": [1, 2], "extra_resources": {"worker_slot": 1}}, ["worker_slot"]),
+        ({"num_workers": 8, "cpus_per_worker": 1}, ["8 worker(s)", "hold 4", "lower"]),
+    ],
+    ids=["gpu-on-cpu", "custom-resource", "too-many-workers"],
+)
+def test_a_request_no_node_can_meet_names_what_is_missing(scaling, names):
+    with pytest.raises(ResourceError) as err:
+        check_resources(cfg(**scaling), [NODE], may_grow=False)
+    for name in names:
+        assert name in str(err.value), str(err.value)
+    # a cluster that may add nodes: the same finding as a warning
+    assert "GPU" in (check_resources(cfg(num_workers=1, use_gpu=True), [NODE], True) or "")
+
+
+def test_a_request_that_fits_passes():
+    assert check_resources(cfg(num_workers=2), [NODE], may_grow=False) is None
+
+
+@pytest.mark.ray
+def test_the_elastic_job_on_a_local_ray_exits_2_instead_of_waiting(tmp_path):
+    env = dict(os.environ, RAY_ADDRESS="")
+    proc = subprocess.run(
+        [sys.executable, "-m", "rayacc.cli", "train", "-c", str(ROOT / "jobs/elastic_digits.yaml")],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=180,
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "worker_slot" in proc.stderr and "Fix:" in proc.stderr
+    assert "Traceback" not in proc.stderr
