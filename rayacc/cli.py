@@ -72,7 +72,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from rayacc.quantities import lr_explanation
-    from rayacc.runner.driver import TrainingError, ensure_ray, fit, locate_run, prepare
+    from rayacc.runner.driver import TrainingError, ensure_ray, fit, prepare
+    from rayacc.runner.runs import locate_run
 
     t_imported = time.time()
     # paths and URIs stay on one line, copyable

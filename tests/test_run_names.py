@@ -6,7 +6,7 @@ import pytest
 
 from rayacc.config import TrainConfig
 from rayacc.data.sources import DataError
-from rayacc.runner.driver import locate_run
+from rayacc.runner.runs import locate_run
 
 
 def cfg(storage, name=None) -> TrainConfig:

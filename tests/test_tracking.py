@@ -57,3 +57,62 @@ def test_unreachable_server_disables_tracking_with_one_message(capsys):
     sink.finish()
     assert not sink.active and sink.run_id is None
     assert capsys.readouterr().err.count("tracking off, training goes on") == 1
+
+
+def test_a_reopened_run_extends_its_event_tags(tmp_path):
+    from rayacc.batch_plan import BatchPlan
+    from rayacc.events import Resized, RunStarted
+    from rayacc.tracking import RunIdentity, open_tracking
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    cfg = TrainConfig.from_dict(
+        {
+            "batch": {"global_batch_size": 32, "micro_batch_size": 4},
+            "tracking": {"tracking_uri": uri},
+        }
+    )
+
+    def identity(previous=None):
+        return RunIdentity(
+            "run", str(tmp_path), BatchPlan(32, 4, 4, 2), 0.1, "layout", 10, previous
+        )
+
+    def resize(step, old, new):
+        return Resized(
+            step, "keep_global_batch", old, new, 32 // (4 * old), 32 // (4 * new), 32, 32, 0.1
+        )
+
+    first = open_tracking(cfg, identity())
+    first.on_event(resize(4, 2, 1))
+    first.on_event(RunStarted(4, 10, 4, "layout", {}, 0.1))
+    first.close("FAILED")
+    # the next driver session reopens the run and sees one more resize and one more resume
+    again = open_tracking(cfg, identity(first.run_id))
+    again.on_event(resize(8, 1, 2))
+    again.on_event(RunStarted(8, 10, 8, "layout", {}, 0.1))
+    again.close("FINISHED")
+    tags = MlflowClient(uri).get_run(first.run_id).data.tags
+    assert tags["rayacc.resizes"] == (
+        "step 4: workers 2→1, accum 4→8, global 32→32; step 8: workers 1→2, accum 8→4, global 32→32"
+    )
+    assert tags["rayacc.resumed_at_steps"] == "4,8"
+
+
+def test_the_run_info_keeps_the_mlflow_run_on_any_storage_and_never_loses_it(tmp_path):
+    from rayacc.runner.runs import RunLocation, locate_run
+
+    storage = f"file://{tmp_path / 'store'}"  # through pyarrow, as s3:// or gs:// would be
+    cfg = TrainConfig.from_dict(
+        {
+            "batch": {"global_batch_size": 32, "micro_batch_size": 4},
+            "run": {"storage_path": storage},
+        }
+    )
+    first = locate_run(cfg, resume=False)
+    first.record("run-1", "http://mlflow:5000")
+    resumed = locate_run(cfg, resume=True)  # the latest run, read back from the URI
+    assert resumed.name == first.name and resumed.previous["mlflow_run_id"] == "run-1"
+    resumed.record(None, None)  # tracking was away during this attempt
+    again = locate_run(cfg, resume=True)
+    assert again.previous == {"mlflow_run_id": "run-1", "tracking_uri": "http://mlflow:5000"}
+    assert isinstance(again, RunLocation)

@@ -7,12 +7,10 @@ A library call: it changes no process-wide setting (environment, loggers); the C
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import threading
 import time
-import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +29,7 @@ from rayacc.quantities import (
     total_optimizer_steps,
     train_val_ids,
 )
+from rayacc.runner.runs import RunLocation, locate_run
 
 __all__ = [
     "FitResult",
@@ -44,8 +43,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("rayacc")
-RUN_INFO = "rayacc_run.json"
-LATEST = "LATEST"
 
 
 class TrainingError(RuntimeError):
@@ -155,146 +152,6 @@ def batchnorm_layers(model) -> list[str]:
         for n, m in model.named_modules()
         if isinstance(m, nn.modules.batchnorm._BatchNorm)
     ]
-
-
-# ----------------------------------------------------------------------------- where the run lives
-@dataclass(frozen=True)
-class RunLocation:
-    """The run's folder: `storage`/`name` (a local path or a URI)."""
-
-    storage: str
-    name: str
-    previous: dict[str, Any] = field(default_factory=dict)
-    """What an earlier attempt of this run recorded in its folder (on a resume)."""
-
-    @property
-    def local(self) -> bool:
-        return "://" not in self.storage
-
-    @property
-    def run_dir(self) -> Path:
-        return Path(self.storage) / self.name
-
-    def record(self, mlflow_run_id: str | None, tracking_uri: str | None) -> None:
-        """Notes the MLflow run in the run's folder (a resume reopens it) and marks this run as
-        the latest of its storage path."""
-        if not self.local:
-            return
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        info = {"mlflow_run_id": mlflow_run_id, "tracking_uri": tracking_uri}
-        (self.run_dir / RUN_INFO).write_text(json.dumps(info))
-        (Path(self.storage) / LATEST).write_text(self.name)
-
-
-def locate_run(cfg: TrainConfig, resume: bool, info: DatasetInfo | None = None) -> RunLocation:
-    """The run's storage path and name: `run.name`, else on a resume the latest run of the
-    storage path, else a fresh unique name. A name means one run: a fresh run may not reuse
-    the name of one that exists (Ray Train would silently continue it), and a resume needs an
-    existing run whose latest checkpoint has this config's identity (`info`: the data it
-    checks the dataset's fingerprint against)."""
-    storage = cfg.run.storage_path or str(Path.cwd() / "rayacc_runs")
-    if "://" not in storage:
-        storage = str(Path(storage).expanduser().resolve())
-    name = cfg.run.name
-    if name is None and resume:
-        latest = Path(storage) / LATEST
-        if "://" in storage or not latest.is_file():
-            raise DataError(
-                f"--resume: no previous run recorded in {storage}. "
-                "Fix: set run.name to the run to resume"
-            )
-        name = latest.read_text().strip()
-    elif name is not None:
-        _check_name(storage, name, resume)
-    name = name or f"rayacc-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
-    loc = RunLocation(storage, name)
-    if resume and info is not None:
-        _check_identity(cfg, info, loc)
-    if resume and loc.local and (loc.run_dir / RUN_INFO).is_file():
-        loc = RunLocation(storage, name, json.loads((loc.run_dir / RUN_INFO).read_text()))
-    return loc
-
-
-def _check_identity(cfg: TrainConfig, info: DatasetInfo, loc: RunLocation) -> None:
-    """The latest checkpoint's identity against this config's: another seed, data, split,
-    order or model would re-split and re-order the data under the saved sample position."""
-    from rayacc.quantities import run_identity
-
-    meta = _latest_checkpoint_meta(loc)
-    saved = (meta or {}).get("identity")
-    if saved is None:
-        return  # nothing saved yet (or a checkpoint from before identities)
-    now = json.loads(json.dumps(run_identity(cfg, info)))
-    diffs = [
-        f"{key}: the run has {saved.get(key)!r}, this config {now.get(key)!r}"
-        for key in sorted(set(saved) | set(now))
-        if saved.get(key) != now.get(key)
-    ]
-    if diffs:
-        raise DataError(
-            f"--resume of run {loc.name!r}: the checkpoint at step {meta.get('optimizer_step')} "
-            "was trained on other data or another model, and resuming would re-split and "
-            "re-order the data under its saved position:\n  "
-            + "\n  ".join(diffs)
-            + "\nFix: resume with the run's values of these fields (and its data), or start a "
-            "new run (drop --resume, or another run.name)"
-        )
-
-
-def _latest_checkpoint_meta(loc: RunLocation) -> dict[str, Any] | None:
-    """meta.json of the run's newest complete checkpoint folder, if any."""
-    from pyarrow import fs
-
-    filesystem, root = _filesystem(loc.storage)
-    infos = filesystem.get_file_info(fs.FileSelector(f"{root}/{loc.name}", allow_not_found=True))
-    folders = sorted(
-        (
-            i.path
-            for i in infos
-            if i.type == fs.FileType.Directory and i.base_name.startswith("checkpoint_")
-        ),
-        reverse=True,
-    )
-    for folder in folders:
-        meta = f"{folder}/meta.json"
-        if filesystem.get_file_info(meta).type == fs.FileType.File:
-            with filesystem.open_input_stream(meta) as f:
-                return json.loads(f.read())
-    return None
-
-
-def _filesystem(storage: str):
-    """(pyarrow filesystem, root path) of a local path or a pyarrow-supported URI."""
-    from pyarrow import fs
-
-    if "://" in storage:
-        return fs.FileSystem.from_uri(storage)
-    return fs.LocalFileSystem(), storage
-
-
-def _check_name(storage: str, name: str, resume: bool) -> None:
-    runs = _runs_in(storage)
-    if resume and name not in runs:
-        known = ", ".join(sorted(runs)[:10]) or "none"
-        raise DataError(
-            f"--resume: no run named run.name={name!r} in {storage} (runs there: {known}). Fix: "
-            "give the name of an existing run, or drop --resume to start a new one"
-        )
-    if not resume and name in runs:
-        raise DataError(
-            f"run.name={name!r} already names a run in {storage}; starting it again would "
-            "continue or overwrite that run. Fix: add --resume to continue it, or choose another "
-            "run.name (or leave it unset for a fresh unique name)"
-        )
-
-
-def _runs_in(storage: str) -> set[str]:
-    """The names of the run folders in `storage` (a local path or a pyarrow-supported URI)."""
-    from pyarrow import fs
-
-    filesystem, root = _filesystem(storage)
-    infos = filesystem.get_file_info(fs.FileSelector(root, allow_not_found=True))
-    return {i.base_name for i in infos if i.type == fs.FileType.Directory}
 
 
 # ----------------------------------------------------------------------------- Ray

@@ -54,6 +54,8 @@ class MlflowSink:
         self.client: Any = None
         self.disabled_reason: str | None = None
         self._logged_steps: set[tuple[str, int]] = set()
+        self.existing_tags: dict[str, str] = {}
+        """The tags of a reopened run, as they were (history that later tags extend)."""
         if tracking_uri.startswith(("http://", "https://")):
             why = _server_reachable(tracking_uri)
             if why:
@@ -66,8 +68,10 @@ class MlflowSink:
             if run_id is not None:
                 self.client.update_run(run_id, status="RUNNING")
                 self.run_id = run_id
+                data = self.client.get_run(run_id).data
+                self.existing_tags = dict(data.tags)
                 # steps the interrupted attempt already recorded are not recorded again
-                for key in self.client.get_run(run_id).data.metrics:
+                for key in data.metrics:
                     for m in self.client.get_metric_history(run_id, key):
                         self._logged_steps.add((key, m.step))
                 return

@@ -41,9 +41,11 @@ class TrackedRun(RunObserver):
     def __init__(self, sink: MlflowSink, reopened: bool):
         self.sink = sink
         self.reopened = reopened
-        self.resizes: list[str] = []
-        self.resumed_at: list[str] = []
-        self.micro_changes: list[str] = []
+        # a reopened run's event tags are extended, not overwritten by this driver's events
+        tags = sink.existing_tags
+        self.resizes = _entries(tags.get("rayacc.resizes"), "; ")
+        self.resumed_at = _entries(tags.get("rayacc.resumed_at_steps"), ",")
+        self.micro_changes = _entries(tags.get("rayacc.micro_batch_events"), "; ")
 
     @property
     def run_id(self) -> str | None:
@@ -91,6 +93,10 @@ class TrackedRun(RunObserver):
             if loss_curve is not None and loss_curve_png(list(history), loss_curve):
                 self.sink.log_artifact(loss_curve)
         self.sink.finish(status)
+
+
+def _entries(tag: str | None, sep: str) -> list[str]:
+    return [e for e in (tag or "").split(sep) if e]
 
 
 def open_tracking(cfg: TrainConfig, run: RunIdentity) -> TrackedRun:
