@@ -269,15 +269,81 @@ RAYJOB_SCHEMA = {
 }
 
 
+NETWORKPOLICY_SCHEMA = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "properties": {
+        "apiVersion": {"const": "networking.k8s.io/v1"},
+        "kind": {"const": "NetworkPolicy"},
+        "metadata": _METADATA,
+        "spec": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["podSelector", "policyTypes", "ingress"],
+            "properties": {
+                "podSelector": {"type": "object"},
+                "policyTypes": {"type": "array", "items": {"enum": ["Ingress", "Egress"]}},
+                "ingress": {"type": "array"},
+            },
+        },
+    },
+}
+
+
+def _head_exposure_errors(doc: dict[str, Any]) -> list[str]:
+    """The head is reachable in the cluster (dashboard on all interfaces) and only there."""
+    head = doc["spec"]["headGroupSpec"]
+    errors = []
+    if head["rayStartParams"].get("dashboard-host") != "0.0.0.0":
+        errors.append(
+            'spec.headGroupSpec.rayStartParams.dashboard-host: must be "0.0.0.0": a RayJob\'s '
+            "submitter and the operator reach the dashboard through the head Service's pod IP"
+        )
+    if head.get("serviceType", "ClusterIP") != "ClusterIP":
+        errors.append(
+            f"spec.headGroupSpec.serviceType: {head['serviceType']} exposes the head outside the "
+            "cluster; use ClusterIP (and kubectl port-forward)"
+        )
+    return errors
+
+
+def _networkpolicy_errors(doc: dict[str, Any]) -> list[str]:
+    """Ingress to the head from pods of the same namespace only."""
+    spec = doc["spec"]
+    errors = []
+    labels = spec["podSelector"].get("matchLabels", {})
+    if labels.get("ray.io/node-type") != "head":
+        errors.append("spec.podSelector: must select the head (ray.io/node-type: head)")
+    if "Ingress" not in spec["policyTypes"]:
+        errors.append("spec.policyTypes: must include Ingress")
+    for i, rule in enumerate(spec["ingress"]):
+        for j, peer in enumerate(rule.get("from") or [{}]):
+            if set(peer) != {"podSelector"}:
+                errors.append(
+                    f"spec.ingress.{i}.from.{j}: only podSelector peers (this namespace's pods) "
+                    f"may reach the head, not {sorted(peer) or 'everyone'}"
+                )
+    return errors
+
+
 def check_kuberay(doc: dict[str, Any]) -> None:
     """A strict schema of the fields rayacc's manifests use (unknown fields rejected,
-    rayStartParams values strings, replicas explicit) plus a few rules of the operator."""
+    rayStartParams values strings, replicas explicit) plus a few rules of the operator, and
+    the head's exposure: reachable in the cluster, from its namespace only."""
     kind = (doc or {}).get("kind")
-    schema = {"RayCluster": RAYCLUSTER_SCHEMA, "RayJob": RAYJOB_SCHEMA}.get(kind)
+    schema = {
+        "RayCluster": RAYCLUSTER_SCHEMA,
+        "RayJob": RAYJOB_SCHEMA,
+        "NetworkPolicy": NETWORKPOLICY_SCHEMA,
+    }.get(kind)
     if schema is None:
-        raise SpecError(f"kind: {kind!r} is not RayCluster or RayJob")
+        raise SpecError(f"kind: {kind!r} is not RayCluster, RayJob or NetworkPolicy")
     errors = _schema_errors(doc, schema)
+    if kind == "NetworkPolicy" and not errors:
+        errors += _networkpolicy_errors(doc)
     if kind == "RayCluster" and not errors:
+        errors += _head_exposure_errors(doc)
         import ray
 
         if doc["spec"]["rayVersion"] != ray.__version__:

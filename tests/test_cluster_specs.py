@@ -16,6 +16,7 @@ LAUNCHERS = [ROOT / "cluster" / "aws.yaml", ROOT / "cluster" / "gcp.yaml"]
 KUBERAY = [
     ROOT / "cluster" / "kuberay" / "raycluster.yaml",
     ROOT / "cluster" / "kuberay" / "rayjob.yaml",
+    ROOT / "cluster" / "kuberay" / "networkpolicy.yaml",
 ]
 
 
@@ -99,7 +100,40 @@ KUBERAY_BREAKS = {
         "nvidia.com/gpu=None",
     ),
     "another Ray version": (lambda d: d["spec"].update(rayVersion="2.9.0"), "rayVersion"),
+    "dashboard on loopback": (
+        lambda d: d["spec"]["headGroupSpec"]["rayStartParams"].update(
+            {"dashboard-host": "127.0.0.1"}
+        ),
+        "dashboard-host: must be",
+    ),
+    "head exposed outside": (
+        lambda d: d["spec"]["headGroupSpec"].update(serviceType="LoadBalancer"),
+        "LoadBalancer exposes the head",
+    ),
 }
+
+
+NETWORKPOLICY_BREAKS = {
+    "open to other namespaces": (
+        lambda d: d["spec"]["ingress"][0]["from"].append({"namespaceSelector": {}}),
+        "only podSelector peers",
+    ),
+    "open to every address": (
+        lambda d: d["spec"]["ingress"][0].pop("from"),
+        "only podSelector peers",
+    ),
+    "not the head": (
+        lambda d: d["spec"]["podSelector"]["matchLabels"].pop("ray.io/node-type"),
+        "must select the head",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(NETWORKPOLICY_BREAKS))
+def test_networkpolicy_check_catches(name):
+    fn, message = NETWORKPOLICY_BREAKS[name]
+    with pytest.raises(SpecError, match=message):
+        check_kuberay(mutate(load_yaml(KUBERAY[2]), fn))
 
 
 @pytest.mark.parametrize("name", list(KUBERAY_BREAKS))
