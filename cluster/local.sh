@@ -5,7 +5,10 @@
 #   cluster/local.sh add      one more worker node (autoscaling experiments)
 #   cluster/local.sh remove I kills worker node I and its processes, as a lost machine would go
 #   cluster/local.sh status
-#   cluster/local.sh down     stops exactly the processes `up` and `add` started (by process id)
+#   cluster/local.sh down     stops exactly the processes `up` and `add` started
+#   cluster/local.sh prune    drops records of processes that are gone (`up` does this first)
+# A record holds a process id with that process's start time and the boot it started in: a
+# process id reused by another process (after the node died, or a reboot) is never signalled.
 # Each node has its own ports and custom resources: node_head, node_1, ..., node_N to force
 # placement, and one worker_slot each (scaling.extra_resources={worker_slot: 1} puts at most one
 # training worker on a node, which elastic runs need: their sizing counts resources). Settings: RAYACC_LOCAL_DIR (state, default .rayacc/local-cluster),
@@ -37,11 +40,25 @@ node_ports() {  # the ports of node $1 (0 = head), each node in its own block of
        "--runtime-env-agent-port=$((o + 5)) --min-worker-port=$((o + 10)) --max-worker-port=$((o + 199))"
 }
 
-start_bg() {  # start a command in its own session; record its pid under $1
+boot_id() { cat /proc/sys/kernel/random/boot_id 2>/dev/null || echo unknown; }
+
+start_time() {  # the start time of process $1 (field 22 of /proc/PID/stat), empty when gone
+  local stat
+  stat=$(cat "/proc/$1/stat" 2>/dev/null) || return 0
+  stat=${stat##*) }  # after the command name, which may hold spaces
+  # shellcheck disable=SC2086
+  set -- $stat
+  echo "${20}"
+}
+
+start_bg() {  # start a command in its own session; record it under $1
   local name=$1; shift
-  # the command records its own pid: setsid forks when it cannot detach in place, so $! can
-  # name a process that is already gone
-  setsid bash -c 'echo $$ >"$0"; exec "$@"' "$STATE/$name.pid" "$@" >"$STATE/$name.log" 2>&1 < /dev/null &
+  # the command records itself (pid, start time, boot): setsid forks when it cannot detach in
+  # place, so $! can name a process that is already gone
+  # shellcheck disable=SC2016
+  setsid bash -c 'set -- "$@"; f=$1; shift; s=$(cat /proc/$$/stat); s=${s##*) }; read -r -a a <<<"$s"
+    echo "$$ ${a[19]} $(cat /proc/sys/kernel/random/boot_id 2>/dev/null || echo unknown)" >"$f"
+    exec "$@"' rayacc-local "$STATE/$name.pid" "$@" >"$STATE/$name.log" 2>&1 < /dev/null &
   local i
   for i in $(seq 1 50); do [ -s "$STATE/$name.pid" ] && return 0; sleep 0.1; done
   echo "local.sh: $name did not start" >&2
@@ -70,26 +87,54 @@ start_worker() {  # worker node $1
     --resources="{\"node_$1\": 1, \"worker_slot\": 1}" $(node_ports "$1")
 }
 
+recorded_pid() {  # the pid of record $1 when it is still the process that was started, else nothing
+  local pid start boot
+  read -r pid start boot <"$1" 2>/dev/null || return 0
+  [ -n "$pid" ] && [ "$boot" = "$(boot_id)" ] && [ -n "$start" ] || return 0
+  [ "$(start_time "$pid")" = "$start" ] && running "$pid" && echo "$pid"
+  return 0
+}
+
+prune() {  # drop records of processes that are gone or whose pid another process now holds
+  local f kept=0
+  for f in "$STATE"/*.pid; do
+    [ -f "$f" ] || continue
+    if [ -n "$(recorded_pid "$f")" ]; then kept=$((kept + 1)); else rm -f "$f"; fi
+  done
+  if [ "$kept" -eq 0 ]; then rm -f "$STATE/env"; fi
+  return 0
+}
+
+node_joined() {  # has worker node $1 joined the cluster
+  "$RAY" status --address="$HOST:$GCS_PORT" 2>/dev/null | grep -q "node_$1"
+}
+
 add() {
   [ -f "$STATE/env" ] || { echo "local.sh: no cluster is up ($STATE)" >&2; exit 1; }
   local i=1
   while [ -f "$STATE/worker$i.pid" ]; do i=$((i + 1)); done
   start_worker "$i"
-  wait_for 90 "worker node $i" bash -c "'$RAY' status --address=$HOST:$GCS_PORT | grep -q node_$i"
+  wait_for 90 "worker node $i" node_joined "$i"
   echo "worker node $i up"
 }
 
 remove() {
   local f="$STATE/worker${1:?usage: local.sh remove I}.pid"
   [ -f "$f" ] || { echo "local.sh: no worker node $1" >&2; exit 1; }
-  local pid; pid=$(cat "$f")
+  local pid; pid=$(recorded_pid "$f")
+  if [ -z "$pid" ]; then
+    rm -f "$f"
+    echo "worker node $1 was already gone"
+    return 0
+  fi
   # shellcheck disable=SC2046
-  running "$pid" && kill -KILL $(descendants "$pid") 2>/dev/null
+  kill -KILL $(descendants "$pid") 2>/dev/null
   echo "worker node $1 killed"
 }
 
 up() {
   local n=${1:?usage: local.sh up N}
+  prune
   if [ -f "$STATE/env" ]; then echo "local.sh: a cluster is already up ($STATE); run down first" >&2; exit 1; fi
   mkdir -p "$STATE" "$TEMP"
   # shellcheck disable=SC2046
@@ -105,7 +150,7 @@ up() {
     --backend-store-uri "sqlite:///$STATE/mlflow.db" --artifacts-destination "$STATE/mlartifacts"
   # the last worker node's resource shows once every node has joined
   if [ "$n" -gt 0 ]; then
-    wait_for 90 "$n worker node(s)" bash -c "'$RAY' status --address=$HOST:$GCS_PORT | grep -q node_$n"
+    wait_for 90 "$n worker node(s)" node_joined "$n"
   fi
   wait_for 120 "MLflow server" curl -sf "http://$HOST:$MLFLOW_PORT/health"
   cat >"$STATE/env" <<ENV
@@ -127,8 +172,8 @@ running() {  # is $1 a live process (an exited one awaiting its parent does not 
 tree_of_recorded() {  # every live process `up`/`add` started, with its descendants
   for f in "$STATE"/*.pid; do
     [ -f "$f" ] || continue
-    local pid; pid=$(cat "$f")
-    if running "$pid"; then descendants "$pid"; fi
+    local pid; pid=$(recorded_pid "$f")
+    if [ -n "$pid" ]; then descendants "$pid"; fi
   done
   return 0
 }
@@ -167,8 +212,8 @@ down() {
 status() {
   for f in "$STATE"/*.pid; do
     [ -f "$f" ] || { echo "no local cluster in $STATE"; return 0; }
-    local pid; pid=$(cat "$f")
-    if running "$pid"; then echo "$(basename "$f" .pid): running (pid $pid)"; else echo "$(basename "$f" .pid): gone"; fi
+    local pid; pid=$(recorded_pid "$f")
+    if [ -n "$pid" ]; then echo "$(basename "$f" .pid): running (pid $pid)"; else echo "$(basename "$f" .pid): gone"; fi
   done
 }
 
@@ -178,5 +223,6 @@ case "${1:-}" in
   remove) remove "${2:-}" ;;
   down) down ;;
   status) status ;;
-  *) echo "usage: cluster/local.sh up N | add | remove I | status | down" >&2; exit 2 ;;
+  prune) prune ;;
+  *) echo "usage: cluster/local.sh up N | add | remove I | status | down | prune" >&2; exit 2 ;;
 esac
