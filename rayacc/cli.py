@@ -235,6 +235,11 @@ def _print_summary(console, cfg: TrainConfig, result) -> None:
         if "val/accuracy" in m:
             line += f", val accuracy {m['val/accuracy']:.2%}"
         console.print(line)
+        if m.get("train/skipped_steps"):
+            console.print(
+                f"  [yellow]{m['train/skipped_steps']} step(s) skipped[/] for a non-finite loss "
+                "or gradient (train/skipped_steps)"
+            )
     perf = _perf_summary(result.history)
     if perf:
         console.print("  per step (median of the steps after the first 3): " + perf)

@@ -226,8 +226,8 @@ class RunConfig(Section):
 class TrainConfig(Section):
     """The whole configuration of one training run."""
 
-    seed: int = 0
-    """Seeds the model initialisation and the data order."""
+    seed: int = Field(0, ge=0)
+    """Seeds the model initialisation, the data order and each rank's random stream."""
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     batch: BatchConfig = Field(default_factory=BatchConfig)

@@ -165,19 +165,157 @@ def _fingerprint(ds: pq.ParquetDataset, counts: list[int]) -> str:
     return hashlib.sha256(json.dumps(files).encode()).hexdigest()[:16]
 
 
-def describe_dataset(source: str, cache_dir: str | None = None, seq_len: int = 128) -> DatasetInfo:
-    """Resolves `data.source` (preparing a bundled dataset on first use) and checks its columns."""
+MAX_IDS = 1 << 20
+"""Largest class or token id count a dataset may imply without declaring it: above it the model
+built for it (one output or embedding row per id) would be enormous, so a stray id is far more
+likely than a real vocabulary."""
+
+_SCAN_BATCH = 65_536
+
+
+def _resolve(source: str, cache_dir: str | None, seq_len: int) -> str:
     if source in BUNDLED:
-        source = str(prepare_bundled(source, cache_dir, seq_len))
-    elif not _is_uri(source):
-        p = Path(source).expanduser()
-        if not p.exists():
-            raise DataError(
-                f"data.source={source!r}: no such file or folder. Fix: give an existing Parquet "
-                f"path or URI, or a bundled name ({', '.join(BUNDLED)})"
+        return str(prepare_bundled(source, cache_dir, seq_len))
+    if _is_uri(source):
+        return source
+    p = Path(source).expanduser()
+    if not p.exists():
+        raise DataError(
+            f"data.source={source!r}: no such file or folder. Fix: give an existing Parquet "
+            f"path or URI, or a bundled name ({', '.join(BUNDLED)})"
+        )
+    return str(p.resolve())
+
+
+def _batches(ds: pq.ParquetDataset, columns: list[str]):
+    """(file, index of the batch's first row in the file, batch), streamed file by file."""
+    for fragment in ds.fragments:
+        first = 0
+        for batch in fragment.to_batches(columns=columns, batch_size=_SCAN_BATCH):
+            yield fragment.path, first, batch
+            first += batch.num_rows
+
+
+def _bad_row(path: str, row: int, problem: str, fix: str) -> DataError:
+    return DataError(f"{path}, row {row}: {problem}. Fix: {fix}")
+
+
+def _first(mask) -> int | None:
+    """Index of the first true entry of a boolean array, or None."""
+    index = pc.index(mask, True).as_py()
+    return None if index < 0 else index
+
+
+def _check_lists(path: str, first: int, col, what: str, fix: str) -> None:
+    """No null list, no null entry in a list column's batch."""
+    if col.null_count:
+        row = first + _first(pc.is_null(col))
+        raise _bad_row(path, row, f"`{what}` is null", fix)
+    flat = pc.list_flatten(col)
+    if flat.null_count:
+        row = first + pc.list_parent_indices(col)[_first(pc.is_null(flat))].as_py()
+        raise _bad_row(path, row, f"`{what}` holds a null entry", fix)
+
+
+def _scan_classification(ds: pq.ParquetDataset) -> tuple[int, int]:
+    """(features per row, classes) in one streamed pass; DataError with file and row for a
+    null, a non-finite feature, a length that differs, or a label that is no class index."""
+    width = None
+    top = 0
+    for path, first, batch in _batches(ds, ["features", "label"]):
+        features, labels = batch.column("features"), batch.column("label")
+        _check_lists(path, first, features, "features", "drop or fill the row")
+        lengths = pc.list_value_length(features)
+        width = width if width is not None else pc.min(lengths).as_py()
+        other = _first(pc.not_equal(lengths, width))
+        if other is not None:
+            raise _bad_row(
+                path,
+                first + other,
+                f"`features` has {lengths[other].as_py()} values where earlier rows have {width}",
+                "give every row the same number of features",
             )
-        source = str(p.resolve())
+        flat = pc.list_flatten(features)
+        if pa.types.is_floating(flat.type):
+            bad = _first(pc.invert(pc.is_finite(flat)))
+            if bad is not None:
+                row = first + pc.list_parent_indices(features)[bad].as_py()
+                raise _bad_row(path, row, "`features` holds NaN or Inf", "drop or fill the row")
+        if labels.null_count:
+            raise _bad_row(
+                path, first + _first(pc.is_null(labels)), "`label` is null", "drop the row"
+            )
+        low = _first(pc.less(labels, 0))
+        if low is not None:
+            raise _bad_row(
+                path,
+                first + low,
+                f"`label` is {labels[low].as_py()}",
+                "labels are class indices >= 0",
+            )
+        big = _first(pc.greater_equal(labels, MAX_IDS))
+        if big is not None:
+            raise _bad_row(
+                path,
+                first + big,
+                f"`label` is {labels[big].as_py()}, which would build a classifier of that many "
+                "classes",
+                f"labels are class indices 0..K-1 (K < {MAX_IDS:,})",
+            )
+        top = max(top, pc.max(labels).as_py())
+    return int(width or 0), top + 1
+
+
+def _scan_tokens(ds: pq.ParquetDataset, declared: int | None) -> tuple[int, int]:
+    """(vocabulary size, longest row) in one streamed pass; DataError with file and row for a
+    null, a row under 2 tokens, or an id outside the vocabulary."""
+    top, longest = 0, 0
+    limit = declared or MAX_IDS
+    for path, first, batch in _batches(ds, ["tokens"]):
+        tokens = batch.column("tokens")
+        _check_lists(path, first, tokens, "tokens", "drop the row, or re-tokenize the text")
+        lengths = pc.list_value_length(tokens)
+        short = _first(pc.less(lengths, 2))
+        if short is not None:
+            raise _bad_row(path, first + short, "`tokens` has fewer than 2 tokens", "drop the row")
+        flat = pc.list_flatten(tokens)
+        parents = pc.list_parent_indices(tokens)
+        negative = _first(pc.less(flat, 0))
+        if negative is not None:
+            row = first + parents[negative].as_py()
+            raise _bad_row(path, row, f"token id {flat[negative].as_py()}", "token ids are >= 0")
+        outside = _first(pc.greater_equal(flat, limit))
+        if outside is not None:
+            row = first + parents[outside].as_py()
+            where = (
+                f"the vocabulary of {declared} the file declares"
+                if declared
+                else f"{MAX_IDS:,}, which would build an embedding of that many rows"
+            )
+            raise _bad_row(
+                path,
+                row,
+                f"token id {flat[outside].as_py()} is outside {where}",
+                "re-tokenize with the declared vocabulary",
+            )
+        top = max(top, pc.max(flat).as_py())
+        longest = max(longest, pc.max(lengths).as_py())
+    return (declared or top + 1), longest
+
+
+def describe_dataset(source: str, cache_dir: str | None = None, seq_len: int = 128) -> DatasetInfo:
+    """Resolves `data.source` (preparing a bundled dataset on first use) and checks it in one
+    streamed pass: columns, nulls, non-finite features, ids; a bad row is named by file and
+    row with the fix."""
+    source = _resolve(source, cache_dir, seq_len)
     ds = _dataset(source)
+    odd = [f.path for f in ds.fragments if not f.path.endswith(".parquet")]
+    if odd:
+        raise DataError(
+            f"data.source={source!r}: {odd[0]} does not end in .parquet (Ray Data skips such "
+            "files, so the workers would read fewer rows than counted here). Fix: rename it to "
+            "end in .parquet, or move it out of the folder"
+        )
     schema = ds.schema
     names = set(schema.names)
     counts = [f.count_rows() for f in ds.fragments]
@@ -195,23 +333,13 @@ def describe_dataset(source: str, cache_dir: str | None = None, seq_len: int = 1
                 f"{source}: columns `features` ({ftype}) and `label` ({ltype}) must be "
                 "list<float32> and int64"
             )
-        table = ds.read(columns=["features", "label"])
-        lengths = pc.list_value_length(table["features"])
-        lo, hi = pc.min(lengths).as_py(), pc.max(lengths).as_py()
-        if lo != hi:
-            raise DataError(
-                f"{source}: `features` lists must all have one length (found {lo}..{hi})"
-            )
-        labels = table["label"]
-        lmin, lmax = pc.min(labels).as_py(), pc.max(labels).as_py()
-        if lmin < 0:
-            raise DataError(f"{source}: `label` must be class indices >= 0 (found {lmin})")
+        width, classes = _scan_classification(ds)
         return DatasetInfo(
             source,
             "classification",
             num_rows,
-            num_features=int(hi),
-            num_classes=int(lmax) + 1,
+            num_features=width,
+            num_classes=classes,
             fingerprint=fingerprint,
         )
 
@@ -219,22 +347,15 @@ def describe_dataset(source: str, cache_dir: str | None = None, seq_len: int = 1
         ttype = schema.field("tokens").type
         if not pa.types.is_list(ttype) or not pa.types.is_integer(ttype.value_type):
             raise DataError(f"{source}: column `tokens` ({ttype}) must be list<int64>")
-        table = ds.read(columns=["tokens"])
-        lengths = pc.list_value_length(table["tokens"])
-        if pc.min(lengths).as_py() < 2:
-            raise DataError(f"{source}: every `tokens` row needs at least 2 tokens")
-        flat = pc.list_flatten(table["tokens"])
-        if pc.min(flat).as_py() < 0:
-            raise DataError(f"{source}: token ids must be >= 0")
         meta = schema.metadata or {}
         vocab = meta[VOCAB_KEY].decode("utf-8") if VOCAB_KEY in meta else None
-        vocab_size = len(vocab) if vocab else int(pc.max(flat).as_py()) + 1
+        vocab_size, longest = _scan_tokens(ds, len(vocab) if vocab else None)
         return DatasetInfo(
             source,
             "tokens",
             num_rows,
             vocab_size=vocab_size,
-            max_tokens=int(pc.max(lengths).as_py()),
+            max_tokens=longest,
             vocab=vocab,
             fingerprint=fingerprint,
         )
