@@ -41,6 +41,10 @@ def _console_owns_ray_output() -> None:
     os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
     logging.getLogger("mlflow").setLevel(logging.WARNING)
+    # the tracking sink retries on its own, every 2 s, off the training path: MLflow's client
+    # retrying each call for minutes would only delay the line that says the server is away
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
 
 
 def _user_error_types() -> tuple[type[BaseException], ...]:

@@ -5,7 +5,9 @@ through `redact`: credentials in a URI (`user:password@`) are never logged or pr
 from __future__ import annotations
 
 import math
+import queue
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Iterable
@@ -37,9 +39,16 @@ def _server_reachable(uri: str, timeout_s: float = 10.0) -> str | None:
 class MlflowSink:
     """Creates (or reopens) one MLflow run and logs params, per-step metrics, tags and artifacts.
 
-    Every call is best-effort: the first failure prints one line to stderr and later calls are
-    skipped, so an outage never stops training.
+    A store that cannot be reached when the run opens turns tracking off with one message.
+    After that, writes never block the caller: they queue, in order, for a writer thread. When
+    the server goes away the writer prints one line, keeps the queue and retries; when it comes
+    back it says so and writes what waited. `finish` waits a bounded time for the queue and
+    says how many records could not be written. A call the server answers with an error (a
+    rejected value) is reported once and dropped; it is not retried.
     """
+
+    RETRY_INTERVAL_S = 2.0
+    """How often the writer tries again while the server is away."""
 
     def __init__(
         self,
@@ -56,6 +65,11 @@ class MlflowSink:
         self._logged_steps: set[tuple[str, int]] = set()
         self.existing_tags: dict[str, str] = {}
         """The tags of a reopened run, as they were (history that later tags extend)."""
+        self._queue: queue.Queue[tuple[str, tuple[Any, ...], int] | None] = queue.Queue()
+        self._writer: threading.Thread | None = None
+        self._away_since: float | None = None
+        self._in_flight = 0
+        self._reported: set[str] = set()
         if tracking_uri.startswith(("http://", "https://")):
             why = _server_reachable(tracking_uri)
             if why:
@@ -92,21 +106,75 @@ class MlflowSink:
             self.disabled_reason = reason
             print(f"rayacc: tracking off, training goes on: {reason}", file=sys.stderr)
 
-    def _call(self, method: str, *args, **kwargs) -> Any:
+    def _call(self, method: str, *args, records: int = 1) -> None:
+        """Queues `client.method(*args)` for the writer thread (`records`: how many records it
+        carries, for the count of what could not be written)."""
         if not self.active:
-            return None
+            return
+        if self._writer is None:
+            self._writer = threading.Thread(target=self._write, name="rayacc-mlflow", daemon=True)
+            self._writer.start()
+        self._queue.put((method, args, records))
+
+    def _write(self) -> None:
+        while (item := self._queue.get()) is not None:
+            method, args, self._in_flight = item
+            while not self._try(method, args):
+                time.sleep(self.RETRY_INTERVAL_S)
+            self._in_flight = 0
+            self._queue.task_done()
+        self._queue.task_done()
+
+    def _try(self, method: str, args: tuple[Any, ...]) -> bool:
+        """True when the call is done with (written, or rejected by the server and dropped);
+        False while the server is away."""
+        from mlflow.exceptions import RestException
+
         try:
-            return getattr(self.client, method)(*args, **kwargs)
+            getattr(self.client, method)(*args)
+        except RestException as exc:  # the server answered: retrying would not help
+            if method not in self._reported:
+                self._reported.add(method)
+                print(f"rayacc: MLflow rejected {method}: {redact(str(exc))}", file=sys.stderr)
+            return True
         except Exception as exc:
-            self._disable(f"MLflow call {method} failed: {exc}")
-            return None
+            if self._away_since is None:
+                self._away_since = time.monotonic()
+                print(
+                    f"rayacc: tracking server {redact(self.tracking_uri)} unreachable "
+                    f"({redact(str(exc)).splitlines()[0][:160]}); training goes on and records "
+                    "are kept until it returns",
+                    file=sys.stderr,
+                )
+            return False
+        if self._away_since is not None:
+            gap = time.monotonic() - self._away_since
+            self._away_since = None
+            print(
+                f"rayacc: tracking server back after {gap:.0f} s; the records kept meanwhile "
+                f"are being written ({self._queue.qsize() + 1} call(s) waiting)",
+                file=sys.stderr,
+            )
+        return True
+
+    def drain(self, timeout_s: float = 60.0) -> int:
+        """Waits up to `timeout_s` for the queued writes; the number of records not written."""
+        if self._writer is None:
+            return 0
+        deadline = time.monotonic() + timeout_s
+        while self._queue.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with self._queue.mutex:
+            queued = sum(item[2] for item in self._queue.queue if item is not None)
+        return queued + self._in_flight
 
     def log_params(self, params: dict[str, Any]) -> None:
         from mlflow.entities import Param
 
         items = [Param(k, _param_str(redact(v))) for k, v in params.items()]
         for i in range(0, len(items), _MAX_PARAMS_PER_CALL):
-            self._call("log_batch", self.run_id, params=items[i : i + _MAX_PARAMS_PER_CALL])
+            chunk = items[i : i + _MAX_PARAMS_PER_CALL]
+            self._call("log_batch", self.run_id, (), chunk, records=len(chunk))
 
     def log_step_metrics(self, records: Iterable[dict[str, Any]]) -> None:
         """Records carry `step` and numeric metrics. A (key, step) already logged is dropped, so a
@@ -125,13 +193,14 @@ class MlflowSink:
                 self._logged_steps.add((key, step))
                 metrics.append(Metric(key, float(value), now, step))
         for i in range(0, len(metrics), _MAX_METRICS_PER_CALL):
-            self._call("log_batch", self.run_id, metrics=metrics[i : i + _MAX_METRICS_PER_CALL])
+            chunk = metrics[i : i + _MAX_METRICS_PER_CALL]
+            self._call("log_batch", self.run_id, chunk, records=len(chunk))
 
     def set_tags(self, tags: dict[str, Any]) -> None:
         from mlflow.entities import RunTag
 
         tags = [RunTag(k, redact(str(v))) for k, v in tags.items()]
-        self._call("log_batch", self.run_id, tags=tags)
+        self._call("log_batch", self.run_id, (), (), tags, records=len(tags))
 
     def log_artifact(self, path: str | Path) -> None:
         self._call("log_artifact", self.run_id, str(path))
@@ -139,8 +208,19 @@ class MlflowSink:
     def log_text(self, text: str, name: str) -> None:
         self._call("log_text", self.run_id, redact(text), name)
 
-    def finish(self, status: str = "FINISHED") -> None:
+    def finish(self, status: str = "FINISHED", timeout_s: float = 60.0) -> None:
+        """Marks the run ended and waits (at most `timeout_s`) for every queued write."""
         self._call("set_terminated", self.run_id, status)
+        if self._writer is None:
+            return
+        left = self.drain(timeout_s)
+        self._queue.put(None)  # the writer ends after what is queued
+        if left:
+            print(
+                f"rayacc: {left} tracking record(s) could not be written: the server at "
+                f"{redact(self.tracking_uri)} did not come back within {timeout_s:.0f} s",
+                file=sys.stderr,
+            )
 
 
 def _param_str(value: Any) -> str:
