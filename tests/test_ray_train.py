@@ -242,6 +242,22 @@ def test_uneven_rows_with_shuffle_complete(ray_local, tmp_path, capfd):
     assert result.summary["train_state"]["samples_seen"] == 2 * 203
 
 
+def test_ranks_that_read_files_read_a_bundled_dataset_from_the_shared_storage(
+    ray_local, tmp_path
+):
+    """data.materialize=false: the ranks' Ray Data reads run on any node, so the bundled
+    dataset (prepared in the driver node's cache) is staged under run.storage_path first."""
+    cfg = config(
+        tmp_path,
+        data={"source": "digits", "materialize": False},
+        train={"max_steps": 2},
+        tracking={"enabled": False},
+    )
+    result = fit_or_fail(cfg)
+    assert result.summary["train_state"]["optimizer_step"] == 2
+    assert (tmp_path / "runs" / "_data" / "digits.parquet").is_file()
+
+
 def test_two_runs_with_dropout_give_the_same_weights(ray_local, tmp_path):
     source = digits_subset(tmp_path / "d160.parquet", 160)
     runs = [

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from rayacc.config import TrainConfig
@@ -84,3 +86,25 @@ def test_resume_refuses_another_seed_order_or_dataset_listing_every_difference(t
     pq.write_table(table(65), data)  # a row more: the same path, other data
     with pytest.raises(DataError, match="dataset"):
         locate_run(original, resume=True, info=describe_dataset(str(data)))
+
+
+def test_a_file_only_this_node_has_is_staged_under_the_shared_storage_once(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from rayacc.runner.ingest import stage_file
+
+    cache = tmp_path / "this-node-cache" / "digits.parquet"
+    cache.parent.mkdir()
+    pq.write_table(pa.table({"tokens": [[1, 2, 3]]}), cache)
+    storage = tmp_path / "shared"
+    staged = stage_file(str(cache), str(storage))
+    assert Path(staged) == storage / "_data" / "digits.parquet"
+    assert Path(staged).read_bytes() == cache.read_bytes()
+    mtime = Path(staged).stat().st_mtime_ns
+    assert stage_file(str(cache), str(storage)) == staged
+    assert Path(staged).stat().st_mtime_ns == mtime, "copied again"
+    uri = stage_file(str(cache), f"file://{tmp_path / 'bucket'}")
+    assert uri == f"file://{tmp_path / 'bucket'}/_data/digits.parquet"
+    # the staging folder is not a run
+    assert locate_run(cfg(storage, "_data"), resume=False).name == "_data"

@@ -190,7 +190,6 @@ def build_trainer(cfg: TrainConfig, prep: Prepared, loc: RunLocation, progress):
     from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from rayacc.runner.ingest import train_dataset
     from rayacc.runner.worker import train_loop
 
     s = cfg.scaling
@@ -214,7 +213,7 @@ def build_trainer(cfg: TrainConfig, prep: Prepared, loc: RunLocation, progress):
             failure_config=FailureConfig(max_failures=cfg.run.max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.run.keep_checkpoints),
         ),
-        datasets={"train": train_dataset(prep.info, cfg.data.materialize)},
+        datasets={"train": _dataset(cfg, prep, loc)},
         # unsplit, in row order: each rank picks its rows by the global order (runner/ingest.py)
         dataset_config=DataConfig(
             datasets_to_split=[], execution_options=ExecutionOptions(preserve_order=True)
@@ -281,6 +280,17 @@ class TrainerRun:
             exc = self.outcome["error"]
             raise TrainingError(f"training failed: {exc}") from exc
         return self.outcome["result"]
+
+
+def _dataset(cfg: TrainConfig, prep: Prepared, loc: RunLocation):
+    from rayacc.data.sources import BUNDLED
+    from rayacc.runner.ingest import stage_file, train_dataset
+
+    shared = None
+    if not cfg.data.materialize and cfg.data.source in BUNDLED:
+        # prepared in this node's cache, which the other nodes' read tasks cannot see
+        shared = stage_file(prep.info.path, loc.storage)
+    return train_dataset(prep.info, cfg.data.materialize, shared)
 
 
 def _check_cluster(cfg: TrainConfig) -> None:

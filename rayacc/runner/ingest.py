@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -23,7 +24,7 @@ import torch
 from rayacc.data.sources import DatasetInfo
 from rayacc.engine import collate_tokens
 
-__all__ = ["LocalRows", "fetch_rows", "read_rows", "train_dataset"]
+__all__ = ["LocalRows", "fetch_rows", "read_rows", "stage_file", "train_dataset"]
 
 _STREAM_BATCH = 8192
 
@@ -84,14 +85,36 @@ def _to_local(table: pa.Table, info: DatasetInfo) -> LocalRows:
     return LocalRows("tokens", token_lists=lists)
 
 
-def train_dataset(info: DatasetInfo, materialize: bool) -> ray.data.Dataset:
+def train_dataset(
+    info: DatasetInfo, materialize: bool, shared_path: str | None = None
+) -> ray.data.Dataset:
     """The Ray Dataset the ranks stream their rows from. Materialized: the Parquet read once
     here with pyarrow into Ray's object store (for data that fits this process's memory; it
-    starts no Ray Data execution, which costs seconds on a small cluster); otherwise read by
-    Ray Data in every rank."""
+    starts no Ray Data execution, which costs seconds on a small cluster), so no other node
+    reads a file. Otherwise read by Ray Data in every rank, from `shared_path` when given: a
+    copy of a file only this node has (a bundled dataset prepared in its cache) where every
+    node reaches it."""
     if materialize:
         return ray.data.from_arrow(_read_table(info))
-    return ray.data.read_parquet(info.path)
+    return ray.data.read_parquet(shared_path or info.path)
+
+
+def stage_file(path: str, storage: str) -> str:
+    """A copy of the local Parquet file `path` under `storage` (a path or URI every node
+    reaches: the run's storage path), made once; its path there."""
+    from pyarrow import fs
+
+    name = Path(path).name
+    if "://" in storage:
+        filesystem, root = fs.FileSystem.from_uri(storage)
+    else:
+        filesystem, root = fs.LocalFileSystem(), storage
+    target = f"{root}/_data/{name}"
+    info = filesystem.get_file_info(target)
+    if info.type != fs.FileType.File or info.size != Path(path).stat().st_size:
+        filesystem.create_dir(f"{root}/_data", recursive=True)
+        fs.copy_files(path, target, fs.LocalFileSystem(), filesystem)
+    return target if "://" not in storage else f"{storage.rstrip('/')}/_data/{name}"
 
 
 def _read_table(info: DatasetInfo) -> pa.Table:

@@ -124,12 +124,12 @@ def _check_name(storage: str, name: str, resume: bool) -> None:
 
 
 def _runs_in(storage: str) -> set[str]:
-    """The names of the run folders in `storage`."""
+    """The names of the run folders in `storage` (not `_data`, where shared data is staged)."""
     from pyarrow import fs
 
     filesystem, root = _filesystem(storage)
     infos = filesystem.get_file_info(fs.FileSelector(root, allow_not_found=True))
-    return {i.base_name for i in infos if i.type == fs.FileType.Directory}
+    return {i.base_name for i in infos if i.type == fs.FileType.Directory} - {"_data"}
 
 
 def _check_identity(cfg: TrainConfig, info: DatasetInfo, loc: RunLocation) -> None:
