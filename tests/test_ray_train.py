@@ -242,9 +242,7 @@ def test_uneven_rows_with_shuffle_complete(ray_local, tmp_path, capfd):
     assert result.summary["train_state"]["samples_seen"] == 2 * 203
 
 
-def test_ranks_that_read_files_read_a_bundled_dataset_from_the_shared_storage(
-    ray_local, tmp_path
-):
+def test_ranks_that_read_files_read_a_bundled_dataset_from_the_shared_storage(ray_local, tmp_path):
     """data.materialize=false: the ranks' Ray Data reads run on any node, so the bundled
     dataset (prepared in the driver node's cache) is staged under run.storage_path first."""
     cfg = config(

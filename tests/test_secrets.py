@@ -68,3 +68,13 @@ def test_secret_files_stay_out_of_uploads_and_images(monkeypatch):
     }
     required = {".git", ".venv", "mlflow.db", "rayacc_runs", ".rayacc", ".env", "*.pem"}
     assert required <= patterns, required - patterns
+
+
+def test_a_submit_address_with_credentials_is_named_without_them(monkeypatch):
+    import pytest
+
+    monkeypatch.chdir(ROOT)
+    with pytest.raises(jobs.SubmitError) as err:
+        jobs.submit("jobs/digits.yaml", [], address="http://bob:hunter2@127.0.0.1:9", follow=False)
+    assert "http://***@127.0.0.1:9" in str(err.value)
+    assert "hunter2" not in str(err.value) and "bob" not in str(err.value)

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from rayacc.config import TrainConfig
+from rayacc.redact import redact
 
 __all__ = ["MAX_UPLOAD_BYTES", "SubmitError", "project_root", "submit", "upload_size"]
 
@@ -57,7 +58,8 @@ def _client(address: str | None):
         return JobSubmissionClient(address)
     except Exception as exc:
         raise SubmitError(
-            f"cannot reach the Ray Jobs API at {address or '$RAY_ADDRESS'}: {exc}. Fix: pass "
+            f"cannot reach the Ray Jobs API at {redact(address or '$RAY_ADDRESS')}: "
+            f"{redact(str(exc))}. Fix: pass "
             "--address http://HOST:8265 (through an SSH tunnel for cloud clusters), start the "
             "cluster with `ray[default]`, and set RAY_AUTH_MODE=token when the cluster uses "
             "token authentication"
