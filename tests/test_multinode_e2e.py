@@ -25,7 +25,8 @@ def read_env(path: Path) -> dict[str, str]:
 
 
 def pids_of(state: Path) -> list[int]:
-    return [int(p.read_text()) for p in state.glob("*.pid")]
+    # a record is "pid start-time boot-id"
+    return [int(p.read_text().split()[0]) for p in state.glob("*.pid")]
 
 
 def alive(pid: int) -> bool:
