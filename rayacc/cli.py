@@ -41,6 +41,9 @@ def _console_owns_ray_output() -> None:
     os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
     logging.getLogger("mlflow").setLevel(logging.WARNING)
+    # MLflow resets its logger's level when it is imported (later, in a thread): its INFO
+    # lines (a new store's table creation) stay off the console
+    os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
     # the tracking sink retries on its own, every 2 s, off the training path: MLflow's client
     # retrying each call for minutes would only delay the line that says the server is away
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
