@@ -104,11 +104,10 @@ def stage_file(path: str, storage: str) -> str:
     reaches: the run's storage path), made once; its path there."""
     from pyarrow import fs
 
+    from rayacc.runner.runs import storage_filesystem
+
     name = Path(path).name
-    if "://" in storage:
-        filesystem, root = fs.FileSystem.from_uri(storage)
-    else:
-        filesystem, root = fs.LocalFileSystem(), storage
+    filesystem, root = storage_filesystem(storage)
     target = f"{root}/_data/{name}"
     info = filesystem.get_file_info(target)
     if info.type != fs.FileType.File or info.size != Path(path).stat().st_size:
