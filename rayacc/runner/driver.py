@@ -1,6 +1,7 @@
-"""fit(cfg): check everything a user can get wrong (`prepare`), open the run's tracking while Ray
-starts, build the TorchTrainer, run it while relaying the workers' events and step records to
-the observers, and hand back a FitResult.
+"""fit(cfg): check everything a user can get wrong (`prepare`), start Ray and check that the
+cluster can hold the worker group, build and start the TorchTrainer, open the run's tracking
+while the group starts, relay the workers' events and step records to the observers, and hand
+back a FitResult.
 
 A library call: it changes no process-wide setting (environment, loggers); the CLI does that.
 """
