@@ -8,20 +8,21 @@ import numpy as np
 
 from rayacc.batch_plan import BatchPlan, plan_for_workers
 from rayacc.config import TrainConfig
-from rayacc.data.order import EpochLayout, split_train_val
-from rayacc.data.sources import DatasetInfo
+from rayacc.data.order import DataOrder, EpochLayout
+from rayacc.data.sources import DatasetInfo, RowGroups
 from rayacc.engine.lr import effective_lr
 
 __all__ = [
+    "data_order",
     "epoch_layout",
     "lr_explanation",
+    "order_kind",
     "plan_at",
     "rank_seed",
     "run_effective_lr",
     "run_identity",
     "schedule_length",
     "total_optimizer_steps",
-    "train_val_ids",
 ]
 
 
@@ -49,9 +50,19 @@ def lr_explanation(cfg: TrainConfig, plan: BatchPlan) -> str:
     )
 
 
-def train_val_ids(cfg: TrainConfig, num_rows: int) -> tuple[np.ndarray, np.ndarray]:
-    """Row ids of the training rows and of the held-out validation rows (fixed for the run)."""
-    return split_train_val(num_rows, cfg.data.val_fraction, cfg.seed)
+def order_kind(cfg: TrainConfig, info: DatasetInfo) -> str:
+    """`chunks` or `rows`: `data.order`, with `auto` decided by the data's size."""
+    if cfg.data.order != "auto":
+        return cfg.data.order
+    return "rows" if info.data_bytes <= cfg.data.exact_order_max_mb * 2**20 else "chunks"
+
+
+def data_order(cfg: TrainConfig, info: DatasetInfo, groups: RowGroups) -> DataOrder:
+    """The run's data order: training/validation split and each epoch's order."""
+    d = cfg.data
+    if order_kind(cfg, info) == "rows":
+        return DataOrder.by_rows(info.num_rows, d.val_fraction, cfg.seed, d.shuffle)
+    return DataOrder(groups.start, groups.size, cfg.seed, d.shuffle, d.val_fraction, chunked=True)
 
 
 def epoch_layout(cfg: TrainConfig, rows: int, plan: BatchPlan) -> EpochLayout:
@@ -114,4 +125,5 @@ def run_identity(cfg: TrainConfig, info: DatasetInfo) -> dict[str, object]:
         if any(key == f or (f.endswith(".") and key.startswith(f)) for f in IDENTITY_FIELDS)
     }
     identity["dataset (Parquet files, sizes, row counts)"] = info.fingerprint
+    identity["data order"] = order_kind(cfg, info)
     return identity

@@ -74,11 +74,20 @@ class DataConfig(Section):
     """Token datasets: tokens per sample (sequence) when a bundled corpus is cut into samples."""
     cache_dir: str | None = None
     """Where bundled datasets are prepared as Parquet (default: ~/.cache/rayacc)."""
-    materialize: bool = True
-    """Read the Parquet once on the driver into Ray's object store (the table passes through
-    the driver's memory: for data that fits it), so each worker (re)start fetches its rows in a
-    fraction of a second; false = every rank reads the files itself through Ray Data (slower
-    start, nothing held in the object store)."""
+    order: Literal["auto", "chunks", "rows"] = "auto"
+    """The data order's unit (docs/design.md, README "Data at scale"). `chunks`: an epoch is a
+    seeded permutation of Parquet row groups with a seeded shuffle of the rows inside each; every
+    rank reads only the row groups its share of the windows draws from (about one read of each
+    row per epoch over the cluster, memory bounded by the prefetch, not the data). `rows`: one
+    seeded permutation of all rows (an exact shuffle), each rank reads every row group each
+    epoch and holds the data of one epoch: for data that fits. `auto`: `rows` when the data
+    (uncompressed) is at most `data.exact_order_max_mb`, else `chunks`."""
+    exact_order_max_mb: float = Field(1024.0, ge=0.0)
+    """`order: auto`: the largest data (MiB, uncompressed, from the Parquet metadata) read in
+    the exact per-row order."""
+    materialize: bool | None = None
+    """No longer used (every rank reads its rows through Ray Data); a value is ignored with a
+    warning."""
 
 
 class BatchConfig(Section):

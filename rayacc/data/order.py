@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["EpochLayout", "RankWindow", "epoch_order", "split_train_val"]
+__all__ = ["DataOrder", "EpochLayout", "RankWindow", "epoch_order", "split_train_val"]
 
 
 def split_train_val(num_rows: int, val_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -120,6 +120,20 @@ class EpochLayout:
         k = max(1, math.ceil(base / self.micro_batch_size))
         return RankWindow(step_in_epoch, list(np.array_split(positions, k)), rows)
 
+    def rank_intervals(
+        self, rank: int, stop_step: int | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Rank `rank`'s positions in steps [0, stop_step) as one range [lo_s, hi_s) per step."""
+        stop = self.steps_per_epoch if stop_step is None else min(stop_step, self.steps_per_epoch)
+        full = min(stop, self.full_windows)
+        share = self.global_batch_size // self.num_workers
+        lo = np.arange(full, dtype=np.int64) * self.global_batch_size + rank * share
+        hi = lo + share
+        if stop > full:
+            last = np.concatenate(self.rank_window(full, rank).micro_batches)
+            lo, hi = np.append(lo, last[0]), np.append(hi, last[-1] + 1)
+        return lo, hi
+
     def rank_positions(
         self, first_step: int, rank: int, stop_step: int | None = None
     ) -> np.ndarray:
@@ -129,3 +143,113 @@ class EpochLayout:
             p for s in range(first_step, stop) for p in self.rank_window(s, rank).micro_batches
         ]
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+
+def _expand(first: np.ndarray, last: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Every integer of the ranges [first_k, last_k] in turn, and the k each belongs to."""
+    counts = last - first + 1
+    owner = np.repeat(np.arange(len(first)), counts)
+    starts = np.repeat(first - np.concatenate([[0], np.cumsum(counts)[:-1]]), counts)
+    return starts + np.arange(counts.sum()), owner
+
+
+@dataclass
+class DataOrder:
+    """The run's data order over *units* of consecutive rows: each unit is one Parquet row group
+    (`chunks`), or one row (`rows`, today's exact per-row permutation).
+
+    Validation holds out a seeded choice of whole units, fixed for the run. Epoch e orders the
+    training units by a permutation seeded by (seed, e) and, with `chunks`, the rows inside each
+    unit by one seeded by (seed, e, unit); with `shuffle` off both are the stored order. Position
+    p of the epoch is a row id; the order depends on the seed and the epoch only."""
+
+    unit_start: np.ndarray
+    """First row id of each unit."""
+    unit_size: np.ndarray
+    seed: int
+    shuffle: bool
+    val_fraction: float
+    chunked: bool
+
+    def __post_init__(self) -> None:
+        self.train_units, self.val_units = split_train_val(
+            len(self.unit_size), self.val_fraction, self.seed
+        )
+        self._cached: tuple[int, np.ndarray, np.ndarray] | None = None
+
+    @classmethod
+    def by_rows(cls, num_rows: int, val_fraction: float, seed: int, shuffle: bool) -> DataOrder:
+        return cls(
+            np.arange(num_rows, dtype=np.int64),
+            np.ones(num_rows, dtype=np.int64),
+            seed,
+            shuffle,
+            val_fraction,
+            chunked=False,
+        )
+
+    @property
+    def num_train_rows(self) -> int:
+        return int(self.unit_size[self.train_units].sum())
+
+    def unit_rows(self, units: np.ndarray) -> np.ndarray:
+        """Row ids of `units`, unit after unit, each in stored order."""
+        if len(units) == 0:
+            return np.zeros(0, dtype=np.int64)
+        first = self.unit_start[units]
+        rows, _ = _expand(first, first + self.unit_size[units] - 1)
+        return rows
+
+    def val_rows(self, rank: int, world: int) -> np.ndarray:
+        """Rank `rank`'s share of the validation rows (whole units with `chunks`), sorted."""
+        share = np.array_split(self.val_units, world)[rank]
+        return np.sort(self.unit_rows(share))
+
+    def _epoch(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """(training units in epoch order, where each one ends in the epoch's positions)."""
+        if self._cached is None or self._cached[0] != epoch:
+            units = self.train_units
+            if self.shuffle:
+                units = units[np.random.default_rng([self.seed, epoch]).permutation(len(units))]
+            self._cached = (epoch, units, np.cumsum(self.unit_size[units]))
+        return self._cached[1], self._cached[2]
+
+    def _locate(self, epoch: int, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(index in the epoch's unit order, offset inside that unit) of each position."""
+        _, ends = self._epoch(epoch)
+        index = np.searchsorted(ends, positions, side="right")
+        if len(positions) and index[-1] >= len(ends):
+            raise IndexError(f"position {positions.max()} outside an epoch of {ends[-1]} rows")
+        units, _ = self._epoch(epoch)
+        return index, positions - (ends[index] - self.unit_size[units[index]])
+
+    def row_ids(self, epoch: int, positions: np.ndarray) -> np.ndarray:
+        """Row ids at `positions` (ascending) of epoch `epoch`'s order."""
+        positions = np.asarray(positions, dtype=np.int64)
+        units, _ = self._epoch(epoch)
+        index, within = self._locate(epoch, positions)
+        unit = units[index]
+        if self.chunked and self.shuffle and len(positions):
+            # positions ascend, so each unit's positions are one run
+            bounds = np.flatnonzero(np.diff(index)) + 1
+            for lo, hi in zip(
+                np.concatenate([[0], bounds]), np.concatenate([bounds, [len(index)]]), strict=True
+            ):
+                u = int(unit[lo])
+                inner = np.random.default_rng([self.seed, epoch, u]).permutation(
+                    int(self.unit_size[u])
+                )
+                within[lo:hi] = inner[within[lo:hi]]
+        return self.unit_start[unit] + within
+
+    def units_of(self, epoch: int, lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The units that the position ranges [lo_k, hi_k) (ascending, non-empty) draw from, in
+        the order they are first needed, and the last k that needs each."""
+        units, _ = self._epoch(epoch)
+        first, _ = self._locate(epoch, np.asarray(lo, dtype=np.int64))
+        last, _ = self._locate(epoch, np.asarray(hi, dtype=np.int64) - 1)
+        index, owner = _expand(first, last)
+        # a unit's positions are contiguous: its entries are adjacent
+        keep = np.concatenate([[True], np.diff(index) != 0]) if len(index) else index.astype(bool)
+        ends = np.concatenate([np.flatnonzero(keep)[1:] - 1, [len(index) - 1]])
+        return units[index[keep]], owner[ends] if len(index) else owner

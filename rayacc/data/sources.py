@@ -1,7 +1,8 @@
 """Bundled datasets prepared as Parquet, and inspection of any Parquet source.
 
 Formats (docs/design.md): classification rows hold `features` (list<float32>, fixed length) and
-`label` (int64); token rows hold `tokens` (list<int64>, length ≥ 2).
+`label` (int64); token rows hold `tokens` (a list of integers of any width, length ≥ 2; uint16 or
+int32 keeps files and reads small, batches are widened to int64).
 """
 
 from __future__ import annotations
@@ -22,10 +23,20 @@ import pyarrow.parquet as pq
 
 from rayacc import env
 
-__all__ = ["BUNDLED", "DataError", "DatasetInfo", "describe_dataset", "prepare_bundled"]
+__all__ = [
+    "BUNDLED",
+    "DataError",
+    "DatasetInfo",
+    "RowGroups",
+    "describe_dataset",
+    "prepare_bundled",
+    "row_groups",
+]
 
 BUNDLED = ("digits", "shakespeare")
 VOCAB_KEY = b"rayacc.vocab"
+VOCAB_SIZE_KEY = b"rayacc.vocab_size"
+"""Token files: the tokenizer's vocabulary size (ids may stop short of it)."""
 
 
 class DataError(ValueError):
@@ -51,6 +62,9 @@ class DatasetInfo:
     fingerprint: str = ""
     """A hash of the Parquet files' names, sizes and row counts (their metadata, not their
     contents): a resume checks that the data it continues on is the data it started on."""
+    num_row_groups: int = 0
+    data_bytes: int = 0
+    """Uncompressed size of the columns rayacc reads, from the Parquet metadata."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -157,6 +171,58 @@ def _dataset(source: str) -> pq.ParquetDataset:
             "Fix: give a Parquet file or "
             f"folder, or a bundled name ({', '.join(BUNDLED)})"
         ) from None
+
+
+@dataclass(frozen=True)
+class RowGroups:
+    """The Parquet row groups of a source in row-id order: the units data is read in."""
+
+    files: tuple[str, ...]
+    """Paths on the source's filesystem (without the URI scheme)."""
+    file: np.ndarray
+    """Index into `files` of each row group."""
+    index: np.ndarray
+    """Row group index inside its file."""
+    start: np.ndarray
+    """Row id of each row group's first row."""
+    size: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.size)
+
+
+def row_groups(path: str) -> RowGroups:
+    """The row groups of the Parquet source `path` (a resolved DatasetInfo.path), from the
+    files' metadata only."""
+    ds = _dataset(path)
+    file, index, size = [], [], []
+    for i, fragment in enumerate(ds.fragments):
+        meta = fragment.metadata
+        for g in range(meta.num_row_groups):
+            file.append(i)
+            index.append(g)
+            size.append(meta.row_group(g).num_rows)
+    sizes = np.array(size, dtype=np.int64)
+    return RowGroups(
+        tuple(f.path for f in ds.fragments),
+        np.array(file, dtype=np.int32),
+        np.array(index, dtype=np.int32),
+        np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64),
+        sizes,
+    )
+
+
+def _data_bytes(ds: pq.ParquetDataset, columns: set[str]) -> int:
+    total = 0
+    for fragment in ds.fragments:
+        meta = fragment.metadata
+        for g in range(meta.num_row_groups):
+            group = meta.row_group(g)
+            for c in range(group.num_columns):
+                column = group.column(c)
+                if column.path_in_schema.split(".")[0] in columns:
+                    total += column.total_uncompressed_size
+    return total
 
 
 def _fingerprint(ds: pq.ParquetDataset, counts: list[int]) -> str:
@@ -323,6 +389,10 @@ def describe_dataset(source: str, cache_dir: str | None = None, seq_len: int = 1
     if num_rows == 0:
         raise DataError(f"data.source={source!r} holds no rows")
     fingerprint = _fingerprint(ds, counts)
+    shape = {
+        "num_row_groups": sum(f.metadata.num_row_groups for f in ds.fragments),
+        "data_bytes": _data_bytes(ds, {"features", "label", "tokens"}),
+    }
 
     if {"features", "label"} <= names:
         ftype, ltype = schema.field("features").type, schema.field("label").type
@@ -341,15 +411,21 @@ def describe_dataset(source: str, cache_dir: str | None = None, seq_len: int = 1
             num_features=width,
             num_classes=classes,
             fingerprint=fingerprint,
+            **shape,
         )
 
     if "tokens" in names:
         ttype = schema.field("tokens").type
         if not pa.types.is_list(ttype) or not pa.types.is_integer(ttype.value_type):
-            raise DataError(f"{source}: column `tokens` ({ttype}) must be list<int64>")
+            raise DataError(
+                f"{source}: column `tokens` ({ttype}) must be a list of integers (token ids)"
+            )
         meta = schema.metadata or {}
         vocab = meta[VOCAB_KEY].decode("utf-8") if VOCAB_KEY in meta else None
-        vocab_size, longest = _scan_tokens(ds, len(vocab) if vocab else None)
+        declared = len(vocab) if vocab else None
+        if VOCAB_SIZE_KEY in meta:
+            declared = int(meta[VOCAB_SIZE_KEY])
+        vocab_size, longest = _scan_tokens(ds, declared)
         return DatasetInfo(
             source,
             "tokens",
@@ -358,6 +434,7 @@ def describe_dataset(source: str, cache_dir: str | None = None, seq_len: int = 1
             max_tokens=longest,
             vocab=vocab,
             fingerprint=fingerprint,
+            **shape,
         )
 
     raise DataError(

@@ -20,15 +20,15 @@ from typing import Any
 from rayacc import env
 from rayacc.batch_plan import BatchPlan
 from rayacc.config import TrainConfig
-from rayacc.data.order import EpochLayout
-from rayacc.data.sources import DataError, DatasetInfo, describe_dataset
+from rayacc.data.order import DataOrder, EpochLayout
+from rayacc.data.sources import DataError, DatasetInfo, RowGroups, describe_dataset, row_groups
 from rayacc.events import RunObserver
 from rayacc.models import build_model
 from rayacc.quantities import (
+    data_order,
     epoch_layout,
     run_effective_lr,
     total_optimizer_steps,
-    train_val_ids,
 )
 from rayacc.runner.runs import RunLocation, locate_run
 
@@ -84,6 +84,8 @@ class Prepared:
     num_parameters: int
     warnings: list[str]
     notes: list[str] = field(default_factory=list)
+    groups: RowGroups | None = None
+    """The source's Parquet row groups (the units data is read in)."""
 
 
 def prepare(cfg: TrainConfig) -> Prepared:
@@ -92,14 +94,23 @@ def prepare(cfg: TrainConfig) -> Prepared:
     info = describe_dataset(cfg.data.source, cfg.data.cache_dir, cfg.data.seq_len)
     plan = cfg.batch_plan()
     model = build_model(cfg, info)
-    train_ids, _ = train_val_ids(cfg, info.num_rows)
-    layout = epoch_layout(cfg, len(train_ids), plan)
+    groups = row_groups(info.path)
+    order = data_order(cfg, info, groups)
+    if len(order.train_units) == 0:
+        raise DataError(
+            f"data.val_fraction={cfg.data.val_fraction} holds out all {len(groups)} row "
+            f"group(s) of {info.path} (data.order=chunks holds out whole row groups). Fix: "
+            "write the data with smaller row groups (`rayacc data prepare`), set "
+            "data.order=rows, or lower data.val_fraction"
+        )
+    layout = epoch_layout(cfg, order.num_train_rows, plan)
     if layout.steps_per_epoch == 0:
         raise DataError(
-            f"data.source {info.path} has {len(train_ids)} training rows, fewer than one global "
-            f"batch ({plan.global_batch_size}). Fix: lower batch.global_batch_size or "
+            f"data.source {info.path} has {order.num_train_rows} training rows, fewer than one "
+            f"global batch ({plan.global_batch_size}). Fix: lower batch.global_batch_size or "
             "data.val_fraction, or use more data"
         )
+    reads = read_factor(order, layout) if order.chunked else None
     return Prepared(
         cfg,
         info,
@@ -108,13 +119,55 @@ def prepare(cfg: TrainConfig) -> Prepared:
         layout,
         total_optimizer_steps(cfg, layout),
         sum(p.numel() for p in model.parameters()),
-        _warnings(cfg, layout, model),
-        _notes(cfg, plan),
+        _warnings(cfg, layout, model, reads, groups),
+        [_order_note(cfg, info, groups, reads), *_notes(cfg, plan)],
+        groups,
     )
 
 
-def _warnings(cfg: TrainConfig, layout: EpochLayout, model) -> list[str]:
+def read_factor(order: DataOrder, layout: EpochLayout) -> float:
+    """Rows the cluster reads in the first epoch over rows trained on (data.order=chunks: a
+    row group that two ranks' shares straddle is read by both)."""
+    read = 0
+    for rank in range(layout.num_workers):
+        lo, hi = layout.rank_intervals(rank)
+        units, _ = order.units_of(0, lo, hi)
+        read += int(order.unit_size[units].sum())
+    return read / max(1, layout.num_rows - layout.dropped_rows)
+
+
+def _order_note(cfg: TrainConfig, info: DatasetInfo, groups: RowGroups, reads: float | None) -> str:
+    mib = info.data_bytes / 2**20
+    if reads is None:
+        return (
+            f"data order: rows (an exact per-row shuffle; every rank reads all {mib:.1f} MiB "
+            "each epoch)"
+        )
+    return (
+        f"data order: chunks ({len(groups)} row groups of about "
+        f"{info.num_rows / len(groups):.0f} rows, {mib:.1f} MiB); the cluster reads "
+        f"{reads:.2f}× the rows it trains on per epoch"
+    )
+
+
+def _warnings(
+    cfg: TrainConfig, layout: EpochLayout, model, reads: float | None, groups: RowGroups
+) -> list[str]:
     warnings = []
+    if cfg.data.materialize is not None:
+        warnings.append(
+            "data.materialize no longer has an effect: every rank reads its rows through Ray "
+            "Data (remove the setting)"
+        )
+    if reads is not None and reads > 1.25:
+        share = layout.global_batch_size // layout.num_workers
+        warnings.append(
+            f"data.order=chunks reads each row {reads:.2f}× per epoch: row groups of about "
+            f"{int(groups.size.mean())} rows are large against each rank's {share} rows per "
+            f"window. Fix: rewrite the data with row groups of at most {max(1, share // 4)} "
+            "rows (`rayacc data prepare ... --rows-per-group N`), or use data.order=rows for "
+            "data that fits in memory"
+        )
     by_epochs = cfg.train.epochs * layout.steps_per_epoch
     if cfg.train.max_steps and cfg.train.max_steps > by_epochs:
         warnings.append(
@@ -187,18 +240,20 @@ def ensure_ray(cfg: TrainConfig) -> None:
 
 def build_trainer(cfg: TrainConfig, prep: Prepared, loc: RunLocation, progress):
     """The TorchTrainer of the run; `progress` is the ProgressBuffer rank 0 reports to."""
-    from ray.data import ExecutionOptions
-    from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
     from rayacc.runner.worker import train_loop
 
+    source, groups = _read_source(cfg, prep, loc)
     s = cfg.scaling
     return TorchTrainer(
         train_loop,
         train_loop_config={
             "cfg": cfg.model_dump(mode="json"),
             "dataset": prep.info.to_dict(),
+            "source": source,
+            "groups": groups,
             "progress": progress,
         },
         scaling_config=ScalingConfig(
@@ -214,11 +269,8 @@ def build_trainer(cfg: TrainConfig, prep: Prepared, loc: RunLocation, progress):
             failure_config=FailureConfig(max_failures=cfg.run.max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.run.keep_checkpoints),
         ),
-        datasets={"train": _dataset(cfg, prep, loc)},
-        # unsplit, in row order: each rank picks its rows by the global order (runner/ingest.py)
-        dataset_config=DataConfig(
-            datasets_to_split=[], execution_options=ExecutionOptions(preserve_order=True)
-        ),
+        # no datasets here: each rank reads its own row groups through Ray Data
+        # (runner/ingest.py)
     )
 
 
@@ -283,15 +335,16 @@ class TrainerRun:
         return self.outcome["result"]
 
 
-def _dataset(cfg: TrainConfig, prep: Prepared, loc: RunLocation):
+def _read_source(cfg: TrainConfig, prep: Prepared, loc: RunLocation) -> tuple[str, RowGroups]:
+    """Where the ranks' read tasks read the data, and its row groups there."""
     from rayacc.data.sources import BUNDLED
-    from rayacc.runner.ingest import stage_file, train_dataset
+    from rayacc.runner.ingest import stage_file
 
-    shared = None
-    if not cfg.data.materialize and cfg.data.source in BUNDLED:
-        # prepared in this node's cache, which the other nodes' read tasks cannot see
+    if cfg.data.source in BUNDLED:
+        # prepared in this node's cache, which read tasks on other nodes cannot see
         shared = stage_file(prep.info.path, loc.storage)
-    return train_dataset(prep.info, cfg.data.materialize, shared)
+        return shared, row_groups(shared)
+    return prep.info.path, prep.groups
 
 
 def _check_cluster(cfg: TrainConfig) -> None:

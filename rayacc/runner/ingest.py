@@ -1,32 +1,47 @@
-"""Ray Data → the rows one rank consumes, in the global-sample order.
+"""Ray Data → the rows one rank consumes, in the global-sample order (docs/design.md, "Data
+order" and "Ingestion").
 
-Ray Data's `streaming_split` hands rows to ranks dynamically, so which rank sees which row (and in
-which order) is not reproducible. Here every rank streams the unsplit dataset (`train_dataset`)
-once when it starts, in row order (`preserve_order=True`, so a row's position in the stream is
-its row id), and keeps the rows that the data order assigns to it in the epochs it will run.
-Cost: each rank streams the whole dataset once per start (from the object store when
-materialized) and holds its rows for all remaining epochs: N/W rows for one epoch, up to N with
-several shuffled epochs.
+Every rank knows, from the data order alone, which positions of each epoch it consumes and so
+which Parquet row groups those positions draw from, in the order it first needs them. It reads
+exactly those row groups through a Ray Data pipeline of its own (`preserve_order`: a group's
+place in the stream is known), whose read tasks run on any node with a free CPU and prefetch a
+few blocks ahead; it keeps a group only until the last window that draws from it. With
+`data.order: chunks` a group is read by the ranks whose shares it straddles, about once per
+epoch over the cluster, and a rank holds a few groups at a time; with `rows` every rank reads
+every group each epoch and holds one epoch's data.
 """
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-import ray
 import torch
 
-from rayacc.data.sources import DatasetInfo
+from rayacc.data.order import DataOrder
+from rayacc.data.sources import DatasetInfo, RowGroups, row_groups
 from rayacc.engine import collate_tokens
 
-__all__ = ["LocalRows", "fetch_rows", "read_rows", "stage_file", "train_dataset"]
+__all__ = [
+    "EpochReads",
+    "LocalRows",
+    "RankReader",
+    "read_groups",
+    "read_rows",
+    "stage_file",
+]
 
-_STREAM_BATCH = 8192
+READ_TASK_ROWS = 16_384
+"""Rows (whole row groups) one read task reads: fewer, larger tasks cost less scheduling, smaller
+ones start the first step sooner and hold less in flight."""
+PREFETCH_BLOCKS = 2
+"""Read tasks' outputs a rank's iterator fetches ahead of the one it consumes."""
 
 
 @dataclass
@@ -68,7 +83,13 @@ class LocalRows:
         return [{k: v[i] for k, v in pieces.items()} for i in range(len(sizes))]
 
 
+def _columns(info: DatasetInfo) -> list[str]:
+    return ["features", "label"] if info.format == "classification" else ["tokens"]
+
+
 def _to_local(table: pa.Table, info: DatasetInfo) -> LocalRows:
+    """Rows of a window (or the validation share) as tensors; token ids are stored as small as
+    the file keeps them and widened to int64 here, for these rows only."""
     n = table.num_rows
     if info.format == "classification":
         flat = table["features"].combine_chunks().flatten().to_numpy(zero_copy_only=False)
@@ -78,6 +99,7 @@ def _to_local(table: pa.Table, info: DatasetInfo) -> LocalRows:
     col = table["tokens"].combine_chunks()
     offsets = col.offsets.to_numpy()
     values = col.flatten().to_numpy(zero_copy_only=False).astype(np.int64)
+    offsets = offsets - offsets[0]
     lengths = np.diff(offsets)
     if n and (lengths == lengths[0]).all():
         return LocalRows("tokens", tokens=torch.from_numpy(values.reshape(n, int(lengths[0]))))
@@ -85,18 +107,191 @@ def _to_local(table: pa.Table, info: DatasetInfo) -> LocalRows:
     return LocalRows("tokens", token_lists=lists)
 
 
-def train_dataset(
-    info: DatasetInfo, materialize: bool, shared_path: str | None = None
-) -> ray.data.Dataset:
-    """The Ray Dataset the ranks stream their rows from. Materialized: the Parquet read once
-    here with pyarrow into Ray's object store (for data that fits this process's memory; it
-    starts no Ray Data execution, which costs seconds on a small cluster), so no other node
-    reads a file. Otherwise read by Ray Data in every rank, from `shared_path` when given: a
-    copy of a file only this node has (a bundled dataset prepared in its cache) where every
-    node reaches it."""
-    if materialize:
-        return ray.data.from_arrow(_read_table(info))
-    return ray.data.read_parquet(shared_path or info.path)
+def _filesystem(source: str):
+    from pyarrow import fs
+
+    if "://" in source:
+        return fs.FileSystem.from_uri(source)[0]
+    return fs.LocalFileSystem()
+
+
+def read_groups(batch: pa.Table, source: str, columns: list[str]) -> pa.Table:
+    """A Ray Data read task: the row groups `batch` lists (`file`, `group`), in that order, one
+    table. Runs wherever Ray Data schedules it; per-row preparation belongs here."""
+    filesystem = _filesystem(source)
+    files: dict[str, pq.ParquetFile] = {}
+    parts = []
+    for path, group in zip(
+        batch.column("file").to_pylist(), batch.column("group").to_pylist(), strict=True
+    ):
+        if path not in files:
+            try:
+                files[path] = pq.ParquetFile(filesystem.open_input_file(path))
+            except (FileNotFoundError, OSError) as exc:
+                raise FileNotFoundError(
+                    f"{path} cannot be opened on this node ({exc}); every node that runs read "
+                    "tasks must reach the data: give a URI (s3://, gs://) or a shared filesystem"
+                ) from None
+        parts.append(files[path].read_row_group(group, columns=columns))
+    return pa.concat_tables(parts, promote_options="permissive")
+
+
+@dataclass
+class EpochReads:
+    """What one rank reads for one epoch: row groups in the order it first needs them, and the
+    last window (index into the epoch's windows) that draws from each."""
+
+    epoch: int
+    lo: np.ndarray
+    hi: np.ndarray
+    """The rank's positions of each window: [lo_k, hi_k)."""
+    groups: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    last_window: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+
+
+class RankReader:
+    """One rank's rows: its validation share and, window after window, the rows of its share,
+    read through Ray Data as described in this module's docstring."""
+
+    def __init__(
+        self,
+        info: DatasetInfo,
+        groups: RowGroups,
+        order: DataOrder,
+        source: str,
+        exclude_cpus: float = 0.0,
+    ):
+        self.info, self.groups, self.order, self.source = info, groups, order, source
+        self.exclude_cpus = exclude_cpus
+        self.rows_read = 0
+        """Rows of the row groups this reader has taken from the stream."""
+        self._buffer: dict[int, pa.Table] = {}
+        self._stream: Iterator[tuple[int, pa.Table]] | None = None
+        self._cached: tuple[tuple[int, int], LocalRows] | None = None
+
+    # ------------------------------------------------------------------ plan
+    def _group_of(self, rows: np.ndarray) -> np.ndarray:
+        return np.searchsorted(self.groups.start, rows, side="right") - 1
+
+    def epoch_reads(self, epoch: int, lo: np.ndarray, hi: np.ndarray) -> EpochReads:
+        reads = EpochReads(epoch, lo, hi)
+        if len(lo) == 0:
+            return reads
+        if self.order.chunked:
+            # a unit is a row group: no row ids needed to know what to read
+            reads.groups, reads.last_window = self.order.units_of(epoch, lo, hi)
+            return reads
+        positions = np.concatenate([np.arange(a, b) for a, b in zip(lo, hi, strict=True)])
+        owner = np.repeat(np.arange(len(lo)), hi - lo)
+        group = self._group_of(self.order.row_ids(epoch, positions))
+        reads.groups = np.unique(group)
+        last = np.zeros(len(self.groups), dtype=np.int64)
+        np.maximum.at(last, group, owner)
+        reads.last_window = last[reads.groups]
+        return reads
+
+    def start(self, epochs: list[EpochReads], val_rows: np.ndarray) -> None:
+        """Starts the stream of every row group this rank reads from here on: its validation
+        rows' groups, then each epoch's."""
+        self.val_rows = val_rows
+        self.val_groups = np.unique(self._group_of(val_rows))
+        self.epochs = {e.epoch: e for e in epochs}
+        order = np.concatenate([self.val_groups, *(e.groups for e in epochs)]).astype(np.int64)
+        self._stream = self._open(order)
+
+    def _open(self, order: np.ndarray) -> Iterator[tuple[int, pa.Table]]:
+        """(group, table) for each group of `order`, read by Ray Data tasks in that order."""
+        if len(order) == 0:
+            return iter(())
+        import ray.data
+        from ray.data import DataContext, ExecutionResources
+
+        ctx = DataContext.get_current()
+        ctx.execution_options.preserve_order = True
+        # the worker group's CPUs are taken: read tasks use what the cluster has besides
+        ctx.execution_options.exclude_resources = ExecutionResources(cpu=self.exclude_cpus)
+        ctx.enable_progress_bars = False
+        g = self.groups
+        sizes = g.size[order]
+        task = np.cumsum(sizes) // READ_TASK_ROWS
+        cuts = np.flatnonzero(np.diff(task)) + 1
+        blocks = [
+            pa.table({"file": [g.files[f] for f in g.file[part]], "group": g.index[part]})
+            for part in np.split(order, cuts)
+        ]
+        ds = ray.data.from_arrow(blocks).map_batches(
+            read_groups,
+            batch_size=None,
+            batch_format="pyarrow",
+            fn_kwargs={"source": self.source, "columns": _columns(self.info)},
+        )
+        batches = ds.iter_batches(
+            batch_size=None, batch_format="pyarrow", prefetch_batches=PREFETCH_BLOCKS
+        )
+        return _split_groups(iter(batches), order, sizes)
+
+    def _pull(self, needed: np.ndarray) -> None:
+        """Takes groups from the stream until every group of `needed` is held."""
+        missing = set(needed.tolist()) - self._buffer.keys()
+        while missing:
+            group, table = next(self._stream)
+            self._buffer[group] = table
+            self.rows_read += table.num_rows
+            missing.discard(group)
+
+    def _gather(self, rows: np.ndarray) -> LocalRows:
+        group = self._group_of(rows)
+        held = np.unique(group)
+        self._pull(held)
+        tables = [self._buffer[int(h)] for h in held]
+        offsets = np.concatenate([[0], np.cumsum([t.num_rows for t in tables])[:-1]])
+        index = offsets[np.searchsorted(held, group)] + (rows - self.groups.start[group])
+        table = pa.concat_tables(tables, promote_options="permissive").take(pa.array(index))
+        return _to_local(table, self.info)
+
+    # ------------------------------------------------------------------ consume
+    def validation(self) -> LocalRows:
+        """This rank's validation rows (read first; held for the run)."""
+        rows = self._gather(self.val_rows)
+        for group in self.val_groups:
+            self._buffer.pop(int(group), None)
+        return rows
+
+    def window(self, epoch: int, k: int) -> LocalRows:
+        """The rows of this rank's share of window `k` of `epoch`, in the order it consumes
+        them; the groups no later window of the epoch draws from are dropped."""
+        if self._cached and self._cached[0] == (epoch, k):
+            return self._cached[1]
+        reads = self.epochs[epoch]
+        positions = np.arange(reads.lo[k], reads.hi[k])
+        rows = self._gather(self.order.row_ids(epoch, positions))
+        for group in reads.groups[reads.last_window == k]:
+            self._buffer.pop(int(group), None)
+        self._cached = ((epoch, k), rows)
+        return rows
+
+
+def _split_groups(
+    batches: Iterator[pa.Table], order: np.ndarray, sizes: np.ndarray
+) -> Iterator[tuple[int, pa.Table]]:
+    """The stream of read-task outputs cut back into its row groups (Ray Data may merge or
+    split blocks; it keeps their order)."""
+    carry: list[pa.Table] = []
+    held = 0
+    for group, size in zip(order.tolist(), sizes.tolist(), strict=True):
+        while held < size:
+            batch = next(batches, None)
+            if batch is None:
+                raise RuntimeError(
+                    f"the data stream ended before row group {group}; the files changed "
+                    "during the run"
+                )
+            carry.append(batch)
+            held += batch.num_rows
+        table = pa.concat_tables(carry, promote_options="permissive")
+        yield group, table.slice(0, size).combine_chunks()
+        rest = table.slice(size)
+        carry, held = ([rest] if rest.num_rows else []), rest.num_rows
 
 
 def stage_file(path: str, storage: str) -> str:
@@ -116,53 +311,20 @@ def stage_file(path: str, storage: str) -> str:
     return target if "://" not in storage else f"{storage.rstrip('/')}/_data/{name}"
 
 
-def _read_table(info: DatasetInfo) -> pa.Table:
-    # the fragments in the order describe_dataset counted them: a row's position is its id
-    return pq.ParquetDataset(info.path).read()
-
-
-def read_rows(info: DatasetInfo, row_ids: np.ndarray) -> dict[str, torch.Tensor]:
-    """The rows `row_ids` of the source, in that order, as one batch, read on this process
-    with pyarrow (for a probe of a few rows, as `verify` takes)."""
-    table = _read_table(info).take(pa.array(row_ids))
-    return _to_local(table, info).take(np.arange(len(row_ids)))
-
-
-def fetch_rows(dataset, info: DatasetInfo, row_ids: np.ndarray) -> LocalRows:
-    """One pass over `dataset` (anything with Ray Data's `iter_batches`, in row order);
-    returns the rows `row_ids` (sorted, unique) in that order."""
+def read_rows(info: DatasetInfo, row_ids: np.ndarray) -> dict[str, Any]:
+    """The rows `row_ids` of the source, in that order, as one batch, read on this process with
+    pyarrow from the row groups that hold them only (for a probe of a few rows, as `verify`
+    takes)."""
     row_ids = np.asarray(row_ids, dtype=np.int64)
-    if len(row_ids) > 1 and not (np.diff(row_ids) > 0).all():
-        raise ValueError("row_ids must be sorted and unique")
-    wanted = np.zeros(info.num_rows, dtype=bool)
-    wanted[row_ids] = True
-    pieces: list[pa.Table] = []
-    offset = 0
-    for batch in dataset.iter_batches(
-        batch_size=_STREAM_BATCH, batch_format="pyarrow", prefetch_batches=2
-    ):
-        n = batch.num_rows
-        if offset + n > info.num_rows:
-            raise RuntimeError(
-                f"{info.path} now holds more than the {info.num_rows} rows counted at start; "
-                "the data changed during the run"
-            )
-        mask = wanted[offset : offset + n]
-        if mask.any():
-            # the stream is in row-id order, so the kept rows stay sorted
-            pieces.append(batch.filter(pa.array(mask)))
-        offset += n
-    if offset != info.num_rows:
-        raise RuntimeError(f"{info.path}: read {offset} rows, expected {info.num_rows}")
-    table = pa.concat_tables(pieces) if pieces else _empty(info)
-    if table.num_rows != len(row_ids):
-        raise RuntimeError(f"kept {table.num_rows} rows of {info.path}, expected {len(row_ids)}")
-    return _to_local(table, info)
-
-
-def _empty(info: DatasetInfo) -> pa.Table:
-    if info.format == "classification":
-        return pa.table(
-            {"features": pa.array([], pa.list_(pa.float32())), "label": pa.array([], pa.int64())}
-        )
-    return pa.table({"tokens": pa.array([], pa.list_(pa.int64()))})
+    groups = row_groups(info.path)
+    filesystem = _filesystem(info.path)
+    group = np.searchsorted(groups.start, row_ids, side="right") - 1
+    held = np.unique(group)
+    tables = []
+    for h in held:
+        handle = pq.ParquetFile(filesystem.open_input_file(groups.files[groups.file[h]]))
+        tables.append(handle.read_row_group(int(groups.index[h]), columns=_columns(info)))
+    offsets = np.concatenate([[0], np.cumsum([t.num_rows for t in tables])[:-1]])
+    index = offsets[np.searchsorted(held, group)] + (row_ids - groups.start[group])
+    table = pa.concat_tables(tables, promote_options="permissive").take(pa.array(index))
+    return _to_local(table, info).take(np.arange(len(row_ids)))

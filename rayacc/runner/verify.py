@@ -5,14 +5,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from rayacc.config import TrainConfig
-from rayacc.data.order import epoch_order
 from rayacc.engine import AccumulationStep
 from rayacc.models import build_model, loss_functions
 from rayacc.optim import build_optimizer, build_schedule
-from rayacc.quantities import train_val_ids
+from rayacc.quantities import data_order
 from rayacc.redact import redact
 from rayacc.runner.checkpoint import load_model
 from rayacc.runner.driver import Prepared, fit, prepare
@@ -50,9 +50,9 @@ class VerifyResult:
 
 def _probe_batch(cfg: TrainConfig, prep: Prepared) -> dict[str, torch.Tensor]:
     """The first global batch of epoch 0 in the data order, as one micro-batch."""
-    train_ids, _ = train_val_ids(cfg, prep.info.num_rows)
-    order = epoch_order(train_ids, 0, cfg.seed, cfg.data.shuffle)
-    return read_rows(prep.info, order[: min(prep.plan.global_batch_size, len(order))])
+    order = data_order(cfg, prep.info, prep.groups)
+    n = min(prep.plan.global_batch_size, order.num_train_rows)
+    return read_rows(prep.info, order.row_ids(0, np.arange(n)))
 
 
 def verify(cfg: TrainConfig) -> VerifyResult:

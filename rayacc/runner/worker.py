@@ -25,7 +25,7 @@ from ray.train.torch import get_device, prepare_model
 
 from rayacc.batch_plan import BatchPlan
 from rayacc.config import TrainConfig
-from rayacc.data.order import EpochLayout, epoch_order
+from rayacc.data.order import EpochLayout
 from rayacc.data.sources import DatasetInfo
 from rayacc.engine import (
     AccumulationStep,
@@ -46,16 +46,16 @@ from rayacc.events import Event, MicroBatchChanged, Resized, RunStarted
 from rayacc.models import build_model, loss_functions, unwrap_model
 from rayacc.optim import build_optimizer, build_schedule
 from rayacc.quantities import (
+    data_order,
     epoch_layout,
     plan_at,
     rank_seed,
     run_effective_lr,
     run_identity,
     schedule_length,
-    train_val_ids,
 )
 from rayacc.runner.checkpoint import read_checkpoint, write_checkpoint
-from rayacc.runner.ingest import LocalRows, fetch_rows
+from rayacc.runner.ingest import RankReader
 from rayacc.runner.progress import Outbox
 
 __all__ = ["REWARM_STEPS", "WorkerRun", "train_loop"]
@@ -89,7 +89,9 @@ class WorkerRun:
         self.reference = cfg.batch_plan()
         self.plan = plan_at(cfg, self.world)
         self.lr = run_effective_lr(cfg, self.plan)
-        self.train_ids, self.val_ids = train_val_ids(cfg, self.info.num_rows)
+        self.groups = config["groups"]
+        self.source = config["source"]
+        self.order = data_order(cfg, self.info, self.groups)
         self.state = TrainState()
         self.clock = StepClock()
         self.last: dict[str, Any] = {}
@@ -107,12 +109,12 @@ class WorkerRun:
         events = self._restore()
         self._plan_epochs()
         self.total_steps = self.state.optimizer_step + sum(e[2] for e in self.epochs)
-        self._fetch_rows()
+        self._open_data()
         if self.cfg.batch.auto_micro_batch:
             events.append(self._search_micro_batch())
         self._announce(events)
-        for epoch, layout, n_steps, ids in self.epochs:
-            self._begin_epoch(epoch, ids)
+        for epoch, layout, n_steps, _ in self.epochs:
+            self._begin_epoch(epoch)
             for s in range(n_steps):
                 record = self._window(epoch, layout, s)
                 self._after_window(record)
@@ -137,7 +139,7 @@ class WorkerRun:
             module = torch.compile(module)
         self.model = prepare_model(module)
         self.optimizer = build_optimizer(cfg, self.model.parameters(), self.lr, self.device)
-        reference_layout = epoch_layout(cfg, len(self.train_ids), self.reference)
+        reference_layout = epoch_layout(cfg, self.order.num_train_rows, self.reference)
         # the schedule advances by samples (see _window), not by the engine's scheduler hook
         self.schedule = build_schedule(
             cfg,
@@ -223,36 +225,42 @@ class WorkerRun:
     # ------------------------------------------------------------------ data
     def _plan_epochs(self) -> None:
         """Every window this rank runs from here on: per epoch, its layout over the rows left
-        from the saved sample position (which a new global batch need not divide). Which rows
-        a rank gets does not depend on the micro-batch, only how they are cut."""
+        from the saved sample position (which a new global batch need not divide) and this
+        rank's positions of each window. Which positions a rank gets does not depend on the
+        micro-batch, only how they are cut."""
         cfg, state = self.cfg, self.state
-        self.epochs: list[tuple[int, EpochLayout, int, np.ndarray]] = []
+        self.epochs: list[tuple[int, EpochLayout, int, tuple[np.ndarray, np.ndarray]]] = []
         steps_left = (cfg.train.max_steps or 10**12) - state.optimizer_step
         for epoch in range(state.epoch, cfg.train.epochs):
             if steps_left <= 0:
                 break
             offset = state.epoch_sample_offset if epoch == state.epoch else 0
-            layout = epoch_layout(cfg, len(self.train_ids) - offset, self.plan)
+            layout = epoch_layout(cfg, self.order.num_train_rows - offset, self.plan)
             n_steps = min(layout.steps_per_epoch, steps_left)
-            order = epoch_order(self.train_ids, epoch, cfg.seed, cfg.data.shuffle)
-            ids = order[offset + layout.rank_positions(0, self.rank, n_steps)]
-            self.epochs.append((epoch, layout, n_steps, ids))
+            lo, hi = layout.rank_intervals(self.rank, n_steps)
+            self.epochs.append((epoch, layout, n_steps, (lo + offset, hi + offset)))
             steps_left -= n_steps
 
-    def _fetch_rows(self) -> None:
-        """This rank's rows of every remaining epoch and its validation share, in one pass."""
-        self.val_share = np.array_split(self.val_ids, self.world)[self.rank]
-        self.needed = np.unique(np.concatenate([e[3] for e in self.epochs] + [self.val_share]))
-        shard = ray.train.get_dataset_shard("train")
-        self.rows: LocalRows = fetch_rows(shard, self.info, self.needed)
-        self.val_index = np.searchsorted(self.needed, self.val_share)
+    def _open_data(self) -> None:
+        """Starts this rank's reads (runner/ingest.py) and takes its validation rows."""
+        s = self.cfg.scaling
+        self.reader = RankReader(
+            self.info,
+            self.groups,
+            self.order,
+            self.source,
+            exclude_cpus=self.world * s.cpus_per_worker,
+        )
+        self.reader.start(
+            [self.reader.epoch_reads(e, lo, hi) for e, _, _, (lo, hi) in self.epochs],
+            self.order.val_rows(self.rank, self.world),
+        )
+        self.val_rows = self.reader.validation()
         self.timeline["data"] = time.time()
 
-    def _begin_epoch(self, epoch: int, ids: np.ndarray) -> None:
+    def _begin_epoch(self, epoch: int) -> None:
         if epoch != self.state.epoch:
             self.state.start_epoch(epoch)
-        self.local = np.searchsorted(self.needed, ids)
-        self.cursor = 0
         self.clock.restart()
 
     # ------------------------------------------------------------------ micro-batch
@@ -262,16 +270,12 @@ class WorkerRun:
         with real rows of this rank; gradients are dropped and the RNG is left as it was."""
         cfg, plan, device = self.cfg, self.plan, self.device
         share = plan.samples_per_worker
-        first = self.epochs[0][3] if self.epochs else None
-        ids = (
-            np.searchsorted(self.needed, first)
-            if first is not None
-            else np.arange(len(self.needed))
-        )
-        index = np.resize(ids, share) if len(ids) else ids
+        # real rows: this rank's first window (kept by the reader for the step that follows)
+        rows = self.reader.window(self.epochs[0][0], 0) if self.epochs else self.val_rows
+        index = np.resize(np.arange(len(rows)), share) if len(rows) else np.arange(0)
 
         def make_batch(n: int):
-            return to_device(self.rows.take(index[:n]), device)
+            return to_device(rows.take(index[:n]), device)
 
         failed = ray.get(self.progress.out_of_memory_sizes.remote()) if self.progress else []
         below = min(failed) if failed else None
@@ -336,7 +340,7 @@ class WorkerRun:
     # ------------------------------------------------------------------ one window
     def _announce(self, events: list[Event]) -> None:
         first_layout = self.epochs[0][1] if self.epochs else None
-        layout = first_layout or epoch_layout(self.cfg, len(self.train_ids), self.plan)
+        layout = first_layout or epoch_layout(self.cfg, self.order.num_train_rows, self.plan)
         self.outbox.send(
             RunStarted(
                 step=self.state.optimizer_step,
@@ -356,9 +360,8 @@ class WorkerRun:
         the schedule and the train state; returns the step's record."""
         t_data = time.perf_counter()
         sizes = [len(part) for part in layout.rank_window(s, self.rank).micro_batches]
-        n = sum(sizes)
-        host = self.rows.take_split(self.local[self.cursor : self.cursor + n], sizes)
-        self.cursor += n
+        rows = self.reader.window(epoch, s)
+        host = rows.take_split(np.arange(len(rows)), sizes)
         local_items = sum(self.count(mb) for mb in host)  # on the host: no GPU sync
         micro_batches = [to_device(mb, self.device, non_blocking=True) for mb in host]
         data_s = time.perf_counter() - t_data
@@ -396,6 +399,7 @@ class WorkerRun:
             "scaling/micro_batch_size": self.micro_now,
             "scaling/global_batch_size": self.plan.global_batch_size,
             "comm/allreduce_calls": result.allreduce_calls,
+            "data/rows_read": self.reader.rows_read,
             "comm/sync_time_frac": result.sync_time_frac,
             "mem/peak_mb": result.peak_memory_mb,
             "epoch": epoch,
@@ -420,7 +424,7 @@ class WorkerRun:
             self.cfg.train.val_every_steps,
             self.cfg.train.checkpoint_every_steps,
         )
-        if len(self.val_ids) and (is_last or (every_val and step % every_val == 0)):
+        if len(self.order.val_units) and (is_last or (every_val and step % every_val == 0)):
             with self.clock.paused():
                 self.val_metrics = self._validate()
             record.update(self.val_metrics)
@@ -444,9 +448,9 @@ class WorkerRun:
         totals = torch.zeros(3, dtype=torch.float64)
         classification = self.info.format == "classification"
         batch_size = 2 * self.plan.micro_batch_size
-        index = self.val_index
-        for start in range(0, len(index), batch_size):
-            mb = to_device(self.rows.take(index[start : start + batch_size]), self.device)
+        for start in range(0, len(self.val_rows), batch_size):
+            index = np.arange(start, min(start + batch_size, len(self.val_rows)))
+            mb = to_device(self.val_rows.take(index), self.device)
             with autocast(self.device.type, self.cfg.train.precision):
                 losses = self.loss_fn(inner, mb)
                 if classification:
