@@ -100,3 +100,107 @@ def test_take_split_equals_one_take_per_micro_batch(fmt):
         assert part.keys() == alone.keys()
         for key in part:
             assert torch.equal(part[key], alone[key]), (fmt, key, lo)
+
+
+# ----------------------------------------------------------------------------- chunk order
+def chunk_order(sizes, val_fraction=0.0, seed=5, shuffle=True):
+    from rayacc.data.order import DataOrder
+
+    sizes = np.asarray(sizes, dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    return DataOrder(starts, sizes, seed, shuffle, val_fraction, chunked=True)
+
+
+def test_rows_order_is_the_per_row_permutation():
+    from rayacc.data.order import DataOrder
+
+    order = DataOrder.by_rows(100, 0.1, seed=3, shuffle=True)
+    train, val = split_train_val(100, 0.1, seed=3)
+    assert np.array_equal(order.unit_rows(order.val_units), val)
+    for epoch in (0, 4):
+        assert np.array_equal(
+            order.row_ids(epoch, np.arange(90)), epoch_order(train, epoch, 3, shuffle=True)
+        )
+
+
+def test_chunk_order_covers_every_training_row_once_in_runs_of_whole_chunks():
+    sizes = [7, 16, 3, 16, 16, 9, 16, 5]
+    order = chunk_order(sizes, val_fraction=0.2)
+    val = order.unit_rows(order.val_units)
+    assert len(order.val_units) == round(8 * 0.2)
+    for epoch in (0, 1):
+        ids = order.row_ids(epoch, np.arange(order.num_train_rows))
+        assert np.array_equal(np.sort(np.concatenate([ids, val])), np.arange(sum(sizes)))
+        # each chunk's rows are consecutive positions, shuffled inside the chunk
+        chunk = np.searchsorted(np.cumsum(sizes), ids, side="right")
+        assert (np.diff(chunk) != 0).sum() == len(order.train_units) - 1
+    a, b = (order.row_ids(e, np.arange(order.num_train_rows)) for e in (0, 1))
+    assert not np.array_equal(a, b), "another epoch, another order"
+    stored = chunk_order(sizes, shuffle=False)
+    assert np.array_equal(stored.row_ids(0, np.arange(sum(sizes))), np.arange(sum(sizes)))
+
+
+def test_a_restart_at_another_size_continues_the_epoch_without_repeating_a_sample():
+    """Rows (sample ids) consumed by 2 ranks for 3 steps, then by 3 ranks from that sample
+    position with another global batch: every training row of the epoch exactly once."""
+    order = chunk_order([8] * 25, val_fraction=0.1)
+    n = order.num_train_rows
+    seen = []
+    before = EpochLayout(n, 32, 4, 2)
+    for rank in range(2):
+        seen.append(order.row_ids(2, before.rank_positions(0, rank, stop_step=3)))
+    offset = 3 * 32
+    after = EpochLayout(n - offset, 48, 8, 3)
+    for rank in range(3):
+        seen.append(order.row_ids(2, offset + after.rank_positions(0, rank)))
+    seen = np.concatenate(seen)
+    assert len(seen) == n == len(np.unique(seen))
+    assert np.array_equal(np.sort(seen), np.sort(order.row_ids(2, np.arange(n))))
+
+
+def test_units_of_lists_the_chunks_in_first_need_with_the_last_window_that_needs_them():
+    order = chunk_order([10, 10, 10, 10], shuffle=False)
+    units, last = order.units_of(0, np.array([0, 12, 25]), np.array([5, 22, 40]))
+    assert units.tolist() == [0, 1, 2, 3]
+    assert last.tolist() == [0, 1, 2, 2]
+
+
+@pytest.mark.parametrize(("group_rows", "factor"), [(4, 1.0), (12, 1.25), (48, 2.0)])
+def test_reads_per_epoch_follow_the_row_group_size(group_rows, factor):
+    """Rows the cluster reads per epoch over rows trained on, with each rank's share of a window
+    32 rows: about once when row groups are small against it, twice when a row group straddles
+    both ranks' shares of every window."""
+    from rayacc.runner.driver import read_factor
+
+    order = chunk_order([group_rows] * (1536 // group_rows))
+    layout = EpochLayout(order.num_train_rows, 64, 8, 2)
+    assert read_factor(order, layout) == pytest.approx(factor)
+
+
+def test_prepare_warns_when_row_groups_are_too_large_for_the_read_once_order(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from rayacc import TrainConfig
+    from rayacc.runner.driver import prepare
+
+    path = tmp_path / "tokens.parquet"
+    rows = [[i % 50, (i + 1) % 50, 3] for i in range(1536)]
+    pq.write_table(
+        pa.table({"tokens": pa.array(rows, pa.list_(pa.uint16()))}), path, row_group_size=48
+    )
+    cfg = TrainConfig.from_dict(
+        {
+            "model": {"name": "gpt", "n_layer": 1, "n_head": 1, "n_embd": 8, "block_size": 4},
+            "data": {"source": str(path), "order": "chunks", "val_fraction": 0.0, "seq_len": 4},
+            "batch": {"global_batch_size": 64, "micro_batch_size": 8},
+            "scaling": {"num_workers": 2},
+        }
+    )
+    prep = prepare(cfg)
+    assert any(
+        "reads each row 2.00× per epoch" in w and "at most 8 rows" in w for w in prep.warnings
+    ), prep.warnings
+    assert any("data order: chunks (32 row groups" in n for n in prep.notes), prep.notes
+    small = cfg.model_copy(update={"data": cfg.data.model_copy(update={"order": "rows"})})
+    assert not any("reads each row" in w for w in prepare(small).warnings)

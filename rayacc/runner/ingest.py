@@ -159,10 +159,8 @@ class RankReader:
         groups: RowGroups,
         order: DataOrder,
         source: str,
-        exclude_cpus: float = 0.0,
     ):
         self.info, self.groups, self.order, self.source = info, groups, order, source
-        self.exclude_cpus = exclude_cpus
         self.rows_read = 0
         """Rows of the row groups this reader has taken from the stream."""
         self._buffer: dict[int, pa.Table] = {}
@@ -204,12 +202,10 @@ class RankReader:
         if len(order) == 0:
             return iter(())
         import ray.data
-        from ray.data import DataContext, ExecutionResources
+        from ray.data import DataContext
 
         ctx = DataContext.get_current()
         ctx.execution_options.preserve_order = True
-        # the worker group's CPUs are taken: read tasks use what the cluster has besides
-        ctx.execution_options.exclude_resources = ExecutionResources(cpu=self.exclude_cpus)
         ctx.enable_progress_bars = False
         g = self.groups
         sizes = g.size[order]

@@ -243,14 +243,7 @@ class WorkerRun:
 
     def _open_data(self) -> None:
         """Starts this rank's reads (runner/ingest.py) and takes its validation rows."""
-        s = self.cfg.scaling
-        self.reader = RankReader(
-            self.info,
-            self.groups,
-            self.order,
-            self.source,
-            exclude_cpus=self.world * s.cpus_per_worker,
-        )
+        self.reader = RankReader(self.info, self.groups, self.order, self.source)
         self.reader.start(
             [self.reader.epoch_reads(e, lo, hi) for e, _, _, (lo, hi) in self.epochs],
             self.order.val_rows(self.rank, self.world),
