@@ -384,10 +384,35 @@ def cmd_jobs(args: argparse.Namespace) -> int:
 
 
 def cmd_data_prepare(args: argparse.Namespace) -> int:
-    from rayacc.data.sources import describe_dataset
+    """A bundled dataset (cached), or the user's text/JSONL files → token Parquet in --out."""
+    from rayacc.data.sources import BUNDLED, DataError, describe_dataset
 
-    info = describe_dataset(args.name, args.cache_dir, args.seq_len)
-    print(f"{args.name}: {info.num_rows} rows ({info.format}) at {info.path}")
+    if len(args.inputs) == 1 and args.inputs[0] in BUNDLED and args.out is None:
+        name = args.inputs[0]
+        info = describe_dataset(name, args.cache_dir, args.seq_len)
+        print(f"{name}: {info.num_rows} rows ({info.format}) at {info.path}")
+        return 0
+    if args.out is None:
+        raise DataError(
+            f"rayacc data prepare {' '.join(args.inputs)}: text or JSONL inputs need --out DIR "
+            f"(a new folder for the Parquet); bundled names are {', '.join(BUNDLED)}"
+        )
+    from rayacc.data.prepare import prepare_corpus
+
+    # Ray Data's per-execution INFO lines (a --shuffle) would bury the progress lines
+    logging.getLogger("ray.data").setLevel(logging.WARNING)
+    prepare_corpus(
+        args.inputs,
+        args.out,
+        seq_len=args.seq_len,
+        tokenizer=args.tokenizer,
+        text_field=args.text_field,
+        rows_per_group=args.rows_per_group,
+        rows_per_file=args.rows_per_file,
+        shuffle=args.shuffle,
+        seed=args.seed,
+    )
+    print(f"train on it: rayacc train -c JOB.yaml data.source={args.out}")
     return 0
 
 
@@ -460,12 +485,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--follow", action="store_true", help="with logs: stream until the job ends")
     p.set_defaults(func=cmd_jobs)
 
-    data = sub.add_parser("data", help="bundled datasets")
+    data = sub.add_parser("data", help="bundled datasets, and token Parquet from your own text")
     data_sub = data.add_subparsers(dest="data_command", required=True)
-    p = data_sub.add_parser("prepare", help="prepare a bundled dataset as Parquet (cached)")
-    p.add_argument("name", choices=["digits", "shakespeare"])
-    p.add_argument("--cache-dir", default=None)
-    p.add_argument("--seq-len", type=int, default=128)
+    p = data_sub.add_parser(
+        "prepare",
+        help="prepare a bundled dataset (digits, shakespeare; cached), or tokenize text/JSONL "
+        "files or folders (local or URI) into token Parquet in --out",
+    )
+    p.add_argument("inputs", nargs="+", metavar="NAME_OR_FILE")
+    p.add_argument("--out", default=None, help="new folder for the Parquet (text/JSONL inputs)")
+    p.add_argument("--cache-dir", default=None, help="bundled datasets: where they are cached")
+    p.add_argument("--seq-len", type=int, default=128, help="tokens per sample (rows hold +1)")
+    p.add_argument(
+        "--tokenizer", default=None, help="a tokenizer.json (default: byte-level, 257 ids)"
+    )
+    p.add_argument("--text-field", default="text", help="JSONL: the field holding the text")
+    p.add_argument(
+        "--rows-per-group",
+        type=int,
+        default=64,
+        help="Parquet row group size: at most a quarter of each rank's share of a window "
+        "(global batch / workers) for about one read of each row per epoch",
+    )
+    p.add_argument("--rows-per-file", type=int, default=1 << 20)
+    p.add_argument("--shuffle", action="store_true", help="shuffle all rows with Ray Data")
+    p.add_argument("--seed", type=int, default=0, help="the shuffle's seed")
     p.set_defaults(func=cmd_data_prepare)
     return parser
 

@@ -13,6 +13,7 @@ every group each epoch and holds one epoch's data.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -115,24 +116,28 @@ def _filesystem(source: str):
     return fs.LocalFileSystem()
 
 
+@functools.lru_cache(maxsize=32)
+def _parquet_file(source: str, path: str) -> pq.ParquetFile:
+    """An open file, kept by the process that runs read tasks: its footer (the row groups'
+    metadata, megabytes for a large file of small groups) is parsed once, not once a task."""
+    try:
+        return pq.ParquetFile(_filesystem(source).open_input_file(path))
+    except (FileNotFoundError, OSError) as exc:
+        raise FileNotFoundError(
+            f"{path} cannot be opened on this node ({exc}); every node that runs read tasks "
+            "must reach the data: give a URI (s3://, gs://) or a shared filesystem"
+        ) from None
+
+
 def read_groups(batch: pa.Table, source: str, columns: list[str]) -> pa.Table:
     """A Ray Data read task: the row groups `batch` lists (`file`, `group`), in that order, one
     table. Runs wherever Ray Data schedules it; per-row preparation belongs here."""
-    filesystem = _filesystem(source)
-    files: dict[str, pq.ParquetFile] = {}
-    parts = []
-    for path, group in zip(
-        batch.column("file").to_pylist(), batch.column("group").to_pylist(), strict=True
-    ):
-        if path not in files:
-            try:
-                files[path] = pq.ParquetFile(filesystem.open_input_file(path))
-            except (FileNotFoundError, OSError) as exc:
-                raise FileNotFoundError(
-                    f"{path} cannot be opened on this node ({exc}); every node that runs read "
-                    "tasks must reach the data: give a URI (s3://, gs://) or a shared filesystem"
-                ) from None
-        parts.append(files[path].read_row_group(group, columns=columns))
+    parts = [
+        _parquet_file(source, path).read_row_group(group, columns=columns)
+        for path, group in zip(
+            batch.column("file").to_pylist(), batch.column("group").to_pylist(), strict=True
+        )
+    ]
     return pa.concat_tables(parts, promote_options="permissive")
 
 
@@ -169,7 +174,7 @@ class RankReader:
 
     # ------------------------------------------------------------------ plan
     def _group_of(self, rows: np.ndarray) -> np.ndarray:
-        return np.searchsorted(self.groups.start, rows, side="right") - 1
+        return _group_of(self.groups, rows)
 
     def epoch_reads(self, epoch: int, lo: np.ndarray, hi: np.ndarray) -> EpochReads:
         reads = EpochReads(epoch, lo, hi)
@@ -236,14 +241,8 @@ class RankReader:
             missing.discard(group)
 
     def _gather(self, rows: np.ndarray) -> LocalRows:
-        group = self._group_of(rows)
-        held = np.unique(group)
-        self._pull(held)
-        tables = [self._buffer[int(h)] for h in held]
-        offsets = np.concatenate([[0], np.cumsum([t.num_rows for t in tables])[:-1]])
-        index = offsets[np.searchsorted(held, group)] + (rows - self.groups.start[group])
-        table = pa.concat_tables(tables, promote_options="permissive").take(pa.array(index))
-        return _to_local(table, self.info)
+        self._pull(np.unique(self._group_of(rows)))
+        return _to_local(_assemble(self._buffer, self.groups, rows, self.info), self.info)
 
     # ------------------------------------------------------------------ consume
     def validation(self) -> LocalRows:
@@ -313,14 +312,37 @@ def read_rows(info: DatasetInfo, row_ids: np.ndarray) -> dict[str, Any]:
     takes)."""
     row_ids = np.asarray(row_ids, dtype=np.int64)
     groups = row_groups(info.path)
-    filesystem = _filesystem(info.path)
-    group = np.searchsorted(groups.start, row_ids, side="right") - 1
+    tables = {
+        int(h): _parquet_file(info.path, groups.files[groups.file[h]]).read_row_group(
+            int(groups.index[h]), columns=_columns(info)
+        )
+        for h in np.unique(_group_of(groups, row_ids))
+    }
+    return _to_local(_assemble(tables, groups, row_ids, info), info).take(np.arange(len(row_ids)))
+
+
+_EMPTY = {
+    "tokens": pa.table({"tokens": pa.array([], pa.list_(pa.int64()))}),
+    "classification": pa.table(
+        {"features": pa.array([], pa.list_(pa.float32())), "label": pa.array([], pa.int64())}
+    ),
+}
+"""No rows (a rank without validation rows), by format."""
+
+
+def _group_of(groups: RowGroups, rows: np.ndarray) -> np.ndarray:
+    return np.searchsorted(groups.start, rows, side="right") - 1
+
+
+def _assemble(
+    tables: dict[int, pa.Table], groups: RowGroups, rows: np.ndarray, info: DatasetInfo
+) -> pa.Table:
+    """The rows `rows` (ids) from the held row groups `tables`, in that order."""
+    group = _group_of(groups, rows)
     held = np.unique(group)
-    tables = []
-    for h in held:
-        handle = pq.ParquetFile(filesystem.open_input_file(groups.files[groups.file[h]]))
-        tables.append(handle.read_row_group(int(groups.index[h]), columns=_columns(info)))
-    offsets = np.concatenate([[0], np.cumsum([t.num_rows for t in tables])[:-1]])
-    index = offsets[np.searchsorted(held, group)] + (row_ids - groups.start[group])
-    table = pa.concat_tables(tables, promote_options="permissive").take(pa.array(index))
-    return _to_local(table, info).take(np.arange(len(row_ids)))
+    if len(held) == 0:
+        return _EMPTY[info.format]
+    parts = [tables[int(h)] for h in held]
+    offsets = np.concatenate([[0], np.cumsum([t.num_rows for t in parts])[:-1]])
+    index = offsets[np.searchsorted(held, group)] + (rows - groups.start[group])
+    return pa.concat_tables(parts, promote_options="permissive").take(pa.array(index))

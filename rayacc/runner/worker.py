@@ -76,7 +76,8 @@ class WorkerRun:
 
     def __init__(self, config: dict[str, Any]):
         # when this process started and when its run began: bench/startup.py's worker phases
-        self.timeline = {"process_started": psutil.Process().create_time(), "entered": time.time()}
+        self.process = psutil.Process()
+        self.timeline = {"process_started": self.process.create_time(), "entered": time.time()}
         self.cfg = cfg = TrainConfig.model_validate(config["cfg"])
         self.info = DatasetInfo.from_dict(config["dataset"])
         ctx = ray.train.get_context()
@@ -395,6 +396,7 @@ class WorkerRun:
             "data/rows_read": self.reader.rows_read,
             "comm/sync_time_frac": result.sync_time_frac,
             "mem/peak_mb": result.peak_memory_mb,
+            "mem/rss_mb": self.process.memory_info().rss / 2**20,
             "epoch": epoch,
         }
         cost = StepCost(
