@@ -146,7 +146,7 @@ def train_steps(path: str, steps: int, work: Path) -> dict:
             "data": {"source": path, "val_fraction": 0.0, "seq_len": 128, "order": "chunks"},
             "batch": {"global_batch_size": GLOBAL_BATCH, "micro_batch_size": 64},
             "optim": {"name": "adamw", "lr": 1e-3},
-            "train": {"max_steps": steps, "checkpoint_every_steps": 0},
+            "train": {"max_steps": steps, "checkpoint_every_steps": None},
             "scaling": {"num_workers": WORKERS, "cpus_per_worker": 0.5},
             "tracking": {"enabled": False},
             "run": {"storage_path": str(work / "runs")},

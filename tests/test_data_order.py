@@ -204,3 +204,17 @@ def test_prepare_warns_when_row_groups_are_too_large_for_the_read_once_order(tmp
     assert any("data order: chunks (32 row groups" in n for n in prep.notes), prep.notes
     small = cfg.model_copy(update={"data": cfg.data.model_copy(update={"order": "rows"})})
     assert not any("reads each row" in w for w in prepare(small).warnings)
+
+
+def test_a_short_row_group_does_not_shift_the_windows_off_the_row_groups():
+    """A file's last row group is usually short; placed early in an epoch it would shift every
+    later window by its size, and each rank would read one row group more per window. Short
+    units go to the end of each shuffled epoch."""
+    from rayacc.runner.driver import read_factor
+
+    order = chunk_order([8] * 200 + [4] + [8] * 199)
+    layout = EpochLayout(order.num_train_rows, 64, 8, 2)
+    assert read_factor(order, layout) < 1.01
+    for epoch in (0, 1):
+        units, _ = order._epoch(epoch)
+        assert units[-1] == 200

@@ -211,6 +211,13 @@ class DataOrder:
             units = self.train_units
             if self.shuffle:
                 units = units[np.random.default_rng([self.seed, epoch]).permutation(len(units))]
+            if self.shuffle and self.chunked and len(units):
+                # units of the common size first, the odd ones (a file's last row group) at the
+                # end: one odd unit early would shift every later window off the row-group
+                # boundaries, and each rank would read one row group more per window
+                sizes = self.unit_size[units]
+                values, counts = np.unique(sizes, return_counts=True)
+                units = units[np.argsort(sizes != values[counts.argmax()], kind="stable")]
             self._cached = (epoch, units, np.cumsum(self.unit_size[units]))
         return self._cached[1], self._cached[2]
 
