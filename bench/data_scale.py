@@ -61,26 +61,32 @@ def write_tokens(folder: Path, rows: int, seed: int = 0) -> None:
         pq.write_table(table, folder / f"part-{part:05d}.parquet", row_group_size=GROUP_ROWS)
 
 
-def rank_epoch(kind: str, path: str, rank: int) -> dict:
-    """One epoch of rank `rank`'s reads (in a Ray actor: a process of its own, as a worker)."""
+def rank_epoch(kind: str, info_dict: dict, groups, rank: int) -> dict:
+    """One epoch of rank `rank`'s reads (in a Ray actor: a process of its own, as a worker;
+    the dataset's description and row groups come from the driver, as in a run)."""
     import psutil
 
     from rayacc.data.order import EpochLayout
-    from rayacc.data.sources import describe_dataset
+    from rayacc.data.sources import DatasetInfo
 
     proc = psutil.Process()
-    info = describe_dataset(path)
-    rss_before = proc.memory_info().rss
-    peak = rss_before
+    info = DatasetInfo.from_dict(info_dict)
+
+    def memory() -> tuple[int, int]:
+        # RSS counts the pages of Ray's shared object store the rank has touched; USS (the
+        # process's own pages) is what its reading holds
+        full = proc.memory_full_info()
+        return full.rss, full.uss
+
+    rss_before, uss_before = memory()
+    peak, peak_uss = rss_before, uss_before
     t0 = time.perf_counter()
     first = None
     consumed = 0
     if kind == "new":
         from rayacc.data.order import DataOrder
-        from rayacc.data.sources import row_groups
         from rayacc.runner.ingest import RankReader
 
-        groups = row_groups(info.path)
         order = DataOrder(groups.start, groups.size, 0, True, 0.0, chunked=True)
         layout = EpochLayout(order.num_train_rows, GLOBAL_BATCH, 64, WORKERS)
         reader = RankReader(info, groups, order, info.path)
@@ -90,7 +96,9 @@ def rank_epoch(kind: str, path: str, rank: int) -> dict:
             rows = reader.window(0, k)
             consumed += len(rows)
             first = first or time.perf_counter() - t0
-            peak = max(peak, proc.memory_info().rss)
+            if k % 16 == 0 or k == len(lo) - 1:
+                rss, uss = memory()
+                peak, peak_uss = max(peak, rss), max(peak_uss, uss)
         read = reader.rows_read
     else:
         # the reader before chunked reads: every rank streams the whole dataset, keeps its rows
@@ -112,7 +120,8 @@ def rank_epoch(kind: str, path: str, rank: int) -> dict:
         for lo in range(0, len(local), share):
             held.take(local[lo : lo + share])
             consumed += len(local[lo : lo + share])
-            peak = max(peak, proc.memory_info().rss)
+        rss, uss = memory()
+        peak, peak_uss = max(peak, rss), max(peak_uss, uss)
         read = info.num_rows
     return {
         "rank": rank,
@@ -122,16 +131,28 @@ def rank_epoch(kind: str, path: str, rank: int) -> dict:
         "first_window_s": first,
         "rss_before_mb": rss_before / 2**20,
         "peak_rss_mb": peak / 2**20,
+        "uss_before_mb": uss_before / 2**20,
+        "peak_uss_mb": peak_uss / 2**20,
     }
 
 
 def read_epoch(kind: str, path: str) -> list[dict]:
     import ray
 
+    from rayacc.data.sources import describe_dataset
+
+    info = describe_dataset(path)
+    groups = None
+    if kind == "new":
+        from rayacc.data.sources import row_groups
+
+        groups = row_groups(info.path)
+    info = {k: v for k, v in info.to_dict().items() if k not in ("num_row_groups", "data_bytes")}
+
     @ray.remote(num_cpus=0.5)
     class Rank:
         def run(self, rank: int) -> dict:
-            return rank_epoch(kind, path, rank)
+            return rank_epoch(kind, info, groups, rank)
 
     ranks = [Rank.remote() for _ in range(WORKERS)]
     return ray.get([r.run.remote(i) for i, r in enumerate(ranks)])
@@ -198,8 +219,8 @@ def main() -> None:
         results[scale] = ranks
         for r in ranks:
             print(
-                f"  read  {scale}N rank {r['rank']}: peak RSS {r['peak_rss_mb']:.0f} MB "
-                f"(+{r['peak_rss_mb'] - r['rss_before_mb']:.0f} over {r['rss_before_mb']:.0f}), "
+                f"  read  {scale}N rank {r['rank']}: peak USS {r['peak_uss_mb']:.0f} MB "
+                f"(+{r['peak_uss_mb'] - r['uss_before_mb']:.0f}), RSS {r['peak_rss_mb']:.0f} MB, "
                 f"rows read {r['rows_read']:,} = {r['rows_read'] / (n / WORKERS):.3f} × N/W, "
                 f"{r['rows'] / r['seconds']:,.0f} rows/s, first window {r['first_window_s']:.2f} s"
             )
@@ -211,11 +232,12 @@ def main() -> None:
                 f"{tr['rows_read']:,} for {tr['rows_trained']:,} trained"
             )
     scales = sorted(results)
-    peaks = [max(r["peak_rss_mb"] for r in results[s]) for s in scales]
-    print(
-        f"peak RSS per rank across {scales[0]}N..{scales[-1]}N: "
-        f"{' / '.join(f'{p:.0f}' for p in peaks)} MB, max/min {max(peaks) / min(peaks):.3f}"
-    )
+    for key in ("peak_uss_mb", "peak_rss_mb"):
+        peaks = [max(r[key] for r in results[s]) for s in scales]
+        print(
+            f"{key} (largest rank) across {scales[0]}N..{scales[-1]}N: "
+            f"{' / '.join(f'{p:.0f}' for p in peaks)} MB, max/min {max(peaks) / min(peaks):.3f}"
+        )
     reads = [r["rows_read"] / r["rows"] for s in scales for r in results[s]]
     print(f"rows read / rows consumed per rank: max {max(reads):.3f}")
     if args.baseline_src:
@@ -239,10 +261,11 @@ def main() -> None:
             check=True,
             cwd=args.baseline_src,
         ).stdout
-        old = json.loads(out.strip().splitlines()[-1])
+        old = json.loads(next(line for line in out.splitlines() if line.startswith("[{")))
         for r in old:
             print(
-                f"  baseline N rank {r['rank']}: peak RSS {r['peak_rss_mb']:.0f} MB, "
+                f"  baseline N rank {r['rank']}: peak USS {r['peak_uss_mb']:.0f} MB, "
+                f"RSS {r['peak_rss_mb']:.0f} MB, "
                 f"{r['rows'] / r['seconds']:,.0f} rows/s, first window {r['first_window_s']:.2f} s"
             )
         new_rate = sum(r["rows"] / r["seconds"] for r in results[scales[0]])
