@@ -55,7 +55,7 @@ from rayacc.quantities import (
     schedule_length,
 )
 from rayacc.runner.checkpoint import read_checkpoint, write_checkpoint
-from rayacc.runner.ingest import RankReader
+from rayacc.runner.ingest import RankReader, warm_up
 from rayacc.runner.progress import Outbox
 
 __all__ = ["REWARM_STEPS", "WorkerRun", "train_loop"]
@@ -78,6 +78,7 @@ class WorkerRun:
         # when this process started and when its run began: bench/startup.py's worker phases
         self.process = psutil.Process()
         self.timeline = {"process_started": self.process.create_time(), "entered": time.time()}
+        warm_up()
         self.cfg = cfg = TrainConfig.model_validate(config["cfg"])
         self.info = DatasetInfo.from_dict(config["dataset"])
         ctx = ray.train.get_context()

@@ -1,0 +1,51 @@
+"""Reading Parquet row groups, for the Ray Data read tasks of the ranks' reader
+(runner/ingest.py). pyarrow only: a read task's process imports nothing heavier, so it starts
+quickly on any node, CPU-only ones included."""
+
+from __future__ import annotations
+
+import functools
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+__all__ = ["parquet_file", "read_groups", "warm"]
+
+
+def filesystem_of(source: str):
+    from pyarrow import fs
+
+    if "://" in source:
+        return fs.FileSystem.from_uri(source)[0]
+    return fs.LocalFileSystem()
+
+
+@functools.lru_cache(maxsize=32)
+def parquet_file(source: str, path: str) -> pq.ParquetFile:
+    """An open file, kept by the process that runs read tasks: its footer (the row groups'
+    metadata, megabytes for a large file of small groups) is parsed once, not once a task."""
+    try:
+        return pq.ParquetFile(filesystem_of(source).open_input_file(path))
+    except (FileNotFoundError, OSError) as exc:
+        raise FileNotFoundError(
+            f"{path} cannot be opened on this node ({exc}); every node that runs read tasks "
+            "must reach the data: give a URI (s3://, gs://) or a shared filesystem"
+        ) from None
+
+
+def read_groups(batch: pa.Table, source: str, columns: list[str]) -> pa.Table:
+    """A Ray Data read task: the row groups `batch` lists (`file`, `group`), in that order, one
+    table. Runs wherever Ray Data schedules it; per-row preparation belongs here."""
+    parts = [
+        parquet_file(source, path).read_row_group(group, columns=columns)
+        for path, group in zip(
+            batch.column("file").to_pylist(), batch.column("group").to_pylist(), strict=True
+        )
+    ]
+    return pa.concat_tables(parts, promote_options="permissive")
+
+
+def warm() -> bool:
+    """A task that only loads this module: run early, it leaves a worker process ready for
+    the first read task (a new one takes seconds to start on a small machine)."""
+    return True
