@@ -152,6 +152,41 @@ def _batch_plan_rules(batch: BatchConfig, scaling: ScalingConfig) -> list[Config
     return []
 
 
+def _strategy_rules(train, batch: BatchConfig | None) -> list[ConfigIssue]:
+    if train.strategy != "fsdp":
+        return []
+    issues = []
+    if train.precision == "fp16":
+        issues.append(
+            ConfigIssue(
+                "train.precision",
+                "fp16 needs a gradient scaler for sharded gradients, which rayacc does not have",
+                "fp16",
+                "use train.precision=bf16 (or fp32) with train.strategy=fsdp",
+            )
+        )
+    if train.compile:
+        issues.append(
+            ConfigIssue(
+                "train.compile",
+                "is not supported with train.strategy=fsdp yet",
+                True,
+                "set train.compile=false, or use train.strategy=ddp",
+            )
+        )
+    if batch is not None and batch.auto_micro_batch:
+        issues.append(
+            ConfigIssue(
+                "batch.micro_batch_size",
+                "auto is not supported with train.strategy=fsdp yet (the search runs the "
+                "unsharded model)",
+                "auto",
+                "give a micro_batch_size, or use train.strategy=ddp",
+            )
+        )
+    return issues
+
+
 def cross_field_issues(sections: dict[str, Any]) -> list[ConfigIssue]:
     """Every rule whose sections are valid, in a fixed order."""
     model, data = sections.get("model"), sections.get("data")
@@ -165,6 +200,8 @@ def cross_field_issues(sections: dict[str, Any]) -> list[ConfigIssue]:
         if any(i.path == "scaling.num_workers" for i in scaling_issues):
             # a worker count that makes no sense would only add noise below
             scaling = None
+    if sections.get("train") is not None:
+        issues += _strategy_rules(sections["train"], batch)
     if batch is not None:
         issues += _auto_micro_batch_rules(batch, scaling)
         if scaling is not None:

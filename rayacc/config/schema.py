@@ -148,6 +148,26 @@ class OptimConfig(Section):
     CPU and GPU workers alike."""
 
 
+class EveryN(Section):
+    every_n: int = Field(ge=1)
+    """Checkpoint every n-th transformer block (1 = all)."""
+
+
+class FSDPConfig(Section):
+    """`train.strategy: fsdp` (docs/design.md, "Memory strategies")."""
+
+    grad_sync: Literal["every_micro_step", "window_end"] = "every_micro_step"
+    """How gradients are reduce-scattered across a window: `every_micro_step` after each
+    micro-step's backward (gradients stay sharded: the least memory), or `window_end` once per
+    window (`set_requires_gradient_sync(False)` on the others: one reduce-scatter per block and
+    window, but every rank holds unsharded gradients for the whole model meanwhile)."""
+    reshard_after_forward: bool = True
+    """Free each block's gathered parameters after its forward (gathered again in backward):
+    less memory, one more all-gather per block and micro-step."""
+    mixed_precision: bool = True
+    """bf16 runs: blocks compute in bf16 and gradients are reduced in float32."""
+
+
 class TrainSection(Section):
     max_steps: int | None = Field(None, ge=1)
     """Optimizer steps to run; null = run `train.epochs` epochs."""
@@ -169,6 +189,14 @@ class TrainSection(Section):
     """Token models with an output head (`gpt`): compute the vocabulary projection and
     cross-entropy this many positions at a time, so fp32 logits of a whole micro-batch are never
     held; null = all at once."""
+    strategy: Literal["ddp", "fsdp"] = "ddp"
+    """`ddp`: every rank holds the whole model (DistributedDataParallel). `fsdp`: parameters,
+    gradients and optimizer state sharded over the ranks (FSDP2, per transformer block and at
+    the root; see the `fsdp` section), for models that do not fit one device."""
+    activation_checkpointing: Literal["none", "full"] | EveryN = "none"
+    """Recompute transformer blocks' activations in backward instead of keeping them: `full`
+    (every block), `{every_n: k}` (every k-th block) or `none`. Less activation memory for
+    about one more forward of compute; the step is unchanged (to rounding)."""
     peak_tflops: float | None = Field(None, gt=0.0)
     """Peak TFLOP/s of one worker's device for `perf/mfu`; null = a known GPU's dense bf16
     peak, none on CPU (then only `perf/tflops` is logged)."""
@@ -242,6 +270,7 @@ class TrainConfig(Section):
     batch: BatchConfig = Field(default_factory=BatchConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
     train: TrainSection = Field(default_factory=TrainSection)
+    fsdp: FSDPConfig = Field(default_factory=FSDPConfig)
     scaling: ScalingConfig = Field(default_factory=ScalingConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     run: RunConfig = Field(default_factory=RunConfig)

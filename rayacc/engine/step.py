@@ -25,9 +25,10 @@ import torch.distributed as dist
 from torch import nn
 
 from rayacc.engine.collectives import all_reduce
+from rayacc.engine.fsdp import GRAD_SYNC_MODES, ReduceScatterCounter, is_fsdp
 from rayacc.engine.losses import Batch, ItemCounter, LossFn, count_rows
 from rayacc.engine.precision import PRECISIONS, autocast
-from rayacc.engine.sync import ddp_sync_context, install_comm_counter, is_ddp
+from rayacc.engine.sync import grad_sync_context, install_comm_counter, is_ddp
 
 __all__ = ["PRECISIONS", "AccumulationStep", "MicroStepMismatchError", "StepResult"]
 
@@ -59,6 +60,8 @@ class StepResult:
     skip_reason: str | None
     allreduce_calls: int
     """Gradient all-reduce launches (DDP buckets) in the window; 0 without DDP."""
+    reduce_scatter_calls: int
+    """FSDP: gradient reduce-scatter launches (one per FSDP unit and synced backward)."""
     sync_passes: int
     """Backward passes that synced gradients (1 with accumulation done right)."""
     step_time_s: float
@@ -103,11 +106,21 @@ class AccumulationStep:
         scaler: torch.amp.GradScaler | None = None,
         count_comm: bool = True,
         oom_retry: bool = False,
+        fsdp_grad_sync: str = "every_micro_step",
     ):
         if precision not in PRECISIONS:
             raise ValueError(f"train.precision={precision!r} is not one of {', '.join(PRECISIONS)}")
         if max_grad_norm is not None and max_grad_norm <= 0:
             raise ValueError(f"optim.max_grad_norm must be > 0 or null, got {max_grad_norm}")
+        if fsdp_grad_sync not in GRAD_SYNC_MODES:
+            raise ValueError(
+                f"fsdp.grad_sync={fsdp_grad_sync!r} is not one of {', '.join(GRAD_SYNC_MODES)}"
+            )
+        self.fsdp = is_fsdp(model)
+        if self.fsdp and (precision == "fp16" or oom_retry):
+            what = "train.precision=fp16" if precision == "fp16" else "out-of-memory retries"
+            raise ValueError(f"{what} with an FSDP model: not supported (use bf16 / fp32)")
+        self.fsdp_grad_sync = fsdp_grad_sync
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -125,7 +138,18 @@ class AccumulationStep:
         # the engine's hook sums gradients over ranks and the one multiply below divides by
         # N; DDP's default hook (count_comm=False) has averaged them already
         self.comm = install_comm_counter(model, average=False) if count_comm else None
-        self._rank_factor = 1.0 if self.comm is not None else float(self.world_size)
+        self.reduce_scatter = None
+        if self.fsdp:
+            for module in model.modules():
+                if is_fsdp(module):
+                    # a sum over ranks: the multiply by 1 / N below is the whole normalisation
+                    module.set_gradient_divide_factor(1.0)
+                    # a plain SUM (not NCCL's PreMulSum by 1, which gloo lacks)
+                    module.set_force_sum_reduction_for_comms(True)
+            if count_comm:
+                self.reduce_scatter = ReduceScatterCounter().install(model)
+        sums = self.comm is not None or self.fsdp
+        self._rank_factor = 1.0 if sums else float(self.world_size)
         self.oom_retry = oom_retry
         # all parameters (those the optimizer holds now) on one device in one dtype: the
         # gradient norm skips the grouping by device and dtype
@@ -144,10 +168,11 @@ class AccumulationStep:
         if not (dist.is_available() and dist.is_initialized()):
             return 1
         world = dist.get_world_size(self.group)
-        if world > 1 and not is_ddp(self.model):
+        if world > 1 and not (is_ddp(self.model) or self.fsdp):
             raise ValueError(
-                f"torch.distributed runs {world} ranks but the model is not wrapped in "
-                "DistributedDataParallel: gradients would never sync. Wrap it (or prepare_model)."
+                f"torch.distributed runs {world} ranks but the model is neither wrapped in "
+                "DistributedDataParallel nor sharded with fully_shard: gradients would never "
+                "sync. Wrap it (or prepare_model)."
             )
         return world
 
@@ -194,9 +219,17 @@ class AccumulationStep:
             torch.cuda.reset_peak_memory_stats(self.device)
         if self.comm is not None:
             self.comm.begin_window()
+        if self.reduce_scatter is not None:
+            self.reduce_scatter.begin_window()
         n_micro = len(micro_batches)
         if n_micro == 0:
             raise ValueError("empty window: no micro-batches on this rank")
+        if self.fsdp and self.world_size > 1:
+            # FSDP gathers parameters in every forward: a rank with one micro-step more would
+            # wait in a collective forever, so the ranks agree on the count first (a small
+            # all-reduce per window)
+            _, sum_m, sum_m2 = self._all_reduce_sum([0.0, n_micro, n_micro**2])
+            self._check_micro_steps(n_micro, sum_m, sum_m2)
         # this rank's items, samples and micro-steps (and their square, for the parity check)
         counts = [local_items, sum(count_rows(mb) for mb in micro_batches), n_micro, n_micro**2]
         lr = float(self.optimizer.param_groups[0]["lr"])
@@ -254,7 +287,7 @@ class AccumulationStep:
             if out_of_memory is not None:
                 continue
             try:
-                with ddp_sync_context(self.model, sync=last):
+                with grad_sync_context(self.model, last, self.fsdp_grad_sync):
                     with self._autocast():
                         item_losses = loss_fn(self.model, mb)
                     micro_sum = item_losses.float().sum()
@@ -324,7 +357,12 @@ class AccumulationStep:
         return grad_norm, skip_reason
 
     def _grad_norm(self, grads: list[torch.Tensor]) -> float:
-        if self._uniform_params:
+        if self.fsdp:
+            # the sharded gradients' norms combined over the ranks: a collective
+            norm = torch.nn.utils.get_total_norm(grads)
+            if hasattr(norm, "full_tensor"):
+                norm = norm.full_tensor()
+        elif self._uniform_params:
             # torch.nn.utils.get_total_norm without its grouping by device and dtype, which
             # costs as much as the norms on a small model
             norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
@@ -375,6 +413,14 @@ class AccumulationStep:
             ) from error
         return True
 
+    def _sync_passes(self, micro_steps: int) -> int:
+        """Backward passes that synced gradients in the window."""
+        if self.comm is not None:
+            return self.comm.passes
+        if self.fsdp and self.world_size > 1:
+            return micro_steps if self.fsdp_grad_sync == "every_micro_step" else 1
+        return 0
+
     def _result(
         self,
         t_start: float,
@@ -406,7 +452,8 @@ class AccumulationStep:
             skipped=skip_reason is not None,
             skip_reason=skip_reason,
             allreduce_calls=self.comm.launches if self.comm else 0,
-            sync_passes=self.comm.passes if self.comm else 0,
+            reduce_scatter_calls=self.reduce_scatter.launches if self.reduce_scatter else 0,
+            sync_passes=self._sync_passes(micro_steps),
             step_time_s=time.perf_counter() - t_start,
             sync_time_s=self.comm.sync_time_s() if self.comm else 0.0,
             peak_memory_mb=peak_mb,

@@ -12,7 +12,13 @@ from torch import nn
 
 from rayacc.engine.collectives import all_reduce_async
 
-__all__ = ["CommCounter", "ddp_sync_context", "install_comm_counter", "is_ddp"]
+__all__ = [
+    "CommCounter",
+    "ddp_sync_context",
+    "grad_sync_context",
+    "install_comm_counter",
+    "is_ddp",
+]
 
 
 def is_ddp(model: nn.Module) -> bool:
@@ -27,6 +33,23 @@ def ddp_sync_context(model: nn.Module, sync: bool) -> contextlib.AbstractContext
     if sync or not is_ddp(model):
         return contextlib.nullcontext()
     return model.no_sync()
+
+
+def grad_sync_context(
+    model: nn.Module, sync: bool, fsdp_grad_sync: str = "every_micro_step"
+) -> contextlib.AbstractContextManager[None]:
+    """The one place that decides whether a micro-step's backward syncs gradients; wraps its
+    forward and backward. DDP: `no_sync` unless `sync`. FSDP2 (whose forward all-gathers and
+    backward reduce-scatters per unit, and where a DDP-style `no_sync` would do nothing):
+    with `window_end`, `set_requires_gradient_sync(sync)` (the unsharded gradients are then
+    held until the syncing micro-step); with `every_micro_step`, every backward syncs."""
+    from rayacc.engine.fsdp import is_fsdp
+
+    if is_fsdp(model):
+        if fsdp_grad_sync == "window_end":
+            model.set_requires_gradient_sync(sync)
+        return contextlib.nullcontext()
+    return ddp_sync_context(model, sync)
 
 
 @dataclass

@@ -1,0 +1,105 @@
+"""FSDP2 (`torch.distributed.fsdp.fully_shard`) for the accumulation step: sharding a model per
+block and at the root, the two ways to accumulate, and counting the gradient reduce-scatters.
+
+Parameters, gradients and optimizer state are sharded over the ranks (ZeRO-3). Accumulation:
+- `every_micro_step`: each micro-step's backward reduce-scatters its gradients, so each rank
+  holds only its shard of the accumulated gradient (least memory; one reduce-scatter per block
+  and micro-step).
+- `window_end`: `set_requires_gradient_sync(False)` on the window's other micro-steps: the
+  unsharded gradients of every parameter are held across the window and reduce-scattered once
+  (one reduce-scatter per block and window; a full gradient's memory on every rank).
+Either way FSDP's gradient division is set to 1, so the reduction is a sum over ranks and the
+engine's single multiply by 1 / N_window is the whole normalisation (docs/design.md).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+
+__all__ = [
+    "GRAD_SYNC_MODES",
+    "ReduceScatterCounter",
+    "fsdp_blocks",
+    "is_fsdp",
+    "shard_model",
+]
+
+GRAD_SYNC_MODES = ("every_micro_step", "window_end")
+
+
+def is_fsdp(model: nn.Module) -> bool:
+    return isinstance(model, FSDPModule)
+
+
+def fsdp_blocks(model: nn.Module) -> list[nn.Module]:
+    """The modules sharded as units of their own: `model.fsdp_blocks()` when the model names
+    them (the hook for user factories), else the entries of a `blocks` ModuleList (the `gpt`
+    model's transformer blocks), else none (the whole model is one unit)."""
+    named = getattr(model, "fsdp_blocks", None)
+    if callable(named):
+        return list(named())
+    blocks = getattr(model, "blocks", None)
+    return list(blocks) if isinstance(blocks, nn.ModuleList) else []
+
+
+def shard_model(
+    model: nn.Module,
+    *,
+    device: torch.device,
+    reshard_after_forward: bool = True,
+    param_dtype: torch.dtype | None = None,
+    blocks: Sequence[nn.Module] | None = None,
+) -> nn.Module:
+    """`fully_shard` on each block, then on the root, over a 1-D mesh of all ranks on
+    `device`'s type. `param_dtype` (bf16) computes in that dtype and reduces gradients in
+    float32. The model's parameters may be on the meta device (each rank then materialises
+    only its shards) or on `device`."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    kwargs = {"mesh": mesh, "reshard_after_forward": reshard_after_forward, "mp_policy": policy}
+    for block in fsdp_blocks(model) if blocks is None else blocks:
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+    for module in model.modules():
+        if is_fsdp(module):
+            # a sum over ranks: the engine divides by the window's loss items, once
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+class ReduceScatterCounter(ReduceScatter):
+    """FSDP's reduce-scatter of gradients (the default collective), counted: `launches` since
+    `begin_window`. Installed on every FSDP unit of a model with `install`."""
+
+    def __init__(self) -> None:
+        self.launches = 0
+        self._lock = threading.Lock()
+
+    def install(self, model: nn.Module) -> ReduceScatterCounter:
+        for module in model.modules():
+            if is_fsdp(module):
+                module.set_custom_reduce_scatter(self)
+        return self
+
+    def begin_window(self) -> None:
+        self.launches = 0
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
+        with self._lock:
+            self.launches += 1
+        return dist.reduce_scatter_tensor(
+            output_tensor, input_tensor, op=op, group=group, async_op=async_op
+        )

@@ -1,0 +1,108 @@
+"""Rank bodies for the 2-process gloo FSDP2 tests (plain torch.multiprocessing, no Ray).
+
+Each scenario shards a small GPT (2 blocks) with FSDP2 over both ranks and runs windows of
+padded variable-length token micro-batches through the accumulation step; every rank writes the
+full weights it ends with (and the step results) to `out_dir/rank{r}.pt`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import traceback
+
+import torch
+import torch.distributed as dist
+
+from rayacc.engine import AccumulationStep, count_target_tokens, token_item_losses
+from rayacc.engine.fsdp import shard_model
+from rayacc.models.gpt import GPT
+from tests.engine_helpers import token_micro_batches, token_sequences
+
+VOCAB, BLOCK = 16, 16
+MICRO = 2
+WINDOWS = [16, 16, 10]
+"""Sequences per window: two full windows and a short last one (5 per rank, 3 micro-steps)."""
+
+
+def gpt() -> GPT:
+    torch.manual_seed(0)
+    return GPT(VOCAB, BLOCK, n_layer=2, n_head=2, n_embd=16)
+
+
+def windows() -> list[list[torch.Tensor]]:
+    seqs = token_sequences(sum(WINDOWS), seed=9, min_len=2, max_len=BLOCK + 1)
+    seqs = [s.clamp(max=VOCAB - 1) for s in seqs]
+    out, at = [], 0
+    for n in WINDOWS:
+        out.append(seqs[at : at + n])
+        at += n
+    return out
+
+
+def rank_share(window: list[torch.Tensor], rank: int, world: int) -> list[torch.Tensor]:
+    """Contiguous share, the first ranks one more when the window does not divide."""
+    base, extra = divmod(len(window), world)
+    lo = rank * base + min(rank, extra)
+    return window[lo : lo + base + (1 if rank < extra else 0)]
+
+
+def micro_split(seqs: list[torch.Tensor], steps: int) -> list[dict[str, torch.Tensor]]:
+    sizes = [len(a) for a in torch.tensor_split(torch.arange(len(seqs)), steps)]
+    out, at = [], 0
+    for n in sizes:
+        out += token_micro_batches(seqs[at : at + n], n)
+        at += n
+    return out
+
+
+def full_weights(model: torch.nn.Module) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    parts = []
+    for p in model.parameters():
+        t = p.full_tensor() if isinstance(p, DTensor) else p
+        parts.append(t.detach().reshape(-1).double())
+    return torch.cat(parts)
+
+
+def scenario(rank: int, world: int, mode: str, out: dict) -> None:
+    """`mode`: an FSDP gradient-sync mode, or `ddp` (the same steps under DDP: the yardstick
+    of float rounding for the FSDP runs)."""
+    if mode == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = DistributedDataParallel(gpt())
+    else:
+        model = shard_model(gpt(), device=torch.device("cpu"))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.02, weight_decay=0.1)
+    sync = "every_micro_step" if mode == "ddp" else mode
+    step = AccumulationStep(model, opt, max_grad_norm=0.5, fsdp_grad_sync=sync)
+    results = []
+    for window in windows():
+        mine = rank_share(window, rank, world)
+        steps = -(-len(window) // world // MICRO)  # the same micro-steps on every rank
+        results.append(step(micro_split(mine, steps), token_item_losses, count_target_tokens))
+    inner = model.module if mode == "ddp" else model
+    out[mode] = {"params": full_weights(inner), "results": results}
+
+
+def run_rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    torch.set_num_threads(1)
+    out: dict = {}
+    try:
+        for mode in ("ddp", "every_micro_step", "window_end"):
+            scenario(rank, world, mode, out)
+            dist.barrier()
+    except Exception:
+        out["error"] = traceback.format_exc()
+        raise
+    finally:
+        torch.save(out, f"{out_dir}/rank{rank}.pt")
+        dist.destroy_process_group()
