@@ -20,6 +20,8 @@ def build_optimizer(
     # for CPU and CUDA (on a small CPU model AdamW's step takes a third of the per-tensor loop)
     fused = o.fused if o.fused is not None else device.type in ("cpu", "cuda")
     if o.name == "sgd":
+        # the fused SGD kernel has no rule for sharded (DTensor) parameters
+        fused = fused and cfg.train.strategy != "fsdp"
         return torch.optim.SGD(
             params, lr=lr, momentum=o.momentum, weight_decay=o.weight_decay, fused=fused or None
         )

@@ -110,6 +110,7 @@ IDENTITY_FIELDS = (
     "data.seq_len",
     "model.",
     "train.precision",
+    "train.strategy",
 )
 """Config fields (a trailing dot: a whole section) that fix the data order and the model: a
 resume must keep them. Anything else (epochs, max_steps, cadences, tracking, workers of an

@@ -403,6 +403,59 @@ def test_gpt_on_padded_token_rows_equals_full_batch(ray_local, tmp_path, record_
     assert err <= 2 * floor, (err, floor)
 
 
+@pytest.mark.parametrize(
+    ("grad_sync", "recompute"), [("every_micro_step", "none"), ("window_end", "full")]
+)
+def test_fsdp_on_padded_token_rows_equals_full_batch(
+    ray_local, tmp_path, record_equivalence, grad_sync, recompute
+):
+    """train.strategy=fsdp through the whole stack: Ray workers shard the GPT with FSDP2,
+    accumulate in either sync mode (with activation checkpointing in one), and the step equals
+    the full batch in one process; the checkpoint holds the whole model."""
+    from rayacc.engine import IGNORE_INDEX, collate_tokens
+
+    rng = np.random.default_rng(1)
+    seqs = sorted((rng.integers(0, 17, rng.integers(2, 21)).tolist() for _ in range(16)), key=len)
+    path = tmp_path / "tokens.parquet"
+    pq.write_table(pa.table({"tokens": pa.array(seqs, pa.list_(pa.uint16()))}), path)
+    cfg = config(
+        tmp_path,
+        model={"name": "gpt", "n_layer": 2, "n_head": 2, "n_embd": 16, "block_size": 32},
+        data={"source": str(path), "shuffle": False, "seq_len": 32},
+        batch={"global_batch_size": 16, "micro_batch_size": 2},
+        train={
+            "strategy": "fsdp",
+            "activation_checkpointing": recompute,
+            "loss_chunk_tokens": None,
+        },
+        fsdp={"grad_sync": grad_sync},
+        tracking={"enabled": False},
+    )
+    result = fit_or_fail(cfg)
+    record = result.history[0]
+    assert record["train/items"] == sum(len(s) - 1 for s in seqs)
+    units = 3  # two blocks and the root
+    expected = units * (4 if grad_sync == "every_micro_step" else 1)
+    assert record["comm/reduce_scatter_calls"] == expected, record
+
+    def full_batch_loss(model, dtype):
+        batch = collate_tokens(seqs)
+        logits = model(batch["input"])
+        return F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]),
+            batch["target"].reshape(-1),
+            ignore_index=IGNORE_INDEX,
+        )
+
+    err, floor = sgd_step_errors(cfg, full_batch_loss, load_model(result.checkpoint_dir))
+    record_equivalence(
+        f"Ray Train, FSDP2 {grad_sync}, activation checkpointing {recompute}, GPT, padded "
+        f"tokens, 2 workers (vs float64; fp32 full batch: {floor:.3e})",
+        err,
+    )
+    assert err <= 2 * floor, (err, floor)
+
+
 def test_auto_micro_batch_with_compile_keeps_the_global_batch_and_the_step(
     ray_local, tmp_path, record_equivalence
 ):

@@ -27,7 +27,9 @@ __all__ = [
     "GRAD_SYNC_MODES",
     "ReduceScatterCounter",
     "fsdp_blocks",
+    "full_state_dicts",
     "is_fsdp",
+    "load_full_state_dicts",
     "shard_model",
 ]
 
@@ -103,3 +105,36 @@ class ReduceScatterCounter(ReduceScatter):
         return dist.reduce_scatter_tensor(
             output_tensor, input_tensor, op=op, group=group, async_op=async_op
         )
+
+
+def full_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """(model, optimizer) state dicts of a sharded model, gathered whole onto rank 0's CPU
+    (other ranks get empty dicts), keyed by parameter name: a collective, every rank calls it.
+    Loading them reshards to any number of ranks."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return (
+        get_model_state_dict(model, options=options),
+        get_optimizer_state_dict(model, optimizer, options=options),
+    )
+
+
+def load_full_state_dicts(
+    model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict, optimizer_state: dict
+) -> None:
+    """Loads whole state dicts (as `full_state_dicts` wrote them) into a sharded model and its
+    optimizer; every rank keeps its own shards."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    options = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(model, model_state, options=options)
+    set_optimizer_state_dict(model, optimizer, optimizer_state, options=options)

@@ -22,6 +22,7 @@ from rayacc.batch_plan import BatchPlan
 from rayacc.config import TrainConfig
 from rayacc.data.order import DataOrder, EpochLayout
 from rayacc.data.sources import DataError, DatasetInfo, RowGroups, describe_dataset, row_groups
+from rayacc.engine.fsdp import fsdp_blocks
 from rayacc.events import RunObserver
 from rayacc.models import build_model
 from rayacc.quantities import (
@@ -177,6 +178,11 @@ def _warnings(
         )
     if layout.dropped_rows:
         warnings.append(layout.describe())
+    if cfg.train.activation_checkpointing != "none" and not fsdp_blocks(model):
+        warnings.append(
+            "train.activation_checkpointing is set but the model names no blocks (a `blocks` "
+            "ModuleList or an `fsdp_blocks()` method): nothing is recomputed"
+        )
     bn = batchnorm_layers(model)
     if bn:
         warnings.append(

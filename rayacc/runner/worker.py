@@ -42,6 +42,13 @@ from rayacc.engine import (
     flops_per_item,
     to_device,
 )
+from rayacc.engine.fsdp import (
+    fsdp_blocks,
+    full_state_dicts,
+    load_full_state_dicts,
+    shard_model,
+)
+from rayacc.engine.recompute import apply_activation_checkpointing
 from rayacc.events import Event, MicroBatchChanged, Resized, RunStarted
 from rayacc.models import build_model, loss_functions, unwrap_model
 from rayacc.optim import build_optimizer, build_schedule
@@ -86,6 +93,7 @@ class WorkerRun:
         self.progress = config.get("progress")
         self.outbox = Outbox(self.progress if self.rank == 0 else None)
         self.device = self._device()
+        self.fsdp = cfg.train.strategy == "fsdp"
         # dropout and anything else random: one stream per rank, the same in every run
         torch.manual_seed(rank_seed(cfg.seed, self.rank))
         self.reference = cfg.batch_plan()
@@ -136,10 +144,21 @@ class WorkerRun:
     def _build(self) -> None:
         cfg = self.cfg
         module = build_model(cfg, self.info)
-        if cfg.train.compile:
-            # compiled before DDP wraps it, so no_sync and the gradient hooks stay outside the graph
-            module = torch.compile(module)
-        self.model = prepare_model(module)
+        self._checkpoint_activations(module)
+        if self.fsdp:
+            self.model = shard_model(
+                module.to(self.device),
+                device=self.device,
+                reshard_after_forward=cfg.fsdp.reshard_after_forward,
+                param_dtype=torch.bfloat16
+                if cfg.train.precision == "bf16" and cfg.fsdp.mixed_precision
+                else None,
+            )
+        else:
+            if cfg.train.compile:
+                # compiled before DDP wraps it: no_sync and the gradient hooks stay outside it
+                module = torch.compile(module)
+            self.model = prepare_model(module)
         self.optimizer = build_optimizer(cfg, self.model.parameters(), self.lr, self.device)
         reference_layout = epoch_layout(cfg, self.order.num_train_rows, self.reference)
         # the schedule advances by samples (see _window), not by the engine's scheduler hook
@@ -157,11 +176,21 @@ class WorkerRun:
             max_grad_norm=cfg.optim.max_grad_norm,
             # a CUDA out-of-memory error halves the micro-batch on all ranks (auto micro-batch)
             oom_retry=cfg.batch.auto_micro_batch and self.device.type == "cuda",
+            fsdp_grad_sync=cfg.fsdp.grad_sync,
         )
         self.loss_fn, self.count = loss_functions(
             self.info, self.model, cfg.train.loss_chunk_tokens
         )
         self.peak_tflops = device_peak_tflops(self.device, cfg.train.peak_tflops)
+
+    def _checkpoint_activations(self, module: torch.nn.Module) -> None:
+        """`train.activation_checkpointing`: recompute the chosen blocks in backward."""
+        setting = self.cfg.train.activation_checkpointing
+        if setting == "none":
+            return
+        blocks = fsdp_blocks(module)
+        if blocks:  # none: `prepare` has warned
+            apply_activation_checkpointing(blocks, 1 if setting == "full" else setting.every_n)
 
     def _restore(self) -> list[Event]:
         """Loads the latest checkpoint of the run, if any; a resize event when it was written
@@ -179,8 +208,11 @@ class WorkerRun:
                 f"run resolves to {plan.global_batch_size}; resume with the same "
                 "batch.global_batch_size"
             )
-        unwrap_model(self.model).load_state_dict(saved["model"])
-        self.optimizer.load_state_dict(saved["optimizer"])
+        if self.fsdp:
+            load_full_state_dicts(self.model, self.optimizer, saved["model"], saved["optimizer"])
+        else:
+            unwrap_model(self.model).load_state_dict(saved["model"])
+            self.optimizer.load_state_dict(saved["optimizer"])
         self.schedule.load_state_dict(saved["schedule"])
         if self.step.scaler is not None and saved.get("scaler"):
             self.step.scaler.load_state_dict(saved["scaler"])
@@ -251,6 +283,10 @@ class WorkerRun:
             self.order.val_rows(self.rank, self.world),
         )
         self.val_rows = self.reader.validation()
+        # one row for the forwards a rank without validation rows of its own runs beside the
+        # others (FSDP): its first training row
+        first = self.reader.window(self.epochs[0][0], 0) if self.epochs else self.val_rows
+        self.spare_batch = first.take(np.arange(min(1, len(first))))
         self.timeline["data"] = time.time()
 
     def _begin_epoch(self, epoch: int) -> None:
@@ -394,6 +430,7 @@ class WorkerRun:
             "scaling/micro_batch_size": self.micro_now,
             "scaling/global_batch_size": self.plan.global_batch_size,
             "comm/allreduce_calls": result.allreduce_calls,
+            "comm/reduce_scatter_calls": result.reduce_scatter_calls,
             "data/rows_read": self.reader.rows_read,
             "comm/sync_time_frac": result.sync_time_frac,
             "mem/peak_mb": result.peak_memory_mb,
@@ -444,15 +481,24 @@ class WorkerRun:
         totals = torch.zeros(3, dtype=torch.float64)
         classification = self.info.format == "classification"
         batch_size = 2 * self.plan.micro_batch_size
-        for start in range(0, len(self.val_rows), batch_size):
+        n_batches = math.ceil(len(self.val_rows) / batch_size)
+        if self.fsdp:
+            # every forward of a sharded model gathers parameters with the other ranks: all
+            # ranks run as many batches as the one with the most (the extra ones uncounted)
+            n_batches = int(all_reduce(torch.tensor([float(n_batches)]), op="max").item())
+        for b in range(n_batches):
+            start = b * batch_size
+            own = start < len(self.val_rows)
             index = np.arange(start, min(start + batch_size, len(self.val_rows)))
-            mb = to_device(self.val_rows.take(index), self.device)
+            rows = self.val_rows.take(index) if own else self.spare_batch
+            mb = to_device(rows, self.device)
             with autocast(self.device.type, self.cfg.train.precision):
                 losses = self.loss_fn(inner, mb)
-                if classification:
-                    totals[2] += float((inner(mb["features"]).argmax(-1) == mb["label"]).sum())
-            totals[0] += float(losses.float().sum())
-            totals[1] += self.count(mb)
+                correct = (inner(mb["features"]).argmax(-1) == mb["label"]) if classification else 0
+            if own:
+                totals[0] += float(losses.float().sum())
+                totals[1] += self.count(mb)
+                totals[2] += float(correct.sum()) if classification else 0.0
         inner.train(was_training)
         loss_sum, items, correct = all_reduce(totals).tolist()
         out = {"val/loss": loss_sum / items if items else math.nan}
@@ -464,6 +510,12 @@ class WorkerRun:
         """Every rank reports (a barrier); rank 0 writes the folder, with every rank's random
         state, and attaches it."""
         rng = all_gather_objects(self._rng_state())
+        if self.fsdp:
+            # gathered whole onto rank 0 (a collective): a later run reshards it to its size
+            model_state, optimizer_state = full_state_dicts(self.model, self.optimizer)
+        else:
+            model_state = unwrap_model(self.model).state_dict()
+            optimizer_state = self.optimizer.state_dict()
         if self.rank != 0:
             ray.train.report(metrics, checkpoint=None)
             return
@@ -471,8 +523,8 @@ class WorkerRun:
             write_checkpoint(
                 tmp,
                 state={
-                    "model": unwrap_model(self.model).state_dict(),
-                    "optimizer": self.optimizer.state_dict(),
+                    "model": model_state,
+                    "optimizer": optimizer_state,
                     "schedule": self.schedule.state_dict(),
                     "scaler": self.step.scaler.state_dict() if self.step.scaler else None,
                     "train_state": self.state.state_dict(),
