@@ -456,6 +456,37 @@ def test_fsdp_on_padded_token_rows_equals_full_batch(
     assert err <= 2 * floor, (err, floor)
 
 
+def test_fsdp_resumes_at_another_worker_count_from_its_checkpoint(ray_local, tmp_path):
+    """A sharded run's checkpoint holds the whole model and optimizer state: 2 steps on 2
+    workers, then --resume on 1 worker to step 4, ends where 4 steps on 2 workers end."""
+    rng = np.random.default_rng(2)
+    path = tmp_path / "tokens.parquet"
+    rows = rng.integers(0, 17, (48, 9)).tolist()
+    pq.write_table(pa.table({"tokens": pa.array(rows, pa.list_(pa.uint16()))}), path)
+
+    def cfg_for(name: str, workers: int, steps: int) -> TrainConfig:
+        return config(
+            tmp_path,
+            seed=5,
+            model={"name": "gpt", "n_layer": 2, "n_head": 2, "n_embd": 16, "block_size": 8},
+            data={"source": str(path), "shuffle": True, "seq_len": 8},
+            batch={"global_batch_size": 16, "micro_batch_size": 4},
+            optim={"name": "adamw", "lr": 0.01},
+            train={"strategy": "fsdp", "max_steps": steps, "epochs": 2, "loss_chunk_tokens": None},
+            scaling={"num_workers": workers, "cpus_per_worker": 0.5},
+            tracking={"enabled": False},
+            run={"storage_path": str(tmp_path / "runs"), "name": name},
+        )
+
+    straight = fit_or_fail(cfg_for("straight", 2, 4))
+    fit_or_fail(cfg_for("resized", 2, 2))
+    resumed = fit_or_fail(cfg_for("resized", 1, 4), resume=True)
+    assert resumed.summary["resumed_from"] == 2
+    assert resumed.summary["train_state"]["optimizer_step"] == 4
+    a, b = (weights(load_model(r.checkpoint_dir)) for r in (straight, resumed))
+    assert rel_diff(b, a) <= 1e-5, rel_diff(b, a)
+
+
 def test_auto_micro_batch_with_compile_keeps_the_global_batch_and_the_step(
     ray_local, tmp_path, record_equivalence
 ):
