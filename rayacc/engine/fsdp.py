@@ -102,8 +102,8 @@ class ReduceScatterCounter(ReduceScatter):
     def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
         with self._lock:
             self.launches += 1
-        return dist.reduce_scatter_tensor(
-            output_tensor, input_tensor, op=op, group=group, async_op=async_op
+        return dist.reduce_scatter_single(
+            output=output_tensor, input=input_tensor, op=op, group=group, async_op=async_op
         )
 
 

@@ -1,0 +1,161 @@
+"""Memory strategies on CPU: DDP vs FSDP2 (both gradient-sync modes) × activation
+checkpointing off/on, 2 gloo ranks, a GPT of about 64M parameters.
+
+For each setting, 2 fresh processes train 3 windows of 2 micro-steps (micro-batch 4 × 256
+tokens per rank) with AdamW through rayacc's accumulation step and print per rank: the peak
+resident memory (ru_maxrss), the parameter and optimizer-state bytes the rank holds, the bytes
+autograd saved for backward in one micro-step, and the median time of the last 2 windows.
+
+    .venv/bin/python bench/memory_strategies.py
+    .venv/bin/python bench/memory_strategies.py --layers 4 --width 256   # a quick look
+
+On a GPU (one process per GPU, NCCL, bf16), the same script takes `--device cuda` and reports
+`torch.cuda.max_memory_allocated` instead; commands for GPT-2 124M and a 1B model are in
+bench/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+SETTINGS = [
+    ("ddp", None, "none"),
+    ("fsdp", "every_micro_step", "none"),
+    ("fsdp", "window_end", "none"),
+    ("ddp", None, "full"),
+    ("fsdp", "every_micro_step", "full"),
+    ("fsdp", "window_end", "full"),
+]
+
+
+def local_bytes(tensors) -> int:
+    total = 0
+    for t in tensors:
+        t = t.to_local() if hasattr(t, "to_local") else t
+        total += t.numel() * t.element_size()
+    return total
+
+
+def rank_body(rank: int, world: int, init: str, out: str, args: dict) -> None:
+    dist.init_process_group(
+        "gloo" if args["device"] == "cpu" else "nccl",
+        init_method=f"file://{init}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=600),
+    )
+    torch.set_num_threads(1)
+    device = torch.device(args["device"], rank if args["device"] == "cuda" else None)
+    from torch.nn.parallel import DistributedDataParallel
+
+    from rayacc.engine import AccumulationStep, count_target_tokens, token_item_losses
+    from rayacc.engine.fsdp import shard_model
+    from rayacc.engine.recompute import apply_activation_checkpointing
+    from rayacc.models.gpt import GPT
+
+    torch.manual_seed(0)
+    vocab, seq = args["vocab"], args["seq"]
+    model = GPT(vocab, seq, args["layers"], args["heads"], args["width"]).to(device)
+    n_params = sum(p.numel() for p in model.parameters())
+    if args["recompute"] == "full":
+        apply_activation_checkpointing(model.blocks)
+    if args["strategy"] == "fsdp":
+        model = shard_model(model, device=device)
+    else:
+        model = DistributedDataParallel(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=False)
+    step = AccumulationStep(model, opt, fsdp_grad_sync=args["grad_sync"] or "every_micro_step")
+    gen = torch.Generator().manual_seed(rank)
+
+    def micro():
+        tokens = torch.randint(0, vocab, (args["micro"], seq + 1), generator=gen).to(device)
+        return {"input": tokens[:, :-1], "target": tokens[:, 1:]}
+
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(
+        lambda t: (saved.append(t.numel() * t.element_size()), t)[1], lambda t: t
+    ):
+        token_item_losses(model, micro()).sum().backward()
+    for p in model.parameters():
+        p.grad = None
+    times = []
+    for _ in range(3):
+        batches = [micro() for _ in range(args["accum"])]
+        t = time.perf_counter()
+        step(batches, token_item_losses, count_target_tokens)
+        times.append(time.perf_counter() - t)
+    if args["device"] == "cuda":
+        peak = torch.cuda.max_memory_allocated(device) / 2**20
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    state = [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
+    result = {
+        "rank": rank,
+        "params_total": n_params,
+        "param_mb": local_bytes(model.parameters()) / 2**20,
+        "optimizer_mb": local_bytes(state) / 2**20,
+        "saved_activations_mb": sum(saved) / 2**20,
+        "peak_mb": peak,
+        "window_s": statistics.median(times[1:]),
+    }
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--width", type=int, default=640)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--micro", type=int, default=4)
+    parser.add_argument("--accum", type=int, default=2)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--world", type=int, default=2)
+    args = parser.parse_args()
+    print(
+        f"GPT {args.layers} layers × {args.width} wide, vocab {args.vocab}, seq {args.seq}; "
+        f"{args.world} ranks ({args.device}), micro {args.micro} × accum {args.accum}"
+    )
+    print(
+        f"{'strategy':8} {'grad_sync':17} {'recompute':9} {'params M':>8} {'param MB':>9} "
+        f"{'optim MB':>9} {'saved MB':>9} {'peak MB':>8} {'window s':>9}"
+    )
+    for strategy, grad_sync, recompute in SETTINGS:
+        with tempfile.TemporaryDirectory() as tmp:
+            spec = dict(vars(args), strategy=strategy, grad_sync=grad_sync, recompute=recompute)
+            mp.start_processes(
+                rank_body,
+                args=(args.world, os.path.join(tmp, "init"), tmp, spec),
+                nprocs=args.world,
+                start_method="spawn",
+            )
+            ranks = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(args.world)]
+        r = max(ranks, key=lambda x: x["peak_mb"])
+        print(
+            f"{strategy:8} {grad_sync or '-':17} {recompute:9} {r['params_total'] / 1e6:8.1f} "
+            f"{r['param_mb']:9.1f} {r['optimizer_mb']:9.1f} {r['saved_activations_mb']:9.1f} "
+            f"{r['peak_mb']:8.0f} {statistics.median(x['window_s'] for x in ranks):9.2f}",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
