@@ -30,7 +30,29 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if cfg.scaling.elastic:
         print(cfg.elastic_summary())
     print(lr_explanation(cfg, plan))
+    if args.memory:
+        _print_memory(cfg, plan)
     return 0
+
+
+def _print_memory(cfg, plan) -> None:
+    """Estimated memory per rank for each strategy (reads the data's description and builds
+    the model on the meta device: no weights are allocated)."""
+    from rayacc.quantities import memory_per_rank
+    from rayacc.runner.driver import prepare
+
+    prep = prepare(cfg)
+    micro = cfg.batch.fixed_micro_batch_size
+    print(
+        f"memory per rank, MiB (estimate; {prep.num_parameters:,} parameters, fp32, "
+        f"{plan.num_workers} workers, activations of one micro-batch of {micro or '?'})"
+    )
+    print(f"  {'strategy':24} {'params':>9} {'grads':>9} {'optimizer':>9} {'activations':>11}")
+    for label, params, grads, optim, acts in memory_per_rank(
+        cfg, prep.info, prep.num_parameters, plan.num_workers
+    ):
+        act = f"{acts:11.1f}" if acts is not None else f"{'n/a':>11}"
+        print(f"  {label:24} {params:9.1f} {grads:9.1f} {optim:9.1f} {act}")
 
 
 def _console_owns_ray_output() -> None:
@@ -449,6 +471,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("plan", help="show the batch plan and effective LR of a config")
     with_config(p)
+    p.add_argument(
+        "--memory",
+        action="store_true",
+        help="also estimate memory per rank for ddp and fsdp (reads the data's description)",
+    )
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("sweep", help="run a sweep of accumulation settings through Ray Tune")

@@ -128,3 +128,44 @@ def run_identity(cfg: TrainConfig, info: DatasetInfo) -> dict[str, object]:
     identity["dataset (Parquet files, sizes, row counts)"] = info.fingerprint
     identity["data order"] = order_kind(cfg, info)
     return identity
+
+
+def memory_per_rank(cfg: TrainConfig, info: DatasetInfo, num_parameters: int, workers: int):
+    """Estimated memory per rank (MiB) for each strategy: parameters, gradients and optimizer
+    state (fp32, AdamW 2 slots, SGD with momentum 1), and activations of one micro-batch from a
+    simple model of the `gpt` and `mlp` models (None for a factory model). Rows:
+    (label, params, grads, optimizer, activations)."""
+    mib = 4 / 2**20  # fp32 bytes per value, in MiB
+    slots = 2 if cfg.optim.name == "adamw" else int(cfg.optim.momentum > 0)
+    micro = cfg.batch.fixed_micro_batch_size
+    acts = _activations_per_sample(cfg, info)
+    acts = acts * micro / 2**20 if acts is not None and micro else None
+    p = num_parameters * mib
+    rows = [("ddp", p, p, slots * p, acts)]
+    shard = p / workers
+    rows.append(("fsdp every_micro_step", shard, shard, slots * shard, acts))
+    rows.append(("fsdp window_end", shard, p, slots * shard, acts))
+    return rows
+
+
+def _activations_per_sample(cfg: TrainConfig, info: DatasetInfo) -> float | None:
+    """Bytes autograd keeps per sample in a forward: for `gpt`, per block about
+    seq × width × (17 + 2.5 × heads × seq / width) values (Korthikanti et al.'s count, fp32),
+    plus the logits and their softmax; activation checkpointing keeps each recomputed block's
+    input only (plus one block's worth during its recompute)."""
+    m, values = cfg.model, 0.0
+    if m.name == "mlp":
+        values = 2.0 * (sum(m.hidden_sizes) + info.num_classes) + info.num_features
+    elif m.name == "gpt":
+        seq, width = min(m.block_size, max(info.max_tokens - 1, 1)), m.n_embd
+        block = seq * width * (17 + 2.5 * m.n_head * seq / width)
+        setting = cfg.train.activation_checkpointing
+        every = 0 if setting == "none" else 1 if setting == "full" else setting.every_n
+        kept = m.n_layer if not every else m.n_layer - len(range(0, m.n_layer, every))
+        recomputed = m.n_layer - kept
+        values = kept * block + recomputed * seq * width + (block if recomputed else 0)
+        chunk = cfg.train.loss_chunk_tokens
+        values += 2 * min(seq, chunk or seq) * info.vocab_size + 2 * seq * width
+    else:
+        return None
+    return 4.0 * values

@@ -110,6 +110,22 @@ def test_plan_prints_the_resolved_batch(cache):
     assert "effective LR 0.006 = 0.003 × linear(256/128)" in proc.stdout
 
 
+def test_plan_lists_memory_per_rank_for_each_strategy(cache):
+    proc = rayacc("plan", "-c", DIGITS_JOB, "--memory", "scaling.num_workers=4", cache=cache)
+    assert proc.returncode == 0, proc.stderr
+    assert "26,122 parameters, fp32, 4 workers" in proc.stdout, proc.stdout
+    rows = {
+        line.split("  ")[1].strip(): [float(v) for v in line.split()[-4:]]
+        for line in proc.stdout.splitlines()
+        if line.startswith("  ddp") or line.startswith("  fsdp")
+    }
+    ddp, every, end = rows["ddp"], rows["fsdp every_micro_step"], rows["fsdp window_end"]
+    # AdamW: two slots; fsdp holds a quarter of each at 4 workers, window_end whole gradients
+    assert ddp[2] == pytest.approx(2 * ddp[0], abs=0.1)
+    assert every[:3] == pytest.approx([d / 4 for d in ddp[:3]], abs=0.1)
+    assert end[1] == ddp[1] and ddp[3] == every[3] > 0
+
+
 def test_data_prepare(cache):
     proc = rayacc("data", "prepare", "digits", cache=cache)
     assert proc.returncode == 0, proc.stderr

@@ -47,3 +47,30 @@ def test_every_n_picks_every_nth_block():
     blocks = [torch.nn.Linear(1, 1) for _ in range(5)]
     assert checkpointed_blocks(blocks, 2) == [blocks[0], blocks[2], blocks[4]]
     assert checkpointed_blocks(blocks, 1) == blocks
+
+
+def test_plan_estimates_activations_near_what_autograd_saves():
+    """`rayacc plan --memory`'s activation model against autograd's saved bytes for the GPT of
+    `step` (8 sequences of 32): close without recomputation, an upper bound with it (it also
+    counts the block recomputed during backward)."""
+    from rayacc import TrainConfig
+    from rayacc.data.sources import DatasetInfo
+    from rayacc.quantities import _activations_per_sample
+
+    info = DatasetInfo("x", "tokens", 100, vocab_size=64, max_tokens=33)
+
+    def estimate(setting) -> float:
+        cfg = TrainConfig.from_dict(
+            {
+                "model": {"name": "gpt", "n_layer": 4, "n_head": 2, "n_embd": 64, "block_size": 32},
+                "data": {"seq_len": 32},
+                "batch": {"global_batch_size": 8},
+                "train": {"activation_checkpointing": setting, "loss_chunk_tokens": None},
+            }
+        )
+        return 8 * _activations_per_sample(cfg, info)
+
+    plain, _, _ = step(None)
+    full, _, _ = step(1)
+    assert abs(estimate("none") - plain) <= 0.1 * plain, (estimate("none"), plain)
+    assert full <= estimate("full") < estimate({"every_n": 2}) < estimate("none")
