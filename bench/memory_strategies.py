@@ -53,6 +53,8 @@ def local_bytes(tensors) -> int:
 
 
 def rank_body(rank: int, world: int, init: str, out: str, args: dict) -> None:
+    if args["device"] == "cuda":
+        torch.cuda.set_device(rank)
     dist.init_process_group(
         "gloo" if args["device"] == "cpu" else "nccl",
         init_method=f"file://{init}",
