@@ -248,6 +248,11 @@ SCENARIOS = [
 
 
 def run_rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    run_scenarios(rank, world, init_file, out_dir, SCENARIOS)
+
+
+def run_scenarios(rank: int, world: int, init_file: str, out_dir: str, scenarios) -> None:
+    """Runs `scenarios` (functions of rank, world, out) in one gloo group; saves `out`."""
     dist.init_process_group(
         "gloo",
         init_method=f"file://{init_file}",
@@ -258,7 +263,7 @@ def run_rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
     torch.set_num_threads(1)
     out: dict = {}
     try:
-        for scenario in SCENARIOS:
+        for scenario in scenarios:
             scenario(rank, world, out)
             dist.barrier()
     except Exception:

@@ -109,3 +109,27 @@ def update_rel_err(before: torch.Tensor, after: torch.Tensor, ref_after: torch.T
 
 def clone(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model)
+
+
+def spawn_ranks(target, world: int, folder, what: str) -> list[dict]:
+    """Runs `target(rank, world, init_file, out_dir)` on `world` spawned processes and returns
+    what each rank saved to `out_dir/rank{r}.pt`; a hang fails the test instead of the suite."""
+    import time
+
+    import pytest
+    import torch.multiprocessing as mp
+
+    ctx = mp.start_processes(
+        target,
+        args=(world, str(folder / "init"), str(folder)),
+        nprocs=world,
+        join=False,
+        start_method="spawn",
+    )
+    deadline = time.monotonic() + 240
+    while not ctx.join(timeout=5):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail(f"the {what} hung (a collective never matched)")
+    return [torch.load(folder / f"rank{r}.pt", weights_only=False) for r in range(world)]

@@ -7,11 +7,9 @@ full weights it ends with (and the step results) to `out_dir/rank{r}.pt`.
 
 from __future__ import annotations
 
-import datetime
-import traceback
+import functools
 
 import torch
-import torch.distributed as dist
 
 from rayacc.engine import AccumulationStep, count_target_tokens, token_item_losses
 from rayacc.engine.fsdp import shard_model
@@ -65,7 +63,7 @@ def full_weights(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat(parts)
 
 
-def scenario(rank: int, world: int, mode: str, out: dict) -> None:
+def scenario(rank: int, world: int, out: dict, mode: str) -> None:
     """`mode`: an FSDP gradient-sync mode, or `ddp` (the same steps under DDP: the yardstick
     of float rounding for the FSDP runs)."""
     if mode == "ddp":
@@ -87,22 +85,8 @@ def scenario(rank: int, world: int, mode: str, out: dict) -> None:
 
 
 def run_rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{init_file}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=60),
-    )
-    torch.set_num_threads(1)
-    out: dict = {}
-    try:
-        for mode in ("ddp", "every_micro_step", "window_end"):
-            scenario(rank, world, mode, out)
-            dist.barrier()
-    except Exception:
-        out["error"] = traceback.format_exc()
-        raise
-    finally:
-        torch.save(out, f"{out_dir}/rank{rank}.pt")
-        dist.destroy_process_group()
+    from tests.dist_workers import run_scenarios
+
+    modes = ("ddp", "every_micro_step", "window_end")
+    scenarios = [functools.partial(scenario, mode=mode) for mode in modes]
+    run_scenarios(rank, world, init_file, out_dir, scenarios)

@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from tests import dist_workers as W
 from tests.engine_helpers import (
@@ -19,6 +16,7 @@ from tests.engine_helpers import (
     params_vector,
     reference_sgd_step,
     slice_rows,
+    spawn_ranks,
     update_rel_err,
 )
 
@@ -30,21 +28,7 @@ FP32_TOL = 1e-6
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     """Runs every scenario once on 2 ranks; returns what each rank saved."""
-    tmp = tmp_path_factory.mktemp("gloo")
-    ctx = mp.start_processes(
-        W.run_rank,
-        args=(WORLD, str(tmp / "init"), str(tmp)),
-        nprocs=WORLD,
-        join=False,
-        start_method="spawn",
-    )
-    deadline = time.monotonic() + 240
-    while not ctx.join(timeout=5):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail("the 2-process run hung (a collective never matched)")
-    return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    return spawn_ranks(W.run_rank, WORLD, tmp_path_factory.mktemp("gloo"), "2-process run")
 
 
 def test_ranks_end_with_identical_weights(ranks):

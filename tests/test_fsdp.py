@@ -3,14 +3,11 @@ both gradient-sync modes, and each mode does the reduce-scatters it says."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from tests import fsdp_workers as F
-from tests.engine_helpers import params_vector, update_rel_err
+from tests.engine_helpers import params_vector, spawn_ranks, update_rel_err
 
 pytestmark = pytest.mark.distributed
 WORLD = 2
@@ -19,21 +16,7 @@ MODES = ("every_micro_step", "window_end")
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("fsdp")
-    ctx = mp.start_processes(
-        F.run_rank,
-        args=(WORLD, str(tmp / "init"), str(tmp)),
-        nprocs=WORLD,
-        join=False,
-        start_method="spawn",
-    )
-    deadline = time.monotonic() + 240
-    while not ctx.join(timeout=5):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail("the 2-process FSDP run hung (a collective never matched)")
-    return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    return spawn_ranks(F.run_rank, WORLD, tmp_path_factory.mktemp("fsdp"), "2-process FSDP run")
 
 
 def full_batch_loss(model: torch.nn.Module, seqs: list[torch.Tensor]) -> torch.Tensor:

@@ -158,6 +158,22 @@ def sgd_step_errors(cfg: TrainConfig, full_batch_loss, trained_model) -> tuple[f
     return float((trained - exact).norm() / scale), float((plain_fp32 - exact).norm() / scale)
 
 
+def padded_token_loss(seqs):
+    """The full-batch loss of `seqs` in one process: the mean over every target token."""
+    from rayacc.engine import IGNORE_INDEX, collate_tokens
+
+    def loss(model, dtype):
+        batch = collate_tokens(seqs)
+        logits = model(batch["input"])
+        return F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]),
+            batch["target"].reshape(-1),
+            ignore_index=IGNORE_INDEX,
+        )
+
+    return loss
+
+
 def one_batch_config(tmp_path, workers: int, micro: int, accum: int) -> TrainConfig:
     source = digits_subset(tmp_path / "one_batch.parquet", 32)
     return config(
@@ -365,8 +381,6 @@ def test_wrong_columns_are_reported_before_workers_start(tmp_path):
 
 def test_gpt_on_padded_token_rows_equals_full_batch(ray_local, tmp_path, record_equivalence):
     """Variable-length sequences, padded per micro-batch, ranks with different token counts."""
-    from rayacc.engine import IGNORE_INDEX, collate_tokens
-
     rng = np.random.default_rng(0)
     # short sequences first: the first rank's half of the window has far fewer tokens
     seqs = sorted((rng.integers(0, 17, rng.integers(2, 21)).tolist() for _ in range(16)), key=len)
@@ -387,16 +401,7 @@ def test_gpt_on_padded_token_rows_equals_full_batch(ray_local, tmp_path, record_
     assert record["perf/tokens_per_s"] > 0 and record["perf/tflops"] > 0
     assert "perf/mfu" not in record, "no known peak on CPU: no MFU"
 
-    def full_batch_loss(model, dtype):
-        batch = collate_tokens(seqs)
-        logits = model(batch["input"])
-        return F.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]),
-            batch["target"].reshape(-1),
-            ignore_index=IGNORE_INDEX,
-        )
-
-    err, floor = sgd_step_errors(cfg, full_batch_loss, load_model(result.checkpoint_dir))
+    err, floor = sgd_step_errors(cfg, padded_token_loss(seqs), load_model(result.checkpoint_dir))
     record_equivalence(
         f"Ray Train, GPT, padded tokens, 2 workers (vs float64; fp32 full batch: {floor:.3e})", err
     )
@@ -412,8 +417,6 @@ def test_fsdp_on_padded_token_rows_equals_full_batch(
     """train.strategy=fsdp through the whole stack: Ray workers shard the GPT with FSDP2,
     accumulate in either sync mode (with activation checkpointing in one), and the step equals
     the full batch in one process; the checkpoint holds the whole model."""
-    from rayacc.engine import IGNORE_INDEX, collate_tokens
-
     rng = np.random.default_rng(1)
     seqs = sorted((rng.integers(0, 17, rng.integers(2, 21)).tolist() for _ in range(16)), key=len)
     path = tmp_path / "tokens.parquet"
@@ -438,16 +441,7 @@ def test_fsdp_on_padded_token_rows_equals_full_batch(
     expected = units * (4 if grad_sync == "every_micro_step" else 1)
     assert record["comm/reduce_scatter_calls"] == expected, record
 
-    def full_batch_loss(model, dtype):
-        batch = collate_tokens(seqs)
-        logits = model(batch["input"])
-        return F.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]),
-            batch["target"].reshape(-1),
-            ignore_index=IGNORE_INDEX,
-        )
-
-    err, floor = sgd_step_errors(cfg, full_batch_loss, load_model(result.checkpoint_dir))
+    err, floor = sgd_step_errors(cfg, padded_token_loss(seqs), load_model(result.checkpoint_dir))
     record_equivalence(
         f"Ray Train, FSDP2 {grad_sync}, activation checkpointing {recompute}, GPT, padded "
         f"tokens, 2 workers (vs float64; fp32 full batch: {floor:.3e})",
