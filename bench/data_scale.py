@@ -191,6 +191,13 @@ def main() -> None:
     parser.add_argument("--data-dir", default=str(ROOT / ".bench-data"))
     parser.add_argument("--train-steps", type=int, default=0)
     parser.add_argument("--baseline-src", default=None)
+    parser.add_argument(
+        "--object-store-mb",
+        type=int,
+        default=2048,
+        help="Ray's object store: a rank's RSS also counts the store's pages it has read "
+        "blocks from, up to this size",
+    )
     parser.add_argument("--reader", default="new", help=argparse.SUPPRESS)
     parser.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -202,7 +209,7 @@ def main() -> None:
         num_cpus=4,
         include_dashboard=False,
         log_to_driver=False,
-        object_store_memory=2 * 1024**3,
+        object_store_memory=args.object_store_mb * 2**20,
     )
     data = Path(args.data_dir)
     if args.json:  # a baseline child: one size, one reader, JSON out
