@@ -20,8 +20,10 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+
+from rayacc.engine.units import GRAD_SYNC_MODES, fsdp_blocks, is_fsdp
 
 __all__ = [
     "GRAD_SYNC_MODES",
@@ -32,23 +34,6 @@ __all__ = [
     "load_full_state_dicts",
     "shard_model",
 ]
-
-GRAD_SYNC_MODES = ("every_micro_step", "window_end")
-
-
-def is_fsdp(model: nn.Module) -> bool:
-    return isinstance(model, FSDPModule)
-
-
-def fsdp_blocks(model: nn.Module) -> list[nn.Module]:
-    """The modules sharded as units of their own: `model.fsdp_blocks()` when the model names
-    them (the hook for user factories), else the entries of a `blocks` ModuleList (the `gpt`
-    model's transformer blocks), else none (the whole model is one unit)."""
-    named = getattr(model, "fsdp_blocks", None)
-    if callable(named):
-        return list(named())
-    blocks = getattr(model, "blocks", None)
-    return list(blocks) if isinstance(blocks, nn.ModuleList) else []
 
 
 def shard_model(

@@ -25,10 +25,10 @@ import torch.distributed as dist
 from torch import nn
 
 from rayacc.engine.collectives import all_reduce
-from rayacc.engine.fsdp import GRAD_SYNC_MODES, ReduceScatterCounter, is_fsdp
 from rayacc.engine.losses import Batch, ItemCounter, LossFn, count_rows
 from rayacc.engine.precision import PRECISIONS, autocast
 from rayacc.engine.sync import grad_sync_context, install_comm_counter, is_ddp
+from rayacc.engine.units import GRAD_SYNC_MODES, is_fsdp
 
 __all__ = ["PRECISIONS", "AccumulationStep", "MicroStepMismatchError", "StepResult"]
 
@@ -147,6 +147,8 @@ class AccumulationStep:
                     # a plain SUM (not NCCL's PreMulSum by 1, which gloo lacks)
                     module.set_force_sum_reduction_for_comms(True)
             if count_comm:
+                from rayacc.engine.fsdp import ReduceScatterCounter
+
                 self.reduce_scatter = ReduceScatterCounter().install(model)
         sums = self.comm is not None or self.fsdp
         self._rank_factor = 1.0 if sums else float(self.world_size)

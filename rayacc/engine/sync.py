@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from rayacc.engine.collectives import all_reduce_async
+from rayacc.engine.units import is_fsdp
 
 __all__ = [
     "CommCounter",
@@ -43,8 +44,6 @@ def grad_sync_context(
     backward reduce-scatters per unit, and where a DDP-style `no_sync` would do nothing):
     with `window_end`, `set_requires_gradient_sync(sync)` (the unsharded gradients are then
     held until the syncing micro-step); with `every_micro_step`, every backward syncs."""
-    from rayacc.engine.fsdp import is_fsdp
-
     if is_fsdp(model):
         if fsdp_grad_sync == "window_end":
             model.set_requires_gradient_sync(sync)

@@ -22,7 +22,7 @@ from rayacc.batch_plan import BatchPlan
 from rayacc.config import TrainConfig
 from rayacc.data.order import DataOrder, EpochLayout
 from rayacc.data.sources import DataError, DatasetInfo, RowGroups, describe_dataset, row_groups
-from rayacc.engine.fsdp import fsdp_blocks
+from rayacc.engine.units import fsdp_blocks
 from rayacc.events import RunObserver
 from rayacc.models import build_model
 from rayacc.quantities import (
@@ -422,7 +422,6 @@ def fit(
     buffer = _progress_buffer()
     running = TrainerRun(build_trainer(cfg, prep, loc, buffer), buffer)
     phases["fit_started"] = time.time()
-    _start_ray_data()
     # the MLflow store opens (seconds for a new sqlite file) while the worker group starts
     tracked = _open_tracking(cfg, prep, loc, resume, parent_run_id, tags, phases)
     loc.record(tracked.run_id if tracked else None, tracked.sink.tracking_uri if tracked else None)
@@ -467,20 +466,6 @@ def fit(
         wall_time_s=time.perf_counter() - t0,
         phases=phases,
     )
-
-
-def _start_ray_data() -> None:
-    """Ray Data's first use in a cluster starts its stats actor (about 1.2 s on 2 cores, paid
-    by the first rank to read otherwise); here, on a thread, it happens while the worker group
-    starts."""
-
-    def run() -> None:
-        import pyarrow as pa
-        import ray.data
-
-        ray.data.from_arrow(pa.table({"warm": [0]}))
-
-    threading.Thread(target=run, name="rayacc-ray-data", daemon=True).start()
 
 
 def _open_tracking(cfg, prep: Prepared, loc: RunLocation, resume, parent_run_id, tags, phases):

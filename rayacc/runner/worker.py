@@ -42,13 +42,8 @@ from rayacc.engine import (
     flops_per_item,
     to_device,
 )
-from rayacc.engine.fsdp import (
-    fsdp_blocks,
-    full_state_dicts,
-    load_full_state_dicts,
-    shard_model,
-)
 from rayacc.engine.recompute import apply_activation_checkpointing
+from rayacc.engine.units import fsdp_blocks
 from rayacc.events import Event, MicroBatchChanged, Resized, RunStarted
 from rayacc.models import build_model, loss_functions, unwrap_model
 from rayacc.optim import build_optimizer, build_schedule
@@ -146,6 +141,8 @@ class WorkerRun:
         module = build_model(cfg, self.info)
         self._checkpoint_activations(module)
         if self.fsdp:
+            from rayacc.engine.fsdp import shard_model
+
             self.model = shard_model(
                 module.to(self.device),
                 device=self.device,
@@ -209,6 +206,8 @@ class WorkerRun:
                 "batch.global_batch_size"
             )
         if self.fsdp:
+            from rayacc.engine.fsdp import load_full_state_dicts
+
             load_full_state_dicts(self.model, self.optimizer, saved["model"], saved["optimizer"])
         else:
             unwrap_model(self.model).load_state_dict(saved["model"])
@@ -512,6 +511,8 @@ class WorkerRun:
         rng = all_gather_objects(self._rng_state())
         if self.fsdp:
             # gathered whole onto rank 0 (a collective): a later run reshards it to its size
+            from rayacc.engine.fsdp import full_state_dicts
+
             model_state, optimizer_state = full_state_dicts(self.model, self.optimizer)
         else:
             model_state = unwrap_model(self.model).state_dict()
