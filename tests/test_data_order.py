@@ -204,6 +204,8 @@ def test_prepare_warns_when_row_groups_are_too_large_for_the_read_once_order(tmp
     assert any("data order: chunks (32 row groups" in n for n in prep.notes), prep.notes
     small = cfg.model_copy(update={"data": cfg.data.model_copy(update={"order": "rows"})})
     assert not any("reads each row" in w for w in prepare(small).warnings)
+    old = cfg.model_copy(update={"data": cfg.data.model_copy(update={"materialize": False})})
+    assert any("data.materialize no longer has an effect" in w for w in prepare(old).warnings)
 
 
 def test_a_short_row_group_does_not_shift_the_windows_off_the_row_groups():
