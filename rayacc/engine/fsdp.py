@@ -55,12 +55,8 @@ def shard_model(
     kwargs = {"mesh": mesh, "reshard_after_forward": reshard_after_forward, "mp_policy": policy}
     for block in fsdp_blocks(model) if blocks is None else blocks:
         fully_shard(block, **kwargs)
+    # the reduction is made a sum by AccumulationStep, which owns the normalisation
     fully_shard(model, **kwargs)
-    for module in model.modules():
-        if is_fsdp(module):
-            # a sum over ranks: the engine divides by the window's loss items, once
-            module.set_gradient_divide_factor(1.0)
-            module.set_force_sum_reduction_for_comms(True)
     return model
 
 

@@ -25,7 +25,7 @@ import torch
 
 from rayacc.data.order import DataOrder
 from rayacc.data.reads import parquet_file, read_groups
-from rayacc.data.sources import DatasetInfo, RowGroups, row_groups
+from rayacc.data.sources import DatasetInfo, RowGroups
 from rayacc.engine import collate_tokens
 
 __all__ = [
@@ -283,12 +283,11 @@ def stage_file(path: str, storage: str) -> str:
     return target if "://" not in storage else f"{storage.rstrip('/')}/_data/{name}"
 
 
-def read_rows(info: DatasetInfo, row_ids: np.ndarray) -> dict[str, Any]:
+def read_rows(info: DatasetInfo, groups: RowGroups, row_ids: np.ndarray) -> dict[str, Any]:
     """The rows `row_ids` of the source, in that order, as one batch, read on this process with
     pyarrow from the row groups that hold them only (for a probe of a few rows, as `verify`
     takes)."""
     row_ids = np.asarray(row_ids, dtype=np.int64)
-    groups = row_groups(info.path)
     tables = {
         int(h): parquet_file(info.path, groups.files[groups.file[h]]).read_row_group(
             int(groups.index[h]), columns=_columns(info)

@@ -52,7 +52,7 @@ def _probe_batch(cfg: TrainConfig, prep: Prepared) -> dict[str, torch.Tensor]:
     """The first global batch of epoch 0 in the data order, as one micro-batch."""
     order = data_order(cfg, prep.info, prep.groups)
     n = min(prep.plan.global_batch_size, order.num_train_rows)
-    return read_rows(prep.info, order.row_ids(0, np.arange(n)))
+    return read_rows(prep.info, prep.groups, order.row_ids(0, np.arange(n)))
 
 
 def verify(cfg: TrainConfig) -> VerifyResult:
