@@ -90,3 +90,48 @@ def run_rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
     modes = ("ddp", "every_micro_step", "window_end")
     scenarios = [functools.partial(scenario, mode=mode) for mode in modes]
     run_scenarios(rank, world, init_file, out_dir, scenarios)
+
+
+def seeded_config():
+    from rayacc.config import TrainConfig
+    from rayacc.data.sources import DatasetInfo
+
+    cfg = TrainConfig.model_validate(
+        {
+            "seed": 11,
+            "model": {"name": "gpt", "n_layer": 2, "n_head": 2, "n_embd": 16, "block_size": 8},
+            "train": {"strategy": "fsdp"},
+        }
+    )
+    # 17 rows of token embeddings: uneven chunks at 2 and 3 ranks
+    info = DatasetInfo(
+        path="tokens.parquet", format="tokens", num_rows=64, vocab_size=17, max_tokens=9
+    )
+    return cfg, info
+
+
+def materialise(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    """The run's sharded build, with building the whole model forbidden: the full weights it
+    ends with and how many elements this rank holds."""
+    from tests.dist_workers import run_scenarios
+
+    def scenario(rank: int, world: int, out: dict) -> None:
+        from torch.distributed.tensor import DTensor
+
+        import rayacc.models.sharded as sharded
+
+        def whole(*args, **kwargs):
+            raise AssertionError("a rank built the whole model")
+
+        sharded.build_model = whole
+        cfg, info = seeded_config()
+        model = sharded.build_sharded(cfg, info, torch.device("cpu"))
+        out["full"] = {
+            n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+            for n, p in model.named_parameters()
+        }
+        out["held"] = sum(
+            (p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters()
+        )
+
+    run_scenarios(rank, world, init_file, out_dir, [scenario])

@@ -71,3 +71,26 @@ def test_each_sync_mode_reduce_scatters_as_it_says(ranks):
     end = [r.reduce_scatter_calls for r in ranks[0]["window_end"]["results"]]
     assert every == [4 * 3, 4 * 3, 3 * 3]
     assert end == [3, 3, 3]
+
+
+def test_ranks_materialise_only_their_shards_of_the_same_initial_weights(tmp_path):
+    """A sharded run's GPT is built on the meta device (building it whole on a rank fails this
+    test) and each rank fills only its shards, from the seed: at 1, 2 and 3 ranks (uneven
+    chunks) the full weights are build_model's, exactly, and the ranks hold one model between
+    them."""
+    from rayacc.models import build_model
+
+    cfg, info = F.seeded_config()
+    expected = dict(build_model(cfg, info).named_parameters())
+    total = sum(p.numel() for p in expected.values())
+    for world in (1, 2, 3):
+        folder = tmp_path / f"w{world}"
+        folder.mkdir()
+        got = spawn_ranks(F.materialise, world, folder, "sharded build")
+        assert "error" not in got[0], got[0].get("error")
+        assert got[0]["full"].keys() == expected.keys()
+        for name, value in expected.items():
+            assert torch.equal(got[0]["full"][name], value.detach()), (world, name)
+        assert sum(r["held"] for r in got) == total
+        if world > 1:
+            assert max(r["held"] for r in got) < total

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -416,7 +417,7 @@ def test_fsdp_on_padded_token_rows_equals_full_batch(
 ):
     """train.strategy=fsdp through the whole stack: Ray workers shard the GPT with FSDP2,
     accumulate in either sync mode (with activation checkpointing in one), and the step equals
-    the full batch in one process; the checkpoint holds the whole model."""
+    the full batch in one process; the model loads whole from the sharded checkpoint."""
     rng = np.random.default_rng(1)
     seqs = sorted((rng.integers(0, 17, rng.integers(2, 21)).tolist() for _ in range(16)), key=len)
     path = tmp_path / "tokens.parquet"
@@ -451,8 +452,9 @@ def test_fsdp_on_padded_token_rows_equals_full_batch(
 
 
 def test_fsdp_resumes_at_another_worker_count_from_its_checkpoint(ray_local, tmp_path):
-    """A sharded run's checkpoint holds the whole model and optimizer state: 2 steps on 2
-    workers, then --resume on 1 worker to step 4, ends where 4 steps on 2 workers end."""
+    """A sharded run's checkpoint holds every rank's shards (each rank writes its own file; no
+    whole model in `state.pt`) and loading reshards: 2 steps on 2 workers, then --resume on 1
+    worker to step 4, ends where 4 steps on 2 workers end."""
     rng = np.random.default_rng(2)
     path = tmp_path / "tokens.parquet"
     rows = rng.integers(0, 17, (48, 9)).tolist()
@@ -473,7 +475,11 @@ def test_fsdp_resumes_at_another_worker_count_from_its_checkpoint(ray_local, tmp
         )
 
     straight = fit_or_fail(cfg_for("straight", 2, 4))
-    fit_or_fail(cfg_for("resized", 2, 2))
+    halfway = fit_or_fail(cfg_for("resized", 2, 2))
+    shards = Path(halfway.checkpoint_dir) / "shards"
+    assert sorted(p.name for p in shards.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    saved = torch.load(Path(halfway.checkpoint_dir) / "state.pt", weights_only=True)
+    assert "model" not in saved and "optimizer" not in saved
     resumed = fit_or_fail(cfg_for("resized", 1, 4), resume=True)
     assert resumed.summary["resumed_from"] == 2
     assert resumed.summary["train_state"]["optimizer_step"] == 4

@@ -15,7 +15,7 @@ engine's single multiply by 1 / N_window is the whole normalisation (docs/design
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -29,9 +29,8 @@ __all__ = [
     "GRAD_SYNC_MODES",
     "ReduceScatterCounter",
     "fsdp_blocks",
-    "full_state_dicts",
     "is_fsdp",
-    "load_full_state_dicts",
+    "materialize_shards",
     "shard_model",
 ]
 
@@ -57,6 +56,41 @@ def shard_model(
         fully_shard(block, **kwargs)
     # the reduction is made a sum by AccumulationStep, which owns the normalisation
     fully_shard(model, **kwargs)
+    return model
+
+
+@torch.no_grad()
+def materialize_shards(
+    model: nn.Module,
+    device: torch.device,
+    values: Callable[[str, torch.Size], torch.Tensor],
+) -> nn.Module:
+    """Gives a model sharded on the meta device its storage on `device`, each rank only its
+    shards, and writes each rank's rows of `values(name, full_shape)` (a full CPU tensor: one
+    parameter at a time is whole, never the model). The weights are then those of the unsharded
+    model for any number of ranks."""
+    from torch.distributed.tensor import DTensor
+
+    model.to_empty(device=device)
+    for name, param in model.named_parameters():
+        full = values(name, param.shape)
+        if isinstance(param, DTensor):
+            local = param.to_local()
+            # FSDP2 shards dim 0 as torch.chunk does: ceil(rows / W) rows per rank, the last
+            # ranks fewer or none
+            world = param.device_mesh.size()
+            rank = param.device_mesh.get_local_rank()
+            rows = -(-full.shape[0] // world)
+            start = min(rank * rows, full.shape[0])
+            part = full[start : start + local.shape[0]]
+            if part.shape != local.shape:
+                raise RuntimeError(
+                    f"parameter {name}: rank {rank} holds {tuple(local.shape)} of "
+                    f"{tuple(full.shape)}, not the dim-0 chunk this materialisation assumes"
+                )
+            local.copy_(part)
+        else:
+            param.copy_(full)
     return model
 
 
@@ -86,36 +120,3 @@ class ReduceScatterCounter(ReduceScatter):
         return dist.reduce_scatter_single(
             output=output_tensor, input=input_tensor, op=op, group=group, async_op=async_op
         )
-
-
-def full_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
-    """(model, optimizer) state dicts of a sharded model, gathered whole onto rank 0's CPU
-    (other ranks get empty dicts), keyed by parameter name: a collective, every rank calls it.
-    Loading them reshards to any number of ranks."""
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        get_optimizer_state_dict,
-    )
-
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return (
-        get_model_state_dict(model, options=options),
-        get_optimizer_state_dict(model, optimizer, options=options),
-    )
-
-
-def load_full_state_dicts(
-    model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict, optimizer_state: dict
-) -> None:
-    """Loads whole state dicts (as `full_state_dicts` wrote them) into a sharded model and its
-    optimizer; every rank keeps its own shards."""
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
-
-    options = StateDictOptions(full_state_dict=True)
-    set_model_state_dict(model, model_state, options=options)
-    set_optimizer_state_dict(model, optimizer, optimizer_state, options=options)

@@ -3,6 +3,7 @@
 from rayacc.models.registry import (
     ModelError,
     build_model,
+    build_on_meta,
     loss_functions,
     supports_chunked_loss,
     unwrap_model,
@@ -11,6 +12,7 @@ from rayacc.models.registry import (
 __all__ = [
     "ModelError",
     "build_model",
+    "build_on_meta",
     "loss_functions",
     "supports_chunked_loss",
     "unwrap_model",

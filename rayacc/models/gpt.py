@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rayacc.models.init import init_parameters
+
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, n_embd: int, n_head: int, dropout: float):
@@ -55,6 +57,7 @@ class GPT(nn.Module):
         n_head: int,
         n_embd: int,
         dropout: float = 0.0,
+        seed: int = 0,
     ):
         super().__init__()
         self.block_size = block_size
@@ -65,19 +68,22 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(n_embd)
         self.head = nn.Linear(n_embd, vocab_size, bias=False)
         self.head.weight = self.tok.weight  # tied
-        self.apply(self._init)
-        for name, p in self.named_parameters():
-            if name.endswith("proj.weight") or name.endswith("mlp.2.weight"):
-                nn.init.normal_(p, std=0.02 / math.sqrt(2 * n_layer))
+        self.n_layer = n_layer
+        init_parameters(self, seed)
 
-    @staticmethod
-    def _init(module: nn.Module) -> None:
-        if isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, std=0.02)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, std=0.02)
+    def initial_value(self, name: str, shape: torch.Size, generator: torch.Generator):
+        """nanoGPT's initialisation, drawn per parameter (models/init.py): N(0, 0.02) for
+        embeddings and linear weights, scaled by 1/sqrt(2 · layers) for the projections into the
+        residual stream; zero biases; unit LayerNorm gains."""
+        owner, _, leaf = name.rpartition(".")
+        if isinstance(self.get_submodule(owner), nn.LayerNorm) and leaf == "weight":
+            return torch.ones(shape)
+        if leaf == "bias":
+            return torch.zeros(shape)
+        std = 0.02
+        if name.endswith(("proj.weight", "mlp.2.weight")):
+            std /= math.sqrt(2 * self.n_layer)
+        return torch.empty(shape).normal_(0.0, std, generator=generator)
 
     def flops_per_item(self, item_shape=None) -> float:
         """Training FLOPs per target token (forward + backward), as nanoGPT and the bare

@@ -18,10 +18,12 @@ from rayacc.engine import (
     token_item_losses,
 )
 from rayacc.engine.chunked_loss import chunked_cross_entropy_sum
+from rayacc.models.init import init_parameters, seeds_parameters
 
 __all__ = [
     "ModelError",
     "build_model",
+    "build_on_meta",
     "loss_functions",
     "resolve_factory",
     "supports_chunked_loss",
@@ -61,6 +63,8 @@ def build_model(cfg: TrainConfig, info: DatasetInfo | None = None) -> nn.Module:
                 raise ModelError(
                     f"model.factory={m.factory!r} returned {type(model).__name__}, not an nn.Module"
                 )
+            if seeds_parameters(model):
+                init_parameters(model, cfg.seed)
             return model
         if m.name == "mlp":
             if info.format != "classification":
@@ -83,7 +87,20 @@ def build_model(cfg: TrainConfig, info: DatasetInfo | None = None) -> nn.Module:
             )
         from rayacc.models.gpt import GPT
 
-        return GPT(info.vocab_size, m.block_size, m.n_layer, m.n_head, m.n_embd, m.dropout)
+        return GPT(
+            info.vocab_size, m.block_size, m.n_layer, m.n_head, m.n_embd, m.dropout, cfg.seed
+        )
+
+
+def build_on_meta(cfg: TrainConfig, info: DatasetInfo) -> nn.Module:
+    """The model with its parameters on the meta device (shapes only, no memory): for counting
+    on the driver, and for a sharded run to materialise only each rank's shards. A factory that
+    cannot build on meta is built for real."""
+    try:
+        with torch.device("meta"):
+            return build_model(cfg, info)
+    except (NotImplementedError, RuntimeError):
+        return build_model(cfg, info)
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:

@@ -1,7 +1,10 @@
 """Checkpoint folders: written completely before anyone may use them; `meta.json` comes last.
 
 A folder without `meta.json` (a crash mid-write) is never loaded; Ray Train registers a reported
-checkpoint only after it has been copied whole, so the previous one stays the latest.
+checkpoint only after every rank's part has been copied whole, so the previous one stays the
+latest. A sharded (FSDP) run's folder holds the model and optimizer state as every rank's shards
+under `shards/` (engine/shards.py; `meta.json` says so) and `state.pt` holds the rest; a folder
+whose index names a shard file that is not there is refused.
 """
 
 from __future__ import annotations
@@ -15,8 +18,16 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["CheckpointError", "load_model", "read_checkpoint", "write_checkpoint"]
+__all__ = [
+    "SHARDS_DIR",
+    "CheckpointError",
+    "load_model",
+    "read_checkpoint",
+    "shards_of",
+    "write_checkpoint",
+]
 
+SHARDS_DIR = "shards"
 STATE_FILE = "state.pt"
 MODEL_FILE = "model.json"
 META_FILE = "meta.json"
@@ -73,7 +84,27 @@ def read_checkpoint(
         ) from None
     description = json.loads((folder / MODEL_FILE).read_text())
     meta = json.loads((folder / META_FILE).read_text())
+    shards = shards_of(folder, meta)
+    if shards is not None:
+        from rayacc.engine.shards import ShardError, missing_shard_files
+
+        try:
+            missing = missing_shard_files(shards)
+        except ShardError as exc:
+            raise CheckpointError(str(exc)) from None
+        if missing:
+            raise CheckpointError(
+                f"{shards} lacks {', '.join(missing[:4])}: a rank's part of this sharded "
+                "checkpoint never arrived, so it is not loaded. Fix: resume from an earlier "
+                "checkpoint_* folder of the run"
+            )
     return state, description, meta
+
+
+def shards_of(folder: str | Path, meta: dict[str, Any]) -> Path | None:
+    """The folder of a sharded checkpoint's model and optimizer shards; None when the model
+    is whole in `state.pt`."""
+    return Path(folder) / meta["shards"] if meta.get("shards") else None
 
 
 def load_model(path: str | Path) -> nn.Module:
@@ -82,8 +113,14 @@ def load_model(path: str | Path) -> nn.Module:
     from rayacc.data.sources import DatasetInfo
     from rayacc.models import build_model
 
-    state, description, _ = read_checkpoint(path)
+    state, description, meta = read_checkpoint(path)
     cfg = TrainConfig.model_validate(description["config"])
     model = build_model(cfg, DatasetInfo.from_dict(description["dataset"]))
-    model.load_state_dict(state["model"])
+    shards = shards_of(path, meta)
+    if shards is None:
+        model.load_state_dict(state["model"])
+    else:
+        from rayacc.engine.shards import load_model_shards
+
+        load_model_shards(shards, model)
     return model.eval()

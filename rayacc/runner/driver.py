@@ -24,7 +24,7 @@ from rayacc.data.order import DataOrder, EpochLayout
 from rayacc.data.sources import DataError, DatasetInfo, RowGroups, describe_dataset, row_groups
 from rayacc.engine.units import fsdp_blocks
 from rayacc.events import RunObserver
-from rayacc.models import build_model
+from rayacc.models import build_on_meta
 from rayacc.quantities import (
     data_order,
     epoch_layout,
@@ -94,7 +94,7 @@ def prepare(cfg: TrainConfig) -> Prepared:
     (all ValueError) for user mistakes."""
     info = describe_dataset(cfg.data.source, cfg.data.cache_dir, cfg.data.seq_len)
     plan = cfg.batch_plan()
-    model = model_on_meta(cfg, info)
+    model = build_on_meta(cfg, info)
     groups = row_groups(info.path)
     order = data_order(cfg, info, groups)
     if len(order.train_units) == 0:
@@ -124,18 +124,6 @@ def prepare(cfg: TrainConfig) -> Prepared:
         [_order_note(cfg, info, groups, reads), *_notes(cfg, plan)],
         groups,
     )
-
-
-def model_on_meta(cfg: TrainConfig, info: DatasetInfo):
-    """The model with its parameters on the meta device (shapes only, no memory), for counting
-    on the driver; a factory that cannot build on meta is built for real."""
-    import torch
-
-    try:
-        with torch.device("meta"):
-            return build_model(cfg, info)
-    except (NotImplementedError, RuntimeError):
-        return build_model(cfg, info)
 
 
 def read_factor(order: DataOrder, layout: EpochLayout) -> float:

@@ -42,10 +42,9 @@ from rayacc.engine import (
     flops_per_item,
     to_device,
 )
-from rayacc.engine.recompute import apply_activation_checkpointing
-from rayacc.engine.units import fsdp_blocks
 from rayacc.events import Event, MicroBatchChanged, Resized, RunStarted
 from rayacc.models import build_model, loss_functions, unwrap_model
+from rayacc.models.sharded import build_sharded, checkpoint_activations
 from rayacc.optim import build_optimizer, build_schedule
 from rayacc.quantities import (
     data_order,
@@ -56,7 +55,7 @@ from rayacc.quantities import (
     run_identity,
     schedule_length,
 )
-from rayacc.runner.checkpoint import read_checkpoint, write_checkpoint
+from rayacc.runner.checkpoint import SHARDS_DIR, read_checkpoint, shards_of, write_checkpoint
 from rayacc.runner.ingest import RankReader, warm_up
 from rayacc.runner.progress import Outbox
 
@@ -138,20 +137,11 @@ class WorkerRun:
 
     def _build(self) -> None:
         cfg = self.cfg
-        module = build_model(cfg, self.info)
-        self._checkpoint_activations(module)
         if self.fsdp:
-            from rayacc.engine.fsdp import shard_model
-
-            self.model = shard_model(
-                module.to(self.device),
-                device=self.device,
-                reshard_after_forward=cfg.fsdp.reshard_after_forward,
-                param_dtype=torch.bfloat16
-                if cfg.train.precision == "bf16" and cfg.fsdp.mixed_precision
-                else None,
-            )
+            self.model = build_sharded(cfg, self.info, self.device)
         else:
+            module = build_model(cfg, self.info)
+            checkpoint_activations(cfg, module)
             if cfg.train.compile:
                 # compiled before DDP wraps it: no_sync and the gradient hooks stay outside it
                 module = torch.compile(module)
@@ -180,15 +170,6 @@ class WorkerRun:
         )
         self.peak_tflops = device_peak_tflops(self.device, cfg.train.peak_tflops)
 
-    def _checkpoint_activations(self, module: torch.nn.Module) -> None:
-        """`train.activation_checkpointing`: recompute the chosen blocks in backward."""
-        setting = self.cfg.train.activation_checkpointing
-        if setting == "none":
-            return
-        blocks = fsdp_blocks(module)
-        if blocks:  # none: `prepare` has warned
-            apply_activation_checkpointing(blocks, 1 if setting == "full" else setting.every_n)
-
     def _restore(self) -> list[Event]:
         """Loads the latest checkpoint of the run, if any; a resize event when it was written
         at another worker count."""
@@ -197,21 +178,16 @@ class WorkerRun:
             return []
         with checkpoint.as_directory() as folder:
             saved, _, meta = read_checkpoint(folder, map_location=self.device)
-        cfg, plan = self.cfg, self.plan
-        keeps_global = not cfg.scaling.elastic or cfg.scaling.on_resize == "keep_global_batch"
-        if keeps_global and meta["global_batch_size"] != plan.global_batch_size:
-            raise ValueError(
-                f"the checkpoint was trained at global batch {meta['global_batch_size']}, this "
-                f"run resolves to {plan.global_batch_size}; resume with the same "
-                "batch.global_batch_size"
-            )
-        if self.fsdp:
-            from rayacc.engine.fsdp import load_full_state_dicts
+            self._check_global_batch(meta)
+            shards = shards_of(folder, meta)
+            if shards is not None:
+                # each rank reads its rows of every tensor, whatever the size that wrote them
+                from rayacc.engine.shards import load_sharded
 
-            load_full_state_dicts(self.model, self.optimizer, saved["model"], saved["optimizer"])
-        else:
-            unwrap_model(self.model).load_state_dict(saved["model"])
-            self.optimizer.load_state_dict(saved["optimizer"])
+                load_sharded(shards, self.model, self.optimizer)
+            else:
+                unwrap_model(self.model).load_state_dict(saved["model"])
+                self.optimizer.load_state_dict(saved["optimizer"])
         self.schedule.load_state_dict(saved["schedule"])
         if self.step.scaler is not None and saved.get("scaler"):
             self.step.scaler.load_state_dict(saved["scaler"])
@@ -225,16 +201,26 @@ class WorkerRun:
         return [
             Resized(
                 step=self.state.optimizer_step,
-                policy=cfg.scaling.on_resize,
+                policy=self.cfg.scaling.on_resize,
                 old_workers=meta["num_workers"],
                 new_workers=self.world,
                 old_grad_accum_steps=meta.get("grad_accum_steps"),
-                new_grad_accum_steps=plan.grad_accum_steps,
+                new_grad_accum_steps=self.plan.grad_accum_steps,
                 old_global_batch_size=meta["global_batch_size"],
-                new_global_batch_size=plan.global_batch_size,
+                new_global_batch_size=self.plan.global_batch_size,
                 effective_lr=self.lr,
             )
         ]
+
+    def _check_global_batch(self, meta: dict[str, Any]) -> None:
+        cfg, plan = self.cfg, self.plan
+        keeps_global = not cfg.scaling.elastic or cfg.scaling.on_resize == "keep_global_batch"
+        if keeps_global and meta["global_batch_size"] != plan.global_batch_size:
+            raise ValueError(
+                f"the checkpoint was trained at global batch {meta['global_batch_size']}, this "
+                f"run resolves to {plan.global_batch_size}; resume with the same "
+                "batch.global_batch_size"
+            )
 
     def _rng_state(self) -> dict[str, torch.Tensor | None]:
         cuda = self.device.type == "cuda"
@@ -506,48 +492,51 @@ class WorkerRun:
         return out
 
     def _checkpoint(self, metrics: dict[str, Any]) -> None:
-        """Every rank reports (a barrier); rank 0 writes the folder, with every rank's random
-        state, and attaches it."""
+        """Every rank reports (a barrier). Rank 0 writes the folder, with every rank's random
+        state; under FSDP every rank first writes its shards into its part of the folder (Ray
+        Train merges the parts into one checkpoint folder in the run's storage)."""
         rng = all_gather_objects(self._rng_state())
-        if self.fsdp:
-            # gathered whole onto rank 0 (a collective): a later run reshards it to its size
-            from rayacc.engine.fsdp import full_state_dicts
-
-            model_state, optimizer_state = full_state_dicts(self.model, self.optimizer)
-        else:
-            model_state = unwrap_model(self.model).state_dict()
-            optimizer_state = self.optimizer.state_dict()
-        if self.rank != 0:
-            ray.train.report(metrics, checkpoint=None)
-            return
         with tempfile.TemporaryDirectory() as tmp:
-            write_checkpoint(
-                tmp,
-                state={
-                    "model": model_state,
-                    "optimizer": optimizer_state,
-                    "schedule": self.schedule.state_dict(),
-                    "scaler": self.step.scaler.state_dict() if self.step.scaler else None,
-                    "train_state": self.state.state_dict(),
-                    "rng": rng,
-                },
-                config=self.cfg.model_dump(mode="json"),
-                dataset=self.info.to_dict(),
-                meta={
-                    "optimizer_step": self.state.optimizer_step,
-                    "global_batch_size": self.plan.global_batch_size,
-                    "grad_accum_steps": self.plan.grad_accum_steps,
-                    "num_workers": self.world,
-                    "epoch": self.state.epoch,
-                    "epoch_sample_offset": self.state.epoch_sample_offset,
-                    "identity": run_identity(self.cfg, self.info),
-                },
-            )
+            whole: dict[str, Any] = {}
+            if self.fsdp:
+                from rayacc.engine.shards import save_sharded
+
+                save_sharded(os.path.join(tmp, SHARDS_DIR), self.model, self.optimizer)
+            elif self.rank == 0:
+                whole["model"] = unwrap_model(self.model).state_dict()
+                whole["optimizer"] = self.optimizer.state_dict()
+            if self.rank == 0:
+                self._write_checkpoint(tmp, whole, rng)
+            has_part = self.rank == 0 or self.fsdp
             ray.train.report(
                 metrics,
-                checkpoint=ray.train.Checkpoint.from_directory(tmp),
+                checkpoint=ray.train.Checkpoint.from_directory(tmp) if has_part else None,
                 checkpoint_dir_name=f"checkpoint_step{self.state.optimizer_step:08d}",
             )
+
+    def _write_checkpoint(self, folder: str, whole: dict[str, Any], rng: list) -> None:
+        write_checkpoint(
+            folder,
+            state={
+                **whole,
+                "schedule": self.schedule.state_dict(),
+                "scaler": self.step.scaler.state_dict() if self.step.scaler else None,
+                "train_state": self.state.state_dict(),
+                "rng": rng,
+            },
+            config=self.cfg.model_dump(mode="json"),
+            dataset=self.info.to_dict(),
+            meta={
+                "optimizer_step": self.state.optimizer_step,
+                "global_batch_size": self.plan.global_batch_size,
+                "grad_accum_steps": self.plan.grad_accum_steps,
+                "num_workers": self.world,
+                "epoch": self.state.epoch,
+                "epoch_sample_offset": self.state.epoch_sample_offset,
+                "identity": run_identity(self.cfg, self.info),
+                "shards": SHARDS_DIR if self.fsdp else None,
+            },
+        )
 
     def _summary(self) -> dict[str, Any]:
         worker_nodes = all_gather_objects(ray.get_runtime_context().get_node_id())

@@ -1,0 +1,188 @@
+"""Sharded checkpoints of a sharded model (`torch.distributed.checkpoint`, DCP): every rank writes
+the shards it holds of the model and optimizer state, rank 0 also the index (`.metadata`); a
+later run loads them at any number of ranks (DCP reads each rank's rows from whichever files
+hold them), and one process can load the whole model for inference.
+
+Loading never unpickles code. DCP reads its index with plain `pickle` and non-tensor values
+(an optimizer's hyperparameters) with `torch.load(weights_only=False)`; here the index goes
+through an unpickler that knows only DCP's own metadata classes, and values through
+`weights_only=True`. A file that needs anything else is refused with a `ShardError`.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+__all__ = [
+    "INDEX_FILE",
+    "ShardError",
+    "load_model_shards",
+    "load_sharded",
+    "missing_shard_files",
+    "save_sharded",
+]
+
+INDEX_FILE = ".metadata"
+"""DCP's index of which file holds which rows of which tensor (written by the coordinator)."""
+
+
+class ShardError(ValueError):
+    """A sharded checkpoint that cannot be loaded: names the file and the fix."""
+
+
+# the classes a DCP index is made of (torch 2.x): anything else in the file is refused
+_INDEX_GLOBALS = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "MetadataIndex",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.distributed.checkpoint.planner": {"LoadItemType", "WriteItemType"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "pathlib": {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"},
+    "collections": {"OrderedDict"},
+}
+
+
+class _IndexUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if name in _INDEX_GLOBALS.get(module, ()):
+            return super().find_class(module, name)
+        value = getattr(torch, name, None) if module == "torch" else None
+        if isinstance(value, torch.dtype | torch.layout | torch.memory_format):
+            return value
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint index")
+
+
+class _SafeReader(FileSystemReader):
+    """DCP's file reader with the index read by `_IndexUnpickler`."""
+
+    def read_metadata(self, *args, **kwargs):
+        path = Path(self.path) / INDEX_FILE
+        try:
+            with open(path, "rb") as f:
+                metadata = _IndexUnpickler(f).load()
+        except pickle.UnpicklingError as exc:
+            raise ShardError(
+                f"{path} holds more than a checkpoint index, so it is not loaded (it could run "
+                f"code): {exc}. Fix: load checkpoints written by rayacc"
+            ) from None
+        metadata.storage_meta = getattr(metadata, "storage_meta", None) or _storage_meta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def _storage_meta():
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    return StorageMeta()
+
+
+class _SafePlanner(DefaultLoadPlanner):
+    """DCP's load planner with non-tensor values read as plain data only."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        try:
+            loaded = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as exc:
+            raise ShardError(
+                f"a value of {read_item.dest_index.fqn} holds more than plain data, so it is "
+                f"not loaded (it could run code): {str(exc).splitlines()[0][:200]}"
+            ) from None
+        if self.flatten_state_dict:
+            from torch.distributed.checkpoint._nested_dict import set_element
+
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = loaded
+
+
+def save_sharded(folder: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Every rank writes its shards of the model and optimizer state into `folder` (its own
+    `__<rank>_0.distcp`; rank 0 also the index): a collective, every rank calls it. The folders
+    may be different ones per rank (each rank's part is then merged into one)."""
+    from torch.distributed.checkpoint import save
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    save(
+        {"model": model_state, "optimizer": optimizer_state},
+        storage_writer=FileSystemWriter(os.fspath(folder), single_file_per_rank=True),
+    )
+
+
+def load_sharded(folder: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Loads a `save_sharded` folder into a sharded model and its optimizer at this run's
+    number of ranks (a collective)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optimizer_state}
+    _load(state, folder)
+    set_state_dict(
+        model,
+        optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optimizer"],
+    )
+
+
+@torch.no_grad()
+def load_model_shards(folder: str | Path, model: nn.Module) -> None:
+    """Loads the model part of a `save_sharded` folder whole into an unsharded model, in this
+    process alone (no process group): for inference."""
+    state = {"model": model.state_dict()}
+    _load(state, folder, no_dist=True)
+    model.load_state_dict(state["model"])
+
+
+def _load(state: dict, folder: str | Path, no_dist: bool = False) -> None:
+    """DCP's load through the safe reader and planner; a refusal surfaces as the ShardError
+    (DCP wraps every rank's failure in one CheckpointException)."""
+    import warnings
+
+    from torch.distributed.checkpoint import load
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        with warnings.catch_warnings():
+            # the one-process load is what no_dist asks for, not a surprise to warn of
+            warnings.filterwarnings("ignore", "torch.distributed is disabled")
+            load(
+                state,
+                storage_reader=_SafeReader(os.fspath(folder)),
+                planner=_SafePlanner(),
+                no_dist=no_dist,
+            )
+    except CheckpointException as exc:
+        for failure in exc.failures.values():
+            inner = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(inner, ShardError):
+                raise inner from None
+        raise
+
+
+def missing_shard_files(folder: str | Path) -> list[str]:
+    """The files a sharded checkpoint's index names that are not in `folder` (a rank's part
+    that never arrived): empty when it is complete. The index itself first."""
+    folder = Path(folder)
+    if not (folder / INDEX_FILE).is_file():
+        return [INDEX_FILE]
+    metadata = _SafeReader(os.fspath(folder)).read_metadata()
+    names = {info.relative_path for info in (metadata.storage_data or {}).values()}
+    return sorted(n for n in names if not (folder / n).is_file())
