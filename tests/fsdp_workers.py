@@ -89,7 +89,28 @@ def run_rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
 
     modes = ("ddp", "every_micro_step", "window_end")
     scenarios = [functools.partial(scenario, mode=mode) for mode in modes]
-    run_scenarios(rank, world, init_file, out_dir, scenarios)
+    run_scenarios(rank, world, init_file, out_dir, [*scenarios, search])
+
+
+def search(rank: int, world: int, out: dict) -> None:
+    """`micro_batch_size: auto` on a sharded GPT, rank 0's budget fitting every size and rank
+    1's only 2 of 8 per worker: rank 0 alone would try 2, 4 and 8, rank 1 2 and 4. Each trial's
+    forward is a collective, so the ranks must try the same sizes."""
+    from rayacc.engine.autobatch import find_micro_batch_size, measure_step_bytes
+
+    model = shard_model(gpt(), device=torch.device("cpu"))
+    seqs = token_sequences(8, seed=rank, min_len=BLOCK + 1, max_len=BLOCK + 1)
+    seqs = [s.clamp(max=VOCAB - 1) for s in seqs]
+
+    def make_batch(n: int):
+        return token_micro_batches(seqs[:n], n)[0]
+
+    used = {n: measure_step_bytes(model, token_item_losses, make_batch(n)) for n in (2, 4, 8)}
+    budget = used[8] + 1 if rank == 0 else (used[2] + used[4]) // 2
+    found = find_micro_batch_size(
+        model, token_item_losses, make_batch, samples_per_worker=8, budget_bytes=budget
+    )
+    out["search"] = {"used": used, "found": found}
 
 
 def seeded_config():

@@ -73,6 +73,19 @@ def test_each_sync_mode_reduce_scatters_as_it_says(ranks):
     assert end == [3, 3, 3]
 
 
+def test_auto_micro_batch_search_runs_in_lockstep_on_a_sharded_model(ranks):
+    """Every trial of a sharded model is agreed by all ranks: both try 2 then 4 and choose 2
+    (without the agreement rank 0 would run an 8 alone and wait forever in its all-gather)."""
+    assert "error" not in ranks[0], ranks[0].get("error")
+    used = ranks[0]["search"]["used"]
+    assert used[2] < used[4] < used[8]
+    for r in ranks:
+        found = r["search"]["found"]
+        assert (found.micro_batch_size, found.grad_accum_steps) == (2, 4)
+        assert found.trials == [(2, True), (4, False)]
+    assert ranks[0]["search"]["found"].local_choice == 2
+
+
 def test_ranks_materialise_only_their_shards_of_the_same_initial_weights(tmp_path):
     """A sharded run's GPT is built on the meta device (building it whole on a rank fails this
     test) and each rank fills only its shards, from the seed: at 1, 2 and 3 ranks (uneven

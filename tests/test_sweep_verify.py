@@ -134,3 +134,76 @@ def test_verify_fails_on_batchnorm(ray_local, tmp_path):
     assert any("BatchNorm" in w and "GroupNorm or LayerNorm" in w for w in result.warnings)
     tags = MlflowClient(result.tracking_uri).get_run(result.mlflow_run_id).data.tags
     assert tags["rayacc.verified"] == "FAIL"
+
+
+def test_a_sweep_over_the_strategy_with_auto_micro_batch(ray_local, tmp_path):
+    """`train.strategy` as a sweep axis, with `micro_batch_size: auto` (the search runs on the
+    sharded model in the fsdp trial): both trials run, and their losses are the same step for
+    step (FSDP's step is DDP's)."""
+    source = digits_subset(tmp_path / "d96.parquet", 96)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    spec = {
+        "name": "strategy-sweep",
+        "config": {
+            "model": {"name": "mlp", "hidden_sizes": [16]},
+            "data": {"source": source, "val_fraction": 0.0},
+            "batch": {"global_batch_size": 32, "micro_batch_size": "auto", "memory_budget_mb": 64},
+            "optim": {"name": "adamw", "lr": 0.01},
+            "train": {"max_steps": 3},
+            "scaling": {"num_workers": 2, "cpus_per_worker": 0.5},
+            "tracking": {"tracking_uri": uri, "experiment": "strategies"},
+            "run": {"storage_path": str(tmp_path / "runs")},
+        },
+        "grid": {"train.strategy": ["ddp", "fsdp"]},
+    }
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    sweep, base, _ = SweepConfig.from_yaml(path)
+    result = run_sweep(sweep, base, path.read_text())
+    assert not [t for t in result.trials if t.skip_reason]
+
+    client = MlflowClient(uri)
+    children = client.search_runs(
+        [client.get_run(result.parent_run_id).info.experiment_id],
+        filter_string=f"tags.mlflow.parentRunId = '{result.parent_run_id}'",
+    )
+    losses = {}
+    for child in children:
+        history = client.get_metric_history(child.info.run_id, "train/loss")
+        losses[child.data.params["train.strategy"]] = [
+            m.value for m in sorted(history, key=lambda m: m.step)
+        ]
+        micro = client.get_metric_history(child.info.run_id, "scaling/micro_batch_size")
+        assert micro and all(m.value >= 1 for m in micro)
+    assert set(losses) == {"ddp", "fsdp"} and len(losses["ddp"]) == 3
+    for a, b in zip(losses["ddp"], losses["fsdp"], strict=True):
+        assert abs(a - b) <= 1e-5 * abs(a), losses
+
+
+def test_verify_passes_with_fsdp(ray_local, tmp_path):
+    """`rayacc verify` on a sharded GPT: the distributed step (shards written by both ranks,
+    loaded whole) equals the single-process step."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = np.random.default_rng(4)
+    path = tmp_path / "tokens.parquet"
+    rows = [rng.integers(0, 17, rng.integers(3, 10)).tolist() for _ in range(32)]
+    pq.write_table(pa.table({"tokens": pa.array(rows, pa.list_(pa.uint16()))}), path)
+    cfg = TrainConfig.from_dict(
+        {
+            "model": {"name": "gpt", "n_layer": 2, "n_head": 2, "n_embd": 16, "block_size": 16},
+            "data": {"source": str(path), "seq_len": 16, "val_fraction": 0.0},
+            "batch": {"global_batch_size": 16, "micro_batch_size": 4},
+            "optim": {"name": "adamw", "lr": 0.01},
+            "train": {"strategy": "fsdp", "loss_chunk_tokens": None},
+            "scaling": {"num_workers": 2, "cpus_per_worker": 0.5},
+            "tracking": {"tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}"},
+            "run": {"storage_path": str(tmp_path / "runs")},
+        }
+    )
+    result = verify(cfg)
+    assert result.passed, result.worst
+    assert result.worst.max_rel <= 1e-4
+    assert {d.name for d in result.diffs} >= {"tok.weight", "blocks.1.mlp.2.weight"}

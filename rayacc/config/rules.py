@@ -152,7 +152,7 @@ def _batch_plan_rules(batch: BatchConfig, scaling: ScalingConfig) -> list[Config
     return []
 
 
-def _strategy_rules(train, batch: BatchConfig | None) -> list[ConfigIssue]:
+def _strategy_rules(train) -> list[ConfigIssue]:
     if train.strategy != "fsdp":
         return []
     issues = []
@@ -174,16 +174,6 @@ def _strategy_rules(train, batch: BatchConfig | None) -> list[ConfigIssue]:
                 "set train.compile=false, or use train.strategy=ddp",
             )
         )
-    if batch is not None and batch.auto_micro_batch:
-        issues.append(
-            ConfigIssue(
-                "batch.micro_batch_size",
-                "auto is not supported with train.strategy=fsdp yet (the search runs the "
-                "unsharded model)",
-                "auto",
-                "give a micro_batch_size, or use train.strategy=ddp",
-            )
-        )
     return issues
 
 
@@ -201,7 +191,7 @@ def cross_field_issues(sections: dict[str, Any]) -> list[ConfigIssue]:
             # a worker count that makes no sense would only add noise below
             scaling = None
     if sections.get("train") is not None:
-        issues += _strategy_rules(sections["train"], batch)
+        issues += _strategy_rules(sections["train"])
     if batch is not None:
         issues += _auto_micro_batch_rules(batch, scaling)
         if scaling is not None:

@@ -4,6 +4,11 @@ budget, agreed on by every rank, and never one that changes the global batch.
 The candidates are the divisors of one worker's share of the global batch, so the accumulation
 derived from any of them keeps the global batch exactly. Memory grows with the micro-batch, so a
 binary search over the candidates needs about log2(#divisors) trial steps.
+
+A sharded (FSDP) model's forward and backward are collectives, so its ranks search in lockstep:
+every trial's verdict is agreed by all ranks before the next size, and an out-of-memory error
+in a trial is raised (a peer may be waiting in a collective the failed rank will never join):
+the group restarts and its next search stays below that size.
 """
 
 from __future__ import annotations
@@ -17,7 +22,8 @@ from torch import nn
 
 from rayacc.engine.collectives import all_reduce
 from rayacc.engine.losses import Batch, LossFn
-from rayacc.engine.sync import ddp_sync_context
+from rayacc.engine.sync import grad_sync_context
+from rayacc.engine.units import is_fsdp
 
 __all__ = [
     "MicroBatchSearch",
@@ -69,15 +75,28 @@ def is_oom(exc: BaseException) -> bool:
 
 
 def _param_bytes(model: nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    """Bytes of the trainable parameters this rank holds (its shards of a sharded model)."""
+    total = 0
+    for p in model.parameters():
+        if p.requires_grad:
+            local = p.to_local() if hasattr(p, "to_local") else p
+            total += local.numel() * local.element_size()
+    return total
 
 
 def measure_step_bytes(
-    model: nn.Module, loss_fn: LossFn, batch: Batch, *, autocast_dtype=None, optimizer_slots=2
+    model: nn.Module,
+    loss_fn: LossFn,
+    batch: Batch,
+    *,
+    autocast_dtype=None,
+    optimizer_slots=2,
+    fsdp_grad_sync: str = "every_micro_step",
 ) -> int:
-    """Peak memory of one forward + backward on `batch`, gradients not synced, plus the
-    `optimizer_slots` buffers per parameter the optimizer will hold (AdamW: 2), which do not
-    exist yet before the first step.
+    """Peak memory of one forward + backward on `batch`, as a non-final micro-step runs it
+    (DDP: gradients not synced; FSDP: as `fsdp_grad_sync` says), plus the `optimizer_slots`
+    buffers per parameter the optimizer will hold (AdamW: 2), which do not exist yet before
+    the first step.
 
     GPU: the allocator's peak while it runs (parameters and gradients are in it). CPU, where no
     allocator keeps a peak: parameters + gradients + the bytes autograd saves for backward during
@@ -90,7 +109,7 @@ def measure_step_bytes(
         if device.type == "cuda":
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
-            with ddp_sync_context(model, sync=False), ctx:
+            with grad_sync_context(model, False, fsdp_grad_sync), ctx:
                 loss_fn(model, batch).float().sum().backward()
             torch.cuda.synchronize(device)
             return torch.cuda.max_memory_allocated(device) + optimizer_bytes
@@ -101,14 +120,15 @@ def measure_step_bytes(
             saved[storage.data_ptr()] = storage.nbytes()
             return t
 
-        with ddp_sync_context(model, sync=False), ctx:
+        with grad_sync_context(model, False, fsdp_grad_sync), ctx:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 losses = loss_fn(model, batch)
             losses.float().sum().backward()
         return 2 * _param_bytes(model) + sum(saved.values()) + optimizer_bytes
     except RuntimeError as exc:  # torch.OutOfMemoryError is one
-        # only running out of memory means "too large"; anything else is a real error
-        if not is_oom(exc):
+        # only running out of memory means "too large"; anything else is a real error, and so
+        # is any error of a sharded model (its peers may wait in a collective)
+        if not is_oom(exc) or is_fsdp(model):
             raise
         return OUT_OF_MEMORY
     finally:
@@ -153,12 +173,14 @@ def find_micro_batch_size(
     optimizer_slots: int = 2,
     group=None,
     below: int | None = None,
+    fsdp_grad_sync: str = "every_micro_step",
 ) -> MicroBatchSearch:
     """The largest divisor of `samples_per_worker` whose forward + backward on
     `make_batch(size)` stays within `budget_bytes` on every rank; with `below`, only sizes
     smaller than it are tried (a size that ran out of memory in training before)."""
 
     out_of_memory: list[int] = []
+    lockstep = is_fsdp(model)
 
     def fits(size: int) -> bool:
         used = measure_step_bytes(
@@ -167,9 +189,13 @@ def find_micro_batch_size(
             make_batch(size),
             autocast_dtype=autocast_dtype,
             optimizer_slots=optimizer_slots,
+            fsdp_grad_sync=fsdp_grad_sync,
         )
         if used == OUT_OF_MEMORY:
             out_of_memory.append(size)
+        if lockstep:
+            # every rank's next trial is the same size: a collective forward needs them all
+            return agree_on_min(int(used <= budget_bytes), group) == 1
         return used <= budget_bytes
 
     try:

@@ -161,8 +161,9 @@ class WorkerRun:
             self.optimizer,
             precision=cfg.train.precision,
             max_grad_norm=cfg.optim.max_grad_norm,
-            # a CUDA out-of-memory error halves the micro-batch on all ranks (auto micro-batch)
-            oom_retry=cfg.batch.auto_micro_batch and self.device.type == "cuda",
+            # a CUDA out-of-memory error halves the micro-batch on all ranks (auto micro-batch;
+            # not sharded: a sharded rank's peers may wait in a collective it will not join)
+            oom_retry=cfg.batch.auto_micro_batch and self.device.type == "cuda" and not self.fsdp,
             fsdp_grad_sync=cfg.fsdp.grad_sync,
         )
         self.loss_fn, self.count = loss_functions(
@@ -305,6 +306,7 @@ class WorkerRun:
                 autocast_dtype=autocast_dtype(cfg.train.precision),
                 optimizer_slots=2 if cfg.optim.name == "adamw" else int(cfg.optim.momentum > 0),
                 below=below,
+                fsdp_grad_sync=cfg.fsdp.grad_sync,
             )
         self.plan = BatchPlan(
             plan.global_batch_size, search.micro_batch_size, search.grad_accum_steps, self.world
