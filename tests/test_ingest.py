@@ -29,7 +29,7 @@ def id_tokens(tmp_path):
     return str(folder)
 
 
-def read_epoch_part(info, groups, order, epoch, layouts):
+def read_epoch_part(info, groups, order, epoch, layouts, in_process=False):
     """Runs readers for (layout, offset, steps) in turn, as groups of ranks after restarts;
     returns (ids per window and rank, expected ids, rows read per rank, the last group's
     validation ids)."""
@@ -37,7 +37,7 @@ def read_epoch_part(info, groups, order, epoch, layouts):
     for layout, offset, steps in layouts:
         val = []
         for rank in range(layout.num_workers):
-            reader = RankReader(info, groups, order, info.path)
+            reader = RankReader(info, groups, order, info.path, in_process=in_process)
             lo, hi = layout.rank_intervals(rank, steps)
             lo, hi = lo + offset, hi + offset
             val_rows = order.val_rows(rank, layout.num_workers)
@@ -51,8 +51,9 @@ def read_epoch_part(info, groups, order, epoch, layouts):
     return got, want, reads, np.concatenate(val)
 
 
+@pytest.mark.parametrize("in_process", [False, True], ids=["ray-data", "in-process"])
 def test_chunk_reader_delivers_the_order_once_across_a_resize_reading_each_row_once(
-    ray_local, id_tokens
+    ray_local, id_tokens, in_process
 ):
     info = describe_dataset(id_tokens)
     groups = row_groups(info.path)
@@ -66,6 +67,7 @@ def test_chunk_reader_delivers_the_order_once_across_a_resize_reading_each_row_o
         order,
         epoch=1,
         layouts=[(EpochLayout(n, 64, 8, 2), 0, 3), (EpochLayout(n - 192, 96, 8, 3), 192, None)],
+        in_process=in_process,
     )
     for g, w in zip(got, want, strict=True):
         assert np.array_equal(g, w)

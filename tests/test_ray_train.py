@@ -260,11 +260,12 @@ def test_uneven_rows_with_shuffle_complete(ray_local, tmp_path, capfd):
 
 
 def test_ranks_that_read_files_read_a_bundled_dataset_from_the_shared_storage(ray_local, tmp_path):
-    """data.materialize=false: the ranks' Ray Data reads run on any node, so the bundled
-    dataset (prepared in the driver node's cache) is staged under run.storage_path first."""
+    """The ranks' Ray Data read tasks (data.in_process_read_max_mb=0: even small data) run on
+    any node, so the bundled dataset (prepared in the driver node's cache) is staged under
+    run.storage_path first."""
     cfg = config(
         tmp_path,
-        data={"source": "digits", "materialize": False},
+        data={"source": "digits", "in_process_read_max_mb": 0},
         train={"max_steps": 2},
         tracking={"enabled": False},
     )

@@ -116,3 +116,38 @@ def test_the_run_info_keeps_the_mlflow_run_on_any_storage_and_never_loses_it(tmp
     again = locate_run(cfg, resume=True)
     assert again.previous == {"mlflow_run_id": "run-1", "tracking_uri": "http://mlflow:5000"}
     assert isinstance(again, RunLocation)
+
+
+def test_a_new_sqlite_store_is_a_copy_of_the_cached_empty_one(tmp_path, monkeypatch):
+    """A new `mlflow.db` is copied from an empty store kept in the cache (MLflow's migrations
+    run once per version, not per store) and is what MLflow itself would have created: the
+    same schema version and default experiment, whose artifact location follows the working
+    folder; an existing store is never replaced."""
+    import sqlite3
+
+    from mlflow.tracking import MlflowClient
+
+    from rayacc.tracking.sqlite_store import prepare_sqlite_store
+
+    monkeypatch.setenv("RAYACC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    native, copied = tmp_path / "native.db", tmp_path / "copied.db"
+    MlflowClient(f"sqlite:///{native}").search_experiments()
+    assert prepare_sqlite_store(f"sqlite:///{copied}")
+    assert list((tmp_path / "cache" / "mlflow").glob("empty-*.db"))
+
+    def contents(db):
+        with sqlite3.connect(db) as conn:
+            version = conn.execute("SELECT version_num FROM alembic_version").fetchall()
+            tables = conn.execute("SELECT name FROM sqlite_master ORDER BY name").fetchall()
+            exps = conn.execute("SELECT experiment_id, name, artifact_location FROM experiments")
+            return version, tables, exps.fetchall()
+
+    assert contents(copied) == contents(native)
+    client = MlflowClient(f"sqlite:///{copied}")
+    run = client.create_run(client.create_experiment("e"))
+    client.log_metric(run.info.run_id, "loss", 1.0, step=1)
+    assert client.get_run(run.info.run_id).data.metrics == {"loss": 1.0}
+    before = copied.read_bytes()
+    assert not prepare_sqlite_store(f"sqlite:///{copied}")
+    assert copied.read_bytes() == before

@@ -85,6 +85,11 @@ class DataConfig(Section):
     exact_order_max_mb: float = Field(1024.0, ge=0.0)
     """`order: auto`: the largest data (MiB, uncompressed, from the Parquet metadata) read in
     the exact per-row order."""
+    in_process_read_max_mb: float = Field(16.0, ge=0.0)
+    """Data up to this size (MiB, uncompressed, from the Parquet metadata) is read by each rank
+    in its own process with pyarrow instead of by Ray Data read tasks: for small data, starting
+    the read tasks' processes costs more than the read (about 3 s of the default job's start on
+    2 cores). 0 reads all data through Ray Data."""
     materialize: bool | None = None
     """No longer used (every rank reads its rows through Ray Data); a value is ignored with a
     warning."""

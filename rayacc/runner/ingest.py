@@ -133,7 +133,8 @@ class EpochReads:
 
 class RankReader:
     """One rank's rows: its validation share and, window after window, the rows of its share,
-    read through Ray Data as described in this module's docstring."""
+    read through Ray Data as described in this module's docstring, or with `in_process` (small
+    data) read by this process itself, the same row groups in the same order."""
 
     def __init__(
         self,
@@ -141,8 +142,10 @@ class RankReader:
         groups: RowGroups,
         order: DataOrder,
         source: str,
+        in_process: bool = False,
     ):
         self.info, self.groups, self.order, self.source = info, groups, order, source
+        self.in_process = in_process
         self.rows_read = 0
         """Rows of the row groups this reader has taken from the stream."""
         self._buffer: dict[int, pa.Table] = {}
@@ -180,15 +183,10 @@ class RankReader:
         self._stream = self._open(order)
 
     def _open(self, order: np.ndarray) -> Iterator[tuple[int, pa.Table]]:
-        """(group, table) for each group of `order`, read by Ray Data tasks in that order."""
+        """(group, table) for each group of `order`, in that order, read by Ray Data tasks (or
+        by this process)."""
         if len(order) == 0:
             return iter(())
-        import ray.data
-        from ray.data import DataContext
-
-        ctx = DataContext.get_current()
-        ctx.execution_options.preserve_order = True
-        ctx.enable_progress_bars = False
         g = self.groups
         sizes = g.size[order]
         task = np.cumsum(sizes) // READ_TASK_ROWS
@@ -197,11 +195,18 @@ class RankReader:
             pa.table({"file": [g.files[f] for f in g.file[part]], "group": g.index[part]})
             for part in np.split(order, cuts)
         ]
+        kwargs = {"source": self.source, "columns": _columns(self.info)}
+        if self.in_process:
+            # read when needed, one task's worth at a time: what a read task would do
+            return _split_groups((read_groups(b, **kwargs) for b in blocks), order, sizes)
+        import ray.data
+        from ray.data import DataContext
+
+        ctx = DataContext.get_current()
+        ctx.execution_options.preserve_order = True
+        ctx.enable_progress_bars = False
         ds = ray.data.from_arrow(blocks).map_batches(
-            read_groups,
-            batch_size=None,
-            batch_format="pyarrow",
-            fn_kwargs={"source": self.source, "columns": _columns(self.info)},
+            read_groups, batch_size=None, batch_format="pyarrow", fn_kwargs=kwargs
         )
         batches = ds.iter_batches(
             batch_size=None, batch_format="pyarrow", prefetch_batches=PREFETCH_BLOCKS

@@ -79,9 +79,11 @@ class WorkerRun:
         # when this process started and when its run began: bench/startup.py's worker phases
         self.process = psutil.Process()
         self.timeline = {"process_started": self.process.create_time(), "entered": time.time()}
-        warm_up()
         self.cfg = cfg = TrainConfig.model_validate(config["cfg"])
         self.info = DatasetInfo.from_dict(config["dataset"])
+        self.read_in_process = 0 < self.info.data_bytes <= cfg.data.in_process_read_max_mb * 2**20
+        if not self.read_in_process:
+            warm_up()
         ctx = ray.train.get_context()
         self.rank, self.world = ctx.get_world_rank(), ctx.get_world_size()
         self.progress = config.get("progress")
@@ -263,7 +265,9 @@ class WorkerRun:
 
     def _open_data(self) -> None:
         """Starts this rank's reads (runner/ingest.py) and takes its validation rows."""
-        self.reader = RankReader(self.info, self.groups, self.order, self.source)
+        self.reader = RankReader(
+            self.info, self.groups, self.order, self.source, in_process=self.read_in_process
+        )
         self.reader.start(
             [self.reader.epoch_reads(e, lo, hi) for e, _, _, (lo, hi) in self.epochs],
             self.order.val_rows(self.rank, self.world),

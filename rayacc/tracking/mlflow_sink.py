@@ -78,6 +78,9 @@ class MlflowSink:
         try:
             from mlflow.tracking import MlflowClient
 
+            from rayacc.tracking.sqlite_store import prepare_sqlite_store
+
+            prepare_sqlite_store(tracking_uri)
             self.client = MlflowClient(tracking_uri=tracking_uri)
             if run_id is not None:
                 self.client.update_run(run_id, status="RUNNING")
