@@ -411,13 +411,15 @@ def test_gpt_on_padded_token_rows_equals_full_batch(ray_local, tmp_path, record_
 
 
 @pytest.mark.parametrize(
-    ("grad_sync", "recompute"), [("every_micro_step", "none"), ("window_end", "full")]
+    ("grad_sync", "recompute", "chunk"),
+    [("every_micro_step", "none", None), ("window_end", "full", 8)],
 )
 def test_fsdp_on_padded_token_rows_equals_full_batch(
-    ray_local, tmp_path, record_equivalence, grad_sync, recompute
+    ray_local, tmp_path, record_equivalence, grad_sync, recompute, chunk
 ):
     """train.strategy=fsdp through the whole stack: Ray workers shard the GPT with FSDP2,
-    accumulate in either sync mode (with activation checkpointing in one), and the step equals
+    accumulate in either sync mode (with activation checkpointing and the chunked loss, which
+    runs inside the sharded forward, in one), and the step equals
     the full batch in one process; the model loads whole from the sharded checkpoint."""
     rng = np.random.default_rng(1)
     seqs = sorted((rng.integers(0, 17, rng.integers(2, 21)).tolist() for _ in range(16)), key=len)
@@ -431,7 +433,7 @@ def test_fsdp_on_padded_token_rows_equals_full_batch(
         train={
             "strategy": "fsdp",
             "activation_checkpointing": recompute,
-            "loss_chunk_tokens": None,
+            "loss_chunk_tokens": chunk,
         },
         fsdp={"grad_sync": grad_sync},
         tracking={"enabled": False},
@@ -445,8 +447,8 @@ def test_fsdp_on_padded_token_rows_equals_full_batch(
 
     err, floor = sgd_step_errors(cfg, padded_token_loss(seqs), load_model(result.checkpoint_dir))
     record_equivalence(
-        f"Ray Train, FSDP2 {grad_sync}, activation checkpointing {recompute}, GPT, padded "
-        f"tokens, 2 workers (vs float64; fp32 full batch: {floor:.3e})",
+        f"Ray Train, FSDP2 {grad_sync}, activation checkpointing {recompute}, chunked loss "
+        f"{chunk}, GPT, padded tokens, 2 workers (vs float64; fp32 full batch: {floor:.3e})",
         err,
     )
     assert err <= 2 * floor, (err, floor)

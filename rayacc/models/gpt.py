@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -94,9 +95,16 @@ class GPT(nn.Module):
         head_size = attn.qkv.in_features // attn.n_head
         return 6.0 * n + 12.0 * len(self.blocks) * attn.n_head * head_size * seq
 
-    def forward(self, idx: torch.Tensor, return_hidden: bool = False) -> torch.Tensor:
-        """Logits, or with `return_hidden` the final hidden states that `head` projects (a
-        chunked loss applies the head itself, never holding all the logits)."""
+    def forward(
+        self,
+        idx: torch.Tensor,
+        return_hidden: bool = False,
+        head_loss: Callable[[torch.Tensor, nn.Linear], torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Logits; with `return_hidden` the final hidden states that `head` projects (a chunked
+        loss applies the head itself, never holding all the logits); with `head_loss`, its
+        value on (hidden states, head), computed inside this forward — where a sharded
+        model's parameters are whole."""
         t = idx.shape[1]
         if t > self.block_size:
             raise ValueError(f"sequence of {t} tokens exceeds model.block_size={self.block_size}")
@@ -105,4 +113,6 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         hidden = self.ln_f(x)
+        if head_loss is not None:
+            return head_loss(hidden, self.head)
         return hidden if return_hidden else self.head(hidden)

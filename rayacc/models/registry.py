@@ -18,6 +18,7 @@ from rayacc.engine import (
     token_item_losses,
 )
 from rayacc.engine.chunked_loss import chunked_cross_entropy_sum
+from rayacc.engine.units import is_fsdp
 from rayacc.models.init import init_parameters, seeds_parameters
 
 __all__ = [
@@ -115,11 +116,12 @@ def unwrap_model(model: nn.Module) -> nn.Module:
 
 
 def supports_chunked_loss(model: nn.Module) -> bool:
-    """A token model whose forward can return the hidden states its `head` projects."""
+    """A token model whose forward can return the hidden states its `head` projects; a
+    sharded one must also take `head_loss` (its parameters are whole only inside forward)."""
     inner = unwrap_model(model)
-    return isinstance(getattr(inner, "head", None), nn.Linear) and (
-        "return_hidden" in inspect.signature(inner.forward).parameters
-    )
+    takes = inspect.signature(inner.forward).parameters
+    needed = "head_loss" if is_fsdp(inner) else "return_hidden"
+    return isinstance(getattr(inner, "head", None), nn.Linear) and needed in takes
 
 
 def loss_functions(info: DatasetInfo, model: nn.Module | None = None, chunk: int | None = None):
@@ -131,12 +133,17 @@ def loss_functions(info: DatasetInfo, model: nn.Module | None = None, chunk: int
         return token_item_losses, count_target_tokens
 
     def chunked_token_loss_sum(m: nn.Module, batch) -> torch.Tensor:
+        def head_loss(hidden: torch.Tensor, head: nn.Linear) -> torch.Tensor:
+            return chunked_cross_entropy_sum(
+                hidden, head.weight, batch["target"], bias=head.bias, chunk=chunk
+            )
+
+        if is_fsdp(m):
+            # a sharded head is whole only inside the forward that gathered it
+            return m(batch["input"], head_loss=head_loss)
         # through the wrapper's forward (DDP prepares its gradient sync there); the head's
-        # weight is then used directly, which DDP's per-parameter hooks see all the same
-        hidden = m(batch["input"], return_hidden=True)
-        head = unwrap_model(m).head
-        return chunked_cross_entropy_sum(
-            hidden, head.weight, batch["target"], bias=head.bias, chunk=chunk
-        )
+        # weight is then used directly, which DDP's per-parameter hooks see all the same (a
+        # compiled forward returns the hidden states and the loss stays eager)
+        return head_loss(m(batch["input"], return_hidden=True), unwrap_model(m).head)
 
     return chunked_token_loss_sum, count_target_tokens
