@@ -64,17 +64,53 @@ def run(cmd: list[str], log: Path, timeout: float) -> tuple[int, str, float]:
     return code, out, time.time() - t0
 
 
-def check_train(out_dir: Path, dry: bool) -> list[tuple[str, bool, str]]:
-    """Runs `rayacc train` and returns (check, passed, figures) rows."""
+# the same job sharded: FSDP2 (bf16 compute, fp32 reduction), activation checkpointing, the
+# auto search in lockstep (a trial out of memory restarts the group below it); not compiled
+FSDP_OVERRIDES = [
+    "train.strategy=fsdp",
+    "train.compile=false",
+    "train.activation_checkpointing=full",
+    "run.max_failures=3",
+]
+
+
+def train(out_dir: Path, dry: bool, name: str, extra: list[str]) -> tuple[int, str, float, Path]:
+    """`rayacc train` of the job: (exit code, output, seconds, timings file)."""
     seq_len, global_batch = (32, 32) if dry else (1024, 512)
     rows_needed = int(global_batch * 6 / 0.95) + 64
-    data = token_data(out_dir / "tokens.parquet", seq_len, rows_needed, 256 if dry else 50304)
-    timings = out_dir / "timings.json"
+    data = out_dir / "tokens.parquet"
+    if not data.is_file():
+        token_data(data, seq_len, rows_needed, 256 if dry else 50304)
+    timings = out_dir / f"timings_{name}.json"
     entry = "import sys, rayacc.cli as c; c.run()"
     cmd = [sys.executable, "-c", entry, "train", "-c", str(JOB), f"data.source={data}"]
-    cmd += [f"run.storage_path={out_dir / 'runs'}", *(DRY_OVERRIDES if dry else [])]
+    cmd += [f"run.storage_path={out_dir / 'runs'}", *(DRY_OVERRIDES if dry else []), *extra]
     cmd += ["--timings", str(timings)]
-    code, out, wall = run(cmd, out_dir / "train.log", TRAIN_TIMEOUT_S)
+    code, out, wall = run(cmd, out_dir / f"{name}.log", TRAIN_TIMEOUT_S)
+    return code, out, wall, timings
+
+
+def check_fsdp_train(out_dir: Path, dry: bool) -> list[tuple[str, bool, str]]:
+    """The job under FSDP on one worker (the sharded code paths; sharding itself needs two
+    devices): it trains, and its final checkpoint is sharded."""
+    code, out, wall, timings = train(out_dir, dry, "train_fsdp", FSDP_OVERRIDES)
+    checks = [("fsdp: rayacc train exits 0", code == 0, f"exit {code}, {wall:.0f} s")]
+    if code != 0:
+        last = out.strip().splitlines()[-1][:120] if out.strip() else ""
+        return [*checks, ("(see train_fsdp.log)", False, last)]
+    ckpt = json.loads(timings.read_text())["run"].get("checkpoint_dir")
+    sharded = bool(ckpt) and (Path(ckpt) / "shards" / ".metadata").is_file()
+    checks.append(("fsdp: final checkpoint sharded", sharded, str(ckpt)))
+    search = re.search(r"micro-batch (\d+) × accumulation (\d+) from step 1 \([^)]*\)", out)
+    perf = re.search(r"per step \(median[^:]*\): (.*)", out)
+    figures = (search.group(0) + "; " if search else "") + (perf.group(1) if perf else "")
+    checks.append(("fsdp: bf16 + activation checkpointing steps", bool(perf), figures))
+    return checks
+
+
+def check_train(out_dir: Path, dry: bool) -> list[tuple[str, bool, str]]:
+    """Runs `rayacc train` and returns (check, passed, figures) rows."""
+    code, out, wall, timings = train(out_dir, dry, "train", [])
     checks = [("rayacc train exits 0", code == 0, f"exit {code}, {wall:.0f} s")]
     if code != 0:
         last = out.strip().splitlines()[-1][:120] if out.strip() else ""
@@ -138,6 +174,7 @@ def main() -> None:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = check_train(out_dir, args.dry_run) + check_gpu_step(out_dir, args.dry_run)
+    rows += check_fsdp_train(out_dir, args.dry_run)
     width = max(len(name) for name, _, _ in rows)
     print(f"\n{'check':{width}}  result  figures")
     for name, ok, figures in rows:

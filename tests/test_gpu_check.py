@@ -1,5 +1,6 @@
 """bench/gpu_check.sh, the first GPU run's one command, end to end on CPU (--dry-run): the
-script, `rayacc train` of jobs/gpu_gpt.yaml and bench/gpu_step.py all run and pass."""
+script, `rayacc train` of jobs/gpu_gpt.yaml, bench/gpu_step.py and the job under FSDP all run
+and pass."""
 
 from __future__ import annotations
 
@@ -32,6 +33,9 @@ def test_gpu_check_dry_run_passes_every_step(tmp_path):
         "validation ran",
         "final checkpoint complete",
         "bench/gpu_step.py exits 0",
+        "fsdp: rayacc train exits 0",
+        "fsdp: final checkpoint sharded",
+        "fsdp: bf16 + activation checkpointing steps",
     ):
         line = next((row for row in table.splitlines() if row.startswith(check)), "")
         assert "PASS" in line, f"{check}: {line or 'missing'}\n{table}"

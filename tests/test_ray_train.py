@@ -313,6 +313,27 @@ def test_a_size_that_ran_out_of_memory_in_training_is_not_chosen_again(ray_local
     assert result.summary["plan"]["micro_batch_size"] == 8
 
 
+def test_a_sharded_search_trial_out_of_memory_restarts_the_group_below_it(ray_local, tmp_path):
+    """Under FSDP a search trial that runs out of memory is not retried in place (the peers may
+    wait in its collectives): the group fails after recording the size, restarts, and its
+    search stays below. Of 1..32 per worker the search tries 4, then 16 (out of memory); after
+    the restart 2, 4 and 8, and 8 trains."""
+    cfg = config(
+        tmp_path,
+        model={
+            "name": "factory",
+            "factory": "tests.oom_model:build",
+            "kwargs": {"threshold": 16, "always": True},
+        },
+        batch={"global_batch_size": 64, "micro_batch_size": "auto", "memory_budget_mb": 4096},
+        train={"max_steps": 2, "strategy": "fsdp"},
+        run={"max_failures": 2},
+        tracking={"enabled": False},
+    )
+    result = fit_or_fail(cfg)
+    assert [r["scaling/micro_batch_size"] for r in result.history] == [8, 8]
+
+
 def test_killed_worker_recovers_automatically_and_by_resume(ray_local, tmp_path):
     source = digits_subset(tmp_path / "d256.parquet", 256)
 

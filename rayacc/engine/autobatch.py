@@ -27,6 +27,7 @@ from rayacc.engine.units import is_fsdp
 
 __all__ = [
     "MicroBatchSearch",
+    "TrialOutOfMemory",
     "agree_on_min",
     "candidate_micro_sizes",
     "find_micro_batch_size",
@@ -143,6 +144,18 @@ def agree_on_min(value: int, group=None) -> int:
     return int(all_reduce(torch.tensor([value], dtype=torch.int64), op="min", group=group).item())
 
 
+class TrialOutOfMemory(RuntimeError):
+    """A sharded model's search trial ran out of memory. Raised, not retried: its peers may
+    wait in a collective of that trial; the caller records `micro_batch_size` so that the next
+    search (after the group restarts) stays below it."""
+
+    def __init__(self, micro_batch_size: int):
+        super().__init__(
+            f"micro-batch {micro_batch_size} ran out of device memory in the auto search"
+        )
+        self.micro_batch_size = micro_batch_size
+
+
 OUT_OF_MEMORY = 1 << 62
 """What `measure_step_bytes` reports for a size that ran out of memory."""
 
@@ -183,14 +196,19 @@ def find_micro_batch_size(
     lockstep = is_fsdp(model)
 
     def fits(size: int) -> bool:
-        used = measure_step_bytes(
-            model,
-            loss_fn,
-            make_batch(size),
-            autocast_dtype=autocast_dtype,
-            optimizer_slots=optimizer_slots,
-            fsdp_grad_sync=fsdp_grad_sync,
-        )
+        try:
+            used = measure_step_bytes(
+                model,
+                loss_fn,
+                make_batch(size),
+                autocast_dtype=autocast_dtype,
+                optimizer_slots=optimizer_slots,
+                fsdp_grad_sync=fsdp_grad_sync,
+            )
+        except RuntimeError as exc:  # only a sharded model's trial raises out of memory
+            if is_oom(exc):
+                raise TrialOutOfMemory(size) from exc
+            raise
         if used == OUT_OF_MEMORY:
             out_of_memory.append(size)
         if lockstep:

@@ -8,6 +8,7 @@ The data order, the normalisation rule and the checkpoint contract are in docs/d
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import tempfile
@@ -33,6 +34,7 @@ from rayacc.engine import (
     StepCost,
     StepResult,
     TrainState,
+    TrialOutOfMemory,
     all_gather_objects,
     all_reduce,
     autocast,
@@ -300,7 +302,10 @@ class WorkerRun:
 
         failed = ray.get(self.progress.out_of_memory_sizes.remote()) if self.progress else []
         below = min(failed) if failed else None
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        with (
+            torch.random.fork_rng(devices=[device] if device.type == "cuda" else []),
+            self._out_of_memory_recorded(),
+        ):
             search = find_micro_batch_size(
                 unwrap_model(self.model),
                 self.loss_fn,
@@ -334,14 +339,24 @@ class WorkerRun:
         total = torch.cuda.get_device_properties(self.device).total_memory
         return int(self.cfg.batch.memory_budget * total)
 
-    def _remember_out_of_memory(self) -> None:
+    @contextlib.contextmanager
+    def _out_of_memory_recorded(self):
+        """A sharded model's search trial that ran out of memory fails the group (see
+        engine/autobatch.py); its size is recorded first, so the next search stays below."""
+        try:
+            yield
+        except TrialOutOfMemory as exc:
+            self._remember_out_of_memory(exc.micro_batch_size)
+            raise
+
+    def _remember_out_of_memory(self, size: int | None = None) -> None:
         """An out-of-memory error the step could not recover from (in a window's last
         micro-step, where peers already wait in the gradient all-reduce, or without retries):
         the group fails and restarts from the checkpoint, and its auto search then stays below
         this size instead of choosing it again."""
         if self.cfg.batch.auto_micro_batch and self.progress is not None:
             # waited for: the process is about to fail
-            ray.get(self.progress.remember_out_of_memory.remote(self.micro_now), timeout=30)
+            ray.get(self.progress.remember_out_of_memory.remote(size or self.micro_now), timeout=30)
 
     def _note_splits(self, result: StepResult) -> None:
         """An out-of-memory retry cut the micro-batches: say so once, from the next step on."""
