@@ -26,6 +26,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from rayacc.data.reads import filesystem_and_path
 from rayacc.data.sources import VOCAB_SIZE_KEY, DataError
 
 __all__ = ["PrepareResult", "prepare_corpus"]
@@ -46,11 +47,8 @@ class PrepareResult:
 
 
 def _filesystem(path: str):
-    from pyarrow import fs
-
-    if "://" in path:
-        return fs.FileSystem.from_uri(path)
-    return fs.LocalFileSystem(), str(Path(path).expanduser().resolve())
+    """(filesystem, path on it); a local path made absolute."""
+    return filesystem_and_path(path if "://" in path else str(Path(path).expanduser().resolve()))
 
 
 def _input_files(inputs: list[str]) -> list[tuple[object, str, str]]:

@@ -12,12 +12,14 @@ import pyarrow.parquet as pq
 __all__ = ["parquet_file", "read_groups", "warm"]
 
 
-def filesystem_of(source: str):
+def filesystem_and_path(location: str):
+    """(pyarrow filesystem, path on it) of a local path or a URI pyarrow knows (s3://, gs://,
+    ...)."""
     from pyarrow import fs
 
-    if "://" in source:
-        return fs.FileSystem.from_uri(source)[0]
-    return fs.LocalFileSystem()
+    if "://" in location:
+        return fs.FileSystem.from_uri(location)
+    return fs.LocalFileSystem(), location
 
 
 @functools.lru_cache(maxsize=32)
@@ -25,7 +27,7 @@ def parquet_file(source: str, path: str) -> pq.ParquetFile:
     """An open file, kept by the process that runs read tasks: its footer (the row groups'
     metadata, megabytes for a large file of small groups) is parsed once, not once a task."""
     try:
-        return pq.ParquetFile(filesystem_of(source).open_input_file(path))
+        return pq.ParquetFile(filesystem_and_path(source)[0].open_input_file(path))
     except (FileNotFoundError, OSError) as exc:
         raise FileNotFoundError(
             f"{path} cannot be opened on this node ({exc}); every node that runs read tasks "

@@ -276,10 +276,10 @@ def stage_file(path: str, storage: str) -> str:
     reaches: the run's storage path), made once; its path there."""
     from pyarrow import fs
 
-    from rayacc.runner.runs import storage_filesystem
+    from rayacc.data.reads import filesystem_and_path
 
     name = Path(path).name
-    filesystem, root = storage_filesystem(storage)
+    filesystem, root = filesystem_and_path(storage)
     target = f"{root}/_data/{name}"
     info = filesystem.get_file_info(target)
     if info.type != fs.FileType.File or info.size != Path(path).stat().st_size:

@@ -12,9 +12,10 @@ from pathlib import Path
 from typing import Any
 
 from rayacc.config import TrainConfig
+from rayacc.data.reads import filesystem_and_path
 from rayacc.data.sources import DataError, DatasetInfo
 
-__all__ = ["LATEST", "RUN_INFO", "RunLocation", "locate_run", "storage_filesystem"]
+__all__ = ["LATEST", "RUN_INFO", "RunLocation", "locate_run"]
 
 RUN_INFO = "rayacc_run.json"
 """In the run's folder: the MLflow run id and tracking URI of the run."""
@@ -22,19 +23,10 @@ LATEST = "LATEST"
 """In the storage path: the name of the latest run started there (`--resume` without a name)."""
 
 
-def storage_filesystem(storage: str):
-    """(pyarrow filesystem, root path) of a local path or a pyarrow-supported URI."""
-    from pyarrow import fs
-
-    if "://" in storage:
-        return fs.FileSystem.from_uri(storage)
-    return fs.LocalFileSystem(), storage
-
-
 def _read_text(storage: str, relative: str) -> str | None:
     from pyarrow import fs
 
-    filesystem, root = storage_filesystem(storage)
+    filesystem, root = filesystem_and_path(storage)
     path = f"{root}/{relative}"
     if filesystem.get_file_info(path).type != fs.FileType.File:
         return None
@@ -43,7 +35,7 @@ def _read_text(storage: str, relative: str) -> str | None:
 
 
 def _write_text(storage: str, relative: str, text: str) -> None:
-    filesystem, root = storage_filesystem(storage)
+    filesystem, root = filesystem_and_path(storage)
     path = f"{root}/{relative}"
     filesystem.create_dir(path.rsplit("/", 1)[0], recursive=True)
     with filesystem.open_output_stream(path) as f:
@@ -127,7 +119,7 @@ def _runs_in(storage: str) -> set[str]:
     """The names of the run folders in `storage` (not `_data`, where shared data is staged)."""
     from pyarrow import fs
 
-    filesystem, root = storage_filesystem(storage)
+    filesystem, root = filesystem_and_path(storage)
     infos = filesystem.get_file_info(fs.FileSelector(root, allow_not_found=True))
     return {i.base_name for i in infos if i.type == fs.FileType.Directory} - {"_data"}
 
@@ -162,7 +154,7 @@ def _latest_checkpoint_meta(loc: RunLocation) -> dict[str, Any] | None:
     """meta.json of the run's newest complete checkpoint folder, if any."""
     from pyarrow import fs
 
-    filesystem, root = storage_filesystem(loc.storage)
+    filesystem, root = filesystem_and_path(loc.storage)
     infos = filesystem.get_file_info(fs.FileSelector(f"{root}/{loc.name}", allow_not_found=True))
     folders = sorted(
         (i.base_name for i in infos if i.type == fs.FileType.Directory),
