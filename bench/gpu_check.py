@@ -65,7 +65,8 @@ def run(cmd: list[str], log: Path, timeout: float) -> tuple[int, str, float]:
 
 
 # the same job sharded: FSDP2 (bf16 compute, fp32 reduction), activation checkpointing, the
-# auto search in lockstep (a trial out of memory restarts the group below it); not compiled
+# auto search in lockstep (a trial out of memory restarts the group below it); not compiled,
+# to keep the check within its minutes (the DDP run above is)
 FSDP_OVERRIDES = [
     "train.strategy=fsdp",
     "train.compile=false",

@@ -24,6 +24,20 @@ def with_(section, **values):
     return data
 
 
+def test_fsdp_takes_compile_and_auto_micro_batch():
+    cfg = load(
+        {
+            **with_("train", strategy="fsdp", compile=True, precision="bf16"),
+            "batch": {
+                "global_batch_size": 256,
+                "micro_batch_size": "auto",
+                "memory_budget_mb": 512,
+            },
+        }
+    )
+    assert cfg.train.compile and cfg.batch.auto_micro_batch
+
+
 def test_good_config_and_defaults():
     cfg = load(GOOD)
     assert cfg.batch.global_batch_size == 256
@@ -66,6 +80,8 @@ BAD = [
     (with_("optim", warmup_step=10), "optim.warmup_step", "optim.warmup_steps"),
     ({**GOOD, "trian": {}}, "trian", "'train'"),
     ({**GOOD, "seed": "abc"}, "seed", "whole number"),
+    (with_("train", strategy="fsdp", precision="fp16"), "train.precision", "bf16"),
+    (with_("train", strategy="zero"), "train.strategy", "'ddp' or 'fsdp'"),
 ]
 
 

@@ -432,11 +432,11 @@ def test_gpt_on_padded_token_rows_equals_full_batch(ray_local, tmp_path, record_
 
 
 @pytest.mark.parametrize(
-    ("grad_sync", "recompute", "chunk"),
-    [("every_micro_step", "none", None), ("window_end", "full", 8)],
+    ("grad_sync", "recompute", "chunk", "compile_"),
+    [("every_micro_step", "none", None, True), ("window_end", "full", 8, False)],
 )
 def test_fsdp_on_padded_token_rows_equals_full_batch(
-    ray_local, tmp_path, record_equivalence, grad_sync, recompute, chunk
+    ray_local, tmp_path, record_equivalence, grad_sync, recompute, chunk, compile_
 ):
     """train.strategy=fsdp through the whole stack: Ray workers shard the GPT with FSDP2,
     accumulate in either sync mode (with activation checkpointing and the chunked loss, which
@@ -455,6 +455,7 @@ def test_fsdp_on_padded_token_rows_equals_full_batch(
             "strategy": "fsdp",
             "activation_checkpointing": recompute,
             "loss_chunk_tokens": chunk,
+            "compile": compile_,
         },
         fsdp={"grad_sync": grad_sync},
         tracking={"enabled": False},
@@ -469,7 +470,8 @@ def test_fsdp_on_padded_token_rows_equals_full_batch(
     err, floor = sgd_step_errors(cfg, padded_token_loss(seqs), load_model(result.checkpoint_dir))
     record_equivalence(
         f"Ray Train, FSDP2 {grad_sync}, activation checkpointing {recompute}, chunked loss "
-        f"{chunk}, GPT, padded tokens, 2 workers (vs float64; fp32 full batch: {floor:.3e})",
+        f"{chunk}, compiled blocks {compile_}, GPT, padded tokens, 2 workers (vs float64; fp32 "
+        f"full batch: {floor:.3e})",
         err,
     )
     assert err <= 2 * floor, (err, floor)

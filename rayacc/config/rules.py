@@ -165,15 +165,6 @@ def _strategy_rules(train) -> list[ConfigIssue]:
                 "use train.precision=bf16 (or fp32) with train.strategy=fsdp",
             )
         )
-    if train.compile:
-        issues.append(
-            ConfigIssue(
-                "train.compile",
-                "is not supported with train.strategy=fsdp yet",
-                True,
-                "set train.compile=false, or use train.strategy=ddp",
-            )
-        )
     return issues
 
 

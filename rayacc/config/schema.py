@@ -185,8 +185,9 @@ class TrainSection(Section):
     checkpoint_every_steps: int | None = Field(None, ge=1)
     """Checkpoint every N optimizer steps (and always at the end); null = only at the end."""
     compile: bool = False
-    """torch.compile the model (before DDP wraps it). The first steps pay the compilation
-    (tens of seconds for GPT-2 small); accumulation and no_sync work as without it."""
+    """torch.compile the model (before DDP wraps it; under FSDP each block, before it is
+    sharded). The first steps pay the compilation (tens of seconds for GPT-2 small);
+    accumulation and gradient sync work as without it."""
     allow_tf32: bool = False
     """GPU, fp32 precision: let matmuls and convolutions use TF32 tensor cores (about 10 bits
     of mantissa instead of 23: faster, not bit-equal to fp32)."""

@@ -40,6 +40,11 @@ def build_sharded(cfg: TrainConfig, info: DatasetInfo, device: torch.device) -> 
         module = build_model(cfg, info)
         on_meta = False
     checkpoint_activations(cfg, module)
+    if cfg.train.compile:
+        # each block compiled in place before it is sharded (names, and so checkpoints, stay):
+        # FSDP's gathers and reduce-scatters run between the compiled blocks
+        for block in fsdp_blocks(module):
+            block.compile()
     shard_model(
         module if on_meta else module.to(device),
         device=device,
