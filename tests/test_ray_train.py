@@ -159,6 +159,15 @@ def sgd_step_errors(cfg: TrainConfig, full_batch_loss, trained_model) -> tuple[f
     return float((trained - exact).norm() / scale), float((plain_fp32 - exact).norm() / scale)
 
 
+def padded_token_rows(path, seed: int, dtype) -> list[list[int]]:
+    """16 token sequences of 2 to 20 tokens written to `path`, short ones first (the first
+    rank's half of a window then has far fewer tokens); returns them."""
+    rng = np.random.default_rng(seed)
+    seqs = sorted((rng.integers(0, 17, rng.integers(2, 21)).tolist() for _ in range(16)), key=len)
+    pq.write_table(pa.table({"tokens": pa.array(seqs, pa.list_(dtype))}), path)
+    return seqs
+
+
 def padded_token_loss(seqs):
     """The full-batch loss of `seqs` in one process: the mean over every target token."""
     from rayacc.engine import IGNORE_INDEX, collate_tokens
@@ -404,11 +413,8 @@ def test_wrong_columns_are_reported_before_workers_start(tmp_path):
 
 def test_gpt_on_padded_token_rows_equals_full_batch(ray_local, tmp_path, record_equivalence):
     """Variable-length sequences, padded per micro-batch, ranks with different token counts."""
-    rng = np.random.default_rng(0)
-    # short sequences first: the first rank's half of the window has far fewer tokens
-    seqs = sorted((rng.integers(0, 17, rng.integers(2, 21)).tolist() for _ in range(16)), key=len)
     path = tmp_path / "tokens.parquet"
-    pq.write_table(pa.table({"tokens": pa.array(seqs, pa.list_(pa.int64()))}), path)
+    seqs = padded_token_rows(path, seed=0, dtype=pa.int64())
     cfg = config(
         tmp_path,
         model={"name": "gpt", "n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": 32},
@@ -442,10 +448,8 @@ def test_fsdp_on_padded_token_rows_equals_full_batch(
     accumulate in either sync mode (with activation checkpointing and the chunked loss, which
     runs inside the sharded forward, in one), and the step equals
     the full batch in one process; the model loads whole from the sharded checkpoint."""
-    rng = np.random.default_rng(1)
-    seqs = sorted((rng.integers(0, 17, rng.integers(2, 21)).tolist() for _ in range(16)), key=len)
     path = tmp_path / "tokens.parquet"
-    pq.write_table(pa.table({"tokens": pa.array(seqs, pa.list_(pa.uint16()))}), path)
+    seqs = padded_token_rows(path, seed=1, dtype=pa.uint16())
     cfg = config(
         tmp_path,
         model={"name": "gpt", "n_layer": 2, "n_head": 2, "n_embd": 16, "block_size": 32},

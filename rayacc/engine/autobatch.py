@@ -127,9 +127,8 @@ def measure_step_bytes(
             losses.float().sum().backward()
         return 2 * _param_bytes(model) + sum(saved.values()) + optimizer_bytes
     except RuntimeError as exc:  # torch.OutOfMemoryError is one
-        # only running out of memory means "too large"; anything else is a real error, and so
-        # is any error of a sharded model (its peers may wait in a collective)
-        if not is_oom(exc) or is_fsdp(model):
+        # only running out of memory means "too large"; anything else is a real error
+        if not is_oom(exc):
             raise
         return OUT_OF_MEMORY
     finally:
@@ -196,20 +195,18 @@ def find_micro_batch_size(
     lockstep = is_fsdp(model)
 
     def fits(size: int) -> bool:
-        try:
-            used = measure_step_bytes(
-                model,
-                loss_fn,
-                make_batch(size),
-                autocast_dtype=autocast_dtype,
-                optimizer_slots=optimizer_slots,
-                fsdp_grad_sync=fsdp_grad_sync,
-            )
-        except RuntimeError as exc:  # only a sharded model's trial raises out of memory
-            if is_oom(exc):
-                raise TrialOutOfMemory(size) from exc
-            raise
+        used = measure_step_bytes(
+            model,
+            loss_fn,
+            make_batch(size),
+            autocast_dtype=autocast_dtype,
+            optimizer_slots=optimizer_slots,
+            fsdp_grad_sync=fsdp_grad_sync,
+        )
         if used == OUT_OF_MEMORY:
+            if lockstep:
+                # not agreed on: a peer may wait in a collective of this trial
+                raise TrialOutOfMemory(size)
             out_of_memory.append(size)
         if lockstep:
             # every rank's next trial is the same size: a collective forward needs them all

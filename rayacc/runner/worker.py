@@ -275,10 +275,12 @@ class WorkerRun:
             self.order.val_rows(self.rank, self.world),
         )
         self.val_rows = self.reader.validation()
-        # one row for the forwards a rank without validation rows of its own runs beside the
-        # others (FSDP): its first training row
-        first = self.reader.window(self.epochs[0][0], 0) if self.epochs else self.val_rows
-        self.spare_batch = first.take(np.arange(min(1, len(first))))
+        self.spare_batch = None
+        if self.fsdp:
+            # one row for the forwards a rank without validation rows of its own runs beside
+            # the others: its first training row
+            first = self.reader.window(self.epochs[0][0], 0) if self.epochs else self.val_rows
+            self.spare_batch = first.take(np.arange(min(1, len(first))))
         self.timeline["data"] = time.time()
 
     def _begin_epoch(self, epoch: int) -> None:
