@@ -66,7 +66,7 @@ def rank_body(rank: int, world: int, init: str, out: str, args: dict) -> None:
     device = torch.device(args["device"], rank if args["device"] == "cuda" else None)
     from torch.nn.parallel import DistributedDataParallel
 
-    from rayacc.engine import AccumulationStep, count_target_tokens, token_item_losses
+    from rayacc.engine import DDP, FSDP, AccumulationStep, count_target_tokens, token_item_losses
     from rayacc.engine.fsdp import shard_model
     from rayacc.engine.recompute import apply_activation_checkpointing
     from rayacc.models.gpt import GPT
@@ -82,7 +82,12 @@ def rank_body(rank: int, world: int, init: str, out: str, args: dict) -> None:
     else:
         model = DistributedDataParallel(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=False)
-    step = AccumulationStep(model, opt, fsdp_grad_sync=args["grad_sync"] or "every_micro_step")
+    strategy = (
+        FSDP(args["grad_sync"] or "every_micro_step").adopt(model)
+        if args["strategy"] == "fsdp"
+        else DDP().adopt(model)
+    )
+    step = AccumulationStep(model, opt, strategy=strategy)
     gen = torch.Generator().manual_seed(rank)
 
     def micro():

@@ -7,21 +7,30 @@ from collections.abc import Iterable
 import torch
 
 from rayacc.config import TrainConfig
-from rayacc.engine import SampleSchedule
+from rayacc.engine import SampleSchedule, Strategy
 
-__all__ = ["build_optimizer", "build_schedule"]
+__all__ = ["build_optimizer", "build_schedule", "optimizer_slots"]
+
+
+def optimizer_slots(cfg: TrainConfig) -> int:
+    """Values the optimizer keeps per parameter: AdamW 2 (both moments), SGD 1 with momentum."""
+    return 2 if cfg.optim.name == "adamw" else int(cfg.optim.momentum > 0)
 
 
 def build_optimizer(
-    cfg: TrainConfig, params: Iterable[torch.nn.Parameter], lr: float, device: torch.device
+    cfg: TrainConfig,
+    params: Iterable[torch.nn.Parameter],
+    lr: float,
+    device: torch.device,
+    strategy: Strategy | None = None,
 ) -> torch.optim.Optimizer:
+    """`strategy`: the one holding `params` (some fused kernels cannot step its parameters)."""
     o = cfg.optim
     # one kernel per parameter instead of several per tensor: PyTorch's fused kernels exist
     # for CPU and CUDA (on a small CPU model AdamW's step takes a third of the per-tensor loop)
     fused = o.fused if o.fused is not None else device.type in ("cpu", "cuda")
     if o.name == "sgd":
-        # the fused SGD kernel has no rule for sharded (DTensor) parameters
-        fused = fused and cfg.train.strategy != "fsdp"
+        fused = fused and (strategy is None or strategy.fused_sgd)
         return torch.optim.SGD(
             params, lr=lr, momentum=o.momentum, weight_decay=o.weight_decay, fused=fused or None
         )

@@ -11,6 +11,7 @@ from rayacc.config import TrainConfig
 from rayacc.data.order import DataOrder, EpochLayout
 from rayacc.data.sources import DatasetInfo, RowGroups
 from rayacc.engine.lr import effective_lr
+from rayacc.optim import optimizer_slots
 
 __all__ = [
     "data_order",
@@ -136,7 +137,7 @@ def memory_per_rank(cfg: TrainConfig, info: DatasetInfo, num_parameters: int, wo
     simple model of the `gpt` and `mlp` models (None for a factory model). Rows:
     (label, params, grads, optimizer, activations)."""
     mib = 4 / 2**20  # fp32 bytes per value, in MiB
-    slots = 2 if cfg.optim.name == "adamw" else int(cfg.optim.momentum > 0)
+    slots = optimizer_slots(cfg)
     micro = cfg.batch.fixed_micro_batch_size
     acts = _activations_per_sample(cfg, info)
     acts = acts * micro / 2**20 if acts is not None and micro else None

@@ -11,7 +11,7 @@ import functools
 
 import torch
 
-from rayacc.engine import AccumulationStep, count_target_tokens, token_item_losses
+from rayacc.engine import DDP, FSDP, AccumulationStep, count_target_tokens, token_item_losses
 from rayacc.engine.fsdp import shard_model
 from rayacc.models.gpt import GPT
 from tests.engine_helpers import token_micro_batches, token_sequences
@@ -74,7 +74,8 @@ def scenario(rank: int, world: int, out: dict, mode: str) -> None:
         model = shard_model(gpt(), device=torch.device("cpu"))
     opt = torch.optim.AdamW(model.parameters(), lr=0.02, weight_decay=0.1)
     sync = "every_micro_step" if mode == "ddp" else mode
-    step = AccumulationStep(model, opt, max_grad_norm=0.5, fsdp_grad_sync=sync)
+    strategy = DDP().adopt(model) if mode == "ddp" else FSDP(sync).adopt(model)
+    step = AccumulationStep(model, opt, max_grad_norm=0.5, strategy=strategy)
     results = []
     for window in windows():
         mine = rank_share(window, rank, world)
@@ -139,14 +140,16 @@ def materialise(rank: int, world: int, init_file: str, out_dir: str) -> None:
     def scenario(rank: int, world: int, out: dict) -> None:
         from torch.distributed.tensor import DTensor
 
-        import rayacc.models.sharded as sharded
+        import rayacc.models.parallel as parallel
 
         def whole(*args, **kwargs):
             raise AssertionError("a rank built the whole model")
 
-        sharded.build_model = whole
+        parallel.build_model = whole
         cfg, info = seeded_config()
-        model = sharded.build_sharded(cfg, info, torch.device("cpu"))
+        model = parallel.strategy_for(cfg).build(
+            parallel.model_recipe(cfg, info), torch.device("cpu")
+        )
         out["full"] = {
             n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
             for n, p in model.named_parameters()

@@ -20,9 +20,12 @@ from rayacc.engine.perf import StepClock, StepCost, device_peak_tflops, flops_pe
 from rayacc.engine.precision import autocast, autocast_dtype
 from rayacc.engine.state import TrainState
 from rayacc.engine.step import PRECISIONS, AccumulationStep, MicroStepMismatchError, StepResult
-from rayacc.engine.sync import CommCounter, ddp_sync_context, install_comm_counter
+from rayacc.engine.strategy import DDP, FSDP, ModelRecipe, Strategy, make_strategy, strategy_of
+from rayacc.engine.sync import CommCounter, install_comm_counter
 
 __all__ = [
+    "DDP",
+    "FSDP",
     "IGNORE_INDEX",
     "LR_RULES",
     "PRECISIONS",
@@ -32,10 +35,12 @@ __all__ = [
     "CommCounter",
     "MicroBatchSearch",
     "MicroStepMismatchError",
+    "ModelRecipe",
     "SampleSchedule",
     "StepClock",
     "StepCost",
     "StepResult",
+    "Strategy",
     "TrainState",
     "TrialOutOfMemory",
     "all_gather_objects",
@@ -48,7 +53,6 @@ __all__ = [
     "collate_tokens",
     "count_rows",
     "count_target_tokens",
-    "ddp_sync_context",
     "device_peak_tflops",
     "effective_lr",
     "find_micro_batch_size",
@@ -56,7 +60,9 @@ __all__ = [
     "group_device",
     "install_comm_counter",
     "lr_multiplier",
+    "make_strategy",
     "resolve_batch_plan",
+    "strategy_of",
     "to_device",
     "token_item_losses",
 ]

@@ -22,8 +22,7 @@ from torch import nn
 
 from rayacc.engine.collectives import all_reduce
 from rayacc.engine.losses import Batch, LossFn
-from rayacc.engine.sync import grad_sync_context
-from rayacc.engine.units import is_fsdp
+from rayacc.engine.strategy import Strategy, strategy_of
 
 __all__ = [
     "MicroBatchSearch",
@@ -92,17 +91,22 @@ def measure_step_bytes(
     *,
     autocast_dtype=None,
     optimizer_slots=2,
-    fsdp_grad_sync: str = "every_micro_step",
+    strategy: Strategy | None = None,
 ) -> int:
     """Peak memory of one forward + backward on `batch`, as a non-final micro-step runs it
-    (DDP: gradients not synced; FSDP: as `fsdp_grad_sync` says), plus the `optimizer_slots`
+    (in the strategy's sync context for one: DDP does not sync, FSDP as its mode says), plus
+    the `optimizer_slots`
     buffers per parameter the optimizer will hold (AdamW: 2), which do not exist yet before
     the first step.
 
     GPU: the allocator's peak while it runs (parameters and gradients are in it). CPU, where no
     allocator keeps a peak: parameters + gradients + the bytes autograd saves for backward during
     forward (activations), an estimate that leaves out short-lived temporaries. An
-    out-of-memory error counts as too large (a huge value)."""
+    out-of-memory error counts as too large (a huge value).
+
+    Leaves no trace: every gradient it made is dropped (the strategy's unsynced buffers too)
+    and gradient sync is left on."""
+    strategy = strategy or strategy_of(model)
     device = next(model.parameters()).device
     ctx = torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None)
     optimizer_bytes = optimizer_slots * _param_bytes(model)
@@ -110,7 +114,7 @@ def measure_step_bytes(
         if device.type == "cuda":
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
-            with grad_sync_context(model, False, fsdp_grad_sync), ctx:
+            with strategy.sync_context(False), ctx:
                 loss_fn(model, batch).float().sum().backward()
             torch.cuda.synchronize(device)
             return torch.cuda.max_memory_allocated(device) + optimizer_bytes
@@ -121,7 +125,7 @@ def measure_step_bytes(
             saved[storage.data_ptr()] = storage.nbytes()
             return t
 
-        with grad_sync_context(model, False, fsdp_grad_sync), ctx:
+        with strategy.sync_context(False), ctx:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 losses = loss_fn(model, batch)
             losses.float().sum().backward()
@@ -132,7 +136,8 @@ def measure_step_bytes(
             raise
         return OUT_OF_MEMORY
     finally:
-        model.zero_grad(set_to_none=True)
+        strategy.discard_grads()
+        strategy.restore_sync()
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -185,14 +190,47 @@ def find_micro_batch_size(
     optimizer_slots: int = 2,
     group=None,
     below: int | None = None,
-    fsdp_grad_sync: str = "every_micro_step",
+    strategy: Strategy | None = None,
 ) -> MicroBatchSearch:
     """The largest divisor of `samples_per_worker` whose forward + backward on
     `make_batch(size)` stays within `budget_bytes` on every rank; with `below`, only sizes
-    smaller than it are tried (a size that ran out of memory in training before)."""
+    smaller than it are tried (a size that ran out of memory in training before).
 
+    The model is left as it was found: no gradient anywhere, gradient sync on, and the random
+    state (dropout draws in the trials) as before, so the first step after a search equals the
+    first step without one bit for bit."""
+    strategy = strategy or strategy_of(model)
+    device = next(model.parameters()).device
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        return _search(
+            model,
+            loss_fn,
+            make_batch,
+            samples_per_worker=samples_per_worker,
+            budget_bytes=budget_bytes,
+            autocast_dtype=autocast_dtype,
+            optimizer_slots=optimizer_slots,
+            group=group,
+            below=below,
+            strategy=strategy,
+        )
+
+
+def _search(
+    model,
+    loss_fn,
+    make_batch,
+    *,
+    samples_per_worker,
+    budget_bytes,
+    autocast_dtype,
+    optimizer_slots,
+    group,
+    below,
+    strategy,
+) -> MicroBatchSearch:
     out_of_memory: list[int] = []
-    lockstep = is_fsdp(model)
+    lockstep = strategy.lockstep
 
     def fits(size: int) -> bool:
         used = measure_step_bytes(
@@ -201,7 +239,7 @@ def find_micro_batch_size(
             make_batch(size),
             autocast_dtype=autocast_dtype,
             optimizer_slots=optimizer_slots,
-            fsdp_grad_sync=fsdp_grad_sync,
+            strategy=strategy,
         )
         if used == OUT_OF_MEMORY:
             if lockstep:

@@ -14,7 +14,6 @@ engine's single multiply by 1 / N_window is the whole normalisation (docs/design
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Sequence
 
 import torch
@@ -27,7 +26,8 @@ from rayacc.engine.units import GRAD_SYNC_MODES, fsdp_blocks, is_fsdp
 
 __all__ = [
     "GRAD_SYNC_MODES",
-    "ReduceScatterCounter",
+    "CountingReduceScatter",
+    "drop_unsynced_grads",
     "fsdp_blocks",
     "is_fsdp",
     "materialize_shards",
@@ -68,10 +68,21 @@ def materialize_shards(
     """Gives a model sharded on the meta device its storage on `device`, each rank only its
     shards, and writes each rank's rows of `values(name, full_shape)` (a full CPU tensor: one
     parameter at a time is whole, never the model). The weights are then those of the unsharded
-    model for any number of ranks."""
+    model for any number of ranks. Buffers keep the values the module's own code gave them
+    (a causal mask, rotary tables): `to_empty` would leave them uninitialised."""
     from torch.distributed.tensor import DTensor
 
+    buffers = {}
+    for name, buf in model.named_buffers():
+        if buf.is_meta:
+            raise RuntimeError(
+                f"buffer {name} was built on the meta device and has no value to materialise: "
+                "build the module's buffers on a real device (only parameters go on meta)"
+            )
+        buffers[name] = buf.detach().clone()
     model.to_empty(device=device)
+    for name, buf in model.named_buffers():
+        buf.copy_(buffers[name])
     for name, param in model.named_parameters():
         full = values(name, param.shape)
         if isinstance(param, DTensor):
@@ -94,29 +105,38 @@ def materialize_shards(
     return model
 
 
-class ReduceScatterCounter(ReduceScatter):
-    """FSDP's reduce-scatter of gradients (the default collective), counted: `launches` since
-    `begin_window`. Installed on every FSDP unit of a model with `install`."""
+def drop_unsynced_grads(model: nn.Module) -> None:
+    """Drops the unsharded gradients FSDP2 keeps inside its units after a backward that did not
+    reduce-scatter (`set_requires_gradient_sync(False)`): the next synced backward adds them
+    to its own. `zero_grad` clears only the sharded ones."""
+    for module in model.modules():
+        if not is_fsdp(module):
+            continue
+        group = module._get_fsdp_state()._fsdp_param_group
+        for fsdp_param in group.fsdp_params if group is not None else ():
+            fsdp_param.unsharded_accumulated_grad = None
+            unsharded = getattr(fsdp_param, "_unsharded_param", None)
+            if unsharded is not None:
+                unsharded.grad = None
 
-    def __init__(self) -> None:
-        self.launches = 0
-        self._lock = threading.Lock()
 
-    def install(self, model: nn.Module) -> ReduceScatterCounter:
-        for module in model.modules():
-            if is_fsdp(module):
-                module.set_custom_reduce_scatter(self)
-        return self
+class CountingReduceScatter(ReduceScatter):
+    """FSDP's reduce-scatter of gradients (the default collective), counted and timed on
+    `timeline` (launched / done, see engine/strategy.py). Installed on every FSDP unit."""
 
-    def begin_window(self) -> None:
-        self.launches = 0
+    def __init__(self, timeline) -> None:
+        self.timeline = timeline
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
-        with self._lock:
-            self.launches += 1
-        return dist.reduce_scatter_single(
+        self.timeline.launched()
+        work = dist.reduce_scatter_single(
             output=output_tensor, input=input_tensor, op=op, group=group, async_op=async_op
         )
+        if work is None:
+            self.timeline.done()
+        else:
+            work.get_future().then(self.timeline.done)
+        return work

@@ -27,8 +27,8 @@ from torch import nn
 from rayacc.engine.collectives import all_reduce
 from rayacc.engine.losses import Batch, ItemCounter, LossFn, count_rows
 from rayacc.engine.precision import PRECISIONS, autocast
-from rayacc.engine.sync import grad_sync_context, install_comm_counter, is_ddp
-from rayacc.engine.units import GRAD_SYNC_MODES, is_fsdp
+from rayacc.engine.strategy import Strategy, strategy_of
+from rayacc.engine.sync import is_ddp
 
 __all__ = ["PRECISIONS", "AccumulationStep", "MicroStepMismatchError", "StepResult"]
 
@@ -67,8 +67,8 @@ class StepResult:
     step_time_s: float
     """Wall time of the whole window."""
     sync_time_s: float
-    """Wall time from the first gradient all-reduce launch to the last one's completion (it
-    overlaps the final backward's compute)."""
+    """Wall time from the window's first gradient collective (all-reduce or reduce-scatter)
+    launched to the last one's completion (it overlaps the backward's compute)."""
     peak_memory_mb: float
     """This rank: peak allocated device memory in the window on GPU; on CPU the process's peak
     resident set size so far."""
@@ -106,21 +106,25 @@ class AccumulationStep:
         scaler: torch.amp.GradScaler | None = None,
         count_comm: bool = True,
         oom_retry: bool = False,
-        fsdp_grad_sync: str = "every_micro_step",
+        strategy: Strategy | None = None,
     ):
+        """`strategy`: the one that built `model` (engine/strategy.py); by default the one the
+        model was wrapped for (DDP, or FSDP `every_micro_step` for a sharded model)."""
         if precision not in PRECISIONS:
-            raise ValueError(f"train.precision={precision!r} is not one of {', '.join(PRECISIONS)}")
+            raise ValueError(f"precision={precision!r} is not one of {', '.join(PRECISIONS)}")
         if max_grad_norm is not None and max_grad_norm <= 0:
-            raise ValueError(f"optim.max_grad_norm must be > 0 or null, got {max_grad_norm}")
-        if fsdp_grad_sync not in GRAD_SYNC_MODES:
-            raise ValueError(
-                f"fsdp.grad_sync={fsdp_grad_sync!r} is not one of {', '.join(GRAD_SYNC_MODES)}"
-            )
-        self.fsdp = is_fsdp(model)
-        if self.fsdp and (precision == "fp16" or oom_retry):
-            what = "train.precision=fp16" if precision == "fp16" else "out-of-memory retries"
-            raise ValueError(f"{what} with an FSDP model: not supported (use bf16 / fp32)")
-        self.fsdp_grad_sync = fsdp_grad_sync
+            raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm}")
+        self.strategy = strategy or strategy_of(model)
+        if self.strategy.model is None:
+            self.strategy.adopt(model)
+        if self.strategy.model is not model:
+            raise ValueError("the strategy serves another model than the one given")
+        if precision == "fp16" and self.strategy.lockstep:
+            # GradScaler's unscale and inf checks are per rank: sharded gradients would need
+            # them agreed over the ranks, which the engine does not do
+            raise ValueError(f"fp16 with a GradScaler under {self.strategy.name}: not supported")
+        if oom_retry and not self.strategy.can_retry_out_of_memory:
+            raise ValueError(f"out-of-memory retries under {self.strategy.name}: not supported")
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -128,29 +132,18 @@ class AccumulationStep:
         self.max_grad_norm = max_grad_norm
         self.device = next(model.parameters()).device
         self.group = model.process_group if is_ddp(model) else None
-        self.world_size = self._world_size()
+        self.world_size = (
+            dist.get_world_size(self.group) if dist.is_available() and dist.is_initialized() else 1
+        )
         if precision == "fp16":
             self.scaler = scaler or torch.amp.GradScaler(self.device.type)
         else:
             if scaler is not None:
-                raise ValueError("a GradScaler is only used with train.precision=fp16")
+                raise ValueError("a GradScaler is only used with fp16")
             self.scaler = None
-        # the engine's hook sums gradients over ranks and the one multiply below divides by
-        # N; DDP's default hook (count_comm=False) has averaged them already
-        self.comm = install_comm_counter(model, average=False) if count_comm else None
-        self.reduce_scatter = None
-        if self.fsdp:
-            for module in model.modules():
-                if is_fsdp(module):
-                    # a sum over ranks: the multiply by 1 / N below is the whole normalisation
-                    module.set_gradient_divide_factor(1.0)
-                    # a plain SUM (not NCCL's PreMulSum by 1, which gloo lacks)
-                    module.set_force_sum_reduction_for_comms(True)
-            if count_comm:
-                from rayacc.engine.fsdp import ReduceScatterCounter
-
-                self.reduce_scatter = ReduceScatterCounter().install(model)
-        sums = self.comm is not None or self.fsdp
+        # a reduction that sums over ranks leaves the one multiply below to divide by N; DDP's
+        # default hook (count_comm=False) has averaged them already
+        sums = self.strategy.setup_reduction(count_comm)
         self._rank_factor = 1.0 if sums else float(self.world_size)
         self.oom_retry = oom_retry
         # all parameters (those the optimizer holds now) on one device in one dtype: the
@@ -165,18 +158,6 @@ class AccumulationStep:
         window's last makes every rank cut each micro-batch in two (for this and every later
         window) and run the window again; the gradient sum, and so the step, stays the same.
         It costs one small all-reduce per window, before the last micro-step."""
-
-    def _world_size(self) -> int:
-        if not (dist.is_available() and dist.is_initialized()):
-            return 1
-        world = dist.get_world_size(self.group)
-        if world > 1 and not (is_ddp(self.model) or self.fsdp):
-            raise ValueError(
-                f"torch.distributed runs {world} ranks but the model is neither wrapped in "
-                "DistributedDataParallel nor sharded with fully_shard: gradients would never "
-                "sync. Wrap it (or prepare_model)."
-            )
-        return world
 
     def _autocast(self) -> contextlib.AbstractContextManager[None]:
         return autocast(self.device.type, self.precision)
@@ -219,17 +200,13 @@ class AccumulationStep:
         """One attempt at the window; None when an out-of-memory retry is due."""
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        if self.comm is not None:
-            self.comm.begin_window()
-        if self.reduce_scatter is not None:
-            self.reduce_scatter.begin_window()
+        self.strategy.begin_window()
         n_micro = len(micro_batches)
         if n_micro == 0:
             raise ValueError("empty window: no micro-batches on this rank")
-        if self.fsdp and self.world_size > 1:
-            # FSDP gathers parameters in every forward: a rank with one micro-step more would
-            # wait in a collective forever, so the ranks agree on the count first (a small
-            # all-reduce per window)
+        if self.strategy.lockstep and self.world_size > 1:
+            # every forward is a collective: a rank with one micro-step more would wait in it
+            # forever, so the ranks agree on the count first (a small all-reduce per window)
             _, sum_m, sum_m2 = self._all_reduce_sum([0.0, n_micro, n_micro**2])
             self._check_micro_steps(n_micro, sum_m, sum_m2)
         # this rank's items, samples and micro-steps (and their square, for the parity check)
@@ -289,7 +266,7 @@ class AccumulationStep:
             if out_of_memory is not None:
                 continue
             try:
-                with grad_sync_context(self.model, last, self.fsdp_grad_sync):
+                with self.strategy.sync_context(last):
                     with self._autocast():
                         item_losses = loss_fn(self.model, mb)
                     micro_sum = item_losses.float().sum()
@@ -299,10 +276,9 @@ class AccumulationStep:
                         # micro-step parity check (Σm² · W == (Σm)² exactly when every rank ran
                         # the same m)
                         stats = self._window_stats(micro_sums, counts)
-                        if self.comm is not None:
-                            # counts stay exact in a float32 bucket below 2**24
-                            exact = max(counts[0], counts[3]) * self.world_size < 2**24
-                            self.comm.attach_window_stats(stats, exact_in_fp32=exact)
+                        # counts stay exact in a float32 bucket below 2**24
+                        exact = max(counts[0], counts[3]) * self.world_size < 2**24
+                        self.strategy.attach_window_stats(stats, exact_in_fp32=exact)
                     scaled = micro_sum if scale is None else micro_sum * scale
                     if self.scaler is not None:
                         scaled = self.scaler.scale(scaled)
@@ -317,9 +293,7 @@ class AccumulationStep:
 
     def _reduced(self, stats: torch.Tensor) -> tuple[float, int, int, float, float]:
         """(loss sum, items, samples, Σm, Σm²) over all ranks."""
-        reduced = self.comm.reduced_window_stats() if self.comm is not None else None
-        if reduced is None:
-            reduced = all_reduce(stats, group=self.group)
+        reduced = self.strategy.reduced_window_stats(stats, group=self.group)
         # a CPU–GPU sync point on GPU: whether to step depends on these
         total_loss, items, samples, sum_m, sum_m2 = reduced.tolist()
         return total_loss, int(items), int(samples), sum_m, sum_m2
@@ -359,26 +333,13 @@ class AccumulationStep:
         return grad_norm, skip_reason
 
     def _grad_norm(self, grads: list[torch.Tensor]) -> float:
-        if self.fsdp:
-            # the sharded gradients' norms combined over the ranks: a collective
-            norm = torch.nn.utils.get_total_norm(grads)
-            if hasattr(norm, "full_tensor"):
-                norm = norm.full_tensor()
-        elif self._uniform_params:
-            # torch.nn.utils.get_total_norm without its grouping by device and dtype, which
-            # costs as much as the norms on a small model
-            norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
-        else:
-            norm = torch.nn.utils.get_total_norm(grads)
         # a CPU–GPU sync point on GPU: clipping and the non-finite skip decide on it
-        return float(norm)
+        return float(self.strategy.grad_norm(grads, self._uniform_params))
 
     def _clear_grads(self) -> None:
-        """optimizer.zero_grad(set_to_none=True) without its profiler scope, which costs as
-        much as the loop itself on a small model."""
-        for group in self.optimizer.param_groups:
-            for p in group["params"]:
-                p.grad = None
+        """Every gradient dropped (the strategy's own buffers too); without zero_grad's profiler
+        scope, which costs as much as the loop itself on a small model."""
+        self.strategy.discard_grads(self.optimizer)
 
     def _window_stats(self, micro_sums: list[torch.Tensor], counts: list[int]) -> torch.Tensor:
         """[loss sum, *counts] in float64: the loss summed in float64 whatever its dtype."""
@@ -415,14 +376,6 @@ class AccumulationStep:
             ) from error
         return True
 
-    def _sync_passes(self, micro_steps: int) -> int:
-        """Backward passes that synced gradients in the window."""
-        if self.comm is not None:
-            return self.comm.passes
-        if self.fsdp and self.world_size > 1:
-            return micro_steps if self.fsdp_grad_sync == "every_micro_step" else 1
-        return 0
-
     def _result(
         self,
         t_start: float,
@@ -444,6 +397,7 @@ class AccumulationStep:
                 self._rss_peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
                 self._rss_read_at = now
             peak_mb = self._rss_peak_mb
+        comm = self.strategy.comm_stats(micro_steps)
         return StepResult(
             loss=loss,
             items=items,
@@ -453,11 +407,11 @@ class AccumulationStep:
             lr=lr,
             skipped=skip_reason is not None,
             skip_reason=skip_reason,
-            allreduce_calls=self.comm.launches if self.comm else 0,
-            reduce_scatter_calls=self.reduce_scatter.launches if self.reduce_scatter else 0,
-            sync_passes=self._sync_passes(micro_steps),
+            allreduce_calls=comm.allreduce_calls,
+            reduce_scatter_calls=comm.reduce_scatter_calls,
+            sync_passes=comm.sync_passes,
             step_time_s=time.perf_counter() - t_start,
-            sync_time_s=self.comm.sync_time_s() if self.comm else 0.0,
+            sync_time_s=comm.sync_time_s,
             peak_memory_mb=peak_mb,
             micro_batch_splits=self.micro_batch_splits,
         )

@@ -1,7 +1,6 @@
-"""Gradient-sync control: the one place that decides when DDP all-reduces gradients, and the
-accounting of what that sync costs."""
+"""DDP's gradient all-reduce, counted: the comm hook that sums gradients over ranks and carries
+the window's statistics with them (when to sync is the strategy's: engine/strategy.py)."""
 
-import contextlib
 import threading
 import time
 from dataclasses import dataclass, field
@@ -11,12 +10,9 @@ import torch.distributed as dist
 from torch import nn
 
 from rayacc.engine.collectives import all_reduce_async
-from rayacc.engine.units import is_fsdp
 
 __all__ = [
     "CommCounter",
-    "ddp_sync_context",
-    "grad_sync_context",
     "install_comm_counter",
     "is_ddp",
 ]
@@ -24,31 +20,6 @@ __all__ = [
 
 def is_ddp(model: nn.Module) -> bool:
     return isinstance(model, nn.parallel.DistributedDataParallel)
-
-
-def ddp_sync_context(model: nn.Module, sync: bool) -> contextlib.AbstractContextManager[None]:
-    """Wrap a micro-step's forward *and* backward: DDP marks what to reduce during forward, so a
-    `no_sync` around backward alone still all-reduces.
-
-    `sync=False` on every non-final micro-step."""
-    if sync or not is_ddp(model):
-        return contextlib.nullcontext()
-    return model.no_sync()
-
-
-def grad_sync_context(
-    model: nn.Module, sync: bool, fsdp_grad_sync: str = "every_micro_step"
-) -> contextlib.AbstractContextManager[None]:
-    """The one place that decides whether a micro-step's backward syncs gradients; wraps its
-    forward and backward. DDP: `no_sync` unless `sync`. FSDP2 (whose forward all-gathers and
-    backward reduce-scatters per unit, and where a DDP-style `no_sync` would do nothing):
-    with `window_end`, `set_requires_gradient_sync(sync)` (the unsharded gradients are then
-    held until the syncing micro-step); with `every_micro_step`, every backward syncs."""
-    if is_fsdp(model):
-        if fsdp_grad_sync == "window_end":
-            model.set_requires_gradient_sync(sync)
-        return contextlib.nullcontext()
-    return ddp_sync_context(model, sync)
 
 
 @dataclass

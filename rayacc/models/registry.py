@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 from collections.abc import Callable
@@ -93,12 +94,36 @@ def build_model(cfg: TrainConfig, info: DatasetInfo | None = None) -> nn.Module:
         )
 
 
-def build_on_meta(cfg: TrainConfig, info: DatasetInfo) -> nn.Module:
-    """The model with its parameters on the meta device (shapes only, no memory): for counting
-    on the driver, and for a sharded run to materialise only each rank's shards. A factory that
-    cannot build on meta is built for real."""
+@contextlib.contextmanager
+def parameters_on_meta():
+    """Modules built inside get their parameters on the meta device (no memory, no
+    initialisation) and their buffers for real: a buffer's value comes from the module's own
+    code (a causal mask, rotary tables) and no rule of parameter initialisation can recreate it.
+    Each parameter exists on the CPU for a moment, uninitialised, as it is registered."""
+    register = nn.Module.register_parameter
+
+    def register_on_meta(module, name, param):
+        register(module, name, param)
+        param = module._parameters.get(name)
+        if param is not None and not param.is_meta:
+            # tied parameters arrive on meta already and keep their identity
+            module._parameters[name] = type(param)(
+                param.to("meta"), requires_grad=param.requires_grad
+            )
+
+    nn.Module.register_parameter = register_on_meta
     try:
-        with torch.device("meta"):
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def build_on_meta(cfg: TrainConfig, info: DatasetInfo) -> nn.Module:
+    """The model with its parameters on the meta device (shapes only, no memory) and its buffers
+    real: for counting on the driver, and for a sharded run to materialise only each rank's
+    shards. A factory that cannot build so is built for real."""
+    try:
+        with parameters_on_meta():
             return build_model(cfg, info)
     except (NotImplementedError, RuntimeError):
         return build_model(cfg, info)

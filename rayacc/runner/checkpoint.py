@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from rayacc.engine.strategy import SHARDS_DIR
+
 __all__ = [
     "SHARDS_DIR",
     "CheckpointError",
@@ -27,7 +29,6 @@ __all__ = [
     "write_checkpoint",
 ]
 
-SHARDS_DIR = "shards"
 STATE_FILE = "state.pt"
 MODEL_FILE = "model.json"
 META_FILE = "meta.json"

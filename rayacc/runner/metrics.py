@@ -1,0 +1,63 @@
+"""The record of one optimizer step, as rank 0 sends it to the driver (MLflow keys of the
+project's contract)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rayacc.batch_plan import BatchPlan
+from rayacc.engine import StepCost, StepResult
+
+__all__ = ["step_record"]
+
+
+def step_record(
+    result: StepResult,
+    *,
+    step: int,
+    epoch: int,
+    wall_s: float,
+    data_s: float,
+    plan: BatchPlan,
+    micro_now: int,
+    accum_now: int,
+    skipped_steps: int,
+    rows_read: int,
+    rss_mb: float,
+    flops_per_item: float | None,
+    peak_tflops: float | None,
+    token_items: bool,
+) -> dict[str, Any]:
+    """`micro_now` / `accum_now`: the micro-batch and accumulation that ran (an out-of-memory
+    retry cuts the planned ones)."""
+    record = {
+        "step": step,
+        "train/loss": result.loss,
+        "train/lr": result.lr,
+        "train/grad_norm": result.grad_norm,
+        "train/items": result.items,
+        "train/samples": result.samples,
+        "train/samples_per_s": result.samples / wall_s if wall_s > 0 else 0.0,
+        "train/skipped_steps": skipped_steps,
+        "scaling/num_workers": plan.num_workers,
+        "scaling/grad_accum_steps": accum_now,
+        "scaling/micro_batch_size": micro_now,
+        "scaling/global_batch_size": plan.global_batch_size,
+        "comm/allreduce_calls": result.allreduce_calls,
+        "comm/reduce_scatter_calls": result.reduce_scatter_calls,
+        "data/rows_read": rows_read,
+        "comm/sync_time_frac": result.sync_time_frac,
+        "mem/peak_mb": result.peak_memory_mb,
+        "mem/rss_mb": rss_mb,
+        "epoch": epoch,
+    }
+    cost = StepCost(
+        wall_s=wall_s,
+        data_s=data_s,
+        items=result.items,
+        world_size=plan.num_workers,
+        flops_per_item=flops_per_item,
+        peak_tflops=peak_tflops,
+    )
+    record.update(cost.metrics(token_items=token_items))
+    return record
