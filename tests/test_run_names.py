@@ -108,3 +108,78 @@ def test_a_file_only_this_node_has_is_staged_under_the_shared_storage_once(tmp_p
     assert uri == f"file://{tmp_path / 'bucket'}/_data/digits.parquet"
     # the staging folder is not a run
     assert locate_run(cfg(storage, "_data"), resume=False).name == "_data"
+
+
+@pytest.mark.parametrize(
+    ("change", "refused"),
+    [
+        ({"batch": {"global_batch_size": 64, "micro_batch_size": 4}}, True),
+        # micro × accumulation without a global batch: the worker count changes it
+        (
+            {
+                "batch": {"micro_batch_size": 4, "grad_accum_steps": 4},
+                "scaling": {"num_workers": 1},
+            },
+            True,
+        ),
+        (
+            {
+                "batch": {"micro_batch_size": 8, "grad_accum_steps": 2},
+                "scaling": {"num_workers": 2},
+            },
+            False,
+        ),
+        # an elastic run that keeps the micro-batch may change it
+        (
+            {
+                "batch": {"global_batch_size": 64, "micro_batch_size": 4},
+                "scaling": {"num_workers": [1, 4], "on_resize": "keep_micro_batch"},
+            },
+            False,
+        ),
+    ],
+)
+def test_resume_with_another_global_batch_is_refused_before_launch(tmp_path, change, refused):
+    """The checkpoint was trained at global batch 32 on 2 workers: a run that keeps the global
+    batch and now resolves to another is refused on the driver (exit 2), not in the workers."""
+    import json
+
+    from rayacc.data.sources import describe_dataset
+
+    data = tmp_path / "data.parquet"
+    _classification_file(data)
+    base = {
+        "data": {"source": str(data)},
+        "run": {"storage_path": str(tmp_path / "runs"), "name": "exp"},
+    }
+    original = TrainConfig.from_dict(
+        {**base, "batch": {"global_batch_size": 32, "micro_batch_size": 4}}
+    )
+    from rayacc.quantities import run_identity
+
+    ckpt = tmp_path / "runs" / "exp" / "checkpoint_step00000004"
+    ckpt.mkdir(parents=True)
+    info = describe_dataset(str(data))
+    meta = {"optimizer_step": 4, "global_batch_size": 32, "identity": run_identity(original, info)}
+    (ckpt / "meta.json").write_text(json.dumps(meta))
+
+    resumed = TrainConfig.from_dict({**base, **change})
+    if not refused:
+        assert locate_run(resumed, resume=True, info=info).name == "exp"
+        return
+    with pytest.raises(DataError) as err:
+        locate_run(resumed, resume=True, info=info)
+    assert "batch.global_batch_size: the run has 32" in str(err.value)
+    assert "set batch.global_batch_size: 32" in str(err.value)
+
+
+def _classification_file(path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(
+        pa.table(
+            {"features": [[float(i), 1.0] for i in range(64)], "label": [i % 3 for i in range(64)]}
+        ),
+        path,
+    )

@@ -126,7 +126,8 @@ def _runs_in(storage: str) -> set[str]:
 
 def _check_identity(cfg: TrainConfig, info: DatasetInfo, loc: RunLocation) -> None:
     """The latest checkpoint's identity against this config's: another seed, data, split,
-    order or model would re-split and re-order the data under the saved sample position."""
+    order, model, strategy or (for a run that keeps it) global batch would re-split and
+    re-order the data under the saved sample position, or fail inside the workers."""
     from rayacc.quantities import run_identity
 
     meta = _latest_checkpoint_meta(loc)
@@ -139,15 +140,30 @@ def _check_identity(cfg: TrainConfig, info: DatasetInfo, loc: RunLocation) -> No
         for key in sorted(set(saved) | set(now))
         if saved.get(key) != now.get(key)
     ]
+    diffs += _global_batch_change(cfg, meta)
     if diffs:
         raise DataError(
             f"--resume of run {loc.name!r}: the checkpoint at step {meta.get('optimizer_step')} "
-            "was trained on other data or another model, and resuming would re-split and "
-            "re-order the data under its saved position:\n  "
+            "was trained on other data, another model or another global batch, and resuming "
+            "would re-split and re-order the data under its saved position:\n  "
             + "\n  ".join(diffs)
             + "\nFix: resume with the run's values of these fields (and its data), or start a "
             "new run (drop --resume, or another run.name)"
         )
+
+
+def _global_batch_change(cfg: TrainConfig, meta: dict[str, Any]) -> list[str]:
+    """The global batch a run that keeps it resolves to now, against the checkpoint's (a run
+    that gives micro × accumulation changes it with the worker count)."""
+    keeps = not cfg.scaling.elastic or cfg.scaling.on_resize == "keep_global_batch"
+    saved = meta.get("global_batch_size")
+    now = cfg.batch_plan().global_batch_size
+    if not keeps or saved is None or saved == now:
+        return []
+    return [
+        f"batch.global_batch_size: the run has {saved}, this config resolves to {now} "
+        f"(set batch.global_batch_size: {saved})"
+    ]
 
 
 def _latest_checkpoint_meta(loc: RunLocation) -> dict[str, Any] | None:
