@@ -165,7 +165,7 @@ def buffer_scenario(rank: int, world: int, out: dict) -> None:
     from rayacc.engine import count_target_tokens
 
     cfg = gpt_config("fsdp every_micro_step", dropout=0.0, factory=f"{__name__}:masked_lm")
-    strategy, model, step, loss_fn = build(cfg)
+    strategy, _, step, loss_fn = build(cfg)
     before = full_weights(strategy.unwrapped())
     seqs = window(0) + window(1)
     mine = seqs[rank * 8 : (rank + 1) * 8]

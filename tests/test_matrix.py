@@ -38,9 +38,7 @@ def matrix_results(tmp_path_factory):
     for phase, world, chosen in M.phase_groups(all_cases):
         folder = root / f"{phase}{world}"
         folder.mkdir()
-        target = functools.partial(
-            M.run_group, phase=phase, indices=[c.index for c in chosen]
-        )
+        target = functools.partial(M.run_group, phase=phase, indices=[c.index for c in chosen])
         ranks = spawn_ranks(target, world, folder, f"matrix phase {phase} on {world} ranks")
         assert "error" not in ranks[0], ranks[0].get("error")
         finals.update({i: v["params"] for i, v in ranks[0].items() if isinstance(i, int)})
