@@ -39,7 +39,7 @@ def _print_memory(cfg, plan) -> None:
     """Estimated memory per rank for each strategy (reads the data's description and builds
     the model on the meta device: no weights are allocated)."""
     from rayacc.quantities import memory_per_rank
-    from rayacc.runner.driver import prepare
+    from rayacc.runner.prelaunch import prepare
 
     prep = prepare(cfg)
     micro = cfg.batch.fixed_micro_batch_size
@@ -78,7 +78,7 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
     from rayacc.models import ModelError
     from rayacc.runner.checkpoint import CheckpointError
     from rayacc.runner.jobs import SubmitError
-    from rayacc.runner.resources import ResourceError
+    from rayacc.runner.prelaunch import ResourceError
     from rayacc.tracking.report import ReportError
 
     return (
@@ -101,8 +101,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from rayacc.quantities import lr_explanation
-    from rayacc.runner.driver import TrainingError, ensure_ray, fit, prepare
-    from rayacc.runner.runs import locate_run
+    from rayacc.runner.driver import TrainingError, ensure_ray, fit
+    from rayacc.runner.prelaunch import locate, prepare
 
     t_imported = time.time()
     # paths and URIs stay on one line, copyable
@@ -112,7 +112,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = _load(args)
     # every user mistake surfaces here, before Ray starts
     prep = prepare(cfg)
-    location = locate_run(cfg, args.resume, prep.info)
+    location = locate(cfg, args.resume, prep.info)
     t_checked = time.time()
     with ThreadPoolExecutor(1, thread_name_prefix="rayacc-imports") as pool:
         # Ray's start is mostly other processes' work: the modules the fit needs next load

@@ -402,7 +402,7 @@ def test_killed_worker_recovers_automatically_and_by_resume(ray_local, tmp_path)
 
 def test_wrong_columns_are_reported_before_workers_start(tmp_path):
     from rayacc.data.sources import DataError
-    from rayacc.runner.driver import prepare
+    from rayacc.runner.prelaunch import prepare
 
     path = tmp_path / "bad.parquet"
     pq.write_table(pa.table({"x": [1.0, 2.0]}), path)
@@ -515,6 +515,41 @@ def test_fsdp_resumes_at_another_worker_count_from_its_checkpoint(ray_local, tmp
     assert resumed.summary["train_state"]["optimizer_step"] == 4
     a, b = (weights(load_model(r.checkpoint_dir)) for r in (straight, resumed))
     assert rel_diff(b, a) <= 1e-5, rel_diff(b, a)
+
+
+def test_fsdp_search_resumed_where_an_epoch_has_fewer_rows_than_workers_and_with_none_left(
+    ray_local, tmp_path
+):
+    """49 rows, global batch 16: on 1 worker an epoch is 3 windows and a short one of 1 row.
+    Stopped at step 3 and resumed on 2 workers, the row left in epoch 0 is fewer than the
+    workers (no window: the run goes on in epoch 1), and the auto search and the spare row of
+    lockstep forwards must not read a window that epoch does not have; resumed again with no
+    steps left, the run ends cleanly (no rank has a row to hold)."""
+    path = tmp_path / "tokens.parquet"
+    rows = np.random.default_rng(4).integers(0, 17, (49, 9)).tolist()
+    pq.write_table(pa.table({"tokens": pa.array(rows, pa.list_(pa.uint16()))}), path)
+
+    def cfg_for(workers: int, steps: int) -> TrainConfig:
+        return config(
+            tmp_path,
+            model={"name": "gpt", "n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": 8},
+            data={"source": str(path), "shuffle": True, "seq_len": 8},
+            batch={"global_batch_size": 16, "micro_batch_size": "auto", "memory_budget_mb": 4096},
+            train={"strategy": "fsdp", "max_steps": steps, "epochs": 2},
+            fsdp={"grad_sync": "window_end"},
+            scaling={"num_workers": workers, "cpus_per_worker": 0.5},
+            tracking={"enabled": False},
+            run={"storage_path": str(tmp_path / "runs"), "name": "short"},
+        )
+
+    first = fit_or_fail(cfg_for(1, 3))
+    assert first.summary["train_state"]["epoch"] == 0
+    resized = fit_or_fail(cfg_for(2, 5), resume=True)
+    assert resized.summary["resumed_from"] == 3
+    assert resized.summary["train_state"]["optimizer_step"] == 5
+    assert resized.summary["train_state"]["epoch"] == 1
+    done = fit_or_fail(cfg_for(2, 5), resume=True)
+    assert done.summary["resumed_from"] == 5 and done.summary["total_steps"] == 5
 
 
 def test_auto_micro_batch_with_compile_keeps_the_global_batch_and_the_step(

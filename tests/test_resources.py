@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from rayacc.config import TrainConfig
-from rayacc.runner.resources import ResourceError, check_resources, workers_that_fit
+from rayacc.runner.prelaunch import ResourceError, check_resources, workers_that_fit
 
 ROOT = Path(__file__).resolve().parent.parent
 NODE = {"Alive": True, "Resources": {"CPU": 4.0, "memory": 1e10, "node:127.0.0.1": 1.0}}

@@ -8,6 +8,7 @@ import pytest
 
 from rayacc.config import TrainConfig
 from rayacc.data.sources import DataError
+from rayacc.runner.prelaunch import locate
 from rayacc.runner.runs import locate_run
 
 
@@ -67,7 +68,7 @@ def test_resume_refuses_another_seed_order_or_dataset_listing_every_difference(t
     meta = {"optimizer_step": 4, "identity": run_identity(original, describe_dataset(str(data)))}
     (ckpt / "meta.json").write_text(json.dumps(meta))
 
-    same = locate_run(original, resume=True, info=describe_dataset(str(data)))
+    same = locate(original, resume=True, info=describe_dataset(str(data)))
     assert same.name == "exp"
 
     other = original.model_copy(
@@ -77,7 +78,7 @@ def test_resume_refuses_another_seed_order_or_dataset_listing_every_difference(t
         }
     )
     with pytest.raises(DataError) as err:
-        locate_run(other, resume=True, info=describe_dataset(str(data)))
+        locate(other, resume=True, info=describe_dataset(str(data)))
     message = str(err.value)
     for field in ("seed", "data.shuffle", "data.val_fraction"):
         assert f"{field}:" in message, message
@@ -85,7 +86,7 @@ def test_resume_refuses_another_seed_order_or_dataset_listing_every_difference(t
 
     pq.write_table(table(65), data)  # a row more: the same path, other data
     with pytest.raises(DataError, match="dataset"):
-        locate_run(original, resume=True, info=describe_dataset(str(data)))
+        locate(original, resume=True, info=describe_dataset(str(data)))
 
 
 def test_a_file_only_this_node_has_is_staged_under_the_shared_storage_once(tmp_path):
@@ -165,10 +166,10 @@ def test_resume_with_another_global_batch_is_refused_before_launch(tmp_path, cha
 
     resumed = TrainConfig.from_dict({**base, **change})
     if not refused:
-        assert locate_run(resumed, resume=True, info=info).name == "exp"
+        assert locate(resumed, resume=True, info=info).name == "exp"
         return
     with pytest.raises(DataError) as err:
-        locate_run(resumed, resume=True, info=info)
+        locate(resumed, resume=True, info=info)
     assert "batch.global_batch_size: the run has 32" in str(err.value)
     assert "set batch.global_batch_size: 32" in str(err.value)
 

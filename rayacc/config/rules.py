@@ -3,13 +3,14 @@ valid by themselves, so one pass reports field errors and cross-field errors tog
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from rayacc.batch_plan import BatchPlanError, resolve_batch_plan
 from rayacc.config.errors import MISSING, ConfigIssue
 
-if TYPE_CHECKING:
-    from rayacc.config.schema import BatchConfig, DataConfig, ModelConfig, ScalingConfig
+# the sections (config/schema.py) arrive as arguments: this module imports nothing of the schema,
+# which calls it, so the two never import each other
+ModelConfig = DataConfig = BatchConfig = ScalingConfig = TrainSection = Any
 
 __all__ = ["cross_field_issues"]
 
@@ -152,7 +153,7 @@ def _batch_plan_rules(batch: BatchConfig, scaling: ScalingConfig) -> list[Config
     return []
 
 
-def _strategy_rules(train) -> list[ConfigIssue]:
+def _strategy_rules(train: TrainSection) -> list[ConfigIssue]:
     if train.strategy != "fsdp":
         return []
     issues = []

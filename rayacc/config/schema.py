@@ -140,7 +140,8 @@ class OptimConfig(Section):
     betas: tuple[float, float] = (0.9, 0.999)
     """AdamW betas."""
     warmup_steps: int = Field(0, ge=0)
-    """Optimizer steps of linear LR warmup."""
+    """Linear LR warmup, in global batches of samples (optimizer steps at the planned global
+    batch; the schedule counts samples, so a changed global batch does not move it)."""
     schedule: Literal["cosine", "constant"] = "cosine"
     """LR after warmup: cosine decay to `optim.min_lr_ratio` × LR at the last step, or constant."""
     min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0)

@@ -20,18 +20,10 @@ from typing import Any
 from rayacc import env
 from rayacc.batch_plan import BatchPlan
 from rayacc.config import TrainConfig
-from rayacc.data.order import DataOrder, EpochLayout
-from rayacc.data.sources import DataError, DatasetInfo, RowGroups, describe_dataset, row_groups
-from rayacc.engine.units import fsdp_blocks
+from rayacc.data.sources import RowGroups, row_groups
 from rayacc.events import RunObserver
-from rayacc.models import build_on_meta
-from rayacc.quantities import (
-    data_order,
-    epoch_layout,
-    run_effective_lr,
-    total_optimizer_steps,
-)
-from rayacc.runner.runs import RunLocation, locate_run
+from rayacc.runner.prelaunch import Prepared, check_cluster, locate, prepare
+from rayacc.runner.runs import RunLocation
 
 __all__ = [
     "FitResult",
@@ -40,7 +32,7 @@ __all__ = [
     "TrainingError",
     "ensure_ray",
     "fit",
-    "locate_run",
+    "locate",
     "prepare",
 ]
 
@@ -69,149 +61,6 @@ class FitResult:
     phases: dict[str, float] = field(default_factory=dict)
     """When each phase of the fit ended on the driver (time.time()); bench/startup.py reads
     these beside the workers' own timeline in `summary["timeline"]`."""
-
-
-# ----------------------------------------------------------------------------- checks
-@dataclass
-class Prepared:
-    """Everything checked on the driver before any worker starts."""
-
-    cfg: TrainConfig
-    info: DatasetInfo
-    plan: BatchPlan
-    effective_lr: float
-    layout: EpochLayout
-    total_steps: int
-    num_parameters: int
-    warnings: list[str]
-    notes: list[str] = field(default_factory=list)
-    groups: RowGroups | None = None
-    """The source's Parquet row groups (the units data is read in)."""
-
-
-def prepare(cfg: TrainConfig) -> Prepared:
-    """Resolves data, batch plan, LR and model; raises DataError / ModelError / BatchPlanError
-    (all ValueError) for user mistakes."""
-    info = describe_dataset(cfg.data.source, cfg.data.cache_dir, cfg.data.seq_len)
-    plan = cfg.batch_plan()
-    model = build_on_meta(cfg, info)
-    groups = row_groups(info.path)
-    order = data_order(cfg, info, groups)
-    if len(order.train_units) == 0:
-        raise DataError(
-            f"data.val_fraction={cfg.data.val_fraction} holds out all {len(groups)} row "
-            f"group(s) of {info.path} (data.order=chunks holds out whole row groups). Fix: "
-            "write the data with smaller row groups (`rayacc data prepare`), set "
-            "data.order=rows, or lower data.val_fraction"
-        )
-    layout = epoch_layout(cfg, order.num_train_rows, plan)
-    if layout.steps_per_epoch == 0:
-        raise DataError(
-            f"data.source {info.path} has {order.num_train_rows} training rows, fewer than one "
-            f"global batch ({plan.global_batch_size}). Fix: lower batch.global_batch_size or "
-            "data.val_fraction, or use more data"
-        )
-    reads = read_factor(order, layout) if order.chunked else None
-    return Prepared(
-        cfg,
-        info,
-        plan,
-        run_effective_lr(cfg, plan),
-        layout,
-        total_optimizer_steps(cfg, layout),
-        sum(p.numel() for p in model.parameters()),
-        _warnings(cfg, layout, model, reads, groups),
-        [_order_note(cfg, info, groups, reads), *_notes(cfg, plan)],
-        groups,
-    )
-
-
-def read_factor(order: DataOrder, layout: EpochLayout) -> float:
-    """Rows the cluster reads in the first epoch over rows trained on (data.order=chunks: a
-    row group that two ranks' shares straddle is read by both)."""
-    read = 0
-    for rank in range(layout.num_workers):
-        lo, hi = layout.rank_intervals(rank)
-        units, _ = order.units_of(0, lo, hi)
-        read += int(order.unit_size[units].sum())
-    return read / max(1, layout.num_rows - layout.dropped_rows)
-
-
-def _order_note(cfg: TrainConfig, info: DatasetInfo, groups: RowGroups, reads: float | None) -> str:
-    mib = info.data_bytes / 2**20
-    if reads is None:
-        return (
-            f"data order: rows (an exact per-row shuffle; every rank reads all {mib:.1f} MiB "
-            "each epoch)"
-        )
-    return (
-        f"data order: chunks ({len(groups)} row groups of about "
-        f"{info.num_rows / len(groups):.0f} rows, {mib:.1f} MiB); the cluster reads "
-        f"{reads:.2f}× the rows it trains on per epoch"
-    )
-
-
-def _warnings(
-    cfg: TrainConfig, layout: EpochLayout, model, reads: float | None, groups: RowGroups
-) -> list[str]:
-    warnings = []
-    if cfg.data.materialize is not None:
-        warnings.append(
-            "data.materialize no longer has an effect: every rank reads its rows through Ray "
-            "Data (remove the setting)"
-        )
-    if reads is not None and reads > 1.25:
-        share = layout.global_batch_size // layout.num_workers
-        warnings.append(
-            f"data.order=chunks reads each row {reads:.2f}× per epoch: row groups of about "
-            f"{int(groups.size.mean())} rows are large against each rank's {share} rows per "
-            f"window. Fix: rewrite the data with row groups of at most {max(1, share // 4)} "
-            "rows (`rayacc data prepare ... --rows-per-group N`), or use data.order=rows for "
-            "data that fits in memory"
-        )
-    by_epochs = cfg.train.epochs * layout.steps_per_epoch
-    if cfg.train.max_steps and cfg.train.max_steps > by_epochs:
-        warnings.append(
-            f"train.max_steps={cfg.train.max_steps} exceeds train.epochs × steps per epoch = "
-            f"{cfg.train.epochs} × {layout.steps_per_epoch}; stopping at {by_epochs} "
-            "(raise train.epochs to run longer)"
-        )
-    if layout.dropped_rows:
-        warnings.append(layout.describe())
-    if cfg.train.activation_checkpointing != "none" and not fsdp_blocks(model):
-        warnings.append(
-            "train.activation_checkpointing is set but the model names no blocks (a `blocks` "
-            "ModuleList or an `fsdp_blocks()` method): nothing is recomputed"
-        )
-    bn = batchnorm_layers(model)
-    if bn:
-        warnings.append(
-            f"the model holds BatchNorm layers ({', '.join(bn[:3])}): their statistics come from "
-            "each micro-batch, so accumulation is not equivalent to the big batch. Fix: use "
-            "GroupNorm or LayerNorm"
-        )
-    return warnings
-
-
-def _notes(cfg: TrainConfig, plan: BatchPlan) -> list[str]:
-    notes = [cfg.elastic_summary()] if cfg.scaling.elastic else []
-    if cfg.batch.auto_micro_batch:
-        notes.append(
-            f"micro-batch auto: the workers search the largest divisor of {plan.micro_batch_size} "
-            "(one worker's share) that fits the memory budget; the line above shows that upper "
-            "bound, the chosen size is printed when training starts"
-        )
-    return notes
-
-
-def batchnorm_layers(model) -> list[str]:
-    from torch import nn
-
-    return [
-        n or "<root>"
-        for n, m in model.named_modules()
-        if isinstance(m, nn.modules.batchnorm._BatchNorm)
-    ]
 
 
 # ----------------------------------------------------------------------------- Ray
@@ -353,22 +202,6 @@ def _read_source(cfg: TrainConfig, prep: Prepared, loc: RunLocation) -> tuple[st
     return prep.info.path, prep.groups
 
 
-def _check_cluster(cfg: TrainConfig) -> None:
-    """A worker group the cluster can never hold is a user error (Ray Train would wait
-    forever); on a cluster that may grow (one rayacc did not start), a warning."""
-    import os
-    import sys
-
-    import ray
-
-    from rayacc.runner.resources import check_resources
-
-    may_grow = bool(os.environ.get("RAY_ADDRESS"))
-    warning = check_resources(cfg, ray.nodes(), may_grow)
-    if warning:
-        print(f"rayacc: warning: {warning}; waiting for the cluster to grow", file=sys.stderr)
-
-
 def _progress_buffer():
     """On the driver's node: a worker node may leave mid-run (elastic runs), the driver may
     not."""
@@ -397,15 +230,15 @@ def fit(
     `resume=True` continues the run named `run.name` (or the latest run in the storage path) from
     its latest checkpoint. `observers` see every event and per-step record as it arrives.
     `parent_run_id` nests the MLflow run under a sweep's parent run; `tags` are added to it.
-    `location`: `locate_run(cfg, resume)` when the caller checked it already.
+    `location`: `prelaunch.locate(cfg, resume, info)` when the caller checked it already.
     """
     t0 = time.perf_counter()
     phases = {"called": time.time()}
     prep = prepared or prepare(cfg)
-    loc = location or locate_run(cfg, resume, prep.info)
+    loc = location or locate(cfg, resume, prep.info)
     phases["checked"] = time.time()
     ensure_ray(cfg)
-    _check_cluster(cfg)
+    check_cluster(cfg)
     phases["ray_started"] = time.time()
     buffer = _progress_buffer()
     running = TrainerRun(build_trainer(cfg, prep, loc, buffer), buffer)

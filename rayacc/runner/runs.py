@@ -13,7 +13,7 @@ from typing import Any
 
 from rayacc.config import TrainConfig
 from rayacc.data.reads import filesystem_and_path
-from rayacc.data.sources import DataError, DatasetInfo
+from rayacc.data.sources import DataError
 
 __all__ = ["LATEST", "RUN_INFO", "RunLocation", "locate_run"]
 
@@ -71,12 +71,11 @@ class RunLocation:
         _write_text(self.storage, LATEST, self.name)
 
 
-def locate_run(cfg: TrainConfig, resume: bool, info: DatasetInfo | None = None) -> RunLocation:
+def locate_run(cfg: TrainConfig, resume: bool) -> RunLocation:
     """The run's storage path and name: `run.name`, else on a resume the latest run of the
     storage path, else a fresh unique name. A name means one run: a fresh run may not reuse
     the name of one that exists (Ray Train would silently continue it), and a resume needs an
-    existing run whose latest checkpoint has this config's identity (`info`: the data it
-    checks the dataset's fingerprint against)."""
+    existing run (whether its checkpoint may be resumed by this config: `prelaunch.locate`)."""
     storage = cfg.run.storage_path or str(Path.cwd() / "rayacc_runs")
     if "://" not in storage:
         storage = str(Path(storage).expanduser().resolve())
@@ -93,8 +92,6 @@ def locate_run(cfg: TrainConfig, resume: bool, info: DatasetInfo | None = None) 
         _check_name(storage, name, resume)
     name = name or f"rayacc-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
     loc = RunLocation(storage, name)
-    if resume and info is not None:
-        _check_identity(cfg, info, loc)
     recorded = _read_text(storage, f"{name}/{RUN_INFO}") if resume else None
     return RunLocation(storage, name, json.loads(recorded)) if recorded else loc
 
@@ -124,49 +121,7 @@ def _runs_in(storage: str) -> set[str]:
     return {i.base_name for i in infos if i.type == fs.FileType.Directory} - {"_data"}
 
 
-def _check_identity(cfg: TrainConfig, info: DatasetInfo, loc: RunLocation) -> None:
-    """The latest checkpoint's identity against this config's: another seed, data, split,
-    order, model, strategy or (for a run that keeps it) global batch would re-split and
-    re-order the data under the saved sample position, or fail inside the workers."""
-    from rayacc.quantities import run_identity
-
-    meta = _latest_checkpoint_meta(loc)
-    saved = (meta or {}).get("identity")
-    if saved is None:
-        return  # nothing saved yet (or a checkpoint from before identities)
-    now = json.loads(json.dumps(run_identity(cfg, info)))
-    diffs = [
-        f"{key}: the run has {saved.get(key)!r}, this config {now.get(key)!r}"
-        for key in sorted(set(saved) | set(now))
-        if saved.get(key) != now.get(key)
-    ]
-    diffs += _global_batch_change(cfg, meta)
-    if diffs:
-        raise DataError(
-            f"--resume of run {loc.name!r}: the checkpoint at step {meta.get('optimizer_step')} "
-            "was trained on other data, another model or another global batch, and resuming "
-            "would re-split and re-order the data under its saved position:\n  "
-            + "\n  ".join(diffs)
-            + "\nFix: resume with the run's values of these fields (and its data), or start a "
-            "new run (drop --resume, or another run.name)"
-        )
-
-
-def _global_batch_change(cfg: TrainConfig, meta: dict[str, Any]) -> list[str]:
-    """The global batch a run that keeps it resolves to now, against the checkpoint's (a run
-    that gives micro × accumulation changes it with the worker count)."""
-    keeps = not cfg.scaling.elastic or cfg.scaling.on_resize == "keep_global_batch"
-    saved = meta.get("global_batch_size")
-    now = cfg.batch_plan().global_batch_size
-    if not keeps or saved is None or saved == now:
-        return []
-    return [
-        f"batch.global_batch_size: the run has {saved}, this config resolves to {now} "
-        f"(set batch.global_batch_size: {saved})"
-    ]
-
-
-def _latest_checkpoint_meta(loc: RunLocation) -> dict[str, Any] | None:
+def latest_checkpoint_meta(loc: RunLocation) -> dict[str, Any] | None:
     """meta.json of the run's newest complete checkpoint folder, if any."""
     from pyarrow import fs
 

@@ -15,8 +15,9 @@ from rayacc.optim import build_optimizer, build_schedule
 from rayacc.quantities import data_order
 from rayacc.redact import redact
 from rayacc.runner.checkpoint import load_model
-from rayacc.runner.driver import Prepared, fit, prepare
+from rayacc.runner.driver import fit
 from rayacc.runner.ingest import read_rows
+from rayacc.runner.prelaunch import Prepared, prepare
 
 __all__ = ["TOLERANCE", "TensorDiff", "VerifyResult", "verify"]
 

@@ -1,0 +1,312 @@
+"""Every check that needs the data, the run's storage or the cluster, made before the worker
+group is asked for (the config's own rules are in `config/`; the engine asserts its own
+invariants). A user mistake found here is an error naming the field or file and the fix
+(exit status 2), never a failure inside the workers after Ray starts.
+
+- `prepare`: the data (one streamed pass, `data/sources.py`), the model (built on the meta
+  device), the batch plan against the data, warnings and notes;
+- `locate`: the run's name (`runs.locate_run`) and, on a resume, whether the latest checkpoint
+  may be continued by this config (`check_resume`: its identity and global batch);
+- `check_cluster`, once Ray runs: whether the cluster can ever hold the worker group.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from rayacc.batch_plan import BatchPlan
+from rayacc.config import TrainConfig
+from rayacc.data.order import DataOrder, EpochLayout
+from rayacc.data.sources import DataError, DatasetInfo, RowGroups, describe_dataset, row_groups
+from rayacc.engine.units import fsdp_blocks
+from rayacc.models import build_on_meta
+from rayacc.quantities import (
+    data_order,
+    epoch_layout,
+    run_effective_lr,
+    run_identity,
+    total_optimizer_steps,
+)
+from rayacc.runner.runs import RunLocation, latest_checkpoint_meta, locate_run
+
+__all__ = [
+    "Prepared",
+    "ResourceError",
+    "check_cluster",
+    "check_resources",
+    "check_resume",
+    "locate",
+    "prepare",
+    "read_factor",
+    "worker_needs",
+    "workers_that_fit",
+]
+
+
+# ----------------------------------------------------------------------------- data and model
+@dataclass
+class Prepared:
+    """Everything checked on the driver before any worker starts."""
+
+    cfg: TrainConfig
+    info: DatasetInfo
+    plan: BatchPlan
+    effective_lr: float
+    layout: EpochLayout
+    total_steps: int
+    num_parameters: int
+    warnings: list[str]
+    notes: list[str] = field(default_factory=list)
+    groups: RowGroups | None = None
+    """The source's Parquet row groups (the units data is read in)."""
+
+
+def prepare(cfg: TrainConfig) -> Prepared:
+    """Resolves data, batch plan, LR and model; raises DataError / ModelError / BatchPlanError
+    (all ValueError) for user mistakes."""
+    info = describe_dataset(cfg.data.source, cfg.data.cache_dir, cfg.data.seq_len)
+    plan = cfg.batch_plan()
+    model = build_on_meta(cfg, info)
+    groups = row_groups(info.path)
+    order = data_order(cfg, info, groups)
+    if len(order.train_units) == 0:
+        raise DataError(
+            f"data.val_fraction={cfg.data.val_fraction} holds out all {len(groups)} row "
+            f"group(s) of {info.path} (data.order=chunks holds out whole row groups). Fix: "
+            "write the data with smaller row groups (`rayacc data prepare`), set "
+            "data.order=rows, or lower data.val_fraction"
+        )
+    layout = epoch_layout(cfg, order.num_train_rows, plan)
+    if layout.steps_per_epoch == 0:
+        raise DataError(
+            f"data.source {info.path} has {order.num_train_rows} training rows, fewer than one "
+            f"global batch ({plan.global_batch_size}). Fix: lower batch.global_batch_size or "
+            "data.val_fraction, or use more data"
+        )
+    reads = read_factor(order, layout) if order.chunked else None
+    return Prepared(
+        cfg,
+        info,
+        plan,
+        run_effective_lr(cfg, plan),
+        layout,
+        total_optimizer_steps(cfg, layout),
+        sum(p.numel() for p in model.parameters()),
+        _warnings(cfg, layout, model, reads, groups),
+        [_order_note(cfg, info, groups, reads), *_notes(cfg, plan)],
+        groups,
+    )
+
+
+def read_factor(order: DataOrder, layout: EpochLayout) -> float:
+    """Rows the cluster reads in the first epoch over rows trained on (data.order=chunks: a
+    row group that two ranks' shares straddle is read by both)."""
+    read = 0
+    for rank in range(layout.num_workers):
+        lo, hi = layout.rank_intervals(rank)
+        units, _ = order.units_of(0, lo, hi)
+        read += int(order.unit_size[units].sum())
+    return read / max(1, layout.num_rows - layout.dropped_rows)
+
+
+def _order_note(cfg: TrainConfig, info: DatasetInfo, groups: RowGroups, reads: float | None) -> str:
+    mib = info.data_bytes / 2**20
+    if reads is None:
+        return (
+            f"data order: rows (an exact per-row shuffle; every rank reads all {mib:.1f} MiB "
+            "each epoch)"
+        )
+    return (
+        f"data order: chunks ({len(groups)} row groups of about "
+        f"{info.num_rows / len(groups):.0f} rows, {mib:.1f} MiB); the cluster reads "
+        f"{reads:.2f}× the rows it trains on per epoch"
+    )
+
+
+def _warnings(
+    cfg: TrainConfig, layout: EpochLayout, model, reads: float | None, groups: RowGroups
+) -> list[str]:
+    warnings = []
+    if cfg.data.materialize is not None:
+        warnings.append(
+            "data.materialize no longer has an effect: every rank reads its rows through Ray "
+            "Data (remove the setting)"
+        )
+    if reads is not None and reads > 1.25:
+        share = layout.global_batch_size // layout.num_workers
+        warnings.append(
+            f"data.order=chunks reads each row {reads:.2f}× per epoch: row groups of about "
+            f"{int(groups.size.mean())} rows are large against each rank's {share} rows per "
+            f"window. Fix: rewrite the data with row groups of at most {max(1, share // 4)} "
+            "rows (`rayacc data prepare ... --rows-per-group N`), or use data.order=rows for "
+            "data that fits in memory"
+        )
+    by_epochs = cfg.train.epochs * layout.steps_per_epoch
+    if cfg.train.max_steps and cfg.train.max_steps > by_epochs:
+        warnings.append(
+            f"train.max_steps={cfg.train.max_steps} exceeds train.epochs × steps per epoch = "
+            f"{cfg.train.epochs} × {layout.steps_per_epoch}; stopping at {by_epochs} "
+            "(raise train.epochs to run longer)"
+        )
+    if layout.dropped_rows:
+        warnings.append(layout.describe())
+    if cfg.train.activation_checkpointing != "none" and not fsdp_blocks(model):
+        warnings.append(
+            "train.activation_checkpointing is set but the model names no blocks (a `blocks` "
+            "ModuleList or an `fsdp_blocks()` method): nothing is recomputed"
+        )
+    bn = batchnorm_layers(model)
+    if bn:
+        warnings.append(
+            f"the model holds BatchNorm layers ({', '.join(bn[:3])}): their statistics come from "
+            "each micro-batch, so accumulation is not equivalent to the big batch. Fix: use "
+            "GroupNorm or LayerNorm"
+        )
+    return warnings
+
+
+def _notes(cfg: TrainConfig, plan: BatchPlan) -> list[str]:
+    notes = [cfg.elastic_summary()] if cfg.scaling.elastic else []
+    if cfg.batch.auto_micro_batch:
+        notes.append(
+            f"micro-batch auto: the workers search the largest divisor of {plan.micro_batch_size} "
+            "(one worker's share) that fits the memory budget; the line above shows that upper "
+            "bound, the chosen size is printed when training starts"
+        )
+    return notes
+
+
+def batchnorm_layers(model) -> list[str]:
+    from torch import nn
+
+    return [
+        n or "<root>"
+        for n, m in model.named_modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm)
+    ]
+
+
+# ----------------------------------------------------------------------------- the run
+def locate(cfg: TrainConfig, resume: bool, info: DatasetInfo) -> RunLocation:
+    """The run's location (`runs.locate_run`), and on a resume the check that its latest
+    checkpoint may be continued by this config."""
+    loc = locate_run(cfg, resume)
+    if resume:
+        check_resume(cfg, info, loc)
+    return loc
+
+
+def check_resume(cfg: TrainConfig, info: DatasetInfo, loc: RunLocation) -> None:
+    """The latest checkpoint's identity against this config's: another seed, data, split,
+    order, model, strategy or (for a run that keeps it) global batch would re-split and
+    re-order the data under the saved sample position, or fail inside the workers."""
+    meta = latest_checkpoint_meta(loc)
+    saved = (meta or {}).get("identity")
+    if saved is None:
+        return  # nothing saved yet (or a checkpoint from before identities)
+    now = json.loads(json.dumps(run_identity(cfg, info)))
+    diffs = [
+        f"{key}: the run has {saved.get(key)!r}, this config {now.get(key)!r}"
+        for key in sorted(set(saved) | set(now))
+        if saved.get(key) != now.get(key)
+    ]
+    diffs += _global_batch_change(cfg, meta)
+    if diffs:
+        raise DataError(
+            f"--resume of run {loc.name!r}: the checkpoint at step {meta.get('optimizer_step')} "
+            "was trained on other data, another model or another global batch, and resuming "
+            "would re-split and re-order the data under its saved position:\n  "
+            + "\n  ".join(diffs)
+            + "\nFix: resume with the run's values of these fields (and its data), or start a "
+            "new run (drop --resume, or another run.name)"
+        )
+
+
+def _global_batch_change(cfg: TrainConfig, meta: dict[str, Any]) -> list[str]:
+    """The global batch a run that keeps it resolves to now, against the checkpoint's (a run
+    that gives micro × accumulation changes it with the worker count)."""
+    keeps = not cfg.scaling.elastic or cfg.scaling.on_resize == "keep_global_batch"
+    saved = meta.get("global_batch_size")
+    now = cfg.batch_plan().global_batch_size
+    if not keeps or saved is None or saved == now:
+        return []
+    return [
+        f"batch.global_batch_size: the run has {saved}, this config resolves to {now} "
+        f"(set batch.global_batch_size: {saved})"
+    ]
+
+
+# ----------------------------------------------------------------------------- the cluster
+def check_cluster(cfg: TrainConfig) -> None:
+    """A worker group the cluster can never hold is a user error (Ray Train would wait
+    forever); on a cluster that may grow (one rayacc did not start), a warning."""
+    import os
+    import sys
+
+    import ray
+
+    may_grow = bool(os.environ.get("RAY_ADDRESS"))
+    warning = check_resources(cfg, ray.nodes(), may_grow)
+    if warning:
+        print(f"rayacc: warning: {warning}; waiting for the cluster to grow", file=sys.stderr)
+
+
+class ResourceError(ValueError):
+    """The request can never be met by the cluster as it is: names what is missing and the fix."""
+
+
+def worker_needs(cfg: TrainConfig) -> dict[str, float]:
+    """What one training worker asks Ray for."""
+    s = cfg.scaling
+    return {"CPU": s.cpus_per_worker, **({"GPU": 1.0} if s.use_gpu else {}), **s.extra_resources}
+
+
+def workers_that_fit(nodes: list[dict[str, float]], need: dict[str, float]) -> int:
+    """How many workers the nodes' total resources hold (each worker on one node)."""
+    fit = 0
+    for resources in nodes:
+        fit += min(
+            (math.floor(resources.get(k, 0.0) / v + 1e-9) if v > 0 else 10**9)
+            for k, v in need.items()
+        )
+    return fit
+
+
+def check_resources(cfg: TrainConfig, nodes: list[dict[str, Any]], may_grow: bool) -> str | None:
+    """Raises ResourceError when the alive `nodes` (as `ray.nodes()` lists them) can never hold
+    `scaling.num_workers`' minimum; with `may_grow` (a cluster that may add nodes) returns the
+    same finding as a warning instead. None when the group fits."""
+    need = worker_needs(cfg)
+    alive = [n.get("Resources", {}) for n in nodes if n.get("Alive", True)]
+    fit = workers_that_fit(alive, need)
+    wanted = cfg.scaling.min_workers
+    if fit >= wanted:
+        return None
+    offered = sorted({k for r in alive for k in r if not k.startswith(("node:", "accelerator_"))})
+    missing = [k for k in need if not any(r.get(k, 0) >= need[k] for r in alive)]
+    asked = ", ".join(f"{k}: {v:g}" for k, v in need.items())
+    text = (
+        f"the worker group needs {wanted} worker(s) of {{{asked}}} (scaling.num_workers, "
+        f"scaling.cpus_per_worker, scaling.use_gpu, scaling.extra_resources); the cluster's "
+        f"{len(alive)} node(s) hold {fit}"
+        + (f", and no node offers enough {', '.join(missing)}" if missing else "")
+        + f" (resources offered: {', '.join(offered)}). Fix: "
+        + _fix(cfg, missing)
+    )
+    if may_grow:
+        return text
+    raise ResourceError(text)
+
+
+def _fix(cfg: TrainConfig, missing: list[str]) -> str:
+    if "GPU" in missing:
+        return "set scaling.use_gpu=false, or run on a cluster with GPU nodes"
+    if any(k in cfg.scaling.extra_resources for k in missing):
+        return (
+            "remove scaling.extra_resources, or start nodes that offer them (cluster/local.sh "
+            "gives each node a worker_slot) and set RAY_ADDRESS"
+        )
+    return "lower scaling.num_workers or scaling.cpus_per_worker, or add nodes"
