@@ -190,7 +190,7 @@ def run_phase(case: Case, rank: int, world: int, folder: Path, phase: str) -> di
     model = strategy.build(model_recipe(cfg, info), device)
     optimizer = build_optimizer(cfg, model.parameters(), LR, device, strategy)
     step = AccumulationStep(model, optimizer, precision=case.precision, strategy=strategy)
-    loss_fn, count = loss_functions(info, model, cfg.train.loss_chunk_tokens)
+    loss_fn, count = loss_functions(info, cfg.train.loss_chunk_tokens, strategy)
     all_windows = windows(case)
     if phase == "B":
         saved = torch.load(folder / "state.pt", weights_only=True) if rank == 0 else {}

@@ -28,7 +28,6 @@ from rayacc.engine.collectives import all_reduce
 from rayacc.engine.losses import Batch, ItemCounter, LossFn, count_rows
 from rayacc.engine.precision import PRECISIONS, autocast
 from rayacc.engine.strategy import Strategy, strategy_of
-from rayacc.engine.sync import is_ddp
 
 __all__ = ["PRECISIONS", "AccumulationStep", "MicroStepMismatchError", "StepResult"]
 
@@ -131,7 +130,7 @@ class AccumulationStep:
         self.precision = precision
         self.max_grad_norm = max_grad_norm
         self.device = next(model.parameters()).device
-        self.group = model.process_group if is_ddp(model) else None
+        self.group = self.strategy.process_group
         self.world_size = (
             dist.get_world_size(self.group) if dist.is_available() and dist.is_initialized() else 1
         )

@@ -119,6 +119,9 @@ class Strategy(ABC):
     """Every rank writes its part of a checkpoint (else rank 0 writes the whole state)."""
     fused_sgd: bool = True
     """PyTorch's fused SGD kernel can step this strategy's parameters."""
+    gathers_in_forward: bool = False
+    """Parameters are whole only inside the forward that gathered them: a loss that uses a
+    module's weights (the chunked loss's head) runs inside the model's forward."""
 
     def __init__(self) -> None:
         self.model: nn.Module | None = None
@@ -136,6 +139,11 @@ class Strategy(ABC):
         """Binds a model wrapped by the caller (DDP, or sharded with `fully_shard`)."""
         self.model = model
         return self
+
+    @property
+    def process_group(self):
+        """The group the gradients sync over (None: the default group)."""
+        return getattr(self.model, "process_group", None) if is_ddp(self.model) else None
 
     # ------------------------------------------------------------------ the step
     @abstractmethod
@@ -324,6 +332,7 @@ class FSDP(Strategy):
     writes_shards = True
     # the fused SGD kernel has no rule for sharded (DTensor) parameters
     fused_sgd = False
+    gathers_in_forward = True
 
     def __init__(
         self,

@@ -19,7 +19,7 @@ from rayacc.engine import (
     token_item_losses,
 )
 from rayacc.engine.chunked_loss import chunked_cross_entropy_sum
-from rayacc.engine.units import is_fsdp
+from rayacc.engine.strategy import Strategy
 from rayacc.models.init import init_parameters, seeds_parameters
 
 __all__ = [
@@ -140,35 +140,42 @@ def unwrap_model(model: nn.Module) -> nn.Module:
             return model
 
 
-def supports_chunked_loss(model: nn.Module) -> bool:
-    """A token model whose forward can return the hidden states its `head` projects; a
-    sharded one must also take `head_loss` (its parameters are whole only inside forward)."""
+def supports_chunked_loss(model: nn.Module, inside_forward: bool) -> bool:
+    """A token model with an `nn.Linear` `head` whose forward can return the hidden states the
+    head projects (`return_hidden`), or, with `inside_forward`, apply a loss to them and the
+    head itself (`head_loss`)."""
     inner = unwrap_model(model)
     takes = inspect.signature(inner.forward).parameters
-    needed = "head_loss" if is_fsdp(inner) else "return_hidden"
+    needed = "head_loss" if inside_forward else "return_hidden"
     return isinstance(getattr(inner, "head", None), nn.Linear) and needed in takes
 
 
-def loss_functions(info: DatasetInfo, model: nn.Module | None = None, chunk: int | None = None):
+def loss_functions(info: DatasetInfo, chunk: int | None = None, strategy: Strategy | None = None):
     """(per-item loss, item counter) for a dataset format. Token models that support it (see
-    `supports_chunked_loss`) get the chunked cross-entropy when `chunk` is set."""
+    `supports_chunked_loss`) get the chunked cross-entropy when `chunk` is set; where it runs
+    is the strategy's word (`Strategy.gathers_in_forward`: a sharded head is whole only inside
+    the forward that gathered it)."""
     if info.format == "classification":
         return classification_item_losses, count_rows
-    if chunk is None or model is None or not supports_chunked_loss(model):
+    inside = strategy is not None and strategy.gathers_in_forward
+    if chunk is None or strategy is None or not supports_chunked_loss(strategy.model, inside):
         return token_item_losses, count_target_tokens
 
-    def chunked_token_loss_sum(m: nn.Module, batch) -> torch.Tensor:
+    def head_loss_of(batch):
         def head_loss(hidden: torch.Tensor, head: nn.Linear) -> torch.Tensor:
             return chunked_cross_entropy_sum(
                 hidden, head.weight, batch["target"], bias=head.bias, chunk=chunk
             )
 
-        if is_fsdp(m):
-            # a sharded head is whole only inside the forward that gathered it
-            return m(batch["input"], head_loss=head_loss)
+        return head_loss
+
+    def inside_forward(m: nn.Module, batch) -> torch.Tensor:
+        return m(batch["input"], head_loss=head_loss_of(batch))
+
+    def after_forward(m: nn.Module, batch) -> torch.Tensor:
         # through the wrapper's forward (DDP prepares its gradient sync there); the head's
         # weight is then used directly, which DDP's per-parameter hooks see all the same (a
         # compiled forward returns the hidden states and the loss stays eager)
-        return head_loss(m(batch["input"], return_hidden=True), unwrap_model(m).head)
+        return head_loss_of(batch)(m(batch["input"], return_hidden=True), unwrap_model(m).head)
 
-    return chunked_token_loss_sum, count_target_tokens
+    return (inside_forward if inside else after_forward), count_target_tokens

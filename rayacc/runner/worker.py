@@ -163,7 +163,7 @@ class WorkerRun:
             strategy=self.strategy,
         )
         self.loss_fn, self.count = loss_functions(
-            self.info, self.model, cfg.train.loss_chunk_tokens
+            self.info, cfg.train.loss_chunk_tokens, self.strategy
         )
         self.peak_tflops = device_peak_tflops(self.device, cfg.train.peak_tflops)
 
