@@ -4,6 +4,8 @@ of optimizer steps. The driver, the workers, `verify` and the CLI all ask here."
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from rayacc.batch_plan import BatchPlan, plan_for_workers
@@ -20,6 +22,7 @@ __all__ = [
     "order_kind",
     "plan_at",
     "rank_seed",
+    "remaining_epochs",
     "run_effective_lr",
     "run_identity",
     "schedule_length",
@@ -75,6 +78,42 @@ def epoch_layout(cfg: TrainConfig, rows: int, plan: BatchPlan) -> EpochLayout:
         plan.num_workers,
         cfg.data.last_window,
     )
+
+
+@dataclass(frozen=True)
+class EpochPlan:
+    """The windows one rank runs in one epoch: the layout over the rows left in it, how many
+    steps, and this rank's positions of each window (`lo[k]`, `hi[k]`, in the epoch's order)."""
+
+    epoch: int
+    layout: EpochLayout
+    steps: int
+    lo: np.ndarray
+    hi: np.ndarray
+
+
+def remaining_epochs(
+    cfg: TrainConfig, num_train_rows: int, state, plan: BatchPlan, rank: int
+) -> list[EpochPlan]:
+    """Every window rank `rank` runs from `state` (a TrainState) on: per epoch with steps left,
+    its layout over the rows left from the saved sample position (which a new global batch need
+    not divide). An epoch with fewer rows left than a window takes (after a resize, say) has no
+    window and is left out. Which positions a rank gets does not depend on the micro-batch,
+    only how they are cut."""
+    out = []
+    steps_left = (cfg.train.max_steps or 10**12) - state.optimizer_step
+    for epoch in range(state.epoch, cfg.train.epochs):
+        if steps_left <= 0:
+            break
+        offset = state.epoch_sample_offset if epoch == state.epoch else 0
+        layout = epoch_layout(cfg, num_train_rows - offset, plan)
+        steps = min(layout.steps_per_epoch, steps_left)
+        if steps == 0:
+            continue
+        lo, hi = layout.rank_intervals(rank, steps)
+        out.append(EpochPlan(epoch, layout, steps, lo + offset, hi + offset))
+        steps_left -= steps
+    return out
 
 
 def total_optimizer_steps(cfg: TrainConfig, layout: EpochLayout) -> int:

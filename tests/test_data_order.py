@@ -220,3 +220,34 @@ def test_a_short_row_group_does_not_shift_the_windows_off_the_row_groups():
     for epoch in (0, 1):
         units, _ = order._epoch(epoch)
         assert units[-1] == 200
+
+
+@pytest.mark.parametrize(
+    ("workers", "state", "expected"),
+    [
+        # 49 rows, G 16: on 1 worker 3 windows and a short one of 1 row
+        (1, {}, [(0, 4), (1, 4)]),
+        # stopped after 3 steps on 1 worker, resumed on 2: the row left is fewer than the
+        # workers, so epoch 0 has no window and is left out (no rank asks for window 0 of it)
+        (2, {"optimizer_step": 3, "epoch_sample_offset": 48}, [(1, 2)]),
+        # no steps left
+        (2, {"optimizer_step": 5, "epoch": 1, "epoch_sample_offset": 32}, []),
+    ],
+)
+def test_remaining_epochs_leave_out_an_epoch_without_a_window(workers, state, expected):
+    from rayacc.batch_plan import BatchPlan
+    from rayacc.config import TrainConfig
+    from rayacc.engine import TrainState
+    from rayacc.quantities import remaining_epochs
+
+    cfg = TrainConfig.from_dict(
+        {
+            "batch": {"global_batch_size": 16, "micro_batch_size": 4},
+            "train": {"epochs": 2, "max_steps": 5 if state else None},
+        }
+    )
+    plan = BatchPlan(16, 4, 4 // workers, workers)
+    plans = remaining_epochs(cfg, 49, TrainState(**state), plan, rank=workers - 1)
+    assert [(p.epoch, p.steps) for p in plans] == expected
+    for p in plans:
+        assert len(p.lo) == p.steps and all(p.hi > p.lo)

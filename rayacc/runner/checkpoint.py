@@ -125,3 +125,83 @@ def load_model(path: str | Path) -> nn.Module:
 
         load_model_shards(shards, model)
     return model.eval()
+
+
+class RunCheckpoints:
+    """A worker's checkpoints: the strategy's model and optimizer state (whole, or every rank's
+    shards), the stateful `parts` (schedule, scaler, train state: anything with `state_dict` /
+    `load_state_dict`, by name) and every rank's random state. Every rank calls `save` (a
+    barrier: Ray Train's report) and `restore`."""
+
+    def __init__(self, strategy, optimizer, parts: dict[str, Any], *, rank, world, device, seed):
+        self.strategy, self.optimizer, self.parts = strategy, optimizer, parts
+        self.rank, self.world, self.device, self.seed = rank, world, device, seed
+
+    def restore(self) -> dict[str, Any] | None:
+        """Loads the run's latest checkpoint, if any, and returns its meta."""
+        import ray.train
+
+        checkpoint = ray.train.get_checkpoint()
+        if checkpoint is None:
+            return None
+        with checkpoint.as_directory() as folder:
+            saved, _, meta = read_checkpoint(folder, map_location=self.device)
+            self.strategy.load(self.optimizer, folder, saved)
+        for name, part in self.parts.items():
+            if part is not None and saved.get(name) is not None:
+                part.load_state_dict(saved[name])
+        self._restore_rng(saved.get("rng"), meta["optimizer_step"])
+        return meta
+
+    def save(self, metrics: dict[str, Any], *, step: int, description: dict, meta: dict) -> None:
+        """Every rank reports (a barrier). Rank 0 writes the folder, with every rank's random
+        state; a strategy that shards has every rank write its part first (Ray Train merges
+        the parts into one checkpoint folder in the run's storage)."""
+        import tempfile
+
+        import ray.train
+
+        from rayacc.engine import all_gather_objects
+
+        rng = all_gather_objects(self._rng_state())
+        with tempfile.TemporaryDirectory() as tmp:
+            whole = self.strategy.save(self.optimizer, tmp, self.rank)
+            if self.rank == 0:
+                state = {
+                    name: p.state_dict() if p is not None else None
+                    for name, p in self.parts.items()
+                }
+                write_checkpoint(
+                    tmp,
+                    state={**whole, **state, "rng": rng},
+                    config=description["config"],
+                    dataset=description["dataset"],
+                    meta={**meta, "shards": SHARDS_DIR if self.strategy.writes_shards else None},
+                )
+            has_part = self.rank == 0 or self.strategy.writes_shards
+            ray.train.report(
+                metrics,
+                checkpoint=ray.train.Checkpoint.from_directory(tmp) if has_part else None,
+                checkpoint_dir_name=f"checkpoint_step{step:08d}",
+            )
+
+    def _rng_state(self) -> dict[str, torch.Tensor | None]:
+        cuda = self.device.type == "cuda"
+        return {
+            "cpu": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state(self.device) if cuda else None,
+        }
+
+    def _restore_rng(self, saved: list[dict[str, torch.Tensor | None]] | None, step: int) -> None:
+        """This rank's random state as the checkpoint left it, so a resumed run draws what an
+        uninterrupted one would; after a resize (other ranks) a fresh stream of its own,
+        seeded by the step."""
+        from rayacc.quantities import rank_seed
+
+        if saved is None or len(saved) != self.world:
+            torch.manual_seed(rank_seed(self.seed, self.rank, step))
+            return
+        mine = saved[self.rank]
+        torch.set_rng_state(mine["cpu"].cpu())
+        if mine["cuda"] is not None and self.device.type == "cuda":
+            torch.cuda.set_rng_state(mine["cuda"].cpu(), self.device)

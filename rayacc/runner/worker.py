@@ -9,7 +9,6 @@ The data order, the normalisation rule and the checkpoint contract are in docs/d
 from __future__ import annotations
 
 import os
-import tempfile
 import time
 from dataclasses import asdict
 from typing import Any
@@ -43,12 +42,13 @@ from rayacc.quantities import (
     epoch_layout,
     plan_at,
     rank_seed,
+    remaining_epochs,
     run_effective_lr,
     run_identity,
     schedule_length,
 )
 from rayacc.runner.autosize import MicroBatchSizer
-from rayacc.runner.checkpoint import SHARDS_DIR, read_checkpoint, write_checkpoint
+from rayacc.runner.checkpoint import RunCheckpoints
 from rayacc.runner.ingest import LocalRows, RankReader, warm_up
 from rayacc.runner.metrics import step_record
 from rayacc.runner.progress import Outbox
@@ -110,18 +110,17 @@ class WorkerRun:
     def train(self) -> dict[str, Any]:
         events = self._restore()
         self._plan_epochs()
-        self.total_steps = self.state.optimizer_step + sum(e[2] for e in self.epochs)
+        self.total_steps = self.state.optimizer_step + sum(e.steps for e in self.epochs)
         self._open_data()
         if self.cfg.batch.auto_micro_batch and self.epochs:
             step = self.state.optimizer_step
             events.append(self.sizer.search(self.strategy, self.loss_fn, self.first_rows, step))
             self._plan_epochs()
         self._announce(events)
-        for epoch, layout, n_steps, _ in self.epochs:
-            self._begin_epoch(epoch)
-            for s in range(n_steps):
-                record = self._window(epoch, layout, s)
-                self._after_window(record)
+        for ep in self.epochs:
+            self._begin_epoch(ep.epoch)
+            for s in range(ep.steps):
+                self._after_window(self._window(ep.epoch, ep.layout, s))
         self.outbox.flush()
         return self._summary()
 
@@ -166,21 +165,23 @@ class WorkerRun:
             self.info, cfg.train.loss_chunk_tokens, self.strategy
         )
         self.peak_tflops = device_peak_tflops(self.device, cfg.train.peak_tflops)
+        parts = {"schedule": self.schedule, "scaler": self.step.scaler, "train_state": self.state}
+        self.checkpoints = RunCheckpoints(
+            self.strategy,
+            self.optimizer,
+            parts,
+            rank=self.rank,
+            world=self.world,
+            device=self.device,
+            seed=cfg.seed,
+        )
 
     def _restore(self) -> list[Event]:
         """Loads the latest checkpoint of the run, if any; a resize event when it was written
         at another worker count. (Whether it may be resumed at all was checked before launch.)"""
-        checkpoint = ray.train.get_checkpoint()
-        if checkpoint is None:
+        meta = self.checkpoints.restore()
+        if meta is None:
             return []
-        with checkpoint.as_directory() as folder:
-            saved, _, meta = read_checkpoint(folder, map_location=self.device)
-            self.strategy.load(self.optimizer, folder, saved)
-        self.schedule.load_state_dict(saved["schedule"])
-        if self.step.scaler is not None and saved.get("scaler"):
-            self.step.scaler.load_state_dict(saved["scaler"])
-        self.state.load_state_dict(saved["train_state"])
-        self._restore_rng(saved.get("rng"))
         self.resumed_from = self.state.optimizer_step
         # a new global batch (keep_micro_batch) moves to its LR over a short re-warmup
         self.schedule.set_peak(self.lr, rewarm_steps=REWARM_STEPS)
@@ -200,46 +201,11 @@ class WorkerRun:
             )
         ]
 
-    def _rng_state(self) -> dict[str, torch.Tensor | None]:
-        cuda = self.device.type == "cuda"
-        return {
-            "cpu": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state(self.device) if cuda else None,
-        }
-
-    def _restore_rng(self, saved: list[dict[str, torch.Tensor | None]] | None) -> None:
-        """This rank's random state as the checkpoint left it, so a resumed run draws what an
-        uninterrupted one would; after a resize (other ranks) a fresh stream of its own,
-        seeded by the step."""
-        if saved is None or len(saved) != self.world:
-            torch.manual_seed(rank_seed(self.cfg.seed, self.rank, self.state.optimizer_step))
-            return
-        mine = saved[self.rank]
-        torch.set_rng_state(mine["cpu"].cpu())
-        if mine["cuda"] is not None and self.device.type == "cuda":
-            torch.cuda.set_rng_state(mine["cuda"].cpu(), self.device)
-
     # ------------------------------------------------------------------ data
     def _plan_epochs(self) -> None:
-        """Every window this rank runs from here on: per epoch with steps left, its layout over
-        the rows left from the saved sample position (which a new global batch need not
-        divide) and this rank's positions of each window. Which positions a rank gets does not
-        depend on the micro-batch, only how they are cut."""
-        cfg, state = self.cfg, self.state
-        self.epochs: list[tuple[int, EpochLayout, int, tuple[np.ndarray, np.ndarray]]] = []
-        steps_left = (cfg.train.max_steps or 10**12) - state.optimizer_step
-        for epoch in range(state.epoch, cfg.train.epochs):
-            if steps_left <= 0:
-                break
-            offset = state.epoch_sample_offset if epoch == state.epoch else 0
-            layout = epoch_layout(cfg, self.order.num_train_rows - offset, self.plan)
-            n_steps = min(layout.steps_per_epoch, steps_left)
-            if n_steps == 0:
-                # fewer rows left than a window takes (after a resize, say): nothing to run
-                continue
-            lo, hi = layout.rank_intervals(self.rank, n_steps)
-            self.epochs.append((epoch, layout, n_steps, (lo + offset, hi + offset)))
-            steps_left -= n_steps
+        self.epochs = remaining_epochs(
+            self.cfg, self.order.num_train_rows, self.state, self.plan, self.rank
+        )
 
     def _open_data(self) -> None:
         """Starts this rank's reads (runner/ingest.py), takes its validation rows and the rows
@@ -248,12 +214,12 @@ class WorkerRun:
             self.info, self.groups, self.order, self.source, in_process=self.read_in_process
         )
         self.reader.start(
-            [self.reader.epoch_reads(e, lo, hi) for e, _, _, (lo, hi) in self.epochs],
+            [self.reader.epoch_reads(e.epoch, e.lo, e.hi) for e in self.epochs],
             self.order.val_rows(self.rank, self.world),
         )
         val_rows = self.reader.validation()
         # this rank's first window (kept by the reader for the step that follows)
-        first = self.reader.window(self.epochs[0][0], 0) if self.epochs else val_rows
+        first = self.reader.window(self.epochs[0].epoch, 0) if self.epochs else val_rows
         self.first_rows: LocalRows = first if len(first) else val_rows
         spare = self.first_rows.take(np.arange(1)) if len(self.first_rows) else None
         self.validate = Validator(
@@ -275,7 +241,7 @@ class WorkerRun:
 
     # ------------------------------------------------------------------ one window
     def _announce(self, events: list[Event]) -> None:
-        first_layout = self.epochs[0][1] if self.epochs else None
+        first_layout = self.epochs[0].layout if self.epochs else None
         layout = first_layout or epoch_layout(self.cfg, self.order.num_train_rows, self.plan)
         self.outbox.send(
             RunStarted(
@@ -357,35 +323,14 @@ class WorkerRun:
                 self.outbox.flush()
                 self._checkpoint(dict(record))
 
-    # ------------------------------------------------------------------ checkpoint
     def _checkpoint(self, metrics: dict[str, Any]) -> None:
-        """Every rank reports (a barrier). Rank 0 writes the folder, with every rank's random
-        state; a strategy that shards has every rank write its part first (Ray Train merges
-        the parts into one checkpoint folder in the run's storage)."""
-        rng = all_gather_objects(self._rng_state())
-        with tempfile.TemporaryDirectory() as tmp:
-            whole = self.strategy.save(self.optimizer, tmp, self.rank)
-            if self.rank == 0:
-                self._write_checkpoint(tmp, whole, rng)
-            has_part = self.rank == 0 or self.strategy.writes_shards
-            ray.train.report(
-                metrics,
-                checkpoint=ray.train.Checkpoint.from_directory(tmp) if has_part else None,
-                checkpoint_dir_name=f"checkpoint_step{self.state.optimizer_step:08d}",
-            )
-
-    def _write_checkpoint(self, folder: str, whole: dict[str, Any], rng: list) -> None:
-        write_checkpoint(
-            folder,
-            state={
-                **whole,
-                "schedule": self.schedule.state_dict(),
-                "scaler": self.step.scaler.state_dict() if self.step.scaler else None,
-                "train_state": self.state.state_dict(),
-                "rng": rng,
+        self.checkpoints.save(
+            metrics,
+            step=self.state.optimizer_step,
+            description={
+                "config": self.cfg.model_dump(mode="json"),
+                "dataset": self.info.to_dict(),
             },
-            config=self.cfg.model_dump(mode="json"),
-            dataset=self.info.to_dict(),
             meta={
                 "optimizer_step": self.state.optimizer_step,
                 "global_batch_size": self.plan.global_batch_size,
@@ -394,7 +339,6 @@ class WorkerRun:
                 "epoch": self.state.epoch,
                 "epoch_sample_offset": self.state.epoch_sample_offset,
                 "identity": run_identity(self.cfg, self.info),
-                "shards": SHARDS_DIR if self.strategy.writes_shards else None,
             },
         )
 
