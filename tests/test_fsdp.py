@@ -71,6 +71,9 @@ def test_each_sync_mode_reduce_scatters_as_it_says(ranks):
     end = [r.reduce_scatter_calls for r in ranks[0]["window_end"]["results"]]
     assert every == [4 * 3, 4 * 3, 3 * 3]
     assert end == [3, 3, 3]
+    # timed too (comm/sync_time_frac): from the first reduce-scatter launched to the last done
+    for mode in MODES:
+        assert all(r.sync_time_s > 0 for r in ranks[0][mode]["results"]), mode
 
 
 def test_auto_micro_batch_search_runs_in_lockstep_on_a_sharded_model(ranks):

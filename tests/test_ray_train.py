@@ -438,23 +438,28 @@ def test_gpt_on_padded_token_rows_equals_full_batch(ray_local, tmp_path, record_
 
 
 @pytest.mark.parametrize(
-    ("grad_sync", "recompute", "chunk", "compile_"),
-    [("every_micro_step", "none", None, True), ("window_end", "full", 8, False)],
+    ("grad_sync", "recompute", "chunk", "compile_", "micro"),
+    [("every_micro_step", "none", None, True, 2), ("window_end", "full", 8, False, "auto")],
 )
 def test_fsdp_on_padded_token_rows_equals_full_batch(
-    ray_local, tmp_path, record_equivalence, grad_sync, recompute, chunk, compile_
+    ray_local, tmp_path, record_equivalence, grad_sync, recompute, chunk, compile_, micro
 ):
     """train.strategy=fsdp through the whole stack: Ray workers shard the GPT with FSDP2,
-    accumulate in either sync mode (with activation checkpointing and the chunked loss, which
-    runs inside the sharded forward, in one), and the step equals
-    the full batch in one process; the model loads whole from the sharded checkpoint."""
+    accumulate in either sync mode (with activation checkpointing, the chunked loss, which
+    runs inside the sharded forward, and the auto micro-batch search, whose trials run without
+    sync, in one), and the step equals the full batch in one process; the model loads whole
+    from the sharded checkpoint. The reduce-scatters are counted and timed."""
     path = tmp_path / "tokens.parquet"
     seqs = padded_token_rows(path, seed=1, dtype=pa.uint16())
     cfg = config(
         tmp_path,
         model={"name": "gpt", "n_layer": 2, "n_head": 2, "n_embd": 16, "block_size": 32},
         data={"source": str(path), "shuffle": False, "seq_len": 32},
-        batch={"global_batch_size": 16, "micro_batch_size": 2},
+        batch={
+            "global_batch_size": 16,
+            "micro_batch_size": micro,
+            **({"memory_budget_mb": 4096} if micro == "auto" else {}),
+        },
         train={
             "strategy": "fsdp",
             "activation_checkpointing": recompute,
@@ -470,6 +475,7 @@ def test_fsdp_on_padded_token_rows_equals_full_batch(
     units = 3  # two blocks and the root
     expected = units * (4 if grad_sync == "every_micro_step" else 1)
     assert record["comm/reduce_scatter_calls"] == expected, record
+    assert 0 < record["comm/sync_time_frac"] < 1, record
 
     err, floor = sgd_step_errors(cfg, padded_token_loss(seqs), load_model(result.checkpoint_dir))
     record_equivalence(

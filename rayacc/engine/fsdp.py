@@ -14,7 +14,7 @@ engine's single multiply by 1 / N_window is the whole normalisation (docs/design
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -105,13 +105,14 @@ def materialize_shards(
     return model
 
 
-def drop_unsynced_grads(model: nn.Module) -> None:
-    """Drops the unsharded gradients FSDP2 keeps inside its units after a backward that did not
-    reduce-scatter (`set_requires_gradient_sync(False)`): the next synced backward adds them
-    to its own. `zero_grad` clears only the sharded ones."""
-    for module in model.modules():
-        if not is_fsdp(module):
-            continue
+def drop_unsynced_grads(units: Iterable[nn.Module]) -> None:
+    """Drops the unsharded gradients FSDP2 keeps inside its `units` (the modules `fully_shard`
+    was applied to) after a backward that did not reduce-scatter
+    (`set_requires_gradient_sync(False)`): the next synced backward adds them to its own.
+    `zero_grad` clears only the sharded ones."""
+    # FSDP2 has no public call for this: its parameter group's private state (torch 2.13);
+    # tests/test_strategy.py fails if that moves
+    for module in units:
         group = module._get_fsdp_state()._fsdp_param_group
         for fsdp_param in group.fsdp_params if group is not None else ():
             fsdp_param.unsharded_accumulated_grad = None

@@ -349,6 +349,7 @@ class FSDP(Strategy):
         self.param_dtype = param_dtype
         self._timeline = _Timeline()
         self.counted = False
+        self._unit_list: list[nn.Module] | None = None
 
     def _build(self, recipe: ModelRecipe, device: torch.device) -> nn.Module:
         from rayacc.engine.fsdp import materialize_shards, shard_model
@@ -384,7 +385,9 @@ class FSDP(Strategy):
         return super().adopt(model)
 
     def _units(self) -> list[nn.Module]:
-        return [m for m in self.model.modules() if is_fsdp(m)]
+        if self._unit_list is None:
+            self._unit_list = [m for m in self.model.modules() if is_fsdp(m)]
+        return self._unit_list
 
     def setup_reduction(self, count_comm: bool) -> bool:
         from rayacc.engine.fsdp import CountingReduceScatter
@@ -424,7 +427,7 @@ class FSDP(Strategy):
 
         # a backward that did not reduce-scatter leaves unsharded gradients inside FSDP, which
         # the next synced backward would add to its own
-        drop_unsynced_grads(self.model)
+        drop_unsynced_grads(self._units())
 
     def restore_sync(self) -> None:
         self.model.set_requires_gradient_sync(True)
