@@ -1,14 +1,16 @@
-"""The record of one optimizer step, as rank 0 sends it to the driver (MLflow keys of the
-project's contract)."""
+"""What rank 0 reports: the record of one optimizer step, as it goes to the driver (MLflow keys
+of the project's contract), and the summary of the run a worker group ends with."""
 
 from __future__ import annotations
 
+import os
+from dataclasses import asdict
 from typing import Any
 
 from rayacc.batch_plan import BatchPlan
 from rayacc.engine import StepCost, StepResult
 
-__all__ = ["step_record"]
+__all__ = ["run_summary", "step_record"]
 
 
 def step_record(
@@ -61,3 +63,41 @@ def step_record(
     )
     record.update(cost.metrics(token_items=token_items))
     return record
+
+
+def run_summary(
+    *,
+    metrics: dict[str, Any],
+    val: dict[str, float],
+    state,
+    plan: BatchPlan,
+    effective_lr: float,
+    total_steps: int,
+    resumed_from: int | None,
+    train_time_s: float,
+    log_time_s: float,
+    device,
+    timeline: dict[str, float],
+) -> dict[str, Any]:
+    """The fit's summary (rank 0's return value); gathers every rank's node (a collective)."""
+    import ray
+    import torch.distributed as dist
+
+    from rayacc.engine import all_gather_objects
+
+    return {
+        "metrics": metrics,
+        "val": val,
+        "train_state": state.state_dict(),
+        "plan": asdict(plan),
+        "effective_lr": effective_lr,
+        "total_steps": total_steps,
+        "resumed_from": resumed_from,
+        "train_time_s": train_time_s,
+        "log_time_s": log_time_s,
+        "worker_nodes": all_gather_objects(ray.get_runtime_context().get_node_id()),
+        "pid": os.getpid(),
+        "device": str(device),
+        "backend": dist.get_backend() if dist.is_initialized() else None,
+        "timeline": timeline,
+    }

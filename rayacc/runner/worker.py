@@ -8,7 +8,6 @@ The data order, the normalisation rule and the checkpoint contract are in docs/d
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import asdict
 from typing import Any
@@ -18,7 +17,6 @@ import psutil
 import ray
 import ray.train
 import torch
-import torch.distributed as dist
 from ray.train.torch import get_device
 
 from rayacc.config import TrainConfig
@@ -28,7 +26,6 @@ from rayacc.engine import (
     AccumulationStep,
     StepClock,
     TrainState,
-    all_gather_objects,
     device_peak_tflops,
     flops_per_item,
     to_device,
@@ -50,7 +47,7 @@ from rayacc.quantities import (
 from rayacc.runner.autosize import MicroBatchSizer
 from rayacc.runner.checkpoint import RunCheckpoints
 from rayacc.runner.ingest import LocalRows, RankReader, warm_up
-from rayacc.runner.metrics import step_record
+from rayacc.runner.metrics import run_summary, step_record
 from rayacc.runner.progress import Outbox
 from rayacc.runner.validation import Validator
 
@@ -343,21 +340,17 @@ class WorkerRun:
         )
 
     def _summary(self) -> dict[str, Any]:
-        worker_nodes = all_gather_objects(ray.get_runtime_context().get_node_id())
         self.timeline["finished"] = time.time()
-        return {
-            "metrics": self.last,
-            "val": self.val_metrics,
-            "train_state": self.state.state_dict(),
-            "plan": asdict(self.plan),
-            "effective_lr": self.lr,
-            "total_steps": self.total_steps,
-            "resumed_from": self.resumed_from,
-            "train_time_s": self.clock.total_s,
-            "log_time_s": self.outbox.cost_s,
-            "worker_nodes": worker_nodes,
-            "pid": os.getpid(),
-            "device": str(self.device),
-            "backend": dist.get_backend() if dist.is_initialized() else None,
-            "timeline": self.timeline,
-        }
+        return run_summary(
+            metrics=self.last,
+            val=self.val_metrics,
+            state=self.state,
+            plan=self.plan,
+            effective_lr=self.lr,
+            total_steps=self.total_steps,
+            resumed_from=self.resumed_from,
+            train_time_s=self.clock.total_s,
+            log_time_s=self.outbox.cost_s,
+            device=self.device,
+            timeline=self.timeline,
+        )
