@@ -101,6 +101,17 @@ def params_vector(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1).double() for p in inner.parameters()])
 
 
+def full_weights(model: nn.Module) -> torch.Tensor:
+    """Every parameter, whole (a sharded one gathered: a collective), as one float64 vector."""
+    from torch.distributed.tensor import DTensor
+
+    parts = []
+    for p in model.parameters():
+        t = p.full_tensor() if isinstance(p, DTensor) else p
+        parts.append(t.detach().reshape(-1).double())
+    return torch.cat(parts)
+
+
 def update_rel_err(before: torch.Tensor, after: torch.Tensor, ref_after: torch.Tensor) -> float:
     """‖Δ − Δ_ref‖ / ‖Δ_ref‖ over all parameters: the error of the update, not of the weights."""
     ref_update = ref_after - before

@@ -14,7 +14,7 @@ import torch
 from rayacc.engine import DDP, FSDP, AccumulationStep, count_target_tokens, token_item_losses
 from rayacc.engine.fsdp import shard_model
 from rayacc.models.gpt import GPT
-from tests.engine_helpers import token_micro_batches, token_sequences
+from tests.engine_helpers import full_weights, token_micro_batches, token_sequences
 
 VOCAB, BLOCK = 16, 16
 MICRO = 2
@@ -51,16 +51,6 @@ def micro_split(seqs: list[torch.Tensor], steps: int) -> list[dict[str, torch.Te
         out += token_micro_batches(seqs[at : at + n], n)
         at += n
     return out
-
-
-def full_weights(model: torch.nn.Module) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    parts = []
-    for p in model.parameters():
-        t = p.full_tensor() if isinstance(p, DTensor) else p
-        parts.append(t.detach().reshape(-1).double())
-    return torch.cat(parts)
 
 
 def scenario(rank: int, world: int, out: dict, mode: str) -> None:

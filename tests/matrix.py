@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from tests.engine_helpers import full_weights
+
 FACTORS: dict[str, tuple] = {
     "strategy": ("ddp", "fsdp every_micro_step", "fsdp window_end"),
     "recompute": ("none", "full"),
@@ -227,7 +229,7 @@ def run_phase(case: Case, rank: int, world: int, folder: Path, phase: str) -> di
         if rank == 0:
             torch.save(whole, folder / "state.pt")
         return None
-    full = _full_weights(strategy.unwrapped())  # a collective under FSDP: every rank gathers
+    full = full_weights(strategy.unwrapped())  # a collective under FSDP: every rank gathers
     return {"params": full} if rank == 0 else None
 
 
@@ -240,16 +242,6 @@ def _broadcast(saved: dict, rank: int) -> dict:
     return box[0]
 
 
-def _full_weights(model: torch.nn.Module) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    parts = []
-    for p in model.parameters():
-        t = p.full_tensor() if isinstance(p, DTensor) else p
-        parts.append(t.detach().reshape(-1).double())
-    return torch.cat(parts)
-
-
 def reference(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
     """(initial, final) weights of the same SGD steps, each on a whole window in one process,
     in float32 with the plain loss: the yardstick of every case."""
@@ -259,7 +251,7 @@ def reference(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
     from rayacc.models import build_model
 
     model = build_model(config(case), dataset())
-    before = _full_weights(model)
+    before = full_weights(model)
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     for window in windows(case):
         batch = collate_tokens(window)
@@ -270,7 +262,7 @@ def reference(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
         opt.zero_grad()
         loss.backward()
         opt.step()
-    return before, _full_weights(model)
+    return before, full_weights(model)
 
 
 def phase_groups(all_cases: list[Case]) -> list[tuple[str, int, list[Case]]]:

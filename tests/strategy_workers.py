@@ -9,7 +9,7 @@ import functools
 import torch
 from torch import nn
 
-from tests.engine_helpers import token_micro_batches, token_sequences
+from tests.engine_helpers import full_weights, token_micro_batches, token_sequences
 
 VOCAB, BLOCK = 16, 16
 STRATEGIES = ("ddp", "fsdp every_micro_step", "fsdp window_end")
@@ -58,16 +58,6 @@ def build(cfg):
     optimizer = build_optimizer(cfg, model.parameters(), 0.5, torch.device("cpu"), strategy)
     step = AccumulationStep(model, optimizer, strategy=strategy)
     return strategy, model, step, token_item_losses
-
-
-def full_weights(model: nn.Module) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    parts = []
-    for p in model.parameters():
-        t = p.full_tensor() if isinstance(p, DTensor) else p
-        parts.append(t.detach().reshape(-1).double())
-    return torch.cat(parts)
 
 
 def fsdp_internal_grads(model: nn.Module) -> int:

@@ -201,34 +201,6 @@ def find_micro_batch_size(
     first step without one bit for bit."""
     strategy = strategy or strategy_of(model)
     device = next(model.parameters()).device
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        return _search(
-            model,
-            loss_fn,
-            make_batch,
-            samples_per_worker=samples_per_worker,
-            budget_bytes=budget_bytes,
-            autocast_dtype=autocast_dtype,
-            optimizer_slots=optimizer_slots,
-            group=group,
-            below=below,
-            strategy=strategy,
-        )
-
-
-def _search(
-    model,
-    loss_fn,
-    make_batch,
-    *,
-    samples_per_worker,
-    budget_bytes,
-    autocast_dtype,
-    optimizer_slots,
-    group,
-    below,
-    strategy,
-) -> MicroBatchSearch:
     out_of_memory: list[int] = []
     lockstep = strategy.lockstep
 
@@ -251,11 +223,14 @@ def _search(
             return agree_on_min(int(used <= budget_bytes), group) == 1
         return used <= budget_bytes
 
-    try:
-        upper = below - 1 if below is not None else None
-        local, trials = largest_fitting(candidate_micro_sizes(samples_per_worker, upper), fits)
-    except ValueError:
-        local, trials = 0, []
+    # the trials' dropout draws leave the random state as it was
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        try:
+            upper = below - 1 if below is not None else None
+            candidates = candidate_micro_sizes(samples_per_worker, upper)
+            local, trials = largest_fitting(candidates, fits)
+        except ValueError:
+            local, trials = 0, []
     chosen = agree_on_min(local, group)
     if chosen == 0:
         raise ValueError(

@@ -40,6 +40,7 @@ __all__ = [
     "Strategy",
     "make_strategy",
     "strategy_of",
+    "unwrap",
 ]
 
 InitialValues = Callable[[str, torch.Size], torch.Tensor]
@@ -209,14 +210,18 @@ class Strategy(ABC):
     def unwrapped(self) -> nn.Module:
         """The user's module inside the wrappers (its parameters as the strategy holds them)."""
         assert self.model is not None
-        model = self.model
-        while True:
-            if is_ddp(model):
-                model = model.module
-            elif type(model).__name__ == "OptimizedModule":  # torch.compile's wrapper
-                model = model._orig_mod
-            else:
-                return model
+        return unwrap(self.model)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's module inside DistributedDataParallel and torch.compile wrappers."""
+    while True:
+        if is_ddp(model):
+            model = model.module
+        elif type(model).__name__ == "OptimizedModule":  # torch.compile's wrapper
+            model = model._orig_mod
+        else:
+            return model
 
 
 def _checkpoint_blocks(module: nn.Module, recipe: ModelRecipe) -> None:

@@ -20,6 +20,7 @@ from rayacc.engine import (
 )
 from rayacc.engine.chunked_loss import chunked_cross_entropy_sum
 from rayacc.engine.strategy import Strategy
+from rayacc.engine.strategy import unwrap as unwrap_model
 from rayacc.models.init import init_parameters, seeds_parameters
 
 __all__ = [
@@ -127,17 +128,6 @@ def build_on_meta(cfg: TrainConfig, info: DatasetInfo) -> nn.Module:
             return build_model(cfg, info)
     except (NotImplementedError, RuntimeError):
         return build_model(cfg, info)
-
-
-def unwrap_model(model: nn.Module) -> nn.Module:
-    """The user's module inside DistributedDataParallel and torch.compile wrappers."""
-    while True:
-        if isinstance(model, nn.parallel.DistributedDataParallel):
-            model = model.module
-        elif type(model).__name__ == "OptimizedModule":  # torch.compile's wrapper
-            model = model._orig_mod
-        else:
-            return model
 
 
 def supports_chunked_loss(model: nn.Module, inside_forward: bool) -> bool:
