@@ -17,7 +17,8 @@ __all__ = ["Validator"]
 
 class Validator:
     """`spare`: a batch a rank without rows of its own for a forward runs beside the others
-    when the strategy's forwards are collectives (its result is not counted)."""
+    when the strategy's forwards are collectives (its result is not counted). `batch_size`:
+    rows per forward (twice the micro-batch: no activations are kept for backward)."""
 
     def __init__(
         self,

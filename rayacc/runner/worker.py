@@ -113,6 +113,7 @@ class WorkerRun:
             step = self.state.optimizer_step
             events.append(self.sizer.search(self.strategy, self.loss_fn, self.first_rows, step))
             self._plan_epochs()
+            self.validate.batch_size = 2 * self.plan.micro_batch_size
         self._announce(events)
         for ep in self.epochs:
             self._begin_epoch(ep.epoch)
