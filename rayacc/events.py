@@ -10,7 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Event", "MicroBatchChanged", "Resized", "RunObserver", "RunStarted"]
+__all__ = [
+    "Event",
+    "MicroBatchChanged",
+    "Resized",
+    "RunObserver",
+    "RunStarted",
+    "ScheduleChanged",
+]
 
 
 @dataclass(frozen=True)
@@ -99,7 +106,38 @@ class MicroBatchChanged:
         )
 
 
-Event = RunStarted | Resized | MicroBatchChanged
+@dataclass(frozen=True)
+class ScheduleChanged:
+    """A resume changed the run's length (`train.max_steps`, `train.epochs`): the LR goes on
+    from where it was, and the rest of its decay is re-planned over the new length."""
+
+    step: int
+    old_length: float | None
+    """The schedule's length in steps of the reference global batch, before and after."""
+    new_length: float | None
+    lr: float
+    """The LR the next step runs at (the one the checkpoint's step ran at)."""
+
+    def describe(self) -> str:
+        """The line kept in the run's `rayacc.schedule_changes` tag."""
+        return (
+            f"step {self.step}: length {_steps(self.old_length)}→{_steps(self.new_length)}, "
+            f"LR {self.lr:.6g} decays from there"
+        )
+
+    def console_line(self) -> str:
+        return (
+            f"schedule re-planned at step {self.step}: the run's length changed from "
+            f"{_steps(self.old_length)} to {_steps(self.new_length)} steps; the LR goes on from "
+            f"{self.lr:.6g} (no warmup again) and decays to the end of the new length"
+        )
+
+
+def _steps(length: float | None) -> str:
+    return "open-ended" if length is None else f"{length:g}"
+
+
+Event = RunStarted | Resized | MicroBatchChanged | ScheduleChanged
 
 
 class RunObserver:

@@ -24,7 +24,6 @@ __all__ = [
     "rank_seed",
     "remaining_epochs",
     "run_effective_lr",
-    "run_identity",
     "schedule_length",
     "total_optimizer_steps",
 ]
@@ -139,35 +138,6 @@ def rank_seed(seed: int, *stream: int) -> int:
     """A seed for the random stream `stream` (e.g. a rank) of run seed `seed`: independent
     streams for different ranks, the same stream for the same (seed, rank) in every run."""
     return int(np.random.SeedSequence([seed, *stream]).generate_state(1, dtype=np.uint64)[0] >> 1)
-
-
-IDENTITY_FIELDS = (
-    "seed",
-    "data.source",
-    "data.val_fraction",
-    "data.shuffle",
-    "data.last_window",
-    "data.seq_len",
-    "model.",
-    "train.precision",
-    "train.strategy",
-)
-"""Config fields (a trailing dot: a whole section) that fix the data order and the model: a
-resume must keep them. Anything else (epochs, max_steps, cadences, tracking, workers of an
-elastic run) may change."""
-
-
-def run_identity(cfg: TrainConfig, info: DatasetInfo) -> dict[str, object]:
-    """What a checkpoint must match to be resumed: the identity fields and the dataset's
-    fingerprint (Parquet files, sizes, row counts)."""
-    identity: dict[str, object] = {
-        key: value
-        for key, value in cfg.flat().items()
-        if any(key == f or (f.endswith(".") and key.startswith(f)) for f in IDENTITY_FIELDS)
-    }
-    identity["dataset (Parquet files, sizes, row counts)"] = info.fingerprint
-    identity["data order"] = order_kind(cfg, info)
-    return identity
 
 
 def memory_per_rank(cfg: TrainConfig, info: DatasetInfo, num_parameters: int, workers: int):

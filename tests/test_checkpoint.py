@@ -58,8 +58,7 @@ def sharded_checkpoint(folder: Path) -> tuple[Path, dict[str, torch.Tensor]]:
     write_checkpoint(
         folder,
         state={"train_state": {}},
-        config=cfg.model_dump(mode="json"),
-        dataset=info.to_dict(),
+        description={"config": cfg.model_dump(mode="json"), "dataset": info.to_dict()},
         meta={"optimizer_step": 1, "shards": SHARDS_DIR},
     )
     return folder, {k: v.detach().clone() for k, v in model.state_dict().items()}

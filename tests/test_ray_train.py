@@ -396,7 +396,12 @@ def test_killed_worker_recovers_automatically_and_by_resume(ray_local, tmp_path)
     (failed,) = client.search_runs(client.get_experiment_by_name("tests").experiment_id)
     assert failed.info.status == "FAILED"
     resumed = fit_or_fail(cfg, resume=True)
-    assert resumed.mlflow_run_id == failed.info.run_id, "resume continues the same MLflow run"
+    # the failed attempt logged steps after its last checkpoint: a run holding the lineage
+    # takes its place, and the failed one is kept apart, marked and nested under it
+    old = client.get_run(failed.info.run_id)
+    assert old.data.tags["rayacc.continued_in"] == resumed.mlflow_run_id
+    assert old.data.tags["mlflow.parentRunId"] == resumed.mlflow_run_id
+    assert old.data.tags["rayacc.discarded_after_step"] == str(resumed.summary["resumed_from"])
     check_recovered(resumed, marker)
 
 

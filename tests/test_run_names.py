@@ -49,7 +49,7 @@ def test_resume_refuses_another_seed_order_or_dataset_listing_every_difference(t
     import pyarrow.parquet as pq
 
     from rayacc.data.sources import describe_dataset
-    from rayacc.quantities import run_identity
+    from rayacc.runner.checkpoint import run_identity
 
     def table(n):
         return pa.table(
@@ -156,7 +156,7 @@ def test_resume_with_another_global_batch_is_refused_before_launch(tmp_path, cha
     original = TrainConfig.from_dict(
         {**base, "batch": {"global_batch_size": 32, "micro_batch_size": 4}}
     )
-    from rayacc.quantities import run_identity
+    from rayacc.runner.checkpoint import run_identity
 
     ckpt = tmp_path / "runs" / "exp" / "checkpoint_step00000004"
     ckpt.mkdir(parents=True)

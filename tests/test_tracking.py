@@ -108,13 +108,16 @@ def test_the_run_info_keeps_the_mlflow_run_on_any_storage_and_never_loses_it(tmp
             "run": {"storage_path": storage},
         }
     )
+    job = {"seed": 0, "data.source": "digits"}
     first = locate_run(cfg, resume=False)
-    first.record("run-1", "http://mlflow:5000")
-    resumed = locate_run(cfg, resume=True)  # the latest run, read back from the URI
+    first.record(mlflow_run_id="run-1", tracking_uri="http://mlflow:5000", identity=job)
+    # the latest run of this job, read back from the URI
+    resumed = locate_run(cfg, resume=True, identity=job)
     assert resumed.name == first.name and resumed.previous["mlflow_run_id"] == "run-1"
-    resumed.record(None, None)  # tracking was away during this attempt
-    again = locate_run(cfg, resume=True)
-    assert again.previous == {"mlflow_run_id": "run-1", "tracking_uri": "http://mlflow:5000"}
+    resumed.record(mlflow_run_id=None, tracking_uri=None)  # tracking was away this attempt
+    again = locate_run(cfg, resume=True, identity=job)
+    assert again.previous["mlflow_run_id"] == "run-1"
+    assert again.previous["tracking_uri"] == "http://mlflow:5000"
     assert isinstance(again, RunLocation)
 
 

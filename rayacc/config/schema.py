@@ -7,7 +7,7 @@ import os
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from rayacc.batch_plan import BatchPlan, BatchPlanError, resolve_batch_plan
 from rayacc.config.errors import ConfigError, ConfigIssue, issues_from_validation
@@ -281,6 +281,7 @@ class TrainConfig(Section):
     scaling: ScalingConfig = Field(default_factory=ScalingConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     run: RunConfig = Field(default_factory=RunConfig)
+    _source_file: str | None = PrivateAttr(None)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -320,7 +321,14 @@ class TrainConfig(Section):
     def from_yaml(cls, path: str | os.PathLike, overrides: list[str] | None = None) -> TrainConfig:
         """Loads a YAML file; each override is `key.path=value`, the value parsed as YAML."""
         data = read_yaml(path, "config", "jobs/digits.yaml")
-        return cls.from_dict(data or {}, overrides, source=str(path))
+        cfg = cls.from_dict(data or {}, overrides, source=str(path))
+        cfg._source_file = str(path)
+        return cfg
+
+    @property
+    def source_file(self) -> str | None:
+        """The job file this config was read from (None when built in code)."""
+        return self._source_file
 
     def batch_plan(self, num_workers: int | None = None) -> BatchPlan:
         """The resolved batch plan for `num_workers` (default: the most workers the run uses)."""

@@ -93,6 +93,10 @@ class SampleSchedule:
     once per applied optimizer step; skipped steps do not advance it. `total_steps` is in the
     same units: the sample position of the last step / `reference_batch`, plus one (fractional
     when a short window ends an epoch), so the schedule ends exactly at the last step.
+
+    A state saved under another `total_steps` (a resume that lengthens or shortens the run)
+    continues from the multiplier it had: no warmup again, and the rest of the decay is
+    re-planned from there to `min_lr_ratio` at the new last step (`replanned` says so).
     """
 
     def __init__(
@@ -117,6 +121,10 @@ class SampleSchedule:
         self.ramp_from = peak_lr
         self.ramp_steps = 0
         self.ramp_done = 0
+        self.replan_at: float | None = None
+        self.replan_from = 1.0
+        self.replanned: tuple[float | None, float | None, float] | None = None
+        """(old total, new total, LR) when `load_state_dict` re-planned the decay."""
         self.apply()
 
     def current_peak(self) -> float:
@@ -125,15 +133,28 @@ class SampleSchedule:
         frac = self.ramp_done / self.ramp_steps
         return self.ramp_from + (self.peak_lr - self.ramp_from) * frac
 
+    @property
+    def position(self) -> float:
+        return self.samples / self.reference_batch
+
+    def multiplier(self, position: float) -> float:
+        if self.replan_at is None or position < self.replan_at:
+            return lr_multiplier(
+                position,
+                warmup_steps=self.warmup_steps,
+                total_steps=self.total_steps,
+                schedule=self.schedule,
+                min_lr_ratio=self.min_lr_ratio,
+            )
+        span = (self.total_steps or 0) - 1 - self.replan_at
+        if span <= 0:
+            return self.replan_from
+        progress = min(1.0, (position - self.replan_at) / span)
+        low = self.min_lr_ratio
+        return low + (self.replan_from - low) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
     def lr(self) -> float:
-        position = self.samples / self.reference_batch
-        return self.current_peak() * lr_multiplier(
-            position,
-            warmup_steps=self.warmup_steps,
-            total_steps=self.total_steps,
-            schedule=self.schedule,
-            min_lr_ratio=self.min_lr_ratio,
-        )
+        return self.current_peak() * self.multiplier(self.position)
 
     def apply(self) -> None:
         lr = self.lr()
@@ -161,6 +182,9 @@ class SampleSchedule:
             "ramp_from": self.ramp_from,
             "ramp_steps": self.ramp_steps,
             "ramp_done": self.ramp_done,
+            "total_steps": self.total_steps,
+            "replan_at": self.replan_at,
+            "replan_from": self.replan_from,
         }
 
     def load_state_dict(self, state: dict[str, float]) -> None:
@@ -169,4 +193,17 @@ class SampleSchedule:
         self.ramp_from = float(state["ramp_from"])
         self.ramp_steps = int(state["ramp_steps"])
         self.ramp_done = int(state["ramp_done"])
+        planned = self.total_steps
+        # a state from before the length was saved: taken as planned for this length
+        self.total_steps = state.get("total_steps", planned)
+        self.replan_at = state.get("replan_at")
+        self.replan_from = float(state.get("replan_from", 1.0))
+        if self.total_steps != planned:
+            before = self.total_steps
+            decaying = self.schedule != "constant" and self.position >= self.warmup_steps
+            if decaying:
+                self.replan_from = self.multiplier(self.position)
+                self.replan_at = self.position
+            self.total_steps = planned
+            self.replanned = (before, planned, self.lr()) if decaying else None
         self.apply()

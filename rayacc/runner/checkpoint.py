@@ -1,10 +1,21 @@
-"""Checkpoint folders: written completely before anyone may use them; `meta.json` comes last.
+"""A run's checkpoints, in one place: what a checkpoint holds, its folder's name, writing,
+validation, listing, the latest one, and a worker's save and restore.
 
-A folder without `meta.json` (a crash mid-write) is never loaded; Ray Train registers a reported
-checkpoint only after every rank's part has been copied whole, so the previous one stays the
-latest. A sharded (FSDP) run's folder holds the model and optimizer state as every rank's shards
-under `shards/` (engine/shards.py; `meta.json` says so) and `state.pt` holds the rest; a folder
-whose index names a shard file that is not there is refused.
+A checkpoint is the folder `checkpoint_step{step:08d}` in the run's folder `storage/name`:
+
+- `state.pt`: the model and optimizer state (whole), the schedule, scaler and train state, and
+  every rank's random state; a sharded (FSDP) run keeps model and optimizer as every rank's
+  shards under `shards/` (engine/shards.py) instead;
+- `model.json`: the config and dataset description (`load_model` rebuilds the model from it);
+- `history.jsonl`: the run's lineage, every step record from step 1 to this step, one JSON
+  object a line (about 1 KB a step): the record a resume replays into MLflow, and the whole
+  run's loss curve;
+- `meta.json`, written last: the step, the batch plan and worker count it was written at, the
+  epoch position, the run's identity (what a resume must match) and whether it is sharded.
+
+A folder without `meta.json` (a crash mid-write) is never listed or loaded; Ray Train registers a
+reported checkpoint only after every rank's part has been copied whole, so the previous one
+stays the latest. A folder whose shard index names a file that is not there is refused.
 """
 
 from __future__ import annotations
@@ -12,32 +23,96 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
+import shutil
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from rayacc.config import TrainConfig
+from rayacc.data.reads import filesystem_and_path
+from rayacc.data.sources import DatasetInfo
 from rayacc.engine.strategy import SHARDS_DIR
 
 __all__ = [
+    "HISTORY_FILE",
+    "IDENTITY_FIELDS",
+    "META_FILE",
     "SHARDS_DIR",
+    "Checkpoint",
     "CheckpointError",
+    "RunCheckpoints",
+    "StepLog",
+    "WorkerParts",
     "load_model",
     "read_checkpoint",
-    "shards_of",
+    "run_identity",
     "write_checkpoint",
 ]
 
 STATE_FILE = "state.pt"
 MODEL_FILE = "model.json"
+HISTORY_FILE = "history.jsonl"
 META_FILE = "meta.json"
+_NAME = re.compile(r"^checkpoint_step(\d+)$")
 
 
 class CheckpointError(ValueError):
     pass
 
 
+# ----------------------------------------------------------------------------- identity
+IDENTITY_FIELDS = (
+    "seed",
+    "data.source",
+    "data.val_fraction",
+    "data.shuffle",
+    "data.last_window",
+    "data.seq_len",
+    "model.",
+    "train.precision",
+    "train.strategy",
+)
+"""Config fields (a trailing dot: a whole section) that fix the data order and the model: a
+resume must keep them. Anything else (epochs, max_steps, cadences, tracking, workers of an
+elastic run) may change."""
+
+
+def run_identity(cfg: TrainConfig, info: DatasetInfo) -> dict[str, object]:
+    """What a checkpoint must match to be resumed: the identity fields and the dataset's
+    fingerprint (Parquet files, sizes, row counts), as JSON reads them back."""
+    from rayacc.quantities import order_kind
+
+    identity: dict[str, object] = {
+        key: value
+        for key, value in cfg.flat().items()
+        if any(key == f or (f.endswith(".") and key.startswith(f)) for f in IDENTITY_FIELDS)
+    }
+    identity["dataset (Parquet files, sizes, row counts)"] = info.fingerprint
+    identity["data order"] = order_kind(cfg, info)
+    return json.loads(json.dumps(identity))
+
+
+def checkpoint_meta(cfg, info, plan, state, world: int, sharded: bool) -> dict[str, Any]:
+    """meta.json of a checkpoint written at `state` by a group of `world` ranks."""
+    return {
+        "optimizer_step": state.optimizer_step,
+        "global_batch_size": plan.global_batch_size,
+        "grad_accum_steps": plan.grad_accum_steps,
+        "num_workers": world,
+        "epoch": state.epoch,
+        "epoch_sample_offset": state.epoch_sample_offset,
+        "identity": run_identity(cfg, info),
+        "shards": SHARDS_DIR if sharded else None,
+    }
+
+
+# ----------------------------------------------------------------------------- one folder
 def _atomic_write_text(path: Path, text: str) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(text)
@@ -48,16 +123,19 @@ def write_checkpoint(
     folder: str | Path,
     *,
     state: dict[str, Any],
-    config: dict[str, Any],
-    dataset: dict[str, Any],
+    description: dict[str, Any],
     meta: dict[str, Any],
+    history: StepLog | None = None,
 ) -> Path:
+    """Writes a checkpoint folder; `meta.json` last, so a folder that has it is whole."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     tmp = folder / (STATE_FILE + ".tmp")
     torch.save(state, tmp)
     os.replace(tmp, folder / STATE_FILE)
-    _atomic_write_text(folder / MODEL_FILE, json.dumps({"config": config, "dataset": dataset}))
+    _atomic_write_text(folder / MODEL_FILE, json.dumps(description))
+    if history is not None:
+        history.copy_to(folder / HISTORY_FILE)
     _atomic_write_text(folder / META_FILE, json.dumps(meta))
     return folder
 
@@ -65,7 +143,7 @@ def write_checkpoint(
 def read_checkpoint(
     folder: str | Path, map_location: str | torch.device = "cpu"
 ) -> tuple[dict, dict, dict]:
-    """(state, model description, meta) of a complete checkpoint folder."""
+    """(state, model description, meta) of a complete checkpoint folder on this machine."""
     folder = Path(folder)
     if not (folder / META_FILE).is_file():
         raise CheckpointError(
@@ -85,7 +163,7 @@ def read_checkpoint(
         ) from None
     description = json.loads((folder / MODEL_FILE).read_text())
     meta = json.loads((folder / META_FILE).read_text())
-    shards = shards_of(folder, meta)
+    shards = _shards_of(folder, meta)
     if shards is not None:
         from rayacc.engine.shards import ShardError, missing_shard_files
 
@@ -102,7 +180,7 @@ def read_checkpoint(
     return state, description, meta
 
 
-def shards_of(folder: str | Path, meta: dict[str, Any]) -> Path | None:
+def _shards_of(folder: str | Path, meta: dict[str, Any]) -> Path | None:
     """The folder of a sharded checkpoint's model and optimizer shards; None when the model
     is whole in `state.pt`."""
     return Path(folder) / meta["shards"] if meta.get("shards") else None
@@ -110,14 +188,12 @@ def shards_of(folder: str | Path, meta: dict[str, Any]) -> Path | None:
 
 def load_model(path: str | Path) -> nn.Module:
     """The model saved in a checkpoint folder, with its weights, in eval mode, on the CPU."""
-    from rayacc.config import TrainConfig
-    from rayacc.data.sources import DatasetInfo
     from rayacc.models import build_model
 
     state, description, meta = read_checkpoint(path)
     cfg = TrainConfig.model_validate(description["config"])
     model = build_model(cfg, DatasetInfo.from_dict(description["dataset"]))
-    shards = shards_of(path, meta)
+    shards = _shards_of(path, meta)
     if shards is None:
         model.load_state_dict(state["model"])
     else:
@@ -127,72 +203,197 @@ def load_model(path: str | Path) -> nn.Module:
     return model.eval()
 
 
+# ----------------------------------------------------------------------------- a run's folders
+def _read_text(uri: str) -> str | None:
+    from pyarrow import fs
+
+    filesystem, path = filesystem_and_path(uri)
+    if filesystem.get_file_info(path).type != fs.FileType.File:
+        return None
+    with filesystem.open_input_stream(path) as f:
+        return f.read().decode()
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """One complete checkpoint of a run, on any storage pyarrow reaches."""
+
+    uri: str
+    step: int
+
+    def meta(self) -> dict[str, Any]:
+        text = _read_text(f"{self.uri}/{META_FILE}")
+        if text is None:
+            raise CheckpointError(f"{self.uri} lost its {META_FILE} (deleted meanwhile?)")
+        return json.loads(text)
+
+    def history(self, through: int | None = None) -> list[dict[str, Any]]:
+        """The lineage's step records up to this checkpoint's step (or `through`), in order;
+        empty for a checkpoint written before checkpoints carried it."""
+        text = _read_text(f"{self.uri}/{HISTORY_FILE}") or ""
+        records = [json.loads(line) for line in text.splitlines() if line.strip()]
+        last = self.step if through is None else min(through, self.step)
+        return [r for r in records if r["step"] <= last]
+
+
 class RunCheckpoints:
-    """A worker's checkpoints: the strategy's model and optimizer state (whole, or every rank's
-    shards), the stateful `parts` (schedule, scaler, train state: anything with `state_dict` /
-    `load_state_dict`, by name) and every rank's random state. Every rank calls `save` (a
-    barrier: Ray Train's report) and `restore`."""
+    """The checkpoints of the run `storage/name`: their folder names, the complete ones in step
+    order, the latest. In a worker (`parts` given) it also saves and restores them."""
 
-    def __init__(self, strategy, optimizer, parts: dict[str, Any], *, rank, world, device, seed):
-        self.strategy, self.optimizer, self.parts = strategy, optimizer, parts
-        self.rank, self.world, self.device, self.seed = rank, world, device, seed
+    def __init__(self, storage: str, name: str, parts: WorkerParts | None = None):
+        self.storage, self.name, self.parts = storage, name, parts
 
+    @staticmethod
+    def folder_name(step: int) -> str:
+        return f"checkpoint_step{step:08d}"
+
+    @staticmethod
+    def step_of(folder_name: str) -> int | None:
+        m = _NAME.match(folder_name)
+        return int(m.group(1)) if m else None
+
+    def list(self) -> list[Checkpoint]:
+        """The run's complete checkpoints (those with `meta.json`), oldest first."""
+        from pyarrow import fs
+
+        filesystem, root = filesystem_and_path(self.storage)
+        folder = f"{root}/{self.name}"
+        infos = filesystem.get_file_info(fs.FileSelector(folder, allow_not_found=True))
+        found = []
+        for info in infos:
+            step = self.step_of(info.base_name)
+            if info.type != fs.FileType.Directory or step is None:
+                continue
+            meta = filesystem.get_file_info(f"{info.path}/{META_FILE}")
+            if meta.type == fs.FileType.File:
+                found.append(Checkpoint(f"{self._uri_root()}/{info.base_name}", step))
+        return sorted(found, key=lambda c: c.step)
+
+    def _uri_root(self) -> str:
+        return f"{self.storage.rstrip('/')}/{self.name}"
+
+    def latest(self) -> Checkpoint | None:
+        found = self.list()
+        return found[-1] if found else None
+
+    def lineage(self, step: int) -> list[dict[str, Any]]:
+        """The step records 1..`step` of the run's lineage: from the checkpoint at `step`, or
+        a later one of the same lineage when that one was pruned meanwhile."""
+        if step <= 0:
+            return []
+        later = [c for c in self.list() if c.step >= step]
+        return later[0].history(through=step) if later else []
+
+    # ------------------------------------------------------------------ in a worker
     def restore(self) -> dict[str, Any] | None:
-        """Loads the run's latest checkpoint, if any, and returns its meta."""
+        """Loads the run's latest checkpoint (Ray Train's), if any, into the worker's parts
+        and returns its meta."""
         import ray.train
 
+        w = self._worker()
         checkpoint = ray.train.get_checkpoint()
         if checkpoint is None:
             return None
         with checkpoint.as_directory() as folder:
-            saved, _, meta = read_checkpoint(folder, map_location=self.device)
-            self.strategy.load(self.optimizer, folder, saved)
-        for name, part in self.parts.items():
+            saved, _, meta = read_checkpoint(folder, map_location=w.device)
+            w.strategy.load(w.optimizer, folder, saved)
+            if w.history is not None:
+                w.history.load(Path(folder) / HISTORY_FILE)
+        for name, part in w.stateful.items():
             if part is not None and saved.get(name) is not None:
                 part.load_state_dict(saved[name])
-        self._restore_rng(saved.get("rng"), meta["optimizer_step"])
+        w.restore_rng(saved.get("rng"), meta["optimizer_step"])
         return meta
 
     def save(self, metrics: dict[str, Any], *, step: int, description: dict, meta: dict) -> None:
         """Every rank reports (a barrier). Rank 0 writes the folder, with every rank's random
-        state; a strategy that shards has every rank write its part first (Ray Train merges
-        the parts into one checkpoint folder in the run's storage)."""
-        import tempfile
-
+        state and the lineage; a strategy that shards has every rank write its part first (Ray
+        Train merges the parts into one checkpoint folder in the run's storage)."""
         import ray.train
 
         from rayacc.engine import all_gather_objects
 
-        rng = all_gather_objects(self._rng_state())
+        w = self._worker()
+        rng = all_gather_objects(w.rng_state())
         with tempfile.TemporaryDirectory() as tmp:
-            whole = self.strategy.save(self.optimizer, tmp, self.rank)
-            if self.rank == 0:
+            whole = w.strategy.save(w.optimizer, tmp, w.rank)
+            if w.rank == 0:
                 state = {
                     name: p.state_dict() if p is not None else None
-                    for name, p in self.parts.items()
+                    for name, p in w.stateful.items()
                 }
                 write_checkpoint(
                     tmp,
                     state={**whole, **state, "rng": rng},
-                    config=description["config"],
-                    dataset=description["dataset"],
-                    meta={**meta, "shards": SHARDS_DIR if self.strategy.writes_shards else None},
+                    description=description,
+                    meta=meta,
+                    history=w.history,
                 )
-            has_part = self.rank == 0 or self.strategy.writes_shards
+            has_part = w.rank == 0 or w.strategy.writes_shards
             ray.train.report(
                 metrics,
                 checkpoint=ray.train.Checkpoint.from_directory(tmp) if has_part else None,
-                checkpoint_dir_name=f"checkpoint_step{step:08d}",
+                checkpoint_dir_name=self.folder_name(step),
             )
 
-    def _rng_state(self) -> dict[str, torch.Tensor | None]:
+    def _worker(self) -> WorkerParts:
+        if self.parts is None:
+            raise RuntimeError("RunCheckpoints saves and restores only in a worker (parts=)")
+        return self.parts
+
+
+class StepLog:
+    """Rank 0's copy of the run's lineage: every step record so far, spooled to a local file
+    (a long run's records stay off the heap); a checkpoint takes a copy."""
+
+    def __init__(self) -> None:
+        handle, self.path = tempfile.mkstemp(prefix="rayacc-history-", suffix=".jsonl")
+        os.close(handle)
+
+    def append(self, record: dict[str, Any]) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record, default=str) + "\n")
+
+    def load(self, path: Path) -> None:
+        """Starts from a checkpoint's lineage (none: an empty one)."""
+        if path.is_file():
+            shutil.copyfile(path, self.path)
+        else:
+            Path(self.path).write_text("")
+
+    def copy_to(self, path: Path) -> None:
+        shutil.copyfile(self.path, path)
+
+    def records(self) -> Iterator[dict[str, Any]]:
+        with open(self.path) as f:
+            for line in f:
+                yield json.loads(line)
+
+
+@dataclass
+class WorkerParts:
+    """What a worker's checkpoint saves and restores: the strategy's model and optimizer state
+    (whole, or every rank's shards), the `stateful` parts by name (schedule, scaler, train
+    state: anything with `state_dict` / `load_state_dict`), every rank's random state, and on
+    rank 0 the lineage (`history`)."""
+
+    strategy: Any
+    optimizer: torch.optim.Optimizer
+    stateful: dict[str, Any]
+    rank: int
+    world: int
+    device: torch.device
+    seed: int
+    history: StepLog | None = None
+
+    def rng_state(self) -> dict[str, torch.Tensor | None]:
         cuda = self.device.type == "cuda"
         return {
             "cpu": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state(self.device) if cuda else None,
         }
 
-    def _restore_rng(self, saved: list[dict[str, torch.Tensor | None]] | None, step: int) -> None:
+    def restore_rng(self, saved: list[dict[str, torch.Tensor | None]] | None, step: int) -> None:
         """This rank's random state as the checkpoint left it, so a resumed run draws what an
         uninterrupted one would; after a resize (other ranks) a fresh stream of its own,
         seeded by the step."""

@@ -8,6 +8,7 @@ A library call: it changes no process-wide setting (environment, loggers); the C
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import threading
@@ -21,7 +22,9 @@ from rayacc import env
 from rayacc.batch_plan import BatchPlan
 from rayacc.config import TrainConfig
 from rayacc.data.sources import RowGroups, row_groups
-from rayacc.events import RunObserver
+from rayacc.events import RunObserver, RunStarted
+from rayacc.redact import redact
+from rayacc.runner.checkpoint import run_identity
 from rayacc.runner.prelaunch import Prepared, check_cluster, locate, prepare
 from rayacc.runner.runs import RunLocation
 
@@ -110,6 +113,7 @@ def build_trainer(cfg: TrainConfig, prep: Prepared, loc: RunLocation, progress):
             "source": source,
             "groups": groups,
             "progress": progress,
+            "run": {"storage": loc.storage, "name": loc.name},
         },
         scaling_config=ScalingConfig(
             num_workers=tuple(s.num_workers) if s.elastic else s.num_workers,
@@ -130,10 +134,13 @@ def build_trainer(cfg: TrainConfig, prep: Prepared, loc: RunLocation, progress):
 
 
 class History(RunObserver):
-    """The run's step records by step (a group restarted from a checkpoint replays steps
-    already seen: the first record of a step is kept) and its events."""
+    """The run's lineage of step records, by step, and this fit's events. A worker group that
+    starts from the checkpoint at step C (a resume, a restart after a failure, a resize) drops
+    the records after C (an attempt no checkpoint kept) and takes 1..C from the checkpoint
+    where this fit has not seen them (`lineage`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, lineage=lambda step: ()) -> None:
+        self.lineage = lineage
         self.by_step: dict[int, dict[str, Any]] = {}
         self.events: list[Any] = []
         self.first_item_at: float | None = None
@@ -141,9 +148,15 @@ class History(RunObserver):
     def on_event(self, event) -> None:
         self.first_item_at = self.first_item_at or time.time()
         self.events.append(event)
+        if isinstance(event, RunStarted):
+            kept = {s: r for s, r in self.by_step.items() if s <= event.step}
+            if len(kept) < event.step:
+                for record in self.lineage(event.step):
+                    kept.setdefault(record["step"], record)
+            self.by_step = kept
 
     def on_step(self, record: dict[str, Any]) -> None:
-        self.by_step.setdefault(record["step"], record)
+        self.by_step[record["step"]] = record
 
     def records(self) -> list[dict[str, Any]]:
         return [self.by_step[s] for s in sorted(self.by_step)]
@@ -243,15 +256,26 @@ def fit(
     buffer = _progress_buffer()
     running = TrainerRun(build_trainer(cfg, prep, loc, buffer), buffer)
     phases["fit_started"] = time.time()
+    lineage = functools.lru_cache(maxsize=4)(loc.checkpoints.lineage)
     # the MLflow store opens (seconds for a new sqlite file) while the worker group starts
-    tracked = _open_tracking(cfg, prep, loc, resume, parent_run_id, tags, phases)
-    loc.record(tracked.run_id if tracked else None, tracked.sink.tracking_uri if tracked else None)
-    history = History()
+    tracked = _open_tracking(cfg, prep, loc, resume, parent_run_id, tags, phases, lineage)
+    loc.record(
+        mlflow_run_id=tracked.run_id if tracked else None,
+        tracking_uri=tracked.sink.tracking_uri if tracked else None,
+        job=cfg.source_file,
+        model=cfg.model.name,
+        data=redact(cfg.data.source),
+        identity=run_identity(cfg, prep.info),
+        total_steps=prep.total_steps,
+        status="running",
+    )
+    history = History(lineage)
     try:
         result = running.relay([history, *([tracked] if tracked else []), *observers])
     except TrainingError:
         if tracked is not None:
             tracked.close("FAILED")
+        loc.record(status="failed", mlflow_run_id=tracked.run_id if tracked else None)
         raise
     phases["trained"] = time.time()
     phases["first_item"] = history.first_item_at or math.nan
@@ -272,6 +296,7 @@ def fit(
             loss_curve=png,
         )
     phases["tracking_closed"] = time.time()
+    loc.record(status="finished", mlflow_run_id=tracked.run_id if tracked else None)
     return FitResult(
         checkpoint_dir=checkpoint_dir,
         mlflow_run_id=tracked.run_id if tracked else None,
@@ -289,7 +314,9 @@ def fit(
     )
 
 
-def _open_tracking(cfg, prep: Prepared, loc: RunLocation, resume, parent_run_id, tags, phases):
+def _open_tracking(
+    cfg, prep: Prepared, loc: RunLocation, resume, parent_run_id, tags, phases, lineage
+):
     if not cfg.tracking.enabled:
         return None
     phases["tracking_started"] = time.time()
@@ -307,6 +334,12 @@ def _open_tracking(cfg, prep: Prepared, loc: RunLocation, resume, parent_run_id,
         parent_run_id=parent_run_id,
         tags=tags or {},
     )
-    tracked = open_tracking(cfg, identity)
+    tracked = open_tracking(
+        cfg,
+        identity,
+        lineage=lineage,
+        # a replaced MLflow run: a later resume continues the new one
+        on_forked=lambda old, new: loc.record(mlflow_run_id=new),
+    )
     phases["tracking_opened"] = time.time()
     return tracked

@@ -12,7 +12,6 @@ invariants). A user mistake found here is an error naming the field or file and 
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,10 +26,10 @@ from rayacc.quantities import (
     data_order,
     epoch_layout,
     run_effective_lr,
-    run_identity,
     total_optimizer_steps,
 )
-from rayacc.runner.runs import RunLocation, latest_checkpoint_meta, locate_run
+from rayacc.runner.checkpoint import run_identity
+from rayacc.runner.runs import RunLocation, locate_run
 
 __all__ = [
     "Prepared",
@@ -191,9 +190,10 @@ def batchnorm_layers(model) -> list[str]:
 
 # ----------------------------------------------------------------------------- the run
 def locate(cfg: TrainConfig, resume: bool, info: DatasetInfo) -> RunLocation:
-    """The run's location (`runs.locate_run`), and on a resume the check that its latest
-    checkpoint may be continued by this config."""
-    loc = locate_run(cfg, resume)
+    """The run's location (`runs.locate_run`: without run.name, a resume takes the latest run
+    of the same job), and on a resume the check that its latest checkpoint may be continued by
+    this config."""
+    loc = locate_run(cfg, resume, run_identity(cfg, info))
     if resume:
         check_resume(cfg, info, loc)
     return loc
@@ -203,11 +203,12 @@ def check_resume(cfg: TrainConfig, info: DatasetInfo, loc: RunLocation) -> None:
     """The latest checkpoint's identity against this config's: another seed, data, split,
     order, model, strategy or (for a run that keeps it) global batch would re-split and
     re-order the data under the saved sample position, or fail inside the workers."""
-    meta = latest_checkpoint_meta(loc)
-    saved = (meta or {}).get("identity")
+    latest = loc.checkpoints.latest()
+    meta = latest.meta() if latest is not None else {}
+    saved = meta.get("identity")
     if saved is None:
         return  # nothing saved yet (or a checkpoint from before identities)
-    now = json.loads(json.dumps(run_identity(cfg, info)))
+    now = run_identity(cfg, info)
     diffs = [
         f"{key}: the run has {saved.get(key)!r}, this config {now.get(key)!r}"
         for key in sorted(set(saved) | set(now))

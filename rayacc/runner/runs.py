@@ -1,6 +1,7 @@
 """Where a run lives: its folder `storage/name` on a local disk or any storage pyarrow reaches
-(`s3://`, `gs://`, `file://`), the rules that keep a name to one run, the identity a resume must
-match, and the run's info file (its MLflow run, so that every resume continues that one)."""
+(`s3://`, `gs://`, `file://`), the rules that keep a name to one run, which run a `--resume`
+without a name means, the run's info file (its MLflow run, so that every resume continues that
+one, and what `rayacc runs` lists), and the list of a storage path's runs."""
 
 from __future__ import annotations
 
@@ -14,13 +15,15 @@ from typing import Any
 from rayacc.config import TrainConfig
 from rayacc.data.reads import filesystem_and_path
 from rayacc.data.sources import DataError
+from rayacc.runner.checkpoint import RunCheckpoints
 
-__all__ = ["LATEST", "RUN_INFO", "RunLocation", "locate_run"]
+__all__ = ["LATEST", "RUN_INFO", "RunLocation", "RunSummary", "default_storage", "list_runs"]
 
 RUN_INFO = "rayacc_run.json"
-"""In the run's folder: the MLflow run id and tracking URI of the run."""
+"""In the run's folder: the MLflow run, job file, model, data, identity, planned steps and
+status of the run."""
 LATEST = "LATEST"
-"""In the storage path: the name of the latest run started there (`--resume` without a name)."""
+"""In the storage path: the name of the latest run started there."""
 
 
 def _read_text(storage: str, relative: str) -> str | None:
@@ -42,7 +45,21 @@ def _write_text(storage: str, relative: str, text: str) -> None:
         f.write(text.encode())
 
 
-@dataclass(frozen=True)
+def _run_info(storage: str, name: str) -> dict[str, Any]:
+    text = _read_text(storage, f"{name}/{RUN_INFO}")
+    try:
+        return json.loads(text) if text else {}
+    except json.JSONDecodeError:
+        return {}
+
+
+def default_storage(path: str | None = None) -> str:
+    """`run.storage_path` (a local path made absolute, or a URI); unset: ./rayacc_runs."""
+    storage = path or str(Path.cwd() / "rayacc_runs")
+    return storage if "://" in storage else str(Path(storage).expanduser().resolve())
+
+
+@dataclass
 class RunLocation:
     """The run's folder: `storage`/`name` (a local path or a URI)."""
 
@@ -59,41 +76,52 @@ class RunLocation:
     def run_dir(self) -> Path:
         return Path(self.storage) / self.name
 
-    def record(self, mlflow_run_id: str | None, tracking_uri: str | None) -> None:
-        """Notes the MLflow run in the run's folder (a resume reopens it) and marks this run as
-        the latest of its storage path. A run id already recorded is never replaced by none
-        (a resume while the tracking server was away)."""
-        info = {
-            "mlflow_run_id": mlflow_run_id or self.previous.get("mlflow_run_id"),
-            "tracking_uri": tracking_uri or self.previous.get("tracking_uri"),
-        }
+    @property
+    def checkpoints(self) -> RunCheckpoints:
+        return RunCheckpoints(self.storage, self.name)
+
+    def record(self, **fields: Any) -> None:
+        """Updates the run's info file with `fields` (a None never replaces a recorded value:
+        a resume while the tracking server was away keeps the MLflow run) and marks this run
+        as the latest of its storage path."""
+        info = {**self.previous}
+        info.update({k: v for k, v in fields.items() if v is not None})
+        info["updated"] = time.strftime("%Y-%m-%d %H:%M:%S")
+        info.setdefault("started", info["updated"])
+        self.previous = info
         _write_text(self.storage, f"{self.name}/{RUN_INFO}", json.dumps(info))
         _write_text(self.storage, LATEST, self.name)
 
 
-def locate_run(cfg: TrainConfig, resume: bool) -> RunLocation:
-    """The run's storage path and name: `run.name`, else on a resume the latest run of the
-    storage path, else a fresh unique name. A name means one run: a fresh run may not reuse
-    the name of one that exists (Ray Train would silently continue it), and a resume needs an
-    existing run (whether its checkpoint may be resumed by this config: `prelaunch.locate`)."""
-    storage = cfg.run.storage_path or str(Path.cwd() / "rayacc_runs")
-    if "://" not in storage:
-        storage = str(Path(storage).expanduser().resolve())
+def locate_run(cfg: TrainConfig, resume: bool, identity: dict[str, Any] | None = None):
+    """The run's storage path and name: `run.name`; else, on a resume, the latest run of the
+    storage path with this `identity` (the same job: data, model, seed); else a fresh unique
+    name. A name means one run: a fresh run may not reuse the name of one that exists (Ray Train
+    would silently continue it), and a resume needs an existing run (whether its checkpoint
+    may be resumed by this config: `prelaunch.locate`)."""
+    storage = default_storage(cfg.run.storage_path)
     name = cfg.run.name
     if name is None and resume:
-        latest = _read_text(storage, LATEST)
-        if latest is None:
-            raise DataError(
-                f"--resume: no previous run recorded in {storage}. "
-                "Fix: set run.name to the run to resume"
-            )
-        name = latest.strip()
+        name = _same_job(storage, identity)
     elif name is not None:
         _check_name(storage, name, resume)
     name = name or f"rayacc-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
-    loc = RunLocation(storage, name)
-    recorded = _read_text(storage, f"{name}/{RUN_INFO}") if resume else None
-    return RunLocation(storage, name, json.loads(recorded)) if recorded else loc
+    return RunLocation(storage, name, _run_info(storage, name) if resume else {})
+
+
+def _same_job(storage: str, identity: dict[str, Any] | None) -> str:
+    """The latest run in `storage` whose identity is `identity`; a DataError listing the runs
+    there when none is."""
+    runs = list_runs(storage)
+    same = [r for r in runs if identity is not None and r.identity == identity]
+    if same:
+        return max(same, key=lambda r: r.started).name
+    listing = "\n  ".join(r.line() for r in runs[-10:]) or "none"
+    raise DataError(
+        f"--resume without run.name: no run in {storage} was trained on this job's data and "
+        f"model (runs there, newest last):\n  {listing}\nFix: set run.name=NAME to the run to "
+        "resume (`rayacc runs` lists them), or drop --resume to start a new run"
+    )
 
 
 def _check_name(storage: str, name: str, resume: bool) -> None:
@@ -121,18 +149,56 @@ def _runs_in(storage: str) -> set[str]:
     return {i.base_name for i in infos if i.type == fs.FileType.Directory} - {"_data"}
 
 
-def latest_checkpoint_meta(loc: RunLocation) -> dict[str, Any] | None:
-    """meta.json of the run's newest complete checkpoint folder, if any."""
-    from pyarrow import fs
+@dataclass
+class RunSummary:
+    """One run of a storage path, as `rayacc runs` lists it."""
 
-    filesystem, root = filesystem_and_path(loc.storage)
-    infos = filesystem.get_file_info(fs.FileSelector(f"{root}/{loc.name}", allow_not_found=True))
-    folders = sorted(
-        (i.base_name for i in infos if i.type == fs.FileType.Directory),
-        reverse=True,
-    )
-    for folder in (f for f in folders if f.startswith("checkpoint_")):
-        text = _read_text(loc.storage, f"{loc.name}/{folder}/meta.json")
-        if text is not None:
-            return json.loads(text)
-    return None
+    name: str
+    job: str | None
+    model: str | None
+    data: str | None
+    steps_done: int
+    total_steps: int | None
+    last_checkpoint: str | None
+    mlflow_run_id: str | None
+    status: str
+    started: str
+    identity: dict[str, Any] | None
+
+    def line(self) -> str:
+        total = self.total_steps if self.total_steps is not None else "?"
+        return (
+            f"{self.name}: job {self.job or '?'}, {self.model or '?'} on {self.data or '?'}, "
+            f"step {self.steps_done}/{total}, {self.status}, started {self.started or '?'}"
+        )
+
+
+def list_runs(storage: str) -> list[RunSummary]:
+    """The runs of `storage`, oldest first. A run whose info says `running` and whose driver is
+    gone reads `unfinished` (a resume continues it)."""
+    from rayacc.redact import redact
+
+    found = []
+    for name in _runs_in(storage):
+        info = _run_info(storage, name)
+        latest = RunCheckpoints(storage, name).latest()
+        if not info and latest is None:
+            continue  # not a rayacc run
+        status = info.get("status", "unfinished")
+        identity = info.get("identity") or (latest.meta().get("identity") if latest else None)
+        found.append(
+            RunSummary(
+                name=name,
+                job=info.get("job"),
+                model=info.get("model"),
+                data=redact(info["data"]) if info.get("data") else None,
+                steps_done=latest.step if latest else 0,
+                total_steps=info.get("total_steps"),
+                last_checkpoint=latest.uri if latest else None,
+                mlflow_run_id=info.get("mlflow_run_id"),
+                status="unfinished" if status == "running" else status,
+                started=info.get("started", ""),
+                identity=identity,
+            )
+        )
+    return sorted(found, key=lambda r: (r.started, r.name))

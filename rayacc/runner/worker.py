@@ -30,7 +30,7 @@ from rayacc.engine import (
     flops_per_item,
     to_device,
 )
-from rayacc.events import Event, Resized, RunStarted
+from rayacc.events import Event, Resized, RunStarted, ScheduleChanged
 from rayacc.models import loss_functions
 from rayacc.models.parallel import model_recipe, strategy_for
 from rayacc.optim import build_optimizer, build_schedule
@@ -41,11 +41,10 @@ from rayacc.quantities import (
     rank_seed,
     remaining_epochs,
     run_effective_lr,
-    run_identity,
     schedule_length,
 )
 from rayacc.runner.autosize import MicroBatchSizer
-from rayacc.runner.checkpoint import RunCheckpoints
+from rayacc.runner.checkpoint import RunCheckpoints, StepLog, WorkerParts, checkpoint_meta
 from rayacc.runner.ingest import LocalRows, RankReader, warm_up
 from rayacc.runner.metrics import run_summary, step_record
 from rayacc.runner.progress import Outbox
@@ -88,6 +87,7 @@ class WorkerRun:
         self.lr = run_effective_lr(cfg, plan_at(cfg, self.world))
         self.sizer = MicroBatchSizer(cfg, plan_at(cfg, self.world), self.device, self.progress)
         self.groups = config["groups"]
+        self.run = config["run"]
         self.source = config["source"]
         self.order = data_order(cfg, self.info, self.groups)
         self.state = TrainState()
@@ -163,16 +163,19 @@ class WorkerRun:
             self.info, cfg.train.loss_chunk_tokens, self.strategy
         )
         self.peak_tflops = device_peak_tflops(self.device, cfg.train.peak_tflops)
-        parts = {"schedule": self.schedule, "scaler": self.step.scaler, "train_state": self.state}
-        self.checkpoints = RunCheckpoints(
+        # the run's lineage of step records: rank 0's, carried by every checkpoint
+        self.history = StepLog() if self.rank == 0 else None
+        parts = WorkerParts(
             self.strategy,
             self.optimizer,
-            parts,
+            {"schedule": self.schedule, "scaler": self.step.scaler, "train_state": self.state},
             rank=self.rank,
             world=self.world,
             device=self.device,
             seed=cfg.seed,
+            history=self.history,
         )
+        self.checkpoints = RunCheckpoints(self.run["storage"], self.run["name"], parts)
 
     def _restore(self) -> list[Event]:
         """Loads the latest checkpoint of the run, if any; a resize event when it was written
@@ -183,9 +186,14 @@ class WorkerRun:
         self.resumed_from = self.state.optimizer_step
         # a new global batch (keep_micro_batch) moves to its LR over a short re-warmup
         self.schedule.set_peak(self.lr, rewarm_steps=REWARM_STEPS)
+        events: list[Event] = []
+        if self.schedule.replanned is not None:
+            old, new, lr = self.schedule.replanned
+            events.append(ScheduleChanged(self.state.optimizer_step, old, new, lr))
         if meta["num_workers"] == self.world:
-            return []
+            return events
         return [
+            *events,
             Resized(
                 step=self.state.optimizer_step,
                 policy=self.cfg.scaling.on_resize,
@@ -196,7 +204,7 @@ class WorkerRun:
                 old_global_batch_size=meta["global_batch_size"],
                 new_global_batch_size=self.plan.global_batch_size,
                 effective_lr=self.lr,
-            )
+            ),
         ]
 
     # ------------------------------------------------------------------ data
@@ -314,6 +322,8 @@ class WorkerRun:
                 self.val_metrics = self.validate()
             record.update(self.val_metrics)
         self.last = record
+        if self.history is not None:
+            self.history.append(record)
         self.outbox.send(dict(record))
         if is_last or (every_ckpt and step % every_ckpt == 0):
             with self.clock.paused():
@@ -329,15 +339,14 @@ class WorkerRun:
                 "config": self.cfg.model_dump(mode="json"),
                 "dataset": self.info.to_dict(),
             },
-            meta={
-                "optimizer_step": self.state.optimizer_step,
-                "global_batch_size": self.plan.global_batch_size,
-                "grad_accum_steps": self.plan.grad_accum_steps,
-                "num_workers": self.world,
-                "epoch": self.state.epoch,
-                "epoch_sample_offset": self.state.epoch_sample_offset,
-                "identity": run_identity(self.cfg, self.info),
-            },
+            meta=checkpoint_meta(
+                self.cfg,
+                self.info,
+                self.plan,
+                self.state,
+                self.world,
+                sharded=self.strategy.writes_shards,
+            ),
         )
 
     def _summary(self) -> dict[str, Any]:

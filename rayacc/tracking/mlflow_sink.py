@@ -45,6 +45,9 @@ class MlflowSink:
     back it says so and writes what waited. `finish` waits a bounded time for the queue and
     says how many records could not be written. A call the server answers with an error (a
     rejected value) is reported once and dropped; it is not retried.
+
+    Every queued call writes to the run that is current when it is written: `fork` (queued
+    like the rest) moves the writes that follow it to a new run.
     """
 
     RETRY_INTERVAL_S = 2.0
@@ -70,6 +73,7 @@ class MlflowSink:
         self._away_since: float | None = None
         self._in_flight = 0
         self._reported: set[str] = set()
+        self._forking: tuple[str, Any] | None = None
         if tracking_uri.startswith(("http://", "https://")):
             why = _server_reachable(tracking_uri)
             if why:
@@ -110,8 +114,8 @@ class MlflowSink:
             print(f"rayacc: tracking off, training goes on: {reason}", file=sys.stderr)
 
     def _call(self, method: str, *args, records: int = 1) -> None:
-        """Queues `client.method(*args)` for the writer thread (`records`: how many records it
-        carries, for the count of what could not be written)."""
+        """Queues `client.method(run_id, *args)` for the writer thread (`records`: how many
+        records it carries, for the count of what could not be written)."""
         if not self.active:
             return
         if self._writer is None:
@@ -134,7 +138,10 @@ class MlflowSink:
         from mlflow.exceptions import RestException
 
         try:
-            getattr(self.client, method)(*args)
+            if method == "_fork":
+                self._fork_now(*args)
+            else:
+                getattr(self.client, method)(self.run_id, *args)
         except RestException as exc:  # the server answered: retrying would not help
             if method not in self._reported:
                 self._reported.add(method)
@@ -177,7 +184,7 @@ class MlflowSink:
         items = [Param(k, _param_str(redact(v))) for k, v in params.items()]
         for i in range(0, len(items), _MAX_PARAMS_PER_CALL):
             chunk = items[i : i + _MAX_PARAMS_PER_CALL]
-            self._call("log_batch", self.run_id, (), chunk, records=len(chunk))
+            self._call("log_batch", (), chunk, records=len(chunk))
 
     def log_step_metrics(self, records: Iterable[dict[str, Any]]) -> None:
         """Records carry `step` and numeric metrics. A (key, step) already logged is dropped, so a
@@ -197,23 +204,77 @@ class MlflowSink:
                 metrics.append(Metric(key, float(value), now, step))
         for i in range(0, len(metrics), _MAX_METRICS_PER_CALL):
             chunk = metrics[i : i + _MAX_METRICS_PER_CALL]
-            self._call("log_batch", self.run_id, chunk, records=len(chunk))
+            self._call("log_batch", chunk, records=len(chunk))
 
     def set_tags(self, tags: dict[str, Any]) -> None:
         from mlflow.entities import RunTag
 
         tags = [RunTag(k, redact(str(v))) for k, v in tags.items()]
-        self._call("log_batch", self.run_id, (), (), tags, records=len(tags))
+        self._call("log_batch", (), (), tags, records=len(tags))
 
     def log_artifact(self, path: str | Path) -> None:
-        self._call("log_artifact", self.run_id, str(path))
+        self._call("log_artifact", str(path))
 
     def log_text(self, text: str, name: str) -> None:
-        self._call("log_text", self.run_id, redact(text), name)
+        self._call("log_text", redact(text), name)
+
+    def holds_steps_after(self, step: int) -> bool:
+        """Whether the run holds (or has queued) a metric at an optimizer step after `step`."""
+        return any(s > step for _, s in self._logged_steps)
+
+    def fork(self, after_step: int, texts: dict[str, str], on_forked=None) -> None:
+        """Queues the move to a new run that takes this run's place: the same name, parent,
+        params and tags, `texts` as artifacts, and no metrics (the caller logs the steps up to
+        `after_step` that stand). The old run keeps its points, ends KILLED, and is nested
+        under the new one with the tags `rayacc.discarded_after_step` and
+        `rayacc.continued_in`. `on_forked(old_id, new_id)` runs once the new run exists."""
+        self._logged_steps = set()
+        texts = {name: redact(text) for name, text in texts.items()}
+        self._call("_fork", after_step, texts, on_forked)
+
+    def _fork_now(self, after_step: int, texts: dict[str, str], on_forked) -> None:
+        from mlflow.entities import Param, RunTag
+
+        old = self.run_id
+        if self._forking is None:  # a retry after the server went away resumes from here
+            run = self.client.get_run(old)
+            keep = {
+                k: v
+                for k, v in run.data.tags.items()
+                if k != "mlflow.runName" and not k.startswith("rayacc.discarded")
+            }
+            new = self.client.create_run(
+                run.info.experiment_id, run_name=run.info.run_name, tags=keep
+            ).info.run_id
+            self._forking = (new, run)
+        new, run = self._forking
+        params = [Param(k, v) for k, v in run.data.params.items()]
+        for i in range(0, len(params), _MAX_PARAMS_PER_CALL):
+            self.client.log_batch(new, params=params[i : i + _MAX_PARAMS_PER_CALL])
+        for name, text in texts.items():
+            self.client.log_text(new, text, name)
+        marks = {
+            "rayacc.discarded_after_step": str(after_step),
+            "rayacc.continued_in": new,
+            "mlflow.parentRunId": new,
+        }
+        self.client.log_batch(old, tags=[RunTag(k, v) for k, v in marks.items()])
+        self.client.set_terminated(old, "KILLED")
+        self._forking = None
+        self.run_id = new
+        print(
+            f"rayacc: MLflow run {old} held steps after the checkpoint at step {after_step}, "
+            f"from an attempt that did not reach a checkpoint; the run goes on as MLflow run "
+            f"{new} with the steps the checkpoints hold, and {old} is kept, nested under it "
+            f"(tag rayacc.discarded_after_step={after_step})",
+            file=sys.stderr,
+        )
+        if on_forked is not None:
+            on_forked(old, new)
 
     def finish(self, status: str = "FINISHED", timeout_s: float = 60.0) -> None:
         """Marks the run ended and waits (at most `timeout_s`) for every queued write."""
-        self._call("set_terminated", self.run_id, status)
+        self._call("set_terminated", status)
         if self._writer is None:
             return
         left = self.drain(timeout_s)

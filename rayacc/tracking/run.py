@@ -3,14 +3,21 @@ events and step records, closed with its outcome."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from rayacc.batch_plan import BatchPlan
 from rayacc.config import TrainConfig
-from rayacc.events import Event, MicroBatchChanged, Resized, RunObserver, RunStarted
+from rayacc.events import (
+    Event,
+    MicroBatchChanged,
+    Resized,
+    RunObserver,
+    RunStarted,
+    ScheduleChanged,
+)
 from rayacc.tracking.mlflow_sink import MlflowSink, default_tracking_uri
 from rayacc.tracking.params import contract_params
 from rayacc.tracking.plots import loss_curve_png
@@ -34,18 +41,36 @@ class RunIdentity:
     tags: dict[str, Any] = field(default_factory=dict)
 
 
+Lineage = Callable[[int], Sequence[dict[str, Any]]]
+"""The step records 1..step of the run's lineage, as the checkpoint at `step` holds them."""
+
+
 class TrackedRun(RunObserver):
     """Writes the run's events as tags and its step records as metrics (rank 0's records only,
-    on the driver)."""
+    on the driver), so that the run holds the lineage of its latest checkpoint: whenever a
+    worker group starts from a checkpoint (a resume, a restart after a failure, a resize), the
+    steps up to it that the store lacks are written from the checkpoint's records, and a run
+    that holds steps after it (an attempt that never reached a checkpoint) is replaced by a
+    new run (`MlflowSink.fork`)."""
 
-    def __init__(self, sink: MlflowSink, reopened: bool):
+    def __init__(
+        self,
+        sink: MlflowSink,
+        reopened: bool,
+        *,
+        lineage: Lineage = lambda step: (),
+        config_text: str = "",
+        on_forked: Callable[[str, str], None] | None = None,
+    ):
         self.sink = sink
         self.reopened = reopened
+        self.lineage, self.config_text, self.on_forked = lineage, config_text, on_forked
         # a reopened run's event tags are extended, not overwritten by this driver's events
         tags = sink.existing_tags
         self.resizes = _entries(tags.get("rayacc.resizes"), "; ")
         self.resumed_at = _entries(tags.get("rayacc.resumed_at_steps"), ",")
         self.micro_changes = _entries(tags.get("rayacc.micro_batch_events"), "; ")
+        self.schedule_changes = _entries(tags.get("rayacc.schedule_changes"), "; ")
 
     @property
     def run_id(self) -> str | None:
@@ -66,9 +91,23 @@ class TrackedRun(RunObserver):
                     }
                 )
             self.sink.set_tags({"rayacc.micro_batch_events": "; ".join(self.micro_changes)})
-        elif isinstance(event, RunStarted) and event.resumed_from is not None:
-            self.resumed_at.append(str(event.resumed_from))
-            self.sink.set_tags({"rayacc.resumed_at_steps": ",".join(self.resumed_at)})
+        elif isinstance(event, ScheduleChanged):
+            self.schedule_changes.append(event.describe())
+            self.sink.set_tags({"rayacc.schedule_changes": "; ".join(self.schedule_changes)})
+        elif isinstance(event, RunStarted):
+            self._rewind(event.step)
+            if event.resumed_from is not None:
+                self.resumed_at.append(str(event.resumed_from))
+                self.sink.set_tags({"rayacc.resumed_at_steps": ",".join(self.resumed_at)})
+
+    def _rewind(self, step: int) -> None:
+        """The run made to hold the lineage up to `step`, where a worker group starts."""
+        if not self.sink.active:
+            return
+        if self.sink.holds_steps_after(step):
+            self.sink.fork(step, {"config.yaml": self.config_text}, self.on_forked)
+        # (key, step) pairs the run holds already are not written again
+        self.sink.log_step_metrics(self.lineage(step))
 
     def on_step(self, record: dict[str, Any]) -> None:
         self.sink.log_step_metrics([record])
@@ -99,10 +138,16 @@ def _entries(tag: str | None, sep: str) -> list[str]:
     return [e for e in (tag or "").split(sep) if e]
 
 
-def open_tracking(cfg: TrainConfig, run: RunIdentity) -> TrackedRun:
+def open_tracking(
+    cfg: TrainConfig,
+    run: RunIdentity,
+    lineage: Lineage = lambda step: (),
+    on_forked: Callable[[str, str], None] | None = None,
+) -> TrackedRun:
     """Creates the MLflow run of `cfg` (or reopens `run.previous_run_id`) with the contract
     params, the resolved config and the run's tags. An unreachable store turns tracking off
-    with one message (the sink's rule); training goes on."""
+    with one message (the sink's rule); training goes on. `lineage` reads the records a
+    checkpoint holds; `on_forked(old, new)` hears of a replaced run (`TrackedRun`)."""
     uri = cfg.tracking.tracking_uri or default_tracking_uri()
     sink = MlflowSink(
         uri,
@@ -128,4 +173,6 @@ def open_tracking(cfg: TrainConfig, run: RunIdentity) -> TrackedRun:
                 **run.tags,
             }
         )
-    return TrackedRun(sink, reopened)
+    return TrackedRun(
+        sink, reopened, lineage=lineage, config_text=cfg.to_yaml(), on_forked=on_forked
+    )
