@@ -1,9 +1,19 @@
-"""A user model factory whose rank-1 worker process dies once, mid-run (a real process exit,
-not an exception), to exercise recovery from the latest checkpoint."""
+"""A user model factory whose worker processes fail on cue (real process deaths and stalls, not
+exceptions), to exercise recovery from the latest checkpoint.
+
+- `die_at_forward`: rank `die_rank` (negative: counted from the last) exits in its training
+  forward of that number (counted from the process's start), once: `marker` records that it
+  died. `kill=True` dies by SIGKILL instead of `os._exit(1)`.
+- `phase_marker`: while that file does not exist, rank 0 stalls (up to 120 s) in its training
+  forward `hold_at_forward` and no rank dies: the test kills the driver meanwhile, creates the
+  file, and resumes; from then on the rank dies as above.
+"""
 
 from __future__ import annotations
 
 import os
+import signal
+import time
 
 from torch import nn
 
@@ -11,28 +21,63 @@ from rayacc.models.mlp import MLP
 
 
 class DiesOnce(nn.Module):
-    def __init__(self, inner: nn.Module, marker: str, die_at_forward: int):
+    def __init__(
+        self,
+        inner: nn.Module,
+        marker: str,
+        die_at_forward: int,
+        die_rank: int = 1,
+        kill: bool = False,
+        phase_marker: str | None = None,
+        hold_at_forward: int = 0,
+        delay_s: float = 0.0,
+    ):
         super().__init__()
         self.inner = inner
         self.marker = marker
         self.die_at_forward = die_at_forward
+        self.die_rank, self.kill = die_rank, kill
+        self.phase_marker, self.hold_at_forward = phase_marker, hold_at_forward
+        self.delay_s = delay_s
         self.training_forwards = 0
 
     def forward(self, x):
         if self.training:
             self.training_forwards += 1
-            if self.training_forwards == self.die_at_forward and not os.path.exists(self.marker):
-                import ray.train
+            time.sleep(self.delay_s)
+            import ray.train
 
-                if ray.train.get_context().get_world_rank() == 1:
-                    open(self.marker, "w").close()
-                    os._exit(1)
+            ctx = ray.train.get_context()
+            rank, world = ctx.get_world_rank(), ctx.get_world_size()
+            first_phase = self.phase_marker is not None and not os.path.exists(self.phase_marker)
+            if first_phase:
+                if rank == 0 and self.training_forwards == self.hold_at_forward:
+                    deadline = time.monotonic() + 120
+                    while not os.path.exists(self.phase_marker) and time.monotonic() < deadline:
+                        time.sleep(0.1)
+            elif (
+                self.training_forwards == self.die_at_forward
+                and rank == self.die_rank % world
+                and not os.path.exists(self.marker)
+            ):
+                open(self.marker, "w").close()
+                if self.kill:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                os._exit(1)
         return self.inner(x)
 
 
 def build(
-    dataset, marker: str, die_at_forward: int, hidden: int = 32, dropout: float = 0.0
+    dataset,
+    marker: str,
+    die_at_forward: int,
+    hidden: int = 32,
+    dropout: float = 0.0,
+    **options,
 ) -> nn.Module:
     return DiesOnce(
-        MLP(dataset.num_features, dataset.num_classes, [hidden], dropout), marker, die_at_forward
+        MLP(dataset.num_features, dataset.num_classes, [hidden], dropout),
+        marker,
+        die_at_forward,
+        **options,
     )

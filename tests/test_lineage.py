@@ -1,0 +1,230 @@
+"""The run's record is the lineage of its final checkpoint, across every fault at once, on the
+whole stack (real Ray, a real `mlflow server`, the `rayacc` command): the driver SIGKILLed
+after a checkpoint and two steps beyond it (steps no checkpoint keeps, already in MLflow); a
+resume during which the tracking server is killed and started again and a worker process is
+SIGKILLed (Ray Train restarts the group from the latest checkpoint); under FSDP the resume
+also resizes the group (2 workers → 1). MLflow must hold steps 1..N exactly once with the
+values of an uninterrupted run, and the final weights must be that run's."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from mlflow.tracking import MlflowClient
+
+from rayacc import TrainConfig, load_model
+from rayacc.events import RunObserver
+from rayacc.runner.runs import RUN_INFO
+from tests.test_ray_train import digits_subset, fit_or_fail, rel_diff, weights
+from tests.test_tracking_outage import free_port, start_server
+
+pytestmark = pytest.mark.ray
+
+ROOT = Path(__file__).resolve().parent.parent
+STEPS = 12
+FORWARDS_PER_STEP = 4  # per rank: global 32 = micro 4 × accumulation 4 × 2 workers
+# the values a step computes (the rest of a record measures time and memory)
+COMPUTED = ("train/loss", "train/lr", "train/grad_norm", "train/items", "val/loss")
+
+
+def spec(tmp_path: Path, strategy: str, workers: int, tracking_uri: str) -> dict:
+    return {
+        "seed": 7,
+        "model": {
+            "name": "factory",
+            "factory": "tests.faulty_model:build",
+            "kwargs": {
+                "marker": str(tmp_path / "died"),
+                # the resumed run (from step 6) loses a worker in step 11: steps 7..10 done
+                "die_at_forward": 4 * FORWARDS_PER_STEP + 2,
+                "die_rank": -1,
+                "kill": True,
+                # the first attempt stalls in step 9: steps 7 and 8 are in MLflow only
+                "phase_marker": str(tmp_path / "resumed"),
+                "hold_at_forward": 8 * FORWARDS_PER_STEP + 1,
+                # slow enough that steps 7 and 8 leave rank 0 before the stall (records go
+                # out at most every 0.5 s)
+                "delay_s": 0.1,
+            },
+        },
+        "data": {"source": digits_subset(tmp_path / "d.parquet", 512), "val_fraction": 0.15},
+        "batch": {"global_batch_size": 32, "micro_batch_size": 4},
+        "optim": {"name": "adamw", "lr": 0.01, "warmup_steps": 2, "schedule": "cosine"},
+        "train": {
+            "strategy": strategy,
+            "max_steps": STEPS,
+            "checkpoint_every_steps": 3,
+            "val_every_steps": 4,
+        },
+        "scaling": {"num_workers": workers, "cpus_per_worker": 0.5},
+        "tracking": {"tracking_uri": tracking_uri, "experiment": "lineage"},
+        "run": {"storage_path": str(tmp_path / "runs"), "name": "faulty", "max_failures": 1},
+    }
+
+
+def steps_in(client: MlflowClient, run_id: str, key: str = "train/loss") -> list[int]:
+    return sorted(m.step for m in client.get_metric_history(run_id, key))
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_the_record_is_the_final_checkpoints_lineage_across_every_fault(
+    ray_local, tmp_path, monkeypatch, capfd, strategy
+):
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+    port, db = free_port(), tmp_path / "server.db"
+    uri = f"http://127.0.0.1:{port}"
+    server = {"proc": start_server(port, db)}
+    client = MlflowClient(uri)
+    try:
+        # the uninterrupted run (the stalls and deaths wait for files it never creates...
+        # except the phase marker, which it needs to skip the stall)
+        clean = tmp_path / "clean"
+        clean.mkdir()
+        (clean / "resumed").touch()
+        (clean / "died").touch()
+        reference = fit_or_fail(
+            TrainConfig.from_dict(
+                {
+                    **spec(clean, strategy, 2, uri),
+                    "tracking": {"enabled": False},
+                    "run": {"storage_path": str(clean / "runs")},
+                }
+            )
+        )
+        expected = {r["step"]: r for r in reference.history}
+        assert sorted(expected) == list(range(1, STEPS + 1))
+
+        # 1. the driver and every process it started are SIGKILLed once steps 7 and 8 (after
+        # the checkpoint at 6) are in MLflow
+        job = tmp_path / "job.yaml"
+        job.write_text(yaml.safe_dump(spec(tmp_path, strategy, 2, uri)))
+        driver = subprocess.Popen(
+            [sys.executable, "-m", "rayacc.cli", "train", "-c", str(job)],
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        first_run = None
+        deadline = time.monotonic() + 300
+        while first_run is None or max(steps_in(client, first_run), default=0) < 8:
+            assert driver.poll() is None, "the first attempt ended before it was killed"
+            assert time.monotonic() < deadline, "the first attempt never reached step 8"
+            time.sleep(0.5)
+            exp = client.get_experiment_by_name("lineage")
+            runs = client.search_runs([exp.experiment_id]) if exp else []
+            first_run = runs[0].info.run_id if runs else None
+        os.killpg(driver.pid, signal.SIGKILL)
+        driver.wait()
+        time.sleep(2)  # the killed cluster's reaper ends its workers
+        checkpoints = sorted(p.name for p in (tmp_path / "runs" / "faulty").glob("checkpoint_*"))
+        assert checkpoints[-1] == "checkpoint_step00000006", checkpoints
+        (tmp_path / "resumed").touch()
+
+        # 2. --resume (without run.name: the latest run of this job), on 1 worker under FSDP;
+        # the tracking server dies when step 8 arrives and is back from step 10; a worker
+        # process is SIGKILLed in step 11
+        restarted = threading.Event()
+
+        class Outage(RunObserver):
+            def on_step(self, record):
+                if record["step"] == 8 and server["proc"].poll() is None:
+                    os.killpg(server["proc"].pid, signal.SIGKILL)
+                    server["proc"].wait()
+                if record["step"] == 10 and not restarted.is_set():
+                    restarted.set()
+                    threading.Thread(
+                        target=lambda: server.update(proc=start_server(port, db)), daemon=True
+                    ).start()
+
+        workers = 1 if strategy == "fsdp" else 2
+        resumed_spec = spec(tmp_path, strategy, workers, uri)
+        del resumed_spec["run"]["name"]
+        cfg = TrainConfig.from_dict(resumed_spec)
+        from rayacc.runner.driver import fit
+
+        box: dict = {}
+        t = threading.Thread(
+            target=lambda: box.update(r=fit(cfg, resume=True, observers=[Outage()])), daemon=True
+        )
+        t.start()
+        t.join(400)
+        assert "r" in box, "the resumed fit did not finish"
+        result = box["r"]
+        err = capfd.readouterr().err
+        assert (tmp_path / "died").exists(), "no worker died: the test proves less than it says"
+        assert restarted.is_set() and "tracking server back after" in err, err[-3000:]
+        assert "could not be written" not in err, err[-3000:]
+        assert result.run_name == "faulty"
+
+        # MLflow: steps 1..N exactly once, each with the uninterrupted run's values
+        run_id = result.mlflow_run_id
+        for key in expected[STEPS]:
+            value = expected[STEPS][key]
+            if key == "step" or key.startswith("val/") or not isinstance(value, int | float):
+                continue
+            assert steps_in(client, run_id, key) == list(range(1, STEPS + 1)), key
+        assert steps_in(client, run_id, "val/loss") == [4, 8, 12]
+        tol = 0.0 if workers == 2 else 1e-5  # a resize changes the float rounding only
+        for key in COMPUTED:
+            for m in client.get_metric_history(run_id, key):
+                want = expected[m.step][key]
+                assert abs(m.value - want) <= tol * abs(want), (key, m.step, m.value, want)
+        assert client.get_run(run_id).info.status == "FINISHED"
+
+        # the attempts whose steps no checkpoint kept are kept apart, marked, and nested
+        others = [r for r in client.search_runs([exp.experiment_id]) if r.info.run_id != run_id]
+        assert others and all(r.info.status == "KILLED" for r in others)
+        for r in others:
+            assert "rayacc.discarded_after_step" in r.data.tags
+            assert r.data.tags["mlflow.parentRunId"] in {run_id, *(o.info.run_id for o in others)}
+        info = json.loads((tmp_path / "runs" / "faulty" / RUN_INFO).read_text())
+        assert info["mlflow_run_id"] == run_id and info["status"] == "finished"
+
+        # the fit's own outputs cover the whole lineage too
+        assert [r["step"] for r in result.history] == list(range(1, STEPS + 1))
+        assert (tmp_path / "runs" / "faulty" / "loss_curve.png").is_file()
+        a, b = (weights(load_model(r.checkpoint_dir)) for r in (reference, result))
+        assert rel_diff(b, a) <= (0.0 if workers == 2 else 1e-5), rel_diff(b, a)
+    finally:
+        if server["proc"].poll() is None:
+            os.killpg(server["proc"].pid, signal.SIGKILL)
+
+
+def test_runs_lists_the_runs_of_a_storage_path(tmp_path):
+    """`rayacc runs` reads what runs leave in their folders: no Ray, no MLflow."""
+    from rayacc.runner.runs import list_runs, locate_run
+
+    cfg = TrainConfig.from_dict(
+        {
+            "batch": {"global_batch_size": 32, "micro_batch_size": 4},
+            "run": {"storage_path": str(tmp_path), "name": "a"},
+        }
+    )
+    loc = locate_run(cfg, resume=False)
+    loc.record(
+        job="jobs/digits.yaml",
+        model="mlp",
+        data="digits",
+        total_steps=10,
+        status="running",
+        mlflow_run_id="abc",
+    )
+    ckpt = tmp_path / "a" / "checkpoint_step00000004"
+    ckpt.mkdir()
+    (ckpt / "meta.json").write_text(json.dumps({"optimizer_step": 4}))
+    (tmp_path / "a" / "checkpoint_step00000006").mkdir()  # never completed: not listed
+    (run,) = list_runs(str(tmp_path))
+    assert (run.name, run.steps_done, run.total_steps) == ("a", 4, 10)
+    assert run.status == "unfinished" and run.mlflow_run_id == "abc"
+    assert run.last_checkpoint.endswith("checkpoint_step00000004")
