@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 from rayacc.config import ConfigError, TrainConfig
 from rayacc.events import Event, RunObserver, RunStarted
@@ -363,6 +364,38 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_runs(args: argparse.Namespace) -> int:
+    """Lists the runs of a storage path, oldest first."""
+    from rich.table import Table
+
+    from rayacc.runner.runs import default_storage, list_runs
+
+    console = _console()
+    storage = default_storage(args.storage)
+    runs = list_runs(storage)
+    if not runs:
+        console.print(f"no rayacc runs in {redact(storage)}")
+        return 0
+    table = Table(title=f"runs in {redact(storage)}")
+    for column in ("name", "job", "model / data", "steps", "last checkpoint", "MLflow run"):
+        table.add_column(column)
+    table.add_column("status")
+    for r in runs:
+        total = r.total_steps if r.total_steps is not None else "?"
+        table.add_row(
+            r.name,
+            r.job or "-",
+            f"{r.model or '?'} / {r.data or '?'}",
+            f"{r.steps_done}/{total}",
+            Path(r.last_checkpoint).name if r.last_checkpoint else "-",
+            r.mlflow_run_id or "-",
+            r.status,
+        )
+    console.print(table)
+    console.print("resume one: rayacc train -c JOB --resume run.name=NAME")
+    return 0
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
@@ -487,6 +520,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="rayacc_report", help="folder for report.csv and the PNGs")
     p.add_argument("--tracking-uri", default=None, help="default: sqlite:///<cwd>/mlflow.db")
     p.set_defaults(func=cmd_report)
+
+    p = sub.add_parser("runs", help="list the runs of a storage path and how far each got")
+    p.add_argument(
+        "--storage", default=None, help="run.storage_path of the runs (default: ./rayacc_runs)"
+    )
+    p.set_defaults(func=cmd_runs)
 
     p = sub.add_parser("verify", help="check one accumulated step against one process")
     with_config(p)

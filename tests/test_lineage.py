@@ -24,8 +24,8 @@ from mlflow.tracking import MlflowClient
 from rayacc import TrainConfig, load_model
 from rayacc.events import RunObserver
 from rayacc.runner.runs import RUN_INFO
+from tests.mlflow_server import free_port, start_server
 from tests.test_ray_train import digits_subset, fit_or_fail, rel_diff, weights
-from tests.test_tracking_outage import free_port, start_server
 
 pytestmark = pytest.mark.ray
 
@@ -44,8 +44,9 @@ def spec(tmp_path: Path, strategy: str, workers: int, tracking_uri: str) -> dict
             "factory": "tests.faulty_model:build",
             "kwargs": {
                 "marker": str(tmp_path / "died"),
-                # the resumed run (from step 6) loses a worker in step 11: steps 7..10 done
-                "die_at_forward": 4 * FORWARDS_PER_STEP + 2,
+                # the resumed run (from step 6) loses a worker in step 12 on 2 workers
+                # (steps 10 and 11 recorded, not checkpointed), in step 9 on 1 worker
+                "die_at_forward": 5 * FORWARDS_PER_STEP + 2,
                 "die_rank": -1,
                 "kill": True,
                 # the first attempt stalls in step 9: steps 7 and 8 are in MLflow only
@@ -54,6 +55,9 @@ def spec(tmp_path: Path, strategy: str, workers: int, tracking_uri: str) -> dict
                 # slow enough that steps 7 and 8 leave rank 0 before the stall (records go
                 # out at most every 0.5 s)
                 "delay_s": 0.1,
+                # masks a resumed run must draw as the uninterrupted one does (a resize
+                # starts fresh random streams, so not under FSDP here, which resizes)
+                "dropout": 0.1 if strategy == "ddp" else 0.0,
             },
         },
         "data": {"source": digits_subset(tmp_path / "d.parquet", 512), "val_fraction": 0.15},
@@ -104,8 +108,9 @@ def test_the_record_is_the_final_checkpoints_lineage_across_every_fault(
         expected = {r["step"]: r for r in reference.history}
         assert sorted(expected) == list(range(1, STEPS + 1))
 
-        # 1. the driver and every process it started are SIGKILLed once steps 7 and 8 (after
-        # the checkpoint at 6) are in MLflow
+        # 1. the tracking server dies once step 2 is in MLflow; the run goes on to stall in
+        # step 9 (checkpoint at 6; steps 3..8 wait in the driver's memory for the server);
+        # then the driver and every process it started are SIGKILLed, and the server returns
         job = tmp_path / "job.yaml"
         job.write_text(yaml.safe_dump(spec(tmp_path, strategy, 2, uri)))
         driver = subprocess.Popen(
@@ -115,25 +120,35 @@ def test_the_record_is_the_final_checkpoints_lineage_across_every_fault(
             stderr=subprocess.DEVNULL,
             start_new_session=True,
         )
+        run_dir = tmp_path / "runs" / "faulty"
         first_run = None
         deadline = time.monotonic() + 300
-        while first_run is None or max(steps_in(client, first_run), default=0) < 8:
+        while first_run is None or max(steps_in(client, first_run), default=0) < 2:
             assert driver.poll() is None, "the first attempt ended before it was killed"
-            assert time.monotonic() < deadline, "the first attempt never reached step 8"
-            time.sleep(0.5)
+            assert time.monotonic() < deadline, "the first attempt never reached step 2"
+            time.sleep(0.2)
             exp = client.get_experiment_by_name("lineage")
             runs = client.search_runs([exp.experiment_id]) if exp else []
             first_run = runs[0].info.run_id if runs else None
+        os.killpg(server["proc"].pid, signal.SIGKILL)
+        server["proc"].wait()
+        while not (run_dir / "checkpoint_step00000006" / "meta.json").exists():
+            assert driver.poll() is None and time.monotonic() < deadline, "no checkpoint 6"
+            time.sleep(0.2)
+        time.sleep(4)  # steps 7 and 8 (under a second) reach the driver; step 9 stalls
         os.killpg(driver.pid, signal.SIGKILL)
         driver.wait()
         time.sleep(2)  # the killed cluster's reaper ends its workers
-        checkpoints = sorted(p.name for p in (tmp_path / "runs" / "faulty").glob("checkpoint_*"))
+        checkpoints = sorted(p.name for p in run_dir.glob("checkpoint_*"))
         assert checkpoints[-1] == "checkpoint_step00000006", checkpoints
+        server["proc"] = start_server(port, db)
+        held = steps_in(client, first_run)
+        assert max(held) < 6, f"steps 1..6 must be missing from MLflow for the test: {held}"
         (tmp_path / "resumed").touch()
 
         # 2. --resume (without run.name: the latest run of this job), on 1 worker under FSDP;
         # the tracking server dies when step 8 arrives and is back from step 10; a worker
-        # process is SIGKILLed in step 11
+        # process is SIGKILLed (in step 12 on 2 workers, in step 9 on 1)
         restarted = threading.Event()
 
         class Outage(RunObserver):
@@ -181,6 +196,16 @@ def test_the_record_is_the_final_checkpoints_lineage_across_every_fault(
                 want = expected[m.step][key]
                 assert abs(m.value - want) <= tol * abs(want), (key, m.step, m.value, want)
         assert client.get_run(run_id).info.status == "FINISHED"
+        # every value, measured ones included, is the one the lineage computed: the final
+        # checkpoint's records (an attempt no checkpoint kept measured other times)
+        final = Path(result.checkpoint_dir) / "history.jsonl"
+        lineage = {r["step"]: r for r in map(json.loads, final.read_text().splitlines())}
+        assert sorted(lineage) == list(range(1, STEPS + 1))
+        for key, value in lineage[STEPS].items():
+            if key == "step" or not isinstance(value, int | float):
+                continue
+            for m in client.get_metric_history(run_id, key):
+                assert m.value == float(lineage[m.step][key]), (key, m.step)
 
         # the attempts whose steps no checkpoint kept are kept apart, marked, and nested
         others = [r for r in client.search_runs([exp.experiment_id]) if r.info.run_id != run_id]

@@ -167,3 +167,57 @@ def test_the_last_step_runs_at_the_minimum_lr_after_an_elastic_resize():
     # 203 rows, global 32 → 16 at step 20: the schedule counts samples, so it still ends at the
     # last step, at the new peak's minimum
     assert _last_lr(203, 32, epochs=4, resize_at=20) == pytest.approx(0.1 * 0.25, rel=1e-9)
+
+
+def _schedule(total, schedule="cosine", warmup=10):
+    from rayacc.engine.lr import SampleSchedule
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    return SampleSchedule(
+        opt,
+        peak_lr=1e-3,
+        reference_batch=32,
+        warmup_steps=warmup,
+        total_steps=total,
+        schedule=schedule,
+        min_lr_ratio=0.1,
+    )
+
+
+@pytest.mark.parametrize(
+    ("schedule", "done", "old_total", "new_total", "replanned"),
+    [
+        ("cosine", 150, 150, 200, True),  # a finished run lengthened: stays at the minimum
+        ("cosine", 100, 150, 200, True),  # lengthened mid-decay
+        ("cosine", 100, 150, 120, True),  # shortened mid-decay
+        ("cosine", 5, 150, 200, False),  # still warming up: the warmup goes on as planned
+        ("constant", 100, 150, 200, False),  # no decay to re-plan
+        ("cosine", 100, 150, 150, False),  # the same length
+    ],
+)
+def test_a_resume_that_changes_the_length_goes_on_from_the_lr_it_had(
+    schedule, done, old_total, new_total, replanned
+):
+    """The LR of the first step after the resume is the one the uninterrupted schedule gave
+    it; no warmup again; the decay then ends at min_lr_ratio × peak on the new last step."""
+    before = _schedule(old_total, schedule)
+    for _ in range(done):
+        before.step(32)
+    resumed = _schedule(new_total, schedule)
+    resumed.load_state_dict(before.state_dict())
+    assert resumed.lr() == pytest.approx(before.lr(), rel=1e-12)
+    assert (resumed.replanned is not None) == replanned
+    if replanned:
+        assert resumed.replanned[:2] == (old_total, new_total)
+    lrs = [resumed.lr()]
+    for _ in range(done, new_total - 1):
+        resumed.step(32)
+        lrs.append(resumed.lr())
+    if schedule == "cosine":
+        assert lrs[-1] == pytest.approx(1e-4, rel=1e-9), "ends at min_lr_ratio × peak"
+    if done >= 10:
+        assert all(b <= a + 1e-15 for a, b in itertools.pairwise(lrs)), "no warmup again"
+    # saved and loaded again at the new length: nothing more changes
+    again = _schedule(new_total, schedule)
+    again.load_state_dict(resumed.state_dict())
+    assert again.replanned is None and again.lr() == resumed.lr()

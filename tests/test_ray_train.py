@@ -15,7 +15,6 @@ from mlflow.tracking import MlflowClient
 
 from rayacc import TrainConfig, build_model, fit, load_model
 from rayacc.data.sources import prepare_bundled
-from rayacc.runner.driver import TrainingError
 
 pytestmark = pytest.mark.ray
 
@@ -341,68 +340,6 @@ def test_a_sharded_search_trial_out_of_memory_restarts_the_group_below_it(ray_lo
     )
     result = fit_or_fail(cfg)
     assert [r["scaling/micro_batch_size"] for r in result.history] == [8, 8]
-
-
-def test_killed_worker_recovers_automatically_and_by_resume(ray_local, tmp_path):
-    source = digits_subset(tmp_path / "d256.parquet", 256)
-
-    def cfg_with(marker_path, sub, max_failures):
-        return config(
-            tmp_path / sub,
-            model={
-                "name": "factory",
-                "factory": "tests.faulty_model:build",
-                # rank 1 dies in its 22nd forward: step 6 of 8 (4 micro-steps per step);
-                # dropout: a resumed run must draw the masks an uninterrupted one draws
-                "kwargs": {
-                    "marker": str(marker_path),
-                    "die_at_forward": 4 * 5 + 2,
-                    "dropout": 0.1,
-                },
-            },
-            data={"source": source, "shuffle": True},
-            train={"max_steps": 8, "checkpoint_every_steps": 2},
-            run={"max_failures": max_failures},
-        )
-
-    never = tmp_path / "never"
-    never.touch()  # marker present: this run never dies
-    clean = weights(load_model(fit_or_fail(cfg_with(never, "clean", 0)).checkpoint_dir))
-
-    def check_recovered(result, marker):
-        assert marker.exists(), "the worker did not die: the test proves nothing"
-        # the controller may not have registered the step-4 checkpoint when rank 1 died
-        resumed = result.summary["resumed_from"]
-        assert resumed in (2, 4), resumed
-        client = MlflowClient(result.tracking_uri)
-        steps = [m.step for m in client.get_metric_history(result.mlflow_run_id, "train/loss")]
-        assert sorted(steps) == list(range(1, 9)), steps
-        assert len(steps) == len(set(steps)), f"a step was recorded twice: {steps}"
-        run = client.get_run(result.mlflow_run_id)
-        assert run.data.tags["rayacc.resumed_at_steps"] == str(resumed)
-        assert run.info.status == "FINISHED"
-        assert rel_diff(weights(load_model(result.checkpoint_dir)), clean) == 0.0
-
-    # FailureConfig(max_failures): Ray Train restarts the group from the latest checkpoint
-    marker = tmp_path / "died-auto"
-    check_recovered(fit_or_fail(cfg_with(marker, "auto", 2)), marker)
-
-    # no restarts allowed: the fit fails; --resume continues the latest run in the storage path
-    marker = tmp_path / "died-manual"
-    cfg = cfg_with(marker, "manual", 0)
-    with pytest.raises(TrainingError):
-        fit_or_fail(cfg)
-    client = MlflowClient(cfg.tracking.tracking_uri)
-    (failed,) = client.search_runs(client.get_experiment_by_name("tests").experiment_id)
-    assert failed.info.status == "FAILED"
-    resumed = fit_or_fail(cfg, resume=True)
-    # the failed attempt logged steps after its last checkpoint: a run holding the lineage
-    # takes its place, and the failed one is kept apart, marked and nested under it
-    old = client.get_run(failed.info.run_id)
-    assert old.data.tags["rayacc.continued_in"] == resumed.mlflow_run_id
-    assert old.data.tags["mlflow.parentRunId"] == resumed.mlflow_run_id
-    assert old.data.tags["rayacc.discarded_after_step"] == str(resumed.summary["resumed_from"])
-    check_recovered(resumed, marker)
 
 
 def test_wrong_columns_are_reported_before_workers_start(tmp_path):

@@ -184,3 +184,33 @@ def _classification_file(path) -> None:
         ),
         path,
     )
+
+
+@pytest.mark.parametrize(
+    ("runs", "job", "picked"),
+    [
+        # (name, identity, started) of the runs in the storage path; this job's identity
+        ([("mlp-a", "mlp", "1"), ("gpt-a", "gpt", "2")], "mlp", "mlp-a"),  # not the latest
+        ([("mlp-a", "mlp", "1"), ("mlp-b", "mlp", "3"), ("gpt", "gpt", "4")], "mlp", "mlp-b"),
+        ([("gpt-a", "gpt", "1")], "mlp", None),  # none of this job: refused, runs listed
+        ([], "mlp", None),
+    ],
+)
+def test_resume_without_a_name_takes_the_latest_run_of_the_same_job(tmp_path, runs, job, picked):
+    import json
+
+    from rayacc.runner.runs import RUN_INFO
+
+    for name, identity, started in runs:
+        (tmp_path / name).mkdir()
+        info = {"identity": {"model.name": identity}, "started": started, "job": f"{name}.yaml"}
+        (tmp_path / name / RUN_INFO).write_text(json.dumps(info))
+    identity = {"model.name": job}
+    if picked is not None:
+        assert locate_run(cfg(tmp_path), resume=True, identity=identity).name == picked
+        return
+    with pytest.raises(DataError, match="no run in .* was trained on this job") as err:
+        locate_run(cfg(tmp_path), resume=True, identity=identity)
+    for name, _, _ in runs:
+        assert name in str(err.value), "the runs there are listed"
+    assert "run.name=NAME" in str(err.value) and "rayacc runs" in str(err.value)
