@@ -253,3 +253,50 @@ def test_runs_lists_the_runs_of_a_storage_path(tmp_path):
     assert (run.name, run.steps_done, run.total_steps) == ("a", 4, 10)
     assert run.status == "unfinished" and run.mlflow_run_id == "abc"
     assert run.last_checkpoint.endswith("checkpoint_step00000004")
+
+
+def test_a_resume_that_lengthens_a_cosine_run_goes_on_from_its_lr_with_the_whole_history(
+    ray_local, tmp_path
+):
+    """A 4-step cosine run resumed with train.max_steps=8: the LR goes on from where it was
+    (the end of the old decay: min_lr_ratio × peak) instead of jumping up the new curve; the
+    console and a tag say so; the loss curve, FitResult.history and MLflow cover steps 1..8."""
+    from rayacc.events import ScheduleChanged
+    from tests.test_ray_train import config
+
+    def cfg(steps):
+        return config(
+            tmp_path,
+            optim={"name": "sgd", "lr": 0.1, "schedule": "cosine", "min_lr_ratio": 0.1},
+            train={"max_steps": steps},
+            data={"source": "digits", "val_fraction": 0.1},
+            run={"storage_path": str(tmp_path / "runs"), "name": "longer"},
+        )
+
+    seen: list = []
+
+    class Events(RunObserver):
+        def on_event(self, event):
+            seen.append(event)
+
+    first = fit_or_fail(cfg(4))
+    from rayacc.runner.driver import fit
+
+    longer = fit(cfg(8), resume=True, observers=[Events()])
+    (change,) = [e for e in seen if isinstance(e, ScheduleChanged)]
+    assert (change.step, change.old_length, change.new_length) == (4, 4, 8)
+    assert "schedule re-planned at step 4" in change.console_line()
+    assert [r["step"] for r in longer.history] == list(range(1, 9))
+    assert longer.history[:4] == first.history
+    lrs = [r["train/lr"] for r in longer.history]
+    assert lrs[3] == pytest.approx(0.01) and lrs[4:] == pytest.approx([0.01] * 4), lrs
+    client = MlflowClient(longer.tracking_uri)
+    assert longer.mlflow_run_id == first.mlflow_run_id, "nothing was discarded: the same run"
+    history = client.get_metric_history(longer.mlflow_run_id, "train/lr")
+    assert sorted((m.step, m.value) for m in history) == list(enumerate(lrs, 1))
+    tags = client.get_run(longer.mlflow_run_id).data.tags
+    assert tags["rayacc.schedule_changes"] == change.describe()
+    assert sorted(m.step for m in client.get_metric_history(longer.mlflow_run_id, "val/loss")) == [
+        4,
+        8,
+    ]
