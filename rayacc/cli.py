@@ -270,6 +270,12 @@ def _print_summary(console, cfg: TrainConfig, result) -> None:
                 f"  [yellow]{m['train/skipped_steps']} step(s) skipped[/] for a non-finite loss "
                 "or gradient (train/skipped_steps)"
             )
+    resumed = result.summary.get("resumed_from")
+    if resumed is not None and result.history:
+        console.print(
+            f"  resumed from the checkpoint at step {resumed}; the history (MLflow, loss curve) "
+            f"holds steps {result.history[0]['step']}–{result.history[-1]['step']} of the run"
+        )
     perf = _perf_summary(result.history)
     if perf:
         console.print("  per step (median of the steps after the first 3): " + perf)

@@ -226,7 +226,7 @@ def test_the_record_is_the_final_checkpoints_lineage_across_every_fault(
             os.killpg(server["proc"].pid, signal.SIGKILL)
 
 
-def test_runs_lists_the_runs_of_a_storage_path(tmp_path):
+def test_runs_lists_the_runs_of_a_storage_path(tmp_path, capsys):
     """`rayacc runs` reads what runs leave in their folders: no Ray, no MLflow."""
     from rayacc.runner.runs import list_runs, locate_run
 
@@ -253,6 +253,15 @@ def test_runs_lists_the_runs_of_a_storage_path(tmp_path):
     assert (run.name, run.steps_done, run.total_steps) == ("a", 4, 10)
     assert run.status == "unfinished" and run.mlflow_run_id == "abc"
     assert run.last_checkpoint.endswith("checkpoint_step00000004")
+
+    from rayacc.cli import parse_args
+
+    args = parse_args(["runs", "--storage", str(tmp_path)])
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    for shown in ("a", "jobs/digits.yaml", "mlp / digits", "4/10", "checkpoint_step00000004"):
+        assert shown in out, (shown, out)
+    assert "abc" in out and "unfinished" in out
 
 
 def test_a_resume_that_lengthens_a_cosine_run_goes_on_from_its_lr_with_the_whole_history(
