@@ -2,8 +2,10 @@
 
 import time
 
+import pytest
+
 from rayacc.engine import StepClock
-from rayacc.events import MicroBatchChanged, Resized, RunObserver, RunStarted
+from rayacc.events import MicroBatchChanged, Resized, RunStarted
 from rayacc.runner.driver import History
 
 
@@ -38,16 +40,33 @@ def test_events_describe_themselves_for_tags_and_console():
     )
 
 
-def test_history_keeps_the_first_record_of_a_replayed_step_and_every_event():
-    history = History()
-    observers: list[RunObserver] = [history]
-    started = RunStarted(0, 3, None, "layout", {}, 0.1)
-    items = [started, {"step": 1, "v": "a"}, {"step": 2, "v": "b"}, {"step": 2, "v": "replay"}]
+@pytest.mark.parametrize(
+    ("items", "kept"),
+    [
+        # a group restarted from the checkpoint at 1: step 2 of the lost attempt is dropped
+        (["start0", "1", "2", "start1", "2'", "3"], ["1", "2'", "3"]),
+        # a resume at 2: steps 1..2 come from the checkpoint's lineage
+        (["start2", "3"], ["1 ckpt", "2 ckpt", "3"]),
+        # a restart at 2 in a fit that saw steps 1 and 2 itself keeps its own
+        (["start0", "1", "2", "3", "start2", "3'"], ["1", "2", "3'"]),
+        # a fresh start reads nothing
+        (["start0", "1"], ["1"]),
+    ],
+)
+def test_history_is_the_lineage_of_the_checkpoint_a_group_starts_from(items, kept):
+    def lineage(step):
+        assert step > 0, "a fresh start has no lineage to read"
+        return [{"step": s, "v": f"{s} ckpt"} for s in range(1, step + 1)]
+
+    history = History(lineage)
     for item in items:
-        for o in observers:
-            (o.on_step if isinstance(item, dict) else o.on_event)(item)
-    assert [r["v"] for r in history.records()] == ["a", "b"]
-    assert history.events == [started]
+        if item.startswith("start"):
+            step = int(item.removeprefix("start"))
+            history.on_event(RunStarted(step, 3, step or None, "layout", {}, 0.1))
+        else:
+            history.on_step({"step": int(item.rstrip("'")), "v": item})
+    assert [r["v"] for r in history.records()] == kept
+    assert len(history.events) == sum(i.startswith("start") for i in items)
     assert history.first_item_at is not None
 
 
