@@ -8,7 +8,7 @@ A checkpoint is the folder `checkpoint_step{step:08d}` in the run's folder `stor
   shards under `shards/` (engine/shards.py) instead;
 - `model.json`: the config and dataset description (`load_model` rebuilds the model from it);
 - `history.jsonl`: the run's lineage, every step record from step 1 to this step, one JSON
-  object a line (about 1 KB a step): the record a resume replays into MLflow, and the whole
+  object a line (about 600 bytes a step): the record a resume replays into MLflow, and the whole
   run's loss curve;
 - `meta.json`, written last: the step, the batch plan and worker count it was written at, the
   epoch position, the run's identity (what a resume must match) and whether it is sharded.
@@ -26,7 +26,6 @@ import pickle
 import re
 import shutil
 import tempfile
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -344,30 +343,29 @@ class RunCheckpoints:
 
 class StepLog:
     """Rank 0's copy of the run's lineage: every step record so far, spooled to a local file
-    (a long run's records stay off the heap); a checkpoint takes a copy."""
+    (a long run's records stay off the heap; about 600 bytes and 25 µs a step); a checkpoint
+    takes a copy."""
 
     def __init__(self) -> None:
         handle, self.path = tempfile.mkstemp(prefix="rayacc-history-", suffix=".jsonl")
         os.close(handle)
+        self._file = open(self.path, "a")  # noqa: SIM115 (open for the run's length)
 
     def append(self, record: dict[str, Any]) -> None:
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record, default=str) + "\n")
+        self._file.write(json.dumps(record, default=str) + "\n")
 
     def load(self, path: Path) -> None:
         """Starts from a checkpoint's lineage (none: an empty one)."""
+        self._file.close()
         if path.is_file():
             shutil.copyfile(path, self.path)
         else:
             Path(self.path).write_text("")
+        self._file = open(self.path, "a")  # noqa: SIM115
 
     def copy_to(self, path: Path) -> None:
+        self._file.flush()
         shutil.copyfile(self.path, path)
-
-    def records(self) -> Iterator[dict[str, Any]]:
-        with open(self.path) as f:
-            for line in f:
-                yield json.loads(line)
 
 
 @dataclass
