@@ -18,7 +18,14 @@ EXIT_USER_ERROR = 2
 
 
 def _load(args: argparse.Namespace) -> TrainConfig:
-    return TrainConfig.from_yaml(args.config, overrides=args.overrides)
+    """The job file with the command line's overrides, and those a submitted job received in
+    its environment (`jobs.SECRET_OVERRIDES`: the ones that carry credentials)."""
+    import json
+
+    from rayacc.runner.jobs import SECRET_OVERRIDES
+
+    hidden = json.loads(os.environ.get(SECRET_OVERRIDES) or "[]")
+    return TrainConfig.from_yaml(args.config, overrides=[*args.overrides, *hidden])
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -600,7 +607,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from rayacc.redact import RedactingStream
+
     args = parse_args(argv)
+    # the console's one boundary: every line, rayacc's or a library's, loses its credentials
+    streams = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = RedactingStream(sys.stdout), RedactingStream(sys.stderr)
     try:
         return args.func(args)
     except _user_error_types() as exc:
@@ -609,6 +621,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("rayacc: interrupted", file=sys.stderr)
         return 130
+    except Exception:
+        import traceback
+
+        traceback.print_exc()  # through the boundary, so masked too
+        return 1
+    finally:
+        sys.stdout, sys.stderr = streams
 
 
 def run() -> None:

@@ -37,6 +37,7 @@ from rayacc.config import TrainConfig
 from rayacc.data.reads import filesystem_and_path
 from rayacc.data.sources import DatasetInfo
 from rayacc.engine.strategy import SHARDS_DIR
+from rayacc.redact import redact
 
 __all__ = [
     "HISTORY_FILE",
@@ -94,7 +95,8 @@ def run_identity(cfg: TrainConfig, info: DatasetInfo) -> dict[str, object]:
     }
     identity["dataset (Parquet files, sizes, row counts)"] = info.fingerprint
     identity["data order"] = order_kind(cfg, info)
-    return json.loads(json.dumps(identity))
+    # credentials are not identity (and a checkpoint must not hold them)
+    return redact(json.loads(json.dumps(identity)))
 
 
 def checkpoint_meta(cfg, info, plan, state, world: int, sharded: bool) -> dict[str, Any]:
@@ -132,7 +134,8 @@ def write_checkpoint(
     tmp = folder / (STATE_FILE + ".tmp")
     torch.save(state, tmp)
     os.replace(tmp, folder / STATE_FILE)
-    _atomic_write_text(folder / MODEL_FILE, json.dumps(description))
+    # the config in a checkpoint is for rebuilding the model: its credentials stay out
+    _atomic_write_text(folder / MODEL_FILE, json.dumps(redact(description)))
     if history is not None:
         history.copy_to(folder / HISTORY_FILE)
     _atomic_write_text(folder / META_FILE, json.dumps(meta))

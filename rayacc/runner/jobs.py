@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shlex
 import subprocess
 import sys
@@ -11,7 +12,18 @@ from pathlib import Path
 from rayacc.config import TrainConfig
 from rayacc.redact import redact
 
-__all__ = ["MAX_UPLOAD_BYTES", "SubmitError", "project_root", "submit", "upload_size"]
+__all__ = [
+    "MAX_UPLOAD_BYTES",
+    "SECRET_OVERRIDES",
+    "SubmitError",
+    "project_root",
+    "submit",
+    "upload_size",
+]
+
+SECRET_OVERRIDES = "RAYACC_OVERRIDES"
+"""Environment variable (a JSON list) of overrides `rayacc train` adds to its command line's:
+how a submitted job receives the ones that carry credentials."""
 
 MAX_UPLOAD_BYTES = 100 * 1024**2
 """Largest working_dir rayacc uploads; Ray keeps it in the GCS of the head node."""
@@ -66,6 +78,29 @@ def _client(address: str | None):
         ) from None
 
 
+def job_command(rel: Path, overrides: list[str]) -> tuple[str, dict[str, str]]:
+    """The job's entrypoint and environment. An override that carries a credential travels in
+    the environment (`SECRET_OVERRIDES`), never in the entrypoint, which the cluster stores and
+    `rayacc jobs list` shows."""
+    secret = [o for o in overrides if redact(o) != o]
+    env_vars = {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}
+    if secret:
+        env_vars[SECRET_OVERRIDES] = json.dumps(secret)
+    # `python -m` imports rayacc from the uploaded folder, not a copy installed on the node
+    entrypoint = " ".join(
+        [
+            "python",
+            "-m",
+            "rayacc.cli",
+            "train",
+            "-c",
+            shlex.quote(str(rel)),
+            *(shlex.quote(o) for o in overrides if o not in secret),
+        ]
+    )
+    return entrypoint, env_vars
+
+
 def submit(job_file: str, overrides: list[str], address: str | None, follow: bool) -> int:
     job_path = Path(job_file)
     TrainConfig.from_yaml(job_path, overrides)  # user mistakes stop here, before any upload
@@ -84,26 +119,17 @@ def submit(job_file: str, overrides: list[str], address: str | None, follow: boo
             f"{MAX_UPLOAD_BYTES / 2**20:.0f} MiB). Fix: add large files (data, checkpoints, "
             "virtual environments) to .gitignore, and read data from a Parquet URI instead"
         )
-    # `python -m` imports rayacc from the uploaded folder, not a copy installed on the node
-    entrypoint = " ".join(
-        [
-            "python",
-            "-m",
-            "rayacc.cli",
-            "train",
-            "-c",
-            shlex.quote(str(rel)),
-            *(shlex.quote(o) for o in overrides),
-        ]
-    )
+    entrypoint, env_vars = job_command(rel, overrides)
     client = _client(address)
     job_id = client.submit_job(
         entrypoint=entrypoint,
-        runtime_env={"working_dir": str(root), "env_vars": {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}},
+        runtime_env={"working_dir": str(root), "env_vars": env_vars},
         metadata={"rayacc.job_spec": str(rel)},
     )
-    where = f" --address {address}" if address else ""
+    where = f" --address {redact(address)}" if address else ""
     print(f"submitted {job_id}: {entrypoint}")
+    if SECRET_OVERRIDES in env_vars:
+        print("  overrides with credentials are passed in the job's environment")
     print(f"  follow it: rayacc jobs logs {job_id}{where} --follow")
     if not follow:
         return 0

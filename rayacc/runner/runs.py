@@ -89,7 +89,9 @@ class RunLocation:
         info["updated"] = time.strftime("%Y-%m-%d %H:%M:%S")
         info.setdefault("started", info["updated"])
         self.previous = info
-        _write_text(self.storage, f"{self.name}/{RUN_INFO}", json.dumps(info))
+        from rayacc.redact import redact
+
+        _write_text(self.storage, f"{self.name}/{RUN_INFO}", json.dumps(redact(info)))
         _write_text(self.storage, LATEST, self.name)
 
 

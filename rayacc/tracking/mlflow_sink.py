@@ -9,7 +9,6 @@ import queue
 import sys
 import threading
 import time
-import urllib.request
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -28,12 +27,28 @@ def default_tracking_uri() -> str:
 
 
 def _server_reachable(uri: str, timeout_s: float = 10.0) -> str | None:
-    """None when the server answers; otherwise why not."""
+    """None when the server answers; otherwise why not. Asks as MLflow's client does
+    (requests): basic auth from the URI's `user:password@`, else MLflow's variables
+    (MLFLOW_TRACKING_TOKEN, or MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD)."""
+    import os
+
+    import requests
+
+    headers, auth = {}, None
+    if os.environ.get("MLFLOW_TRACKING_TOKEN"):
+        headers["Authorization"] = f"Bearer {os.environ['MLFLOW_TRACKING_TOKEN']}"
+    elif os.environ.get("MLFLOW_TRACKING_USERNAME") and os.environ.get("MLFLOW_TRACKING_PASSWORD"):
+        auth = (os.environ["MLFLOW_TRACKING_USERNAME"], os.environ["MLFLOW_TRACKING_PASSWORD"])
     try:
-        with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout_s):
-            return None
-    except Exception as exc:
-        return str(getattr(exc, "reason", exc))
+        # a URI's userinfo becomes basic auth in requests (urllib cannot parse it at all)
+        answer = requests.get(
+            uri.rstrip("/") + "/health", headers=headers, auth=auth, timeout=timeout_s
+        )
+    except requests.RequestException as exc:
+        return str(exc)
+    if answer.status_code in (401, 403):
+        return f"the server refused the credentials (HTTP {answer.status_code})"
+    return None if answer.ok else f"HTTP {answer.status_code} from /health"
 
 
 class MlflowSink:
