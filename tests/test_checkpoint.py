@@ -113,3 +113,33 @@ def test_a_sharded_value_holding_code_is_refused_without_running_it(tmp_path):
     with pytest.raises(ShardError, match="could run code"):
         load_model_shards(tmp_path / "shards", _WithExtraState(2, 2))
     assert not marker.exists(), "loading a value ran its code"
+
+
+@pytest.mark.parametrize(
+    "outside", ["../outside.distcp", "/etc/hostname", "sub/../../outside.distcp", "../ckpt2/x"]
+)
+@pytest.mark.parametrize("where", ["index", "meta"])
+def test_a_sharded_checkpoint_naming_a_file_outside_its_folder_is_refused(tmp_path, outside, where):
+    """A crafted DCP index (`relative_path`) or meta.json (`shards`) must not make the loader
+    read files anywhere on disk."""
+    import json
+    import pickle
+
+    from rayacc.engine.shards import _IndexUnpickler
+
+    folder, _ = sharded_checkpoint(tmp_path / "ckpt")
+    (tmp_path / "outside.distcp").write_bytes(b"not yours")
+    if where == "index":
+        index = folder / "shards" / ".metadata"
+        with open(index, "rb") as f:
+            metadata = _IndexUnpickler(f).load()
+        for info in metadata.storage_data.values():
+            info.relative_path = outside
+        index.write_bytes(pickle.dumps(metadata))
+    else:
+        meta = json.loads((folder / "meta.json").read_text())
+        (folder / "meta.json").write_text(json.dumps({**meta, "shards": outside}))
+    with pytest.raises(CheckpointError, match="outside the checkpoint folder"):
+        load_model(folder)
+    with pytest.raises(CheckpointError, match="outside the checkpoint folder"):
+        read_checkpoint(folder)

@@ -108,7 +108,9 @@ def test_a_file_only_this_node_has_is_staged_under_the_shared_storage_once(tmp_p
     uri = stage_file(str(cache), f"file://{tmp_path / 'bucket'}")
     assert uri == f"file://{tmp_path / 'bucket'}/_data/digits.parquet"
     # the staging folder is not a run
-    assert locate_run(cfg(storage, "_data"), resume=False).name == "_data"
+    from rayacc.runner.runs import list_runs
+
+    assert list_runs(str(storage)) == []
 
 
 @pytest.mark.parametrize(
@@ -214,3 +216,56 @@ def test_resume_without_a_name_takes_the_latest_run_of_the_same_job(tmp_path, ru
     for name, _, _ in runs:
         assert name in str(err.value), "the runs there are listed"
     assert "run.name=NAME" in str(err.value) and "rayacc runs" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("name", "ok"),
+    [
+        ("exp-1_a.b", True),
+        ("A", True),
+        ("team/exp1", False),  # a folder inside another
+        ("..", False),  # outside the storage path
+        ("../x", False),
+        (".hidden", False),
+        ("_data", False),  # where shared data is staged
+        ("a b", False),
+        ("x" * 129, False),
+        ("", False),
+        ("run\\x", False),
+    ],
+)
+def test_run_names_are_plain_folder_names(name, ok):
+    from rayacc.config import ConfigError
+
+    if ok:
+        assert cfg("/tmp", name).run.name == name
+        return
+    with pytest.raises(ConfigError, match=r"run\.name") as err:
+        cfg("/tmp", name)
+    assert "letters, digits" in str(err.value), "the message says what a name may hold"
+
+
+def test_staging_writes_a_name_of_its_own_and_renames_it(tmp_path, monkeypatch):
+    """Sweep trials that share a storage path stage the same file at once: none may ever see
+    the target half-written."""
+    import pyarrow.fs as pafs
+
+    from rayacc.runner.ingest import stage_file
+
+    cache = tmp_path / "cache" / "digits.parquet"
+    cache.parent.mkdir()
+    cache.write_bytes(b"x" * 1000)
+    target = tmp_path / "shared" / "_data" / "digits.parquet"
+    copy = pafs.copy_files
+    written = []
+
+    def watched(source, destination, *args, **kwargs):
+        written.append(destination)
+        assert not target.exists(), "the target is already there while it is written"
+        copy(source, destination, *args, **kwargs)
+
+    monkeypatch.setattr(pafs, "copy_files", watched)
+    assert stage_file(str(cache), str(tmp_path / "shared")) == str(target)
+    assert written and all(Path(w) != target for w in written)
+    assert target.read_bytes() == cache.read_bytes()
+    assert sorted(p.name for p in target.parent.iterdir()) == ["digits.parquet"]

@@ -256,8 +256,10 @@ class TrackingConfig(Section):
 
 
 class RunConfig(Section):
-    name: str | None = None
-    """Name of the run's folder under `run.storage_path`; null = a fresh unique name."""
+    name: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+    """Name of the run's folder under `run.storage_path`: letters, digits, `.`, `_` and `-`,
+    starting with a letter or digit, at most 128 characters (a `/` or `..` would put the run
+    outside the storage path, or inside another run); null = a fresh unique name."""
     storage_path: str | None = None
     """Where checkpoints and run state go (absolute path or URI; shared storage on a multi-node
     cluster); null = <cwd>/rayacc_runs."""

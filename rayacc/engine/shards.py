@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 __all__ = [
     "INDEX_FILE",
     "ShardError",
+    "contained",
     "load_model_shards",
     "load_sharded",
     "missing_shard_files",
@@ -82,9 +83,23 @@ class _SafeReader(FileSystemReader):
                 f"{path} holds more than a checkpoint index, so it is not loaded (it could run "
                 f"code): {exc}. Fix: load checkpoints written by rayacc"
             ) from None
+        for info in (metadata.storage_data or {}).values():
+            contained(Path(self.path), info.relative_path, path)
         metadata.storage_meta = getattr(metadata, "storage_meta", None) or _storage_meta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+
+def contained(folder: Path, relative: str, named_in: Path | str) -> Path:
+    """`folder / relative`, refused (ShardError) unless it stays inside `folder`: an index or a
+    meta.json that names `../x` or `/etc/x` would make the loader read files anywhere."""
+    target = (folder / relative).resolve()
+    if Path(relative).is_absolute() or not target.is_relative_to(folder.resolve()):
+        raise ShardError(
+            f"{named_in} names {relative!r}, outside the checkpoint folder {folder}, so it is not "
+            "loaded. Fix: load checkpoints written by rayacc (their files are inside their folder)"
+        )
+    return target
 
 
 def _storage_meta():

@@ -183,9 +183,16 @@ def read_checkpoint(
 
 
 def _shards_of(folder: str | Path, meta: dict[str, Any]) -> Path | None:
-    """The folder of a sharded checkpoint's model and optimizer shards; None when the model
-    is whole in `state.pt`."""
-    return Path(folder) / meta["shards"] if meta.get("shards") else None
+    """The folder of a sharded checkpoint's model and optimizer shards (inside the checkpoint
+    folder, or refused); None when the model is whole in `state.pt`."""
+    if not meta.get("shards"):
+        return None
+    from rayacc.engine.shards import ShardError, contained
+
+    try:
+        return contained(Path(folder), str(meta["shards"]), Path(folder) / META_FILE)
+    except ShardError as exc:
+        raise CheckpointError(str(exc)) from None
 
 
 def load_model(path: str | Path) -> nn.Module:

@@ -14,6 +14,7 @@ every group each epoch and holds one epoch's data.
 from __future__ import annotations
 
 import itertools
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -284,7 +285,12 @@ def stage_file(path: str, storage: str) -> str:
     info = filesystem.get_file_info(target)
     if info.type != fs.FileType.File or info.size != Path(path).stat().st_size:
         filesystem.create_dir(f"{root}/_data", recursive=True)
-        fs.copy_files(path, target, fs.LocalFileSystem(), filesystem)
+        # written under a name of its own, then renamed: a concurrent run (sweep trials share
+        # the storage path) never reads a partial file (a rename is atomic on a filesystem; an
+        # object store's upload appears whole)
+        partial = f"{target}.{uuid.uuid4().hex}.partial"
+        fs.copy_files(path, partial, fs.LocalFileSystem(), filesystem)
+        filesystem.move(partial, target)
     return target if "://" not in storage else f"{storage.rstrip('/')}/_data/{name}"
 
 
