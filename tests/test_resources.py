@@ -64,3 +64,33 @@ def test_the_elastic_job_on_a_local_ray_exits_2_instead_of_waiting(tmp_path):
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "worker_slot" in proc.stderr and "Fix:" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("placement", "nodes", "workers", "fits"),
+    [
+        # CPU per node; 1 CPU a worker
+        ("STRICT_SPREAD", [4.0], 2, False),  # one node holds 4 workers, but one a node
+        ("STRICT_SPREAD", [1.0, 1.0], 2, True),
+        ("STRICT_SPREAD", [4.0, 0.5], 2, False),  # the second node holds none
+        ("STRICT_PACK", [1.0, 1.0], 2, False),  # 2 in all, never 2 on one node
+        ("STRICT_PACK", [2.0, 1.0], 2, True),
+        ("PACK", [1.0, 1.0], 2, True),
+        ("SPREAD", [4.0], 2, True),  # soft: spreads when it can
+        ("SPREAD", [0.5, 0.5], 2, False),
+    ],
+)
+def test_the_placement_strategy_decides_where_workers_may_go(placement, nodes, workers, fits):
+    config = cfg(num_workers=workers, cpus_per_worker=1, placement_strategy=placement)
+    alive = [{"Alive": True, "Resources": {"CPU": c}} for c in nodes]
+    if fits:
+        assert check_resources(config, alive, may_grow=False) is None
+        return
+    with pytest.raises(ResourceError) as err:
+        check_resources(config, alive, may_grow=False)
+    assert placement in str(err.value) and "scaling.placement_strategy" in str(err.value)
+    if sum(int(c) for c in nodes) >= workers:
+        assert "placement_strategy=" in str(err.value), "the fix names another strategy"
+    assert check_resources(config, alive, may_grow=True) is not None, (
+        "a warning on a cluster that may grow"
+    )

@@ -282,7 +282,14 @@ def check_resources(cfg: TrainConfig, nodes: list[dict[str, Any]], may_grow: boo
     same finding as a warning instead. None when the group fits."""
     need = worker_needs(cfg)
     alive = [n.get("Resources", {}) for n in nodes if n.get("Alive", True)]
-    fit = workers_that_fit(alive, need)
+    placement = cfg.scaling.placement_strategy
+    per_node = [workers_that_fit([r], need) for r in alive]
+    if placement == "STRICT_SPREAD":  # one worker a node
+        fit, held = sum(min(n, 1) for n in per_node), "node(s) that can each hold a worker"
+    elif placement == "STRICT_PACK":  # every worker on one node
+        fit, held = max(per_node, default=0), "worker(s) on their largest node"
+    else:
+        fit, held = sum(per_node), "worker(s)"
     wanted = cfg.scaling.min_workers
     if fit >= wanted:
         return None
@@ -290,19 +297,24 @@ def check_resources(cfg: TrainConfig, nodes: list[dict[str, Any]], may_grow: boo
     missing = [k for k in need if not any(r.get(k, 0) >= need[k] for r in alive)]
     asked = ", ".join(f"{k}: {v:g}" for k, v in need.items())
     text = (
-        f"the worker group needs {wanted} worker(s) of {{{asked}}} (scaling.num_workers, "
-        f"scaling.cpus_per_worker, scaling.use_gpu, scaling.extra_resources); the cluster's "
-        f"{len(alive)} node(s) hold {fit}"
+        f"the worker group needs {wanted} worker(s) of {{{asked}}} placed "
+        f"{placement} (scaling.num_workers, scaling.cpus_per_worker, scaling.use_gpu, "
+        f"scaling.extra_resources, scaling.placement_strategy); the cluster's "
+        f"{len(alive)} node(s) hold {fit} {held}"
         + (f", and no node offers enough {', '.join(missing)}" if missing else "")
         + f" (resources offered: {', '.join(offered)}). Fix: "
-        + _fix(cfg, missing)
+        + _fix(cfg, missing, sum(per_node) >= wanted)
     )
     if may_grow:
         return text
     raise ResourceError(text)
 
 
-def _fix(cfg: TrainConfig, missing: list[str]) -> str:
+def _fix(cfg: TrainConfig, missing: list[str], placement_only: bool) -> str:
+    if placement_only:  # enough in all, not where the placement strategy needs it
+        if cfg.scaling.placement_strategy == "STRICT_SPREAD":
+            return "set scaling.placement_strategy=SPREAD, or add nodes (one per worker)"
+        return "set scaling.placement_strategy=PACK, or use a node large enough for the group"
     if "GPU" in missing:
         return "set scaling.use_gpu=false, or run on a cluster with GPU nodes"
     if any(k in cfg.scaling.extra_resources for k in missing):
