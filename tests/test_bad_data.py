@@ -92,3 +92,42 @@ def test_good_data_still_describes(tmp_path):
 def test_a_negative_seed_is_a_config_error():
     with pytest.raises(ConfigError, match="seed"):
         TrainConfig.from_dict({"seed": -1, "batch": {"global_batch_size": 8}})
+
+
+@pytest.mark.parametrize(
+    ("rows", "val_fraction", "global_batch", "last_window", "train_rows"),
+    [
+        (151, 0.0, 256, "short", 151),  # one short window would be all the run has
+        (151, 0.0, 256, "drop", 151),  # no window at all
+        (256, 0.5, 256, "short", 128),  # the held-out rows leave too few
+        (256, 0.0, 256, "short", None),  # exactly one global batch: fine
+        (300, 0.1, 256, "short", None),
+    ],
+)
+def test_a_global_batch_larger_than_the_training_rows_names_both(
+    tmp_path, rows, val_fraction, global_batch, last_window, train_rows
+):
+    from rayacc.runner.prelaunch import prepare
+
+    source = classification(
+        tmp_path / "d.parquet", [[0.0, 1.0]] * rows, [0, 1] * (rows // 2) + [0] * (rows % 2)
+    )
+    cfg = TrainConfig.from_dict(
+        {
+            "data": {
+                "source": source,
+                "val_fraction": val_fraction,
+                "last_window": last_window,
+                "order": "rows",
+            },
+            "batch": {"global_batch_size": global_batch, "micro_batch_size": 8},
+        }
+    )
+    if train_rows is None:
+        assert prepare(cfg).plan.global_batch_size == global_batch
+        return
+    with pytest.raises(DataError) as err:
+        prepare(cfg)
+    message = str(err.value)
+    assert f"batch.global_batch_size={global_batch}" in message
+    assert f"{train_rows} training rows" in message and f"at most {train_rows}" in message

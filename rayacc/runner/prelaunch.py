@@ -78,13 +78,16 @@ def prepare(cfg: TrainConfig) -> Prepared:
             "write the data with smaller row groups (`rayacc data prepare`), set "
             "data.order=rows, or lower data.val_fraction"
         )
-    layout = epoch_layout(cfg, order.num_train_rows, plan)
-    if layout.steps_per_epoch == 0:
+    if order.num_train_rows < plan.global_batch_size:
+        # no step would see the declared batch, while MLflow would record it
         raise DataError(
-            f"data.source {info.path} has {order.num_train_rows} training rows, fewer than one "
-            f"global batch ({plan.global_batch_size}). Fix: lower batch.global_batch_size or "
-            "data.val_fraction, or use more data"
+            f"batch.global_batch_size={plan.global_batch_size} is more than the "
+            f"{order.num_train_rows} training rows of data.source {info.path} (after "
+            f"data.val_fraction={cfg.data.val_fraction}): no step would see that batch. Fix: "
+            f"set batch.global_batch_size to at most {order.num_train_rows} (and "
+            "batch.micro_batch_size to divide it), lower data.val_fraction, or use more data"
         )
+    layout = epoch_layout(cfg, order.num_train_rows, plan)
     reads = read_factor(order, layout) if order.chunked else None
     return Prepared(
         cfg,
