@@ -131,3 +131,50 @@ def test_a_global_batch_larger_than_the_training_rows_names_both(
     message = str(err.value)
     assert f"batch.global_batch_size={global_batch}" in message
     assert f"{train_rows} training rows" in message and f"at most {train_rows}" in message
+
+
+@pytest.mark.parametrize(
+    ("factory", "kwargs", "says"),
+    [
+        (":good", {}, "is not `package.module:function`"),
+        ("tests.no_such_module:build", {}, "cannot import 'tests.no_such_module'"),
+        ("tests.bad_factory_import:build", {}, "RuntimeError: this module is broken"),
+        ("tests.bad_factories:missing", {}, "has no callable 'missing'"),
+        ("tests.bad_factories:not_callable", {}, "has no callable 'not_callable'"),
+        ("tests.bad_factories:raises", {}, "ValueError: bad hidden size"),
+        ("tests.bad_factories:no_dataset", {}, "TypeError"),
+        ("tests.bad_factories:good", {"depth": 3}, "TypeError"),  # a kwarg it does not take
+        ("tests.bad_factories:returns_int", {}, "returned int, not an nn.Module"),
+    ],
+)
+def test_a_model_factory_that_cannot_build_the_model_is_refused_before_launch(
+    tmp_path, factory, kwargs, says
+):
+    from rayacc.models import ModelError
+    from rayacc.runner.prelaunch import prepare
+
+    cfg = TrainConfig.from_dict(
+        {
+            "model": {"name": "factory", "factory": factory, "kwargs": kwargs},
+            "data": {"source": "digits"},
+            "batch": {"global_batch_size": 32, "micro_batch_size": 8},
+        }
+    )
+    with pytest.raises(ModelError) as err:
+        prepare(cfg)
+    message = str(err.value)
+    assert says in message and f"model.factory={factory!r}" in message, message
+    assert "Fix:" in message and "nn.Module" in message
+
+
+def test_a_model_factory_that_builds_passes(tmp_path):
+    from rayacc.runner.prelaunch import prepare
+
+    cfg = TrainConfig.from_dict(
+        {
+            "model": {"name": "factory", "factory": "tests.bad_factories:good"},
+            "data": {"source": "digits"},
+            "batch": {"global_batch_size": 32, "micro_batch_size": 8},
+        }
+    )
+    assert prepare(cfg).num_parameters == 64 * 10 + 10

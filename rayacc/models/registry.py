@@ -38,19 +38,47 @@ class ModelError(ValueError):
     """A model that cannot be built from the config: names the field and the fix."""
 
 
+_FACTORY_FIX = (
+    "Fix: model.factory is `package.module:function`, importable on every node (an installed "
+    "package or the job's working_dir), and the function is called as "
+    "`function(dataset=DatasetInfo, **model.kwargs)` and returns an nn.Module"
+)
+
+
 def resolve_factory(spec: str) -> Callable[..., nn.Module]:
-    module_name, _, fn_name = spec.partition(":")
+    module_name, colon, fn_name = spec.partition(":")
+    if not colon or not module_name or not fn_name:
+        raise ModelError(f"model.factory={spec!r} is not `package.module:function`. {_FACTORY_FIX}")
     try:
         module = importlib.import_module(module_name)
-    except ImportError as exc:
+    except Exception as exc:  # an error inside the module is the user's, as a missing one is
         raise ModelError(
-            f"model.factory={spec!r}: cannot import {module_name!r} ({exc}). Fix: make the module "
-            "importable on every node (installed package or the job's working_dir)"
+            f"model.factory={spec!r}: cannot import {module_name!r} "
+            f"({type(exc).__name__}: {exc}). {_FACTORY_FIX}"
         ) from None
     fn = getattr(module, fn_name, None)
     if not callable(fn):
-        raise ModelError(f"model.factory={spec!r}: {module_name} has no callable {fn_name!r}")
+        raise ModelError(
+            f"model.factory={spec!r}: {module_name} has no callable {fn_name!r}. {_FACTORY_FIX}"
+        )
     return fn
+
+
+def _call_factory(spec: str, info: DatasetInfo, kwargs: dict) -> nn.Module:
+    fn = resolve_factory(spec)
+    try:
+        model = fn(dataset=info, **kwargs)
+    except Exception as exc:
+        raise ModelError(
+            f"model.factory={spec!r} failed when called with dataset and model.kwargs="
+            f"{kwargs!r}: {type(exc).__name__}: {exc}. {_FACTORY_FIX}"
+        ) from exc
+    if not isinstance(model, nn.Module):
+        raise ModelError(
+            f"model.factory={spec!r} returned {type(model).__name__}, not an nn.Module. "
+            f"{_FACTORY_FIX}"
+        )
+    return model
 
 
 def build_model(cfg: TrainConfig, info: DatasetInfo | None = None) -> nn.Module:
@@ -61,11 +89,7 @@ def build_model(cfg: TrainConfig, info: DatasetInfo | None = None) -> nn.Module:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
         if m.name == "factory":
-            model = resolve_factory(m.factory or "")(dataset=info, **m.kwargs)
-            if not isinstance(model, nn.Module):
-                raise ModelError(
-                    f"model.factory={m.factory!r} returned {type(model).__name__}, not an nn.Module"
-                )
+            model = _call_factory(m.factory or "", info, m.kwargs)
             if seeds_parameters(model):
                 init_parameters(model, cfg.seed)
             return model
@@ -126,7 +150,8 @@ def build_on_meta(cfg: TrainConfig, info: DatasetInfo) -> nn.Module:
     try:
         with parameters_on_meta():
             return build_model(cfg, info)
-    except (NotImplementedError, RuntimeError):
+    except (NotImplementedError, RuntimeError, ModelError):
+        # a real build says what is wrong, if anything is
         return build_model(cfg, info)
 
 
