@@ -1,7 +1,13 @@
 """Expanding a sweep into trials (no Ray)."""
 
+from pathlib import Path
+
+import pytest
+
 from rayacc.config import SweepConfig, TrainConfig
 from rayacc.runner.sweep import expand_trials
+
+ROOT = Path(__file__).resolve().parent.parent
 
 BASE = TrainConfig.from_dict(
     {
@@ -82,3 +88,55 @@ def test_trials_of_a_named_base_run_each_get_a_folder_of_their_own():
     sweep = SweepConfig.model_validate({"grid": {"batch.micro_batch_size": [4, 8, 16]}})
     names = [t.config["run"]["name"] for t in expand_trials(sweep, named)]
     assert names == ["exp-trial0", "exp-trial1", "exp-trial2"]
+
+
+@pytest.mark.parametrize(
+    ("section", "names"),
+    [
+        ({"grid": {"batch.micro_batchsize": [8]}}, ["grid.batch.micro_batchsize", "did you mean"]),
+        ({"grid": {"optim.lr": [0.1, "fast"]}}, ["grid.optim.lr", "'fast'"]),
+        ({"grid": {"optimizer.lr": [0.1]}}, ["grid.optimizer.lr", "unknown"]),
+        ({"grid": {"batch.micro_batch_size": [-4]}}, ["grid.batch.micro_batch_size"]),
+        ({"grid": {"train.precision": ["fp8"]}}, ["grid.train.precision", "'fp8'"]),
+        (
+            {"random": {"samples": 1, "space": {"train.precison": {"choice": ["fp32"]}}}},
+            ["random.space.train.precison", "did you mean"],
+        ),
+        (
+            {"random": {"samples": 1, "space": {"optim.lr": {"uniform": [0.1, "x"]}}}},
+            ["random.space.optim.lr", "'x'"],
+        ),
+        (
+            {"random": {"samples": 1, "space": {"optim.lr": {"normal": [0, 1]}}}},
+            ["random.space.optim.lr", "one distribution"],
+        ),
+        (
+            {"random": {"samples": 1, "space": {"optim.lr": {"uniform": [0.1]}}}},
+            ["random.space.optim.lr", "[low, high]"],
+        ),
+    ],
+)
+def test_every_key_and_value_a_sweep_names_is_checked_before_any_trial(tmp_path, section, names):
+    import yaml
+
+    from rayacc.config import ConfigError, SweepConfig
+
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump({"base": str(ROOT / "jobs/digits.yaml"), **section}))
+    with pytest.raises(ConfigError) as err:
+        SweepConfig.from_yaml(path)
+    for name in names:
+        assert name in str(err.value), (name, str(err.value))
+
+
+def test_a_combination_that_fails_a_rule_across_fields_is_a_skipped_trial_not_an_error(tmp_path):
+    import yaml
+
+    from rayacc.config import SweepConfig
+
+    path = tmp_path / "sweep.yaml"
+    grid = {"batch.micro_batch_size": [8, 48]}  # 48 divides no share of 256 on 2 workers
+    path.write_text(yaml.safe_dump({"base": str(ROOT / "jobs/digits.yaml"), "grid": grid}))
+    sweep, base, _ = SweepConfig.from_yaml(path)
+    trials = expand_trials(sweep, base)
+    assert [t.skip_reason is None for t in trials] == [True, False]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 from pathlib import Path
 from typing import Any, Literal
@@ -12,7 +13,9 @@ from rayacc.config.errors import MISSING, ConfigError, ConfigIssue, issues_from_
 from rayacc.config.loader import read_yaml
 from rayacc.config.schema import Section, TrainConfig
 
-__all__ = ["RandomSearch", "SweepConfig"]
+__all__ = ["DISTRIBUTIONS", "RandomSearch", "SweepConfig"]
+
+DISTRIBUTIONS = ("choice", "uniform", "loguniform", "randint")
 
 
 class RandomSearch(Section):
@@ -71,4 +74,52 @@ class SweepConfig(Section):
             base = TrainConfig.from_yaml(base_path, sweep.overrides)
         else:
             base = TrainConfig.from_dict(sweep.config or {}, sweep.overrides, source=str(p))
-        return sweep, base.model_dump(mode="json"), str(p)
+        dumped = base.model_dump(mode="json")
+        issues = sweep.setting_issues(dumped)
+        if issues:
+            raise ConfigError(issues, str(p))
+        return sweep, dumped, str(p)
+
+    def setting_issues(self, base: dict[str, Any]) -> list[ConfigIssue]:
+        """Every key the grid and the random space name must be a config field, and every value
+        they can give (each grid value, each choice, the bounds of a range) one of its type:
+        each checked on the base, before any trial starts. (A combination that fails a rule
+        across fields, e.g. a micro-batch that does not divide the global batch, is a trial
+        the sweep skips and reports, not a mistake in the file.)"""
+        issues: list[ConfigIssue] = []
+        candidates: list[tuple[str, str, Any]] = [
+            (f"grid.{key}", key, v) for key, values in self.grid.items() for v in values
+        ]
+        for key, dist in self.random.space.items():
+            where = f"random.space.{key}"
+            if len(dist) != 1 or next(iter(dist)) not in DISTRIBUTIONS:
+                issues.append(
+                    ConfigIssue(
+                        where,
+                        "is not one distribution",
+                        dist,
+                        "give one of " + ", ".join(f"{{{d}: [..]}}" for d in DISTRIBUTIONS),
+                    )
+                )
+                continue
+            ((kind, args),) = dist.items()
+            if kind != "choice" and len(args) != 2:
+                issues.append(ConfigIssue(where, f"{kind} takes [low, high]", args, None))
+                continue
+            candidates += [(where, key, v) for v in args]
+        for where, key, value in candidates:
+            data = copy.deepcopy(base)
+            node = data
+            *parents, leaf = key.split(".")
+            for part in parents:
+                node = node.setdefault(part, {}) if isinstance(node, dict) else {}
+            if isinstance(node, dict):
+                node[leaf] = value
+            try:
+                TrainConfig.model_validate(data)
+            except ValidationError as exc:
+                for issue in issues_from_validation(exc, TrainConfig):
+                    issue.path = f"{where}: {issue.path}"
+                    if all(str(i) != str(issue) for i in issues):
+                        issues.append(issue)
+        return issues
