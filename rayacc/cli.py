@@ -86,6 +86,7 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
     from rayacc.models import ModelError
     from rayacc.runner.checkpoint import CheckpointError
     from rayacc.runner.jobs import SubmitError
+    from rayacc.runner.places import PlaceError
     from rayacc.runner.prelaunch import ResourceError
     from rayacc.tracking.report import ReportError
 
@@ -98,6 +99,7 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
         ReportError,
         SubmitError,
         ResourceError,
+        PlaceError,
     )
 
 
@@ -311,6 +313,9 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     console = _console()
     _console_owns_ray_output()
     sweep, base, source = SweepConfig.from_yaml(args.config)
+    from rayacc.runner.places import check_places
+
+    check_places(TrainConfig.model_validate(base))  # every trial stores and tracks there
     console.print(f"[bold]rayacc sweep[/] {source}")
 
     def on_event(kind, trial, info):
@@ -363,11 +368,15 @@ def _print_report(console, report) -> None:
 
 def cmd_report(args: argparse.Namespace) -> int:
 
+    from rayacc.runner.places import PlaceError, check_folder, check_tracking_uri
     from rayacc.tracking import default_tracking_uri
     from rayacc.tracking.report import build_report, write_report
 
     console = _console()
     uri = args.tracking_uri or default_tracking_uri()
+    problems = [check_tracking_uri("--tracking-uri", uri), check_folder("--out", args.out)]
+    if any(problems):
+        raise PlaceError([p for p in problems if p])
     report = build_report(uri, args.target)
     _print_report(console, report)
     files = write_report(report, args.out, tracking_uri=uri)
@@ -466,7 +475,10 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
             f"(a new folder for the Parquet); bundled names are {', '.join(BUNDLED)}"
         )
     from rayacc.data.prepare import prepare_corpus
+    from rayacc.runner.places import PlaceError, check_folder
 
+    if problem := check_folder("--out", args.out):
+        raise PlaceError([problem])
     # Ray Data's per-execution INFO lines (a --shuffle) would bury the progress lines
     logging.getLogger("ray.data").setLevel(logging.WARNING)
     prepare_corpus(

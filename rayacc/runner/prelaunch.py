@@ -29,6 +29,7 @@ from rayacc.quantities import (
     total_optimizer_steps,
 )
 from rayacc.runner.checkpoint import run_identity
+from rayacc.runner.places import check_places
 from rayacc.runner.runs import RunLocation, locate_run
 
 __all__ = [
@@ -65,7 +66,9 @@ class Prepared:
 
 def prepare(cfg: TrainConfig) -> Prepared:
     """Resolves data, batch plan, LR and model; raises DataError / ModelError / BatchPlanError
-    (all ValueError) for user mistakes."""
+    (all ValueError) for user mistakes, PlaceError for every place it names that cannot be
+    used."""
+    check_places(cfg)
     info = describe_dataset(cfg.data.source, cfg.data.cache_dir, cfg.data.seq_len)
     plan = cfg.batch_plan()
     model = build_on_meta(cfg, info)

@@ -1,0 +1,109 @@
+"""Every place a config or a command names — the run's storage path, the tracking URI, the data
+cache, output folders — checked before anything starts: a scheme rayacc or MLflow can use, the
+right kind (a folder, not a file), and writable where rayacc writes, or creatable. Each mistake
+is a `PlaceError` naming the field or option and the fix; all of them at once."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from rayacc.config import TrainConfig
+from rayacc.redact import redact
+
+__all__ = ["PlaceError", "check_folder", "check_places", "check_tracking_uri"]
+
+TRACKING_SCHEMES = (
+    "sqlite",
+    "http",
+    "https",
+    "postgresql",
+    "mysql",
+    "mssql",
+    "databricks",
+)
+"""Tracking URIs MLflow 3 stores runs at (a plain folder, MLflow's old file store, is refused
+by MLflow since 3.13)."""
+
+
+class PlaceError(ValueError):
+    """Places named by a config or command that cannot be used: every one, each with its fix."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__(f"{len(problems)} place(s) cannot be used:\n  " + "\n  ".join(problems))
+
+
+def check_folder(field: str, value: str, *, writes: bool = True) -> str | None:
+    """Why the local folder `value` (named by `field`) cannot be used, or None: it is a folder,
+    or can be created (its nearest existing parent is a writable folder)."""
+    path = Path(value).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            return f"{field}={value!r} is a file, not a folder. Fix: name a folder"
+        if writes and not os.access(path, os.W_OK | os.X_OK):
+            return f"{field}={value!r} is not writable. Fix: name a folder you can write to"
+        return None
+    parent = next((p for p in path.parents if p.exists()), None)
+    if parent is None or not parent.is_dir():
+        return f"{field}={value!r} cannot be created under {parent}. Fix: name a folder"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return (
+            f"{field}={value!r} does not exist and {parent} is not writable, so it cannot be "
+            "created. Fix: create it, or name a folder you can write to"
+        )
+    return None
+
+
+def _check_uri_storage(field: str, value: str) -> str | None:
+    from pyarrow import fs
+
+    try:
+        fs.FileSystem.from_uri(value)
+    except Exception as exc:  # pyarrow says which scheme it does not know, or what is missing
+        return (
+            f"{field}={redact(value)!r} cannot be reached ({type(exc).__name__}: "
+            f"{redact(str(exc)).splitlines()[0][:160]}). Fix: give a local path, or a URI "
+            "pyarrow reaches (s3://, gs://, abfs://, hdfs://, file://) with its credentials set"
+        )
+    return None
+
+
+def check_tracking_uri(field: str, uri: str) -> str | None:
+    """Why MLflow cannot store runs at `uri`, or None."""
+    scheme = uri.split("://", 1)[0].split("+", 1)[0].lower() if "://" in uri else ""
+    if scheme not in TRACKING_SCHEMES:
+        return (
+            f"{field}={redact(uri)!r} is not a tracking store MLflow 3 writes to (a plain "
+            "folder, MLflow's file store, is refused since MLflow 3.13). Fix: use "
+            "sqlite:///ABSOLUTE/PATH/mlflow.db, or an http(s):// tracking server, or a "
+            "database URI (postgresql://, mysql://)"
+        )
+    if scheme == "sqlite":
+        from rayacc.tracking.sqlite_store import sqlite_path
+
+        path = sqlite_path(uri)
+        if path is None:
+            return None  # sqlite:// in memory: MLflow's own business
+        if path.is_dir():
+            return f"{field}={uri!r} names a folder, not a database file. Fix: end it in .db"
+        return check_folder(f"the folder of {field}={uri!r}:", str(path.parent))
+    return None
+
+
+def check_places(cfg: TrainConfig) -> None:
+    """Raises PlaceError listing every place of `cfg` that cannot be used."""
+    problems = []
+    storage = cfg.run.storage_path
+    if storage is not None:
+        if "://" in storage:
+            problems.append(_check_uri_storage("run.storage_path", storage))
+        else:
+            problems.append(check_folder("run.storage_path", storage))
+    if cfg.tracking.enabled and cfg.tracking.tracking_uri is not None:
+        problems.append(check_tracking_uri("tracking.tracking_uri", cfg.tracking.tracking_uri))
+    if cfg.data.cache_dir is not None:
+        problems.append(check_folder("data.cache_dir", cfg.data.cache_dir))
+    found = [p for p in problems if p]
+    if found:
+        raise PlaceError(found)
