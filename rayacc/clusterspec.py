@@ -308,8 +308,13 @@ def _head_exposure_errors(doc: dict[str, Any]) -> list[str]:
     return errors
 
 
+DASHBOARD_PORT = 8265
+
+
 def _networkpolicy_errors(doc: dict[str, Any]) -> list[str]:
-    """Ingress to the head from pods of the same namespace only."""
+    """Ingress to the head from pods of the same namespace, and from the KubeRay operator's
+    namespace on the dashboard port only (the operator polls it for a RayJob's status: without
+    it a RayJob runs out its deadline and is marked failed)."""
     spec = doc["spec"]
     errors = []
     labels = spec["podSelector"].get("matchLabels", {})
@@ -317,13 +322,33 @@ def _networkpolicy_errors(doc: dict[str, Any]) -> list[str]:
         errors.append("spec.podSelector: must select the head (ray.io/node-type: head)")
     if "Ingress" not in spec["policyTypes"]:
         errors.append("spec.policyTypes: must include Ingress")
+    operator = False
     for i, rule in enumerate(spec["ingress"]):
+        ports = {p.get("port") for p in rule.get("ports") or []}
         for j, peer in enumerate(rule.get("from") or [{}]):
-            if set(peer) != {"podSelector"}:
+            if set(peer) == {"podSelector"}:
+                continue
+            if "namespaceSelector" in peer and set(peer) <= {"namespaceSelector", "podSelector"}:
+                if ports == {DASHBOARD_PORT}:
+                    operator = True
+                    continue
                 errors.append(
-                    f"spec.ingress.{i}.from.{j}: only podSelector peers (this namespace's pods) "
-                    f"may reach the head, not {sorted(peer) or 'everyone'}"
+                    f"spec.ingress.{i}: another namespace's pods may reach the dashboard port "
+                    f"only (ports: [{{port: {DASHBOARD_PORT}}}]), not "
+                    f"{sorted(ports) if ports else 'every port'}"
                 )
+                continue
+            errors.append(
+                f"spec.ingress.{i}.from.{j}: only podSelector peers (this namespace's pods) and "
+                f"the operator's namespace may reach the head, not {sorted(peer) or 'everyone'}"
+            )
+    if not operator:
+        errors.append(
+            "spec.ingress: no rule admits the KubeRay operator's namespace on the dashboard port "
+            f"{DASHBOARD_PORT}: the operator polls it for a RayJob's status, and without it the "
+            "RayJob runs out its deadline. Fix: add a rule with a namespaceSelector of the "
+            f"operator's namespace and ports: [{{port: {DASHBOARD_PORT}}}]"
+        )
     return errors
 
 

@@ -116,7 +116,7 @@ KUBERAY_BREAKS = {
 NETWORKPOLICY_BREAKS = {
     "open to other namespaces": (
         lambda d: d["spec"]["ingress"][0]["from"].append({"namespaceSelector": {}}),
-        "only podSelector peers",
+        "dashboard port only",
     ),
     "open to every address": (
         lambda d: d["spec"]["ingress"][0].pop("from"),
@@ -125,6 +125,22 @@ NETWORKPOLICY_BREAKS = {
     "not the head": (
         lambda d: d["spec"]["podSelector"]["matchLabels"].pop("ray.io/node-type"),
         "must select the head",
+    ),
+    "operator shut out": (
+        lambda d: d["spec"]["ingress"].pop(1),
+        "no rule admits the KubeRay operator",
+    ),
+    "operator on every port": (
+        lambda d: d["spec"]["ingress"][1].pop("ports"),
+        "dashboard port only",
+    ),
+    "operator on another port": (
+        lambda d: d["spec"]["ingress"][1]["ports"][0].update(port=6379),
+        "dashboard port only",
+    ),
+    "every namespace by IP": (
+        lambda d: d["spec"]["ingress"][1]["from"].append({"ipBlock": {"cidr": "0.0.0.0/0"}}),
+        "only podSelector peers",
     ),
 }
 
