@@ -128,7 +128,7 @@ remove() {
     return 0
   fi
   # shellcheck disable=SC2046
-  kill -KILL $(descendants "$pid") 2>/dev/null
+  signal_same KILL $(with_start $(descendants "$pid"))
   echo "worker node $1 killed"
 }
 
@@ -189,20 +189,39 @@ wait_gone() {  # wait_gone INTERVAL PID...: up to 20 checks, INTERVAL apart, unt
   return 0
 }
 
+with_start() {  # PID:START for each of the pids given that still runs
+  local p s
+  for p in "$@"; do
+    s=$(start_time "$p")
+    if [ -n "$s" ]; then echo "$p:$s"; fi
+  done
+  return 0
+}
+
+signal_same() {  # signal_same SIG PID:START...: signals each process that is still the one
+  # recorded (its pid may have been freed and taken by another process since)
+  local sig=$1 e; shift
+  for e in "$@"; do
+    if [ "$(start_time "${e%%:*}")" = "${e#*:}" ]; then kill "-$sig" "${e%%:*}" 2>/dev/null || true; fi
+  done
+  return 0
+}
+
 down() {
   [ -d "$STATE" ] || { echo "local.sh: nothing to stop ($STATE)"; return 0; }
-  local pids
+  local procs
   # shellcheck disable=SC2207
-  pids=($(tree_of_recorded))
-  local count=${#pids[@]}
+  procs=($(with_start $(tree_of_recorded)))
+  local count=${#procs[@]}
   if [ "$count" -gt 0 ]; then
-    kill -TERM "${pids[@]}" 2>/dev/null || true
-    wait_gone 0.5 "${pids[@]}"
-    # what is left, children spawned meanwhile included, is killed outright
+    signal_same TERM "${procs[@]}"
+    wait_gone 0.5 "${procs[@]%%:*}"
+    # what is left, children spawned meanwhile included, is killed outright: each checked
+    # again, since a process that ended after TERM may have handed its pid to another
     # shellcheck disable=SC2207
-    pids=("${pids[@]}" $(tree_of_recorded))
-    kill -KILL "${pids[@]}" 2>/dev/null || true
-    wait_gone 0.25 "${pids[@]}"
+    procs=("${procs[@]}" $(with_start $(tree_of_recorded)))
+    signal_same KILL "${procs[@]}"
+    wait_gone 0.25 "${procs[@]%%:*}"
   fi
   rm -f "$STATE"/*.pid "$STATE/env"
   rm -rf "$TEMP"
@@ -216,6 +235,9 @@ status() {
     if [ -n "$pid" ]; then echo "$(basename "$f" .pid): running (pid $pid)"; else echo "$(basename "$f" .pid): gone"; fi
   done
 }
+
+# sourced (tests): the functions only
+if [ "${BASH_SOURCE[0]}" != "$0" ]; then return 0; fi
 
 case "${1:-}" in
   up) up "${2:-1}" ;;

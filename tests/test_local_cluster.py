@@ -69,3 +69,44 @@ def test_a_reused_pid_is_never_signalled_and_stale_records_are_dropped(tmp_path)
     finally:
         if alive(unrelated):
             unrelated.kill()
+
+
+def test_every_signal_of_down_and_remove_re_checks_the_process_start_time(tmp_path):
+    """A process that ends after `down`'s TERM may hand its pid to another before the KILL
+    pass: each signal goes only to a pid whose start time is still the one seen first."""
+    unrelated = subprocess.Popen(["sleep", "300"])
+    lib = f"source {ROOT / 'cluster' / 'local.sh'}"
+    try:
+        right = f"{unrelated.pid}:{start_time(unrelated.pid)}"
+        wrong = f"{unrelated.pid}:1"
+        out = subprocess.run(["bash", "-c", f"{lib}; signal_same KILL {wrong}"], timeout=30)
+        assert out.returncode == 0
+        time.sleep(0.3)
+        assert alive(unrelated), "signalled a pid whose start time is another's"
+        out = subprocess.run(
+            ["bash", "-c", f"{lib}; with_start {unrelated.pid} 999999999"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert out.stdout.split() == [right], "a pid that runs, with its start; none for the gone"
+        subprocess.run(["bash", "-c", f"{lib}; signal_same KILL {right}"], timeout=30)
+        unrelated.wait(timeout=10)
+    finally:
+        if alive(unrelated):
+            unrelated.kill()
+
+
+def test_down_kills_a_recorded_process_that_ignores_term(tmp_path):
+    state = tmp_path / "state"
+    state.mkdir()
+    stubborn = subprocess.Popen(["bash", "-c", "trap '' TERM; sleep 300 & wait"])
+    try:
+        time.sleep(0.3)
+        (state / "head.pid").write_text(f"{stubborn.pid} {start_time(stubborn.pid)} {boot_id()}\n")
+        out = local_sh(state, "down")
+        assert out.returncode == 0 and "stopped" in out.stdout, out.stdout + out.stderr
+        stubborn.wait(timeout=20)
+    finally:
+        if alive(stubborn):
+            stubborn.kill()
