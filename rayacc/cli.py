@@ -31,8 +31,10 @@ def _load(args: argparse.Namespace) -> TrainConfig:
 def cmd_plan(args: argparse.Namespace) -> int:
     """Prints the resolved batch plan and effective LR of a config, without running anything."""
     from rayacc.quantities import lr_explanation
+    from rayacc.runner.prelaunch import check
 
     cfg = _load(args)
+    check(cfg, "plan")
     plan = cfg.batch_plan()
     print(plan.describe())
     if cfg.scaling.elastic:
@@ -313,9 +315,10 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     console = _console()
     _console_owns_ray_output()
     sweep, base, source = SweepConfig.from_yaml(args.config)
-    from rayacc.runner.places import check_places
+    from rayacc.runner.prelaunch import check
 
-    check_places(TrainConfig.model_validate(base))  # every trial stores and tracks there
+    # the base as every trial shares it: its places, data, model and batch against the data
+    check(TrainConfig.model_validate(base), "run")
     console.print(f"[bold]rayacc sweep[/] {source}")
 
     def on_event(kind, trial, info):

@@ -4,6 +4,7 @@ the right kind, writable or creatable (no Ray, no MLflow store is opened)."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -89,3 +90,42 @@ def test_the_commands_refuse_a_place_before_anything_starts(tmp_path, capsys):
     assert code == 2 and "--out" in err and "--tracking-uri" in err, err
     code = main(["data", "prepare", str(afile), "--out", str(afile)])
     assert code == 2 and "--out" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["train", "verify", "plan", "submit", "sweep"])
+@pytest.mark.parametrize(
+    ("override", "names"),
+    [
+        ("tracking.tracking_uri=/tmp/mlruns", "tracking.tracking_uri"),
+        ("model.factory=tests.bad_factories:missing", "model.factory"),
+        ("run.storage_path=nosuch://bucket/runs", "run.storage_path"),
+    ],
+)
+def test_every_command_refuses_the_same_mistakes_before_it_starts(
+    tmp_path, monkeypatch, capsys, command, override, names
+):
+    """One validator for train, verify, plan, submit and sweep: exit 2 naming the field, no
+    traceback, nothing started (no Ray here: a command that got past the checks would fail
+    otherwise)."""
+    import yaml
+
+    from rayacc.cli import main
+
+    root = Path(__file__).resolve().parent.parent
+    monkeypatch.chdir(root)
+    overrides = [override]
+    if override.startswith("model.factory"):
+        overrides.insert(0, "model.name=factory")
+    job = "jobs/digits.yaml"
+    if command == "sweep":
+        sweep = tmp_path / "sweep.yaml"
+        sweep.write_text(yaml.safe_dump({"base": str(root / job), "overrides": overrides}))
+        argv = ["sweep", "-c", str(sweep)]
+    elif command == "submit":
+        argv = ["submit", job, *overrides, "--address", "http://127.0.0.1:9"]
+    else:
+        argv = [command, "-c", job, *overrides]
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert names in err and "Fix:" in err and "Traceback" not in err, err

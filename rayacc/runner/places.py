@@ -91,18 +91,33 @@ def check_tracking_uri(field: str, uri: str) -> str | None:
     return None
 
 
-def check_places(cfg: TrainConfig) -> None:
-    """Raises PlaceError listing every place of `cfg` that cannot be used."""
+STORAGE_SCHEMES = ("s3", "gs", "gcs", "abfs", "abfss", "hdfs", "viewfs", "file")
+"""URI schemes pyarrow's filesystems read and write."""
+
+
+def check_places(cfg: TrainConfig, here: bool = True) -> None:
+    """Raises PlaceError listing every place of `cfg` that cannot be used. `here=False` (a job
+    for a cluster, whose paths are the cluster's) checks only what this machine can judge: the
+    schemes of the URIs."""
     problems = []
     storage = cfg.run.storage_path
-    if storage is not None:
-        if "://" in storage:
-            problems.append(_check_uri_storage("run.storage_path", storage))
+    if storage is not None and "://" in storage:
+        if not here:
+            scheme = storage.split("://", 1)[0].lower()
+            if scheme not in STORAGE_SCHEMES:
+                problems.append(
+                    f"run.storage_path={redact(storage)!r}: {scheme}:// is not a storage rayacc "
+                    f"writes to. Fix: use one of {', '.join(s + '://' for s in STORAGE_SCHEMES)}"
+                )
         else:
-            problems.append(check_folder("run.storage_path", storage))
-    if cfg.tracking.enabled and cfg.tracking.tracking_uri is not None:
-        problems.append(check_tracking_uri("tracking.tracking_uri", cfg.tracking.tracking_uri))
-    if cfg.data.cache_dir is not None:
+            problems.append(_check_uri_storage("run.storage_path", storage))
+    elif storage is not None and here:
+        problems.append(check_folder("run.storage_path", storage))
+    uri = cfg.tracking.tracking_uri
+    # a sqlite file of a submitted job is on the cluster: its scheme is all there is to judge
+    if cfg.tracking.enabled and uri is not None and (here or not uri.startswith("sqlite:")):
+        problems.append(check_tracking_uri("tracking.tracking_uri", uri))
+    if cfg.data.cache_dir is not None and here:
         problems.append(check_folder("data.cache_dir", cfg.data.cache_dir))
     found = [p for p in problems if p]
     if found:

@@ -35,6 +35,7 @@ from rayacc.runner.runs import RunLocation, locate_run
 __all__ = [
     "Prepared",
     "ResourceError",
+    "check",
     "check_cluster",
     "check_resources",
     "check_resume",
@@ -62,6 +63,21 @@ class Prepared:
     notes: list[str] = field(default_factory=list)
     groups: RowGroups | None = None
     """The source's Parquet row groups (the units data is read in)."""
+
+
+def check(cfg: TrainConfig, scope: str = "run") -> Prepared | None:
+    """The one pre-launch validator of the commands: `run` (train, verify, a sweep's base):
+    everything, returned as `prepare` resolves it; `plan`: everything but the pass over the
+    data (places, the model factory); `submit`: what this machine can judge of a job the
+    cluster runs (the URIs' schemes, the model factory's import: the project is uploaded)."""
+    from rayacc.models.registry import resolve_factory
+
+    if scope == "run":
+        return prepare(cfg)
+    check_places(cfg, here=scope == "plan")
+    if cfg.model.name == "factory":
+        resolve_factory(cfg.model.factory or "")
+    return None
 
 
 def prepare(cfg: TrainConfig) -> Prepared:
