@@ -1,6 +1,8 @@
 """End to end on a real multi-node Ray cluster on loopback (cluster/local.sh): a head, one worker
 node and an MLflow server; `rayacc submit --follow` runs jobs/digits.yaml with one training worker
-on each node."""
+on each node. A secret is planted in the tracking URI (`user:password@`, which the server takes as
+basic auth) and searched for in everything the run leaves: the console and the job's logs, the
+job's record on the cluster, the run's storage, the MLflow store, the cluster's own logs."""
 
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ from mlflow.tracking import MlflowClient
 
 pytestmark = pytest.mark.ray
 ROOT = Path(__file__).resolve().parent.parent
+PORT = 27379
+SECRET = "PlantedS3cret-4e1b"
 
 
 def read_env(path: Path) -> dict[str, str]:
@@ -44,7 +48,7 @@ def test_submit_to_local_multinode_cluster(tmp_path):
     env = dict(
         os.environ,
         RAYACC_LOCAL_DIR=str(state),
-        RAYACC_LOCAL_PORT="27379",
+        RAYACC_LOCAL_PORT=str(PORT),
         PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}",
     )
     env.pop("RAY_ADDRESS", None)
@@ -61,6 +65,7 @@ def test_submit_to_local_multinode_cluster(tmp_path):
         assert up.returncode == 0, up.stdout + up.stderr
         cluster = read_env(state / "env")
         job_env = dict(env, **cluster)
+        tracking = cluster["MLFLOW_TRACKING_URI"].replace("http://", f"http://alice:{SECRET}@")
         submit = subprocess.run(
             [
                 sys.executable,
@@ -70,7 +75,7 @@ def test_submit_to_local_multinode_cluster(tmp_path):
                 "jobs/digits.yaml",
                 "train.epochs=2",
                 "scaling.placement_strategy=STRICT_SPREAD",
-                f"tracking.tracking_uri={cluster['MLFLOW_TRACKING_URI']}",
+                f"tracking.tracking_uri={tracking}",
                 "tracking.experiment=e2e",
                 f"run.storage_path={tmp_path / 'runs'}",
                 "--address",
@@ -101,6 +106,39 @@ def test_submit_to_local_multinode_cluster(tmp_path):
         assert len(nodes) == 2 and len(set(nodes)) == 2, f"workers ran on {nodes}"
         steps = [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")]
         assert sorted(steps) == list(range(1, 13))
+
+        # the planted secret is nowhere: console, job record, storage, MLflow, cluster logs
+        from ray.job_submission import JobSubmissionClient
+
+        jobs = JobSubmissionClient(cluster["RAY_ADDRESS"]).list_jobs()
+        listed = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "rayacc.cli",
+                "jobs",
+                "list",
+                "--address",
+                cluster["RAY_ADDRESS"],
+            ],
+            cwd=ROOT,
+            env=job_env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        outputs = {
+            "console": submit.stdout + submit.stderr,
+            "rayacc jobs list": listed.stdout + listed.stderr,
+            "job records": repr([(j.entrypoint, j.metadata, j.message) for j in jobs]),
+        }
+        for folder in (tmp_path / "runs", state, Path(f"/tmp/rayacc-local-{PORT}")):
+            for path in folder.rglob("*"):
+                if path.is_file() and not path.is_symlink():
+                    outputs[str(path)] = path.read_bytes().decode(errors="replace")
+        found = [where for where, text in outputs.items() if SECRET in text or "alice:" in text]
+        assert not found, f"the planted secret is in {found}"
+        assert len(outputs) > 20, "the search looked at too little to prove anything"
     finally:
         down = subprocess.run(
             ["bash", "cluster/local.sh", "down"],
