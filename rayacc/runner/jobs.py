@@ -132,7 +132,12 @@ def submit(job_file: str, overrides: list[str], address: str | None, follow: boo
     where = f" --address {redact(address)}" if address else ""
     print(f"submitted {job_id}: {entrypoint}")
     if SECRET_OVERRIDES in env_vars:
-        print("  overrides with credentials are passed in the job's environment")
+        print(
+            "  overrides with credentials are passed in the job's environment, not its "
+            "entrypoint; Ray's runtime-env agent logs a job's environment on the nodes "
+            "(runtime_env_agent.log): on a shared cluster give credentials through the "
+            "cluster's own environment instead (e.g. MLFLOW_TRACKING_USERNAME/PASSWORD)"
+        )
     print(f"  follow it: rayacc jobs logs {job_id}{where} --follow")
     if not follow:
         return 0
