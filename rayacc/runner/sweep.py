@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rayacc.config import ConfigError, SweepConfig, TrainConfig
+from rayacc.redact import redact
 
 __all__ = ["SweepResult", "Trial", "expand_trials", "run_sweep"]
 
@@ -220,7 +221,8 @@ def _trial_function(configs: dict[int, dict[str, Any]], uri: str, parent_id: str
         except Exception as exc:
             return {
                 "ok": False,
-                "error": str(exc).splitlines()[0][:500],
+                # Tune keeps the result in the sweep's storage (result.json)
+                "error": redact(str(exc)).splitlines()[0][:500],
                 "wall_time_s": time.perf_counter() - t_start,
             }
         return {
