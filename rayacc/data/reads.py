@@ -22,6 +22,17 @@ def filesystem_and_path(location: str):
     return fs.LocalFileSystem(), location
 
 
+def read_text(location: str) -> str | None:
+    """The text of the file at a local path or URI; None when there is no such file."""
+    from pyarrow import fs
+
+    filesystem, path = filesystem_and_path(location)
+    if filesystem.get_file_info(path).type != fs.FileType.File:
+        return None
+    with filesystem.open_input_stream(path) as f:
+        return f.read().decode()
+
+
 @functools.lru_cache(maxsize=32)
 def parquet_file(source: str, path: str) -> pq.ParquetFile:
     """An open file, kept by the process that runs read tasks: its footer (the row groups'

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from rayacc.config import TrainConfig
-from rayacc.data.reads import filesystem_and_path
+from rayacc.data.reads import filesystem_and_path, read_text
 from rayacc.data.sources import DatasetInfo
 from rayacc.engine.strategy import SHARDS_DIR
 from rayacc.redact import redact
@@ -213,16 +213,6 @@ def load_model(path: str | Path) -> nn.Module:
 
 
 # ----------------------------------------------------------------------------- a run's folders
-def _read_text(uri: str) -> str | None:
-    from pyarrow import fs
-
-    filesystem, path = filesystem_and_path(uri)
-    if filesystem.get_file_info(path).type != fs.FileType.File:
-        return None
-    with filesystem.open_input_stream(path) as f:
-        return f.read().decode()
-
-
 @dataclass(frozen=True)
 class Checkpoint:
     """One complete checkpoint of a run, on any storage pyarrow reaches."""
@@ -231,7 +221,7 @@ class Checkpoint:
     step: int
 
     def meta(self) -> dict[str, Any]:
-        text = _read_text(f"{self.uri}/{META_FILE}")
+        text = read_text(f"{self.uri}/{META_FILE}")
         if text is None:
             raise CheckpointError(f"{self.uri} lost its {META_FILE} (deleted meanwhile?)")
         return json.loads(text)
@@ -239,7 +229,7 @@ class Checkpoint:
     def history(self, through: int | None = None) -> list[dict[str, Any]]:
         """The lineage's step records up to this checkpoint's step (or `through`), in order;
         empty for a checkpoint written before checkpoints carried it."""
-        text = _read_text(f"{self.uri}/{HISTORY_FILE}") or ""
+        text = read_text(f"{self.uri}/{HISTORY_FILE}") or ""
         records = [json.loads(line) for line in text.splitlines() if line.strip()]
         last = self.step if through is None else min(through, self.step)
         return [r for r in records if r["step"] <= last]

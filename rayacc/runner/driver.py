@@ -23,7 +23,6 @@ from rayacc.batch_plan import BatchPlan
 from rayacc.config import TrainConfig
 from rayacc.data.sources import RowGroups, row_groups
 from rayacc.events import RunObserver, RunStarted
-from rayacc.redact import redact
 from rayacc.runner.checkpoint import run_identity
 from rayacc.runner.prelaunch import Prepared, check_cluster, locate, prepare
 from rayacc.runner.runs import RunLocation
@@ -264,7 +263,7 @@ def fit(
         tracking_uri=tracked.sink.tracking_uri if tracked else None,
         job=cfg.source_file,
         model=cfg.model.name,
-        data=redact(cfg.data.source),
+        data=cfg.data.source,  # the info file is written masked
         identity=run_identity(cfg, prep.info),
         total_steps=prep.total_steps,
         status="running",

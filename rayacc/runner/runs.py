@@ -13,8 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from rayacc.config import TrainConfig
-from rayacc.data.reads import filesystem_and_path
+from rayacc.data.reads import filesystem_and_path, read_text
 from rayacc.data.sources import DataError
+from rayacc.redact import redact
 from rayacc.runner.checkpoint import RunCheckpoints
 
 __all__ = ["LATEST", "RUN_INFO", "RunLocation", "RunSummary", "default_storage", "list_runs"]
@@ -26,17 +27,6 @@ LATEST = "LATEST"
 """In the storage path: the name of the latest run started there."""
 
 
-def _read_text(storage: str, relative: str) -> str | None:
-    from pyarrow import fs
-
-    filesystem, root = filesystem_and_path(storage)
-    path = f"{root}/{relative}"
-    if filesystem.get_file_info(path).type != fs.FileType.File:
-        return None
-    with filesystem.open_input_stream(path) as f:
-        return f.read().decode()
-
-
 def _write_text(storage: str, relative: str, text: str) -> None:
     filesystem, root = filesystem_and_path(storage)
     path = f"{root}/{relative}"
@@ -46,7 +36,7 @@ def _write_text(storage: str, relative: str, text: str) -> None:
 
 
 def _run_info(storage: str, name: str) -> dict[str, Any]:
-    text = _read_text(storage, f"{name}/{RUN_INFO}")
+    text = read_text(f"{storage}/{name}/{RUN_INFO}")
     try:
         return json.loads(text) if text else {}
     except json.JSONDecodeError:
@@ -89,8 +79,6 @@ class RunLocation:
         info["updated"] = time.strftime("%Y-%m-%d %H:%M:%S")
         info.setdefault("started", info["updated"])
         self.previous = info
-        from rayacc.redact import redact
-
         _write_text(self.storage, f"{self.name}/{RUN_INFO}", json.dumps(redact(info)))
         _write_text(self.storage, LATEST, self.name)
 
@@ -178,8 +166,6 @@ class RunSummary:
 def list_runs(storage: str) -> list[RunSummary]:
     """The runs of `storage`, oldest first. A run whose info says `running` and whose driver is
     gone reads `unfinished` (a resume continues it)."""
-    from rayacc.redact import redact
-
     found = []
     for name in _runs_in(storage):
         info = _run_info(storage, name)
