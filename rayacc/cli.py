@@ -10,8 +10,8 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from rayacc import env
 from rayacc.config import ConfigError, TrainConfig
-from rayacc.events import Event, RunObserver, RunStarted
 from rayacc.redact import redact
 
 EXIT_USER_ERROR = 2
@@ -80,6 +80,12 @@ def _console_owns_ray_output() -> None:
     # retrying each call for minutes would only delay the line that says the server is away
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+    if not env.verbose():
+        # a sweep's console is rayacc's trial lines: Tune's own reporter (a config table,
+        # where its results are, a TensorBoard hint) stays quiet at verbose=0 only in its
+        # classic engine, and its automatic TensorBoard/CSV/JSON loggers write files nobody reads
+        os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
+        os.environ.setdefault("TUNE_DISABLE_AUTO_CALLBACK_LOGGERS", "1")
 
 
 def _user_error_types() -> tuple[type[BaseException], ...]:
@@ -112,7 +118,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     t_main = time.time()
     from rich.console import Console
 
-    from rayacc.quantities import lr_explanation
+    from rayacc.console import ProgressPrinter, run_header, summary_lines
     from rayacc.runner.driver import TrainingError, ensure_ray, fit
     from rayacc.runner.prelaunch import locate, prepare
 
@@ -133,28 +139,23 @@ def cmd_train(args: argparse.Namespace) -> int:
         ensure_ray(cfg)
     t_ray = time.time()
     console.print(f"[bold]rayacc train[/] {args.config}")
-    console.print(f"  {prep.plan.describe()}")
-    console.print(f"  {lr_explanation(cfg, prep.plan)}")
-    console.print(f"  data: {redact(prep.info.path)} — {prep.layout.describe()}")
-    console.print(
-        f"  model: {cfg.model.name}, {prep.num_parameters:,} parameters; "
-        f"{prep.total_steps} optimizer steps"
-    )
-    for note in prep.notes:
-        console.print(f"  {note}")
+    for line in run_header(cfg, prep, redact(prep.info.path)):
+        console.print(f"  {line}")
     for w in prep.warnings:
         err.print(f"[yellow]warning:[/] {w}")
 
-    display = ConsoleProgress(console, prep.total_steps)
     try:
-        with display:
+        with ProgressPrinter(console, prep.total_steps, bar=True) as display:
             result = fit(
                 cfg, resume=args.resume, observers=[display], prepared=prep, location=location
             )
     except TrainingError as exc:
         err.print(f"[red]rayacc: {exc}[/]")
         return 1
-    _print_summary(console, cfg, result)
+    heading, *lines = summary_lines(cfg, result)
+    console.print(heading)
+    for line in lines:
+        console.print(f"  {line}")
     if args.timings:
         result.phases.update(
             main_entered=t_main, imported=t_imported, cli_checked=t_checked, cli_ray_started=t_ray
@@ -182,133 +183,12 @@ def _import_ray_layer() -> None:
     import ray.train.torch  # noqa: F401
 
 
-class ConsoleProgress(RunObserver):
-    """Live optimizer-step progress: a bar on a terminal, a line every 10 % elsewhere; events
-    as lines of their own."""
-
-    def __init__(self, console, total_steps: int):
-        self.console = console
-        self.total = total_steps
-        self.progress = None
-        self.task = None
-        self.last_line_step = 0
-
-    def __enter__(self):
-        if self.console.is_terminal:
-            from rich.progress import (
-                BarColumn,
-                MofNCompleteColumn,
-                Progress,
-                TextColumn,
-                TimeRemainingColumn,
-            )
-
-            self.progress = Progress(
-                TextColumn("step"),
-                MofNCompleteColumn(),
-                BarColumn(),
-                TextColumn("{task.fields[info]}"),
-                TextColumn("ETA"),
-                TimeRemainingColumn(),
-                console=self.console,
-            )
-            self.progress.__enter__()
-            self.task = self.progress.add_task("train", total=self.total, info="starting workers")
-        return self
-
-    def __exit__(self, *exc):
-        if self.progress is not None:
-            self.progress.__exit__(*exc)
-
-    def on_event(self, event: Event) -> None:
-        line = event.describe() if isinstance(event, RunStarted) else event.console_line()
-        if line:
-            self.console.print(f"  {line}")
-
-    def on_step(self, record: dict) -> None:
-        step = record["step"]
-        info = f"loss {record['train/loss']:.4f}  {record['train/samples_per_s']:,.0f} samples/s"
-        if "val/loss" in record:
-            info += f"  val {record['val/loss']:.4f}"
-        if self.progress is not None:
-            self.progress.update(self.task, completed=step, info=info)
-        elif step - self.last_line_step >= max(1, self.total // 10) or step == self.total:
-            self.last_line_step = step
-            self.console.print(f"  step {step}/{self.total}  {info}")
-
-
-def _perf_summary(history: list[dict]) -> str:
-    """Medians of the steady-state steps' cost metrics, as one line."""
-    import statistics
-
-    steady = history[3:] or history
-    parts = []
-    for key, label, fmt in (
-        ("train/samples_per_s", "samples/s", "{:,.0f}"),
-        ("perf/tokens_per_s", "tokens/s", "{:,.0f}"),
-        ("perf/tflops", "TFLOP/s per worker", "{:.3g}"),
-        ("perf/mfu", "MFU", "{:.1%}"),
-        ("perf/data_wait_frac", "data wait", "{:.1%}"),
-        ("comm/sync_time_frac", "gradient sync", "{:.1%}"),
-        ("mem/peak_mb", "peak memory MB", "{:,.0f}"),
-    ):
-        values = [r[key] for r in steady if isinstance(r.get(key), (int, float))]
-        if values:
-            parts.append(f"{label} {fmt.format(statistics.median(values))}")
-    return ", ".join(parts)
-
-
-def _print_summary(console, cfg: TrainConfig, result) -> None:
-    from rayacc.quantities import lr_explanation
-
-    plan = result.plan
-    m = result.metrics
-    console.print("[bold]done[/]")
-    console.print(
-        f"  global batch {plan.global_batch_size} = micro {plan.micro_batch_size} × accum "
-        f"{plan.grad_accum_steps} × workers {plan.num_workers}"
-    )
-    console.print(f"  {lr_explanation(cfg, plan)}")
-    if m:
-        line = f"  step {m.get('step')}: train loss {m.get('train/loss', float('nan')):.4f}"
-        if "val/loss" in m:
-            line += f", val loss {m['val/loss']:.4f}"
-        if "val/accuracy" in m:
-            line += f", val accuracy {m['val/accuracy']:.2%}"
-        console.print(line)
-        if m.get("train/skipped_steps"):
-            console.print(
-                f"  [yellow]{m['train/skipped_steps']} step(s) skipped[/] for a non-finite loss "
-                "or gradient (train/skipped_steps)"
-            )
-    resumed = result.summary.get("resumed_from")
-    if resumed is not None and result.history:
-        console.print(
-            f"  resumed from the checkpoint at step {resumed}; the history (MLflow, loss curve) "
-            f"holds steps {result.history[0]['step']}–{result.history[-1]['step']} of the run"
-        )
-    perf = _perf_summary(result.history)
-    if perf:
-        console.print("  per step (median of the steps after the first 3): " + perf)
-    console.print(
-        f"  wall time {result.wall_time_s:.1f} s "
-        f"(training steps {result.summary.get('train_time_s', 0.0):.1f} s)"
-    )
-    if result.mlflow_run_id:
-        uri = redact(result.tracking_uri)
-        console.print(f"  MLflow run {result.mlflow_run_id} in {uri}")
-        if uri and uri.startswith(("http://", "https://")):
-            console.print(f"    open the UI: {uri}")
-        else:
-            console.print(f"    open the UI: mlflow ui --backend-store-uri {uri}")
-    console.print(f"  checkpoint: {result.checkpoint_dir}")
-
-
 def cmd_sweep(args: argparse.Namespace) -> int:
     """Runs every trial of a sweep, then prints the comparison table."""
     from pathlib import Path
 
     from rayacc.config import SweepConfig
+    from rayacc.console import VAL_NAMES
     from rayacc.runner.sweep import run_sweep
     from rayacc.tracking.report import build_report
 
@@ -330,7 +210,11 @@ def cmd_sweep(args: argparse.Namespace) -> int:
             console.print(f"  trial {trial.index} started: {trial.label()}")
         elif kind == "finished":
             m = info.get("metrics", {})
-            val = "".join(f", {k} {v:.4f}" for k, v in m.items() if k.startswith("val/"))
+            val = "".join(
+                f", {name} {m[key]:.2%}" if key == "val/accuracy" else f", {name} {m[key]:.4f}"
+                for key, name in VAL_NAMES.items()
+                if key in m
+            )
             loss = m.get("train/loss", float("nan"))
             console.print(
                 f"  trial {trial.index} finished: train loss {loss:.4f}"
@@ -367,6 +251,8 @@ def _print_report(console, report) -> None:
     for cells in table_rows(report):
         table.add_row(*(cells[key] for key, _ in COLUMNS))
     console.print(table)
+    for line in report.verdict():
+        console.print(f"  {line}")
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -418,6 +304,28 @@ def cmd_runs(args: argparse.Namespace) -> int:
         )
     console.print(table)
     console.print("resume one: rayacc train -c JOB --resume run.name=NAME")
+    return 0
+
+
+def cmd_sample(args: argparse.Namespace) -> int:
+    """Text from a token model's checkpoint, on stdout (prompt, then the continuation)."""
+    from rayacc.runner.sample import sample
+
+    result = sample(
+        args.target,
+        prompt=args.prompt,
+        tokens=args.tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        seed=args.seed,
+        storage=args.storage,
+    )
+    print(
+        f"rayacc: {len(result.ids)} tokens from {redact(result.checkpoint)}, decoded as "
+        f"{result.vocabulary.describe()}",
+        file=sys.stderr,
+    )
+    sys.stdout.write(result.prompt + result.text + "\n")
     return 0
 
 
@@ -555,6 +463,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_runs)
 
+    p = sub.add_parser("sample", help="generate text from a token model's checkpoint")
+    p.add_argument(
+        "target",
+        metavar="RUN_OR_CHECKPOINT",
+        help="a checkpoint folder, a run's folder (its latest checkpoint) or a run name",
+    )
+    p.add_argument("--prompt", default=None, help="text to continue (default: a line break)")
+    p.add_argument("--tokens", type=int, default=200, help="tokens to generate")
+    p.add_argument("--temperature", type=float, default=0.8, help="0 takes the likeliest token")
+    p.add_argument("--top-k", type=int, default=50, help="sample among the k likeliest")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--storage", default=None, help="run.storage_path of a run name (default: ./rayacc_runs)"
+    )
+    p.set_defaults(func=cmd_sample)
+
     p = sub.add_parser("verify", help="check one accumulated step against one process")
     with_config(p)
     p.set_defaults(func=cmd_verify)
@@ -622,12 +546,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from rayacc.console import QuietRayStream
     from rayacc.redact import RedactingStream
 
     args = parse_args(argv)
-    # the console's one boundary: every line, rayacc's or a library's, loses its credentials
+    # the console's one boundary: every line, rayacc's or a library's, loses its credentials;
+    # Ray's own records below ERROR stay in Ray's log files unless RAYACC_VERBOSE=1
     streams = sys.stdout, sys.stderr
-    sys.stdout, sys.stderr = RedactingStream(sys.stdout), RedactingStream(sys.stderr)
+    console_stream = RedactingStream if env.verbose() else QuietRayStream
+    sys.stdout, sys.stderr = console_stream(sys.stdout), console_stream(sys.stderr)
     try:
         return args.func(args)
     except _user_error_types() as exc:

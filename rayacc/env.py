@@ -8,7 +8,8 @@ from pathlib import Path
 __all__ = ["CACHE", "VERBOSE", "cache_dir", "verbose"]
 
 VERBOSE = "RAYACC_VERBOSE"
-"""`1`: show Ray's own worker logs and Ray Data's progress on the console."""
+"""`1`: show Ray's own log records (INFO, WARNING), its worker logs and Ray Data's progress
+on the console."""
 CACHE = "RAYACC_CACHE"
 """Where bundled datasets are prepared (default ~/.cache/rayacc); `data.cache_dir` wins."""
 

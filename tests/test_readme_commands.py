@@ -72,8 +72,8 @@ def test_the_summary_says_how_to_open_the_ui(uri, hint):
     from rich.console import Console
 
     from rayacc.batch_plan import BatchPlan
-    from rayacc.cli import _print_summary
     from rayacc.config import TrainConfig
+    from rayacc.console import summary_lines
 
     cfg = TrainConfig.from_dict({"batch": {"global_batch_size": 8, "micro_batch_size": 4}})
     result = SimpleNamespace(
@@ -87,7 +87,34 @@ def test_the_summary_says_how_to_open_the_ui(uri, hint):
         checkpoint_dir="/tmp/ckpt",
     )
     console = Console(record=True, width=200)
-    _print_summary(console, cfg, result)
+    for line in summary_lines(cfg, result):
+        console.print(line)
     text = console.export_text()
     assert hint in text
     assert uri.startswith("sqlite") or "--backend-store-uri" not in text
+
+
+def test_what_rayacc_writes_into_a_checkout_is_git_ignored(tmp_path, monkeypatch):
+    """`rayacc submit` uploads what git does not ignore: every default output under the working
+    directory, taken from the code that writes it, is ignored."""
+    import subprocess
+
+    from rayacc.runner.runs import default_storage
+    from rayacc.runner.sweep import _abs_storage
+    from rayacc.tracking.mlflow_sink import default_tracking_uri
+
+    monkeypatch.chdir(ROOT)
+    db = default_tracking_uri().removeprefix("sqlite:///")
+    outputs = [
+        db,
+        db + "-journal",
+        db + "-wal",
+        str(Path(default_storage()) / "run-1" / "checkpoint_step00000001" / "state.pt"),
+        str(Path(_abs_storage(None)) / "sweep-1" / "trial_0" / "result.json"),
+        str(ROOT / parse_args(["report", "x"]).out / "report.csv"),
+        str(ROOT / "mlruns" / "0" / "meta.yaml"),
+    ]
+    for path in outputs:
+        relative = str(Path(path).relative_to(ROOT))
+        ignored = subprocess.run(["git", "check-ignore", "-q", relative], cwd=ROOT).returncode
+        assert ignored == 0, f"{relative} is not git-ignored"

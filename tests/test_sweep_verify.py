@@ -43,9 +43,14 @@ def test_sweep_then_report(ray_local, tmp_path):
     path.write_text(yaml.safe_dump(spec))
     sweep, base, _ = SweepConfig.from_yaml(path)
     events: list[tuple[str, int]] = []
-    result = run_sweep(
-        sweep, base, path.read_text(), lambda kind, t, info: events.append((kind, t.index))
-    )
+    printed_s: dict[str, float] = {}
+
+    def on_event(kind, t, info):
+        events.append((kind, t.index))
+        if kind == "finished":
+            printed_s[str(t.index)] = info["wall_time_s"]  # what the console prints
+
+    result = run_sweep(sweep, base, path.read_text(), on_event)
 
     assert ("skipped", 1) in events
     (skipped,) = [t for t in result.trials if t.skip_reason]
@@ -72,6 +77,11 @@ def test_sweep_then_report(ray_local, tmp_path):
 
     report = build_report(uri, "sweeps")  # the experiment's latest sweep
     assert report.parent_run_id == result.parent_run_id
+    # one measure of a trial's time on the console and in the table
+    assert {r.trial: r.wall_time_s for r in report.rows} == pytest.approx(printed_s, abs=1e-3)
+    # the common result, reached by every trial at one global batch
+    assert report.verdict()[0].startswith("same final loss")
+    assert all(r.time_to_target_s > 0 for r in report.rows)
     files = write_report(report, tmp_path / "report", tracking_uri=uri)
     with open(files[0]) as f:
         rows = list(csv.DictReader(f))

@@ -77,6 +77,11 @@ class EpochLayout:
         return self.full_windows + (1 if self.short_window_rows else 0)
 
     def describe(self) -> str:
+        if self.full_windows == 0 and self.short_window_rows:
+            return (
+                f"{self.num_rows} training rows = one short window of {self.short_window_rows} "
+                f"rows (fewer than the global batch of {self.global_batch_size})"
+            )
         text = (
             f"{self.num_rows} training rows = {self.full_windows} windows of "
             f"{self.global_batch_size}"

@@ -27,7 +27,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from rayacc.data.reads import filesystem_and_path
-from rayacc.data.sources import VOCAB_SIZE_KEY, DataError
+from rayacc.data.sources import ORIGIN_KEY, TOKENIZER_KEY, VOCAB_SIZE_KEY, DataError
 
 __all__ = ["PrepareResult", "prepare_corpus"]
 
@@ -126,15 +126,26 @@ def _json_text(line: str, shown: str, line_no: int, text_field: str) -> str:
     return record[text_field]
 
 
-def _tokenizer(path: str | None) -> tuple[Callable[[str], np.ndarray], int | None, int, str]:
-    """(encode a piece of a document, end-of-document id or None, vocabulary size,
-    description)."""
+@dataclass(frozen=True)
+class _Tokenizer:
+    encode: Callable[[str], np.ndarray]
+    """A piece of a document → ids."""
+    eod: int | None
+    """The id that ends a document, if any."""
+    vocab_size: int
+    described: str
+    recorded: bytes
+    """What the files keep of it (TOKENIZER_KEY): decoding needs it (`rayacc sample`)."""
+
+
+def _tokenizer(path: str | None) -> _Tokenizer:
     if path is None:
-        return (
+        return _Tokenizer(
             lambda text: np.frombuffer(text.encode("utf-8"), dtype=np.uint8),
             BYTE_VOCAB - 1,
             BYTE_VOCAB,
             "byte-level",
+            b"bytes",
         )
     try:
         from tokenizers import Tokenizer
@@ -154,7 +165,13 @@ def _tokenizer(path: str | None) -> tuple[Callable[[str], np.ndarray], int | Non
         return np.asarray(tok.encode(text, add_special_tokens=False).ids)
 
     vocab = tok.get_vocab_size()
-    return encode, None, vocab, f"tokenizer {Path(path).name} ({vocab} ids)"
+    return _Tokenizer(
+        encode,
+        None,
+        vocab,
+        f"tokenizer {Path(path).name} ({vocab} ids)",
+        tok.to_str().encode("utf-8"),
+    )
 
 
 class _PartWriter:
@@ -259,11 +276,15 @@ def prepare_corpus(
     return dataclasses.replace(result, out=str(target))
 
 
-def _write_rows(files, tokenizer, staging: Path, layout: _Layout, say) -> PrepareResult:
-    encode, eod, vocab, described = tokenizer
+def _write_rows(files, tokenizer: _Tokenizer, staging: Path, layout: _Layout, say) -> PrepareResult:
+    encode, eod, vocab = tokenizer.encode, tokenizer.eod, tokenizer.vocab_size
     width = layout.seq_len + 1
     dtype = np.uint16 if vocab <= 1 << 16 else np.int32
-    metadata = {VOCAB_SIZE_KEY: str(vocab).encode(), b"rayacc.origin": described.encode()}
+    metadata = {
+        VOCAB_SIZE_KEY: str(vocab).encode(),
+        ORIGIN_KEY: tokenizer.described.encode(),
+        TOKENIZER_KEY: tokenizer.recorded,
+    }
     writer = _PartWriter(
         staging, width, dtype, layout.rows_per_group, layout.rows_per_file, metadata
     )

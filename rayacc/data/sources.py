@@ -25,18 +25,25 @@ from rayacc import env
 
 __all__ = [
     "BUNDLED",
+    "ORIGIN_KEY",
+    "TOKENIZER_KEY",
     "DataError",
     "DatasetInfo",
     "RowGroups",
     "describe_dataset",
     "prepare_bundled",
     "row_groups",
+    "schema_metadata",
 ]
 
 BUNDLED = ("digits", "shakespeare")
 VOCAB_KEY = b"rayacc.vocab"
 VOCAB_SIZE_KEY = b"rayacc.vocab_size"
 """Token files: the tokenizer's vocabulary size (ids may stop short of it)."""
+TOKENIZER_KEY = b"rayacc.tokenizer"
+"""Token files of `rayacc data prepare`: `bytes`, or the tokenizer.json it used (data/vocab.py)."""
+ORIGIN_KEY = b"rayacc.origin"
+"""Where the rows came from (a corpus, a tokenizer), in words."""
 
 
 class DataError(ValueError):
@@ -133,7 +140,7 @@ def _prepare_shakespeare(path: Path, seq_len: int) -> None:
     n = (len(ids) - 1) // seq_len
     rows = [ids[i * seq_len : i * seq_len + seq_len + 1] for i in range(n)]
     table = pa.table({"tokens": pa.array(rows, type=pa.list_(pa.int64()))})
-    meta = {VOCAB_KEY: vocab.encode("utf-8"), b"rayacc.origin": origin.encode()}
+    meta = {VOCAB_KEY: vocab.encode("utf-8"), ORIGIN_KEY: origin.encode()}
     _write_atomic(table.replace_schema_metadata(meta), path)
 
 
@@ -367,6 +374,11 @@ def _scan_tokens(ds: pq.ParquetDataset, declared: int | None) -> tuple[int, int]
         top = max(top, pc.max(flat).as_py())
         longest = max(longest, pc.max(lengths).as_py())
     return (declared or top + 1), longest
+
+
+def schema_metadata(source: str) -> dict[bytes, bytes]:
+    """The key-value metadata of a Parquet source's schema (its first file's footer)."""
+    return dict(_dataset(source).schema.metadata or {})
 
 
 def describe_dataset(source: str, cache_dir: str | None = None, seq_len: int = 128) -> DatasetInfo:

@@ -95,6 +95,21 @@ class GPT(nn.Module):
         head_size = attn.qkv.in_features // attn.n_head
         return 6.0 * n + 12.0 * len(self.blocks) * attn.n_head * head_size * seq
 
+    def generate(
+        self,
+        idx: torch.Tensor,
+        new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """`idx` (B, T) followed by `new_tokens` sampled ids (models/generate.py)."""
+        from rayacc.models.generate import generate
+
+        return generate(
+            self, idx, new_tokens, temperature=temperature, top_k=top_k, generator=generator
+        )
+
     def forward(
         self,
         idx: torch.Tensor,

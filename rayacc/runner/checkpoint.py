@@ -127,8 +127,10 @@ def write_checkpoint(
     description: dict[str, Any],
     meta: dict[str, Any],
     history: StepLog | None = None,
+    files: dict[str, str] | None = None,
 ) -> Path:
-    """Writes a checkpoint folder; `meta.json` last, so a folder that has it is whole."""
+    """Writes a checkpoint folder; `meta.json` last, so a folder that has it is whole. `files`:
+    more text files by name (a token run's vocabulary)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     tmp = folder / (STATE_FILE + ".tmp")
@@ -138,6 +140,8 @@ def write_checkpoint(
     _atomic_write_text(folder / MODEL_FILE, json.dumps(redact(description)))
     if history is not None:
         history.copy_to(folder / HISTORY_FILE)
+    for name, text in (files or {}).items():
+        _atomic_write_text(folder / name, text)
     _atomic_write_text(folder / META_FILE, json.dumps(meta))
     return folder
 
@@ -304,7 +308,15 @@ class RunCheckpoints:
         w.restore_rng(saved.get("rng"), meta["optimizer_step"])
         return meta
 
-    def save(self, metrics: dict[str, Any], *, step: int, description: dict, meta: dict) -> None:
+    def save(
+        self,
+        metrics: dict[str, Any],
+        *,
+        step: int,
+        description: dict,
+        meta: dict,
+        files: dict[str, str] | None = None,
+    ) -> None:
         """Every rank reports (a barrier). Rank 0 writes the folder, with every rank's random
         state and the lineage; a strategy that shards has every rank write its part first (Ray
         Train merges the parts into one checkpoint folder in the run's storage)."""
@@ -327,6 +339,7 @@ class RunCheckpoints:
                     description=description,
                     meta=meta,
                     history=w.history,
+                    files=files,
                 )
             has_part = w.rank == 0 or w.strategy.writes_shards
             ray.train.report(

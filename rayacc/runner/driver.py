@@ -15,13 +15,13 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from rayacc import env
 from rayacc.batch_plan import BatchPlan
 from rayacc.config import TrainConfig
 from rayacc.data.sources import RowGroups, row_groups
+from rayacc.data.vocab import Vocabulary
 from rayacc.events import RunObserver, RunStarted
 from rayacc.runner.checkpoint import run_identity
 from rayacc.runner.prelaunch import Prepared, check_cluster, locate, prepare
@@ -60,9 +60,31 @@ class FitResult:
     summary: dict[str, Any] = field(default_factory=dict)
     history: list[dict[str, Any]] = field(default_factory=list)
     wall_time_s: float = 0.0
+    """From the call to the last step's arrival (the MLflow run's `rayacc.wall_time_s`)."""
     phases: dict[str, float] = field(default_factory=dict)
     """When each phase of the fit ended on the driver (time.time()); bench/startup.py reads
     these beside the workers' own timeline in `summary["timeline"]`."""
+
+    def __repr__(self) -> str:
+        # the history holds every step's record: a repr of it all would fill the screen
+        m = self.metrics
+        parts = [f"run_name={self.run_name!r}", f"steps={m.get('step', len(self.history))}"]
+        for key, name in (
+            ("train/loss", "train_loss"),
+            ("val/loss", "val_loss"),
+            ("val/accuracy", "val_acc"),
+        ):
+            if isinstance(m.get(key), (int, float)):
+                parts.append(f"{name}={m[key]:.4g}")
+        parts += [
+            f"global_batch={self.plan.global_batch_size}",
+            f"effective_lr={self.effective_lr:.4g}",
+            f"wall_time_s={self.wall_time_s:.1f}",
+            f"checkpoint_dir={self.checkpoint_dir!r}",
+            f"mlflow_run_id={self.mlflow_run_id!r}",
+            f"history=<{len(self.history)} step records>",
+        ]
+        return f"FitResult({', '.join(parts)})"
 
 
 # ----------------------------------------------------------------------------- Ray
@@ -103,6 +125,7 @@ def build_trainer(cfg: TrainConfig, prep: Prepared, loc: RunLocation, progress):
     from rayacc.runner.worker import train_loop
 
     source, groups = _read_source(cfg, prep, loc)
+    vocabulary = Vocabulary.of_data(prep.info)
     s = cfg.scaling
     return TorchTrainer(
         train_loop,
@@ -113,6 +136,7 @@ def build_trainer(cfg: TrainConfig, prep: Prepared, loc: RunLocation, progress):
             "groups": groups,
             "progress": progress,
             "run": {"storage": loc.storage, "name": loc.name},
+            "vocabulary": vocabulary.to_json() if vocabulary else None,
         },
         scaling_config=ScalingConfig(
             num_workers=tuple(s.num_workers) if s.elastic else s.num_workers,
@@ -277,6 +301,8 @@ def fit(
         loc.record(status="failed", mlflow_run_id=tracked.run_id if tracked else None)
         raise
     phases["trained"] = time.time()
+    # one measure of a fit's time, for the console, FitResult and the MLflow run alike
+    wall_time_s = time.perf_counter() - t0
     phases["first_item"] = history.first_item_at or math.nan
     summary = result.return_value or {}
     checkpoint_dir = result.checkpoint.path if result.checkpoint is not None else None
@@ -285,7 +311,8 @@ def fit(
         png = (
             loc.run_dir / "loss_curve.png"
             if loc.local
-            else Path.cwd() / f"{loc.name}_loss_curve.png"
+            # off the working directory (often a checkout): a local copy, logged to MLflow
+            else env.cache_dir() / "loss_curves" / f"{loc.name}.png"
         )
         tracked.close(
             "FINISHED",
@@ -293,6 +320,7 @@ def fit(
             checkpoint_dir=checkpoint_dir,
             worker_nodes=summary.get("worker_nodes", []),
             loss_curve=png,
+            wall_time_s=wall_time_s,
         )
     phases["tracking_closed"] = time.time()
     loc.record(status="finished", mlflow_run_id=tracked.run_id if tracked else None)
@@ -308,7 +336,7 @@ def fit(
         tracking_uri=tracked.sink.tracking_uri if tracked else None,
         summary=summary,
         history=records,
-        wall_time_s=time.perf_counter() - t0,
+        wall_time_s=wall_time_s,
         phases=phases,
     )
 

@@ -78,6 +78,7 @@ def run_summary(
     log_time_s: float,
     device,
     timeline: dict[str, float],
+    token_model: bool,
 ) -> dict[str, Any]:
     """The fit's summary (rank 0's return value); gathers every rank's node (a collective)."""
     import ray
@@ -100,4 +101,5 @@ def run_summary(
         "device": str(device),
         "backend": dist.get_backend() if dist.is_initialized() else None,
         "timeline": timeline,
+        "token_model": token_model,
     }

@@ -179,6 +179,8 @@ def _warnings(
             "train.activation_checkpointing is set but the model names no blocks (a `blocks` "
             "ModuleList or an `fsdp_blocks()` method): nothing is recomputed"
         )
+    if crowded := local_oversubscription(cfg):
+        warnings.append(crowded)
     bn = batchnorm_layers(model)
     if bn:
         warnings.append(
@@ -187,6 +189,29 @@ def _warnings(
             "GroupNorm or LayerNorm"
         )
     return warnings
+
+
+def local_oversubscription(cfg: TrainConfig) -> str | None:
+    """The warning for a local run (rayacc starts Ray here) whose workers reserve more CPUs
+    than this machine has: the local Ray is sized to hold them (driver.ensure_ray), so they
+    share cores."""
+    import os
+    import sys
+
+    ray = sys.modules.get("ray")  # not imported: not started either
+    if os.environ.get("RAY_ADDRESS") or (ray is not None and ray.is_initialized()):
+        return None
+    s = cfg.scaling
+    wanted = s.max_workers * s.cpus_per_worker
+    cores = os.cpu_count() or 1
+    if wanted <= cores:
+        return None
+    return (
+        f"scaling.num_workers={s.max_workers} × scaling.cpus_per_worker={s.cpus_per_worker:g} "
+        f"reserve {wanted:g} CPUs on this machine's {cores} cores: the local Ray is sized to "
+        "hold them, so the workers share cores (oversubscribed: slower steps, the same "
+        f"results). Fix: at most {cores} workers × CPUs here, or a cluster (RAY_ADDRESS)"
+    )
 
 
 def _notes(cfg: TrainConfig, plan: BatchPlan) -> list[str]:

@@ -22,6 +22,7 @@ from ray.train.torch import get_device
 from rayacc.config import TrainConfig
 from rayacc.data.order import EpochLayout
 from rayacc.data.sources import DatasetInfo
+from rayacc.data.vocab import VOCAB_FILE
 from rayacc.engine import (
     AccumulationStep,
     StepClock,
@@ -89,6 +90,9 @@ class WorkerRun:
         self.groups = config["groups"]
         self.run = config["run"]
         self.source = config["source"]
+        # a token run's vocabulary, kept by every checkpoint (`rayacc sample` decodes with it)
+        vocabulary = config.get("vocabulary")
+        self.checkpoint_files = {VOCAB_FILE: vocabulary} if vocabulary else {}
         self.order = data_order(cfg, self.info, self.groups)
         self.state = TrainState()
         self.clock = StepClock()
@@ -347,6 +351,7 @@ class WorkerRun:
                 self.world,
                 sharded=self.strategy.writes_shards,
             ),
+            files=self.checkpoint_files,
         )
 
     def _summary(self) -> dict[str, Any]:
@@ -363,4 +368,5 @@ class WorkerRun:
             log_time_s=self.outbox.cost_s,
             device=self.device,
             timeline=self.timeline,
+            token_model=self.info.format == "tokens",
         )

@@ -23,6 +23,7 @@ def loss_curve_png(history: list[dict[str, Any]], path: Path) -> bool:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    path.parent.mkdir(parents=True, exist_ok=True)
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot(*zip(*points), label="train/loss")
     val = [(r["step"], r["val/loss"]) for r in history if "val/loss" in r]

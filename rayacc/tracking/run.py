@@ -120,6 +120,7 @@ class TrackedRun(RunObserver):
         checkpoint_dir: str | None = None,
         worker_nodes: Sequence[str] = (),
         loss_curve: Path | None = None,
+        wall_time_s: float | None = None,
     ) -> None:
         """Final tags, the loss curve and the run's status."""
         if status == "FINISHED":
@@ -127,6 +128,7 @@ class TrackedRun(RunObserver):
                 {
                     "rayacc.checkpoint_dir": checkpoint_dir,
                     "rayacc.worker_nodes": ",".join(worker_nodes),
+                    **({"rayacc.wall_time_s": f"{wall_time_s:.3f}"} if wall_time_s else {}),
                 }
             )
             if loss_curve is not None and loss_curve_png(list(history), loss_curve):

@@ -1,0 +1,286 @@
+"""What a user reads on the console while a run trains: the run's header, one progress line per
+tenth of the run (and per validation), the summary, and the console's one rule for Ray's own
+log records (shown with RAYACC_VERBOSE=1 only).
+
+`ProgressPrinter` is a RunObserver: the CLI uses it, and a library caller passes it to
+`fit(cfg, observers=[ProgressPrinter()])` (fit alone prints nothing).
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+import time
+from collections import deque
+from typing import Any
+
+from rayacc.events import Event, RunObserver, RunStarted
+from rayacc.redact import RedactingStream
+
+__all__ = [
+    "Eta",
+    "ProgressPrinter",
+    "QuietRayStream",
+    "clock",
+    "perf_summary",
+    "progress_line",
+    "run_header",
+    "strategy_line",
+    "summary_lines",
+]
+
+VAL_NAMES = {"val/loss": "val_loss", "val/accuracy": "val_acc"}
+"""Validation metrics as the console names them (MLflow keeps the `val/…` keys)."""
+
+
+def clock(seconds: float | None) -> str:
+    """`m:ss` or `h:mm:ss`; `?` when unknown."""
+    if seconds is None or seconds != seconds or seconds < 0:
+        return "?"
+    s = round(seconds)
+    h, rest = divmod(s, 3600)
+    m, s = divmod(rest, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+
+
+class Eta:
+    """Seconds left, from the rate at which steps arrived over the recent past: the last 30 s
+    or the last quarter of the steps since the group started, whichever is longer. It measures
+    wall time as the console saw it, so validation and checkpoint pauses inside that span count;
+    a (re)started worker group starts a new span."""
+
+    def __init__(self, window_s: float = 30.0):
+        self.window_s = window_s
+        self.points: deque[tuple[float, int]] = deque()
+        self.start_step = 0
+
+    def restart(self, step: int, t: float) -> None:
+        self.points.clear()
+        self.points.append((t, step))
+        self.start_step = step
+
+    def observe(self, step: int, t: float) -> None:
+        if not self.points:
+            self.restart(step - 1, t)
+        self.points.append((t, step))
+        min_steps = (step - self.start_step) // 4
+        # the oldest point goes only while the span after it is still long enough
+        while len(self.points) > 2:
+            t1, s1 = self.points[1]
+            if t - t1 < self.window_s or step - s1 < min_steps:
+                break
+            self.points.popleft()
+
+    def seconds_left(self, total: int) -> float | None:
+        if len(self.points) < 2:
+            return None
+        (t0, s0), (t1, s1) = self.points[0], self.points[-1]
+        if s1 <= s0 or t1 <= t0:
+            return None
+        return max(0, total - s1) * (t1 - t0) / (s1 - s0)
+
+
+def progress_line(record: dict[str, Any], total: int, elapsed_s: float, eta_s: float | None) -> str:
+    """`step 30/60  0:12 elapsed  ETA 0:10  loss 0.1339  lr 8.1e-04  25,265 samples/s
+    [12,000 tokens/s]  [val_loss 0.2629  val_acc 95.10%]`."""
+    parts = [
+        f"step {record['step']}/{total}",
+        f"{clock(elapsed_s)} elapsed",
+        f"ETA {clock(eta_s)}",
+        f"loss {record['train/loss']:.4f}",
+        f"lr {record['train/lr']:.3g}",
+        f"{record['train/samples_per_s']:,.0f} samples/s",
+    ]
+    if "perf/tokens_per_s" in record:
+        parts.append(f"{record['perf/tokens_per_s']:,.0f} tokens/s")
+    for key, name in VAL_NAMES.items():
+        if key in record:
+            value = record[key]
+            parts.append(f"{name} {value:.2%}" if key == "val/accuracy" else f"{name} {value:.4f}")
+    return "  ".join(parts)
+
+
+class ProgressPrinter(RunObserver):
+    """Progress of a run on a rich console: a line every tenth of the run and at every
+    validation (or, with `bar=True` on a terminal, a live bar with the same fields), and the
+    run's events as lines of their own. Use it as a context manager for the bar."""
+
+    def __init__(self, console=None, total_steps: int | None = None, bar: bool = False):
+        if console is None:
+            from rich.console import Console
+
+            console = Console(soft_wrap=True)
+        self.console = console
+        self.total = total_steps
+        self.bar = bar and console.is_terminal
+        self.started = time.monotonic()
+        self.eta = Eta()
+        self.progress = None
+        self.task = None
+
+    def __enter__(self):
+        if self.bar:
+            from rich.progress import BarColumn, Progress, TextColumn
+
+            self.progress = Progress(
+                BarColumn(), TextColumn("{task.fields[info]}"), console=self.console
+            )
+            self.progress.__enter__()
+            self.task = self.progress.add_task("train", total=self.total, info="starting workers")
+        return self
+
+    def __exit__(self, *exc):
+        if self.progress is not None:
+            self.progress.__exit__(*exc)
+
+    def on_event(self, event: Event) -> None:
+        if isinstance(event, RunStarted):
+            self.total = event.total_steps
+            self.eta.restart(event.step, time.monotonic())
+            line = event.describe()
+        else:
+            line = event.console_line()
+        if line:
+            self.console.print(f"  {line}")
+
+    def on_step(self, record: dict[str, Any]) -> None:
+        now = time.monotonic()
+        step = record["step"]
+        total = self.total or step
+        self.eta.observe(step, now)
+        line = progress_line(record, total, now - self.started, self.eta.seconds_left(total))
+        validated = any(k in record for k in VAL_NAMES)
+        if self.progress is not None:
+            self.progress.update(self.task, total=total, completed=step, info=line)
+            if validated:
+                self.console.print(f"  {line}")
+        elif validated or step % max(1, total // 10) == 0 or step == total:
+            self.console.print(f"  {line}")
+
+
+# ----------------------------------------------------------------------------- header, summary
+def strategy_line(cfg) -> str:
+    """How the run computes: strategy, precision, activation checkpointing, data order."""
+    t = cfg.train
+    if t.strategy == "fsdp":
+        f = cfg.fsdp
+        strategy = (
+            f"FSDP2 (parameters, gradients and optimizer state sharded; grad_sync "
+            f"{f.grad_sync}, reshard_after_forward {str(f.reshard_after_forward).lower()})"
+        )
+    else:
+        strategy = "DDP (the whole model on every rank)"
+    ac = t.activation_checkpointing
+    recompute = ac if isinstance(ac, str) else f"every {ac.every_n} blocks"
+    order = f"shuffled each epoch (seed {cfg.seed})" if cfg.data.shuffle else "stored order"
+    compiled = ", torch.compile" if t.compile else ""
+    return (
+        f"strategy {strategy}; precision {t.precision}{compiled}; activation checkpointing "
+        f"{recompute}; data {order}"
+    )
+
+
+def run_header(cfg, prep, data_path: str) -> list[str]:
+    """The lines a run starts with: the batch arithmetic, the LR, how it computes, the data and
+    the model (`prep`: the driver's Prepared)."""
+    from rayacc.quantities import lr_explanation
+
+    return [
+        prep.plan.describe(),
+        lr_explanation(cfg, prep.plan),
+        strategy_line(cfg),
+        f"data: {data_path} — {prep.layout.describe()}",
+        f"model: {cfg.model.name}, {prep.num_parameters:,} parameters; "
+        f"{prep.total_steps} optimizer steps",
+        *prep.notes,
+    ]
+
+
+STEADY_AFTER = 3
+"""Steps left out of the per-step medians (start-up: compilation, caches, allocator)."""
+
+
+def perf_summary(history: list[dict]) -> str:
+    """Medians of the steady-state steps' cost metrics, as one line that says which steps."""
+    steady = history[STEADY_AFTER:]
+    which = f"median of steps {STEADY_AFTER + 1}–{len(history)}"
+    if not steady:
+        steady = history
+        which = f"median of all {len(history)} step{'s' if len(history) != 1 else ''}"
+    parts = []
+    for key, label, fmt in (
+        ("train/samples_per_s", "samples/s", "{:,.0f}"),
+        ("perf/tokens_per_s", "tokens/s", "{:,.0f}"),
+        ("perf/tflops", "TFLOP/s per worker", "{:.3g}"),
+        ("perf/mfu", "MFU", "{:.1%}"),
+        ("perf/data_wait_frac", "data wait", "{:.1%}"),
+        ("comm/sync_time_frac", "gradient sync", "{:.1%}"),
+        ("mem/peak_mb", "peak memory MB", "{:,.0f}"),
+    ):
+        values = [r[key] for r in steady if isinstance(r.get(key), (int, float))]
+        if values:
+            parts.append(f"{label} {fmt.format(statistics.median(values))}")
+    return f"per step ({which}): " + ", ".join(parts) if parts else ""
+
+
+def summary_lines(cfg, result) -> list[str]:
+    """What the console says of a finished fit (the first line is the heading)."""
+    from rayacc.quantities import lr_explanation
+    from rayacc.redact import redact
+
+    plan = result.plan
+    m = result.metrics
+    lines = ["[bold]done[/]", plan.describe(), lr_explanation(cfg, plan)]
+    if m:
+        line = f"step {m.get('step')}: train loss {m.get('train/loss', float('nan')):.4f}"
+        if "val/loss" in m:
+            line += f", val_loss {m['val/loss']:.4f}"
+        if "val/accuracy" in m:
+            line += f", val_acc {m['val/accuracy']:.2%}"
+        lines.append(line)
+        if m.get("train/skipped_steps"):
+            lines.append(
+                f"[yellow]{m['train/skipped_steps']} step(s) skipped[/] for a non-finite loss "
+                "or gradient (train/skipped_steps)"
+            )
+    resumed = result.summary.get("resumed_from")
+    if resumed is not None and result.history:
+        lines.append(
+            f"resumed from the checkpoint at step {resumed}; the history (MLflow, loss curve) "
+            f"holds steps {result.history[0]['step']}–{result.history[-1]['step']} of the run"
+        )
+    perf = perf_summary(result.history)
+    if perf:
+        lines.append(perf)
+    lines.append(
+        f"wall time {result.wall_time_s:.1f} s "
+        f"(training steps {result.summary.get('train_time_s', 0.0):.1f} s)"
+    )
+    if result.mlflow_run_id:
+        uri = redact(result.tracking_uri)
+        lines.append(f"MLflow run {result.mlflow_run_id} in {uri}")
+        if uri and uri.startswith(("http://", "https://")):
+            lines.append(f"  open the UI: {uri}")
+        else:
+            lines.append(f"  open the UI: mlflow ui --backend-store-uri {uri}")
+    lines.append(f"checkpoint: {result.checkpoint_dir}")
+    if result.checkpoint_dir and result.summary.get("token_model"):
+        lines.append(f"  sample it: rayacc sample {result.checkpoint_dir}")
+    return lines
+
+
+# ----------------------------------------------------------------------------- Ray's records
+_RAY_RECORD = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}\t(DEBUG|INFO|WARNING) \S+:\d+ -- ")
+"""A record as Ray's console handlers (Ray Core's, Ray Data's) format it, below ERROR."""
+
+
+class QuietRayStream(RedactingStream):
+    """The console's stream (redacting, as RedactingStream) that also drops Ray's own log
+    records below ERROR (a logging handler writes a record in one call): the console carries
+    rayacc's lines and errors; Ray keeps its records in its session's log files. The CLI
+    installs it unless RAYACC_VERBOSE=1."""
+
+    def write(self, text: str) -> int:
+        if _RAY_RECORD.match(text):
+            return len(text)
+        return super().write(text)

@@ -1,0 +1,411 @@
+"""What a user reads: progress lines (ETA, LR, tokens/s, named validation metrics), the header,
+the summary's words for short runs, FitResult's repr, the console's rule for Ray's records, the
+sweep report's answer and plots. No Ray here: the whole-stack check is in test_user_console.py."""
+
+from __future__ import annotations
+
+import io
+import math
+
+import pytest
+from rich.console import Console
+
+from rayacc.config import TrainConfig
+from rayacc.console import (
+    Eta,
+    ProgressPrinter,
+    QuietRayStream,
+    clock,
+    perf_summary,
+    progress_line,
+    strategy_line,
+)
+from rayacc.events import RunStarted
+
+
+def record(step, **extra):
+    return {
+        "step": step,
+        "train/loss": 1.0 / step,
+        "train/lr": 1e-3,
+        "train/samples_per_s": 1000.0,
+        **extra,
+    }
+
+
+@pytest.mark.parametrize(
+    "extra, present, absent",
+    [
+        (
+            {},
+            ["step 3/10", "ETA 0:07", "lr 0.001", "1,000 samples/s", "0:03 elapsed"],
+            ["tokens/s", "val_"],
+        ),
+        ({"perf/tokens_per_s": 128000.0}, ["128,000 tokens/s"], ["val_"]),
+        ({"val/loss": 0.25}, ["val_loss 0.2500"], ["val_acc", "val "]),
+        ({"val/loss": 0.25, "val/accuracy": 0.951}, ["val_loss 0.2500", "val_acc 95.10%"], []),
+    ],
+)
+def test_a_progress_line_names_what_it_shows(extra, present, absent):
+    line = progress_line(record(3, **extra), 10, elapsed_s=3.2, eta_s=7.0)
+    for text in present:
+        assert text in line
+    for text in absent:
+        assert text not in line
+
+
+@pytest.mark.parametrize(
+    "seconds, text", [(None, "?"), (math.nan, "?"), (0, "0:00"), (61.4, "1:01"), (3725, "1:02:05")]
+)
+def test_clock(seconds, text):
+    assert clock(seconds) == text
+
+
+def test_the_eta_counts_the_pauses_in_its_span():
+    eta = Eta(window_s=30.0)
+    eta.restart(0, 0.0)
+    t = 0.0
+    for step in range(1, 41):
+        t += 1.0
+        if step % 10 == 0:
+            t += 5.0  # validation every 10 steps: 5 s
+        eta.observe(step, t)
+    # 40 steps took 60 s: 1.5 s a step with the pauses; 60 left → 90 s
+    assert eta.seconds_left(100) == pytest.approx(90.0, rel=0.1)
+    # a span without the pauses would say 60 s
+    assert eta.seconds_left(100) > 75
+
+
+def test_the_eta_follows_a_new_rate_after_a_restart():
+    eta = Eta(window_s=5.0)
+    eta.restart(0, 0.0)
+    for step in range(1, 21):
+        eta.observe(step, step * 1.0)
+    eta.restart(20, 100.0)  # a worker group restarted at half the speed
+    for step in range(21, 41):
+        eta.observe(step, 100.0 + (step - 20) * 2.0)
+    assert eta.seconds_left(60) == pytest.approx(40.0, rel=0.05)
+
+
+def test_the_eta_is_unknown_until_time_passes():
+    eta = Eta()
+    assert eta.seconds_left(10) is None
+    eta.observe(1, 5.0)
+    assert eta.seconds_left(10) is None
+    eta.observe(2, 5.0)  # arrived together
+    assert eta.seconds_left(10) is None
+
+
+def test_the_printer_prints_every_tenth_and_every_validation():
+    console = Console(file=io.StringIO(), width=300)
+    printer = ProgressPrinter(console)
+    printer.on_event(RunStarted(0, 40, None, "layout", {}, 1e-3))
+    for step in range(1, 41):
+        printer.on_step(record(step, **({"val/loss": 0.5} if step == 7 else {})))
+    lines = [line for line in console.file.getvalue().splitlines() if "step " in line]
+    steps = [int(line.split("step ")[1].split("/")[0]) for line in lines]
+    assert steps == [4, 7, 8, 12, 16, 20, 24, 28, 32, 36, 40]
+    assert all("/40" in line and "ETA" in line and "lr " in line for line in lines)
+    assert "val_loss 0.5000" in lines[1]
+
+
+@pytest.mark.parametrize(
+    "overrides, words",
+    [
+        (
+            [],
+            [
+                "DDP",
+                "precision fp32",
+                "activation checkpointing none",
+                "shuffled each epoch (seed 0)",
+            ],
+        ),
+        (
+            ["train.strategy=fsdp", "fsdp.grad_sync=window_end", "train.precision=bf16"],
+            ["FSDP2", "grad_sync window_end", "precision bf16"],
+        ),
+        (["train.activation_checkpointing=full"], ["activation checkpointing full"]),
+        (
+            ["train.activation_checkpointing={every_n: 2}"],
+            ["activation checkpointing every 2 blocks"],
+        ),
+        (["data.shuffle=false", "train.compile=true"], ["stored order", "torch.compile"]),
+    ],
+)
+def test_the_header_says_how_the_run_computes(overrides, words):
+    cfg = TrainConfig.from_yaml("jobs/shakespeare.yaml", overrides=overrides)
+    line = strategy_line(cfg)
+    for word in words:
+        assert word in line
+
+
+@pytest.mark.parametrize(
+    "steps, which",
+    [
+        (1, "median of all 1 step)"),
+        (2, "median of all 2 steps)"),
+        (3, "median of all 3 steps)"),
+        (10, "median of steps 4–10)"),
+    ],
+)
+def test_the_summary_says_which_steps_its_medians_cover(steps, which):
+    history = [record(s) for s in range(1, steps + 1)]
+    assert which in perf_summary(history)
+
+
+def test_a_fit_results_repr_is_short():
+    from rayacc.batch_plan import BatchPlan
+    from rayacc.runner.driver import FitResult
+
+    history = [record(s, **{f"x/{i}": 1.0 for i in range(30)}) for s in range(1, 501)]
+    result = FitResult(
+        checkpoint_dir="/tmp/c",
+        mlflow_run_id="abc",
+        metrics={"step": 500, "train/loss": 0.1, "val/loss": 0.2, "val/accuracy": 0.9},
+        plan=BatchPlan(256, 32, 4, 2),
+        effective_lr=1e-3,
+        run_name="r",
+        storage_path="/tmp",
+        tracking_uri=None,
+        history=history,
+        summary={"timeline": {"x": 1.0}},
+    )
+    text = repr(result)
+    assert len(text) < 400, text
+    for part in ("steps=500", "val_acc=0.9", "global_batch=256", "<500 step records>"):
+        assert part in text
+
+
+@pytest.mark.parametrize(
+    "text, shown",
+    [
+        ("2026-12-01 17:36:33,784\tWARNING authentication_token_setup.py:85 -- Token ...\n", False),
+        ("2026-12-01 17:37:56,511\tINFO streaming_executor.py:215 -- Starting execution\n", False),
+        ("2026-12-01 17:37:55,249\tINFO worker.py:2038 -- Started a local Ray instance.\n", False),
+        ("2026-12-01 17:37:56,519\tWARNING __init__.py:28 -- Progress bars disabled.\n", False),
+        ("2026-12-01 17:37:56,519\tERROR worker.py:1 -- a task failed\n", True),
+        ("  step 2/20  0:30 elapsed  ETA 0:18  loss 4.3461\n", True),
+        ("rayacc: warning: something\n", True),
+    ],
+)
+def test_the_console_keeps_rays_records_below_error_out(text, shown):
+    out = io.StringIO()
+    QuietRayStream(out).write(text)
+    assert (out.getvalue() == text) is shown
+
+
+def test_the_quiet_console_still_masks_credentials():
+    out = io.StringIO()
+    QuietRayStream(out).write("tracking at http://alice:s3cr3t@host:5000\n")
+    assert out.getvalue() == "tracking at http://***@host:5000\n"
+
+
+def test_a_layout_with_no_full_window_says_so():
+    from rayacc.data.order import EpochLayout
+
+    text = EpochLayout(151, 256, 8, 2, "short").describe()
+    assert "0 windows" not in text
+    assert "one short window of 151 rows" in text
+
+
+# ----------------------------------------------------------------------------- sweep report
+def trial(n, *, micro, accum, workers, loss, sps, mem, t, wall, batch=256, status="FINISHED"):
+    from rayacc.tracking.report import TrialRow
+
+    return TrialRow(
+        trial=str(n),
+        run_id=f"r{n}",
+        status=status,
+        workers=workers,
+        micro=micro,
+        accum=accum,
+        global_batch=batch,
+        effective_lr=1e-3,
+        final_train_loss=loss,
+        best_val=0.9,
+        best_val_metric="val/accuracy",
+        samples_per_s=sps,
+        peak_mem_mb=mem,
+        sync_frac=0.1,
+        wall_time_s=wall,
+        time_to_target_s=t,
+    )
+
+
+@pytest.mark.parametrize(
+    "rows, says",
+    [
+        (
+            [
+                trial(
+                    0,
+                    micro=16,
+                    accum=16,
+                    workers=1,
+                    loss=0.2570,
+                    sps=14650,
+                    mem=592.6,
+                    t=0.68,
+                    wall=23.6,
+                ),
+                trial(
+                    1,
+                    micro=64,
+                    accum=4,
+                    workers=1,
+                    loss=0.2570001,
+                    sps=17277,
+                    mem=594.0,
+                    t=0.36,
+                    wall=19.3,
+                ),
+            ],
+            [
+                "same final loss 0.2570 in all 2 trials, as expected at one global batch",
+                "fastest: trial 1 (micro 64 × accum 4 × 1 worker(s))",
+                "1.89× faster than trial 0",
+                "fastest first): trial 1 0.36 s, trial 0 0.68 s",
+                "highest first): trial 1 17,277, trial 0 14,650",
+                "least first): trial 0 593, trial 1 594",
+            ],
+        ),
+        (
+            [
+                trial(
+                    0, micro=16, accum=16, workers=1, loss=0.30, sps=1000, mem=500, t=2.0, wall=9
+                ),
+                trial(
+                    1,
+                    micro=16,
+                    accum=8,
+                    workers=1,
+                    loss=0.20,
+                    sps=1100,
+                    mem=500,
+                    t=1.0,
+                    wall=8,
+                    batch=128,
+                ),
+            ],
+            [
+                "final losses differ, 0.2000–0.3000; compared at the loss all reached",
+                "fastest: trial 1",
+            ],
+        ),
+        (
+            [
+                trial(
+                    0, micro=16, accum=16, workers=1, loss=0.30, sps=1000, mem=500, t=2.0, wall=9
+                ),
+                trial(
+                    1, micro=16, accum=16, workers=2, loss=0.20, sps=1100, mem=500, t=1.0, wall=8
+                ),
+            ],
+            ["at one global batch they should agree"],
+        ),
+        (
+            [
+                trial(
+                    0, micro=16, accum=16, workers=1, loss=0.30, sps=1000, mem=500, t=2.0, wall=9
+                ),
+                trial(
+                    1,
+                    micro=16,
+                    accum=8,
+                    workers=1,
+                    loss=math.nan,
+                    sps=math.nan,
+                    mem=math.nan,
+                    t=math.nan,
+                    wall=3,
+                    status="FAILED",
+                ),
+            ],
+            ["same final loss 0.3000 in all 1 trials", "fastest: trial 0"],
+        ),
+    ],
+    ids=["one-batch", "two-batches", "one-batch-disagreeing", "a-failed-trial"],
+)
+def test_the_report_answers_which_setting_is_fastest_for_the_same_result(rows, says):
+    from rayacc.tracking.report import Report
+
+    report = Report(
+        "parent", rows, target_loss=min(r.final_train_loss for r in rows if r.status == "FINISHED")
+    )
+    text = "\n".join(report.verdict())
+    for words in says:
+        assert words in text, text
+
+
+@pytest.mark.parametrize(
+    "curves, coincide",
+    [
+        ({"a": ([1, 2, 3], [2.0, 1.0, 0.5]), "b": ([1, 2, 3], [2.0, 1.0000001, 0.5])}, True),
+        ({"a": ([1, 2, 3], [2.0, 1.0, 0.5]), "b": ([1, 2, 3], [2.0, 1.2, 0.7])}, False),
+        ({"a": ([1, 2, 3], [2.0, 1.0, 0.5])}, False),
+        ({"a": ([1, 2, 3], [2.0, 1.0, 0.5]), "b": ([1, 2], [2.0, 1.0])}, False),
+    ],
+)
+def test_coinciding_loss_curves_get_a_note(curves, coincide):
+    from rayacc.tracking.report import coincide_note
+
+    assert bool(coincide_note(curves)) is coincide
+
+
+def test_a_quantitys_axis_starts_at_zero(tmp_path):
+    from rayacc.tracking.report import _plot_xy
+
+    series = {"1 worker(s)": ([16, 64], [592.6, 594.0])}
+    low, high = _plot_xy(tmp_path / "m.png", "t", "x", "MB", series, scatter=True)
+    assert low == 0 and high > 594.0
+    assert (tmp_path / "m.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize(
+    "losses, times, target, expected",
+    [
+        ([(1, 2.0), (2, 1.0), (3, 0.5)], {1: 1.0, 2: 1.0, 3: 1.0}, 1.5, 2.0),  # smoothed: 2, 1.5
+        ([(1, 2.0), (2, 1.0), (3, 0.5)], {1: 1.0, 2: 1.0, 3: 1.0}, 0.1, math.nan),
+    ],
+)
+def test_time_to_loss(losses, times, target, expected):
+    from rayacc.tracking.report import time_to_loss
+
+    got = time_to_loss(losses, times, target)
+    assert (math.isnan(got) and math.isnan(expected)) or got == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(
+    "workers, cpus, address, warned",
+    [
+        (4, 1.0, None, True),  # the issue's case: 4 workers on 2 cores
+        (2, 2.0, None, True),
+        (2, 1.0, None, False),
+        (4, 0.5, None, False),
+        ([1, 4], 1.0, None, True),  # an elastic run's most
+        (4, 1.0, "ray://head:10001", False),  # a cluster: check_cluster judges it
+    ],
+)
+def test_a_local_run_with_more_worker_cpus_than_cores_warns(
+    monkeypatch, workers, cpus, address, warned
+):
+    import os
+
+    from rayacc.runner.prelaunch import local_oversubscription
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    if address:
+        monkeypatch.setenv("RAY_ADDRESS", address)
+    else:
+        monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    cfg = TrainConfig.from_dict(
+        {
+            "batch": {"global_batch_size": 64, "micro_batch_size": 4},
+            "scaling": {"num_workers": workers, "cpus_per_worker": cpus},
+        }
+    )
+    warning = local_oversubscription(cfg)
+    assert (warning is not None) is warned
+    if warned:
+        assert "oversubscribed" in warning and "2 cores" in warning and "Fix:" in warning
