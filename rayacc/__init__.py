@@ -4,7 +4,15 @@ from typing import Any
 
 from rayacc.config import ConfigError, TrainConfig
 
-__all__ = ["ConfigError", "FitResult", "TrainConfig", "build_model", "fit", "load_model"]
+__all__ = [
+    "ConfigError",
+    "FitResult",
+    "ProgressPrinter",
+    "TrainConfig",
+    "build_model",
+    "fit",
+    "load_model",
+]
 __version__ = "0.1.0"
 
 # loaded on first use: `import rayacc.engine` must not pull in ray or mlflow
@@ -13,6 +21,7 @@ _LAZY = {
     "FitResult": "rayacc.runner.driver",
     "build_model": "rayacc.models",
     "load_model": "rayacc.runner.checkpoint",
+    "ProgressPrinter": "rayacc.console",
 }
 
 

@@ -390,8 +390,6 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
 
     if problem := check_folder("--out", args.out):
         raise PlaceError([problem])
-    # Ray Data's per-execution INFO lines (a --shuffle) would bury the progress lines
-    logging.getLogger("ray.data").setLevel(logging.WARNING)
     prepare_corpus(
         args.inputs,
         args.out,

@@ -4,4 +4,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/python -m ruff check .
-exec .venv/bin/python -m pytest --durations=8 "$@"
+exec .venv/bin/python -m pytest --durations=25 "$@"
