@@ -140,7 +140,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     t_ray = time.time()
     console.print(f"[bold]rayacc train[/] {args.config}")
     for line in run_header(cfg, prep, redact(prep.info.path)):
-        console.print(f"  {line}")
+        console.print(f"  {line}", markup=False)  # a path may hold brackets
     for w in prep.warnings:
         err.print(f"[yellow]warning:[/] {w}")
 

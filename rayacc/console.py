@@ -141,7 +141,7 @@ class ProgressPrinter(RunObserver):
         else:
             line = event.console_line()
         if line:
-            self.console.print(f"  {line}")
+            self.console.print(f"  {line}", markup=False)
 
     def on_step(self, record: dict[str, Any]) -> None:
         now = time.monotonic()
@@ -153,9 +153,9 @@ class ProgressPrinter(RunObserver):
         if self.progress is not None:
             self.progress.update(self.task, total=total, completed=step, info=line)
             if validated:
-                self.console.print(f"  {line}")
+                self.console.print(f"  {line}", markup=False)
         elif validated or step % max(1, total // 10) == 0 or step == total:
-            self.console.print(f"  {line}")
+            self.console.print(f"  {line}", markup=False)
 
 
 # ----------------------------------------------------------------------------- header, summary

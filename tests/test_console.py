@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import math
+import re
 
 import pytest
 from rich.console import Console
@@ -409,3 +410,22 @@ def test_a_local_run_with_more_worker_cpus_than_cores_warns(
     assert (warning is not None) is warned
     if warned:
         assert "oversubscribed" in warning and "2 cores" in warning and "Fix:" in warning
+
+
+def test_on_a_terminal_the_bar_carries_the_line_and_validations_stay_printed():
+    console = Console(file=io.StringIO(), width=200, force_terminal=True)
+    with ProgressPrinter(console, 10, bar=True) as printer:
+        assert printer.progress is not None
+        printer.on_event(RunStarted(0, 10, None, "layout", {}, 1e-3))
+        for step in range(1, 11):
+            printer.on_step(record(step, **({"val/loss": 0.5} if step == 5 else {})))
+        task = printer.progress.tasks[0]
+        assert task.completed == 10 and "step 10/10" in task.fields["info"]
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", console.file.getvalue())
+    assert "val_loss 0.5000" in text
+
+
+def test_off_a_terminal_there_is_no_bar():
+    printer = ProgressPrinter(Console(file=io.StringIO()), 10, bar=True)
+    with printer:
+        assert printer.progress is None
