@@ -136,8 +136,8 @@ def check_train(out_dir: Path, dry: bool) -> list[tuple[str, bool, str]]:
             search.group(0) if search else "no search line",
         )
     )
-    val = re.findall(r"val loss ([\d.]+)", out)
-    checks.append(("validation ran", bool(val), f"val loss {val[-1]}" if val else "none"))
+    val = re.findall(r"val_loss ([\d.]+)", out)
+    checks.append(("validation ran", bool(val), f"val_loss {val[-1]}" if val else "none"))
     ckpt = info.get("checkpoint_dir")
     complete = bool(ckpt) and (Path(ckpt) / "meta.json").is_file()
     checks.append(("final checkpoint complete", complete, str(ckpt)))
