@@ -3,6 +3,7 @@ for a node to leave or join mid-run, and which can hold a worker group of one si
 point until the cluster changes under it (the group is then restarted at another size)."""
 
 import time
+from pathlib import Path
 
 import torch.distributed as dist
 from torch import nn
@@ -12,24 +13,33 @@ from rayacc.models.mlp import MLP
 
 class Slow(nn.Module):
     def __init__(
-        self, inner: nn.Module, delay_s: float, hold_world: int, hold_after: int, hold_max_s: float
+        self,
+        inner: nn.Module,
+        delay_s: float,
+        holds: dict[int, int],
+        hold_max_s: float,
+        held: str | None,
     ):
         super().__init__()
         self.inner = inner
         self.delay_s = delay_s
-        self.hold_world = hold_world
-        self.hold_after = hold_after
+        self.holds = holds
         self.hold_max_s = hold_max_s
+        self.held = held
         self.forwards = 0
 
     def forward(self, x):
         if self.training:
             self.forwards += 1
             world = dist.get_world_size() if dist.is_initialized() else 1
-            if world == self.hold_world and self.forwards > self.hold_after:
-                # wait for the resize that ends this group; past the cap the run goes on as is
-                time.sleep(self.hold_max_s)
-                self.hold_world = 0
+            if world in self.holds and self.forwards > self.holds[world]:
+                del self.holds[world]
+                marker = Path(f"{self.held}.{world}") if self.held else None
+                if marker is None or not marker.exists():
+                    if marker is not None:
+                        marker.touch()  # once a run: a later group of this size goes on
+                    # wait for the resize that ends this group; past the cap it goes on as is
+                    time.sleep(self.hold_max_s)
             time.sleep(self.delay_s)
         return self.inner(x)
 
@@ -38,11 +48,14 @@ def build(
     dataset,
     delay_s: float = 0.1,
     hidden: int = 32,
-    hold_world: int = 0,
-    hold_after: int = 0,
+    holds: dict | None = None,
     hold_max_s: float = 240.0,
+    held: str | None = None,
 ) -> nn.Module:
-    """`hold_world` > 0: a group of that many workers stops in its forward number
-    `hold_after + 1` (counted per process) for up to `hold_max_s` seconds."""
+    """`holds`: worker count → forwards; a group of that many workers stops in its forward
+    number `forwards + 1` (counted per process: a restarted group counts from 0) for up to
+    `hold_max_s` seconds; with `held` (a path prefix) only the first group of that size in the
+    run holds."""
     mlp = MLP(dataset.num_features, dataset.num_classes, [hidden])
-    return Slow(mlp, delay_s, hold_world, hold_after, hold_max_s)
+    holds = {int(w): n for w, n in (holds or {}).items()}
+    return Slow(mlp, delay_s, holds, hold_max_s, held)

@@ -136,19 +136,25 @@ def final_checkpoint(tmp_path: Path, name: str) -> Path:
     return sorted((tmp_path / name).glob("*/checkpoint_step00000016"))[-1]
 
 
-def hold(world: int, forwards: int) -> dict:
-    """Model kwargs that stop a group of `world` workers in forward `forwards + 1` (per rank)
-    until the resize the test causes ends it, so no step past that point runs at the old size."""
-    return {"kwargs": {"delay_s": 0.05, "hold_world": world, "hold_after": forwards}}
+def hold(tmp_path: Path, name: str, **forwards_at_world: int) -> dict:
+    """Model kwargs that stop the run's first group of each worker count (`w2=16`: 2 workers)
+    in forward `forwards + 1` (per rank) until the resize the test causes ends it, so no step
+    past that point runs at the old size."""
+    holds = {int(w.removeprefix("w")): n for w, n in forwards_at_world.items()}
+    held = str(tmp_path / f"{name}.held")
+    return {"kwargs": {"delay_s": 0.05, "holds": holds, "held": held}}
 
 
-def wait_then(tmp_path: Path, name: str, action) -> callable:
+def wait_then(tmp_path: Path, name: str, *actions) -> callable:
+    """`actions`: (checkpoint step, what to do once the group is held past it)."""
+
     def during():
-        wait_for_checkpoint(tmp_path / name, 4)
-        # the group is held in step 5 by now; the controller registers the step-4 checkpoint
-        # from the workers' reports, which it polls
-        time.sleep(5)
-        action()
+        for step, action in actions:
+            wait_for_checkpoint(tmp_path / name, step)
+            # the group is held in the next step by now; the controller registers the
+            # checkpoint from the workers' reports, which it polls
+            time.sleep(5)
+            action()
 
     return during
 
@@ -190,43 +196,41 @@ def test_node_leaves_and_joins_with_global_batch_and_lr_kept(tmp_path, cluster, 
     # the single-process full-batch run: what every size, and every change of size, must give
     reference = reference_weights(job(tmp_path, "fixed", 2))
 
-    # 2 workers (accumulation 4 each) on 2 nodes; node 1 is lost in step 5: 1 worker goes on
+    # 2 workers (accumulation 4 each) on 2 nodes; node 1 is lost in step 5: 1 worker
+    # (accumulation 8) goes on from checkpoint 4, held in step 9 until a node joins: 2 workers
+    # again from checkpoint 8
     out = train(
-        job(tmp_path, "shrink", [1, 2], model=hold(2, 16), scaling={"resize_interval_s": 2}),
+        job(
+            tmp_path,
+            "elastic",
+            [1, 2],
+            model=hold(tmp_path, "elastic", w2=16, w1=32),
+            scaling={"resize_interval_s": 2},
+        ),
         cluster,
         env_file,
-        during=wait_then(tmp_path, "shrink", lambda: local("remove", "1", env=cluster)),
+        during=wait_then(
+            tmp_path,
+            "elastic",
+            (4, lambda: local("remove", "1", env=cluster)),
+            (8, lambda: local("add", env=cluster)),
+        ),
     ).stdout
     assert "resize at step 4" in out and "workers 2 → 1" in out, out[-3000:]
-    run, series = run_record(tmp_path, "shrink")
+    assert "resize at step 8" in out and "workers 1 → 2" in out, out[-3000:]
+    run, series = run_record(tmp_path, "elastic")
     workers = series("scaling/num_workers")
-    assert workers == [2] * 4 + [1] * 12, workers
+    assert workers == [2] * 4 + [1] * 4 + [2] * 8, workers
     assert set(series("scaling/global_batch_size")) == {32}
-    assert series("scaling/grad_accum_steps") == [4] * 4 + [8] * 12
+    assert series("scaling/grad_accum_steps") == [4] * 4 + [8] * 4 + [4] * 8
     assert set(series("train/lr")) == {0.05}
     assert len(series("train/loss")) == 16, "optimizer steps are contiguous, none repeated"
-    assert "step 4: workers 2→1, accum 4→8, global 32→32" in run.data.tags["rayacc.resizes"]
-    shrink_err = rel_diff(weights(final_checkpoint(tmp_path, "shrink")), reference)
-    record_equivalence("elastic: 2 → 1 workers at step 4 vs one process, full batch", shrink_err)
-    assert shrink_err <= 1e-5, shrink_err
-
-    # 1 worker while only the head has a slot, held in step 5 until a node joins: 2 workers
-    out = train(
-        job(tmp_path, "grow", [1, 2], model=hold(1, 32), scaling={"resize_interval_s": 2}),
-        cluster,
-        env_file,
-        during=wait_then(tmp_path, "grow", lambda: local("add", env=cluster)),
-    ).stdout
-    assert "resize at step 4" in out and "workers 1 → 2" in out, out[-3000:]
-    run, series = run_record(tmp_path, "grow")
-    assert series("scaling/num_workers") == [1] * 4 + [2] * 12
-    assert series("scaling/grad_accum_steps") == [8] * 4 + [4] * 12
-    assert set(series("scaling/global_batch_size")) == {32}
-    assert set(series("train/lr")) == {0.05}
-    assert len(series("train/loss")) == 16
-    grow_err = rel_diff(weights(final_checkpoint(tmp_path, "grow")), reference)
-    record_equivalence("elastic: 1 → 2 workers at step 4 vs one process, full batch", grow_err)
-    assert grow_err <= 1e-5, grow_err
+    resizes = run.data.tags["rayacc.resizes"]
+    assert "step 4: workers 2→1, accum 4→8, global 32→32" in resizes, resizes
+    assert "step 8: workers 1→2, accum 8→4, global 32→32" in resizes, resizes
+    err = rel_diff(weights(final_checkpoint(tmp_path, "elastic")), reference)
+    record_equivalence("elastic: 2 → 1 → 2 workers at steps 4, 8 vs one process, full batch", err)
+    assert err <= 1e-5, err
 
     # keep_micro_batch: accumulation stays 4, the global batch follows the workers (32 → 16)
     # and the LR follows the linear rule (0.05 → 0.025) over a 5-step re-warmup
@@ -235,12 +239,12 @@ def test_node_leaves_and_joins_with_global_batch_and_lr_kept(tmp_path, cluster, 
             tmp_path,
             "micro",
             [1, 2],
-            model=hold(2, 16),
+            model=hold(tmp_path, "micro", w2=16),
             scaling={"resize_interval_s": 2, "on_resize": "keep_micro_batch"},
         ),
         cluster,
         env_file,
-        during=wait_then(tmp_path, "micro", lambda: local("remove", "2", env=cluster)),
+        during=wait_then(tmp_path, "micro", (4, lambda: local("remove", "2", env=cluster))),
     ).stdout
     assert "resize at step 4" in out and "workers 2 → 1" in out, out[-3000:]
     run, series = run_record(tmp_path, "micro")
