@@ -188,7 +188,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from rayacc.config import SweepConfig
-    from rayacc.console import VAL_NAMES
+    from rayacc.console import val_parts
     from rayacc.runner.sweep import run_sweep
     from rayacc.tracking.report import build_report
 
@@ -210,11 +210,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
             console.print(f"  trial {trial.index} started: {trial.label()}")
         elif kind == "finished":
             m = info.get("metrics", {})
-            val = "".join(
-                f", {name} {m[key]:.2%}" if key == "val/accuracy" else f", {name} {m[key]:.4f}"
-                for key, name in VAL_NAMES.items()
-                if key in m
-            )
+            val = "".join(f", {part}" for part in val_parts(m))
             loss = m.get("train/loss", float("nan"))
             console.print(
                 f"  trial {trial.index} finished: train loss {loss:.4f}"

@@ -27,6 +27,7 @@ __all__ = [
     "run_header",
     "strategy_line",
     "summary_lines",
+    "val_parts",
 ]
 
 VAL_NAMES = {"val/loss": "val_loss", "val/accuracy": "val_acc"}
@@ -93,11 +94,17 @@ def progress_line(record: dict[str, Any], total: int, elapsed_s: float, eta_s: f
     ]
     if "perf/tokens_per_s" in record:
         parts.append(f"{record['perf/tokens_per_s']:,.0f} tokens/s")
-    for key, name in VAL_NAMES.items():
-        if key in record:
-            value = record[key]
-            parts.append(f"{name} {value:.2%}" if key == "val/accuracy" else f"{name} {value:.4f}")
-    return "  ".join(parts)
+    return "  ".join(parts + val_parts(record))
+
+
+def val_parts(record: dict[str, Any]) -> list[str]:
+    """The record's validation metrics as the console names them: `val_loss 0.2629`,
+    `val_acc 95.10%` (progress lines, the summary, a sweep's trial lines)."""
+    return [
+        f"{name} {record[key]:.2%}" if key == "val/accuracy" else f"{name} {record[key]:.4f}"
+        for key, name in VAL_NAMES.items()
+        if key in record
+    ]
 
 
 class ProgressPrinter(RunObserver):
@@ -233,11 +240,7 @@ def summary_lines(cfg, result) -> list[str]:
     lines = ["[bold]done[/]", plan.describe(), lr_explanation(cfg, plan)]
     if m:
         line = f"step {m.get('step')}: train loss {m.get('train/loss', float('nan')):.4f}"
-        if "val/loss" in m:
-            line += f", val_loss {m['val/loss']:.4f}"
-        if "val/accuracy" in m:
-            line += f", val_acc {m['val/accuracy']:.2%}"
-        lines.append(line)
+        lines.append("".join([line, *(f", {part}" for part in val_parts(m))]))
         if m.get("train/skipped_steps"):
             lines.append(
                 f"[yellow]{m['train/skipped_steps']} step(s) skipped[/] for a non-finite loss "

@@ -429,3 +429,25 @@ def test_off_a_terminal_there_is_no_bar():
     printer = ProgressPrinter(Console(file=io.StringIO()), 10, bar=True)
     with printer:
         assert printer.progress is None
+
+
+def test_the_summary_names_its_validation_metrics():
+    from types import SimpleNamespace
+
+    from rayacc.batch_plan import BatchPlan
+    from rayacc.console import summary_lines
+
+    cfg = TrainConfig.from_dict({"batch": {"global_batch_size": 8, "micro_batch_size": 4}})
+    metrics = {"step": 5, "train/loss": 0.1, "val/loss": 0.2, "val/accuracy": 0.9}
+    result = SimpleNamespace(
+        plan=BatchPlan(8, 4, 1, 2),
+        metrics=metrics,
+        history=[],
+        summary={},
+        wall_time_s=1.0,
+        mlflow_run_id=None,
+        checkpoint_dir=None,
+    )
+    assert "step 5: train loss 0.1000, val_loss 0.2000, val_acc 90.00%" in summary_lines(
+        cfg, result
+    )
