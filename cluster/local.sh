@@ -4,6 +4,8 @@
 #                             all on 127.0.0.1; writes $STATE/env with the addresses
 #   cluster/local.sh add      one more worker node (autoscaling experiments)
 #   cluster/local.sh remove I kills worker node I and its processes, as a lost machine would go
+#   cluster/local.sh reclaim I S  a spot reclaim of worker node I: Ray drains it for preemption
+#                             with a deadline S seconds away (the notice), then it is removed
 #   cluster/local.sh status
 #   cluster/local.sh down     stops exactly the processes `up` and `add` started
 #   cluster/local.sh prune    drops records of processes that are gone (`up` does this first)
@@ -132,6 +134,33 @@ remove() {
   echo "worker node $1 killed"
 }
 
+node_id() {  # the Ray node id of worker node $1
+  "$BIN/python" - "$HOST:$GCS_PORT" "$1" <<'PY'
+import sys
+
+import ray
+
+ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
+found = [n["NodeID"] for n in ray.nodes() if n["Alive"] and f"node_{sys.argv[2]}" in n["Resources"]]
+print(found[0] if found else "")
+PY
+}
+
+reclaim() {  # a spot reclaim of worker node $1: a preemption notice of $2 seconds, then it goes
+  local i=${1:?usage: local.sh reclaim I SECONDS} s=${2:?usage: local.sh reclaim I SECONDS} id
+  [ -f "$STATE/worker$i.pid" ] || { echo "local.sh: no worker node $i" >&2; exit 1; }
+  id=$(node_id "$i")
+  [ -n "$id" ] || { echo "local.sh: worker node $i is not in the cluster" >&2; exit 1; }
+  # what a cloud's reclaim warning makes Ray's autoscaler do: drain the node for preemption
+  # with a deadline (Ray Train sees it; the node stays up until it is killed)
+  "$RAY" drain-node --address=$HOST:$GCS_PORT --node-id="$id" \
+    --reason=DRAIN_NODE_REASON_PREEMPTION --reason-message="spot reclaim" \
+    --deadline-remaining-seconds="$s"
+  echo "worker node $i ($id) drained for preemption; it goes in $s s"
+  sleep "$s"
+  remove "$i"
+}
+
 up() {
   local n=${1:?usage: local.sh up N}
   prune
@@ -243,8 +272,9 @@ case "${1:-}" in
   up) up "${2:-1}" ;;
   add) add ;;
   remove) remove "${2:-}" ;;
+  reclaim) reclaim "${2:-}" "${3:-}" ;;
   down) down ;;
   status) status ;;
   prune) prune ;;
-  *) echo "usage: cluster/local.sh up N | add | remove I | status | down | prune" >&2; exit 2 ;;
+  *) echo "usage: cluster/local.sh up N | add | remove I | reclaim I SECONDS | status | down | prune" >&2; exit 2 ;;
 esac

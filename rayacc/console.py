@@ -14,6 +14,7 @@ import time
 from collections import deque
 from typing import Any
 
+from rayacc import goodput
 from rayacc.events import Event, RunObserver, RunStarted
 from rayacc.redact import RedactingStream
 
@@ -255,10 +256,13 @@ def summary_lines(cfg, result) -> list[str]:
     perf = perf_summary(result.history)
     if perf:
         lines.append(perf)
-    lines.append(
-        f"wall time {result.wall_time_s:.1f} s "
-        f"(training steps {result.summary.get('train_time_s', 0.0):.1f} s)"
-    )
+    if result.goodput:
+        lines.append(goodput.describe(result.goodput))
+    else:
+        lines.append(
+            f"wall time {result.wall_time_s:.1f} s "
+            f"(training steps {result.summary.get('train_time_s', 0.0):.1f} s)"
+        )
     if result.mlflow_run_id:
         uri = redact(result.tracking_uri)
         lines.append(f"MLflow run {result.mlflow_run_id} in {uri}")

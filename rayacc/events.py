@@ -11,8 +11,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
+    "Checkpointed",
     "Event",
     "MicroBatchChanged",
+    "PreemptionNotice",
+    "ReclaimStandby",
     "Resized",
     "RunObserver",
     "RunStarted",
@@ -133,11 +136,112 @@ class ScheduleChanged:
         )
 
 
+@dataclass(frozen=True)
+class Checkpointed:
+    """The ranks wrote a checkpoint (the time it took counts against the run's goodput)."""
+
+    step: int
+    seconds: float
+    reason: str
+    """`periodic`, `last` (the run's end), `preemption notice` or `before the reclaim`."""
+
+    def console_line(self) -> None:
+        """Checkpoints are not announced one by one (the summary says what they cost)."""
+        return None
+
+
+@dataclass(frozen=True)
+class PreemptionNotice:
+    """A node hosting ranks of the group is being reclaimed (a spot or preemptible instance
+    Ray drains for preemption), and what the ranks did at the window they learned of it."""
+
+    step: int
+    nodes: tuple[str, ...]
+    ranks: tuple[int, ...]
+    seconds_left: float
+    """From the window's end to the reclaim deadline (Ray's 120 s when the drain gave none)."""
+    deadline_given: bool
+    checkpoint_s: float | None
+    """The just-in-time checkpoint's time; None when none was written."""
+    checkpoint_step: int | None
+    """The checkpoint a restart resumes from as things stand."""
+    too_short: bool = False
+    """The notice left less time than a checkpoint takes: none was written."""
+
+    def describe(self) -> str:
+        """The entry kept in the run's `rayacc.preemptions` tag."""
+        nodes = ",".join(n[:12] for n in self.nodes)
+        ranks = ",".join(map(str, self.ranks))
+        left = f"deadline in {self.seconds_left:.1f} s"
+        if not self.deadline_given:
+            left += " (none given)"
+        if self.too_short:
+            done = f"too short for a checkpoint: resumes from step {self.checkpoint_step}"
+        elif self.checkpoint_s is None:
+            done = f"checkpoint of step {self.step} already written"
+        else:
+            spare = self.seconds_left - self.checkpoint_s
+            done = f"checkpoint {self.checkpoint_s:.1f} s, {spare:.1f} s to spare"
+        return f"step {self.step}: node {nodes} (ranks {ranks}), {left}, {done}"
+
+    def console_line(self) -> str:
+        nodes = ", ".join(n[:12] for n in self.nodes)
+        ranks = ", ".join(map(str, self.ranks))
+        given = "" if self.deadline_given else " (the drain gave no deadline: Ray's default)"
+        head = (
+            f"preemption notice at step {self.step}: node {nodes} (ranks {ranks}) is reclaimed "
+            f"in {self.seconds_left:.0f} s{given}"
+        )
+        if self.too_short:
+            fallback = (
+                f"the checkpoint of step {self.checkpoint_step}"
+                if self.checkpoint_step
+                else "the start of the run (no checkpoint yet)"
+            )
+            return (
+                f"{head}; too short for a checkpoint (one takes longer than that): none written, "
+                f"the restart resumes from {fallback}"
+            )
+        if self.checkpoint_s is None:
+            return f"{head}; step {self.step} is checkpointed already; training goes on"
+        return (
+            f"{head}; checkpoint of step {self.step} written in {self.checkpoint_s:.1f} s; "
+            "training goes on until just before the deadline"
+        )
+
+
+@dataclass(frozen=True)
+class ReclaimStandby:
+    """The last checkpoint before a reclaim's deadline is written: the ranks wait there for
+    Ray Train to restart the group without the reclaimed node, so no step is recomputed."""
+
+    step: int
+    seconds_left: float
+    """From the checkpoint's end to the deadline."""
+
+    def describe(self) -> str:
+        return f"step {self.step}: last checkpoint, {self.seconds_left:.1f} s before the deadline"
+
+    def console_line(self) -> str:
+        return (
+            f"last checkpoint before the reclaim at step {self.step}, {self.seconds_left:.0f} s "
+            "before the deadline; the workers wait for the restart without the reclaimed node"
+        )
+
+
 def _steps(length: float | None) -> str:
     return "open-ended" if length is None else f"{length:g}"
 
 
-Event = RunStarted | Resized | MicroBatchChanged | ScheduleChanged
+Event = (
+    RunStarted
+    | Resized
+    | MicroBatchChanged
+    | ScheduleChanged
+    | Checkpointed
+    | PreemptionNotice
+    | ReclaimStandby
+)
 
 
 class RunObserver:

@@ -221,16 +221,20 @@ def run_phase(case: Case, rank: int, world: int, folder: Path, phase: str) -> di
             strategy=strategy,
         )
         micro = found.micro_batch_size
-    for window in todo:
+    signals = []
+    for i, window in enumerate(todo):
         mine = rank_share(window, rank, world)
-        step(micro_batches(mine, micro, world, len(window)), loss_fn, count)
+        # the last rank raises a signal in every other window: every rank must count it there
+        raised = rank == world - 1 and i % 2 == 0
+        result = step(micro_batches(mine, micro, world, len(window)), loss_fn, count, signal=raised)
+        signals.append(result.signals)
     if phase == "A" and case.event != "none":
         whole = strategy.save(optimizer, folder, rank)
         if rank == 0:
             torch.save(whole, folder / "state.pt")
         return None
     full = full_weights(strategy.unwrapped())  # a collective under FSDP: every rank gathers
-    return {"params": full} if rank == 0 else None
+    return {"params": full, "signals": signals} if rank == 0 else None
 
 
 def _broadcast(saved: dict, rank: int) -> dict:

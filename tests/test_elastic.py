@@ -132,8 +132,8 @@ def run_record(tmp_path: Path, name: str):
     return run, series
 
 
-def final_checkpoint(tmp_path: Path, name: str) -> Path:
-    return sorted((tmp_path / name).glob("*/checkpoint_step00000016"))[-1]
+def final_checkpoint(tmp_path: Path, name: str, step: int = 16) -> Path:
+    return sorted((tmp_path / name).glob(f"*/checkpoint_step{step:08d}"))[-1]
 
 
 def hold(tmp_path: Path, name: str, **forwards_at_world: int) -> dict:

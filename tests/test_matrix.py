@@ -35,6 +35,7 @@ def matrix_results(tmp_path_factory):
     root = tmp_path_factory.mktemp("matrix")
     all_cases = M.cases()
     finals: dict[int, torch.Tensor] = {}
+    signals: dict[int, list[int]] = {}
     for phase, world, chosen in M.phase_groups(all_cases):
         folder = root / f"{phase}{world}"
         folder.mkdir()
@@ -42,10 +43,11 @@ def matrix_results(tmp_path_factory):
         ranks = spawn_ranks(target, world, folder, f"matrix phase {phase} on {world} ranks")
         assert "error" not in ranks[0], ranks[0].get("error")
         finals.update({i: v["params"] for i, v in ranks[0].items() if isinstance(i, int)})
+        signals.update({i: v["signals"] for i, v in ranks[0].items() if isinstance(i, int)})
     rows = []
     for case in all_cases:
         before, after = M.reference(case)
-        rows.append((case, update_rel_err(before, finals[case.index], after)))
+        rows.append((case, update_rel_err(before, finals[case.index], after), signals[case.index]))
     return rows
 
 
@@ -59,7 +61,7 @@ def test_the_cases_cover_every_pair_of_values():
 def test_every_case_equals_the_full_batch_steps(matrix_results, record_equivalence, capsys):
     failures = []
     lines = [f"{'err':>9}  {'bound':>8}  " + " | ".join(M.FACTORS)]
-    for case, err in matrix_results:
+    for case, err, _ in matrix_results:
         bound = BF16_BOUND if case.precision == "bf16" else FP32_BOUND
         lines.append(f"{err:9.2e}  {bound:8.1e}  {case.label()}")
         record_equivalence(f"matrix #{case.index}: {case.label()}", err)
@@ -69,3 +71,13 @@ def test_every_case_equals_the_full_batch_steps(matrix_results, record_equivalen
         print("\ncombination matrix (relative update error vs single-process full batch):")
         print("\n".join(lines))
     assert not failures, "\n".join(failures)
+
+
+def test_a_signal_one_rank_raises_reaches_every_rank_in_its_window(matrix_results):
+    """`AccumulationStep(signal=...)` (a preemption notice) rides the window's counts: rank 0
+    counts the last rank's signal in the window it was raised, for every strategy, precision
+    and worker count, and in no other window."""
+    for case, _, seen in matrix_results:
+        windows_run = len(M.windows(case)) - (1 if case.event != "none" else 0)
+        expected = [1 if i % 2 == 0 else 0 for i in range(windows_run)]
+        assert seen == expected, (case.label(), seen, expected)

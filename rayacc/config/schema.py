@@ -185,6 +185,12 @@ class TrainSection(Section):
     """Run validation every N optimizer steps (and always at the end); null = only at the end."""
     checkpoint_every_steps: int | None = Field(None, ge=1)
     """Checkpoint every N optimizer steps (and always at the end); null = only at the end."""
+    checkpoint_on_preemption: bool = True
+    """When a node of the run is reclaimed with notice (a spot or preemptible instance that Ray
+    drains for preemption): checkpoint at the next window, train on, write a last checkpoint
+    before the deadline and wait there for the restart without that node, so no step is
+    recomputed. The ranks learn of a notice with the window's counts (no collective of its
+    own); false = only the periodic checkpoints survive a reclaim."""
     compile: bool = False
     """torch.compile the model (before DDP wraps it; under FSDP each block, before it is
     sharded). The first steps pay the compilation (tens of seconds for GPT-2 small);

@@ -73,6 +73,10 @@ class StepResult:
     resident set size so far."""
     micro_batch_splits: int = 1
     """Each given micro-batch was cut into this many (doubled by every out-of-memory retry)."""
+    signals: int = 0
+    """Ranks that raised the caller's `signal` for this window: a notice one rank has that
+    every rank learns in the same window, summed with the window's counts (no collective of
+    its own)."""
 
     @property
     def compute_time_s(self) -> float:
@@ -172,10 +176,12 @@ class AccumulationStep:
         loss_fn: LossFn,
         count_items: ItemCounter = count_rows,
         local_items: int | None = None,
+        signal: bool = False,
     ) -> StepResult:
         """`local_items`: this rank's loss items in the window when the caller already knows
         them (counted on the host before the batches moved to the GPU, where counting would
-        stall the host once per micro-batch); otherwise `count_items` counts them."""
+        stall the host once per micro-batch); otherwise `count_items` counts them. `signal`:
+        this rank raises a flag every rank sees counted in `StepResult.signals`."""
         t_start = time.perf_counter()
         if local_items is None:
             local_items = sum(count_items(mb) for mb in micro_batches)
@@ -183,7 +189,7 @@ class AccumulationStep:
             given = micro_batches
             if self.micro_batch_splits > 1:
                 given = [p for mb in micro_batches for p in _split(mb, self.micro_batch_splits)]
-            result = self._window(t_start, given, loss_fn, local_items)
+            result = self._window(t_start, given, loss_fn, local_items, signal)
             if result is not None:
                 return result
             # some rank ran out of memory: all ranks retry with half the micro-batch
@@ -195,6 +201,7 @@ class AccumulationStep:
         micro_batches: Sequence[Batch],
         loss_fn: LossFn,
         local_items: int,
+        signal: bool = False,
     ) -> StepResult | None:
         """One attempt at the window; None when an out-of-memory retry is due."""
         if self.device.type == "cuda":
@@ -216,21 +223,24 @@ class AccumulationStep:
         # back-propagate item-loss sums and divide once the total is known, after backward
         scale = self._scale_before_backward(counts) if self.scaler is not None else None
         self._clear_grads()
-        stats = self._micro_steps(micro_batches, loss_fn, counts, scale)
+        stats = self._micro_steps(micro_batches, loss_fn, [*counts, int(signal)], scale)
         if stats is None:
             return None
-        total_loss, items, samples, sum_m, sum_m2 = self._reduced(stats)
+        total_loss, items, samples, sum_m, sum_m2, signals = self._reduced(stats)
         if scale is None:
             self._check_micro_steps(n_micro, sum_m, sum_m2)
         if items == 0 or not math.isfinite(total_loss):
             # every rank sees the same all-reduced sums, so all skip together
             self._clear_grads()
             why = "no loss items" if items == 0 else "non-finite loss"
-            return self._result(t_start, math.nan, items, samples, n_micro, math.nan, lr, why)
+            return self._result(
+                t_start, math.nan, items, samples, n_micro, math.nan, lr, why, signals
+            )
         grad_norm, skip_reason = self._normalise_clip_step(items, divided=scale is not None)
         self._clear_grads()
+        loss = total_loss / items
         return self._result(
-            t_start, total_loss / items, items, samples, n_micro, grad_norm, lr, skip_reason
+            t_start, loss, items, samples, n_micro, grad_norm, lr, skip_reason, signals
         )
 
     def _scale_before_backward(self, counts: list[int]) -> float:
@@ -249,7 +259,7 @@ class AccumulationStep:
     ) -> torch.Tensor | None:
         """Forward and backward of every micro-batch, gradients synced on the last one only;
         the window's statistics for the all-reduce, or None when an out-of-memory retry is
-        due."""
+        due. `counts`: items, samples, micro-steps, their square and the signal."""
         n_micro = len(micro_batches)
         micro_sums: list[torch.Tensor] = []
         stats = None
@@ -271,9 +281,9 @@ class AccumulationStep:
                     micro_sum = item_losses.float().sum()
                     micro_sums.append(micro_sum.detach())
                     if last:
-                        # summed over ranks with the gradients: loss, items, samples and a
+                        # summed over ranks with the gradients: loss, items, samples, a
                         # micro-step parity check (Σm² · W == (Σm)² exactly when every rank ran
-                        # the same m)
+                        # the same m) and the caller's signal
                         stats = self._window_stats(micro_sums, counts)
                         # counts stay exact in a float32 bucket below 2**24
                         exact = max(counts[0], counts[3]) * self.world_size < 2**24
@@ -290,12 +300,12 @@ class AccumulationStep:
                 item_losses = micro_sum = scaled = None
         return stats
 
-    def _reduced(self, stats: torch.Tensor) -> tuple[float, int, int, float, float]:
-        """(loss sum, items, samples, Σm, Σm²) over all ranks."""
+    def _reduced(self, stats: torch.Tensor) -> tuple[float, int, int, float, float, int]:
+        """(loss sum, items, samples, Σm, Σm², signals) over all ranks."""
         reduced = self.strategy.reduced_window_stats(stats, group=self.group)
         # a CPU–GPU sync point on GPU: whether to step depends on these
-        total_loss, items, samples, sum_m, sum_m2 = reduced.tolist()
-        return total_loss, int(items), int(samples), sum_m, sum_m2
+        total_loss, items, samples, sum_m, sum_m2, signals = reduced.tolist()
+        return total_loss, int(items), int(samples), sum_m, sum_m2, int(signals)
 
     def _normalise_clip_step(self, items: int, divided: bool) -> tuple[float, str | None]:
         """Unscale → normalise → clip → step → schedule; (gradient norm, why skipped or None).
@@ -385,6 +395,7 @@ class AccumulationStep:
         grad_norm: float,
         lr: float,
         skip_reason: str | None,
+        signals: int = 0,
     ) -> StepResult:
         if self.device.type == "cuda":
             peak_mb = torch.cuda.max_memory_allocated(self.device) / 2**20
@@ -413,6 +424,7 @@ class AccumulationStep:
             sync_time_s=comm.sync_time_s,
             peak_memory_mb=peak_mb,
             micro_batch_splits=self.micro_batch_splits,
+            signals=signals,
         )
 
 

@@ -23,6 +23,7 @@ from rayacc.config import TrainConfig
 from rayacc.data.sources import RowGroups, row_groups
 from rayacc.data.vocab import Vocabulary
 from rayacc.events import RunObserver, RunStarted
+from rayacc.goodput import Goodput
 from rayacc.runner.checkpoint import run_identity
 from rayacc.runner.prelaunch import Prepared, check_cluster, locate, prepare
 from rayacc.runner.runs import RunLocation
@@ -61,6 +62,8 @@ class FitResult:
     history: list[dict[str, Any]] = field(default_factory=list)
     wall_time_s: float = 0.0
     """From the call to the last step's arrival (the MLflow run's `rayacc.wall_time_s`)."""
+    goodput: dict[str, float] = field(default_factory=dict)
+    """Where the wall time went (rayacc/goodput.py; the MLflow run's `goodput/…`)."""
     phases: dict[str, float] = field(default_factory=dict)
     """When each phase of the fit ended on the driver (time.time()); bench/startup.py reads
     these beside the workers' own timeline in `summary["timeline"]`."""
@@ -293,8 +296,9 @@ def fit(
         status="running",
     )
     history = History(lineage)
+    goodput = Goodput(started=phases["called"])
     try:
-        result = running.relay([history, *([tracked] if tracked else []), *observers])
+        result = running.relay([history, goodput, *([tracked] if tracked else []), *observers])
     except TrainingError:
         if tracked is not None:
             tracked.close("FAILED")
@@ -303,6 +307,7 @@ def fit(
     phases["trained"] = time.time()
     # one measure of a fit's time, for the console, FitResult and the MLflow run alike
     wall_time_s = time.perf_counter() - t0
+    split = goodput.split(wall_time_s)
     phases["first_item"] = history.first_item_at or math.nan
     summary = result.return_value or {}
     checkpoint_dir = result.checkpoint.path if result.checkpoint is not None else None
@@ -321,6 +326,7 @@ def fit(
             worker_nodes=summary.get("worker_nodes", []),
             loss_curve=png,
             wall_time_s=wall_time_s,
+            goodput=split,
         )
     phases["tracking_closed"] = time.time()
     loc.record(status="finished", mlflow_run_id=tracked.run_id if tracked else None)
@@ -337,6 +343,7 @@ def fit(
         summary=summary,
         history=records,
         wall_time_s=wall_time_s,
+        goodput=split,
         phases=phases,
     )
 

@@ -27,11 +27,20 @@ from rayacc.engine import (
     AccumulationStep,
     StepClock,
     TrainState,
+    all_gather_objects,
     device_peak_tflops,
     flops_per_item,
     to_device,
 )
-from rayacc.events import Event, Resized, RunStarted, ScheduleChanged
+from rayacc.events import (
+    Checkpointed,
+    Event,
+    PreemptionNotice,
+    ReclaimStandby,
+    Resized,
+    RunStarted,
+    ScheduleChanged,
+)
 from rayacc.models import loss_functions
 from rayacc.models.parallel import model_recipe, strategy_for
 from rayacc.optim import build_optimizer, build_schedule
@@ -48,6 +57,7 @@ from rayacc.runner.autosize import MicroBatchSizer
 from rayacc.runner.checkpoint import RunCheckpoints, StepLog, WorkerParts, checkpoint_meta
 from rayacc.runner.ingest import LocalRows, RankReader, warm_up
 from rayacc.runner.metrics import run_summary, step_record
+from rayacc.runner.preemption import PreemptionWatch, ray_notice_sources
 from rayacc.runner.progress import Outbox
 from rayacc.runner.validation import Validator
 
@@ -100,6 +110,14 @@ class WorkerRun:
         self.val_metrics: dict[str, float] = {}
         self.resumed_from: int | None = None
         self.flops_per_item: float | None = None
+        self.checkpoint_step: int | None = None
+        """The step of the newest checkpoint this group restored or wrote."""
+        self.window_signals = (0, 0.0)
+        """The last window's signal count and wall time (runner/preemption.py)."""
+        quiet = (lambda: None), (lambda: None)
+        self.watch = PreemptionWatch(
+            *(ray_notice_sources() if cfg.train.checkpoint_on_preemption else quiet)
+        )
         self._build()
         self.timeline["built"] = time.time()
 
@@ -187,7 +205,7 @@ class WorkerRun:
         meta = self.checkpoints.restore()
         if meta is None:
             return []
-        self.resumed_from = self.state.optimizer_step
+        self.resumed_from = self.checkpoint_step = self.state.optimizer_step
         # a new global batch (keep_micro_batch) moves to its LR over a short re-warmup
         self.schedule.set_peak(self.lr, rewarm_steps=REWARM_STEPS)
         events: list[Event] = []
@@ -281,7 +299,13 @@ class WorkerRun:
             shape = tuple(next(iter(micro_batches[0].values())).shape[1:])
             self.flops_per_item = flops_per_item(self.strategy.unwrapped(), shape) or 0.0
         try:
-            result = self.step(micro_batches, self.loss_fn, self.count, local_items=local_items)
+            result = self.step(
+                micro_batches,
+                self.loss_fn,
+                self.count,
+                local_items=local_items,
+                signal=self.watch.signal(),
+            )
         except torch.OutOfMemoryError:
             self.sizer.remember_out_of_memory()
             raise
@@ -295,11 +319,13 @@ class WorkerRun:
             self.state.start_epoch(epoch + 1)
         if "first_step" not in self.timeline:
             self.timeline["first_step"] = time.time()
+        wall_s = self.clock.lap()
+        self.window_signals = (result.signals, wall_s)
         return step_record(
             result,
             step=self.state.optimizer_step,
             epoch=epoch,
-            wall_s=self.clock.lap(),
+            wall_s=wall_s,
             data_s=data_s,
             plan=self.plan,
             micro_now=self.sizer.micro_now,
@@ -329,15 +355,59 @@ class WorkerRun:
         if self.history is not None:
             self.history.append(record)
         self.outbox.send(dict(record))
-        if is_last or (every_ckpt and step % every_ckpt == 0):
+        checkpointed = is_last or bool(every_ckpt and step % every_ckpt == 0)
+        if checkpointed:
             with self.clock.paused():
-                # records up to a checkpoint are never replayed after a restart: hand them over
-                self.outbox.flush()
-                self._checkpoint(dict(record))
+                self._checkpoint(record, "last" if is_last else "periodic")
+        self._on_preemption(record, checkpointed, is_last)
 
-    def _checkpoint(self, metrics: dict[str, Any]) -> None:
+    def _on_preemption(self, record: dict[str, Any], checkpointed: bool, is_last: bool) -> None:
+        """A notice agreed at this window: checkpoint now (when one fits), or, near the
+        deadline, the last checkpoint and a wait for the restart (runner/preemption.py)."""
+        action = self.watch.after_window(*self.window_signals)
+        if action is None:
+            return
+        step = self.state.optimizer_step
+        with self.clock.paused():
+            if action == "last":
+                if not checkpointed:
+                    self._checkpoint(record, "before the reclaim")
+                if is_last:
+                    return  # the run is done: nothing to wait for
+                self.outbox.send(ReclaimStandby(step, self.watch.seconds_left()))
+                self.outbox.flush()
+                self.watch.stand_by()
+                return
+            # the ranks' clocks and checkpoint times differ: rank 0's judgement holds for all
+            too_short = all_gather_objects(not checkpointed and self.watch.too_short())[0]
+            seconds_left = self.watch.seconds_left()
+            checkpoint_s = None
+            if too_short:
+                self.watch.give_up()
+            elif not checkpointed:
+                checkpoint_s = self._checkpoint(record, "preemption notice")
+            notice = self.watch.notice
+            self.outbox.send(
+                PreemptionNotice(
+                    step=step,
+                    nodes=notice.nodes,
+                    ranks=notice.ranks,
+                    seconds_left=seconds_left,
+                    deadline_given=notice.deadline_given,
+                    checkpoint_s=checkpoint_s,
+                    checkpoint_step=self.checkpoint_step,
+                    too_short=too_short,
+                )
+            )
+            self.outbox.flush()
+
+    def _checkpoint(self, record: dict[str, Any], reason: str) -> float:
+        """Writes the checkpoint of this step; returns the seconds it took."""
+        t = time.perf_counter()
+        # records up to a checkpoint are never replayed after a restart: hand them over
+        self.outbox.flush()
         self.checkpoints.save(
-            metrics,
+            dict(record),
             step=self.state.optimizer_step,
             description={
                 "config": self.cfg.model_dump(mode="json"),
@@ -353,6 +423,11 @@ class WorkerRun:
             ),
             files=self.checkpoint_files,
         )
+        seconds = time.perf_counter() - t
+        self.checkpoint_step = self.state.optimizer_step
+        self.watch.checkpoint_s = seconds
+        self.outbox.send(Checkpointed(self.state.optimizer_step, seconds, reason))
+        return seconds
 
     def _summary(self) -> dict[str, Any]:
         self.timeline["finished"] = time.time()

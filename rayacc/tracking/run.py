@@ -13,6 +13,8 @@ from rayacc.config import TrainConfig
 from rayacc.events import (
     Event,
     MicroBatchChanged,
+    PreemptionNotice,
+    ReclaimStandby,
     Resized,
     RunObserver,
     RunStarted,
@@ -71,6 +73,7 @@ class TrackedRun(RunObserver):
         self.resumed_at = _entries(tags.get("rayacc.resumed_at_steps"), ",")
         self.micro_changes = _entries(tags.get("rayacc.micro_batch_events"), "; ")
         self.schedule_changes = _entries(tags.get("rayacc.schedule_changes"), "; ")
+        self.preemptions = _entries(tags.get("rayacc.preemptions"), "; ")
 
     @property
     def run_id(self) -> str | None:
@@ -91,6 +94,9 @@ class TrackedRun(RunObserver):
                     }
                 )
             self.sink.set_tags({"rayacc.micro_batch_events": "; ".join(self.micro_changes)})
+        elif isinstance(event, (PreemptionNotice, ReclaimStandby)):
+            self.preemptions.append(event.describe())
+            self.sink.set_tags({"rayacc.preemptions": "; ".join(self.preemptions)})
         elif isinstance(event, ScheduleChanged):
             self.schedule_changes.append(event.describe())
             self.sink.set_tags({"rayacc.schedule_changes": "; ".join(self.schedule_changes)})
@@ -121,8 +127,9 @@ class TrackedRun(RunObserver):
         worker_nodes: Sequence[str] = (),
         loss_curve: Path | None = None,
         wall_time_s: float | None = None,
+        goodput: dict[str, float] | None = None,
     ) -> None:
-        """Final tags, the loss curve and the run's status."""
+        """Final tags, the goodput split (`goodput/…`), the loss curve and the run's status."""
         if status == "FINISHED":
             self.sink.set_tags(
                 {
@@ -131,6 +138,11 @@ class TrackedRun(RunObserver):
                     **({"rayacc.wall_time_s": f"{wall_time_s:.3f}"} if wall_time_s else {}),
                 }
             )
+            if goodput:
+                # this fit's split, at its last step (a resumed run holds one per fit)
+                last = history[-1]["step"] if history else 0
+                split = {f"goodput/{k}": v for k, v in goodput.items()}
+                self.sink.log_step_metrics([{"step": last, **split}])
             if loss_curve is not None and loss_curve_png(list(history), loss_curve):
                 self.sink.log_artifact(loss_curve)
         self.sink.finish(status)

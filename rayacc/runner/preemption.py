@@ -1,0 +1,144 @@
+"""Spot reclaims with notice: what the ranks do when a node of the group is drained for
+preemption (docs/design.md, "Preemption").
+
+Ray Train tells each worker of a drain on its own (its watcher marks every worker's context)
+and agrees on one answer in `ray.train.get_preemption_info()`, a barrier that costs about
+10 ms on two CPU workers — as much as a whole step of the default job. So the ranks do not call
+it every window: each rank reads its own context (an attribute), raises the window's signal
+when it holds a notice, and the signal reaches every rank with the window's counts
+(`AccumulationStep(signal=...)`, no collective of its own). Only a window whose signal count is
+non-zero makes every rank call the barrier, so all make the same calls.
+
+Then: a checkpoint at once (unless a checkpoint takes longer than the time left: the periodic
+one is the fallback, and the notice says so), training goes on, and a last checkpoint is written
+when one more window and a checkpoint would no longer fit before the deadline — that decision
+travels by the same signal, so every rank takes it in the same window. The ranks then wait for
+Ray Train to end the group at the deadline and restart it without the node, from that last
+checkpoint: no step is recomputed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["DEFAULT_DEADLINE_S", "Notice", "PreemptionWatch", "ray_notice_sources"]
+
+DEFAULT_DEADLINE_S = 120.0
+"""Ray Train's own wait when a drain gives no deadline (its DEFAULT_PREEMPTION_DEADLINE_S)."""
+STANDBY_GRACE_S = 60.0
+"""How long past the deadline the ranks wait for the restart before they train on (a drain
+can be cancelled; Ray Train then never ends the group)."""
+
+
+@dataclass(frozen=True)
+class Notice:
+    """A preemption notice the ranks agreed on."""
+
+    deadline: float
+    """When the nodes go (time.time() seconds)."""
+    deadline_given: bool
+    nodes: tuple[str, ...]
+    ranks: tuple[int, ...]
+
+    @classmethod
+    def of(cls, info: Any, now: float) -> Notice:
+        """From Ray Train's PreemptionInfo (deadline_ms: epoch milliseconds, or None)."""
+        given = info.deadline_ms is not None
+        deadline = info.deadline_ms / 1000 if given else now + DEFAULT_DEADLINE_S
+        return cls(
+            deadline=deadline,
+            deadline_given=given,
+            nodes=tuple(info.preempted_node_ids),
+            ranks=tuple(info.preempted_ranks),
+        )
+
+
+class PreemptionWatch:
+    """One rank's side of a reclaim. Per window the worker asks `signal()` before the step and
+    hands the step's signal count to `after_window`, which says what to do at this boundary:
+    `"notice"` (a notice was agreed: checkpoint now), `"last"` (write the last checkpoint before
+    the deadline and stand by) or None.
+
+    `local`: this rank's notice or None, read without a collective; `agree`: the notice every
+    rank agrees on (a barrier; None while rank 0 has not been told yet); `clock`: time.time."""
+
+    def __init__(
+        self,
+        local: Callable[[], Any],
+        agree: Callable[[], Any],
+        clock: Callable[[], float] = time.time,
+    ):
+        self.local, self.agree, self.clock = local, agree, clock
+        self.phase = "watching"
+        self.notice: Notice | None = None
+        self.window_s = 0.0
+        """The longest of the last windows (decaying, so one slow window is forgotten)."""
+        self.checkpoint_s: float | None = None
+        """The last checkpoint's time on this rank; None before the first."""
+
+    def signal(self) -> bool:
+        """Whether this rank raises the next window's signal."""
+        if self.phase == "watching":
+            return self.local() is not None
+        if self.phase == "noticed":
+            return self.clock() + self.needed_s() >= self.notice.deadline
+        return False
+
+    def needed_s(self) -> float:
+        """What one more window and a checkpoint after the next need before the deadline,
+        with a margin for a slow one."""
+        ckpt = self.checkpoint_s or 0.0
+        return 2 * self.window_s + ckpt + max(1.0, 0.25 * (self.window_s + ckpt))
+
+    def after_window(self, signals: int, window_s: float) -> str | None:
+        self.window_s = max(window_s, 0.9 * self.window_s)
+        if not signals:
+            return None
+        if self.phase == "watching":
+            info = self.agree()
+            if info is None:
+                return None  # rank 0 has not been told yet: the next window asks again
+            self.notice = Notice.of(info, self.clock())
+            self.phase = "noticed"
+            return "notice"
+        if self.phase == "noticed":
+            self.phase = "last"
+            return "last"
+        return None
+
+    def too_short(self) -> bool:
+        """A checkpoint is known to take longer than the time the notice leaves."""
+        return self.checkpoint_s is not None and self.checkpoint_s >= self.seconds_left()
+
+    def give_up(self) -> None:
+        """No checkpoint fits before the deadline: no more signals for this notice."""
+        self.phase = "over"
+
+    def seconds_left(self) -> float:
+        return self.notice.deadline - self.clock() if self.notice else float("inf")
+
+    def stand_by(self, sleep: Callable[[float], None] = time.sleep) -> None:
+        """Waits for Ray Train to end the group at the deadline. Returns only when it did not
+        (the drain was cancelled): training then goes on, and this notice is done with."""
+        until = self.notice.deadline + STANDBY_GRACE_S
+        while self.clock() < until:
+            sleep(min(1.0, max(0.0, until - self.clock())))
+        self.phase = "over"
+
+
+def ray_notice_sources() -> tuple[Callable[[], Any], Callable[[], Any]]:
+    """(local, agree) for a Ray Train worker. The local read is of Ray Train's worker context,
+    which its preemption watcher marks on every worker; a Ray without it gives no local
+    notices (and so no notices at all: the periodic checkpoints remain)."""
+    import ray.train
+
+    try:
+        from ray.train.v2._internal.execution.context import get_train_context
+
+        context = get_train_context().preemption_context
+    except (ImportError, AttributeError, RuntimeError):
+        return (lambda: None), ray.train.get_preemption_info
+    return (lambda: context.preemption_info), ray.train.get_preemption_info

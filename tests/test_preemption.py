@@ -1,0 +1,227 @@
+"""A reclaim with notice, one rank's side (runner/preemption.py), and the goodput split
+(rayacc/goodput.py), on a clock the test moves. The whole stack — a node drained for
+preemption on a multi-node cluster — is tests/test_spot.py."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from rayacc.events import Checkpointed, PreemptionNotice, ReclaimStandby, RunStarted
+from rayacc.goodput import Goodput, describe
+from rayacc.runner.preemption import DEFAULT_DEADLINE_S, STANDBY_GRACE_S, PreemptionWatch
+
+
+@dataclass
+class Info:
+    """Ray Train's PreemptionInfo, as far as the watch reads it."""
+
+    deadline_ms: int | None
+    preempted_node_to_ranks: dict = field(default_factory=lambda: {"node-b": [1]})
+
+    @property
+    def preempted_node_ids(self):
+        return sorted(self.preempted_node_to_ranks)
+
+    @property
+    def preempted_ranks(self):
+        return sorted(r for ranks in self.preempted_node_to_ranks.values() for r in ranks)
+
+
+class Clock:
+    def __init__(self, t: float = 1000.0):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+    def sleep(self, s: float) -> None:
+        self.t += s
+
+
+def run_windows(watch: PreemptionWatch, clock: Clock, n: int, window_s: float, others=0):
+    """n windows of `window_s`; `others`: signals the other ranks raise each window. Returns
+    (window index, action) for each action."""
+    actions = []
+    for i in range(n):
+        signals = int(watch.signal()) + others
+        clock.t += window_s
+        action = watch.after_window(signals, window_s)
+        if action:
+            actions.append((i, action))
+            if action in ("notice", "last"):
+                clock.t += 0.5  # the checkpoint
+                watch.checkpoint_s = 0.5
+    return actions
+
+
+CASES = [
+    # (what, local notice from window, rank 0 told from window, deadline in s after t0, window s,
+    #  expected actions)
+    ("no notice", None, None, 60, 1.0, []),
+    ("notice, deadline 30 s", 2, 2, 30, 1.0, [(2, "notice"), (26, "last")]),
+    # rank 0 is told a window after this rank: the barrier says None once, asked again
+    ("rank 0 told later", 2, 3, 30, 1.0, [(3, "notice"), (26, "last")]),
+    ("slow windows", 1, 1, 30, 4.0, [(1, "notice"), (5, "last")]),
+    ("no deadline given: Ray's 120 s", 0, 0, None, 5.0, [(0, "notice"), (23, "last")]),
+]
+
+
+@pytest.mark.parametrize(
+    "what, local_from, told_from, deadline_s, window_s, expected",
+    CASES,
+    ids=[c[0] for c in CASES],
+)
+def test_notice_then_a_last_checkpoint_as_late_as_the_deadline_allows(
+    what, local_from, told_from, deadline_s, window_s, expected
+):
+    clock = Clock()
+    t0 = clock.t
+    window = {"i": 0}
+    info = Info(None if deadline_s is None else int((t0 + deadline_s) * 1000))
+
+    def local():
+        return info if local_from is not None and window["i"] >= local_from else None
+
+    def agree():
+        return info if told_from is not None and window["i"] >= told_from else None
+
+    watch = PreemptionWatch(local, agree, clock)
+    actions = []
+    for i in range(40):
+        window["i"] = i
+        signals = int(watch.signal())
+        clock.t += window_s
+        action = watch.after_window(signals, window_s)
+        if action:
+            actions.append((i, action))
+            clock.t += 0.5  # the checkpoint
+            watch.checkpoint_s = 0.5
+        if action == "last":
+            left = watch.seconds_left()
+            # what is left covers a window and a checkpoint, and not much more
+            assert 0.5 < left, left
+            assert left < 3 * window_s + 0.5 + max(1.0, 0.25 * (window_s + 0.5)), left
+            break
+    assert actions == expected, (what, actions)
+    if expected:
+        deadline = t0 + (deadline_s if deadline_s is not None else DEFAULT_DEADLINE_S)
+        assert watch.notice.deadline == pytest.approx(deadline, abs=window_s + 1)
+        assert watch.notice.nodes == ("node-b",) and watch.notice.ranks == (1,)
+
+
+def test_another_ranks_signal_makes_every_rank_ask_and_decide_in_the_same_window():
+    """This rank holds no notice yet, or thinks the deadline is far: another rank's signal
+    still makes it call the barrier, and take the last checkpoint, in that window."""
+    clock = Clock()
+    info = Info(int((clock.t + 100) * 1000))
+    watch = PreemptionWatch(lambda: None, lambda: info, clock)
+    assert watch.after_window(1, 1.0) == "notice"
+    assert not watch.signal()  # 100 s left: not yet
+    assert watch.after_window(1, 1.0) == "last"  # another rank judged it time
+    assert watch.after_window(2, 1.0) is None
+
+
+def test_a_notice_shorter_than_a_checkpoint_is_too_short():
+    clock = Clock()
+    info = Info(int((clock.t + 3) * 1000))
+    watch = PreemptionWatch(lambda: info, lambda: info, clock)
+    watch.checkpoint_s = 8.0
+    assert watch.after_window(1, 0.1) == "notice"
+    assert watch.too_short()
+    watch.give_up()
+    assert not watch.signal() and watch.after_window(2, 0.1) is None
+    # a checkpoint never timed in this group: tried
+    fresh = PreemptionWatch(lambda: info, lambda: info, clock)
+    fresh.after_window(1, 0.1)
+    assert not fresh.too_short()
+
+
+def test_stand_by_returns_only_when_no_restart_came():
+    clock = Clock()
+    info = Info(int((clock.t + 10) * 1000))
+    watch = PreemptionWatch(lambda: info, lambda: info, clock)
+    watch.after_window(1, 1.0)
+    watch.stand_by(sleep=clock.sleep)
+    assert clock.t >= watch.notice.deadline + STANDBY_GRACE_S
+    # the notice is done with: the same notice, still in the context, raises nothing
+    assert not watch.signal() and watch.after_window(1, 1.0) is None
+
+
+def test_quiet_sources_never_signal():
+    watch = PreemptionWatch(lambda: None, lambda: None)
+    assert run_windows(watch, Clock(), 10, 1.0) == []
+
+
+NOTICES = [
+    (
+        PreemptionNotice(5, ("0123456789abcdef",), (1,), 28.4, True, 0.6, 5),
+        "step 5: node 0123456789ab (ranks 1), deadline in 28.4 s, checkpoint 0.6 s, 27.8 s "
+        "to spare",
+        "reclaimed in 28 s; checkpoint of step 5 written in 0.6 s",
+    ),
+    (
+        PreemptionNotice(6, ("n",), (0, 1), 120.0, False, None, 6),
+        "step 6: node n (ranks 0,1), deadline in 120.0 s (none given), checkpoint of step 6 "
+        "already written",
+        "the drain gave no deadline",
+    ),
+    (
+        PreemptionNotice(7, ("n",), (1,), 2.0, True, None, 4, too_short=True),
+        "step 7: node n (ranks 1), deadline in 2.0 s, too short for a checkpoint: resumes from "
+        "step 4",
+        "too short for a checkpoint (one takes longer than that): none written, the restart "
+        "resumes from the checkpoint of step 4",
+    ),
+    (
+        PreemptionNotice(3, ("n",), (1,), 1.0, True, None, None, too_short=True),
+        "resumes from step None",
+        "resumes from the start of the run (no checkpoint yet)",
+    ),
+    (
+        ReclaimStandby(9, 4.2),
+        "step 9: last checkpoint, 4.2 s before the deadline",
+        "the workers wait for the restart without the reclaimed node",
+    ),
+]
+
+
+@pytest.mark.parametrize("event, tag, line", NOTICES)
+def test_what_the_tag_and_the_console_say(event, tag, line):
+    assert tag in event.describe()
+    assert line in event.console_line()
+
+
+def started(step: int) -> RunStarted:
+    return RunStarted(step, 10, step or None, "", {}, 0.1)
+
+
+def test_goodput_splits_the_wall_time():
+    clock = Clock(100.0)
+    g = Goodput(started=100.0, clock=clock)
+    clock.t = 110.0
+    g.on_event(started(0))  # start-up 10 s
+    for step in (1, 2, 3, 4):
+        clock.t += 1.0
+        g.on_step({"step": step, "perf/step_time_s": 0.9})
+    g.on_event(Checkpointed(2, 0.3, "periodic"))
+    clock.t = 130.0  # the group failed in step 5; the next starts from step 2
+    g.on_event(started(2))
+    for step in (3, 4, 5):
+        clock.t += 1.0
+        g.on_step({"step": step, "perf/step_time_s": 1.0})
+    g.on_event(Checkpointed(5, 0.2, "last"))
+    split = g.split(wall_s=40.0)
+    assert split["startup_s"] == pytest.approx(10.0)
+    assert split["restarts_s"] == pytest.approx(130.0 - 114.0)
+    assert split["steps_recomputed"] == 2 and split["recomputed_s"] == pytest.approx(1.8)
+    assert split["training_s"] == pytest.approx(0.9 * 2 + 1.0 * 3)
+    assert split["checkpoint_s"] == pytest.approx(0.5)
+    parts = sum(split[k] for k in split if k.endswith("_s") and k != "wall_s")
+    assert parts == pytest.approx(40.0)
+    assert split["fraction"] == pytest.approx(4.8 / 40.0)
+    assert split["restarts"] == 1
+    line = describe(split)
+    assert line.startswith("goodput 12%: training 4.8 s of 40.0 s (start-up 10.0 s, ")
+    assert "restarts and resizes 16.0 s" in line and line.endswith("2 steps recomputed")

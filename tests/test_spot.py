@@ -1,0 +1,81 @@
+"""A spot reclaim with notice, on a real multi-node Ray cluster on loopback: a worker node is
+drained for preemption with a deadline (what a cloud's reclaim warning makes Ray's autoscaler
+do) and removed at the deadline. No step may be recomputed, and the run must end with the
+weights of the uninterrupted single-process run."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tests.test_elastic import (
+    cluster,  # noqa: F401 (a fixture)
+    final_checkpoint,
+    job,
+    local,
+    reference_weights,
+    rel_diff,
+    run_record,
+    train,
+    wait_for_checkpoint,
+    weights,
+)
+
+pytestmark = pytest.mark.ray
+STEPS = 32
+NOTICE_S = 15
+
+
+def test_spot_reclaim_with_notice_is_preempted_without_losing_a_step(
+    tmp_path,
+    cluster,  # noqa: F811
+    record_equivalence,
+):
+    local("up", "1", env=cluster)
+    spec = job(
+        tmp_path,
+        "spot",
+        [1, 2],
+        # about 1 s a step on 2 workers (4 forwards each), 2 s on 1
+        model={"kwargs": {"delay_s": 0.25}},
+        train={"max_steps": STEPS, "epochs": 4, "checkpoint_every_steps": 4},
+        scaling={"resize_interval_s": 2},
+    )
+    reclaimed = {}
+
+    def during():
+        wait_for_checkpoint(tmp_path / "spot", 4)
+        reclaimed["out"] = local("reclaim", "1", str(NOTICE_S), env=cluster).stdout
+
+    out = train(spec, cluster, tmp_path / "cluster" / "env", during=during).stdout
+    open("/tmp/spot_out.txt", "w").write(out)  # DEBUG
+    assert "drained for preemption" in reclaimed.get("out", ""), reclaimed
+
+    notice = re.search(r"preemption notice at step (\d+): node \w+ \(ranks 1\) is reclaimed", out)
+    assert notice, out[-4000:]
+    assert "training goes on until just before the deadline" in out, out[-4000:]
+    last = re.search(r"last checkpoint before the reclaim at step (\d+)", out)
+    assert last, out[-4000:]
+    noticed_at, last_at = int(notice.group(1)), int(last.group(1))
+    assert 4 < noticed_at < last_at < STEPS, (noticed_at, last_at)
+    # the group restarts without the node from the last checkpoint: not one step again
+    assert f"resize at step {last_at}: workers 2 → 1" in out, out[-4000:]
+    assert "0 steps recomputed" in out, out[-3000:]
+
+    run, series = run_record(tmp_path, "spot")
+    assert series("scaling/num_workers") == [2] * last_at + [1] * (STEPS - last_at)
+    assert set(series("scaling/global_batch_size")) == {32}
+    assert set(series("train/lr")) == {0.05}
+    assert len(series("train/loss")) == STEPS
+    assert series("goodput/steps_recomputed") == [0]
+    assert series("goodput/restarts") == [1]
+    (fraction,) = series("goodput/fraction")
+    assert 0 < fraction < 1
+    tag = run.data.tags["rayacc.preemptions"]
+    assert re.search(rf"step {noticed_at}: node \w+ \(ranks 1\), deadline in [\d.]+ s, ", tag), tag
+    assert "to spare" in tag and f"step {last_at}: last checkpoint" in tag, tag
+
+    err = rel_diff(weights(final_checkpoint(tmp_path, "spot", STEPS)), reference_weights(spec))
+    record_equivalence("spot reclaim with notice: 2 → 1 workers vs one process, full batch", err)
+    assert err <= 1e-5, err
