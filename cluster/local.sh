@@ -2,7 +2,11 @@
 # A real multi-node Ray cluster on this machine, for trying and testing multi-node runs:
 #   cluster/local.sh up N     a Ray head + N worker nodes (`ray start`) and an MLflow server,
 #                             all on 127.0.0.1; writes $STATE/env with the addresses
-#   cluster/local.sh add      one more worker node (autoscaling experiments)
+#   cluster/local.sh autoscale MAX  a Ray head and Ray's autoscaler, which starts worker nodes
+#                             here (fake multi-node provider, up to MAX) when work is pending
+#                             and stops them once idle (RAYACC_LOCAL_IDLE_MIN minutes)
+#   cluster/local.sh nodes    how many nodes are alive
+#   cluster/local.sh add      one more worker node (autoscaling experiments by hand)
 #   cluster/local.sh remove I kills worker node I and its processes, as a lost machine would go
 #   cluster/local.sh reclaim I S  a spot reclaim of worker node I: Ray drains it for preemption
 #                             with a deadline S seconds away (the notice), then it is removed
@@ -192,6 +196,77 @@ ENV
   cat "$STATE/env"
 }
 
+autoscale() {  # a Ray head whose autoscaler starts worker nodes on this machine
+  local max=${1:?usage: local.sh autoscale MAX}
+  prune
+  if [ -f "$STATE/env" ]; then echo "local.sh: a cluster is already up ($STATE); run down first" >&2; exit 1; fi
+  mkdir -p "$STATE" "$TEMP"
+  # Ray's fake multi-node provider: the autoscaler "launches" a node as Ray processes here,
+  # and terminates it after it has been idle for idle_timeout_minutes
+  cat >"$STATE/autoscaling.yaml" <<YAML
+cluster_name: rayacc-local
+max_workers: $max
+upscaling_speed: 1.0
+idle_timeout_minutes: ${RAYACC_LOCAL_IDLE_MIN:-0.25}
+provider:
+  type: fake_multinode
+  gcs_address: "$HOST:$GCS_PORT"
+  use_node_id_as_ip: true
+  disable_node_updaters: true
+  disable_launch_config_check: true
+available_node_types:
+  ray.head.default:
+    resources: {CPU: $CPUS, node_head: 1, worker_slot: 1}
+    node_config: {}
+    max_workers: 0
+  ray.worker.cpu:
+    resources: {CPU: $CPUS, worker_slot: 1, object_store_memory: $((512 * 1024 * 1024))}
+    node_config: {}
+    min_workers: 0
+    max_workers: $max
+head_node_type: ray.head.default
+auth: {}
+docker: {}
+initialization_commands: []
+setup_commands: []
+head_setup_commands: []
+worker_setup_commands: []
+head_start_ray_commands: []
+worker_start_ray_commands: []
+file_mounts: {}
+cluster_synced_files: []
+file_mounts_sync_continuously: false
+rsync_exclude: []
+rsync_filter: []
+YAML
+  # shellcheck disable=SC2046
+  RAY_FAKE_CLUSTER=1 AUTOSCALER_UPDATE_INTERVAL_S=1 start_bg head "$RAY" start --head --block \
+    --autoscaling-config="$STATE/autoscaling.yaml" --node-ip-address=$HOST --port=$GCS_PORT \
+    --dashboard-host=$HOST --dashboard-port=$DASH_PORT --include-dashboard=true \
+    --ray-client-server-port=$((BASE + 3)) --temp-dir="$TEMP" --num-cpus="$CPUS" --num-gpus=0 \
+    --object-store-memory=$((512 * 1024 * 1024)) --resources='{"node_head": 1, "worker_slot": 1}' \
+    $(node_ports 0)
+  wait_for 60 "Ray head" "$RAY" status --address=$HOST:$GCS_PORT
+  cat >"$STATE/env" <<ENV
+export RAY_ADDRESS=http://$HOST:$DASH_PORT
+export RAYACC_GCS_ADDRESS=$HOST:$GCS_PORT
+export RAY_AUTH_MODE=$RAY_AUTH_MODE
+ENV
+  echo "local autoscaling cluster up: a head; Ray's autoscaler adds up to $max worker node(s) of $CPUS CPUs"
+  cat "$STATE/env"
+}
+
+alive_nodes() {  # how many nodes the cluster has now
+  "$BIN/python" - "$HOST:$GCS_PORT" <<'PY'
+import sys
+
+import ray
+
+ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
+print(sum(1 for n in ray.nodes() if n["Alive"]))
+PY
+}
+
 running() {  # is $1 a live process (an exited one awaiting its parent does not count)
   local state
   state=$(awk '{print $3}' "/proc/$1/stat" 2>/dev/null) || return 1
@@ -273,8 +348,10 @@ case "${1:-}" in
   add) add ;;
   remove) remove "${2:-}" ;;
   reclaim) reclaim "${2:-}" "${3:-}" ;;
+  autoscale) autoscale "${2:-}" ;;
+  nodes) alive_nodes ;;
   down) down ;;
   status) status ;;
   prune) prune ;;
-  *) echo "usage: cluster/local.sh up N | add | remove I | reclaim I SECONDS | status | down | prune" >&2; exit 2 ;;
+  *) echo "usage: cluster/local.sh up N | autoscale MAX | add | remove I | reclaim I SECONDS | nodes | status | down | prune" >&2; exit 2 ;;
 esac

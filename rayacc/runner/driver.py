@@ -100,7 +100,8 @@ def ensure_ray(cfg: TrainConfig) -> None:
     if ray.is_initialized():
         return
     if os.environ.get("RAY_ADDRESS"):
-        ray.init(logging_level=logging.WARNING)
+        # the workers' and Ray Train's log lines stay in the cluster's logs, as on a local Ray
+        ray.init(logging_level=logging.WARNING, log_to_driver=env.verbose())
         return
     # Ray Data's read tasks need CPUs beside the workers' or ingestion starves and hangs
     workers_cpu = cfg.scaling.max_workers * cfg.scaling.cpus_per_worker
