@@ -262,6 +262,21 @@ def cmd_report(args: argparse.Namespace) -> int:
     problems = [check_tracking_uri("--tracking-uri", uri), check_folder("--out", args.out)]
     if any(problems):
         raise PlaceError([p for p in problems if p])
+    from mlflow.tracking import MlflowClient
+
+    from rayacc.tracking.report import single_run
+
+    client = MlflowClient(uri)
+    run = single_run(client, args.target)
+    if run is not None:
+        from rayacc.tracking.run_report import build_run_report, write_run_report
+
+        one = build_run_report(client, run)
+        for line in one.lines():
+            console.print(line, markup=False)
+        files = write_run_report(one, args.out)
+        console.print(f"wrote {', '.join(str(f) for f in files)}")
+        return 0
     report = build_report(uri, args.target)
     _print_report(console, report)
     files = write_report(report, args.out, tracking_uri=uri)
@@ -445,9 +460,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-c", "--config", required=True, help="sweep YAML, e.g. jobs/sweep_accum.yaml")
     p.set_defaults(func=cmd_sweep)
 
-    p = sub.add_parser("report", help="compare a sweep's trials: table, CSV and plots")
-    p.add_argument("target", metavar="EXPERIMENT_OR_PARENT_RUN")
-    p.add_argument("--out", default="rayacc_report", help="folder for report.csv and the PNGs")
+    p = sub.add_parser(
+        "report",
+        help="compare a sweep's trials (table, CSV, plots), or show one run's course: workers, "
+        "global batch and accumulation over time with its events, and its goodput",
+    )
+    p.add_argument("target", metavar="EXPERIMENT_OR_RUN")
+    p.add_argument("--out", default="rayacc_report", help="folder for the CSV and the PNGs")
     p.add_argument("--tracking-uri", default=None, help="default: sqlite:///<cwd>/mlflow.db")
     p.set_defaults(func=cmd_report)
 

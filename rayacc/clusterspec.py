@@ -68,6 +68,7 @@ def check_launcher(config: dict[str, Any]) -> None:
                     f"{key}: {cmd!r} binds to every interface; bind to 127.0.0.1 and "
                     "tunnel over SSH"
                 )
+    errors += _spot_errors(config)
     if not errors:
         # the checks `ray up` itself runs (after filling the provider's defaults)
         import copy
@@ -80,6 +81,76 @@ def check_launcher(config: dict[str, Any]) -> None:
             errors.append(f"ray's validate_config: {exc}")
     if errors:
         raise SpecError("\n".join(errors))
+
+
+def _spot_errors(config: dict[str, Any]) -> list[str]:
+    """Spot capacity as rayacc runs on it: a reclaimed node is terminated (Ray launches a new
+    one), and the cloud's reclaim warning reaches Ray through `python -m rayacc.spot`. On GCP
+    every node type declares its CPUs and GPUs, which GCP's autoscaler does not detect."""
+    errors: list[str] = []
+    cloud = (config.get("provider") or {}).get("type")
+    spot_types = []
+    for name, t in (config.get("available_node_types") or {}).items():
+        where = f"available_node_types.{name}"
+        node = t.get("node_config") or {}
+        if cloud == "aws" and "InstanceMarketOptions" in node:
+            market = node["InstanceMarketOptions"] or {}
+            options = market.get("SpotOptions") or {}
+            if market.get("MarketType") != "spot":
+                errors.append(f"{where}.node_config.InstanceMarketOptions.MarketType: use spot")
+            if options.get("InstanceInterruptionBehavior", "terminate") != "terminate":
+                errors.append(
+                    f"{where}.node_config.InstanceMarketOptions.SpotOptions."
+                    "InstanceInterruptionBehavior: use terminate (a stopped or hibernated "
+                    "node is lost to Ray all the same; the autoscaler launches a new one)"
+                )
+            if options.get("SpotInstanceType", "one-time") != "one-time":
+                errors.append(
+                    f"{where}.node_config.InstanceMarketOptions.SpotOptions.SpotInstanceType: "
+                    "use one-time (the autoscaler replaces reclaimed nodes itself)"
+                )
+            spot_types.append(name)
+        if cloud == "gcp":
+            scheduling = node.get("scheduling")
+            if scheduling is not None and not isinstance(scheduling, dict):
+                errors.append(
+                    f"{where}.node_config.scheduling: Compute Engine takes one object "
+                    "(provisioningModel, onHostMaintenance, ...), not a list"
+                )
+                scheduling = {}
+            scheduling = scheduling or {}
+            if scheduling.get("preemptible") or scheduling.get("provisioningModel") == "SPOT":
+                if scheduling.get("provisioningModel") != "SPOT":
+                    errors.append(
+                        f"{where}.node_config.scheduling: use provisioningModel: SPOT "
+                        "(preemptible VMs are the older kind, stopped after 24 h)"
+                    )
+                if scheduling.get("automaticRestart", True):
+                    errors.append(
+                        f"{where}.node_config.scheduling.automaticRestart: must be false "
+                        "for Spot VMs"
+                    )
+                if scheduling.get("instanceTerminationAction") != "DELETE":
+                    errors.append(
+                        f"{where}.node_config.scheduling.instanceTerminationAction: use "
+                        "DELETE (the autoscaler launches a new node)"
+                    )
+                spot_types.append(name)
+            resources = t.get("resources") or {}
+            gpus = sum(a.get("acceleratorCount", 0) for a in node.get("guestAccelerators") or [])
+            if "CPU" not in resources or (gpus and resources.get("GPU") != gpus):
+                errors.append(
+                    f"{where}.resources: declare CPU{' and GPU: ' + str(gpus) if gpus else ''} "
+                    "(GCP's autoscaler does not read them from the machine type)"
+                )
+    starts = " ".join(config.get("worker_start_ray_commands") or [])
+    if spot_types and f"rayacc.spot --cloud {cloud}" not in starts:
+        errors.append(
+            f"worker_start_ray_commands: spot node types ({', '.join(spot_types)}) need "
+            f"`python -m rayacc.spot --cloud {cloud}` started beside `ray start`, or a "
+            "reclaim warning never reaches Ray Train"
+        )
+    return errors
 
 
 _STR_MAP = {"type": "object", "additionalProperties": {"type": "string"}}
@@ -127,6 +198,27 @@ _CONTAINER = {
                 "properties": {"name": {"type": "string"}, "mountPath": {"type": "string"}},
             },
         },
+        "lifecycle": {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {
+                "preStop": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "required": ["exec"],
+                    "properties": {
+                        "exec": {
+                            "type": "object",
+                            "additionalProperties": False,
+                            "required": ["command"],
+                            "properties": {
+                                "command": {"type": "array", "items": {"type": "string"}}
+                            },
+                        }
+                    },
+                }
+            },
+        },
     },
 }
 _POD_TEMPLATE = {
@@ -140,6 +232,8 @@ _POD_TEMPLATE = {
             "required": ["containers"],
             "properties": {
                 "restartPolicy": {"enum": ["Always", "OnFailure", "Never"]},
+                "nodeSelector": _STR_MAP,
+                "terminationGracePeriodSeconds": {"type": "integer", "minimum": 0},
                 "containers": {"type": "array", "minItems": 1, "items": _CONTAINER},
                 "tolerations": {
                     "type": "array",
@@ -352,6 +446,63 @@ def _networkpolicy_errors(doc: dict[str, Any]) -> list[str]:
     return errors
 
 
+SPOT_NODE_LABELS = {
+    "cloud.google.com/gke-spot": "true",
+    "eks.amazonaws.com/capacityType": "SPOT",
+    "karpenter.sh/capacity-type": "spot",
+    "kubernetes.azure.com/scalesetpriority": "spot",
+}
+"""Node labels of spot capacity (GKE, EKS managed node groups, Karpenter, AKS)."""
+SPOT_TAINTS = {
+    "cloud.google.com/gke-spot": "cloud.google.com/gke-spot",
+    "kubernetes.azure.com/scalesetpriority": "kubernetes.azure.com/scalesetpriority",
+}
+"""The taint a spot pool of that label carries (GKE when asked to, AKS always)."""
+
+
+def _spot_group_errors(i: int, group: dict[str, Any]) -> list[str]:
+    """A worker group on spot nodes tolerates their taint and drains its Ray node for
+    preemption when Kubernetes stops the pod (a preStop hook), with a grace period longer than
+    the deadline it announces: that drain is the notice Ray Train's ranks checkpoint on."""
+    spec = group["template"]["spec"]
+    selector = spec.get("nodeSelector") or {}
+    spot = [k for k, v in selector.items() if SPOT_NODE_LABELS.get(k) == v]
+    if not spot:
+        return []
+    where = f"spec.workerGroupSpecs.{i}"
+    errors = []
+    tolerated = {t.get("key") for t in spec.get("tolerations") or []}
+    for label in spot:
+        taint = SPOT_TAINTS.get(label)
+        if taint and taint not in tolerated:
+            errors.append(f"{where}: add a toleration for the spot taint {taint}")
+    drains = [
+        c["lifecycle"]["preStop"]["exec"]["command"]
+        for c in spec["containers"]
+        if (c.get("lifecycle") or {}).get("preStop")
+    ]
+    drain = next((cmd for cmd in drains if "DRAIN_NODE_REASON_PREEMPTION" in " ".join(cmd)), None)
+    if drain is None:
+        return [
+            *errors,
+            f"{where}: a spot group needs a preStop hook that runs `ray drain-node "
+            "--reason DRAIN_NODE_REASON_PREEMPTION --deadline-remaining-seconds N` (or a "
+            "reclaim reaches Ray Train without notice)",
+        ]
+    import re
+
+    m = re.search(r"--deadline-remaining-seconds[= ](\d+)", " ".join(drain))
+    grace = spec.get("terminationGracePeriodSeconds", 30)
+    if m is None:
+        errors.append(f"{where}: the preStop drain gives no --deadline-remaining-seconds")
+    elif grace <= int(m.group(1)):
+        errors.append(
+            f"{where}: terminationGracePeriodSeconds {grace} must exceed the drain's deadline "
+            f"({m.group(1)} s), or the pod is killed before the ranks' last checkpoint"
+        )
+    return errors
+
+
 def check_kuberay(doc: dict[str, Any]) -> None:
     """A strict schema of the fields rayacc's manifests use (unknown fields rejected,
     rayStartParams values strings, replicas explicit) plus a few rules of the operator, and
@@ -383,6 +534,7 @@ def check_kuberay(doc: dict[str, Any]) -> None:
                     f"spec.workerGroupSpecs.{i}: replicas {n} outside "
                     f"[minReplicas {lo}, maxReplicas {hi}]"
                 )
+            errors += _spot_group_errors(i, group)
             gpus = group["rayStartParams"].get("num-gpus")
             for c in group["template"]["spec"]["containers"]:
                 limit = c["resources"]["limits"].get("nvidia.com/gpu")

@@ -75,6 +75,114 @@ def test_launcher_check_catches(name):
         check_launcher(mutate(load_yaml(LAUNCHERS[0]), fn))
 
 
+def _aws_spot(c):
+    return c["available_node_types"]["worker.gpu.spot"]["node_config"]["InstanceMarketOptions"]
+
+
+def _gcp_spot(c):
+    return c["available_node_types"]["worker.gpu.spot"]["node_config"]["scheduling"]
+
+
+def _no_spot_agent(c):
+    c["worker_start_ray_commands"] = [
+        cmd for cmd in c["worker_start_ray_commands"] if "rayacc.spot" not in cmd
+    ]
+
+
+SPOT_BREAKS = {
+    "aws: a reclaimed node stopped": (
+        "aws.yaml",
+        lambda c: _aws_spot(c)["SpotOptions"].update(InstanceInterruptionBehavior="stop"),
+        "InstanceInterruptionBehavior: use terminate",
+    ),
+    "aws: a persistent spot request": (
+        "aws.yaml",
+        lambda c: _aws_spot(c)["SpotOptions"].update(SpotInstanceType="persistent"),
+        "SpotInstanceType: use one-time",
+    ),
+    "aws: market options not spot": (
+        "aws.yaml",
+        lambda c: _aws_spot(c).update(MarketType="capacity-block"),
+        "MarketType: use spot",
+    ),
+    "aws: no reclaim agent": ("aws.yaml", _no_spot_agent, "rayacc.spot --cloud aws"),
+    "gcp: no reclaim agent": ("gcp.yaml", _no_spot_agent, "rayacc.spot --cloud gcp"),
+    "gcp: scheduling as a list": (
+        "gcp.yaml",
+        lambda c: c["available_node_types"]["worker.gpu"]["node_config"].update(
+            scheduling=[{"onHostMaintenance": "TERMINATE"}]
+        ),
+        "takes one object",
+    ),
+    "gcp: spot restarting": (
+        "gcp.yaml",
+        lambda c: _gcp_spot(c).update(automaticRestart=True),
+        "automaticRestart: must be false",
+    ),
+    "gcp: spot kept stopped": (
+        "gcp.yaml",
+        lambda c: _gcp_spot(c).update(instanceTerminationAction="STOP"),
+        "instanceTerminationAction: use DELETE",
+    ),
+    "gcp: the older preemptible VMs": (
+        "gcp.yaml",
+        lambda c: c["available_node_types"]["worker.gpu.spot"]["node_config"].update(
+            scheduling={"preemptible": True, "automaticRestart": False}
+        ),
+        "use provisioningModel: SPOT",
+    ),
+    "gcp: GPUs not declared": (
+        "gcp.yaml",
+        lambda c: c["available_node_types"]["worker.gpu"].update(resources={}),
+        "declare CPU and GPU: 1",
+    ),
+}
+
+
+def _spot_group(d):
+    return d["spec"]["workerGroupSpecs"][1]["template"]["spec"]
+
+
+def _spot_container(d):
+    return _spot_group(d)["containers"][0]
+
+
+SPOT_GROUP_BREAKS = {
+    "spot taint not tolerated": (
+        lambda d: _spot_group(d)["tolerations"].pop(0),
+        "toleration for the spot taint cloud.google.com/gke-spot",
+    ),
+    "no preStop drain": (
+        lambda d: _spot_container(d).pop("lifecycle"),
+        "needs a preStop hook",
+    ),
+    "drain without a deadline": (
+        lambda d: _spot_container(d)["lifecycle"]["preStop"]["exec"].update(
+            command=["ray", "drain-node", "--reason=DRAIN_NODE_REASON_PREEMPTION"]
+        ),
+        "gives no --deadline-remaining-seconds",
+    ),
+    "grace period shorter than the deadline": (
+        lambda d: _spot_group(d).update(terminationGracePeriodSeconds=10),
+        "terminationGracePeriodSeconds 10 must exceed",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(SPOT_GROUP_BREAKS))
+def test_kuberay_spot_group_is_checked(name):
+    fn, message = SPOT_GROUP_BREAKS[name]
+    with pytest.raises(SpecError, match=message):
+        check_kuberay(mutate(load_yaml(KUBERAY[0]), fn))
+
+
+@pytest.mark.parametrize("name", list(SPOT_BREAKS))
+def test_spot_node_types_are_checked(name):
+    spec, fn, message = SPOT_BREAKS[name]
+    with pytest.raises(SpecError, match=message):
+        check_launcher(mutate(load_yaml(ROOT / "cluster" / spec), fn))
+
+
 def _worker_group(d):
     return d["spec"]["workerGroupSpecs"][0]
 

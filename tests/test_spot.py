@@ -6,10 +6,13 @@ weights of the uninterrupted single-process run."""
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 
 import pytest
 
 from tests.test_elastic import (
+    ROOT,
     cluster,  # noqa: F401 (a fixture)
     final_checkpoint,
     job,
@@ -75,6 +78,32 @@ def test_spot_reclaim_with_notice_is_preempted_without_losing_a_step(
     tag = run.data.tags["rayacc.preemptions"]
     assert re.search(rf"step {noticed_at}: node \w+ \(ranks 1\), deadline in [\d.]+ s, ", tag), tag
     assert "to spare" in tag and f"step {last_at}: last checkpoint" in tag, tag
+
+    # the console is rayacc's: Ray Train's and the workers' own log lines stay in the cluster
+    assert "RayTrainWorker" not in out and "TrainController" not in out, out[:3000]
+
+    # the run's course: workers, global batch and accumulation over time, events marked
+    report = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rayacc.cli",
+            "report",
+            run.info.run_id,
+            "--tracking-uri",
+            f"sqlite:///{tmp_path / 'mlflow.db'}",
+            "--out",
+            str(tmp_path / "report"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert report.returncode == 0, report.stdout + report.stderr
+    assert "workers: 2 → 1" in report.stdout and "accumulation: 4 → 8" in report.stdout
+    assert f"step {noticed_at}: preemption: node" in report.stdout, report.stdout
+    assert (tmp_path / "report" / "scaling_over_time.png").stat().st_size > 10_000
 
     err = rel_diff(weights(final_checkpoint(tmp_path, "spot", STEPS)), reference_weights(spec))
     record_equivalence("spot reclaim with notice: 2 → 1 workers vs one process, full batch", err)

@@ -170,6 +170,31 @@ def _history(client, run_id: str, key: str) -> list[tuple[int, float]]:
     return sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
 
 
+def single_run(client, target: str):
+    """The MLflow run `target` names when it is not a sweep's parent, or the latest run of the
+    experiment `target` when that experiment holds no sweep; None for a sweep."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        run = client.get_run(target)
+    except MlflowException:
+        run = None
+    if run is not None:
+        return None if run.data.tags.get("rayacc.sweep") == "true" else run
+    exp = client.get_experiment_by_name(target)
+    if exp is None:
+        return None
+    sweeps = client.search_runs(
+        [exp.experiment_id], filter_string="tags.`rayacc.sweep` = 'true'", max_results=1
+    )
+    if sweeps:
+        return None
+    latest = client.search_runs(
+        [exp.experiment_id], order_by=["attributes.start_time DESC"], max_results=1
+    )
+    return latest[0] if latest else None
+
+
 def _resolve_parent(client, target: str) -> str:
     from mlflow.exceptions import MlflowException
 

@@ -1,0 +1,123 @@
+"""The reclaim warning of a spot VM, passed on to Ray: `python -m rayacc.spot --cloud aws|gcp`
+runs beside `ray start` on each spot worker node (cluster/aws.yaml, cluster/gcp.yaml) and polls
+the instance metadata; when the cloud announces the reclaim it drains this Ray node for
+preemption with the deadline the cloud gave (`ray drain-node --reason
+DRAIN_NODE_REASON_PREEMPTION`), which is what Ray Train's preemption watcher — and so rayacc's
+just-in-time checkpoint — reacts to.
+
+- AWS: `spot/instance-action` (IMDSv2) answers 404 until the two-minute warning, then the time
+  the instance goes.
+- GCP: `instance/preempted` turns TRUE when a spot VM is preempted; the VM has 30 s from then.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+
+__all__ = ["GCP_NOTICE_S", "aws_notice", "drain_this_node", "gcp_notice", "watch"]
+
+GCP_NOTICE_S = 30
+"""Compute Engine stops a preempted spot VM about 30 s after the notice."""
+AWS_METADATA = "http://169.254.169.254"
+GCP_METADATA = "http://metadata.google.internal"
+
+
+def aws_notice(base: str = AWS_METADATA, now: Callable[[], float] = time.time) -> float | None:
+    """Seconds until AWS reclaims this instance, or None while no reclaim is announced."""
+    token_request = urllib.request.Request(
+        f"{base}/latest/api/token",
+        method="PUT",
+        headers={"X-aws-ec2-metadata-token-ttl-seconds": "300"},
+    )
+    with urllib.request.urlopen(token_request, timeout=2) as r:
+        token = r.read().decode()
+    request = urllib.request.Request(
+        f"{base}/latest/meta-data/spot/instance-action",
+        headers={"X-aws-ec2-metadata-token": token},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=2) as r:
+            action = json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        if exc.code == 404:
+            return None
+        raise
+    when = dt.datetime.strptime(action["time"], "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=dt.UTC)
+    return max(0.0, when.timestamp() - now())
+
+
+def gcp_notice(base: str = GCP_METADATA) -> float | None:
+    """GCP_NOTICE_S once Compute Engine has preempted this VM, else None."""
+    request = urllib.request.Request(
+        f"{base}/computeMetadata/v1/instance/preempted",
+        headers={"Metadata-Flavor": "Google"},
+    )
+    with urllib.request.urlopen(request, timeout=2) as r:
+        return float(GCP_NOTICE_S) if r.read().decode().strip().upper() == "TRUE" else None
+
+
+def drain_this_node(seconds: float) -> None:
+    """Drains the Ray node of this machine for preemption (its node id is the default)."""
+    subprocess.run(
+        [
+            "ray",
+            "drain-node",
+            "--reason=DRAIN_NODE_REASON_PREEMPTION",
+            "--reason-message=spot reclaim",
+            f"--deadline-remaining-seconds={max(1, int(seconds))}",
+        ],
+        check=True,
+    )
+
+
+def watch(
+    notice: Callable[[], float | None],
+    drain: Callable[[float], None] = drain_this_node,
+    interval_s: float = 2.0,
+    sleep: Callable[[float], None] = time.sleep,
+    log: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
+) -> float:
+    """Polls `notice` until it announces a reclaim, drains this node once with the seconds
+    left, and returns them. An unreachable metadata server is retried (it is said once)."""
+    said = False
+    while True:
+        try:
+            left = notice()
+        except OSError as exc:
+            if not said:
+                log(f"rayacc.spot: metadata server not reachable ({exc}); retrying")
+                said = True
+            left = None
+        if left is not None:
+            log(f"rayacc.spot: reclaim announced, {left:.0f} s left: draining this Ray node")
+            drain(left)
+            return left
+        sleep(interval_s)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m rayacc.spot", description=__doc__)
+    parser.add_argument("--cloud", choices=("aws", "gcp"), required=True)
+    parser.add_argument("--interval-s", type=float, default=2.0)
+    parser.add_argument("--metadata-url", default=None, help="the metadata server (tests)")
+    args = parser.parse_args(argv)
+    if args.cloud == "aws":
+        base = args.metadata_url or AWS_METADATA
+        notice = lambda: aws_notice(base)  # noqa: E731
+    else:
+        base = args.metadata_url or GCP_METADATA
+        notice = lambda: gcp_notice(base)  # noqa: E731
+    watch(notice, interval_s=args.interval_s)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
