@@ -1,9 +1,10 @@
 """Goodput of a spot reclaim, end to end, on a real multi-node Ray cluster on this machine
-(cluster/local.sh): a 2-worker elastic run of 32 steps (about 1 s each) loses worker node 1 to a
-reclaim with a notice of --notice-s seconds, once with rayacc's handling of the notice
-(`train.checkpoint_on_preemption: true`, the default) and once without it (only the periodic
-checkpoint every 4 steps survives). Prints each run's goodput split from its MLflow record and
-the steps recomputed.
+(cluster/local.sh): a 2-worker elastic run of 40 steps (about 1 s each on 2 workers, 2 s on 1)
+that checkpoints every 30 steps loses worker node 1 to a reclaim with a notice of --notice-s
+seconds, drained once step 4 is done, so that the deadline falls before the periodic checkpoint
+(the "checkpoint every 1000 steps, reclaimed at 999" case): once with rayacc's handling of the
+notice (`train.checkpoint_on_preemption: true`, the default) and once without it. Prints each
+run's goodput split from its MLflow record and the steps recomputed.
 
     .venv/bin/python bench/spot_goodput.py [--notice-s 15]
 """
@@ -28,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 from rayacc.data.sources import prepare_bundled  # noqa: E402
 
 PORT = "29479"
+STEPS = 40
 
 
 def local(env: dict, *args: str) -> str:
@@ -60,9 +62,9 @@ def spec(folder: Path, name: str, handle_notice: bool) -> Path:
             "schedule": "constant",
         },
         "train": {
-            "max_steps": 32,
-            "epochs": 4,
-            "checkpoint_every_steps": 4,
+            "max_steps": STEPS,
+            "epochs": 5,
+            "checkpoint_every_steps": 30,
             "checkpoint_on_preemption": handle_notice,
         },
         "scaling": {
@@ -85,27 +87,25 @@ def run(folder: Path, env: dict, name: str, handle_notice: bool, node: int, noti
         for line in (folder / "cluster" / "env").read_text().splitlines()
     )["RAYACC_GCS_ADDRESS"]
 
-    def reclaim():
-        deadline = time.monotonic() + 300
-        while not list((folder / name).glob("*/checkpoint_step00000004")):
-            if time.monotonic() > deadline:
-                return
-            time.sleep(0.5)
-        local(env, "reclaim", str(node), str(notice_s))
-
-    thread = threading.Thread(target=reclaim)
-    thread.start()
+    thread = threading.Thread(target=local, args=(env, "reclaim", str(node), str(notice_s)))
     started = time.monotonic()
-    proc = subprocess.run(
+    proc = subprocess.Popen(
         [sys.executable, "-m", "rayacc.cli", "train", "-c", str(spec(folder, name, handle_notice))],
         cwd=ROOT,
         env=dict(env, RAY_ADDRESS=gcs, RAY_AUTH_MODE="token"),
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
         text=True,
     )
+    out = []
+    for line in proc.stdout:
+        out.append(line)
+        if f"step 4/{STEPS}" in line and not thread.is_alive():
+            thread.start()
+    proc.wait()
     thread.join()
     if proc.returncode != 0:
-        raise SystemExit(f"{name} failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+        raise SystemExit(f"{name} failed:\n{''.join(out)[-5000:]}")
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(f"sqlite:///{folder / 'mlflow.db'}")
@@ -136,7 +136,10 @@ def main() -> None:
         results["periodic checkpoints only"] = run(folder, env, "without", False, 2, args.notice_s)
     finally:
         local(env, "down")
-    print(f"spot reclaim, {args.notice_s} s notice, 2 → 1 workers, 32 steps of about 1 s")
+    print(
+        f"spot reclaim after step 4, {args.notice_s} s notice, 2 → 1 workers, {STEPS} steps, "
+        "periodic checkpoint every 30"
+    )
     head = f"{'':28}{'goodput':>8}{'training':>10}{'restarts':>10}{'ckpt':>7}"
     print(head + f"{'recomputed':>12}{'steps':>7}{'wall':>8}")
     for label, (s, _) in results.items():

@@ -96,6 +96,13 @@ def test_the_default_job_and_a_sweep_print_only_rayaccs_lines(tmp_path):
     proc = rayacc(tmp_path, "train", "-c", str(ROOT / "jobs/digits.yaml"), "train.max_steps=4")
     assert_only_rayaccs_lines(proc)
     assert "val_acc" in proc.stdout and "ETA" in proc.stdout
+    # where the wall time went: one group, nothing restarted or recomputed
+    goodput = re.search(
+        r"goodput (\d+)%: training [\d.]+ s of [\d.]+ s \((.*)\); (\d+) steps", proc.stdout
+    )
+    assert goodput and 0 < int(goodput.group(1)) < 100, proc.stdout[-2000:]
+    assert "start-up" in goodput.group(2) and "restarts" not in goodput.group(2)
+    assert goodput.group(3) == "0"
 
     spec = yaml.safe_load((ROOT / "jobs/sweep_accum.yaml").read_text())
     spec["base"] = str(ROOT / "jobs/digits.yaml")
