@@ -26,7 +26,7 @@ from tests.test_elastic import (
     weights,
 )
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.cluster]
 STEPS = 12
 GLOBAL = 48
 """Divides over 1, 2 and 3 workers with micro-batches of 4 (accumulation 12, 6, 4)."""

@@ -18,7 +18,7 @@ from mlflow.tracking import MlflowClient
 from rayacc import load_model
 from rayacc.data.sources import prepare_bundled
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.cluster]
 ROOT = Path(__file__).resolve().parent.parent
 PORT = "29379"
 

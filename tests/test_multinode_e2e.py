@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.cluster]
 ROOT = Path(__file__).resolve().parent.parent
 PORT = 27379
 SECRET = "PlantedS3cret-4e1b"

@@ -225,3 +225,39 @@ def test_goodput_splits_the_wall_time():
     line = describe(split)
     assert line.startswith("goodput 12%: training 4.8 s of 40.0 s (start-up 10.0 s, ")
     assert "restarts and resizes 16.0 s" in line and line.endswith("2 steps recomputed")
+
+
+SPOT_CONFIGS = [
+    # (scaling, train, expected warnings)
+    ({"num_workers": 2}, {}, []),  # not on spot nodes
+    ({"num_workers": [1, 2], "extra_resources": {"spot": 1}}, {}, []),
+    ({"num_workers": 2, "extra_resources": {"spot": 1}}, {}, ["scaling.num_workers=2"]),
+    (
+        {"num_workers": [1, 2], "extra_resources": {"spot": 1}},
+        {"checkpoint_on_preemption": False, "checkpoint_every_steps": 50},
+        ["(up to 49)"],
+    ),
+    (
+        {"num_workers": 2, "extra_resources": {"spot": 1}},
+        {"checkpoint_on_preemption": False},
+        ["scaling.num_workers=2", "none is written before the end"],
+    ),
+]
+
+
+@pytest.mark.parametrize("scaling, train, expected", SPOT_CONFIGS)
+def test_a_run_on_spot_nodes_is_warned_of_what_a_reclaim_would_cost(scaling, train, expected):
+    from rayacc import TrainConfig
+    from rayacc.runner.prelaunch import spot_warnings
+
+    cfg = TrainConfig.from_dict(
+        {
+            "batch": {"global_batch_size": 64, "micro_batch_size": 4},
+            "scaling": scaling,
+            "train": train,
+        }
+    )
+    warnings = spot_warnings(cfg)
+    assert len(warnings) == len(expected), warnings
+    for warning, words in zip(warnings, expected, strict=True):
+        assert words in warning and "Fix:" in warning, warning

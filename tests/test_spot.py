@@ -25,7 +25,7 @@ from tests.test_elastic import (
     weights,
 )
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.cluster]
 STEPS = 32
 NOTICE_S = 15
 

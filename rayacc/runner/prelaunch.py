@@ -181,6 +181,7 @@ def _warnings(
         )
     if crowded := local_oversubscription(cfg):
         warnings.append(crowded)
+    warnings += spot_warnings(cfg)
     bn = batchnorm_layers(model)
     if bn:
         warnings.append(
@@ -189,6 +190,28 @@ def _warnings(
             "GroupNorm or LayerNorm"
         )
     return warnings
+
+
+def spot_warnings(cfg: TrainConfig) -> list[str]:
+    """A run placed on spot capacity (`scaling.extra_resources: {spot: ...}`, the resource the
+    cluster specs give spot nodes) that a reclaim would cost more than it must."""
+    if not cfg.scaling.extra_resources.get("spot"):
+        return []
+    out = []
+    if not cfg.scaling.elastic:
+        out.append(
+            f"scaling.num_workers={cfg.scaling.num_workers} on spot nodes: at each reclaim the "
+            "run stops until the autoscaler has a replacement node. Fix: an elastic range, e.g. "
+            f"scaling.num_workers=[1, {cfg.scaling.max_workers}], goes on with fewer workers"
+        )
+    if not cfg.train.checkpoint_on_preemption:
+        every = cfg.train.checkpoint_every_steps
+        lost = f"up to {every - 1}" if every else "all of them: none is written before the end"
+        out.append(
+            "train.checkpoint_on_preemption=false on spot nodes: a reclaim costs every step "
+            f"since the last periodic checkpoint ({lost}). Fix: leave it on"
+        )
+    return out
 
 
 def local_oversubscription(cfg: TrainConfig) -> str | None:
