@@ -431,23 +431,31 @@ def test_off_a_terminal_there_is_no_bar():
         assert printer.progress is None
 
 
-def test_the_summary_names_its_validation_metrics():
-    from types import SimpleNamespace
-
+def test_the_summary_names_its_validation_metrics_and_says_where_the_time_went():
     from rayacc.batch_plan import BatchPlan
     from rayacc.console import summary_lines
+    from rayacc.runner.driver import FitResult
 
     cfg = TrainConfig.from_dict({"batch": {"global_batch_size": 8, "micro_batch_size": 4}})
     metrics = {"step": 5, "train/loss": 0.1, "val/loss": 0.2, "val/accuracy": 0.9}
-    result = SimpleNamespace(
-        plan=BatchPlan(8, 4, 1, 2),
-        metrics=metrics,
-        history=[],
-        summary={},
-        wall_time_s=1.0,
-        mlflow_run_id=None,
+    split = {"training_s": 3.0, "startup_s": 6.0, "restarts_s": 0.0, "checkpoint_s": 0.5}
+    split |= {"recomputed_s": 0.0, "other_s": 0.5, "wall_s": 10.0, "fraction": 0.3}
+    split |= {"restarts": 0.0, "steps_recomputed": 0.0}
+    result = FitResult(
         checkpoint_dir=None,
+        mlflow_run_id=None,
+        metrics=metrics,
+        plan=BatchPlan(8, 4, 1, 2),
+        effective_lr=1e-3,
+        run_name="r",
+        storage_path="/tmp",
+        tracking_uri=None,
+        wall_time_s=10.0,
+        goodput=split,
     )
-    assert "step 5: train loss 0.1000, val_loss 0.2000, val_acc 90.00%" in summary_lines(
-        cfg, result
-    )
+    lines = summary_lines(cfg, result)
+    assert "step 5: train loss 0.1000, val_loss 0.2000, val_acc 90.00%" in lines
+    assert (
+        "goodput 30%: training 3.0 s of 10.0 s (start-up 6.0 s, checkpoints 0.5 s, other 0.5 s); "
+        "0 steps recomputed"
+    ) in lines, lines
