@@ -67,24 +67,24 @@ def test_every_command_shown_parses(where, line):
     ],
 )
 def test_the_summary_says_how_to_open_the_ui(uri, hint):
-    from types import SimpleNamespace
-
     from rich.console import Console
 
     from rayacc.batch_plan import BatchPlan
     from rayacc.config import TrainConfig
     from rayacc.console import summary_lines
+    from rayacc.runner.driver import FitResult
 
     cfg = TrainConfig.from_dict({"batch": {"global_batch_size": 8, "micro_batch_size": 4}})
-    result = SimpleNamespace(
-        plan=BatchPlan(8, 4, 1, 2),
-        metrics={},
-        history=[],
-        summary={},
-        wall_time_s=1.0,
-        mlflow_run_id="abc",
-        tracking_uri=uri,
+    result = FitResult(
         checkpoint_dir="/tmp/ckpt",
+        mlflow_run_id="abc",
+        metrics={},
+        plan=BatchPlan(8, 4, 1, 2),
+        effective_lr=1e-3,
+        run_name="r",
+        storage_path="/tmp",
+        tracking_uri=uri,
+        wall_time_s=1.0,
     )
     console = Console(record=True, width=200)
     for line in summary_lines(cfg, result):
