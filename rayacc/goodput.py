@@ -85,6 +85,22 @@ class Goodput(RunObserver):
         }
 
 
+def percent(fraction: float) -> str:
+    """A share as a percentage that never reads 0 % or 100 % when it is not: a short job's
+    goodput is often under 1 % (start-up dominates), and "0 %" would say no training ran."""
+    if fraction <= 0.0 or fraction >= 1.0:
+        return f"{fraction:.0%}"
+    if fraction < 0.001:
+        return "<0.1%"
+    if fraction < 0.1:
+        return f"{fraction:.1%}"
+    if fraction > 0.999:
+        return ">99.9%"
+    if fraction >= 0.995:
+        return f"{fraction:.1%}"
+    return f"{fraction:.0%}"
+
+
 def describe(split: dict[str, float]) -> str:
     """One line for the console's summary."""
     parts = ", ".join(
@@ -94,7 +110,7 @@ def describe(split: dict[str, float]) -> str:
     )
     recomputed = int(split.get("steps_recomputed", 0))
     return (
-        f"goodput {split['fraction']:.0%}: training {split['training_s']:.1f} s of "
+        f"goodput {percent(split['fraction'])}: training {split['training_s']:.1f} s of "
         f"{split['wall_s']:.1f} s"
         + (f" ({parts})" if parts else "")
         + f"; {recomputed} step{'' if recomputed == 1 else 's'} recomputed"

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from rayacc.events import Checkpointed, PreemptionNotice, ReclaimStandby, RunStarted
-from rayacc.goodput import Goodput, describe
+from rayacc.goodput import Goodput, describe, percent
 from rayacc.runner.preemption import DEFAULT_DEADLINE_S, STANDBY_GRACE_S, PreemptionWatch
 
 
@@ -225,6 +225,26 @@ def test_goodput_splits_the_wall_time():
     line = describe(split)
     assert line.startswith("goodput 12%: training 4.8 s of 40.0 s (start-up 10.0 s, ")
     assert "restarts and resizes 16.0 s" in line and line.endswith("2 steps recomputed")
+
+
+@pytest.mark.parametrize(
+    "fraction, shown",
+    [
+        (0.0, "0%"),
+        (0.0004, "<0.1%"),  # a short job: start-up is nearly all of it, yet training ran
+        (0.003, "0.3%"),
+        (0.049, "4.9%"),
+        (0.12, "12%"),
+        (0.994, "99%"),
+        (0.996, "99.6%"),
+        (0.9996, ">99.9%"),
+        (1.0, "100%"),
+    ],
+)
+def test_goodput_never_rounds_to_none_or_all(fraction, shown):
+    assert percent(fraction) == shown
+    split = {"fraction": fraction, "training_s": 1.0, "wall_s": 2.0}
+    assert describe(split).startswith(f"goodput {shown}: ")
 
 
 SPOT_CONFIGS = [
