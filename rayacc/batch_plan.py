@@ -169,11 +169,14 @@ def _micro_from_accum(g: int, k: int, w: int) -> BatchPlan:
     return BatchPlan(g, per_worker // k, k, w)
 
 
-def plan_for_workers(base: BatchPlan, num_workers: int, on_resize: str) -> BatchPlan:
+def plan_for_workers(
+    base: BatchPlan, num_workers: int, on_resize: str, planned: dict[int, int] | None = None
+) -> BatchPlan:
     """The plan when an elastic run has `num_workers` workers; `base` is the plan at its most.
 
     keep_global_batch: the global batch stays; accumulation is re-derived, and the micro-batch
-    becomes the largest divisor of the worker's share not above the configured one when it must.
+    is `planned`'s for this count (`batch.micro_batch_by_workers`, from a plan), else the
+    largest divisor of the worker's share not above the configured one.
     keep_micro_batch: micro-batch and accumulation stay; the global batch follows the workers.
     """
     if on_resize == "keep_micro_batch":
@@ -193,16 +196,27 @@ def plan_for_workers(base: BatchPlan, num_workers: int, on_resize: str) -> Batch
             "scaling.on_resize=keep_micro_batch",
         )
     per_worker = g // num_workers
-    micro = max(d for d in range(1, base.micro_batch_size + 1) if per_worker % d == 0)
+    micro = (planned or {}).get(num_workers)
+    if micro is not None and per_worker % micro:
+        raise BatchPlanError(
+            "batch.micro_batch_by_workers",
+            f"micro-batch {micro} at {num_workers} workers does not divide the worker's share "
+            f"{per_worker} of the global batch {g}",
+            "make the plan again for this job (rayacc plan --search), or remove the entry",
+        )
+    if micro is None:
+        micro = max(d for d in range(1, base.micro_batch_size + 1) if per_worker % d == 0)
     return BatchPlan(g, micro, per_worker // micro, num_workers)
 
 
-def elastic_sizes(base: BatchPlan, lo: int, hi: int, on_resize: str) -> dict[int, BatchPlan | str]:
+def elastic_sizes(
+    base: BatchPlan, lo: int, hi: int, on_resize: str, planned: dict[int, int] | None = None
+) -> dict[int, BatchPlan | str]:
     """For each worker count in [lo, hi]: its plan, or why the policy cannot run there."""
     sizes: dict[int, BatchPlan | str] = {}
     for w in range(lo, hi + 1):
         try:
-            sizes[w] = plan_for_workers(base, w, on_resize)
+            sizes[w] = plan_for_workers(base, w, on_resize, planned)
         except BatchPlanError as exc:
             sizes[w] = exc.problem
     return sizes

@@ -25,7 +25,20 @@ def _load(args: argparse.Namespace) -> TrainConfig:
     from rayacc.runner.jobs import SECRET_OVERRIDES
 
     hidden = json.loads(os.environ.get(SECRET_OVERRIDES) or "[]")
-    return TrainConfig.from_yaml(args.config, overrides=[*args.overrides, *hidden])
+    overrides = [*args.overrides, *hidden]
+    if getattr(args, "plan", None):
+        from rayacc.config.loader import read_yaml
+        from rayacc.config.overrides import apply_overrides
+        from rayacc.planner.planfile import PlanFile
+
+        plan = PlanFile.read(args.plan)
+        issues: list = []
+        data = read_yaml(args.config, "config", "jobs/digits.yaml") or {}
+        data = apply_overrides(data, overrides, issues, TrainConfig)
+        if issues:
+            raise ConfigError(issues, str(args.config))
+        overrides = [*plan.overrides_for(data, str(args.config)), *overrides]
+    return TrainConfig.from_yaml(args.config, overrides=overrides)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -34,6 +47,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from rayacc.runner.prelaunch import check
 
     cfg = _load(args)
+    if args.search:
+        return _plan_search(args, cfg)
+    for flag, given in (("--budget-s", args.budget_s), ("--top", args.top), ("--out", args.out)):
+        if given is not None:
+            print(f"rayacc: warning: {flag} is for a search; add --search", file=sys.stderr)
     check(cfg, "plan")
     plan = cfg.batch_plan()
     print(plan.describe())
@@ -43,6 +61,98 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.memory:
         _print_memory(cfg, plan)
     return 0
+
+
+def _plan_search(args: argparse.Namespace, cfg: TrainConfig) -> int:
+    """`plan --search`: the calibrated search (rayacc/planner), its table, PLAN.yaml and the
+    MLflow record."""
+    from pathlib import Path
+
+    from rayacc.planner.calibrate import CalibrationGroup, sample_rows
+    from rayacc.planner.search import format_table, search
+    from rayacc.runner.driver import ensure_ray
+    from rayacc.runner.prelaunch import prepare
+    from rayacc.runner.runs import default_storage
+    from rayacc.tracking.plan_record import record_plan
+
+    _console_owns_ray_output()
+    if args.memory:
+        print(
+            "rayacc: warning: --memory is the estimate without a search; ignored", file=sys.stderr
+        )
+    budget_s = 300.0 if args.budget_s is None else args.budget_s
+    top = 3 if args.top is None else args.top
+    out = Path(args.out or "PLAN.yaml")
+    prep = prepare(cfg)
+    ensure_ray(cfg)
+    print(f"rayacc plan --search {args.config} (time budget {budget_s:g} s, top {top})")
+    group = CalibrationGroup(
+        cfg,
+        prep.info,
+        sample_rows(prep.info, prep.plan.global_batch_size),
+        default_storage(cfg.run.storage_path),
+    )
+    try:
+        result = search(
+            cfg,
+            prep,
+            group,
+            budget_s=budget_s,
+            top=top,
+            cluster_holds=_cluster_holds(cfg),
+            say=lambda line: print(f"  {line}"),
+        )
+    finally:
+        group.cleanup()
+    token_items = prep.info.format == "tokens"
+    for line in format_table(result, token_items, limit=10):
+        print(f"  {line}", flush=False)
+    mem_err, time_err = result.median_errors()
+    if mem_err is not None:
+        print(
+            f"  median error of the prior over {len(result.measured)} measured: memory "
+            f"{100 * mem_err:.1f}%, step time {100 * time_err:.1f}%"
+        )
+    for line in result.skipped:
+        print(f"  skipped: {line}")
+    plan = result.plan_file(cfg)
+    plan.write(out)
+    chosen = result.chosen
+    how = "measured" if chosen.measured_ok else "predicted (none could be measured)"
+    print(f"chosen: {chosen.candidate.label}, fastest {how}")
+    print(f"  plan written to {out}; run it: rayacc train -c {args.config} --plan {out}")
+    t = result.timings
+    print(
+        f"  planning took {t['total_s']:.0f} s (profile {t['profile_s']:.0f} s, calibration "
+        f"{t['calibrate_s']:.0f} s, {result.groups_started} worker group(s))"
+    )
+    table = "\n".join(format_table(result, token_items))
+    run_id, uri = record_plan(
+        cfg,
+        f"plan {Path(args.config).stem}",
+        {
+            "global_batch_size": prep.plan.global_batch_size,
+            "chosen": chosen.candidate.label,
+            "candidates": len(result.rows),
+            "measured": len(result.measured),
+            "budget_s": budget_s,
+            "top": top,
+        },
+        table,
+        plan.to_yaml(),
+    )
+    if run_id:
+        print(f"  MLflow run {run_id} in {redact(uri)} (artifacts plan/table.txt, plan/PLAN.yaml)")
+    return 0
+
+
+def _cluster_holds(cfg: TrainConfig) -> int:
+    import ray
+
+    from rayacc.runner.prelaunch import worker_needs, workers_that_fit
+
+    alive = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive", True)]
+    return workers_that_fit(alive, worker_needs(cfg))
 
 
 def _print_memory(cfg, plan) -> None:
@@ -139,6 +249,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         ensure_ray(cfg)
     t_ray = time.time()
     console.print(f"[bold]rayacc train[/] {args.config}")
+    if args.plan:
+        console.print(f"  settings from the plan {args.plan}", markup=False)
     for line in run_header(cfg, prep, redact(prep.info.path)):
         console.print(f"  {line}", markup=False)  # a path may hold brackets
     for w in prep.warnings:
@@ -439,6 +551,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="continue run.name (or the latest run) from its latest checkpoint",
     )
     p.add_argument(
+        "--plan",
+        metavar="PLAN.yaml",
+        default=None,
+        help="run the settings `rayacc plan --search` chose (overrides given here still win)",
+    )
+    p.add_argument(
         "--timings",
         metavar="FILE",
         default=None,
@@ -447,12 +565,32 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_train)
 
-    p = sub.add_parser("plan", help="show the batch plan and effective LR of a config")
+    p = sub.add_parser(
+        "plan",
+        help="show the batch plan and effective LR of a config; with --search, choose workers, "
+        "micro-batch, strategy and activation checkpointing by measuring",
+    )
     with_config(p)
     p.add_argument(
         "--memory",
         action="store_true",
         help="also estimate memory per rank for ddp and fsdp (reads the data's description)",
+    )
+    p.add_argument(
+        "--search",
+        action="store_true",
+        help="search the settings that keep the global batch: a measured profile, a prior for "
+        "every candidate, then a few steps of the best on the real worker group",
+    )
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="with --search: seconds the search may take before it stops measuring (300)",
+    )
+    p.add_argument("--top", type=int, default=None, help="with --search: candidates to measure (3)")
+    p.add_argument(
+        "--out", default=None, help="with --search: where the plan is written (PLAN.yaml)"
     )
     p.set_defaults(func=cmd_plan)
 

@@ -33,7 +33,12 @@ def plan_at(cfg: TrainConfig, num_workers: int) -> BatchPlan:
     """The batch plan a group of `num_workers` runs: an elastic run follows `scaling.on_resize`
     from the plan at the most workers; a fixed-size run resolves the config at that count."""
     if cfg.scaling.elastic:
-        return plan_for_workers(cfg.batch_plan(), num_workers, cfg.scaling.on_resize)
+        return plan_for_workers(
+            cfg.batch_plan(),
+            num_workers,
+            cfg.scaling.on_resize,
+            cfg.batch.micro_batch_by_workers,
+        )
     return cfg.batch_plan(num_workers=num_workers)
 
 

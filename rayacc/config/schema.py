@@ -106,6 +106,10 @@ class BatchConfig(Section):
     GPU an out-of-memory error later halves it on all ranks and redoes the window."""
     grad_accum_steps: int | None = Field(None, ge=1)
     """Micro-steps per optimizer step on each worker; derived from the other two when omitted."""
+    micro_batch_by_workers: dict[int, int] = Field(default_factory=dict)
+    """Elastic runs keeping the global batch: the micro-batch at each worker count (written by
+    `rayacc plan --search`; `rayacc train --plan` sets it); a resize to a count listed here
+    takes its micro-batch, a count not listed derives one as without it."""
     memory_budget: float = Field(0.9, gt=0.0, le=1.0)
     """`micro_batch_size: auto` on GPU: share of the device's memory a micro-step may use."""
     memory_budget_mb: float | None = Field(None, gt=0.0)
@@ -353,7 +357,7 @@ class TrainConfig(Section):
         from rayacc.batch_plan import elastic_sizes
 
         lo, hi, policy = self.scaling.min_workers, self.scaling.max_workers, self.scaling.on_resize
-        sizes = elastic_sizes(self.batch_plan(), lo, hi, policy)
+        sizes = elastic_sizes(self.batch_plan(), lo, hi, policy, self.batch.micro_batch_by_workers)
         ok = {w: p for w, p in sizes.items() if isinstance(p, BatchPlan)}
         bad = {w: why for w, why in sizes.items() if isinstance(why, str)}
         if not ok:

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from rayacc.engine.collectives import all_reduce
@@ -74,12 +75,20 @@ def is_oom(exc: BaseException) -> bool:
     )
 
 
+def _local(p: torch.Tensor) -> torch.Tensor:
+    return p.to_local() if hasattr(p, "to_local") else p
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
 def _param_bytes(model: nn.Module) -> int:
     """Bytes of the trainable parameters this rank holds (its shards of a sharded model)."""
     total = 0
     for p in model.parameters():
         if p.requires_grad:
-            local = p.to_local() if hasattr(p, "to_local") else p
+            local = _local(p)
             total += local.numel() * local.element_size()
     return total
 
@@ -100,8 +109,10 @@ def measure_step_bytes(
     the first step.
 
     GPU: the allocator's peak while it runs (parameters and gradients are in it). CPU, where no
-    allocator keeps a peak: parameters + gradients + the bytes autograd saves for backward during
-    forward (activations), an estimate that leaves out short-lived temporaries. An
+    allocator keeps a peak: parameters + gradients (whole ones under FSDP `window_end`) + the
+    bytes autograd saves for backward during forward (activations, and the weights a sharded
+    model gathered; not the parameters themselves again), an estimate that leaves out
+    short-lived temporaries. An
     out-of-memory error counts as too large (a huge value).
 
     Leaves no trace: every gradient it made is dropped (the strategy's unsynced buffers too)
@@ -119,17 +130,23 @@ def measure_step_bytes(
             torch.cuda.synchronize(device)
             return torch.cuda.max_memory_allocated(device) + optimizer_bytes
         saved: dict[int, int] = {}
+        # a layer saves its weight for backward: those bytes are the parameters', counted once
+        held = {_local(p).untyped_storage().data_ptr() for p in model.parameters()}
 
         def pack(t: torch.Tensor):
             storage = t.untyped_storage()
-            saved[storage.data_ptr()] = storage.nbytes()
+            if storage.data_ptr() not in held:
+                saved[storage.data_ptr()] = storage.nbytes()
             return t
 
         with strategy.sync_context(False), ctx:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 losses = loss_fn(model, batch)
             losses.float().sum().backward()
-        return 2 * _param_bytes(model) + sum(saved.values()) + optimizer_bytes
+        params = _param_bytes(model)
+        # FSDP window_end holds every rank's whole gradients across the window, not its shard
+        grads = params * (_world() if strategy.holds_whole_gradients else 1)
+        return params + grads + sum(saved.values()) + optimizer_bytes
     except RuntimeError as exc:  # torch.OutOfMemoryError is one
         # only running out of memory means "too large"; anything else is a real error
         if not is_oom(exc):

@@ -123,6 +123,8 @@ class Strategy(ABC):
     gathers_in_forward: bool = False
     """Parameters are whole only inside the forward that gathered them: a loss that uses a
     module's weights (the chunked loss's head) runs inside the model's forward."""
+    holds_whole_gradients: bool = False
+    """Every rank holds gradients of the whole model across a window (not only its shard's)."""
 
     def __init__(self) -> None:
         self.model: nn.Module | None = None
@@ -350,6 +352,7 @@ class FSDP(Strategy):
         if grad_sync not in GRAD_SYNC_MODES:
             raise ValueError(f"grad_sync={grad_sync!r} is not one of {', '.join(GRAD_SYNC_MODES)}")
         self.grad_sync = grad_sync
+        self.holds_whole_gradients = grad_sync == "window_end"
         self.reshard_after_forward = reshard_after_forward
         self.param_dtype = param_dtype
         self._timeline = _Timeline()

@@ -1,0 +1,113 @@
+"""The planner's candidates: every combination of workers, micro-batch (accumulation derived),
+strategy and activation checkpointing that keeps the job's global batch exactly."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from rayacc.engine.autobatch import candidate_micro_sizes
+
+__all__ = ["STRATEGIES", "Candidate", "checkpointing_choices", "enumerate_candidates"]
+
+STRATEGIES = (("ddp", None), ("fsdp", "every_micro_step"), ("fsdp", "window_end"))
+"""(train.strategy, fsdp.grad_sync) pairs the planner tries."""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One way to run the job's global batch: `workers` × `micro_batch_size` ×
+    `grad_accum_steps` samples per optimizer step."""
+
+    workers: int
+    micro_batch_size: int
+    grad_accum_steps: int
+    strategy: str = "ddp"
+    grad_sync: str | None = None
+    """fsdp.grad_sync under fsdp; None under ddp."""
+    checkpointing: str | int = "none"
+    """`none`, `full`, or k: every k-th transformer block."""
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.workers * self.micro_batch_size * self.grad_accum_steps
+
+    @property
+    def strategy_label(self) -> str:
+        return self.strategy if self.grad_sync is None else f"{self.strategy} {self.grad_sync}"
+
+    @property
+    def checkpointing_label(self) -> str:
+        ac = self.checkpointing
+        return ac if isinstance(ac, str) else f"every_{ac}"
+
+    @property
+    def label(self) -> str:
+        """E.g. `2w 32×4 fsdp window_end ac=full`."""
+        return (
+            f"{self.workers}w {self.micro_batch_size}×{self.grad_accum_steps} "
+            f"{self.strategy_label} ac={self.checkpointing_label}"
+        )
+
+    def overrides(self, *, with_workers: bool = True) -> dict[str, Any]:
+        """The config keys this candidate sets (dotted paths)."""
+        ac = self.checkpointing
+        out: dict[str, Any] = {}
+        if with_workers:
+            out["scaling.num_workers"] = self.workers
+        out["batch.micro_batch_size"] = self.micro_batch_size
+        out["batch.grad_accum_steps"] = self.grad_accum_steps
+        out["train.strategy"] = self.strategy
+        if self.grad_sync is not None:
+            out["fsdp.grad_sync"] = self.grad_sync
+        out["train.activation_checkpointing"] = ac if isinstance(ac, str) else {"every_n": ac}
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Candidate:
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+
+
+def checkpointing_choices(num_blocks: int) -> list[str | int]:
+    """Activation checkpointing settings worth trying for a model with `num_blocks`
+    recomputable blocks: none without blocks (it would change nothing), else none, every
+    other block (when there are 3 or more) and all."""
+    if num_blocks == 0:
+        return ["none"]
+    return ["none", *([2] if num_blocks >= 3 else []), "full"]
+
+
+def enumerate_candidates(
+    global_batch_size: int,
+    worker_counts: list[int],
+    num_blocks: int,
+    *,
+    micro_sizes: list[int] | None = None,
+    strategies: tuple[tuple[str, str | None], ...] = STRATEGIES,
+) -> tuple[list[Candidate], list[str]]:
+    """Every candidate, and a line for each worker count that cannot keep the global batch.
+    `micro_sizes` limits the micro-batches tried (a benchmark's small grid); a single worker
+    has nothing to shard, so FSDP is tried from two workers on."""
+    out: list[Candidate] = []
+    skipped: list[str] = []
+    for n in worker_counts:
+        if global_batch_size % n:
+            skipped.append(
+                f"{n} workers: the global batch {global_batch_size} does not split evenly"
+            )
+            continue
+        share = global_batch_size // n
+        micros = [
+            m for m in candidate_micro_sizes(share) if micro_sizes is None or m in micro_sizes
+        ]
+        for strategy, grad_sync in strategies:
+            if strategy == "fsdp" and n == 1:
+                continue
+            for ac in checkpointing_choices(num_blocks):
+                out.extend(
+                    Candidate(n, m, share // m, strategy, grad_sync, ac) for m in sorted(micros)
+                )
+    return out, skipped

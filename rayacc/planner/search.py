@@ -1,0 +1,294 @@
+"""`rayacc plan --search`: candidates → profile → prior → pruning → calibration of the best
+within the time budget → one table → the choice, written to PLAN.yaml."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from rayacc.config import TrainConfig
+from rayacc.planner.candidates import Candidate, checkpointing_choices, enumerate_candidates
+from rayacc.planner.planfile import PlanFile, made_for
+from rayacc.planner.prior import Prediction, predict
+from rayacc.planner.profile import Profile
+
+__all__ = ["PlanRow", "SearchResult", "format_table", "pick", "profile_sizes", "search"]
+
+
+@dataclass
+class PlanRow:
+    candidate: Candidate
+    prediction: Prediction
+    measured: dict[str, Any] | None = None
+    """The calibration's result: status, memory_bytes, step_s."""
+
+    @property
+    def measured_ok(self) -> bool:
+        return bool(self.measured) and self.measured.get("status") == "measured"
+
+    @property
+    def memory_error(self) -> float | None:
+        if not self.measured_ok:
+            return None
+        return self.prediction.memory_bytes / self.measured["memory_bytes"] - 1
+
+    @property
+    def time_error(self) -> float | None:
+        if not self.measured_ok:
+            return None
+        return self.prediction.step_s / self.measured["step_s"] - 1
+
+    def to_dict(self, items_per_sample: float) -> dict[str, Any]:
+        c, p = self.candidate, self.prediction
+        out: dict[str, Any] = {"label": c.label, **c.to_dict()}
+        out["predicted_memory_mb"] = _mb(p.memory_bytes)
+        out["predicted_step_s"] = _round(p.step_s)
+        out["fits"] = p.fits
+        if p.why_not:
+            out["pruned"] = p.why_not
+        if self.measured:
+            out["status"] = self.measured["status"]
+            if "memory_bytes" in self.measured:
+                out["measured_memory_mb"] = _mb(self.measured["memory_bytes"])
+            if self.measured_ok:
+                out["measured_step_s"] = _round(self.measured["step_s"])
+                out["items_per_s"] = round(
+                    c.global_batch_size * items_per_sample / self.measured["step_s"], 1
+                )
+        return out
+
+
+def _mb(b: float) -> float | None:
+    return None if b == float("inf") else round(b / 2**20, 2)
+
+
+def _round(s: float) -> float | None:
+    return None if s == float("inf") else float(f"{s:.4g}")
+
+
+@dataclass
+class SearchResult:
+    rows: list[PlanRow]
+    """Every candidate, best predicted first."""
+    chosen: PlanRow
+    profile: Profile
+    skipped: list[str]
+    timings: dict[str, float] = field(default_factory=dict)
+    groups_started: int = 0
+
+    @property
+    def measured(self) -> list[PlanRow]:
+        return [r for r in self.rows if r.measured_ok]
+
+    def median_errors(self) -> tuple[float | None, float | None]:
+        """Median |error| of memory and step time over the measured candidates."""
+        rows = self.measured
+        if not rows:
+            return None, None
+        return (
+            statistics.median(abs(r.memory_error) for r in rows),
+            statistics.median(abs(r.time_error) for r in rows),
+        )
+
+    def plan_file(self, cfg: TrainConfig) -> PlanFile:
+        chosen = self.chosen.candidate
+        same_kind = [
+            r
+            for r in self.rows
+            if (r.candidate.strategy, r.candidate.grad_sync, r.candidate.checkpointing)
+            == (chosen.strategy, chosen.grad_sync, chosen.checkpointing)
+            and r.prediction.fits
+        ]
+        by_workers: dict[int, Candidate] = {}
+        for n in sorted({r.candidate.workers for r in same_kind}):
+            at_n = [r for r in same_kind if r.candidate.workers == n]
+            by_workers[n] = pick(at_n).candidate
+        by_workers[chosen.workers] = chosen
+        items = self.profile.items_per_sample
+        return PlanFile(
+            job=cfg.source_file,
+            made_for=made_for(cfg),
+            chosen=chosen,
+            by_workers=by_workers,
+            candidates=[r.to_dict(items) for r in self.rows],
+            profile=self.profile.to_dict(),
+        )
+
+
+def pick(rows: list[PlanRow]) -> PlanRow:
+    """The fastest measured candidate; without measurements the fastest predicted that fits."""
+    measured = [r for r in rows if r.measured_ok]
+    if measured:
+        return min(measured, key=lambda r: (r.measured["step_s"], r.measured["memory_bytes"]))
+    fitting = [r for r in rows if r.prediction.fits] or rows
+    return min(fitting, key=lambda r: (r.prediction.step_s, r.prediction.memory_bytes))
+
+
+def profile_sizes(micros: list[int], most: int = 4) -> list[int]:
+    """Micro-batch sizes the profile measures: the smallest, the largest and a spread between
+    (time and memory are interpolated between them)."""
+    sizes = sorted(set(micros))
+    if len(sizes) <= most:
+        return sizes
+    picks = {round(i * (len(sizes) - 1) / (most - 1)) for i in range(most)}
+    return [sizes[i] for i in sorted(picks)]
+
+
+def profile_for(profiles: dict[int, Profile], workers: int) -> Profile:
+    """The profile measured nearest to `workers` (collectives are scaled from it)."""
+    return profiles[min(profiles, key=lambda n: (abs(n - workers), -n))]
+
+
+def worker_counts(cfg: TrainConfig, cluster_holds: int | None) -> list[int]:
+    """Within `scaling.num_workers` (a fixed count: 1 to it; [min, max]: min to max), at most
+    what the cluster holds."""
+    lo = cfg.scaling.min_workers if cfg.scaling.elastic else 1
+    hi = cfg.scaling.max_workers
+    if cluster_holds is not None:
+        hi = max(min(hi, cluster_holds), lo)
+    return list(range(lo, hi + 1))
+
+
+def search(
+    cfg: TrainConfig,
+    prep,
+    group,
+    *,
+    budget_s: float,
+    top: int,
+    cluster_holds: int | None = None,
+    micro_sizes: list[int] | None = None,
+    measure_all: bool = False,
+    say: Callable[[str], None] = print,
+) -> SearchResult:
+    """The search on calibration `group` (calibrate.CalibrationGroup). `measure_all`: calibrate
+    every candidate that fits (the benchmark's exhaustive sweep), without a time budget."""
+    from rayacc.engine.units import fsdp_blocks
+    from rayacc.models.registry import build_on_meta
+
+    t0 = time.time()
+    g = prep.plan.global_batch_size
+    counts = worker_counts(cfg, cluster_holds)
+    blocks = len(fsdp_blocks(build_on_meta(cfg, prep.info)))
+    candidates, skipped = enumerate_candidates(g, counts, blocks, micro_sizes=micro_sizes)
+    if not candidates:
+        raise ValueError(
+            "no candidate keeps the global batch at "
+            + ", ".join(str(n) for n in counts)
+            + " workers: "
+            + "; ".join(skipped)
+        )
+    sizes = profile_sizes([c.micro_batch_size for c in candidates])
+    most = max(c.workers for c in candidates)
+    say(
+        f"{len(candidates)} candidates at global batch {g}; profiling on {most} worker(s) at "
+        f"micro-batches {', '.join(map(str, sizes))}"
+    )
+    choices = checkpointing_choices(blocks)
+    profiles = {most: group.profile(most, sizes, choices)}
+    if most > 1 and any(c.workers == 1 for c in candidates):
+        # one worker runs neither a DDP wrapper nor a collective: a group of its own says
+        # what that costs
+        say("profiling on 1 worker")
+        profiles[1] = group.profile(1, sizes, choices)
+    t_profile = time.time()
+    bf16 = cfg.train.precision == "bf16" and cfg.fsdp.mixed_precision
+    rows = [
+        PlanRow(
+            c,
+            predict(
+                c,
+                profile_for(profiles, c.workers),
+                reshard_after_forward=cfg.fsdp.reshard_after_forward,
+                bf16_gathers=bf16,
+            ),
+        )
+        for c in candidates
+    ]
+    rows.sort(key=lambda r: (not r.prediction.fits, r.prediction.step_s, r.prediction.memory_bytes))
+    fitting = [r for r in rows if r.prediction.fits]
+    say(f"{len(fitting)} fit, {len(rows) - len(fitting)} pruned by the prior")
+    chosen_rows = fitting if measure_all else fitting[:top]
+    deadline = float("inf") if measure_all else t0 + budget_s
+    by_key = {r.candidate.label: r for r in chosen_rows}
+    # the best candidate's worker count first: the budget is spent where it matters most
+    order: list[int] = []
+    for r in chosen_rows:
+        if r.candidate.workers not in order:
+            order.append(r.candidate.workers)
+    for n in order:
+        todo = [(r.candidate.label, r.candidate) for r in chosen_rows if r.candidate.workers == n]
+        say(f"calibrating {len(todo)} candidate(s) on {n} worker(s)")
+        group.measure(n, todo, deadline)
+    for key, result in group.results().items():
+        if key in by_key:
+            by_key[key].measured = result
+    chosen = pick(fitting or rows)
+    t_end = time.time()
+    return SearchResult(
+        rows,
+        chosen,
+        profiles[most],
+        skipped,
+        timings={
+            "profile_s": t_profile - t0,
+            "calibrate_s": t_end - t_profile,
+            "total_s": t_end - t0,
+        },
+        groups_started=group.groups_started,
+    )
+
+
+def _pct(x: float | None) -> str:
+    return "" if x is None else f"{100 * x:+.0f}%"
+
+
+def format_table(result: SearchResult, token_items: bool, limit: int | None = None) -> list[str]:
+    """The table: candidate, predicted and measured memory and step time, error %, items/s.
+    `limit`: at most this many rows that were not measured (all measured ones are shown)."""
+    unit = "tokens/s" if token_items else "samples/s"
+    head = (
+        f"{'candidate':34} {'mem MiB pred':>12} {'meas':>9} {'err':>5} "
+        f"{'step s pred':>11} {'meas':>9} {'err':>5} {unit:>10}  note"
+    )
+    lines = [head]
+    shown_unmeasured = 0
+    items = result.profile.items_per_sample
+    for r in result.rows:
+        if not r.measured and limit is not None:
+            if shown_unmeasured >= limit:
+                continue
+            shown_unmeasured += 1
+        p, m = r.prediction, r.measured or {}
+        meas_mem = f"{m['memory_bytes'] / 2**20:9.1f}" if "memory_bytes" in m else f"{'':>9}"
+        meas_t = f"{m['step_s']:9.4f}" if r.measured_ok else f"{'':>9}"
+        rate = (
+            f"{r.candidate.global_batch_size * items / m['step_s']:10,.0f}"
+            if r.measured_ok
+            else f"{'':>10}"
+        )
+        if r is result.chosen:
+            note = "← chosen"
+        elif m and not r.measured_ok:
+            note = m.get("status", "")
+        elif r.prediction.why_not:
+            note = f"pruned: {r.prediction.why_not}"
+        elif not m:
+            note = "not measured"
+        else:
+            note = ""
+        pred_mem = (
+            f"{p.memory_bytes / 2**20:12.1f}" if p.memory_bytes != float("inf") else f"{'-':>12}"
+        )
+        pred_t = f"{p.step_s:11.4f}" if p.step_s != float("inf") else f"{'-':>11}"
+        lines.append(
+            f"{r.candidate.label:34} {pred_mem} {meas_mem} {_pct(r.memory_error):>5} "
+            f"{pred_t} {meas_t} {_pct(r.time_error):>5} {rate}  {note}".rstrip()
+        )
+    hidden = sum(1 for r in result.rows if not r.measured) - shown_unmeasured
+    if limit is not None and hidden > 0:
+        lines.append(f"… and {hidden} more not measured (all in PLAN.yaml)")
+    return lines
