@@ -83,7 +83,15 @@ def _agreed_max(values: list[float]) -> list[float]:
 
 
 def measure_candidate(
-    cfg: TrainConfig, info: DatasetInfo, rows, c: Candidate, *, rank: int, device, budget: float
+    cfg: TrainConfig,
+    info: DatasetInfo,
+    rows,
+    c: Candidate,
+    *,
+    rank: int,
+    device,
+    budget: float,
+    min_timed_s: float = 1.0,
 ) -> dict[str, Any]:
     """Probe, then time windows of `c` on this group (every rank calls it)."""
     cc = with_candidate(cfg, c)
@@ -130,6 +138,7 @@ def measure_candidate(
             micro=m,
             accum=c.grad_accum_steps,
             device=device,
+            min_timed_s=min_timed_s,
         )
         peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
         step_s, memory = _agreed_max([statistics.median(times), float(max(used, peak))])
@@ -155,7 +164,9 @@ def measure_overheads(
         residual = []
         for a in (1, 2):
             c = Candidate(world, m, a, strategy, grad_sync)
-            got = measure_candidate(cfg, info, rows, c, rank=rank, device=device, budget=0)
+            got = measure_candidate(
+                cfg, info, rows, c, rank=rank, device=device, budget=0, min_timed_s=0.5
+            )
             if got["status"] != "measured":
                 break
             counted = predict(
@@ -186,22 +197,32 @@ def calibration_loop(config: dict[str, Any]) -> None:
     torch.set_num_threads(max(1, int(cfg.scaling.cpus_per_worker)))
     device = get_device()
     budget = config["budget_bytes"] or _device_budget(cfg, device, ctx)
+    world = ctx.get_world_size()
     if config["mode"] == "profile":
-        profile = measure_profile(
-            cfg,
-            info,
-            rows,
-            sizes=config["sizes"],
-            checkpointings=config["checkpointings"],
-            device=device,
-            rank=rank,
-            memory_bytes=int(budget),
-        )
+        if config.get("based_on"):
+            # compute, memory and the optimizer as measured on the larger group; what differs
+            # at this size is the strategies' fixed costs (and no collectives at one rank)
+            profile = Profile.from_dict(config["based_on"])
+            profile.world, profile.memory_bytes = world, int(budget)
+            if world == 1:
+                profile.allreduce_s_per_byte = profile.gather_s_per_byte = 0.0
+                profile.latency_s = 0.0
+        else:
+            profile = measure_profile(
+                cfg,
+                info,
+                rows,
+                sizes=config["sizes"],
+                checkpointings=config["checkpointings"],
+                device=device,
+                rank=rank,
+                memory_bytes=int(budget),
+            )
         profile.overheads = measure_overheads(
-            cfg, info, rows, profile, rank=rank, device=device, world=ctx.get_world_size()
+            cfg, info, rows, profile, rank=rank, device=device, world=world
         )
         if rank == 0:
-            ray.get(ledger.done.remote("profile", profile.to_dict()))
+            ray.get(ledger.done.remote(f"profile-{world}", profile.to_dict()))
         return
     for key, spec in config["candidates"]:
         # rank 0's clock, every rank's decision
@@ -277,12 +298,26 @@ class CalibrationGroup:
             return str(exc)
         return None
 
-    def profile(self, workers: int, sizes: list[int], checkpointings: list) -> Profile:
-        error = self._fit(workers, mode="profile", sizes=sizes, checkpointings=checkpointings)
+    def profile(
+        self,
+        workers: int,
+        sizes: list[int],
+        checkpointings: list,
+        based_on: Profile | None = None,
+    ) -> Profile:
+        """The profile at `workers`; `based_on`: a profile of a larger group, of which only
+        the strategies' fixed costs are measured again."""
+        error = self._fit(
+            workers,
+            mode="profile",
+            sizes=sizes,
+            checkpointings=checkpointings,
+            based_on=based_on.to_dict() if based_on else None,
+        )
         results, _ = ray.get(self.ledger.read.remote())
-        if "profile" not in results:
-            raise RuntimeError(f"the planner's profile failed: {error}")
-        return Profile.from_dict(results["profile"])
+        if f"profile-{workers}" not in results:
+            raise RuntimeError(f"the planner's profile on {workers} worker(s) failed: {error}")
+        return Profile.from_dict(results[f"profile-{workers}"])
 
     def measure(self, workers: int, todo: list[tuple[str, Candidate]], deadline: float):
         """Measures `todo` (all of `workers` workers) until done or the deadline; a group that

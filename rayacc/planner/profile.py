@@ -35,7 +35,7 @@ from rayacc.optim import build_optimizer, optimizer_slots
 __all__ = ["Curve", "Profile", "measure_profile", "time_windows"]
 
 REPEATS = 3
-"""Timed repeats of each measurement at least (after two untimed); the median counts."""
+"""Timed repeats of each measurement at least (after one untimed); the median counts."""
 MIN_TIMED_S = 0.3
 MAX_REPEATS = 20
 
@@ -149,18 +149,18 @@ def time_windows(
 
 
 def _median_time(fn: Callable[[], Any], device: torch.device, *, fixed: bool = False) -> float:
-    """Median wall time of `fn` after two untimed calls: at least `REPEATS` timed calls, more
+    """Median wall time of `fn` after an untimed call: at least `REPEATS` timed calls, more
     until `MIN_TIMED_S` has passed (at most `MAX_REPEATS`: a millisecond step is noisy);
     `fixed`: exactly `REPEATS` (a collective: every rank must make the same calls)."""
     times: list[float] = []
-    for i in range(2 + MAX_REPEATS):
+    for i in range(1 + MAX_REPEATS):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         t0 = time.perf_counter()
         fn()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        if i >= 2:
+        if i >= 1:
             times.append(time.perf_counter() - t0)
         if len(times) >= REPEATS and (fixed or sum(times) >= MIN_TIMED_S):
             break

@@ -127,7 +127,7 @@ def pick(rows: list[PlanRow]) -> PlanRow:
     return min(fitting, key=lambda r: (r.prediction.step_s, r.prediction.memory_bytes))
 
 
-def profile_sizes(micros: list[int], most: int = 4) -> list[int]:
+def profile_sizes(micros: list[int], most: int = 3) -> list[int]:
     """Micro-batch sizes the profile measures: the smallest, the largest and a spread between
     (time and memory are interpolated between them)."""
     sizes = sorted(set(micros))
@@ -193,7 +193,7 @@ def search(
         # one worker runs neither a DDP wrapper nor a collective: a group of its own says
         # what that costs
         say("profiling on 1 worker")
-        profiles[1] = group.profile(1, sizes, choices)
+        profiles[1] = group.profile(1, sizes, choices, based_on=profiles[most])
     t_profile = time.time()
     bf16 = cfg.train.precision == "bf16" and cfg.fsdp.mixed_precision
     rows = [
