@@ -115,10 +115,13 @@ def measure_candidate(
         if used == OUT_OF_MEMORY and strategy.lockstep:
             # not agreed on: a peer may wait in this probe's gathers
             raise TrialOutOfMemory(m)
-        (used,) = _agreed_max([float(used)])
+        # one verdict for all: the largest use, and over budget if any rank's budget is
+        # exceeded (budgets differ where devices or ranks per node do)
+        over = bool(budget) and used > budget
+        used, over = _agreed_max([float(used), float(over)])
         if used >= OUT_OF_MEMORY:
             return {"status": "out of memory"}
-        if budget and used > budget:
+        if over:
             return {"status": "over budget", "memory_bytes": used}
         step = AccumulationStep(
             model,

@@ -68,7 +68,7 @@ class PlanFile:
             "# written by `rayacc plan --search`; run it with "
             f"`rayacc train -c {self.job or 'JOB.yaml'} --plan THIS_FILE`\n"
         )
-        return head + yaml.safe_dump(doc, sort_keys=False, width=100)
+        return head + yaml.safe_dump(doc, sort_keys=False, width=100, allow_unicode=True)
 
     def write(self, path: str | os.PathLike) -> Path:
         """Written whole or not at all (a temporary file renamed into place)."""

@@ -179,6 +179,13 @@ def _warnings(
             "train.activation_checkpointing is set but the model names no blocks (a `blocks` "
             "ModuleList or an `fsdp_blocks()` method): nothing is recomputed"
         )
+    planned = cfg.batch.micro_batch_by_workers
+    if planned and (not cfg.scaling.elastic or cfg.scaling.on_resize != "keep_global_batch"):
+        warnings.append(
+            "batch.micro_batch_by_workers is for elastic runs that keep the global batch "
+            "(scaling.num_workers: [min, max], scaling.on_resize: keep_global_batch); this run "
+            "ignores it (remove it, or make the run elastic)"
+        )
     if crowded := local_oversubscription(cfg):
         warnings.append(crowded)
     warnings += spot_warnings(cfg)
