@@ -329,3 +329,100 @@ def test_the_calibration_probe_is_rank_safe(tmp_path):
     assert ranks[0]["ddp_fits"] == ranks[1]["ddp_fits"], "the ranks agree on the figures"
     assert ranks[1]["fsdp_raised"] == "TrialOutOfMemory(8)"
     assert "fsdp" not in ranks[0], "the peer never finished the probe alone"
+
+
+# ----------------------------------------------------------------------------- sweeps from a plan
+def _plan_with_rows(job: dict) -> PlanFile:
+    rows = [
+        # a measured slower one, a measured faster one, a predicted-only one, one pruned
+        (Candidate(2, 32, 4), {"measured_step_s": 0.020, "predicted_step_s": 0.010}),
+        (Candidate(1, 128, 2), {"measured_step_s": 0.010, "predicted_step_s": 0.012}),
+        (Candidate(2, 64, 2, "fsdp", "window_end"), {"predicted_step_s": 0.015}),
+        (Candidate(2, 128, 1), {"predicted_step_s": 0.001, "fits": False}),
+    ]
+    plan = _plan(job, rows[1][0])
+    plan.candidates = [
+        {"label": c.label, **c.to_dict(), "predicted_memory_mb": 1.5, "fits": True, **r}
+        for c, r in rows
+    ]
+    return plan
+
+
+def test_a_sweep_from_a_plan_runs_its_best_candidates_with_their_predictions(tmp_path):
+    from rayacc.config import SweepConfig
+    from rayacc.runner.sweep import expand_trials
+
+    _plan_with_rows(_job()).write(tmp_path / "PLAN.yaml")
+    spec = {"base": str(ROOT / "jobs/digits.yaml"), "plan": "PLAN.yaml", "from_plan": 3}
+    (tmp_path / "sweep.yaml").write_text(yaml.safe_dump(spec))
+    sweep, base, _ = SweepConfig.from_yaml(tmp_path / "sweep.yaml")
+    assert sweep.plan == str(tmp_path / "PLAN.yaml"), "relative to the sweep file"
+    trials = expand_trials(sweep, base)
+    assert [t.skip_reason for t in trials] == [None] * 3
+    got = [
+        (t.config["scaling"]["num_workers"], t.config["batch"]["micro_batch_size"]) for t in trials
+    ]
+    assert got == [(1, 128), (2, 32), (2, 64)], "measured fastest first, then by the prior"
+    assert trials[2].config["train"]["strategy"] == "fsdp"
+    assert trials[2].config["fsdp"]["grad_sync"] == "window_end"
+    assert all(
+        TrainConfig.model_validate(t.config).batch_plan().global_batch_size == 256 for t in trials
+    )
+    assert trials[0].predicted == {"predicted_step_s": 0.012, "predicted_memory_mb": 1.5}
+
+
+@pytest.mark.parametrize(
+    "spec, names",
+    [
+        ({"from_plan": 2}, ["plan", "from_plan needs the plan file"]),
+        ({"plan": "PLAN.yaml"}, ["from_plan", "from_plan: 3"]),
+        (
+            {"plan": "PLAN.yaml", "from_plan": 2, "grid": {"batch.micro_batch_size": [8]}},
+            ["from_plan", "remove `grid`"],
+        ),
+        ({"plan": "PLAN.yaml", "from_plan": 0}, ["from_plan"]),
+    ],
+)
+def test_a_sweep_file_with_a_plan_is_checked_before_any_trial(tmp_path, spec, names):
+    from rayacc.config import SweepConfig
+
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump({"base": str(ROOT / "jobs/digits.yaml"), **spec}))
+    with pytest.raises(ConfigError) as err:
+        SweepConfig.from_yaml(path)
+    for name in names:
+        assert name in str(err.value), (name, str(err.value))
+
+
+def test_a_sweep_from_a_plan_for_another_job_is_refused(tmp_path):
+    from rayacc.config import SweepConfig
+    from rayacc.runner.sweep import expand_trials
+
+    _plan_with_rows(_job(**{"batch.global_batch_size": 128})).write(tmp_path / "PLAN.yaml")
+    spec = {"base": str(ROOT / "jobs/digits.yaml"), "plan": "PLAN.yaml", "from_plan": 2}
+    (tmp_path / "sweep.yaml").write_text(yaml.safe_dump(spec))
+    sweep, base, _ = SweepConfig.from_yaml(tmp_path / "sweep.yaml")
+    with pytest.raises(ConfigError, match="global_batch_size"):
+        expand_trials(sweep, base)
+
+
+def test_the_sweep_report_sets_the_prior_beside_the_trials():
+    import math
+
+    from rayacc.tracking.report import Report, TrialRow
+
+    def row(trial, predicted, measured):
+        return TrialRow(
+            trial, "r" + trial, "FINISHED", 2, 32, 4, 256, 0.006, 0.25, 0.9, "val/accuracy",
+            1000.0, 500.0, 0.1, 10.0, predicted_step_s=predicted, predicted_memory_mb=1.5,
+            step_s=measured,
+        )  # fmt: skip
+
+    report = Report("parent", [row("0", 0.011, 0.010), row("1", 0.018, 0.020)])
+    (line,) = report.plan_lines()
+    assert "median |step-time error| 10%" in line
+    assert "trial 0 (micro 32 × accum 4 × 2 worker(s)): step 0.011 s predicted" in line
+    assert "0.01 s measured (+10%)" in line and "(-10%)" in line
+    assert any("the plan's prior" in v for v in report.verdict())
+    plain = Report("parent", [row("0", math.nan, 0.01)])
+    assert plain.plan_lines() == [] and not any("prior" in v for v in plain.verdict())

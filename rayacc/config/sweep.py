@@ -45,6 +45,12 @@ class SweepConfig(Section):
     grid: dict[str, list[Any]] = Field(default_factory=dict)
     """Key path → values; every combination is a trial."""
     random: RandomSearch = Field(default_factory=RandomSearch)
+    plan: str | None = None
+    """A PLAN.yaml from `rayacc plan --search` (relative to the sweep file), for `from_plan`."""
+    from_plan: int | None = Field(None, ge=1)
+    """Run the plan's best N candidates as the trials (measured fastest first, then by the
+    prior), at the plan's global batch; the report sets their predicted step time and memory
+    beside what the trials measured. Instead of `grid` and `random`."""
     max_concurrent_trials: int | None = Field(None, ge=1)
     """Trials at once; null = as many as the cluster's CPUs (or GPUs) fit."""
 
@@ -69,6 +75,11 @@ class SweepConfig(Section):
                 ],
                 str(p),
             )
+        plan_issues = sweep.plan_issues()
+        if plan_issues:
+            raise ConfigError(plan_issues, str(p))
+        if sweep.plan is not None:
+            sweep.plan = str((p.parent / sweep.plan).resolve())
         if sweep.base is not None:
             base_path = (p.parent / sweep.base).resolve()
             base = TrainConfig.from_yaml(base_path, sweep.overrides)
@@ -79,6 +90,39 @@ class SweepConfig(Section):
         if issues:
             raise ConfigError(issues, str(p))
         return sweep, dumped, str(p)
+
+    def plan_issues(self) -> list[ConfigIssue]:
+        """`from_plan` needs a `plan` and replaces the grid and the random draws."""
+        issues = []
+        if self.from_plan is not None and self.plan is None:
+            issues.append(
+                ConfigIssue(
+                    "plan",
+                    "from_plan needs the plan file",
+                    MISSING,
+                    "add e.g. plan: PLAN.yaml (made by rayacc plan -c JOB.yaml --search)",
+                )
+            )
+        if self.from_plan is not None and (self.grid or self.random.samples):
+            issues.append(
+                ConfigIssue(
+                    "from_plan",
+                    "the plan's candidates are the trials: a grid or random draws beside them "
+                    "would not keep its settings",
+                    self.from_plan,
+                    "remove `grid` and `random`, or `from_plan`",
+                )
+            )
+        if self.plan is not None and self.from_plan is None:
+            issues.append(
+                ConfigIssue(
+                    "from_plan",
+                    "a plan is given but not how many of its candidates to run",
+                    MISSING,
+                    "add e.g. from_plan: 3",
+                )
+            )
+        return issues
 
     def setting_issues(self, base: dict[str, Any]) -> list[ConfigIssue]:
         """Every key the grid and the random space name must be a config field, and every value

@@ -113,6 +113,23 @@ class PlanFile:
         num_workers [min, max]) its strategy and checkpointing with each worker count's
         micro-batch. Raises ConfigError when the plan was made for another job."""
         job = TrainConfig.from_dict(data, source=source)
+        self.check_job(job, source)
+        c = self.chosen
+        if not job.scaling.elastic:
+            return [f"{k}={_flow(v)}" for k, v in c.overrides().items()]
+        lo, hi = job.scaling.min_workers, job.scaling.max_workers
+        sizes = {n: p.micro_batch_size for n, p in self.by_workers.items() if lo <= n <= hi}
+        top = self.by_workers.get(hi, c)
+        out = {
+            k: v
+            for k, v in top.overrides(with_workers=False).items()
+            if k != "batch.grad_accum_steps"  # derived at each size
+        }
+        out["batch.micro_batch_by_workers"] = sizes
+        return [f"{k}={_flow(v)}" for k, v in out.items()]
+
+    def check_job(self, job: TrainConfig, source: str | None = None) -> None:
+        """Raises ConfigError naming each field where `job` differs from the plan's job."""
         mine = made_for(job)
         differ = [k for k, v in self.made_for.items() if mine.get(k) != v]
         if differ:
@@ -128,19 +145,18 @@ class PlanFile:
                 ],
                 source,
             )
-        c = self.chosen
-        if not job.scaling.elastic:
-            return [f"{k}={_flow(v)}" for k, v in c.overrides().items()]
-        lo, hi = job.scaling.min_workers, job.scaling.max_workers
-        sizes = {n: p.micro_batch_size for n, p in self.by_workers.items() if lo <= n <= hi}
-        top = self.by_workers.get(hi, c)
-        out = {
-            k: v
-            for k, v in top.overrides(with_workers=False).items()
-            if k != "batch.grad_accum_steps"  # derived at each size
-        }
-        out["batch.micro_batch_by_workers"] = sizes
-        return [f"{k}={_flow(v)}" for k, v in out.items()]
+
+    def best(self, n: int) -> list[tuple[Candidate, dict[str, Any]]]:
+        """The best `n` candidates that fit, with their table rows: measured fastest first,
+        then the rest by predicted step time."""
+        rows = [r for r in self.candidates if r.get("fits", True)]
+        rows.sort(
+            key=lambda r: (
+                "measured_step_s" not in r,
+                r.get("measured_step_s") or r.get("predicted_step_s") or float("inf"),
+            )
+        )
+        return [(Candidate.from_dict(r), r) for r in rows[:n]]
 
 
 def _flow(value: Any) -> str:

@@ -26,6 +26,8 @@ class Trial:
     config: dict[str, Any] | None = None
     """The validated training config, or None when the combination is invalid."""
     skip_reason: str | None = None
+    predicted: dict[str, float] = field(default_factory=dict)
+    """A trial from a plan: the planner's predicted step time (s) and memory per rank (MiB)."""
 
     def label(self) -> str:
         return ", ".join(f"{k}={v}" for k, v in self.settings.items())
@@ -68,16 +70,21 @@ def _draw(rng: random.Random, dist: dict[str, list[Any]], path: str) -> Any:
 
 
 def expand_trials(sweep: SweepConfig, base: dict[str, Any]) -> list[Trial]:
-    """The grid × random settings applied to the base; invalid ones carry their reason."""
-    keys = list(sweep.grid)
-    settings = [dict(zip(keys, values)) for values in itertools.product(*sweep.grid.values())]
-    if not keys:
-        settings = [{}] if not sweep.random.samples else []
-    rng = random.Random(sweep.random.seed)
-    for _ in range(sweep.random.samples):
-        settings.append({p: _draw(rng, d, p) for p, d in sweep.random.space.items()})
-
+    """The grid × random settings (or a plan's best candidates) applied to the base; invalid
+    ones carry their reason."""
     base_cfg = TrainConfig.model_validate(base)
+    predicted: list[dict[str, float]] = []
+    if sweep.from_plan:
+        settings, predicted = _from_plan(sweep, base_cfg)
+    else:
+        keys = list(sweep.grid)
+        settings = [dict(zip(keys, values)) for values in itertools.product(*sweep.grid.values())]
+        if not keys:
+            settings = [{}] if not sweep.random.samples else []
+        rng = random.Random(sweep.random.seed)
+        for _ in range(sweep.random.samples):
+            settings.append({p: _draw(rng, d, p) for p, d in sweep.random.space.items()})
+
     held_global = base_cfg.batch_plan().global_batch_size
     trials = []
     for i, s in enumerate(settings):
@@ -97,8 +104,33 @@ def expand_trials(sweep: SweepConfig, base: dict[str, Any]) -> list[Trial]:
         except ConfigError as exc:
             trials.append(Trial(i, s, None, "; ".join(str(issue) for issue in exc.issues)))
             continue
-        trials.append(Trial(i, s, cfg.model_dump(mode="json")))
+        trials.append(
+            Trial(i, s, cfg.model_dump(mode="json"), predicted=predicted[i] if predicted else {})
+        )
     return trials
+
+
+def _from_plan(
+    sweep: SweepConfig, base: TrainConfig
+) -> tuple[list[dict[str, Any]], list[dict[str, float]]]:
+    """The plan's best `from_plan` candidates as trial settings, and their predictions; the
+    plan must have been made for the sweep's base job (ConfigError otherwise)."""
+    from rayacc.planner.planfile import PlanFile
+
+    assert sweep.plan is not None and sweep.from_plan is not None
+    plan = PlanFile.read(sweep.plan)
+    plan.check_job(base, sweep.plan)
+    settings, predicted = [], []
+    for candidate, row in plan.best(sweep.from_plan):
+        settings.append(candidate.overrides())
+        predicted.append(
+            {
+                k: row[k]
+                for k in ("predicted_step_s", "predicted_memory_mb")
+                if row.get(k) is not None
+            }
+        )
+    return settings, predicted
 
 
 def _concurrency(sweep: SweepConfig, configs: list[TrainConfig]) -> int:
@@ -155,7 +187,19 @@ def run_sweep(
     concurrency = _concurrency(sweep, [TrainConfig.model_validate(c) for c in configs.values()])
     tuner = tune.Tuner(
         # the trial function only waits on its TorchTrainer, whose workers hold the resources
-        tune.with_resources(_trial_function(configs, uri, parent.run_id), {"cpu": 0.01}),
+        tune.with_resources(
+            _trial_function(
+                configs,
+                uri,
+                parent.run_id,
+                {
+                    t.index: {f"rayacc.{k}": str(v) for k, v in t.predicted.items()}
+                    for t in valid
+                    if t.predicted
+                },
+            ),
+            {"cpu": 0.01},
+        ),
         param_space={"trial": tune.grid_search(list(configs))},
         tune_config=tune.TuneConfig(max_concurrent_trials=concurrency),
         run_config=tune.RunConfig(
@@ -203,13 +247,20 @@ def _open_parent(sweep: SweepConfig, trials: list[Trial], uri, experiment, name,
     return parent
 
 
-def _trial_function(configs: dict[int, dict[str, Any]], uri: str, parent_id: str | None):
+def _trial_function(
+    configs: dict[int, dict[str, Any]],
+    uri: str,
+    parent_id: str | None,
+    predicted: dict[int, dict[str, str]] | None = None,
+):
     """Tune's function trainable: one full fit of trial `config["trial"]`, nested under the
-    sweep's parent run."""
+    sweep's parent run (tagged with what a plan predicted for it, `rayacc.predicted_*`)."""
+    predicted = predicted or {}
     from rayacc.runner.driver import fit
 
     def trial_fn(config: dict[str, Any]) -> dict[str, Any]:
         index = config["trial"]
+        tags = {"rayacc.trial": index, **predicted.get(index, {})}
         cfg = TrainConfig.model_validate(configs[index])
         # the trial's own TorchTrainer must not ask Tune for the sweep's tracking settings
         cfg = cfg.model_copy(
@@ -217,7 +268,7 @@ def _trial_function(configs: dict[int, dict[str, Any]], uri: str, parent_id: str
         )
         t_start = time.perf_counter()
         try:
-            r = fit(cfg, parent_run_id=parent_id, tags={"rayacc.trial": index})
+            r = fit(cfg, parent_run_id=parent_id, tags=tags)
         except Exception as exc:
             return {
                 "ok": False,

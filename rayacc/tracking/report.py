@@ -55,6 +55,12 @@ class TrialRow:
     sync_frac: float
     wall_time_s: float
     """The fit's wall time (the same measure the sweep's console prints)."""
+    predicted_step_s: float = math.nan
+    """A trial from a plan: the planner's predicted step time."""
+    predicted_memory_mb: float = math.nan
+    """A trial from a plan: the planner's predicted memory per rank."""
+    step_s: float = math.nan
+    """The median step time of the run (steps after the first)."""
     time_to_target_s: float = math.nan
     """Training-step seconds (validation, checkpoints and start-up left out) to the report's
     common loss: the whole run's when the trials agree on the final loss, else until the
@@ -116,6 +122,7 @@ class Report:
                 "by training time to the common loss (fastest first): "
                 + _ranking(timed, "time_to_target_s")
             )
+        lines += self.plan_lines()
         for attr, label, high in (
             ("samples_per_s", "by throughput (samples/s, highest first)", True),
             ("peak_mem_mb", "by peak memory (MB, least first)", False),
@@ -124,6 +131,28 @@ class Report:
             if ok:
                 lines.append(f"{label}: " + _ranking(ok, attr, reverse=high))
         return lines
+
+    def plan_lines(self) -> list[str]:
+        """Trials from a plan: the planner's predicted step time and memory beside the run's
+        (the run's peak memory is the allocator's on a GPU, the process's resident set on a
+        CPU, where the planner counts only what the step holds: compare them on GPU runs)."""
+        rows = [r for r in self.rows if math.isfinite(r.predicted_step_s)]
+        if not rows:
+            return []
+        parts, errors = [], []
+        for r in rows:
+            err = r.predicted_step_s / r.step_s - 1 if math.isfinite(r.step_s) else math.nan
+            if math.isfinite(err):
+                errors.append(abs(err))
+            parts.append(
+                f"trial {r.trial} ({_setting(r)}): step {r.predicted_step_s:.4g} s predicted, "
+                f"{r.step_s:.4g} s measured ({100 * err:+.0f}%); memory "
+                f"{r.predicted_memory_mb:,.1f} MiB predicted, peak {r.peak_mem_mb:,.0f} MB"
+            )
+        head = "the plan's prior vs the trials"
+        if errors:
+            head += f" (median |step-time error| {100 * statistics.median(errors):.0f}%)"
+        return [f"{head}: " + "; ".join(parts)]
 
     def per_micro(self, attr: str) -> dict[str, tuple[list[float], list[float]]]:
         """Worker count label → (micro-batch sizes, `attr` of each trial)."""
@@ -266,9 +295,13 @@ def build_report(tracking_uri: str, target: str) -> Report:
             peak_mem_mb=max(mem) if mem else math.nan,
             sync_frac=statistics.mean(sync) if sync else math.nan,
             wall_time_s=float(wall) if wall else (end - run.info.start_time) / 1000,
+            predicted_step_s=float(run.data.tags.get("rayacc.predicted_step_s", "nan")),
+            predicted_memory_mb=float(run.data.tags.get("rayacc.predicted_memory_mb", "nan")),
         )
         report.rows.append(row)
         curves[rid] = loss, dict(_history(client, rid, "perf/step_time_s"))
+        steps = [v for s, v in curves[rid][1].items() if s > 1]
+        row.step_s = statistics.median(steps) if steps else math.nan
         seen, total = [], 0.0
         per_step = dict(samples)
         for step, _ in loss:
