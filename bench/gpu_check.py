@@ -167,6 +167,20 @@ def check_gpu_step(out_dir: Path, dry: bool) -> list[tuple[str, bool, str]]:
     return [("bench/gpu_step.py exits 0", code == 0, f"exit {code}, {wall:.0f} s"), *rows]
 
 
+def check_planner(out_dir: Path, dry: bool) -> list[tuple[str, bool, str]]:
+    """bench/planner.py: the planner's pick against an exhaustive sweep of a small grid (on
+    the GPU both jobs on one GPU worker; the dry run a grid of two on digits)."""
+    cmd = [sys.executable, str(ROOT / "bench" / "planner.py")]
+    cmd += ["--jobs", "digits", "--tiny"] if dry else ["--device", "cuda", "--budget-s", "90"]
+    code, out, wall = run(cmd, out_dir / "planner.log", STEP_TIMEOUT_S)
+    ratio = re.search(r"^pick / best measured: ([\d.]+)$", out, re.M)
+    summary = [line.strip() for line in out.splitlines() if "pick/best" in line]
+    return [
+        ("bench/planner.py ran", code in (0, 1) and bool(ratio), f"exit {code}, {wall:.0f} s"),
+        ("planner: pick / best measured", bool(ratio), "; ".join(summary) or "no summary"),
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="on CPU, a tiny model")
@@ -176,6 +190,7 @@ def main() -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = check_train(out_dir, args.dry_run) + check_gpu_step(out_dir, args.dry_run)
     rows += check_fsdp_train(out_dir, args.dry_run)
+    rows += check_planner(out_dir, args.dry_run)
     width = max(len(name) for name, _, _ in rows)
     print(f"\n{'check':{width}}  result  figures")
     for name, ok, figures in rows:

@@ -36,6 +36,8 @@ def test_gpu_check_dry_run_passes_every_step(tmp_path):
         "fsdp: rayacc train exits 0",
         "fsdp: final checkpoint sharded",
         "fsdp: bf16 + activation checkpointing steps",
+        "bench/planner.py ran",
+        "planner: pick / best measured",
     ):
         line = next((row for row in table.splitlines() if row.startswith(check)), "")
         assert "PASS" in line, f"{check}: {line or 'missing'}\n{table}"

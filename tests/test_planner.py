@@ -92,6 +92,13 @@ def test_the_prior_counts_each_strategys_memory():
     # on a GPU with resharding only the two largest units are gathered at once
     gpu = predict(Candidate(2, 16, 2, "fsdp", "every_micro_step"), _profile(device="cuda"))
     assert gpu.memory_bytes / MIB == pytest.approx(4 / 2 + 0.5 + acts)
+    # a recomputed block keeps no gathered weights from its forward (the CPU count)
+    blocks = _profile(block_bytes=[MIB // 5] * 4)
+    recomputed = predict(Candidate(2, 16, 2, "fsdp", "every_micro_step", "full"), blocks)
+    acts_full = 16 * 0.02
+    assert recomputed.memory_bytes / MIB == pytest.approx(4 / 2 + (1 - 0.8) + acts_full)
+    every_2nd = predict(Candidate(2, 16, 2, "fsdp", "every_micro_step", 2), blocks)
+    assert every_2nd.fits is False, "no profile of every 2nd block: pruned"
     # checkpointing trades activations for recompute time
     full = predict(Candidate(2, 16, 2, checkpointing="full"), p)
     none = predict(Candidate(2, 16, 2), p)
@@ -120,7 +127,7 @@ def test_the_prior_counts_each_strategys_communication():
 PRUNING = [
     # (candidate, profile changes, fits, why contains)
     (Candidate(2, 16, 2), {}, True, None),
-    (Candidate(2, 64, 1), {"memory_bytes": 8 * MIB}, False, "the budget is 8 MiB"),
+    (Candidate(2, 64, 1), {"memory_bytes": 8 * MIB}, False, "the budget is 8.00 MiB"),
     (Candidate(2, 64, 1, "fsdp", "every_micro_step"), {"memory_bytes": 8 * MIB}, False, "MiB"),
     (Candidate(2, 64, 1, checkpointing="full"), {"memory_bytes": 8 * MIB}, True, None),
     (Candidate(2, 32, 1), {"failed": {"none": 32}}, False, "ran out of memory in the profile"),
@@ -296,6 +303,7 @@ def test_planned_sizes_a_run_cannot_use_are_warned_of(scaling, warned, tmp_path)
 
 
 # ----------------------------------------------------------------------------- the probe
+@pytest.mark.distributed
 def test_the_calibration_probe_is_rank_safe(tmp_path):
     """Rank 1 alone runs out of memory at micro-batch 8 (tests/oom_model.py): under DDP both
     ranks answer "out of memory" and go on; budgets that differ per rank give one verdict;

@@ -202,25 +202,16 @@ def calibration_loop(config: dict[str, Any]) -> None:
     budget = config["budget_bytes"] or _device_budget(cfg, device, ctx)
     world = ctx.get_world_size()
     if config["mode"] == "profile":
-        if config.get("based_on"):
-            # compute, memory and the optimizer as measured on the larger group; what differs
-            # at this size is the strategies' fixed costs (and no collectives at one rank)
-            profile = Profile.from_dict(config["based_on"])
-            profile.world, profile.memory_bytes = world, int(budget)
-            if world == 1:
-                profile.allreduce_s_per_byte = profile.gather_s_per_byte = 0.0
-                profile.latency_s = 0.0
-        else:
-            profile = measure_profile(
-                cfg,
-                info,
-                rows,
-                sizes=config["sizes"],
-                checkpointings=config["checkpointings"],
-                device=device,
-                rank=rank,
-                memory_bytes=int(budget),
-            )
+        profile = measure_profile(
+            cfg,
+            info,
+            rows,
+            sizes=config["sizes"],
+            checkpointings=config["checkpointings"],
+            device=device,
+            rank=rank,
+            memory_bytes=int(budget),
+        )
         profile.overheads = measure_overheads(
             cfg, info, rows, profile, rank=rank, device=device, world=world
         )
@@ -301,22 +292,9 @@ class CalibrationGroup:
             return str(exc)
         return None
 
-    def profile(
-        self,
-        workers: int,
-        sizes: list[int],
-        checkpointings: list,
-        based_on: Profile | None = None,
-    ) -> Profile:
-        """The profile at `workers`; `based_on`: a profile of a larger group, of which only
-        the strategies' fixed costs are measured again."""
-        error = self._fit(
-            workers,
-            mode="profile",
-            sizes=sizes,
-            checkpointings=checkpointings,
-            based_on=based_on.to_dict() if based_on else None,
-        )
+    def profile(self, workers: int, sizes: list[int], checkpointings: list) -> Profile:
+        """The profile measured on a group of `workers`."""
+        error = self._fit(workers, mode="profile", sizes=sizes, checkpointings=checkpointings)
         results, _ = ray.get(self.ledger.read.remote())
         if f"profile-{workers}" not in results:
             raise RuntimeError(f"the planner's profile on {workers} worker(s) failed: {error}")

@@ -3,7 +3,8 @@
 Memory per rank (what the auto search's probe counts, engine/autobatch.py):
 - parameters, gradients and optimizer state: whole under DDP; sharded over n under FSDP,
   except `window_end`'s gradients, held whole across the window;
-- FSDP's gathered weights: every unit's once in the CPU count (each is saved for backward),
+- FSDP's gathered weights: every unit's once in the CPU count (each is saved for backward,
+  except by the blocks activation checkpointing recomputes),
   the two largest units on a GPU with `reshard_after_forward` (one in use, one prefetched);
   half of it under bf16 mixed precision;
 - DDP's gradient buckets on a GPU (a copy of the gradients the all-reduce reads);
@@ -42,6 +43,11 @@ class Prediction:
     @property
     def samples_per_s(self) -> float:
         return 0.0 if self.step_s <= 0 else 1.0 / self.step_s
+
+
+def _mib(b: float) -> str:
+    mib = b / 2**20
+    return f"{mib:,.2f}" if mib < 10 else f"{mib:,.0f}"
 
 
 def _ring(n: int) -> float:
@@ -84,7 +90,16 @@ def predict(
         if profile.device == "cuda" and reshard_after_forward:
             gathered = min(P, 2 * profile.largest_unit_bytes)
         else:
-            gathered = P
+            # a recomputed block saves only its input in forward, not its gathered weights
+            every = (
+                None
+                if c.checkpointing == "none"
+                else 1
+                if c.checkpointing == "full"
+                else c.checkpointing
+            )
+            recomputed = profile.block_bytes[::every] if every else []
+            gathered = P - sum(recomputed)
         gathered *= 0.5 if bf16_gathers else 1.0
     memory = states + gathered + profile.activation_bytes[key].at(m)
     # ------------------------------------------------------------------ time
@@ -112,8 +127,5 @@ def predict(
     if failed is not None and m >= failed:
         why = f"micro-batch {failed} ran out of memory in the profile"
     elif profile.memory_bytes and memory > profile.memory_bytes:
-        why = (
-            f"needs {memory / 2**20:,.0f} MiB per rank, the budget is "
-            f"{profile.memory_bytes / 2**20:,.0f} MiB"
-        )
+        why = f"needs {_mib(memory)} MiB per rank, the budget is {_mib(profile.memory_bytes)} MiB"
     return Prediction(memory, step, compute, comm, why is None, why)

@@ -94,6 +94,8 @@ class Profile:
     (CPU)."""
     items_per_sample: float = 1.0
     """Loss items per sample (tokens for a token model)."""
+    block_bytes: list[int] = field(default_factory=list)
+    """Each block's parameters (the units activation checkpointing recomputes)."""
     failed: dict[str, int] = field(default_factory=dict)
     """Checkpointing label → smallest micro-batch that ran out of memory in the profile."""
 
@@ -201,6 +203,7 @@ def measure_profile(
     acts: dict[str, Curve] = {}
     failed: dict[str, int] = {}
     param_bytes = units = largest = 0
+    block_bytes: list[int] = []
     for label in checkpointings:
         model = _plain_model(cfg, info, label, device)
         params = [p for p in model.parameters() if p.requires_grad]
@@ -209,6 +212,17 @@ def measure_profile(
         units = len(blocks) + 1
         block_bytes = [sum(p.numel() * p.element_size() for p in b.parameters()) for b in blocks]
         largest = max([param_bytes - sum(block_bytes), *block_bytes])
+        # the first calls of a process pay its thread pools, allocator and kernels' set-up:
+        # paid here, at the largest size, not by the first size measured
+        warm = to_device(rows.take(index[: max(sizes)]), device)
+        if (
+            measure_step_bytes(model, loss_fn, warm, autocast_dtype=precision, optimizer_slots=0)
+            != OUT_OF_MEMORY
+        ):
+            for _ in range(2):
+                with torch.autocast(device.type, dtype=precision, enabled=precision is not None):
+                    loss_fn(model, warm).float().sum().backward()
+                model.zero_grad(set_to_none=True)
         times, used = [], []
         for m in sizes:
             batch = to_device(rows.take(index[:m]), device)
@@ -250,6 +264,7 @@ def measure_profile(
         param_bytes=param_bytes,
         units=units,
         largest_unit_bytes=largest,
+        block_bytes=block_bytes,
         optimizer_slots=slots,
         compute_s=compute,
         activation_bytes=acts,

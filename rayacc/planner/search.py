@@ -190,10 +190,10 @@ def search(
     choices = checkpointing_choices(blocks)
     profiles = {most: group.profile(most, sizes, choices)}
     if most > 1 and any(c.workers == 1 for c in candidates):
-        # one worker runs neither a DDP wrapper nor a collective: a group of its own says
-        # what that costs
+        # one worker runs neither a DDP wrapper nor a collective, and where workers share a
+        # node's cores or memory bandwidth it computes faster alone: a profile of its own
         say("profiling on 1 worker")
-        profiles[1] = group.profile(1, sizes, choices, based_on=profiles[most])
+        profiles[1] = group.profile(1, sizes, choices)
     t_profile = time.time()
     bf16 = cfg.train.precision == "bf16" and cfg.fsdp.mixed_precision
     rows = [
