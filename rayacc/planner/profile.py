@@ -86,7 +86,7 @@ class Profile:
     latency_s: float = 0.0
     """A one-value collective: the cost of each launch."""
     overheads: dict[str, list[float]] = field(default_factory=dict)
-    """Strategy label → [per window, per micro-step]: what real windows of it (1 and 2
+    """Strategy label → [per window, per micro-step]: what real windows of it (1 and 4
     micro-steps at the smallest size) take beyond the compute, communication and optimizer
     step the prior counts: slicing and moving rows, hooks, the window statistics, zeroing."""
     memory_bytes: int = 0
@@ -125,7 +125,7 @@ def time_windows(
     accum: int,
     device: torch.device,
     min_windows: int = 3,
-    max_windows: int = 20,
+    max_windows: int = 50,
     min_timed_s: float = 1.0,
 ) -> list[float]:
     """Wall times of timed windows of `accum` micro-batches of `micro` rows (this rank's slice

@@ -248,47 +248,53 @@ def _pct(x: float | None) -> str:
 
 def format_table(result: SearchResult, token_items: bool, limit: int | None = None) -> list[str]:
     """The table: candidate, predicted and measured memory and step time, error %, items/s.
-    `limit`: at most this many rows that were not measured (all measured ones are shown)."""
+    `limit`: at most this many rows not measured that fit, and 3 of those pruned (every
+    measured one is shown; all are in PLAN.yaml)."""
     unit = "tokens/s" if token_items else "samples/s"
     head = (
         f"{'candidate':34} {'mem MiB pred':>12} {'meas':>9} {'err':>5} "
         f"{'step s pred':>11} {'meas':>9} {'err':>5} {unit:>10}  note"
     )
     lines = [head]
-    shown_unmeasured = 0
     items = result.profile.items_per_sample
+    quota = {"fits": limit, "pruned": None if limit is None else 3}
+    hidden = {"fits": 0, "pruned": 0}
     for r in result.rows:
-        if not r.measured and limit is not None:
-            if shown_unmeasured >= limit:
+        kind = "fits" if r.prediction.fits else "pruned"
+        if not r.measured and quota[kind] is not None:
+            if quota[kind] == 0:
+                hidden[kind] += 1
                 continue
-            shown_unmeasured += 1
-        p, m = r.prediction, r.measured or {}
-        meas_mem = f"{m['memory_bytes'] / 2**20:9.1f}" if "memory_bytes" in m else f"{'':>9}"
-        meas_t = f"{m['step_s']:9.4f}" if r.measured_ok else f"{'':>9}"
-        rate = (
-            f"{r.candidate.global_batch_size * items / m['step_s']:10,.0f}"
-            if r.measured_ok
-            else f"{'':>10}"
-        )
-        if r is result.chosen:
-            note = "← chosen"
-        elif m and not r.measured_ok:
-            note = m.get("status", "")
-        elif r.prediction.why_not:
-            note = f"pruned: {r.prediction.why_not}"
-        elif not m:
-            note = "not measured"
-        else:
-            note = ""
-        pred_mem = (
-            f"{p.memory_bytes / 2**20:12.1f}" if p.memory_bytes != float("inf") else f"{'-':>12}"
-        )
-        pred_t = f"{p.step_s:11.4f}" if p.step_s != float("inf") else f"{'-':>11}"
-        lines.append(
-            f"{r.candidate.label:34} {pred_mem} {meas_mem} {_pct(r.memory_error):>5} "
-            f"{pred_t} {meas_t} {_pct(r.time_error):>5} {rate}  {note}".rstrip()
-        )
-    hidden = sum(1 for r in result.rows if not r.measured) - shown_unmeasured
-    if limit is not None and hidden > 0:
-        lines.append(f"… and {hidden} more not measured (all in PLAN.yaml)")
+            quota[kind] -= 1
+        lines.append(_table_row(result, r, items))
+    if hidden["fits"]:
+        lines.append(f"… and {hidden['fits']} more not measured (all in PLAN.yaml)")
+    if hidden["pruned"]:
+        lines.append(f"… and {hidden['pruned']} more pruned by the prior (all in PLAN.yaml)")
     return lines
+
+
+def _table_row(result: SearchResult, r: PlanRow, items: float) -> str:
+    p, m = r.prediction, r.measured or {}
+    meas_mem = f"{m['memory_bytes'] / 2**20:9.1f}" if "memory_bytes" in m else f"{'':>9}"
+    meas_t = f"{m['step_s']:9.4f}" if r.measured_ok else f"{'':>9}"
+    rate = (
+        f"{r.candidate.global_batch_size * items / m['step_s']:10,.0f}"
+        if r.measured_ok
+        else f"{'':>10}"
+    )
+    if r is result.chosen:
+        note = "← chosen"
+    elif m and not r.measured_ok:
+        note = m.get("status", "")
+    elif p.why_not:
+        note = f"pruned: {p.why_not}"
+    else:
+        note = "" if m else "not measured"
+    inf = float("inf")
+    pred_mem = f"{p.memory_bytes / 2**20:12.1f}" if p.memory_bytes != inf else f"{'-':>12}"
+    pred_t = f"{p.step_s:11.4f}" if p.step_s != inf else f"{'-':>11}"
+    return (
+        f"{r.candidate.label:34} {pred_mem} {meas_mem} {_pct(r.memory_error):>5} "
+        f"{pred_t} {meas_t} {_pct(r.time_error):>5} {rate}  {note}"
+    ).rstrip()
