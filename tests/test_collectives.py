@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
 import torch
 
 from rayacc.engine import collectives
@@ -57,3 +58,10 @@ def test_a_tensor_already_on_the_group_device_is_reduced_in_place(monkeypatch):
     monkeypatch.setattr(collectives, "group_device", lambda group=None: torch.device("cpu"))
     out = collectives.all_reduce(original)
     assert out is original and calls == [original] and out.tolist() == [2.0, 4.0, 6.0]
+
+
+def test_the_gather_helper_refuses_tensors_off_the_group_device(monkeypatch):
+    monkeypatch.setattr(collectives.dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(collectives.torch.cuda, "current_device", lambda: 0)
+    with pytest.raises(ValueError, match="cuda:0"):
+        collectives.all_gather_into(torch.zeros(4), torch.zeros(2))

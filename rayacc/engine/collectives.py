@@ -14,7 +14,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_gather_objects", "all_reduce", "all_reduce_async", "distributed", "group_device"]
+__all__ = [
+    "all_gather_into",
+    "all_gather_objects",
+    "all_reduce",
+    "all_reduce_async",
+    "distributed",
+    "group_device",
+]
 
 _OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
 
@@ -50,6 +57,17 @@ def all_reduce_async(tensor: torch.Tensor, group: dist.ProcessGroup | None = Non
     """An in-place sum over the ranks, launched and not waited for; `tensor` must be on the
     group's device already (gradient buckets are)."""
     return dist.all_reduce(tensor, group=group, async_op=True)
+
+
+def all_gather_into(
+    output: torch.Tensor, part: torch.Tensor, group: dist.ProcessGroup | None = None
+) -> None:
+    """Every rank's `part` into `output` (world size × `part`, in rank order); both on the
+    group's device (the planner times this collective: no copies inside)."""
+    device = group_device(group)
+    if output.device != device or part.device != device:
+        raise ValueError(f"all_gather_into takes tensors on {device}, got {output.device}")
+    dist.all_gather_into_tensor(output, part, group=group)
 
 
 def all_gather_objects(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any]:

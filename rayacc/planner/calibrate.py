@@ -23,14 +23,14 @@ import torch
 from rayacc.config import TrainConfig
 from rayacc.data.reads import parquet_file
 from rayacc.data.sources import DatasetInfo
-from rayacc.engine import AccumulationStep, TrialOutOfMemory, all_reduce, to_device
+from rayacc.engine import AccumulationStep, TrialOutOfMemory, autocast_dtype, to_device
 from rayacc.engine.autobatch import OUT_OF_MEMORY, measure_step_bytes
 from rayacc.models import loss_functions
 from rayacc.models.parallel import model_recipe, strategy_for
-from rayacc.optim import build_optimizer
+from rayacc.optim import build_optimizer, optimizer_slots
 from rayacc.planner.candidates import STRATEGIES, Candidate
 from rayacc.planner.prior import predict
-from rayacc.planner.profile import Profile, measure_profile, time_windows
+from rayacc.planner.profile import Profile, largest_over_ranks, measure_profile, time_windows
 
 __all__ = ["CalibrationGroup", "Ledger", "calibration_loop", "sample_rows", "with_candidate"]
 
@@ -78,10 +78,6 @@ class Ledger:
         return self.results, self.current
 
 
-def _agreed_max(values: list[float]) -> list[float]:
-    return all_reduce(torch.tensor(values, dtype=torch.float64), op="max").tolist()
-
-
 def measure_candidate(
     cfg: TrainConfig,
     info: DatasetInfo,
@@ -102,14 +98,12 @@ def measure_candidate(
     m = c.micro_batch_size
     index = np.resize(np.arange(len(rows)), m * (rank + 1))[rank * m :]
     try:
-        from rayacc.engine import autocast_dtype
-
         used = measure_step_bytes(
             strategy.unwrapped(),
             loss_fn,
             to_device(rows.take(index), device),
             autocast_dtype=autocast_dtype(cc.train.precision),
-            optimizer_slots=_slots(cc),
+            optimizer_slots=optimizer_slots(cc),
             strategy=strategy,
         )
         if used == OUT_OF_MEMORY and strategy.lockstep:
@@ -118,7 +112,7 @@ def measure_candidate(
         # one verdict for all: the largest use, and over budget if any rank's budget is
         # exceeded (budgets differ where devices or ranks per node do)
         over = bool(budget) and used > budget
-        used, over = _agreed_max([float(used), float(over)])
+        used, over = largest_over_ranks([float(used), float(over)])
         if used >= OUT_OF_MEMORY:
             return {"status": "out of memory"}
         if over:
@@ -144,7 +138,7 @@ def measure_candidate(
             min_timed_s=min_timed_s,
         )
         peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
-        step_s, memory = _agreed_max([statistics.median(times), float(max(used, peak))])
+        step_s, memory = largest_over_ranks([statistics.median(times), float(max(used, peak))])
         return {"status": "measured", "memory_bytes": memory, "step_s": step_s}
     finally:
         del model, optimizer
@@ -188,12 +182,6 @@ def measure_overheads(
     return out
 
 
-def _slots(cfg: TrainConfig) -> int:
-    from rayacc.optim import optimizer_slots
-
-    return optimizer_slots(cfg)
-
-
 def calibration_loop(config: dict[str, Any]) -> None:
     """Ray Train's train_loop_per_worker of a calibration group: the profile, or candidates."""
     from ray.train.torch import get_device
@@ -226,7 +214,7 @@ def calibration_loop(config: dict[str, Any]) -> None:
         return
     for key, spec in config["candidates"]:
         # rank 0's clock, every rank's decision
-        (late,) = _agreed_max([float(rank == 0 and time.time() > config["deadline"])])
+        (late,) = largest_over_ranks([float(rank == 0 and time.time() > config["deadline"])])
         if late:
             return
         if rank == 0:

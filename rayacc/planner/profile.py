@@ -25,14 +25,14 @@ from rayacc.config import TrainConfig
 from rayacc.data.sources import DatasetInfo
 from rayacc.engine import AccumulationStep, all_reduce, autocast_dtype, to_device
 from rayacc.engine.autobatch import OUT_OF_MEMORY, measure_step_bytes
-from rayacc.engine.collectives import distributed, group_device
+from rayacc.engine.collectives import all_gather_into, distributed, group_device
 from rayacc.engine.recompute import apply_activation_checkpointing
 from rayacc.engine.units import fsdp_blocks
 from rayacc.models import loss_functions
 from rayacc.models.registry import build_model
 from rayacc.optim import build_optimizer, optimizer_slots
 
-__all__ = ["Curve", "Profile", "measure_profile", "time_windows"]
+__all__ = ["Curve", "Profile", "largest_over_ranks", "measure_profile", "time_windows"]
 
 REPEATS = 3
 """Timed repeats of each measurement at least (after one untimed); the median counts."""
@@ -145,7 +145,7 @@ def time_windows(
             torch.cuda.synchronize(device)
         return time.perf_counter() - t0
 
-    (first,) = _slowest([window()])
+    (first,) = largest_over_ranks([window()])
     wanted = int(min(max(min_windows, min_timed_s / max(first, 1e-6)), max_windows))
     return [window() for _ in range(wanted)]
 
@@ -177,7 +177,7 @@ def _plain_model(cfg: TrainConfig, info: DatasetInfo, label: str | int, device: 
     return model.to(device)
 
 
-def _slowest(values: list[float]) -> list[float]:
+def largest_over_ranks(values: list[float]) -> list[float]:
     """Every rank's figures, each the largest over the ranks."""
     return all_reduce(torch.tensor(values, dtype=torch.float64), op="max").tolist()
 
@@ -241,7 +241,7 @@ def measure_profile(
 
             times.append(_median_time(fwd_bwd, device))
             used.append(float(total - 2 * param_bytes))
-        times, used = _slowest(times), _slowest(used)
+        times, used = largest_over_ranks(times), largest_over_ranks(used)
         ok = [i for i, t in enumerate(times) if t != float("inf")]
         if len(ok) < len(sizes):
             failed[str(label)] = sizes[len(ok)]
@@ -268,7 +268,7 @@ def measure_profile(
         optimizer_slots=slots,
         compute_s=compute,
         activation_bytes=acts,
-        optimizer_s=_slowest([optimizer_s])[0],
+        optimizer_s=largest_over_ranks([optimizer_s])[0],
         allreduce_s_per_byte=per_byte,
         gather_s_per_byte=gather,
         latency_s=latency,
@@ -289,8 +289,8 @@ def _collectives(param_bytes: int) -> tuple[float, float, float]:
     buf = torch.zeros(n, device=device)
     part = torch.zeros(n // world, device=device)
     one = torch.zeros(1, device=device)
-    t_ar = _median_time(lambda: dist.all_reduce(buf), device, fixed=True)
-    t_ag = _median_time(lambda: dist.all_gather_into_tensor(buf, part), device, fixed=True)
-    t_one = _median_time(lambda: dist.all_reduce(one), device, fixed=True)
-    t_ar, t_ag, t_one = _slowest([t_ar, t_ag, t_one])
+    t_ar = _median_time(lambda: all_reduce(buf), device, fixed=True)
+    t_ag = _median_time(lambda: all_gather_into(buf, part), device, fixed=True)
+    t_one = _median_time(lambda: all_reduce(one), device, fixed=True)
+    t_ar, t_ag, t_one = largest_over_ranks([t_ar, t_ag, t_one])
     return max(t_ar - t_one, 0.0) / (4 * n), max(t_ag - t_one, 0.0) / (4 * n), t_one
