@@ -434,3 +434,36 @@ def test_the_sweep_report_sets_the_prior_beside_the_trials():
     assert any("the plan's prior" in v for v in report.verdict())
     plain = Report("parent", [row("0", math.nan, 0.01)])
     assert plain.plan_lines() == [] and not any("prior" in v for v in plain.verdict())
+
+
+def test_the_profile_in_one_process_and_a_model_that_fits_only_when_recomputed(tmp_path):
+    """The profile and the fixed costs, measured in this process (one rank, no collectives):
+    positive times and memory growing with the micro-batch; when only a checkpointing setting
+    fitted, the fixed costs are measured with it; when nothing fitted, there are none."""
+    import torch
+
+    from rayacc.data.sources import describe_dataset
+    from rayacc.planner.calibrate import measure_overheads, sample_rows
+    from rayacc.planner.profile import measure_profile
+
+    job = _job()
+    job["data"]["cache_dir"] = str(tmp_path)
+    cfg = TrainConfig.from_dict(job)
+    info = describe_dataset("digits", str(tmp_path))
+    rows = sample_rows(info, 64)
+    cpu = torch.device("cpu")
+    profile = measure_profile(
+        cfg, info, rows, sizes=[8, 32], checkpointings=["none"], device=cpu, rank=0,
+        memory_bytes=0,
+    )  # fmt: skip
+    assert profile.world == 1 and profile.allreduce_s_per_byte == 0.0
+    assert all(t > 0 for t in profile.compute_s["none"].values)
+    assert profile.activation_bytes["none"].at(32) > profile.activation_bytes["none"].at(8)
+    assert profile.param_bytes == 104488 and profile.items_per_sample == 1.0
+    overheads = measure_overheads(cfg, info, rows, profile, rank=0, device=cpu, world=1)
+    assert set(overheads) == {"ddp"} and all(v >= 0 for v in overheads["ddp"])
+    for key in ("compute_s", "activation_bytes"):
+        getattr(profile, key)["full"] = getattr(profile, key).pop("none")
+    assert set(measure_overheads(cfg, info, rows, profile, rank=0, device=cpu, world=1)) == {"ddp"}
+    profile.compute_s.clear()
+    assert measure_overheads(cfg, info, rows, profile, rank=0, device=cpu, world=1) == {}

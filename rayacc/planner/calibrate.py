@@ -158,14 +158,19 @@ def measure_overheads(
     micro-steps at the profile's smallest micro-batch, less what the prior counts in them
     (4, not 2: the per-micro-step cost is the difference of two noisy times, divided by 3)."""
     bf16 = cfg.train.precision == "bf16" and cfg.fsdp.mixed_precision
-    m = profile.compute_s["none"].sizes[0]
+    # without checkpointing when it fits; a model that fits only with it, with it
+    setting = next(iter(sorted(profile.compute_s, key=lambda k: k != "none")), None)
+    if setting is None:  # nothing fitted: every candidate is pruned
+        return {}
+    ac = int(setting) if setting.isdigit() else setting
+    m = profile.compute_s[setting].sizes[0]
     out: dict[str, list[float]] = {}
     for strategy, grad_sync in STRATEGIES:
         if strategy == "fsdp" and world == 1:
             continue
         residual = []
         for a in (1, ACCUM_LEVER):
-            c = Candidate(world, m, a, strategy, grad_sync)
+            c = Candidate(world, m, a, strategy, grad_sync, ac)
             got = measure_candidate(
                 cfg, info, rows, c, rank=rank, device=device, budget=0, min_timed_s=0.5
             )
