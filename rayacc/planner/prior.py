@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rayacc.planner.candidates import Candidate
-from rayacc.planner.profile import Profile
+from rayacc.planner.profile import Profile, checkpointing_every
 
 __all__ = ["Prediction", "predict"]
 
@@ -39,10 +39,6 @@ class Prediction:
     comm_s: float
     fits: bool
     why_not: str | None = None
-
-    @property
-    def samples_per_s(self) -> float:
-        return 0.0 if self.step_s <= 0 else 1.0 / self.step_s
 
 
 def _mib(b: float) -> str:
@@ -91,13 +87,7 @@ def predict(
             gathered = min(P, 2 * profile.largest_unit_bytes)
         else:
             # a recomputed block saves only its input in forward, not its gathered weights
-            every = (
-                None
-                if c.checkpointing == "none"
-                else 1
-                if c.checkpointing == "full"
-                else c.checkpointing
-            )
+            every = checkpointing_every(c.checkpointing)
             recomputed = profile.block_bytes[::every] if every else []
             gathered = P - sum(recomputed)
         gathered *= 0.5 if bf16_gathers else 1.0

@@ -212,6 +212,12 @@ def measure_profile(
         units = len(blocks) + 1
         block_bytes = [sum(p.numel() * p.element_size() for p in b.parameters()) for b in blocks]
         largest = max([param_bytes - sum(block_bytes), *block_bytes])
+
+        def fwd_bwd(batch, model=model):
+            with torch.autocast(device.type, dtype=precision, enabled=precision is not None):
+                loss_fn(model, batch).float().sum().backward()
+            model.zero_grad(set_to_none=True)
+
         # the first calls of a process pay its thread pools, allocator and kernels' set-up:
         # paid here, at the largest size, not by the first size measured
         warm = to_device(rows.take(index[: max(sizes)]), device)
@@ -219,10 +225,8 @@ def measure_profile(
             measure_step_bytes(model, loss_fn, warm, autocast_dtype=precision, optimizer_slots=0)
             != OUT_OF_MEMORY
         ):
-            for _ in range(2):
-                with torch.autocast(device.type, dtype=precision, enabled=precision is not None):
-                    loss_fn(model, warm).float().sum().backward()
-                model.zero_grad(set_to_none=True)
+            fwd_bwd(warm)
+            fwd_bwd(warm)
         times, used = [], []
         for m in sizes:
             batch = to_device(rows.take(index[:m]), device)
@@ -233,13 +237,7 @@ def measure_profile(
                 times.append(float("inf"))
                 used.append(float("inf"))
                 continue
-
-            def fwd_bwd(batch=batch, model=model):
-                with torch.autocast(device.type, dtype=precision, enabled=precision is not None):
-                    loss_fn(model, batch).float().sum().backward()
-                model.zero_grad(set_to_none=True)
-
-            times.append(_median_time(fwd_bwd, device))
+            times.append(_median_time(lambda batch=batch: fwd_bwd(batch), device))
             used.append(float(total - 2 * param_bytes))
         times, used = largest_over_ranks(times), largest_over_ranks(used)
         ok = [i for i, t in enumerate(times) if t != float("inf")]
