@@ -27,17 +27,11 @@ def _load(args: argparse.Namespace) -> TrainConfig:
     hidden = json.loads(os.environ.get(SECRET_OVERRIDES) or "[]")
     overrides = [*args.overrides, *hidden]
     if getattr(args, "plan", None):
-        from rayacc.config.loader import read_yaml
-        from rayacc.config.overrides import apply_overrides
         from rayacc.planner.planfile import PlanFile
 
         plan = PlanFile.read(args.plan)
-        issues: list = []
-        data = read_yaml(args.config, "config", "jobs/digits.yaml") or {}
-        data = apply_overrides(data, overrides, issues, TrainConfig)
-        if issues:
-            raise ConfigError(issues, str(args.config))
-        overrides = [*plan.overrides_for(data, str(args.config)), *overrides]
+        job = TrainConfig.from_yaml(args.config, overrides=overrides)
+        overrides = [*plan.overrides_for(job, str(args.config)), *overrides]
     return TrainConfig.from_yaml(args.config, overrides=overrides)
 
 

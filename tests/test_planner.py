@@ -210,7 +210,7 @@ def test_a_plan_file_round_trips_into_the_config_it_chose(tmp_path, chosen):
     assert back.chosen == chosen and back.by_workers == {chosen.workers: chosen}
     assert back.profile == _profile().to_dict()
     assert Profile.from_dict(back.profile).compute_s["none"].at(32) == pytest.approx(0.042)
-    cfg = TrainConfig.from_dict(job, back.overrides_for(job))
+    cfg = TrainConfig.from_dict(job, back.overrides_for(TrainConfig.from_dict(job)))
     plan = cfg.batch_plan()
     assert (plan.num_workers, plan.micro_batch_size, plan.grad_accum_steps) == (
         chosen.workers,
@@ -239,7 +239,7 @@ def test_a_plan_file_round_trips_into_the_config_it_chose(tmp_path, chosen):
 def test_a_plan_for_another_job_is_refused_naming_what_differs(change, field):
     plan = _plan(_job(), CHOSEN[0])
     with pytest.raises(ConfigError) as err:
-        plan.overrides_for(_job(**change), "jobs/digits.yaml")
+        plan.overrides_for(TrainConfig.from_dict(_job(**change)), "jobs/digits.yaml")
     assert err.value.issues[0].path == field
     assert "rayacc plan" in str(err.value)
 
@@ -264,7 +264,7 @@ def test_an_elastic_job_takes_each_sizes_micro_batch_from_the_plan():
     job = _job(**{"scaling.num_workers": [1, 2]})
     by_workers = {1: Candidate(1, 64, 4), 2: Candidate(2, 32, 4)}
     plan = _plan(job, by_workers[2], by_workers)
-    overrides = plan.overrides_for(job)
+    overrides = plan.overrides_for(TrainConfig.from_dict(job))
     assert not any(o.startswith("scaling.num_workers") for o in overrides)
     cfg = TrainConfig.from_dict(job, overrides)
     assert cfg.batch.micro_batch_by_workers == {1: 64, 2: 32}

@@ -107,12 +107,11 @@ class PlanFile:
                 [ConfigIssue(str(exc).strip("'"), "missing or malformed", fix=fix)], str(path)
             ) from None
 
-    def overrides_for(self, data: dict[str, Any], source: str | None = None) -> list[str]:
-        """The `key=value` overrides that run this plan on the job `data` (a config as a dict,
-        its own overrides applied): the chosen candidate, or for an elastic job (scaling.
-        num_workers [min, max]) its strategy and checkpointing with each worker count's
-        micro-batch. Raises ConfigError when the plan was made for another job."""
-        job = TrainConfig.from_dict(data, source=source)
+    def overrides_for(self, job: TrainConfig, source: str | None = None) -> list[str]:
+        """The `key=value` overrides that run this plan on `job` (its own overrides applied):
+        the chosen candidate, or for an elastic job (scaling.num_workers [min, max]) its
+        strategy and checkpointing with each worker count's micro-batch. Raises ConfigError
+        when the plan was made for another job."""
         self.check_job(job, source)
         c = self.chosen
         if not job.scaling.elastic:
