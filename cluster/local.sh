@@ -2,6 +2,8 @@
 # A real multi-node Ray cluster on this machine, for trying and testing multi-node runs:
 #   cluster/local.sh up N     a Ray head + N worker nodes (`ray start`) and an MLflow server,
 #                             all on 127.0.0.1; writes $STATE/env with the addresses
+#                             (RAYACC_LOCAL_MLFLOW=0: no MLflow server, for runs that
+#                             record into a store of their own)
 #   cluster/local.sh autoscale MAX  a Ray head and Ray's autoscaler, which starts worker nodes
 #                             here (fake multi-node provider, up to MAX) when work is pending
 #                             and stops them once idle (RAYACC_LOCAL_IDLE_MIN minutes)
@@ -178,20 +180,27 @@ up() {
     $(node_ports 0)
   wait_for 60 "Ray head" "$RAY" status --address=$HOST:$GCS_PORT
   for i in $(seq 1 "$n"); do start_worker "$i"; done
-  # one server process: each of the default 4 imports MLflow anew (slow on a small machine)
-  start_bg mlflow "$MLFLOW" server --host $HOST --port $MLFLOW_PORT --workers 1 \
-    --backend-store-uri "sqlite:///$STATE/mlflow.db" --artifacts-destination "$STATE/mlartifacts"
+  local with_mlflow=${RAYACC_LOCAL_MLFLOW:-1}
+  if [ "$with_mlflow" != 0 ]; then
+    # one server process: each of the default 4 imports MLflow anew (slow on a small machine)
+    start_bg mlflow "$MLFLOW" server --host $HOST --port $MLFLOW_PORT --workers 1 \
+      --backend-store-uri "sqlite:///$STATE/mlflow.db" --artifacts-destination "$STATE/mlartifacts"
+  fi
   # the last worker node's resource shows once every node has joined
   if [ "$n" -gt 0 ]; then
     wait_for 90 "$n worker node(s)" node_joined "$n"
   fi
-  wait_for 120 "MLflow server" curl -sf "http://$HOST:$MLFLOW_PORT/health"
-  cat >"$STATE/env" <<ENV
-export RAY_ADDRESS=http://$HOST:$DASH_PORT
-export RAYACC_GCS_ADDRESS=$HOST:$GCS_PORT
-export MLFLOW_TRACKING_URI=http://$HOST:$MLFLOW_PORT
-export RAY_AUTH_MODE=$RAY_AUTH_MODE
-ENV
+  local tracking=""
+  if [ "$with_mlflow" != 0 ]; then
+    wait_for 120 "MLflow server" curl -sf "http://$HOST:$MLFLOW_PORT/health"
+    tracking="export MLFLOW_TRACKING_URI=http://$HOST:$MLFLOW_PORT"
+  fi
+  {
+    echo "export RAY_ADDRESS=http://$HOST:$DASH_PORT"
+    echo "export RAYACC_GCS_ADDRESS=$HOST:$GCS_PORT"
+    [ -z "$tracking" ] || echo "$tracking"
+    echo "export RAY_AUTH_MODE=$RAY_AUTH_MODE"
+  } >"$STATE/env"
   echo "local cluster up: head + $n worker node(s), $CPUS CPUs each"
   cat "$STATE/env"
 }

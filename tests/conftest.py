@@ -1,8 +1,59 @@
 from __future__ import annotations
 
+import os
+import tempfile
+from collections import Counter
+from pathlib import Path
+
 import pytest
 
+from tests.support import ROOT
+from tests.support.counts import COUNTS_ENV, KINDS, count, ray_sessions, read_counts
+
 _EQUIVALENCE: list[tuple[str, float]] = []
+
+KIND_OF_FOLDER = {
+    "unit": None,
+    "distributed": "distributed",
+    "ray": "ray",
+    "cluster": "cluster",
+}
+"""tests/<folder>/: the marker every test there carries (`-m ray`, `-m "not cluster"`)."""
+
+BUDGET = {"worker groups": 40, "Ray instances": 10, "clusters": 3, "MLflow servers": 8}
+"""The most of each start the whole suite may make (tests/README.md: what each costs)."""
+
+
+def pytest_configure(config):
+    # Every process the suite starts — Ray's workers, `rayacc` subprocesses, local clusters —
+    # inherits these: test-only model factories import from tests/, and each start is counted.
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p
+    )
+    # The suite's own folder: its counts, and its local Rays' session folders (a short path:
+    # Ray's Unix sockets live there), apart from any other Ray on the machine.
+    folder = tempfile.mkdtemp(prefix="rt", dir="/tmp")
+    os.environ[COUNTS_ENV] = str(Path(folder) / "counts")
+    os.environ["RAY_TMPDIR"] = folder
+    os.environ["RAY_TRAIN_CALLBACKS"] = "tests.support.group_counter.CountWorkerGroups"
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        folder = Path(str(item.path)).relative_to(ROOT / "tests").parts[0]
+        marker = KIND_OF_FOLDER.get(folder)
+        if marker:
+            item.add_marker(marker)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    before = ray_sessions()
+    try:
+        return (yield)
+    finally:
+        for _ in ray_sessions() - before:
+            count("Ray instances", item.nodeid)
 
 
 @pytest.fixture
@@ -15,25 +66,55 @@ def record_equivalence():
     return record
 
 
-def pytest_terminal_summary(terminalreporter):
+def _totals() -> tuple[Counter, Counter]:
+    counts = read_counts(os.environ[COUNTS_ENV])
+    per_kind: Counter = Counter()
+    for (kind, _), n in counts.items():
+        per_kind[kind] += n
+    return counts, per_kind
+
+
+def pytest_terminal_summary(terminalreporter, config):
     if _EQUIVALENCE:
         terminalreporter.section("equivalence: relative error of the update vs full batch")
         for name, err in _EQUIVALENCE:
             terminalreporter.write_line(f"{err:10.3e}  {name}")
+    counts, per_kind = _totals()
+    if not per_kind:
+        return
+    terminalreporter.section("fixed costs: what the tests started")
+    tests = sorted({test for _, test in counts})
+    terminalreporter.write_line(" ".join(f"{k:>14}" for k in KINDS) + "  test")
+    for test in tests:
+        row = " ".join(f"{counts[kind, test] or '':>14}" for kind in KINDS)
+        terminalreporter.write_line(f"{row}  {test}")
+    terminalreporter.write_line(
+        " ".join(f"{per_kind[k]:>14}" for k in KINDS)
+        + "  all (budget: "
+        + ", ".join(f"{k} {BUDGET[k]}" for k in KINDS)
+        + ")"
+    )
+    over = [f"{k}: {per_kind[k]} > {BUDGET[k]}" for k in KINDS if per_kind[k] > BUDGET[k]]
+    if over:
+        terminalreporter.write_line("OVER BUDGET: " + "; ".join(over), red=True)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if COUNTS_ENV not in os.environ or hasattr(session.config, "workerinput"):
+        return
+    _, per_kind = _totals()
+    if any(per_kind[k] > BUDGET[k] for k in KINDS) and exitstatus == 0:
+        # a start added without a thought costs every later run of the suite its time
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture(scope="session")
 def ray_local(tmp_path_factory):
     """One real local Ray for the whole session (starting one costs seconds)."""
     import logging
-    import os
-    from pathlib import Path
 
     import ray
 
-    root = str(Path(__file__).resolve().parent.parent)
-    # Ray workers inherit the environment: test-only model factories import from tests/
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
     os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
     # as the `rayacc` command does: a finished group is noticed in 0.2 s instead of 2 s
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")

@@ -1,0 +1,96 @@
+"""Elastic runs on a real multi-node Ray cluster on loopback (cluster/local.sh): a node leaves or
+joins mid-run; the global batch, the effective LR and the data order carry on."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.support.cluster import (
+    add_node,
+    final_checkpoint,
+    hold,
+    job,
+    local,
+    reference_weights,
+    rel_diff,
+    run_record,
+    train,
+    wait_then,
+    weights,
+)
+
+pytestmark = [pytest.mark.ray, pytest.mark.cluster]
+
+
+def test_node_leaves_and_joins_with_global_batch_and_lr_kept(
+    tmp_path, loopback, record_equivalence
+):
+    cluster, env_file = loopback, Path(loopback["RAYACC_CLUSTER_ENV"])
+    nodes = [add_node(cluster)]
+
+    # the single-process full-batch run: what every size, and every change of size, must give
+    reference = reference_weights(job(tmp_path, "fixed", 2))
+
+    # 2 workers (accumulation 4 each) on 2 nodes; node 1 is lost in step 5: 1 worker
+    # (accumulation 8) goes on from checkpoint 4, held in step 9 until a node joins: 2 workers
+    # again from checkpoint 8
+    out = train(
+        job(
+            tmp_path,
+            "elastic",
+            [1, 2],
+            model=hold(tmp_path, "elastic", w2=16, w1=32),
+            scaling={"resize_interval_s": 2},
+        ),
+        cluster,
+        env_file,
+        during=wait_then(
+            tmp_path,
+            "elastic",
+            (4, lambda: local("remove", str(nodes[0]), env=cluster)),
+            (8, lambda: nodes.append(add_node(cluster))),
+        ),
+    ).stdout
+    assert "resize at step 4" in out and "workers 2 → 1" in out, out[-3000:]
+    assert "resize at step 8" in out and "workers 1 → 2" in out, out[-3000:]
+    run, series = run_record(tmp_path, "elastic")
+    workers = series("scaling/num_workers")
+    assert workers == [2] * 4 + [1] * 4 + [2] * 8, workers
+    assert set(series("scaling/global_batch_size")) == {32}
+    assert series("scaling/grad_accum_steps") == [4] * 4 + [8] * 4 + [4] * 8
+    assert set(series("train/lr")) == {0.05}
+    assert len(series("train/loss")) == 16, "optimizer steps are contiguous, none repeated"
+    resizes = run.data.tags["rayacc.resizes"]
+    assert "step 4: workers 2→1, accum 4→8, global 32→32" in resizes, resizes
+    assert "step 8: workers 1→2, accum 8→4, global 32→32" in resizes, resizes
+    err = rel_diff(weights(final_checkpoint(tmp_path, "elastic")), reference)
+    record_equivalence("elastic: 2 → 1 → 2 workers at steps 4, 8 vs one process, full batch", err)
+    assert err <= 1e-5, err
+
+    # keep_micro_batch: accumulation stays 4, the global batch follows the workers (32 → 16)
+    # and the LR follows the linear rule (0.05 → 0.025) over a 5-step re-warmup
+    out = train(
+        job(
+            tmp_path,
+            "micro",
+            [1, 2],
+            model=hold(tmp_path, "micro", w2=16),
+            scaling={"resize_interval_s": 2, "on_resize": "keep_micro_batch"},
+        ),
+        cluster,
+        env_file,
+        during=wait_then(
+            tmp_path, "micro", (4, lambda: local("remove", str(nodes[1]), env=cluster))
+        ),
+    ).stdout
+    assert "resize at step 4" in out and "workers 2 → 1" in out, out[-3000:]
+    run, series = run_record(tmp_path, "micro")
+    assert series("scaling/num_workers") == [2] * 4 + [1] * 12
+    assert series("scaling/grad_accum_steps") == [4] * 16
+    assert series("scaling/global_batch_size") == [32] * 4 + [16] * 12
+    assert series("train/samples") == [32] * 4 + [16] * 12
+    expected_lr = [0.05] * 4 + [0.05 - 0.025 * min(k, 5) / 5 for k in range(12)]
+    assert series("train/lr") == pytest.approx(expected_lr, rel=1e-9), series("train/lr")
+    assert "step 4: workers 2→1, accum 4→4, global 32→16" in run.data.tags["rayacc.resizes"]

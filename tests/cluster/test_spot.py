@@ -1,0 +1,112 @@
+"""A spot reclaim with notice, on a real multi-node Ray cluster on loopback: a worker node is
+drained for preemption with a deadline (what a cloud's reclaim warning makes Ray's autoscaler
+do) and removed at the deadline. No step may be recomputed, and the run must end with the
+weights of the uninterrupted single-process run."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.support import ROOT
+from tests.support.cluster import (
+    add_node,
+    final_checkpoint,
+    job,
+    local,
+    notice_outcomes,
+    reference_weights,
+    rel_diff,
+    run_record,
+    train,
+    wait_for_checkpoint,
+    weights,
+)
+
+pytestmark = [pytest.mark.ray, pytest.mark.cluster]
+STEPS = 32
+NOTICE_S = 15
+
+
+def test_spot_reclaim_with_notice_is_preempted_without_losing_a_step(
+    tmp_path, loopback, record_equivalence
+):
+    cluster = loopback
+    node = add_node(cluster)
+    spec = job(
+        tmp_path,
+        "spot",
+        [1, 2],
+        # about 1 s a step on 2 workers (4 forwards each), 2 s on 1
+        model={"kwargs": {"delay_s": 0.25}},
+        train={"max_steps": STEPS, "epochs": 4, "checkpoint_every_steps": 4},
+        scaling={"resize_interval_s": 2},
+    )
+    reclaimed = {}
+
+    def during():
+        wait_for_checkpoint(tmp_path / "spot", 4)
+        reclaimed["out"] = local("reclaim", str(node), str(NOTICE_S), env=cluster).stdout
+
+    out = train(spec, cluster, Path(cluster["RAYACC_CLUSTER_ENV"]), during=during).stdout
+    assert "drained for preemption" in reclaimed.get("out", ""), reclaimed
+
+    # the reclaimed node holds rank 1 or rank 0: Ray Train numbers the workers
+    notice = re.search(r"preemption notice at step (\d+): node \w+ \(ranks [01]\) is rec", out)
+    assert notice, out[-4000:]
+    console_says, tag_says = notice_outcomes(int(notice.group(1)))
+    assert re.search(console_says, out), out[-4000:]
+    last = re.search(r"last checkpoint before the reclaim at step (\d+)", out)
+    assert last, out[-4000:]
+    noticed_at, last_at = int(notice.group(1)), int(last.group(1))
+    assert 4 < noticed_at < last_at < STEPS, (noticed_at, last_at)
+    # the group restarts without the node from the last checkpoint: not one step again
+    assert f"resize at step {last_at}: workers 2 → 1" in out, out[-4000:]
+    assert "0 steps recomputed" in out, out[-3000:]
+
+    run, series = run_record(tmp_path, "spot")
+    assert series("scaling/num_workers") == [2] * last_at + [1] * (STEPS - last_at)
+    assert set(series("scaling/global_batch_size")) == {32}
+    assert set(series("train/lr")) == {0.05}
+    assert len(series("train/loss")) == STEPS
+    assert series("goodput/steps_recomputed") == [0]
+    assert series("goodput/restarts") == [1]
+    (fraction,) = series("goodput/fraction")
+    assert 0 < fraction < 1
+    tag = run.data.tags["rayacc.preemptions"]
+    assert re.search(tag_says, tag), tag
+    assert re.search(rf"step {last_at}: last checkpoint, [\d.]+ s before the deadline", tag), tag
+
+    # the console is rayacc's: Ray Train's and the workers' own log lines stay in the cluster
+    assert "RayTrainWorker" not in out and "TrainController" not in out, out[:3000]
+
+    # the run's course: workers, global batch and accumulation over time, events marked
+    report = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rayacc.cli",
+            "report",
+            run.info.run_id,
+            "--tracking-uri",
+            f"sqlite:///{tmp_path / 'mlflow.db'}",
+            "--out",
+            str(tmp_path / "report"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert report.returncode == 0, report.stdout + report.stderr
+    assert "workers: 2 → 1" in report.stdout and "accumulation: 4 → 8" in report.stdout
+    assert f"step {noticed_at}: preemption: node" in report.stdout, report.stdout
+    assert (tmp_path / "report" / "scaling_over_time.png").stat().st_size > 10_000
+
+    err = rel_diff(weights(final_checkpoint(tmp_path, "spot", STEPS)), reference_weights(spec))
+    record_equivalence("spot reclaim with notice: 2 → 1 workers vs one process, full batch", err)
+    assert err <= 1e-5, err

@@ -1,0 +1,43 @@
+"""The planner's calibration probe on 2 gloo ranks: every rank reaches one verdict."""
+
+from __future__ import annotations
+
+import yaml
+
+from rayacc.config import TrainConfig
+from tests.support import ROOT
+
+
+def test_the_calibration_probe_is_rank_safe(tmp_path):
+    """Rank 1 alone runs out of memory at micro-batch 8 (tests/support/oom_model.py): under DDP both
+    ranks answer "out of memory" and go on; budgets that differ per rank give one verdict;
+    under FSDP the rank that ran out raises, so the group fails instead of diverging."""
+    import torch
+
+    from rayacc.data.sources import describe_dataset
+    from rayacc.planner.calibrate import sample_rows
+    from tests.support import planner_workers
+    from tests.support.engine_helpers import spawn_ranks
+
+    job = yaml.safe_load((ROOT / "jobs/digits.yaml").read_text())
+    job["data"]["cache_dir"] = str(tmp_path / "cache")
+    job["model"] = {
+        "name": "factory",
+        "factory": "tests.support.oom_model:build",
+        "kwargs": {"threshold": 8, "always": True, "rank_only": 1},
+    }
+    cfg = TrainConfig.from_dict(job)
+    info = describe_dataset("digits", str(tmp_path / "cache"))
+    torch.save(
+        {"cfg": cfg.model_dump(mode="json"), "info": info, "rows": sample_rows(info, 32)},
+        tmp_path / "input.pt",
+    )
+    ranks = spawn_ranks(planner_workers.run_rank, 2, tmp_path, "planner probe")
+    for r, out in enumerate(ranks):
+        assert "error" not in out, out.get("error")
+        assert out["ddp_oom"] == {"status": "out of memory"}, r
+        assert out["ddp_fits"]["status"] == "measured"
+        assert out["budgets"]["status"] == "over budget", r
+    assert ranks[0]["ddp_fits"] == ranks[1]["ddp_fits"], "the ranks agree on the figures"
+    assert ranks[1]["fsdp_raised"] == "TrialOutOfMemory(8)"
+    assert "fsdp" not in ranks[0], "the peer never finished the probe alone"

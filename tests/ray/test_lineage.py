@@ -1,0 +1,272 @@
+"""The run's record is the lineage of its final checkpoint, across every fault at once, on the
+whole stack (real Ray, a real `mlflow server`, the `rayacc` command): the driver SIGKILLed
+after a checkpoint and two steps beyond it (steps no checkpoint keeps, already in MLflow); a
+resume during which the tracking server is killed and started again and a worker process is
+SIGKILLed (Ray Train restarts the group from the latest checkpoint); under FSDP the resume
+also resizes the group (2 workers → 1). MLflow must hold steps 1..N exactly once with the
+values of an uninterrupted run, and the final weights must be that run's."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from mlflow.tracking import MlflowClient
+
+from rayacc import TrainConfig, load_model
+from rayacc.events import RunObserver
+from rayacc.runner.runs import RUN_INFO
+from tests.support.fits import config, digits_subset, fit_or_fail, rel_diff, weights
+from tests.support.mlflow_server import free_port, start_server
+
+pytestmark = pytest.mark.ray
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = 12
+FORWARDS_PER_STEP = 4  # per rank: global 32 = micro 4 × accumulation 4 × 2 workers
+# the values a step computes (the rest of a record measures time and memory)
+COMPUTED = ("train/loss", "train/lr", "train/grad_norm", "train/items", "val/loss")
+
+
+def spec(tmp_path: Path, strategy: str, workers: int, tracking_uri: str) -> dict:
+    return {
+        "seed": 7,
+        "model": {
+            "name": "factory",
+            "factory": "tests.support.faulty_model:build",
+            "kwargs": {
+                "marker": str(tmp_path / "died"),
+                # the resumed run (from step 6) loses a worker in step 12 on 2 workers
+                # (steps 10 and 11 recorded, not checkpointed), in step 9 on 1 worker
+                "die_at_forward": 5 * FORWARDS_PER_STEP + 2,
+                "die_rank": -1,
+                "kill": True,
+                # the first attempt stalls in step 9: steps 7 and 8 are in MLflow only
+                "phase_marker": str(tmp_path / "resumed"),
+                "hold_at_forward": 8 * FORWARDS_PER_STEP + 1,
+                # slow enough that steps 7 and 8 leave rank 0 before the stall (records go
+                # out at most every 0.5 s)
+                "delay_s": 0.1,
+                # masks a resumed run must draw as the uninterrupted one does (a resize
+                # starts fresh random streams, so not under FSDP here, which resizes)
+                "dropout": 0.1 if strategy == "ddp" else 0.0,
+            },
+        },
+        "data": {"source": digits_subset(tmp_path / "d.parquet", 512), "val_fraction": 0.15},
+        "batch": {"global_batch_size": 32, "micro_batch_size": 4},
+        "optim": {"name": "adamw", "lr": 0.01, "warmup_steps": 2, "schedule": "cosine"},
+        "train": {
+            "strategy": strategy,
+            "max_steps": STEPS,
+            "checkpoint_every_steps": 3,
+            "val_every_steps": 4,
+        },
+        "scaling": {"num_workers": workers, "cpus_per_worker": 0.5},
+        "tracking": {"tracking_uri": tracking_uri, "experiment": "lineage"},
+        "run": {"storage_path": str(tmp_path / "runs"), "name": "faulty", "max_failures": 1},
+    }
+
+
+def steps_in(client: MlflowClient, run_id: str, key: str = "train/loss") -> list[int]:
+    return sorted(m.step for m in client.get_metric_history(run_id, key))
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_the_record_is_the_final_checkpoints_lineage_across_every_fault(
+    ray_local, tmp_path, monkeypatch, capfd, strategy
+):
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+    port, db = free_port(), tmp_path / "server.db"
+    uri = f"http://127.0.0.1:{port}"
+    server = {"proc": start_server(port, db)}
+    client = MlflowClient(uri)
+    try:
+        # the uninterrupted run (the stalls and deaths wait for files it never creates...
+        # except the phase marker, which it needs to skip the stall)
+        clean = tmp_path / "clean"
+        clean.mkdir()
+        (clean / "resumed").touch()
+        (clean / "died").touch()
+        reference = fit_or_fail(
+            TrainConfig.from_dict(
+                {
+                    **spec(clean, strategy, 2, uri),
+                    "tracking": {"enabled": False},
+                    "run": {"storage_path": str(clean / "runs")},
+                }
+            )
+        )
+        expected = {r["step"]: r for r in reference.history}
+        assert sorted(expected) == list(range(1, STEPS + 1))
+
+        # 1. the tracking server dies once step 1 is in MLflow; the run goes on to stall in
+        # step 9 (checkpoint at 6; steps 3..8 wait in the driver's memory for the server);
+        # then the driver and every process it started are SIGKILLed, and the server returns
+        job = tmp_path / "job.yaml"
+        job.write_text(yaml.safe_dump(spec(tmp_path, strategy, 2, uri)))
+        driver = subprocess.Popen(
+            [sys.executable, "-m", "rayacc.cli", "train", "-c", str(job)],
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        run_dir = tmp_path / "runs" / "faulty"
+        first_run = None
+        deadline = time.monotonic() + 300
+        while first_run is None or not steps_in(client, first_run):
+            assert driver.poll() is None, "the first attempt ended before it was killed"
+            assert time.monotonic() < deadline, "the first attempt never reached step 1"
+            time.sleep(0.2)
+            exp = client.get_experiment_by_name("lineage")
+            runs = client.search_runs([exp.experiment_id]) if exp else []
+            first_run = runs[0].info.run_id if runs else None
+        os.killpg(server["proc"].pid, signal.SIGKILL)
+        server["proc"].wait()
+        while not (run_dir / "checkpoint_step00000006" / "meta.json").exists():
+            assert driver.poll() is None and time.monotonic() < deadline, "no checkpoint 6"
+            time.sleep(0.2)
+        time.sleep(4)  # steps 7 and 8 (under a second) reach the driver; step 9 stalls
+        os.killpg(driver.pid, signal.SIGKILL)
+        driver.wait()
+        time.sleep(2)  # the killed cluster's reaper ends its workers
+        checkpoints = sorted(p.name for p in run_dir.glob("checkpoint_*"))
+        assert checkpoints[-1] == "checkpoint_step00000006", checkpoints
+        server["proc"] = start_server(port, db)
+        held = steps_in(client, first_run)
+        assert max(held) < 6, f"steps 1..6 must be missing from MLflow for the test: {held}"
+        (tmp_path / "resumed").touch()
+
+        # 2. --resume (without run.name: the latest run of this job), on 1 worker under FSDP;
+        # the tracking server dies when step 8 arrives and is back from step 10; a worker
+        # process is SIGKILLed (in step 12 on 2 workers, in step 9 on 1)
+        restarted = threading.Event()
+
+        class Outage(RunObserver):
+            def on_step(self, record):
+                if record["step"] == 8 and server["proc"].poll() is None:
+                    os.killpg(server["proc"].pid, signal.SIGKILL)
+                    server["proc"].wait()
+                if record["step"] == 10 and not restarted.is_set():
+                    restarted.set()
+                    threading.Thread(
+                        target=lambda: server.update(proc=start_server(port, db)), daemon=True
+                    ).start()
+
+        workers = 1 if strategy == "fsdp" else 2
+        resumed_spec = spec(tmp_path, strategy, workers, uri)
+        del resumed_spec["run"]["name"]
+        cfg = TrainConfig.from_dict(resumed_spec)
+        from rayacc.runner.driver import fit
+
+        box: dict = {}
+        t = threading.Thread(
+            target=lambda: box.update(r=fit(cfg, resume=True, observers=[Outage()])), daemon=True
+        )
+        t.start()
+        t.join(400)
+        assert "r" in box, "the resumed fit did not finish"
+        result = box["r"]
+        err = capfd.readouterr().err
+        assert (tmp_path / "died").exists(), "no worker died: the test proves less than it says"
+        assert restarted.is_set() and "tracking server back after" in err, err[-3000:]
+        assert "could not be written" not in err, err[-3000:]
+        assert result.run_name == "faulty"
+
+        # MLflow: steps 1..N exactly once, each with the uninterrupted run's values
+        run_id = result.mlflow_run_id
+        for key in expected[STEPS]:
+            value = expected[STEPS][key]
+            if key == "step" or key.startswith("val/") or not isinstance(value, int | float):
+                continue
+            assert steps_in(client, run_id, key) == list(range(1, STEPS + 1)), key
+        assert steps_in(client, run_id, "val/loss") == [4, 8, 12]
+        tol = 0.0 if workers == 2 else 1e-5  # a resize changes the float rounding only
+        for key in COMPUTED:
+            for m in client.get_metric_history(run_id, key):
+                want = expected[m.step][key]
+                assert abs(m.value - want) <= tol * abs(want), (key, m.step, m.value, want)
+        assert client.get_run(run_id).info.status == "FINISHED"
+        # every value, measured ones included, is the one the lineage computed: the final
+        # checkpoint's records (an attempt no checkpoint kept measured other times)
+        final = Path(result.checkpoint_dir) / "history.jsonl"
+        lineage = {r["step"]: r for r in map(json.loads, final.read_text().splitlines())}
+        assert sorted(lineage) == list(range(1, STEPS + 1))
+        for key, value in lineage[STEPS].items():
+            if key == "step" or not isinstance(value, int | float):
+                continue
+            for m in client.get_metric_history(run_id, key):
+                assert m.value == float(lineage[m.step][key]), (key, m.step)
+
+        # the attempts whose steps no checkpoint kept are kept apart, marked, and nested
+        others = [r for r in client.search_runs([exp.experiment_id]) if r.info.run_id != run_id]
+        assert others and all(r.info.status == "KILLED" for r in others)
+        for r in others:
+            assert "rayacc.discarded_after_step" in r.data.tags
+            assert r.data.tags["mlflow.parentRunId"] in {run_id, *(o.info.run_id for o in others)}
+        info = json.loads((tmp_path / "runs" / "faulty" / RUN_INFO).read_text())
+        assert info["mlflow_run_id"] == run_id and info["status"] == "finished"
+
+        # the fit's own outputs cover the whole lineage too
+        assert [r["step"] for r in result.history] == list(range(1, STEPS + 1))
+        assert (tmp_path / "runs" / "faulty" / "loss_curve.png").is_file()
+        a, b = (weights(load_model(r.checkpoint_dir)) for r in (reference, result))
+        assert rel_diff(b, a) <= (0.0 if workers == 2 else 1e-5), rel_diff(b, a)
+    finally:
+        if server["proc"].poll() is None:
+            os.killpg(server["proc"].pid, signal.SIGKILL)
+
+
+def test_a_resume_that_lengthens_a_cosine_run_goes_on_from_its_lr_with_the_whole_history(
+    ray_local, tmp_path
+):
+    """A 4-step cosine run resumed with train.max_steps=8: the LR goes on from where it was
+    (the end of the old decay: min_lr_ratio × peak) instead of jumping up the new curve; the
+    console and a tag say so; the loss curve, FitResult.history and MLflow cover steps 1..8."""
+    from rayacc.events import ScheduleChanged
+
+    def cfg(steps):
+        return config(
+            tmp_path,
+            optim={"name": "sgd", "lr": 0.1, "schedule": "cosine", "min_lr_ratio": 0.1},
+            train={"max_steps": steps},
+            data={"source": "digits", "val_fraction": 0.1},
+            run={"storage_path": str(tmp_path / "runs"), "name": "longer"},
+        )
+
+    seen: list = []
+
+    class Events(RunObserver):
+        def on_event(self, event):
+            seen.append(event)
+
+    first = fit_or_fail(cfg(4))
+    from rayacc.runner.driver import fit
+
+    longer = fit(cfg(8), resume=True, observers=[Events()])
+    (change,) = [e for e in seen if isinstance(e, ScheduleChanged)]
+    assert (change.step, change.old_length, change.new_length) == (4, 4, 8)
+    assert "schedule re-planned at step 4" in change.console_line()
+    assert [r["step"] for r in longer.history] == list(range(1, 9))
+    assert longer.history[:4] == first.history
+    lrs = [r["train/lr"] for r in longer.history]
+    assert lrs[3] == pytest.approx(0.01) and lrs[4:] == pytest.approx([0.01] * 4), lrs
+    client = MlflowClient(longer.tracking_uri)
+    assert longer.mlflow_run_id == first.mlflow_run_id, "nothing was discarded: the same run"
+    history = client.get_metric_history(longer.mlflow_run_id, "train/lr")
+    assert sorted((m.step, m.value) for m in history) == list(enumerate(lrs, 1))
+    tags = client.get_run(longer.mlflow_run_id).data.tags
+    assert tags["rayacc.schedule_changes"] == change.describe()
+    assert sorted(m.step for m in client.get_metric_history(longer.mlflow_run_id, "val/loss")) == [
+        4,
+        8,
+    ]

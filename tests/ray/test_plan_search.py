@@ -1,0 +1,92 @@
+"""`rayacc plan --search` then `rayacc train --plan` on the shared local Ray: the table, the
+pruning by the memory budget, PLAN.yaml, the MLflow record, and the run of the plan."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rayacc.cli import main
+
+pytestmark = pytest.mark.ray
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_plan_search_then_train_with_the_plan(ray_local, tmp_path, monkeypatch, capsys):
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.chdir(tmp_path)
+    job = str(ROOT / "jobs/digits.yaml")
+    # a budget below what micro-batches of 128 and more need (about 0.6 MiB on digits)
+    code = main(
+        [
+            "plan", "-c", job, "--search", "--top", "2", "--budget-s", "120",
+            "--out", "plans/P.yaml", "batch.memory_budget_mb=0.55",
+        ]
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0, out
+    table = out[out.index("candidate ") :]
+    assert "pruned: needs" in table and "the budget is 0.55 MiB" in table, table
+    assert "← chosen" in table
+    assert "median error of the prior over 2 measured" in out
+    plan = yaml.safe_load((tmp_path / "plans/P.yaml").read_text())
+    chosen = plan["chosen"]
+    measured = [c for c in plan["candidates"] if c.get("status") == "measured"]
+    assert len(measured) == 2
+    assert all(c["measured_memory_mb"] <= 0.55 for c in measured)
+    assert chosen["label"] == min(measured, key=lambda c: c["measured_step_s"])["label"]
+    assert not any(c["fits"] for c in plan["candidates"] if c["micro_batch_size"] >= 128)
+    assert plan["made_for"]["global_batch_size"] == 256
+    # the table and the plan are in MLflow
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (run,) = client.search_runs(
+        [client.get_experiment_by_name("rayacc-digits").experiment_id],
+        filter_string="tags.`rayacc.kind` = 'plan'",
+    )
+    names = {a.path for a in client.list_artifacts(run.info.run_id, "plan")}
+    assert names == {"plan/table.txt", "plan/PLAN.yaml"}
+    assert run.data.params["chosen"] == chosen["label"]
+    assert not list(tmp_path.glob("rayacc_runs/rayacc-plan-*")), "calibration folders removed"
+
+    # a sweep of the plan's best two, at the same global batch, with the prior beside
+    sweep = {
+        "base": job,
+        "overrides": ["train.max_steps=3", "train.checkpoint_every_steps=null"],
+        "plan": "plans/P.yaml",
+        "from_plan": 2,
+    }
+    (tmp_path / "sweep.yaml").write_text(yaml.safe_dump(sweep))
+    code = main(["sweep", "-c", "sweep.yaml"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "same final loss" in out and "in all 2 trials" in out, out
+    assert "the plan's prior vs the trials (median |step-time error|" in out, out
+
+    code = main(["train", "-c", job, "--plan", "plans/P.yaml", "train.max_steps=2"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "settings from the plan plans/P.yaml" in out
+    assert (
+        f"global batch 256 = micro {chosen['micro_batch_size']} × accum "
+        f"{chosen['grad_accum_steps']} × workers {chosen['workers']}"
+    ) in out
+
+
+def test_a_plan_for_another_job_is_a_user_error(ray_local, tmp_path, monkeypatch, capsys):
+    from rayacc.config import TrainConfig
+    from rayacc.planner.candidates import Candidate
+    from rayacc.planner.planfile import PlanFile, made_for
+
+    monkeypatch.chdir(tmp_path)
+    job = ROOT / "jobs/digits.yaml"
+    other = TrainConfig.from_yaml(job, ["batch.global_batch_size=128"])
+    chosen = Candidate(2, 16, 4)
+    PlanFile("jobs/digits.yaml", made_for(other), chosen, {2: chosen}).write("P.yaml")
+    code = main(["train", "-c", str(job), "--plan", "P.yaml"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "global_batch_size" in err and "rayacc plan" in err and "Traceback" not in err

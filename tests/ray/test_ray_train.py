@@ -1,0 +1,384 @@
+"""The main job on a real local Ray with a real MLflow store: no mocks of either."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+import torch.nn.functional as F
+from mlflow.tracking import MlflowClient
+
+from rayacc import TrainConfig, build_model, load_model
+from rayacc.data.sources import prepare_bundled
+from tests.support.fits import (
+    config,
+    digits_subset,
+    fit_or_fail,
+    one_batch_config,
+    padded_token_loss,
+    padded_token_rows,
+    rel_diff,
+    sgd_step_errors,
+    weights,
+)
+
+pytestmark = pytest.mark.ray
+
+
+def test_end_to_end_fit_records_contract_params_and_every_step(ray_local, tmp_path):
+    # data.in_process_read_max_mb=0: the ranks' Ray Data read tasks (even for small data) run
+    # on any node, so the bundled dataset (prepared in the driver node's cache) is staged under
+    # run.storage_path first
+    cfg = config(
+        tmp_path,
+        data={"val_fraction": 0.2, "in_process_read_max_mb": 0},
+        batch={"global_batch_size": 64, "micro_batch_size": 8},
+        optim={
+            "name": "adamw",
+            "lr": 0.002,
+            "base_batch_size": 32,
+            "lr_scaling": "sqrt",
+            "warmup_steps": 2,
+            "schedule": "cosine",
+        },
+        train={"max_steps": 8, "val_every_steps": 4, "checkpoint_every_steps": 4},
+    )
+    result = fit_or_fail(cfg)
+
+    client = MlflowClient(cfg.tracking.tracking_uri)
+    run = client.get_run(result.mlflow_run_id)
+    p = run.data.params
+    micro, accum, workers, glob = (
+        int(p[k])
+        for k in ("micro_batch_size", "grad_accum_steps", "num_workers", "global_batch_size")
+    )
+    assert (micro, accum, workers, glob) == (8, 4, 2, 64)
+    assert glob == micro * accum * workers
+    assert float(p["effective_lr"]) == pytest.approx(0.002 * (64 / 32) ** 0.5)
+    assert (p["lr_scaling"], float(p["base_lr"]), int(p["base_batch_size"])) == ("sqrt", 0.002, 32)
+    assert p["optim.warmup_steps"] == "2"  # the whole config, flattened
+    assert run.info.status == "FINISHED"
+
+    for key in (
+        "train/loss",
+        "train/lr",
+        "train/grad_norm",
+        "train/items",
+        "train/samples_per_s",
+        "comm/allreduce_calls",
+        "comm/sync_time_frac",
+        "mem/peak_mb",
+    ):
+        steps = [m.step for m in client.get_metric_history(run.info.run_id, key)]
+        assert sorted(steps) == list(range(1, 9)), key
+    calls = {m.value for m in client.get_metric_history(run.info.run_id, "comm/allreduce_calls")}
+    assert calls == {1.0}, "one gradient all-reduce per optimizer step (4 micro-steps, 1 bucket)"
+    lrs = [
+        m.value
+        for m in sorted(
+            client.get_metric_history(run.info.run_id, "train/lr"), key=lambda m: m.step
+        )
+    ]
+    assert lrs[0] == pytest.approx(float(p["effective_lr"]) / 2)  # warmup step 1 of 2
+    val = client.get_metric_history(run.info.run_id, "val/accuracy")
+    assert sorted(m.step for m in val) == [4, 8]
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"config.yaml", "loss_curve.png"} <= artifacts
+    assert result.checkpoint_dir and load_model(result.checkpoint_dir) is not None
+    assert (tmp_path / "runs" / "_data" / "digits.parquet").is_file()
+
+
+def test_whole_stack_step_equals_full_batch(ray_local, tmp_path, record_equivalence):
+    """One step of 2 workers × micro 4 × accumulation 4 through the whole stack against the
+    float64 full-batch step. (One worker's windows are the combination matrix's 1-worker
+    cases; a change of worker count at one global batch, the elastic test's.)"""
+    workers, micro, accum = 2, 4, 4
+    cfg = one_batch_config(tmp_path, workers, micro, accum)
+    result = fit_or_fail(cfg)
+
+    table = pq.read_table(cfg.data.source)
+    features = np.stack(table["features"].to_numpy(zero_copy_only=False))
+    labels = torch.tensor(table["label"].to_numpy())
+
+    def full_batch_loss(model, dtype):
+        return F.cross_entropy(model(torch.tensor(features, dtype=dtype)), labels)
+
+    err, floor = sgd_step_errors(cfg, full_batch_loss, load_model(result.checkpoint_dir))
+    record_equivalence(
+        f"Ray Train, {workers} worker(s) × micro {micro} × accum {accum} "
+        f"(vs float64; fp32 full batch: {floor:.3e})",
+        err,
+    )
+    assert err <= 2 * floor, (err, floor)
+
+
+def test_two_runs_of_one_config_give_the_same_weights_through_either_read_path(
+    ray_local, tmp_path, capfd
+):
+    """Two runs of one config — shuffled epochs, SGD momentum, dropout, 203 rows (uneven: each
+    epoch ends on a short window of 11, 6 and 5 rows on the two ranks) — end with identical
+    weights, although one reads its rows through Ray Data's read tasks and the other in its own
+    processes: the exact order is the same rows in the same windows either way, and dropout
+    draws the same masks. The first run's tracking server cannot be reached (nothing listens on
+    port 9): tracking turns off with one message and training goes on."""
+    source = digits_subset(tmp_path / "d203.parquet", 203)
+
+    def run(name: str, in_process_read_max_mb: float, tracking: dict):
+        return fit_or_fail(
+            config(
+                tmp_path / name,
+                model={"dropout": 0.1},
+                data={
+                    "source": source,
+                    "shuffle": True,
+                    "in_process_read_max_mb": in_process_read_max_mb,
+                },
+                optim={"momentum": 0.9},
+                train={"epochs": 2, "max_steps": None},
+                tracking=tracking,
+            )
+        )
+
+    ray_data = run("ray-data", 0, {"tracking_uri": "http://127.0.0.1:9"})
+    err = capfd.readouterr().err
+    assert err.count("tracking off, training goes on") == 1, err
+    assert ray_data.mlflow_run_id is None
+    in_process = run("in-process", 16, {"enabled": False})
+    for result in (ray_data, in_process):
+        assert [r["train/samples"] for r in result.history] == [32] * 6 + [11] + [32] * 6 + [11]
+        assert result.summary["train_state"]["samples_seen"] == 2 * 203
+        assert result.summary["train_state"]["optimizer_step"] == 14
+    wa, wb = (weights(load_model(r.checkpoint_dir)) for r in (ray_data, in_process))
+    assert torch.equal(wa, wb), "two runs of one config must give identical weights"
+
+
+def test_a_size_that_ran_out_of_memory_in_training_is_not_chosen_again(ray_local, tmp_path):
+    """Out of memory in a window's last micro-step cannot be retried in place (the peers
+    already wait in the gradient all-reduce): the group restarts, and its auto search stays
+    below every size that failed. Micro 32 and then 16 fail here; 8 trains."""
+    cfg = config(
+        tmp_path,
+        model={
+            "name": "factory",
+            "factory": "tests.support.oom_model:build",
+            "kwargs": {"threshold": 16},
+        },
+        batch={"global_batch_size": 64, "micro_batch_size": "auto", "memory_budget_mb": 4096},
+        train={"max_steps": 2},
+        run={"max_failures": 3},
+        tracking={"enabled": False},
+    )
+    result = fit_or_fail(cfg)
+    assert [r["scaling/micro_batch_size"] for r in result.history] == [8, 8]
+    assert result.summary["plan"]["micro_batch_size"] == 8
+
+
+def test_a_sharded_search_trial_out_of_memory_restarts_the_group_below_it(ray_local, tmp_path):
+    """Under FSDP a search trial that runs out of memory is not retried in place (the peers may
+    wait in its collectives): the group fails after recording the size, restarts, and its
+    search stays below. Of 1..32 per worker the search tries 4, then 16 (out of memory); after
+    the restart 2, 4 and 8, and 8 trains."""
+    cfg = config(
+        tmp_path,
+        model={
+            "name": "factory",
+            "factory": "tests.support.oom_model:build",
+            "kwargs": {"threshold": 16, "always": True},
+        },
+        batch={"global_batch_size": 64, "micro_batch_size": "auto", "memory_budget_mb": 4096},
+        train={"max_steps": 2, "strategy": "fsdp"},
+        run={"max_failures": 2},
+        tracking={"enabled": False},
+    )
+    result = fit_or_fail(cfg)
+    assert [r["scaling/micro_batch_size"] for r in result.history] == [8, 8]
+
+
+@pytest.mark.parametrize(
+    ("grad_sync", "recompute", "chunk", "compile_", "micro"),
+    [("every_micro_step", "none", None, True, 2), ("window_end", "full", 8, False, "auto")],
+)
+def test_fsdp_on_padded_token_rows_equals_full_batch(
+    ray_local, tmp_path, record_equivalence, grad_sync, recompute, chunk, compile_, micro
+):
+    """train.strategy=fsdp through the whole stack: Ray workers shard the GPT with FSDP2,
+    accumulate in either sync mode (with activation checkpointing, the chunked loss, which
+    runs inside the sharded forward, and the auto micro-batch search, whose trials run without
+    sync, in one), and the step equals the full batch in one process; the model loads whole
+    from the sharded checkpoint. The reduce-scatters are counted and timed."""
+    path = tmp_path / "tokens.parquet"
+    seqs = padded_token_rows(path, seed=1, dtype=pa.uint16())
+    cfg = config(
+        tmp_path,
+        model={"name": "gpt", "n_layer": 2, "n_head": 2, "n_embd": 16, "block_size": 32},
+        data={"source": str(path), "shuffle": False, "seq_len": 32},
+        batch={
+            "global_batch_size": 16,
+            "micro_batch_size": micro,
+            **({"memory_budget_mb": 4096} if micro == "auto" else {}),
+        },
+        train={
+            "strategy": "fsdp",
+            "activation_checkpointing": recompute,
+            "loss_chunk_tokens": chunk,
+            "compile": compile_,
+        },
+        fsdp={"grad_sync": grad_sync},
+        tracking={"enabled": False},
+    )
+    result = fit_or_fail(cfg)
+    record = result.history[0]
+    assert record["train/items"] == sum(len(s) - 1 for s in seqs)
+    units = 3  # two blocks and the root
+    expected = units * (4 if grad_sync == "every_micro_step" else 1)
+    assert record["comm/reduce_scatter_calls"] == expected, record
+    assert record["perf/tokens_per_s"] > 0 and record["perf/tflops"] > 0
+    assert "perf/mfu" not in record, "no known peak on CPU: no MFU"
+    assert 0 < record["comm/sync_time_frac"] < 1, record
+
+    err, floor = sgd_step_errors(cfg, padded_token_loss(seqs), load_model(result.checkpoint_dir))
+    record_equivalence(
+        f"Ray Train, FSDP2 {grad_sync}, activation checkpointing {recompute}, chunked loss "
+        f"{chunk}, compiled blocks {compile_}, GPT, padded tokens, 2 workers (vs float64; fp32 "
+        f"full batch: {floor:.3e})",
+        err,
+    )
+    assert err <= 2 * floor, (err, floor)
+
+
+def test_fsdp_resumes_at_another_worker_count_from_its_checkpoint(ray_local, tmp_path):
+    """A sharded run's checkpoint holds every rank's shards (each rank writes its own file; no
+    whole model in `state.pt`) and loading reshards: 2 steps on 2 workers, then --resume on 1
+    worker to step 4, ends where 4 steps on 2 workers end."""
+    rng = np.random.default_rng(2)
+    path = tmp_path / "tokens.parquet"
+    rows = rng.integers(0, 17, (48, 9)).tolist()
+    pq.write_table(pa.table({"tokens": pa.array(rows, pa.list_(pa.uint16()))}), path)
+
+    def cfg_for(name: str, workers: int, steps: int) -> TrainConfig:
+        return config(
+            tmp_path,
+            seed=5,
+            model={"name": "gpt", "n_layer": 2, "n_head": 2, "n_embd": 16, "block_size": 8},
+            data={"source": str(path), "shuffle": True, "seq_len": 8},
+            batch={"global_batch_size": 16, "micro_batch_size": 4},
+            optim={"name": "adamw", "lr": 0.01},
+            train={"strategy": "fsdp", "max_steps": steps, "epochs": 2, "loss_chunk_tokens": None},
+            scaling={"num_workers": workers, "cpus_per_worker": 0.5},
+            tracking={"enabled": False},
+            run={"storage_path": str(tmp_path / "runs"), "name": name},
+        )
+
+    straight = fit_or_fail(cfg_for("straight", 2, 4))
+    halfway = fit_or_fail(cfg_for("resized", 2, 2))
+    shards = Path(halfway.checkpoint_dir) / "shards"
+    assert sorted(p.name for p in shards.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    saved = torch.load(Path(halfway.checkpoint_dir) / "state.pt", weights_only=True)
+    assert "model" not in saved and "optimizer" not in saved
+    resumed = fit_or_fail(cfg_for("resized", 1, 4), resume=True)
+    assert resumed.summary["resumed_from"] == 2
+    assert resumed.summary["train_state"]["optimizer_step"] == 4
+    a, b = (weights(load_model(r.checkpoint_dir)) for r in (straight, resumed))
+    assert rel_diff(b, a) <= 1e-5, rel_diff(b, a)
+
+
+def test_fsdp_search_resumed_where_an_epoch_has_fewer_rows_than_workers_and_with_none_left(
+    ray_local, tmp_path
+):
+    """49 rows, global batch 16: on 1 worker an epoch is 3 windows and a short one of 1 row.
+    Stopped at step 3 and resumed on 2 workers, the row left in epoch 0 is fewer than the
+    workers (no window: the run goes on in epoch 1), and the auto search and the spare row of
+    lockstep forwards must not read a window that epoch does not have; resumed again with no
+    steps left, the run ends cleanly (no rank has a row to hold)."""
+    path = tmp_path / "tokens.parquet"
+    rows = np.random.default_rng(4).integers(0, 17, (49, 9)).tolist()
+    pq.write_table(pa.table({"tokens": pa.array(rows, pa.list_(pa.uint16()))}), path)
+
+    def cfg_for(workers: int, steps: int) -> TrainConfig:
+        return config(
+            tmp_path,
+            model={"name": "gpt", "n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": 8},
+            data={"source": str(path), "shuffle": True, "seq_len": 8},
+            batch={"global_batch_size": 16, "micro_batch_size": "auto", "memory_budget_mb": 4096},
+            train={"strategy": "fsdp", "max_steps": steps, "epochs": 2},
+            fsdp={"grad_sync": "window_end"},
+            scaling={"num_workers": workers, "cpus_per_worker": 0.5},
+            tracking={"enabled": False},
+            run={"storage_path": str(tmp_path / "runs"), "name": "short"},
+        )
+
+    first = fit_or_fail(cfg_for(1, 3))
+    assert first.summary["train_state"]["epoch"] == 0
+    resized = fit_or_fail(cfg_for(2, 5), resume=True)
+    assert resized.summary["resumed_from"] == 3
+    assert resized.summary["train_state"]["optimizer_step"] == 5
+    assert resized.summary["train_state"]["epoch"] == 1
+    done = fit_or_fail(cfg_for(2, 5), resume=True)
+    assert done.summary["resumed_from"] == 5 and done.summary["total_steps"] == 5
+
+
+def test_auto_micro_batch_with_compile_keeps_the_global_batch_and_the_step(
+    ray_local, tmp_path, record_equivalence
+):
+    """A CPU memory budget between what micro-batches of 8 and 16 need: the search picks 8
+    (accumulation 2 at 2 workers × 16 samples), and the compiled run steps like the eager
+    fixed-micro one."""
+    from rayacc.engine import classification_item_losses
+    from rayacc.engine.autobatch import measure_step_bytes
+
+    model = build_model(config(tmp_path))
+    used = {
+        n: measure_step_bytes(
+            model,
+            classification_item_losses,
+            {"features": torch.randn(n, 64), "label": torch.zeros(n, dtype=torch.long)},
+            optimizer_slots=0,
+        )
+        for n in (8, 16)
+    }
+    budget_mb = (used[8] + used[16]) / 2 / 2**20
+    auto = config(
+        tmp_path,
+        batch={"global_batch_size": 32, "micro_batch_size": "auto", "memory_budget_mb": budget_mb},
+        data={"shuffle": False},
+        train={"max_steps": 3, "compile": True},
+        optim={"momentum": 0.0},
+        tracking={"experiment": "auto-micro"},
+    )
+    result = fit_or_fail(auto)
+    assert (result.plan.micro_batch_size, result.plan.grad_accum_steps) == (8, 2)
+    assert [r["scaling/micro_batch_size"] for r in result.history] == [8, 8, 8]
+    assert all(r["train/samples"] == 32 for r in result.history)
+    assert all(0 <= r["perf/data_wait_frac"] < 1 for r in result.history)
+
+    client = MlflowClient(auto.tracking.tracking_uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("auto-micro").experiment_id])
+    assert run.data.params["micro_batch_size"] == "8"
+    assert run.data.params["grad_accum_steps"] == "2"
+    assert run.data.params["batch.micro_batch_size"] == "auto"
+    assert "micro 8 × accum 2 (auto search)" in run.data.tags["rayacc.micro_batch_events"]
+
+    # the same 3 steps in this process, eager, each on its whole window (no shuffle: step s
+    # is rows 32s..32s+31)
+    table = pq.read_table(prepare_bundled("digits")).slice(0, 96)
+    x = torch.tensor(np.stack(table["features"].to_numpy(zero_copy_only=False)))
+    y = torch.tensor(table["label"].to_numpy())
+    eager = build_model(auto)
+    for step in range(3):
+        eager.zero_grad()
+        F.cross_entropy(
+            eager(x[32 * step : 32 * step + 32]), y[32 * step : 32 * step + 32]
+        ).backward()
+        with torch.no_grad():
+            for p in eager.parameters():
+                p -= 0.1 * p.grad
+    err = rel_diff(weights(load_model(result.checkpoint_dir)), weights(eager))
+    record_equivalence(
+        "Ray Train, compiled + auto micro (8×2) vs eager one process, 3 SGD steps", err
+    )
+    # compiled kernels fuse and reorder float operations: equal up to fp32 rounding
+    assert err <= 1e-5, err

@@ -1,0 +1,219 @@
+"""Sweeps, reports and verify on a real local Ray with a real MLflow store."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import pytest
+import yaml
+from mlflow.tracking import MlflowClient
+
+from rayacc import TrainConfig
+from rayacc.config import SweepConfig
+from rayacc.runner.sweep import run_sweep
+from rayacc.runner.verify import verify
+from rayacc.tracking.report import build_report, write_report
+from tests.support.fits import digits_subset
+
+pytestmark = pytest.mark.ray
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_sweep_then_report(ray_local, tmp_path):
+    source = digits_subset(tmp_path / "d96.parquet", 96)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    spec = {
+        "name": "test-sweep",
+        "config": {
+            "model": {"name": "mlp", "hidden_sizes": [16]},
+            "data": {"source": source, "val_fraction": 0.25},
+            "batch": {"global_batch_size": 32, "micro_batch_size": 4},
+            "optim": {"name": "sgd", "lr": 0.05},
+            "train": {"max_steps": 2},
+            "scaling": {"num_workers": 2, "cpus_per_worker": 0.5},
+            "tracking": {"tracking_uri": uri, "experiment": "sweeps"},
+            "run": {"storage_path": str(tmp_path / "runs")},
+        },
+        "hold": "global_batch_size",
+        # 5 does not divide 16 rows per worker: skipped before anything runs
+        "grid": {"batch.micro_batch_size": [4, 5, 8, 16]},
+    }
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    sweep, base, _ = SweepConfig.from_yaml(path)
+    events: list[tuple[str, int]] = []
+    printed_s: dict[str, float] = {}
+
+    def on_event(kind, t, info):
+        events.append((kind, t.index))
+        if kind == "finished":
+            printed_s[str(t.index)] = info["wall_time_s"]  # what the console prints
+
+    result = run_sweep(sweep, base, path.read_text(), on_event)
+
+    assert ("skipped", 1) in events
+    (skipped,) = [t for t in result.trials if t.skip_reason]
+    assert skipped.settings == {"batch.micro_batch_size": 5}
+    assert "batch.micro_batch_size" in skipped.skip_reason
+    assert sorted(i for kind, i in events if kind == "finished") == [0, 2, 3]
+
+    client = MlflowClient(uri)
+    parent = client.get_run(result.parent_run_id)
+    assert parent.data.tags["rayacc.sweep"] == "true" and parent.data.tags["rayacc.skipped"] == "1"
+    artifacts = {a.path for a in client.list_artifacts(result.parent_run_id)}
+    assert {"sweep.yaml", "skipped.txt"} <= artifacts
+    children = client.search_runs(
+        [parent.info.experiment_id],
+        filter_string=f"tags.mlflow.parentRunId = '{result.parent_run_id}'",
+    )
+    assert len(children) == 3
+    resolved = sorted(
+        (int(c.data.params["micro_batch_size"]), int(c.data.params["grad_accum_steps"]))
+        for c in children
+    )
+    assert resolved == [(4, 4), (8, 2), (16, 1)]
+    assert {int(c.data.params["global_batch_size"]) for c in children} == {32}
+
+    report = build_report(uri, "sweeps")  # the experiment's latest sweep
+    assert report.parent_run_id == result.parent_run_id
+    # one measure of a trial's time on the console and in the table
+    assert {r.trial: r.wall_time_s for r in report.rows} == pytest.approx(printed_s, abs=1e-3)
+    # the common result, reached by every trial at one global batch
+    assert report.verdict()[0].startswith("same final loss")
+    assert all(r.time_to_target_s > 0 for r in report.rows)
+    files = write_report(report, tmp_path / "report", tracking_uri=uri)
+    with open(files[0]) as f:
+        rows = list(csv.DictReader(f))
+    assert sorted(int(r["micro"]) for r in rows) == [4, 8, 16]
+    for png in files[1:]:
+        assert png.stat().st_size > 5000 and png.read_bytes()[:4] == b"\x89PNG"
+    for child in children:
+        label = next(
+            k
+            for k in report.loss_curves
+            if k.startswith(f"trial {child.data.tags['rayacc.trial']}:")
+        )
+        seen, losses = report.loss_curves[label]
+        history = sorted(
+            client.get_metric_history(child.info.run_id, "train/loss"), key=lambda m: m.step
+        )
+        assert losses == [m.value for m in history]
+        samples = sorted(
+            client.get_metric_history(child.info.run_id, "train/samples"), key=lambda m: m.step
+        )
+        assert seen == [32.0 * (i + 1) for i in range(len(samples))]
+    throughput = report.per_micro("samples_per_s")["2 worker(s)"]
+    assert sorted(throughput[0]) == [4, 8, 16]
+    assert {"report/report.csv", "report/loss_vs_samples.png"} <= {
+        a.path for a in client.list_artifacts(result.parent_run_id, "report")
+    }
+
+
+def test_verify_passes_on_the_default_job(ray_local, tmp_path):
+    cfg = TrainConfig.from_yaml(
+        ROOT / "jobs" / "digits.yaml",
+        overrides=[
+            f"tracking.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
+            f"run.storage_path={tmp_path / 'runs'}",
+            "scaling.cpus_per_worker=0.5",
+        ],
+    )
+    result = verify(cfg)
+    assert result.passed, result.worst
+    assert result.worst.max_rel <= 1e-4
+    assert {d.name for d in result.diffs} >= {"net.0.weight", "net.4.bias"}
+    tags = MlflowClient(result.tracking_uri).get_run(result.mlflow_run_id).data.tags
+    assert tags["rayacc.verified"] == "PASS"
+
+
+def test_verify_fails_on_batchnorm(ray_local, tmp_path):
+    cfg = TrainConfig.from_yaml(
+        ROOT / "jobs" / "digits.yaml",
+        overrides=[
+            "model.name=factory",
+            "model.factory=tests.support.bn_model:build",
+            f"tracking.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
+            f"run.storage_path={tmp_path / 'runs'}",
+            "scaling.cpus_per_worker=0.5",
+        ],
+    )
+    result = verify(cfg)
+    assert not result.passed
+    assert result.worst.max_rel > 1e-2
+    assert any("BatchNorm" in w and "GroupNorm or LayerNorm" in w for w in result.warnings)
+    tags = MlflowClient(result.tracking_uri).get_run(result.mlflow_run_id).data.tags
+    assert tags["rayacc.verified"] == "FAIL"
+
+
+def test_a_sweep_over_the_strategy_with_auto_micro_batch(ray_local, tmp_path):
+    """`train.strategy` as a sweep axis, with `micro_batch_size: auto` (the search runs on the
+    sharded model in the fsdp trial): both trials run, and their losses are the same step for
+    step (FSDP's step is DDP's)."""
+    source = digits_subset(tmp_path / "d96.parquet", 96)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    spec = {
+        "name": "strategy-sweep",
+        "config": {
+            "model": {"name": "mlp", "hidden_sizes": [16]},
+            "data": {"source": source, "val_fraction": 0.0},
+            "batch": {"global_batch_size": 32, "micro_batch_size": "auto", "memory_budget_mb": 64},
+            "optim": {"name": "adamw", "lr": 0.01},
+            "train": {"max_steps": 3},
+            "scaling": {"num_workers": 2, "cpus_per_worker": 0.5},
+            "tracking": {"tracking_uri": uri, "experiment": "strategies"},
+            "run": {"storage_path": str(tmp_path / "runs")},
+        },
+        "grid": {"train.strategy": ["ddp", "fsdp"]},
+    }
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    sweep, base, _ = SweepConfig.from_yaml(path)
+    result = run_sweep(sweep, base, path.read_text())
+    assert not [t for t in result.trials if t.skip_reason]
+
+    client = MlflowClient(uri)
+    children = client.search_runs(
+        [client.get_run(result.parent_run_id).info.experiment_id],
+        filter_string=f"tags.mlflow.parentRunId = '{result.parent_run_id}'",
+    )
+    losses = {}
+    for child in children:
+        history = client.get_metric_history(child.info.run_id, "train/loss")
+        losses[child.data.params["train.strategy"]] = [
+            m.value for m in sorted(history, key=lambda m: m.step)
+        ]
+        micro = client.get_metric_history(child.info.run_id, "scaling/micro_batch_size")
+        assert micro and all(m.value >= 1 for m in micro)
+    assert set(losses) == {"ddp", "fsdp"} and len(losses["ddp"]) == 3
+    for a, b in zip(losses["ddp"], losses["fsdp"], strict=True):
+        assert abs(a - b) <= 1e-5 * abs(a), losses
+
+
+def test_verify_passes_with_fsdp(ray_local, tmp_path):
+    """`rayacc verify` on a sharded GPT: the distributed step (shards written by both ranks,
+    loaded whole) equals the single-process step."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = np.random.default_rng(4)
+    path = tmp_path / "tokens.parquet"
+    rows = [rng.integers(0, 17, rng.integers(3, 10)).tolist() for _ in range(32)]
+    pq.write_table(pa.table({"tokens": pa.array(rows, pa.list_(pa.uint16()))}), path)
+    cfg = TrainConfig.from_dict(
+        {
+            "model": {"name": "gpt", "n_layer": 2, "n_head": 2, "n_embd": 16, "block_size": 16},
+            "data": {"source": str(path), "seq_len": 16, "val_fraction": 0.0},
+            "batch": {"global_batch_size": 16, "micro_batch_size": 4},
+            "optim": {"name": "adamw", "lr": 0.01},
+            "train": {"strategy": "fsdp", "loss_chunk_tokens": None},
+            "scaling": {"num_workers": 2, "cpus_per_worker": 0.5},
+            "tracking": {"tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}"},
+            "run": {"storage_path": str(tmp_path / "runs")},
+        }
+    )
+    result = verify(cfg)
+    assert result.passed, result.worst
+    assert result.worst.max_rel <= 1e-4
+    assert {d.name for d in result.diffs} >= {"tok.weight", "blocks.1.mlp.2.weight"}

@@ -1,0 +1,115 @@
+"""A new user's first hour through the real `rayacc` command: train (progress lines with ETA, LR,
+tokens/s and named validation metrics), sample the trained GPT, sweep; and every line on the
+console is rayacc's or an error, never a record of Ray's loggers or Tune's reporter."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.ray
+
+RAY_RECORD = re.compile(r"\t(DEBUG|INFO|WARNING) \S+:\d+ -- ")
+"""A record as Ray's console handlers format it (Ray Core, Ray Data, Train, Tune)."""
+NOT_OURS = (
+    "Token authentication",
+    "tensorboard",
+    "View detailed results",
+    "Configuration for experiment",
+    "Trial status",
+    "Progress bars disabled",
+)
+
+
+def rayacc(tmp_path: Path, *argv: str, timeout: int = 400) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAYACC_VERBOSE")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "rayacc.cli", *argv],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc
+
+
+def assert_only_rayaccs_lines(proc: subprocess.CompletedProcess) -> None:
+    console = proc.stdout + proc.stderr
+    records = [line for line in console.splitlines() if RAY_RECORD.search(line)]
+    assert not records, records
+    for words in NOT_OURS:
+        assert words not in console, console
+
+
+def test_train_the_shakespeare_job_watch_it_and_sample_it(tmp_path):
+    proc = rayacc(
+        tmp_path,
+        "train",
+        "-c",
+        str(ROOT / "jobs/shakespeare.yaml"),
+        "train.max_steps=12",
+        "train.val_every_steps=5",
+        "train.checkpoint_every_steps=null",
+        "run.name=bard",
+        "model.n_layer=2",
+    )
+    assert_only_rayaccs_lines(proc)
+    out = proc.stdout
+    assert "strategy DDP" in out and "precision fp32" in out and "activation checkpointing" in out
+    lines = [line for line in out.splitlines() if re.match(r"\s+step \d+/12 ", line)]
+    assert lines, out
+    for line in lines:
+        assert re.search(r"\d+:\d\d elapsed  ETA (\d+:\d\d|\?)  loss \S+  lr \S+  ", line), line
+        assert "samples/s" in line and "tokens/s" in line, line
+    with_eta = [line for line in lines if "ETA ?" not in line]
+    assert with_eta, lines
+    validated = [line for line in lines if "val_loss" in line]
+    assert [int(re.search(r"step (\d+)/", line).group(1)) for line in validated] == [5, 10, 12]
+    assert "rayacc sample" in out  # the summary says how
+
+    sampled = rayacc(
+        tmp_path, "sample", "bard", "--prompt", "The ", "--tokens", "40", "--seed", "7"
+    )
+    assert_only_rayaccs_lines(sampled)
+    assert sampled.stdout.startswith("The ")
+    text = sampled.stdout[len("The ") : -1]
+    assert len(text) == 40 and sampled.stdout.endswith("\n")
+    checkpoint = next((tmp_path / "rayacc_runs" / "bard").glob("checkpoint_step*"))
+    import json
+
+    vocab = json.loads((checkpoint / "vocab.json").read_text())
+    assert vocab["kind"] == "chars" and set(text) <= set(vocab["chars"])
+    assert "40 tokens from" in sampled.stderr
+
+
+def test_the_default_job_and_a_sweep_print_only_rayaccs_lines(tmp_path):
+    proc = rayacc(tmp_path, "train", "-c", str(ROOT / "jobs/digits.yaml"), "train.max_steps=4")
+    assert_only_rayaccs_lines(proc)
+    assert "val_acc" in proc.stdout and "ETA" in proc.stdout
+    # where the wall time went: one group, nothing restarted or recomputed
+    goodput = re.search(
+        r"goodput <?([\d.]+)%: training ([\d.]+) s of [\d.]+ s \((.*)\); (\d+) steps", proc.stdout
+    )
+    assert goodput and 0 < float(goodput.group(1)) < 100, proc.stdout[-2000:]
+    assert "start-up" in goodput.group(3) and "restarts" not in goodput.group(3)
+    assert goodput.group(4) == "0"
+
+    spec = yaml.safe_load((ROOT / "jobs/sweep_accum.yaml").read_text())
+    spec["base"] = str(ROOT / "jobs/digits.yaml")
+    spec["overrides"] = ["train.max_steps=3", "train.checkpoint_every_steps=null"]
+    spec["grid"] = {"batch.micro_batch_size": [32, 128]}
+    (tmp_path / "sweep.yaml").write_text(yaml.safe_dump(spec))
+    swept = rayacc(tmp_path, "sweep", "-c", "sweep.yaml")
+    assert_only_rayaccs_lines(swept)
+    assert "as expected at one global batch; fastest: trial" in swept.stdout, swept.stdout
+    assert "by throughput" in swept.stdout and "by peak memory" in swept.stdout

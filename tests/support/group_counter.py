@@ -1,0 +1,22 @@
+"""The Ray Train callback that counts worker-group starts (tests/support/counts.py); a module
+of its own so that a suite that starts no group never imports Ray for it."""
+
+from __future__ import annotations
+
+import os
+
+from ray.train.v2._internal.execution.callback import WorkerGroupCallback
+
+from tests.support.counts import COUNTS_ENV, count, current_test
+
+
+class CountWorkerGroups(WorkerGroupCallback):
+    """Built where the trainer is (the test's process or a `rayacc` it started), so it carries
+    that test's id into Ray Train's controller, where the group starts."""
+
+    def __init__(self) -> None:
+        self.path = os.environ.get(COUNTS_ENV)
+        self.test = current_test()
+
+    def after_worker_group_start(self, worker_group) -> None:
+        count("worker groups", self.test, self.path)

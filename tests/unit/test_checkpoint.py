@@ -1,0 +1,145 @@
+"""Checkpoint folders: loading never runs code from them."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from rayacc.runner.checkpoint import CheckpointError, load_model, read_checkpoint
+
+
+class _Payload:
+    """Unpickling this runs `os.system` — what a crafted checkpoint would do."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def crafted_checkpoint(folder: Path, marker: Path) -> Path:
+    folder.mkdir()
+    torch.save({"model": {"w": torch.zeros(2)}, "hook": _Payload(marker)}, folder / "state.pt")
+    (folder / "model.json").write_text(json.dumps({"config": {}, "dataset": {}}))
+    (folder / "meta.json").write_text(json.dumps({"optimizer_step": 1}))
+    return folder
+
+
+@pytest.mark.parametrize("load", [read_checkpoint, load_model], ids=["read", "load_model"])
+def test_a_checkpoint_holding_code_is_refused_without_running_it(tmp_path, load):
+    marker = tmp_path / "code-ran"
+    folder = crafted_checkpoint(tmp_path / "ckpt", marker)
+    with pytest.raises(CheckpointError, match="only tensors, numbers, strings"):
+        load(folder)
+    assert not marker.exists(), "loading the checkpoint ran its code"
+
+
+# ---------------------------------------------------------------- sharded (FSDP) checkpoints
+def sharded_checkpoint(folder: Path) -> tuple[Path, dict[str, torch.Tensor]]:
+    """A complete sharded checkpoint folder as a one-process sharded run writes it (shards,
+    then `state.pt`, `model.json`, `meta.json`), of a GPT moved off its initial weights;
+    returns the folder and the weights it holds."""
+    from rayacc.engine.shards import save_sharded
+    from rayacc.models import build_model
+    from rayacc.runner.checkpoint import SHARDS_DIR, write_checkpoint
+    from tests.support.fsdp_workers import seeded_config
+
+    cfg, info = seeded_config()
+    model = build_model(cfg, info)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p))
+    save_sharded(folder / SHARDS_DIR, model, torch.optim.AdamW(model.parameters()))
+    write_checkpoint(
+        folder,
+        state={"train_state": {}},
+        description={"config": cfg.model_dump(mode="json"), "dataset": info.to_dict()},
+        meta={"optimizer_step": 1, "shards": SHARDS_DIR},
+    )
+    return folder, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_load_model_reads_a_sharded_checkpoint_whole(tmp_path):
+    folder, weights = sharded_checkpoint(tmp_path / "ckpt")
+    model = load_model(folder)
+    assert model.state_dict().keys() == weights.keys()
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, weights[name]), name
+
+
+def test_a_sharded_checkpoint_missing_a_rank_part_is_refused(tmp_path):
+    folder, _ = sharded_checkpoint(tmp_path / "ckpt")
+    (folder / "shards" / "__0_0.distcp").unlink()
+    with pytest.raises(CheckpointError, match=r"lacks __0_0\.distcp.*never arrived"):
+        load_model(folder)
+
+
+def test_a_sharded_index_holding_code_is_refused_without_running_it(tmp_path):
+    import pickle
+
+    marker = tmp_path / "code-ran"
+    folder, _ = sharded_checkpoint(tmp_path / "ckpt")
+    (folder / "shards" / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
+    with pytest.raises(CheckpointError, match="could run code"):
+        load_model(folder)
+    assert not marker.exists(), "reading the index ran its code"
+
+
+class _WithExtraState(torch.nn.Linear):
+    """A module whose state dict carries an object (`get_extra_state`): DCP stores it as a
+    pickled value."""
+
+    extra: object = None
+
+    def get_extra_state(self):
+        return self.extra
+
+    def set_extra_state(self, state) -> None:
+        self.extra = state
+
+
+def test_a_sharded_value_holding_code_is_refused_without_running_it(tmp_path):
+    from rayacc.engine.shards import ShardError, load_model_shards, save_sharded
+
+    marker = tmp_path / "code-ran"
+    written = _WithExtraState(2, 2)
+    written.extra = _Payload(marker)
+    save_sharded(tmp_path / "shards", written, torch.optim.SGD(written.parameters(), lr=0.1))
+    with pytest.raises(ShardError, match="could run code"):
+        load_model_shards(tmp_path / "shards", _WithExtraState(2, 2))
+    assert not marker.exists(), "loading a value ran its code"
+
+
+@pytest.mark.parametrize(
+    "outside", ["../outside.distcp", "/etc/hostname", "sub/../../outside.distcp", "../ckpt2/x"]
+)
+@pytest.mark.parametrize("where", ["index", "meta"])
+def test_a_sharded_checkpoint_naming_a_file_outside_its_folder_is_refused(tmp_path, outside, where):
+    """A crafted DCP index (`relative_path`) or meta.json (`shards`) must not make the loader
+    read files anywhere on disk."""
+    import json
+    import pickle
+
+    from rayacc.engine.shards import _IndexUnpickler
+
+    folder, _ = sharded_checkpoint(tmp_path / "ckpt")
+    (tmp_path / "outside.distcp").write_bytes(b"not yours")
+    if where == "index":
+        index = folder / "shards" / ".metadata"
+        with open(index, "rb") as f:
+            metadata = _IndexUnpickler(f).load()
+        for info in metadata.storage_data.values():
+            info.relative_path = outside
+        index.write_bytes(pickle.dumps(metadata))
+    else:
+        meta = json.loads((folder / "meta.json").read_text())
+        (folder / "meta.json").write_text(json.dumps({**meta, "shards": outside}))
+    with pytest.raises(CheckpointError, match="outside the checkpoint folder"):
+        load_model(folder)
+    with pytest.raises(CheckpointError, match="outside the checkpoint folder"):
+        read_checkpoint(folder)

@@ -1,0 +1,131 @@
+"""Every place a config or command names is checked before anything starts: a usable scheme,
+the right kind, writable or creatable (no Ray, no MLflow store is opened)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from rayacc.config import TrainConfig
+from rayacc.runner.places import PlaceError, check_places
+
+
+def cfg(**sections) -> TrainConfig:
+    return TrainConfig.from_dict(
+        {"batch": {"global_batch_size": 32, "micro_batch_size": 4}, **sections}
+    )
+
+
+@pytest.mark.parametrize(
+    ("sections", "field", "says"),
+    [
+        ({"run": {"storage_path": "{file}"}}, "run.storage_path", "is a file"),
+        ({"run": {"storage_path": "{file}/runs"}}, "run.storage_path", "cannot be created"),
+        ({"run": {"storage_path": "nosuch://bucket/x"}}, "run.storage_path", "cannot be reached"),
+        ({"tracking": {"tracking_uri": "{tmp}/mlruns"}}, "tracking.tracking_uri", "file store"),
+        ({"tracking": {"tracking_uri": "file://{tmp}/mlruns"}}, "tracking.tracking_uri", "3.13"),
+        ({"tracking": {"tracking_uri": "ftp://host/x"}}, "tracking.tracking_uri", "sqlite:///"),
+        ({"tracking": {"tracking_uri": "sqlite:///{tmp}"}}, "tracking.tracking_uri", "a folder"),
+        ({"tracking": {"tracking_uri": "sqlite:///{file}/m.db"}}, "tracking.tracking_uri", "file"),
+        ({"data": {"cache_dir": "{file}"}}, "data.cache_dir", "is a file"),
+    ],
+)
+def test_a_place_that_cannot_be_used_is_named_with_its_fix(tmp_path, sections, field, says):
+    afile = tmp_path / "a-file"
+    afile.write_text("x")
+
+    def fill(value):
+        if isinstance(value, dict):
+            return {k: fill(v) for k, v in value.items()}
+        return value.format(tmp=tmp_path, file=afile)
+
+    with pytest.raises(PlaceError) as err:
+        check_places(cfg(**fill(sections)))
+    message = str(err.value)
+    assert field in message and says in message and "Fix:" in message, message
+
+
+def test_every_place_is_named_at_once_and_good_ones_pass(tmp_path):
+    afile = tmp_path / "a-file"
+    afile.write_text("x")
+    bad = cfg(
+        run={"storage_path": str(afile)},
+        tracking={"tracking_uri": str(tmp_path / "mlruns")},
+        data={"cache_dir": str(afile)},
+    )
+    with pytest.raises(PlaceError) as err:
+        check_places(bad)
+    assert len(err.value.problems) == 3
+    good = cfg(
+        run={"storage_path": str(tmp_path / "new" / "runs")},
+        tracking={"tracking_uri": f"sqlite:///{tmp_path / 'new2' / 'mlflow.db'}"},
+        data={"cache_dir": str(tmp_path)},
+    )
+    check_places(good)
+    assert not (tmp_path / "new").exists(), "a check creates nothing"
+    check_places(cfg(tracking={"enabled": False, "tracking_uri": str(tmp_path / "x")}))
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may write anywhere")
+def test_a_folder_that_cannot_be_written_is_named(tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        with pytest.raises(PlaceError, match="not writable"):
+            check_places(cfg(run={"storage_path": str(locked)}))
+    finally:
+        locked.chmod(0o700)
+
+
+def test_the_commands_refuse_a_place_before_anything_starts(tmp_path, capsys):
+    from rayacc.cli import main
+
+    afile = tmp_path / "a-file"
+    afile.write_text("x")
+    code = main(["report", "exp", "--out", str(afile), "--tracking-uri", "ftp://h/x"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--out" in err and "--tracking-uri" in err, err
+    code = main(["data", "prepare", str(afile), "--out", str(afile)])
+    assert code == 2 and "--out" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["train", "verify", "plan", "submit", "sweep"])
+@pytest.mark.parametrize(
+    ("override", "names"),
+    [
+        ("tracking.tracking_uri=/tmp/mlruns", "tracking.tracking_uri"),
+        ("model.factory=tests.support.bad_factories:missing", "model.factory"),
+        ("run.storage_path=nosuch://bucket/runs", "run.storage_path"),
+    ],
+)
+def test_every_command_refuses_the_same_mistakes_before_it_starts(
+    tmp_path, monkeypatch, capsys, command, override, names
+):
+    """One validator for train, verify, plan, submit and sweep: exit 2 naming the field, no
+    traceback, nothing started (no Ray here: a command that got past the checks would fail
+    otherwise)."""
+    import yaml
+
+    from rayacc.cli import main
+
+    root = Path(__file__).resolve().parents[2]
+    monkeypatch.chdir(root)
+    overrides = [override]
+    if override.startswith("model.factory"):
+        overrides.insert(0, "model.name=factory")
+    job = "jobs/digits.yaml"
+    if command == "sweep":
+        sweep = tmp_path / "sweep.yaml"
+        sweep.write_text(yaml.safe_dump({"base": str(root / job), "overrides": overrides}))
+        argv = ["sweep", "-c", str(sweep)]
+    elif command == "submit":
+        argv = ["submit", job, *overrides, "--address", "http://127.0.0.1:9"]
+    else:
+        argv = [command, "-c", job, *overrides]
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert names in err and "Fix:" in err and "Traceback" not in err, err

@@ -1,0 +1,310 @@
+"""A run name means one run: checked on the driver before Ray starts (no Ray here)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from rayacc.config import TrainConfig
+from rayacc.data.sources import DataError
+from rayacc.runner.prelaunch import locate
+from rayacc.runner.runs import locate_run
+
+
+def cfg(storage, name=None) -> TrainConfig:
+    return TrainConfig.from_dict(
+        {
+            "batch": {"global_batch_size": 32, "micro_batch_size": 4},
+            "run": {"storage_path": str(storage), "name": name},
+        }
+    )
+
+
+def test_a_new_run_may_not_take_the_name_of_an_existing_one(tmp_path):
+    (tmp_path / "exp" / "checkpoint_step00000004").mkdir(parents=True)
+    with pytest.raises(DataError, match="already names a run") as err:
+        locate_run(cfg(tmp_path, "exp"), resume=False)
+    assert "--resume" in str(err.value) and "run.name" in str(err.value)
+    assert locate_run(cfg(tmp_path, "exp"), resume=True).name == "exp"
+
+
+def test_resume_needs_an_existing_run_of_that_name(tmp_path):
+    (tmp_path / "exp").mkdir()
+    with pytest.raises(DataError, match="no run named run.name='exq'") as err:
+        locate_run(cfg(tmp_path, "exq"), resume=True)
+    assert "exp" in str(err.value), "the runs that exist are listed"
+    assert locate_run(cfg(tmp_path, "exq"), resume=False).name == "exq"
+
+
+def test_unnamed_runs_get_fresh_names(tmp_path):
+    a, b = (locate_run(cfg(tmp_path), resume=False) for _ in range(2))
+    assert a.name != b.name
+
+
+def test_resume_refuses_another_seed_order_or_dataset_listing_every_difference(tmp_path):
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from rayacc.data.sources import describe_dataset
+    from rayacc.runner.checkpoint import run_identity
+
+    def table(n):
+        return pa.table(
+            {"features": [[float(i), 1.0] for i in range(n)], "label": [i % 3 for i in range(n)]}
+        )
+
+    data = tmp_path / "data.parquet"
+    pq.write_table(table(64), data)
+
+    original = cfg(tmp_path / "runs", "exp")
+    original = original.model_copy(
+        update={"data": original.data.model_copy(update={"source": str(data)})}
+    )
+    ckpt = tmp_path / "runs" / "exp" / "checkpoint_step00000004"
+    ckpt.mkdir(parents=True)
+    meta = {"optimizer_step": 4, "identity": run_identity(original, describe_dataset(str(data)))}
+    (ckpt / "meta.json").write_text(json.dumps(meta))
+
+    same = locate(original, resume=True, info=describe_dataset(str(data)))
+    assert same.name == "exp"
+
+    other = original.model_copy(
+        update={
+            "seed": 7,
+            "data": original.data.model_copy(update={"shuffle": False, "val_fraction": 0.2}),
+        }
+    )
+    with pytest.raises(DataError) as err:
+        locate(other, resume=True, info=describe_dataset(str(data)))
+    message = str(err.value)
+    for field in ("seed", "data.shuffle", "data.val_fraction"):
+        assert f"{field}:" in message, message
+    assert "Fix:" in message
+
+    pq.write_table(table(65), data)  # a row more: the same path, other data
+    with pytest.raises(DataError, match="dataset"):
+        locate(original, resume=True, info=describe_dataset(str(data)))
+
+
+def test_a_file_only_this_node_has_is_staged_under_the_shared_storage_once(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from rayacc.runner.ingest import stage_file
+
+    cache = tmp_path / "this-node-cache" / "digits.parquet"
+    cache.parent.mkdir()
+    pq.write_table(pa.table({"tokens": [[1, 2, 3]]}), cache)
+    storage = tmp_path / "shared"
+    staged = stage_file(str(cache), str(storage))
+    assert Path(staged) == storage / "_data" / "digits.parquet"
+    assert Path(staged).read_bytes() == cache.read_bytes()
+    mtime = Path(staged).stat().st_mtime_ns
+    assert stage_file(str(cache), str(storage)) == staged
+    assert Path(staged).stat().st_mtime_ns == mtime, "copied again"
+    uri = stage_file(str(cache), f"file://{tmp_path / 'bucket'}")
+    assert uri == f"file://{tmp_path / 'bucket'}/_data/digits.parquet"
+    # the staging folder is not a run
+    from rayacc.runner.runs import list_runs
+
+    assert list_runs(str(storage)) == []
+
+
+@pytest.mark.parametrize(
+    ("change", "refused"),
+    [
+        ({"batch": {"global_batch_size": 64, "micro_batch_size": 4}}, True),
+        # micro × accumulation without a global batch: the worker count changes it
+        (
+            {
+                "batch": {"micro_batch_size": 4, "grad_accum_steps": 4},
+                "scaling": {"num_workers": 1},
+            },
+            True,
+        ),
+        (
+            {
+                "batch": {"micro_batch_size": 8, "grad_accum_steps": 2},
+                "scaling": {"num_workers": 2},
+            },
+            False,
+        ),
+        # an elastic run that keeps the micro-batch may change it
+        (
+            {
+                "batch": {"global_batch_size": 64, "micro_batch_size": 4},
+                "scaling": {"num_workers": [1, 4], "on_resize": "keep_micro_batch"},
+            },
+            False,
+        ),
+    ],
+)
+def test_resume_with_another_global_batch_is_refused_before_launch(tmp_path, change, refused):
+    """The checkpoint was trained at global batch 32 on 2 workers: a run that keeps the global
+    batch and now resolves to another is refused on the driver (exit 2), not in the workers."""
+    import json
+
+    from rayacc.data.sources import describe_dataset
+
+    data = tmp_path / "data.parquet"
+    _classification_file(data)
+    base = {
+        "data": {"source": str(data)},
+        "run": {"storage_path": str(tmp_path / "runs"), "name": "exp"},
+    }
+    original = TrainConfig.from_dict(
+        {**base, "batch": {"global_batch_size": 32, "micro_batch_size": 4}}
+    )
+    from rayacc.runner.checkpoint import run_identity
+
+    ckpt = tmp_path / "runs" / "exp" / "checkpoint_step00000004"
+    ckpt.mkdir(parents=True)
+    info = describe_dataset(str(data))
+    meta = {"optimizer_step": 4, "global_batch_size": 32, "identity": run_identity(original, info)}
+    (ckpt / "meta.json").write_text(json.dumps(meta))
+
+    resumed = TrainConfig.from_dict({**base, **change})
+    if not refused:
+        assert locate(resumed, resume=True, info=info).name == "exp"
+        return
+    with pytest.raises(DataError) as err:
+        locate(resumed, resume=True, info=info)
+    assert "batch.global_batch_size: the run has 32" in str(err.value)
+    assert "set batch.global_batch_size: 32" in str(err.value)
+
+
+def _classification_file(path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(
+        pa.table(
+            {"features": [[float(i), 1.0] for i in range(64)], "label": [i % 3 for i in range(64)]}
+        ),
+        path,
+    )
+
+
+@pytest.mark.parametrize(
+    ("runs", "job", "picked"),
+    [
+        # (name, identity, started) of the runs in the storage path; this job's identity
+        ([("mlp-a", "mlp", "1"), ("gpt-a", "gpt", "2")], "mlp", "mlp-a"),  # not the latest
+        ([("mlp-a", "mlp", "1"), ("mlp-b", "mlp", "3"), ("gpt", "gpt", "4")], "mlp", "mlp-b"),
+        ([("gpt-a", "gpt", "1")], "mlp", None),  # none of this job: refused, runs listed
+        ([], "mlp", None),
+    ],
+)
+def test_resume_without_a_name_takes_the_latest_run_of_the_same_job(tmp_path, runs, job, picked):
+    import json
+
+    from rayacc.runner.runs import RUN_INFO
+
+    for name, identity, started in runs:
+        (tmp_path / name).mkdir()
+        info = {"identity": {"model.name": identity}, "started": started, "job": f"{name}.yaml"}
+        (tmp_path / name / RUN_INFO).write_text(json.dumps(info))
+    identity = {"model.name": job}
+    if picked is not None:
+        assert locate_run(cfg(tmp_path), resume=True, identity=identity).name == picked
+        return
+    with pytest.raises(DataError, match="no run in .* was trained on this job") as err:
+        locate_run(cfg(tmp_path), resume=True, identity=identity)
+    for name, _, _ in runs:
+        assert name in str(err.value), "the runs there are listed"
+    assert "run.name=NAME" in str(err.value) and "rayacc runs" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("name", "ok"),
+    [
+        ("exp-1_a.b", True),
+        ("A", True),
+        ("team/exp1", False),  # a folder inside another
+        ("..", False),  # outside the storage path
+        ("../x", False),
+        (".hidden", False),
+        ("_data", False),  # where shared data is staged
+        ("a b", False),
+        ("x" * 129, False),
+        ("", False),
+        ("run\\x", False),
+    ],
+)
+def test_run_names_are_plain_folder_names(name, ok):
+    from rayacc.config import ConfigError
+
+    if ok:
+        assert cfg("/tmp", name).run.name == name
+        return
+    with pytest.raises(ConfigError, match=r"run\.name") as err:
+        cfg("/tmp", name)
+    assert "letters, digits" in str(err.value), "the message says what a name may hold"
+
+
+def test_staging_writes_a_name_of_its_own_and_renames_it(tmp_path, monkeypatch):
+    """Sweep trials that share a storage path stage the same file at once: none may ever see
+    the target half-written."""
+    import pyarrow.fs as pafs
+
+    from rayacc.runner.ingest import stage_file
+
+    cache = tmp_path / "cache" / "digits.parquet"
+    cache.parent.mkdir()
+    cache.write_bytes(b"x" * 1000)
+    target = tmp_path / "shared" / "_data" / "digits.parquet"
+    copy = pafs.copy_files
+    written = []
+
+    def watched(source, destination, *args, **kwargs):
+        written.append(destination)
+        assert not target.exists(), "the target is already there while it is written"
+        copy(source, destination, *args, **kwargs)
+
+    monkeypatch.setattr(pafs, "copy_files", watched)
+    assert stage_file(str(cache), str(tmp_path / "shared")) == str(target)
+    assert written and all(Path(w) != target for w in written)
+    assert target.read_bytes() == cache.read_bytes()
+    assert sorted(p.name for p in target.parent.iterdir()) == ["digits.parquet"]
+
+
+def test_runs_lists_the_runs_of_a_storage_path(tmp_path, capsys):
+    """`rayacc runs` reads what runs leave in their folders: no Ray, no MLflow."""
+    from rayacc.runner.runs import list_runs, locate_run
+
+    cfg = TrainConfig.from_dict(
+        {
+            "batch": {"global_batch_size": 32, "micro_batch_size": 4},
+            "run": {"storage_path": str(tmp_path), "name": "a"},
+        }
+    )
+    loc = locate_run(cfg, resume=False)
+    loc.record(
+        job="jobs/digits.yaml",
+        model="mlp",
+        data="digits",
+        total_steps=10,
+        status="running",
+        mlflow_run_id="abc",
+    )
+    ckpt = tmp_path / "a" / "checkpoint_step00000004"
+    ckpt.mkdir()
+    (ckpt / "meta.json").write_text(json.dumps({"optimizer_step": 4}))
+    (tmp_path / "a" / "checkpoint_step00000006").mkdir()  # never completed: not listed
+    (run,) = list_runs(str(tmp_path))
+    assert (run.name, run.steps_done, run.total_steps) == ("a", 4, 10)
+    assert run.status == "unfinished" and run.mlflow_run_id == "abc"
+    assert run.last_checkpoint.endswith("checkpoint_step00000004")
+
+    from rayacc.cli import parse_args
+
+    args = parse_args(["runs", "--storage", str(tmp_path)])
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    for shown in ("a", "jobs/digits.yaml", "mlp / digits", "4/10", "checkpoint_step00000004"):
+        assert shown in out, (shown, out)
+    assert "abc" in out and "unfinished" in out
