@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
+from tests.support.counts import count
+
 pytestmark = [pytest.mark.ray, pytest.mark.cluster]
 ROOT = Path(__file__).resolve().parents[2]
 PORT = 27379
@@ -57,6 +59,8 @@ def test_submit_to_local_multinode_cluster(tmp_path):
         PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}",
     )
     env.pop("RAY_ADDRESS", None)
+    count("clusters")
+    count("MLflow servers")
     up = subprocess.run(
         ["bash", "cluster/local.sh", "up", "1"],
         cwd=ROOT,

@@ -17,9 +17,14 @@ from mlflow.tracking import MlflowClient
 from rayacc import load_model
 from rayacc.data.sources import prepare_bundled
 from tests.support import ROOT
+from tests.support.counts import count
 
 
 def local(*args: str, env: dict) -> subprocess.CompletedProcess:
+    if args[0] in ("up", "autoscale"):
+        count("clusters")
+        if args[0] == "up" and env.get("RAYACC_LOCAL_MLFLOW", "1") != "0":
+            count("MLflow servers")
     proc = subprocess.run(
         ["bash", "cluster/local.sh", *args],
         cwd=ROOT,

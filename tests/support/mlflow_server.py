@@ -12,6 +12,9 @@ import time
 import urllib.request
 from pathlib import Path
 
+from rayacc.tracking.sqlite_store import prepare_sqlite_store
+from tests.support.counts import count
+
 BIN = Path(sys.executable).parent
 
 
@@ -22,6 +25,10 @@ def free_port() -> int:
 
 
 def start_server(port: int, db: Path) -> subprocess.Popen:
+    # a new store is a copy of the cached empty one: MLflow's migrations of a new database
+    # take about 30 s of a first start on 2 cores
+    prepare_sqlite_store(f"sqlite:///{db}")
+    count("MLflow servers")
     proc = subprocess.Popen(
         [
             str(BIN / "mlflow"),

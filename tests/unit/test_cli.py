@@ -1,30 +1,27 @@
 """User mistakes exit 2 with a message naming the field or file and the fix, and no traceback,
-before Ray starts."""
+before Ray starts. The checks run `rayacc.cli.main` in this process (a `rayacc` process costs
+seconds of imports each); one runs the real command to prove its exit status."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from tests.support.cli import Ran, rayacc_here, rayacc_process
+
 ROOT = Path(__file__).resolve().parents[2]
 DIGITS_JOB = str(ROOT / "jobs" / "digits.yaml")
 
 
-def rayacc(*args: str, cache: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ, RAYACC_CACHE=str(cache), RAY_ADDRESS="")
-    return subprocess.run(
-        [sys.executable, "-m", "rayacc.cli", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-    )
+@pytest.fixture
+def rayacc(capsys, monkeypatch, cache):
+    def run(*argv: str) -> Ran:
+        return rayacc_here(list(argv), capsys, monkeypatch, RAYACC_CACHE=str(cache), RAY_ADDRESS="")
+
+    return run
 
 
 @pytest.fixture(scope="module")
@@ -94,29 +91,39 @@ CASES = [
         "unknown-key",
     ],
 )
-def test_user_errors_exit_2_with_message(tmp_path, cache, argv, expected):
-    proc = rayacc(*argv(tmp_path), cache=cache)
-    assert proc.returncode == 2, proc.stderr
+def test_user_errors_exit_2_with_message(tmp_path, rayacc, argv, expected):
+    ran = rayacc(*argv(tmp_path))
+    assert ran.code == 2, ran.err
     for text in expected:
-        assert text in proc.stderr, proc.stderr
-    assert "Traceback" not in proc.stderr
-    assert "Ray" not in proc.stderr + proc.stdout, "the error must come before Ray starts"
+        assert text in ran.err, ran.err
+    assert "Traceback" not in ran.err
+    assert "Ray" not in ran.err + ran.out, "the error must come before Ray starts"
 
 
-def test_plan_prints_the_resolved_batch(cache):
-    proc = rayacc("plan", "-c", DIGITS_JOB, "scaling.num_workers=4", cache=cache)
-    assert proc.returncode == 0, proc.stderr
-    assert "global batch 256 = micro 32 × accum 2 × workers 4" in proc.stdout
-    assert "effective LR 0.006 = 0.003 × linear(256/128)" in proc.stdout
+def test_the_command_itself_exits_2_on_a_user_error(tmp_path, cache):
+    proc = rayacc_process(
+        ["train", "-c", DIGITS_JOB, "batch.micro_batch_size=30"],
+        RAYACC_CACHE=str(cache),
+        RAY_ADDRESS="",
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "batch.micro_batch_size" in proc.stderr and "Traceback" not in proc.stderr
 
 
-def test_plan_lists_memory_per_rank_for_each_strategy(cache):
-    proc = rayacc("plan", "-c", DIGITS_JOB, "--memory", "scaling.num_workers=4", cache=cache)
-    assert proc.returncode == 0, proc.stderr
-    assert "26,122 parameters, fp32, 4 workers" in proc.stdout, proc.stdout
+def test_plan_prints_the_resolved_batch(rayacc):
+    proc = rayacc("plan", "-c", DIGITS_JOB, "scaling.num_workers=4")
+    assert proc.code == 0, proc.err
+    assert "global batch 256 = micro 32 × accum 2 × workers 4" in proc.out
+    assert "effective LR 0.006 = 0.003 × linear(256/128)" in proc.out
+
+
+def test_plan_lists_memory_per_rank_for_each_strategy(rayacc):
+    proc = rayacc("plan", "-c", DIGITS_JOB, "--memory", "scaling.num_workers=4")
+    assert proc.code == 0, proc.err
+    assert "26,122 parameters, fp32, 4 workers" in proc.out, proc.out
     rows = {
         line.split("  ")[1].strip(): [float(v) for v in line.split()[-4:]]
-        for line in proc.stdout.splitlines()
+        for line in proc.out.splitlines()
         if line.startswith("  ddp") or line.startswith("  fsdp")
     }
     ddp, every, end = rows["ddp"], rows["fsdp every_micro_step"], rows["fsdp window_end"]
@@ -126,16 +133,16 @@ def test_plan_lists_memory_per_rank_for_each_strategy(cache):
     assert end[1] == ddp[1] and ddp[3] == every[3] > 0
 
 
-def test_data_prepare(cache):
-    proc = rayacc("data", "prepare", "digits", cache=cache)
-    assert proc.returncode == 0, proc.stderr
-    assert "digits: 1797 rows (classification)" in proc.stdout
+def test_data_prepare(rayacc, cache):
+    proc = rayacc("data", "prepare", "digits")
+    assert proc.code == 0, proc.err
+    assert "digits: 1797 rows (classification)" in proc.out
     assert (cache / "digits" / "digits.parquet").is_file()
 
 
-def test_plan_lists_the_worker_counts_of_an_elastic_run(cache):
-    proc = rayacc("plan", "-c", DIGITS_JOB, "scaling.num_workers=[1,4]", cache=cache)
-    assert proc.returncode == 0, proc.stderr
-    assert "elastic run [1, 4] (keep_global_batch)" in proc.stdout
-    assert "1 → micro 32 × accum 8, global 256" in proc.stdout
-    assert "Not at 3 worker(s): the global batch 256 cannot be kept at 3 workers" in proc.stdout
+def test_plan_lists_the_worker_counts_of_an_elastic_run(rayacc):
+    proc = rayacc("plan", "-c", DIGITS_JOB, "scaling.num_workers=[1,4]")
+    assert proc.code == 0, proc.err
+    assert "elastic run [1, 4] (keep_global_batch)" in proc.out
+    assert "1 → micro 32 × accum 8, global 256" in proc.out
+    assert "Not at 3 worker(s): the global batch 256 cannot be kept at 3 workers" in proc.out

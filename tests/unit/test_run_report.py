@@ -4,14 +4,10 @@ store written the way a fit writes it."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 from mlflow.entities import Metric
 from mlflow.tracking import MlflowClient
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support.cli import rayacc_here
 
 
 def record_run(uri: str) -> str:
@@ -46,30 +42,16 @@ def record_run(uri: str) -> str:
     return rid
 
 
-def test_report_of_a_preempted_elastic_run(tmp_path):
+def test_report_of_a_preempted_elastic_run(tmp_path, capsys, monkeypatch):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     rid = record_run(uri)
     for target in (rid, "elastic"):  # the run, or its experiment (no sweep there)
         out_dir = tmp_path / f"report-{target}"
-        proc = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "rayacc.cli",
-                "report",
-                target,
-                "--tracking-uri",
-                uri,
-                "--out",
-                str(out_dir),
-            ],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=120,
+        ran = rayacc_here(
+            ["report", target, "--tracking-uri", uri, "--out", str(out_dir)], capsys, monkeypatch
         )
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-        out = proc.stdout
+        assert ran.code == 0, ran.out + ran.err
+        out = ran.out
         assert f"run rayacc-x ({rid}): 12 optimizer steps" in out, out
         assert "workers: 2 → 1" in out and "global batch: 32\n" in out, out
         assert "accumulation: 4 → 8" in out, out
