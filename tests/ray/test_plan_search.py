@@ -74,19 +74,3 @@ def test_plan_search_then_train_with_the_plan(ray_local, tmp_path, monkeypatch, 
         f"global batch 256 = micro {chosen['micro_batch_size']} × accum "
         f"{chosen['grad_accum_steps']} × workers {chosen['workers']}"
     ) in out
-
-
-def test_a_plan_for_another_job_is_a_user_error(ray_local, tmp_path, monkeypatch, capsys):
-    from rayacc.config import TrainConfig
-    from rayacc.planner.candidates import Candidate
-    from rayacc.planner.planfile import PlanFile, made_for
-
-    monkeypatch.chdir(tmp_path)
-    job = ROOT / "jobs/digits.yaml"
-    other = TrainConfig.from_yaml(job, ["batch.global_batch_size=128"])
-    chosen = Candidate(2, 16, 4)
-    PlanFile("jobs/digits.yaml", made_for(other), chosen, {2: chosen}).write("P.yaml")
-    code = main(["train", "-c", str(job), "--plan", "P.yaml"])
-    err = capsys.readouterr().err
-    assert code == 2
-    assert "global_batch_size" in err and "rayacc plan" in err and "Traceback" not in err

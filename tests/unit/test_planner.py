@@ -16,6 +16,7 @@ from rayacc.planner.prior import predict
 from rayacc.planner.profile import Curve, Profile
 from rayacc.planner.search import PlanRow, pick, profile_for, profile_sizes, worker_counts
 from rayacc.quantities import plan_at
+from tests.support.cli import rayacc_here
 
 ROOT = Path(__file__).resolve().parents[2]
 MIB = 2**20
@@ -433,3 +434,15 @@ def test_the_profile_in_one_process_and_a_model_that_fits_only_when_recomputed(t
     assert set(measure_overheads(cfg, info, rows, profile, rank=0, device=cpu, world=1)) == {"ddp"}
     profile.compute_s.clear()
     assert measure_overheads(cfg, info, rows, profile, rank=0, device=cpu, world=1) == {}
+
+
+def test_a_plan_for_another_job_is_a_user_error(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    job = ROOT / "jobs/digits.yaml"
+    other = TrainConfig.from_yaml(job, ["batch.global_batch_size=128"])
+    chosen = Candidate(2, 16, 4)
+    PlanFile("jobs/digits.yaml", made_for(other), chosen, {2: chosen}).write("P.yaml")
+    ran = rayacc_here(["train", "-c", str(job), "--plan", "P.yaml"], capsys, monkeypatch)
+    assert ran.code == 2
+    assert "global_batch_size" in ran.err and "rayacc plan" in ran.err
+    assert "Traceback" not in ran.err
