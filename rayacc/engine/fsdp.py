@@ -111,7 +111,7 @@ def drop_unsynced_grads(units: Iterable[nn.Module]) -> None:
     (`set_requires_gradient_sync(False)`): the next synced backward adds them to its own.
     `zero_grad` clears only the sharded ones."""
     # FSDP2 has no public call for this: its parameter group's private state (torch 2.13);
-    # tests/test_strategy.py fails if that moves
+    # tests/distributed/test_strategy.py fails if that moves
     for module in units:
         group = module._get_fsdp_state()._fsdp_param_group
         for fsdp_param in group.fsdp_params if group is not None else ():
