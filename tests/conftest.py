@@ -11,6 +11,7 @@ from tests.support import ROOT
 from tests.support.counts import COUNTS_ENV, KINDS, count, ray_sessions, read_counts
 
 _EQUIVALENCE: list[tuple[str, float]] = []
+_SECONDS_PER_FILE: Counter = Counter()
 
 KIND_OF_FOLDER = {
     "unit": None,
@@ -56,6 +57,11 @@ def pytest_runtest_protocol(item, nextitem):
             count("Ray instances", item.nodeid)
 
 
+def pytest_runtest_logreport(report):
+    # set-up, call and tear-down: a session fixture's start counts where it is first paid
+    _SECONDS_PER_FILE[report.nodeid.split("::")[0]] += report.duration
+
+
 @pytest.fixture
 def record_equivalence():
     """Records an equivalence test's relative error for the end-of-run summary."""
@@ -79,6 +85,12 @@ def pytest_terminal_summary(terminalreporter, config):
         terminalreporter.section("equivalence: relative error of the update vs full batch")
         for name, err in _EQUIVALENCE:
             terminalreporter.write_line(f"{err:10.3e}  {name}")
+    if _SECONDS_PER_FILE:
+        terminalreporter.section("seconds per file (set-up, call and tear-down)")
+        for path, seconds in _SECONDS_PER_FILE.most_common():
+            if seconds >= 1:
+                terminalreporter.write_line(f"{seconds:8.1f}  {path}")
+        terminalreporter.write_line(f"{sum(_SECONDS_PER_FILE.values()):8.1f}  all")
     counts, per_kind = _totals()
     if not per_kind:
         return
