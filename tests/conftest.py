@@ -8,9 +8,18 @@ from pathlib import Path
 import pytest
 
 from tests.support import ROOT
-from tests.support.counts import COUNTS_ENV, KINDS, count, ray_sessions, read_counts
+from tests.support.counts import (
+    COUNTS_ENV,
+    KINDS,
+    NOTES_ENV,
+    count,
+    note,
+    ray_sessions,
+    read_counts,
+    read_notes,
+)
 
-_EQUIVALENCE: list[tuple[str, float]] = []
+EQUIVALENCE = "equivalence: relative error of the update vs full batch"
 _SECONDS_PER_FILE: Counter = Counter()
 
 KIND_OF_FOLDER = {
@@ -33,18 +42,26 @@ def pytest_configure(config):
     )
     # The suite's own folder: its counts, and its local Rays' session folders (a short path:
     # Ray's Unix sockets live there), apart from any other Ray on the machine.
+    if hasattr(config, "workerinput"):
+        return  # a parallel worker: the controller set all this up before it started it
     folder = tempfile.mkdtemp(prefix="rt", dir="/tmp")
     os.environ[COUNTS_ENV] = str(Path(folder) / "counts")
+    os.environ[NOTES_ENV] = str(Path(folder) / "notes")
     os.environ["RAY_TMPDIR"] = folder
     os.environ["RAY_TRAIN_CALLBACKS"] = "tests.support.group_counter.CountWorkerGroups"
 
 
-def pytest_collection_modifyitems(items):
+def pytest_collection_modifyitems(config, items):
+    parallel = config.pluginmanager.hasplugin("xdist")
     for item in items:
         folder = Path(str(item.path)).relative_to(ROOT / "tests").parts[0]
         marker = KIND_OF_FOLDER.get(folder)
         if marker:
             item.add_marker(marker)
+        if parallel and marker in ("ray", "cluster"):
+            # `-n 2 --dist loadgroup`: the Ray tests share one worker's Ray, the multi-node
+            # tests one worker's loopback cluster
+            item.add_marker(pytest.mark.xdist_group(marker))
 
 
 @pytest.hookimpl(wrapper=True)
@@ -67,7 +84,7 @@ def record_equivalence():
     """Records an equivalence test's relative error for the end-of-run summary."""
 
     def record(name: str, err: float) -> None:
-        _EQUIVALENCE.append((name, err))
+        note(EQUIVALENCE, f"{err:10.3e}  {name}")
 
     return record
 
@@ -81,10 +98,10 @@ def _totals() -> tuple[Counter, Counter]:
 
 
 def pytest_terminal_summary(terminalreporter, config):
-    if _EQUIVALENCE:
-        terminalreporter.section("equivalence: relative error of the update vs full batch")
-        for name, err in _EQUIVALENCE:
-            terminalreporter.write_line(f"{err:10.3e}  {name}")
+    for section, lines in read_notes(os.environ[NOTES_ENV]).items():
+        terminalreporter.section(section)
+        for line in lines:
+            terminalreporter.write_line(line)
     if _SECONDS_PER_FILE:
         terminalreporter.section("seconds per file (set-up, call and tear-down)")
         for path, seconds in _SECONDS_PER_FILE.most_common():

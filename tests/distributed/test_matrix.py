@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from tests.support import matrix as M
+from tests.support.counts import note
 from tests.support.engine_helpers import spawn_ranks, update_rel_err
 
 pytestmark = pytest.mark.distributed
@@ -58,7 +59,7 @@ def test_the_cases_cover_every_pair_of_values():
     assert len(chosen) < 20 and len({tuple(c.values()) for c in chosen}) == len(chosen)
 
 
-def test_every_case_equals_the_full_batch_steps(matrix_results, record_equivalence, capsys):
+def test_every_case_equals_the_full_batch_steps(matrix_results, record_equivalence):
     failures = []
     lines = [f"{'err':>9}  {'bound':>8}  " + " | ".join(M.FACTORS)]
     for case, err, _ in matrix_results:
@@ -67,9 +68,8 @@ def test_every_case_equals_the_full_batch_steps(matrix_results, record_equivalen
         record_equivalence(f"matrix #{case.index}: {case.label()}", err)
         if not err <= bound:
             failures.append(lines[-1])
-    with capsys.disabled():
-        print("\ncombination matrix (relative update error vs single-process full batch):")
-        print("\n".join(lines))
+    for line in lines:
+        note("combination matrix: relative update error vs single-process full batch", line)
     assert not failures, "\n".join(failures)
 
 

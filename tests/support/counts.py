@@ -17,6 +17,7 @@ processes a test starts inherit.
 
 from __future__ import annotations
 
+import json
 import os
 from collections import Counter
 from pathlib import Path
@@ -53,3 +54,24 @@ def ray_sessions() -> set[str]:
     RAY_TMPDIR, so another suite on the machine does not count)."""
     folder = Path(os.environ.get("RAY_TMPDIR", "/tmp")) / "ray"
     return {p.name for p in folder.glob("session_2*")} if folder.is_dir() else set()
+
+
+NOTES_ENV = "RAYACC_TEST_NOTES"
+
+
+def note(section: str, line: str) -> None:
+    """A line for the end-of-run summary's `section`, from any process of the suite (the
+    summary is printed by the process that started it)."""
+    path = os.environ.get(NOTES_ENV)
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps([section, line]) + "\n")
+
+
+def read_notes(path: str | os.PathLike) -> dict[str, list[str]]:
+    sections: dict[str, list[str]] = {}
+    if Path(path).is_file():
+        for raw in Path(path).read_text().splitlines():
+            section, line = json.loads(raw)
+            sections.setdefault(section, []).append(line)
+    return sections
