@@ -178,7 +178,7 @@ up() {
     --ray-client-server-port=$((BASE + 3)) --temp-dir="$TEMP" --num-cpus="$CPUS" --num-gpus=0 \
     --object-store-memory=$((512 * 1024 * 1024)) --resources='{"node_head": 1, "worker_slot": 1}' \
     $(node_ports 0)
-  wait_for 60 "Ray head" "$RAY" status --address=$HOST:$GCS_PORT
+  wait_for 120 "Ray head" "$RAY" status --address=$HOST:$GCS_PORT
   for i in $(seq 1 "$n"); do start_worker "$i"; done
   local with_mlflow=${RAYACC_LOCAL_MLFLOW:-1}
   if [ "$with_mlflow" != 0 ]; then
@@ -255,7 +255,7 @@ YAML
     --ray-client-server-port=$((BASE + 3)) --temp-dir="$TEMP" --num-cpus="$CPUS" --num-gpus=0 \
     --object-store-memory=$((512 * 1024 * 1024)) --resources='{"node_head": 1, "worker_slot": 1}' \
     $(node_ports 0)
-  wait_for 60 "Ray head" "$RAY" status --address=$HOST:$GCS_PORT
+  wait_for 120 "Ray head" "$RAY" status --address=$HOST:$GCS_PORT
   cat >"$STATE/env" <<ENV
 export RAY_ADDRESS=http://$HOST:$DASH_PORT
 export RAYACC_GCS_ADDRESS=$HOST:$GCS_PORT

@@ -12,12 +12,14 @@ from tests.support.counts import (
     COUNTS_ENV,
     KINDS,
     NOTES_ENV,
-    count,
+    counted_since,
     note,
     ray_sessions,
-    read_counts,
     read_notes,
+    read_starts,
 )
+
+FOLDER_ENV = "RAYACC_TEST_FOLDER"
 
 EQUIVALENCE = "equivalence: relative error of the update vs full batch"
 _SECONDS_PER_FILE: Counter = Counter()
@@ -30,7 +32,7 @@ KIND_OF_FOLDER = {
 }
 """tests/<folder>/: the marker every test there carries (`-m ray`, `-m "not cluster"`)."""
 
-BUDGET = {"worker groups": 40, "Ray instances": 10, "clusters": 3, "MLflow servers": 8}
+BUDGET = {"worker groups": 60, "Ray instances": 12, "clusters": 3, "MLflow servers": 8}
 """The most of each start the whole suite may make (tests/README.md: what each costs)."""
 
 
@@ -40,38 +42,55 @@ def pytest_configure(config):
     os.environ["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p
     )
-    # The suite's own folder: its counts, and its local Rays' session folders (a short path:
-    # Ray's Unix sockets live there), apart from any other Ray on the machine.
-    if hasattr(config, "workerinput"):
-        return  # a parallel worker: the controller set all this up before it started it
-    folder = tempfile.mkdtemp(prefix="rt", dir="/tmp")
-    os.environ[COUNTS_ENV] = str(Path(folder) / "counts")
-    os.environ[NOTES_ENV] = str(Path(folder) / "notes")
-    os.environ["RAY_TMPDIR"] = folder
-    os.environ["RAY_TRAIN_CALLBACKS"] = "tests.support.group_counter.CountWorkerGroups"
+    # The run's own folder (a short path: Ray's Unix sockets live under it): its notes, and
+    # per test process (this one, or each parallel worker) the starts counted and the
+    # session folders of the local Rays it starts, apart from any other Ray on the machine.
+    if not hasattr(config, "workerinput"):
+        folder = tempfile.mkdtemp(prefix="rt", dir="/tmp")
+        os.environ[FOLDER_ENV] = folder
+        os.environ[NOTES_ENV] = str(Path(folder) / "notes")
+        os.environ["RAY_TRAIN_CALLBACKS"] = "tests.support.group_counter.CountWorkerGroups"
+    me = Path(os.environ[FOLDER_ENV]) / getattr(config, "workerinput", {}).get("workerid", "main")
+    me.mkdir(exist_ok=True)
+    os.environ[COUNTS_ENV] = str(me / "starts")
+    os.environ["RAY_TMPDIR"] = str(me)
 
 
 def pytest_collection_modifyitems(config, items):
-    parallel = config.pluginmanager.hasplugin("xdist")
+    parallel = bool(config.pluginmanager.hasplugin("xdist") and config.getoption("numprocesses"))
     for item in items:
-        folder = Path(str(item.path)).relative_to(ROOT / "tests").parts[0]
-        marker = KIND_OF_FOLDER.get(folder)
+        marker = KIND_OF_FOLDER.get(_folder(item))
         if marker:
             item.add_marker(marker)
-        if parallel and marker in ("ray", "cluster"):
-            # `-n 2 --dist loadgroup`: the Ray tests share one worker's Ray, the multi-node
-            # tests one worker's loopback cluster
-            item.add_marker(pytest.mark.xdist_group(marker))
+        if parallel and marker == "cluster":
+            # `-n 2 --dist loadgroup`: the multi-node tests share one worker (and its loopback
+            # cluster), one after the other: two clusters at once would starve each other
+            item.add_marker(pytest.mark.xdist_group("cluster"))
+    if parallel:
+        # longest first, so that no worker is left with a long tail: the multi-node group,
+        # then the Ray tests, then the rest (a serial run keeps the fast kinds first)
+        rank = {"cluster": 0, "ray": 1, "distributed": 2, "unit": 3}
+        items.sort(key=lambda item: rank.get(_folder(item), 4))
+
+
+def _folder(item) -> str:
+    return Path(str(item.path)).relative_to(ROOT / "tests").parts[0]
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item, nextitem):
+    """What arrived in this process's counts while the test ran is the test's (its set-up
+    included: a shared fixture's start counts for the first test that needs it)."""
+    _, offset = counted_since(0)
     before = ray_sessions()
     try:
         return (yield)
     finally:
-        for _ in ray_sessions() - before:
-            count("Ray instances", item.nodeid)
+        starts, _ = counted_since(offset)
+        starts += ["Ray instances"] * len(ray_sessions() - before)
+        if starts:
+            with open(Path(os.environ[COUNTS_ENV]).with_name("attributed"), "a") as f:
+                f.writelines(f"{kind}\t{item.nodeid}\n" for kind in starts)
 
 
 def pytest_runtest_logreport(report):
@@ -90,7 +109,7 @@ def record_equivalence():
 
 
 def _totals() -> tuple[Counter, Counter]:
-    counts = read_counts(os.environ[COUNTS_ENV])
+    counts = read_starts(os.environ[FOLDER_ENV])
     per_kind: Counter = Counter()
     for (kind, _), n in counts.items():
         per_kind[kind] += n
@@ -129,7 +148,7 @@ def pytest_terminal_summary(terminalreporter, config):
 
 
 def pytest_sessionfinish(session, exitstatus):
-    if COUNTS_ENV not in os.environ or hasattr(session.config, "workerinput"):
+    if hasattr(session.config, "workerinput"):
         return
     _, per_kind = _totals()
     if any(per_kind[k] > BUDGET[k] for k in KINDS) and exitstatus == 0:

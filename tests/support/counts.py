@@ -2,17 +2,18 @@
 fixed costs, so each is a number the suite keeps within a budget (tests/README.md).
 
 - worker groups: Ray Train loads `group_counter.CountWorkerGroups` from `RAY_TRAIN_CALLBACKS`
-  in every trainer any process of the suite builds (the `rayacc` command included) and calls
-  it in the controller after each group starts: first starts, restarts and resizes alike.
-- Ray instances: a new session folder under the suite's Ray temp folder (`ray.init` or
-  `rayacc` starting a local Ray; the clusters of cluster/local.sh keep theirs elsewhere and
+  in every trainer any process of the suite builds (the `rayacc` command and Ray Tune's trials
+  included) and calls it in the controller after each group starts: first starts, restarts and
+  resizes alike.
+- Ray instances: a new session folder under the test process's own Ray temp folder (`ray.init`
+  or `rayacc` starting a local Ray; the clusters of cluster/local.sh keep theirs elsewhere and
   count as clusters).
 - clusters (cluster/local.sh up / autoscale) and MLflow servers: counted by the helpers that
   start them.
 
-Each start appends one line `kind<TAB>test id` to a file every process reaches through
-`RAYACC_TEST_COUNTS`; the test id is the one pytest exports while it runs a test, which the
-processes a test starts inherit.
+Each start appends a line to the file `RAYACC_TEST_COUNTS` names, which every process a test
+process starts inherits (one file per test process, so parallel workers do not mix); the test
+process gives the lines that arrived while a test ran to that test.
 """
 
 from __future__ import annotations
@@ -23,40 +24,46 @@ from collections import Counter
 from pathlib import Path
 
 COUNTS_ENV = "RAYACC_TEST_COUNTS"
+NOTES_ENV = "RAYACC_TEST_NOTES"
 KINDS = ("worker groups", "Ray instances", "clusters", "MLflow servers")
 
 
-def current_test() -> str:
-    return os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0] or "(no test)"
-
-
-def count(kind: str, test: str | None = None, path: str | None = None) -> None:
+def count(kind: str, path: str | None = None) -> None:
     """One start of `kind`; nothing when the suite is not counting (a script run by hand)."""
     path = path or os.environ.get(COUNTS_ENV)
     if path:
         # one short append: atomic between processes on a local file system
         with open(path, "a") as f:
-            f.write(f"{kind}\t{test or current_test()}\n")
+            f.write(kind + "\n")
 
 
-def read_counts(path: str | os.PathLike) -> Counter:
-    """(kind, test) → starts."""
+def counted_since(offset: int) -> tuple[list[str], int]:
+    """The starts counted since `offset` (a position in this process's counts file), and
+    the position now."""
+    path = Path(os.environ.get(COUNTS_ENV, ""))
+    if not path.is_file():
+        return [], offset
+    with open(path) as f:
+        f.seek(offset)
+        text = f.read()
+        return text.splitlines(), f.tell()
+
+
+def read_starts(folder: str | os.PathLike) -> Counter:
+    """(kind, test) → starts, from every test process's `attributed` file under `folder`."""
     counts: Counter = Counter()
-    if Path(path).is_file():
-        for line in Path(path).read_text().splitlines():
+    for path in Path(folder).glob("*/attributed"):
+        for line in path.read_text().splitlines():
             kind, _, test = line.partition("\t")
             counts[kind, test] += 1
     return counts
 
 
 def ray_sessions() -> set[str]:
-    """The session folders of the local Rays started so far (under the suite's own
-    RAY_TMPDIR, so another suite on the machine does not count)."""
+    """The session folders of the local Rays this test process's tests started (under its
+    own RAY_TMPDIR, so another process's Ray does not count)."""
     folder = Path(os.environ.get("RAY_TMPDIR", "/tmp")) / "ray"
     return {p.name for p in folder.glob("session_2*")} if folder.is_dir() else set()
-
-
-NOTES_ENV = "RAYACC_TEST_NOTES"
 
 
 def note(section: str, line: str) -> None:

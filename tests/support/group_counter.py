@@ -7,16 +7,15 @@ import os
 
 from ray.train.v2._internal.execution.callback import WorkerGroupCallback
 
-from tests.support.counts import COUNTS_ENV, count, current_test
+from tests.support.counts import COUNTS_ENV, count
 
 
 class CountWorkerGroups(WorkerGroupCallback):
-    """Built where the trainer is (the test's process or a `rayacc` it started), so it carries
-    that test's id into Ray Train's controller, where the group starts."""
+    """Built where the trainer is (a test process, a `rayacc` it started, a Tune trial), so it
+    carries that process's counts file into Ray Train's controller, where the group starts."""
 
     def __init__(self) -> None:
         self.path = os.environ.get(COUNTS_ENV)
-        self.test = current_test()
 
     def after_worker_group_start(self, worker_group) -> None:
-        count("worker groups", self.test, self.path)
+        count("worker groups", self.path)
