@@ -32,7 +32,7 @@ KIND_OF_FOLDER = {
 }
 """tests/<folder>/: the marker every test there carries (`-m ray`, `-m "not cluster"`)."""
 
-BUDGET = {"worker groups": 60, "Ray instances": 12, "clusters": 3, "MLflow servers": 8}
+BUDGET = {"worker groups": 64, "Ray instances": 12, "clusters": 3, "MLflow servers": 8}
 """The most of each start the whole suite may make (tests/README.md: what each costs)."""
 
 
@@ -43,7 +43,7 @@ def pytest_configure(config):
         p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p
     )
     # The run's own folder (a short path: Ray's Unix sockets live under it): its notes, and
-    # per test process (this one, or each parallel worker) the starts counted and the
+    # per test process (this one, or each worker of a parallel run) the starts counted and the
     # session folders of the local Rays it starts, apart from any other Ray on the machine.
     if not hasattr(config, "workerinput"):
         folder = tempfile.mkdtemp(prefix="rt", dir="/tmp")
@@ -56,25 +56,11 @@ def pytest_configure(config):
     os.environ["RAY_TMPDIR"] = str(me)
 
 
-def pytest_collection_modifyitems(config, items):
-    parallel = bool(config.pluginmanager.hasplugin("xdist") and config.getoption("numprocesses"))
+def pytest_collection_modifyitems(items):
     for item in items:
-        marker = KIND_OF_FOLDER.get(_folder(item))
+        marker = KIND_OF_FOLDER.get(Path(str(item.path)).relative_to(ROOT / "tests").parts[0])
         if marker:
             item.add_marker(marker)
-        if parallel and marker == "cluster":
-            # `-n 2 --dist loadgroup`: the multi-node tests share one worker (and its loopback
-            # cluster), one after the other: two clusters at once would starve each other
-            item.add_marker(pytest.mark.xdist_group("cluster"))
-    if parallel:
-        # longest first, so that no worker is left with a long tail: the multi-node group,
-        # then the Ray tests, then the rest (a serial run keeps the fast kinds first)
-        rank = {"cluster": 0, "ray": 1, "distributed": 2, "unit": 3}
-        items.sort(key=lambda item: rank.get(_folder(item), 4))
-
-
-def _folder(item) -> str:
-    return Path(str(item.path)).relative_to(ROOT / "tests").parts[0]
 
 
 @pytest.hookimpl(wrapper=True)
