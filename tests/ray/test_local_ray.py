@@ -2,22 +2,16 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 from tests.support import ROOT
+from tests.support.cli import rayacc_process
 
 
 def test_the_elastic_job_on_a_local_ray_exits_2_instead_of_waiting(tmp_path):
-    env = dict(os.environ, RAY_ADDRESS="")
-    proc = subprocess.run(
-        [sys.executable, "-m", "rayacc.cli", "train", "-c", str(ROOT / "jobs/elastic_digits.yaml")],
+    proc = rayacc_process(
+        ["train", "-c", str(ROOT / "jobs/elastic_digits.yaml")],
         cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        env=env,
         timeout=180,
+        RAY_ADDRESS="",
     )
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "worker_slot" in proc.stderr and "Fix:" in proc.stderr
