@@ -51,6 +51,11 @@ class BatchPlanError(ValueError):
         self.fix = fix
         super().__init__(f"{field}: {problem}. Fix: {fix}")
 
+    def __reduce__(self):
+        # rebuilt from its parts where it is unpickled (an error crossing processes, as Ray
+        # carries a worker's to the driver): the default would pass the message alone
+        return type(self), (self.field, self.problem, self.fix)
+
 
 def _multiples_near(value: int, unit: int) -> list[int]:
     lower = (value // unit) * unit

@@ -234,7 +234,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = _load(args)
     # every user mistake surfaces here, before Ray starts
     prep = prepare(cfg)
-    location = locate(cfg, args.resume, prep.info)
+    location = locate(cfg, args.resume, prep.spec.identity)
     t_checked = time.time()
     with ThreadPoolExecutor(1, thread_name_prefix="rayacc-imports") as pool:
         # Ray's start is mostly other processes' work: the modules the fit needs next load

@@ -1,22 +1,28 @@
 """Quantities derived from a config, in one place: the batch plan at a worker count, the
 effective LR and how it was derived, the train/validation split, the epoch layout and the number
-of optimizer steps. The driver, the workers, `verify` and the CLI all ask here."""
+of optimizer steps. :class:`RunSpec` holds them for one run: the driver derives it once
+(`derive_run`) and hands it to the workers, which derive none of them again."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import numpy as np
 
-from rayacc.batch_plan import BatchPlan, plan_for_workers
+from rayacc.batch_plan import BatchPlan, BatchPlanError, plan_for_workers
 from rayacc.config import TrainConfig
 from rayacc.data.order import DataOrder, EpochLayout
 from rayacc.data.sources import DatasetInfo, RowGroups
 from rayacc.engine.lr import effective_lr
 from rayacc.optim import optimizer_slots
+from rayacc.redact import redact
 
 __all__ = [
+    "IDENTITY_FIELDS",
+    "RunSpec",
     "data_order",
+    "derive_run",
     "epoch_layout",
     "lr_explanation",
     "order_kind",
@@ -24,6 +30,7 @@ __all__ = [
     "rank_seed",
     "remaining_epochs",
     "run_effective_lr",
+    "run_identity",
     "schedule_length",
     "total_optimizer_steps",
 ]
@@ -137,6 +144,118 @@ def schedule_length(cfg: TrainConfig, layout: EpochLayout) -> float:
     # the steps of an epoch before its last one are whole windows
     epoch_samples = layout.full_windows * g + layout.short_window_rows
     return (epochs * epoch_samples + rest * g) / g + 1
+
+
+IDENTITY_FIELDS = (
+    "seed",
+    "data.source",
+    "data.val_fraction",
+    "data.shuffle",
+    "data.last_window",
+    "data.seq_len",
+    "model.",
+    "train.precision",
+    "train.strategy",
+)
+"""Config fields (a trailing dot: a whole section) that fix the data order and the model: a
+resume must keep them. Anything else (epochs, max_steps, cadences, tracking, workers of an
+elastic run) may change."""
+
+
+def run_identity(cfg: TrainConfig, info: DatasetInfo) -> dict[str, object]:
+    """What a checkpoint must match to be resumed: the identity fields and the dataset's
+    fingerprint (Parquet files, sizes, row counts), as JSON reads them back."""
+    identity: dict[str, object] = {
+        key: value
+        for key, value in cfg.flat().items()
+        if any(key == f or (f.endswith(".") and key.startswith(f)) for f in IDENTITY_FIELDS)
+    }
+    identity["dataset (Parquet files, sizes, row counts)"] = info.fingerprint
+    identity["data order"] = order_kind(cfg, info)
+    # credentials are not identity (and a checkpoint must not hold them)
+    return redact(json.loads(json.dumps(identity)))
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """What a run is, derived once on the driver from the validated config and the data's
+    description (`derive_run`). The workers receive it whole and derive none of it again;
+    what only a worker group can know (the micro-batch an auto search finds, where a resumed
+    run stands) is worked out there from these."""
+
+    cfg: TrainConfig
+    info: DatasetInfo
+    groups: RowGroups
+    """The source's Parquet row groups (the units data is read in)."""
+    order: DataOrder
+    """The training/validation split and each epoch's order of rows."""
+    reference: BatchPlan
+    """The batch split at the most workers: the LR schedule is laid out for it."""
+    plans: dict[int, BatchPlan | BatchPlanError]
+    """The batch split at each worker count the run may run at, or why it cannot run there."""
+    lrs: dict[int, float]
+    """The effective LR at each worker count it may run at (`optim.lr_scaling`)."""
+    layout: EpochLayout
+    """An epoch at the reference split."""
+    schedule_length: float
+    """The LR schedule's length, in steps of the reference global batch (`schedule_length`)."""
+    total_steps: int
+    identity: dict[str, object]
+    """What a checkpoint of the run must match to be resumed (`run_identity`)."""
+
+    @property
+    def effective_lr(self) -> float:
+        return self.lrs[self.reference.num_workers]
+
+    def plan_at(self, workers: int) -> BatchPlan:
+        """The batch split of a group of `workers`; BatchPlanError where it cannot run."""
+        plan = self.plans.get(workers)
+        if plan is None:
+            raise BatchPlanError(
+                "scaling.num_workers",
+                f"a group of {workers} workers is outside the run's sizes {sorted(self.plans)}",
+                "run the job with a scaling.num_workers that includes it",
+            )
+        if isinstance(plan, BatchPlanError):
+            raise plan
+        return plan
+
+    def lr_at(self, workers: int) -> float:
+        self.plan_at(workers)
+        return self.lrs[workers]
+
+
+def derive_run(
+    cfg: TrainConfig, info: DatasetInfo, groups: RowGroups, order: DataOrder | None = None
+) -> RunSpec:
+    """The run's :class:`RunSpec` (`order`: its data order, where the caller has checked it
+    already). Raises BatchPlanError when the config's own batch cannot run (the worker
+    counts of an elastic run that cannot are kept as their errors)."""
+    reference = cfg.batch_plan()
+    plans: dict[int, BatchPlan | BatchPlanError] = {}
+    for workers in range(cfg.scaling.min_workers, cfg.scaling.max_workers + 1):
+        try:
+            plans[workers] = plan_at(cfg, workers)
+        except BatchPlanError as exc:
+            plans[workers] = exc
+    lrs = {
+        w: run_effective_lr(cfg, plan) for w, plan in plans.items() if isinstance(plan, BatchPlan)
+    }
+    order = order if order is not None else data_order(cfg, info, groups)
+    layout = epoch_layout(cfg, order.num_train_rows, reference)
+    return RunSpec(
+        cfg=cfg,
+        info=info,
+        groups=groups,
+        order=order,
+        reference=reference,
+        plans=plans,
+        lrs=lrs,
+        layout=layout,
+        schedule_length=schedule_length(cfg, layout),
+        total_steps=total_optimizer_steps(cfg, layout),
+        identity=run_identity(cfg, info),
+    )
 
 
 def rank_seed(seed: int, *stream: int) -> int:

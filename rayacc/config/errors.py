@@ -57,6 +57,11 @@ class ConfigError(ValueError):
         lines += [f"  - {issue}" for issue in issues]
         super().__init__("\n".join(lines))
 
+    def __reduce__(self):
+        # rebuilt from its parts where it is unpickled (an error crossing processes, as Ray
+        # carries a worker's to the driver): the default would pass the message alone
+        return type(self), (self.issues, self.source)
+
     @property
     def paths(self) -> list[str]:
         return [issue.path for issue in self.issues]

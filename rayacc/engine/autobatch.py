@@ -176,6 +176,11 @@ class TrialOutOfMemory(RuntimeError):
         )
         self.micro_batch_size = micro_batch_size
 
+    def __reduce__(self):
+        # rebuilt from its parts where it is unpickled (an error crossing processes, as Ray
+        # carries a worker's to the driver): the default would pass the message alone
+        return type(self), (self.micro_batch_size,)
+
 
 OUT_OF_MEMORY = 1 << 62
 """What `measure_step_bytes` reports for a size that ran out of memory."""

@@ -41,7 +41,6 @@ from rayacc.redact import redact
 
 __all__ = [
     "HISTORY_FILE",
-    "IDENTITY_FIELDS",
     "META_FILE",
     "SHARDS_DIR",
     "Checkpoint",
@@ -51,7 +50,6 @@ __all__ = [
     "WorkerParts",
     "load_model",
     "read_checkpoint",
-    "run_identity",
     "write_checkpoint",
 ]
 
@@ -67,40 +65,9 @@ class CheckpointError(ValueError):
 
 
 # ----------------------------------------------------------------------------- identity
-IDENTITY_FIELDS = (
-    "seed",
-    "data.source",
-    "data.val_fraction",
-    "data.shuffle",
-    "data.last_window",
-    "data.seq_len",
-    "model.",
-    "train.precision",
-    "train.strategy",
-)
-"""Config fields (a trailing dot: a whole section) that fix the data order and the model: a
-resume must keep them. Anything else (epochs, max_steps, cadences, tracking, workers of an
-elastic run) may change."""
-
-
-def run_identity(cfg: TrainConfig, info: DatasetInfo) -> dict[str, object]:
-    """What a checkpoint must match to be resumed: the identity fields and the dataset's
-    fingerprint (Parquet files, sizes, row counts), as JSON reads them back."""
-    from rayacc.quantities import order_kind
-
-    identity: dict[str, object] = {
-        key: value
-        for key, value in cfg.flat().items()
-        if any(key == f or (f.endswith(".") and key.startswith(f)) for f in IDENTITY_FIELDS)
-    }
-    identity["dataset (Parquet files, sizes, row counts)"] = info.fingerprint
-    identity["data order"] = order_kind(cfg, info)
-    # credentials are not identity (and a checkpoint must not hold them)
-    return redact(json.loads(json.dumps(identity)))
-
-
-def checkpoint_meta(cfg, info, plan, state, world: int, sharded: bool) -> dict[str, Any]:
-    """meta.json of a checkpoint written at `state` by a group of `world` ranks."""
+def checkpoint_meta(identity, plan, state, world: int, sharded: bool) -> dict[str, Any]:
+    """meta.json of a checkpoint written at `state` by a group of `world` ranks; `identity`:
+    the run's (`quantities.run_identity`)."""
     return {
         "optimizer_step": state.optimizer_step,
         "global_batch_size": plan.global_batch_size,
@@ -108,7 +75,7 @@ def checkpoint_meta(cfg, info, plan, state, world: int, sharded: bool) -> dict[s
         "num_workers": world,
         "epoch": state.epoch,
         "epoch_sample_offset": state.epoch_sample_offset,
-        "identity": run_identity(cfg, info),
+        "identity": identity,
         "shards": SHARDS_DIR if sharded else None,
     }
 

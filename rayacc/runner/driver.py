@@ -24,7 +24,6 @@ from rayacc.data.sources import RowGroups, row_groups
 from rayacc.data.vocab import Vocabulary
 from rayacc.events import RunObserver, RunStarted
 from rayacc.goodput import Goodput
-from rayacc.runner.checkpoint import run_identity
 from rayacc.runner.prelaunch import Prepared, check_cluster, locate, prepare
 from rayacc.runner.runs import RunLocation
 
@@ -126,22 +125,22 @@ def build_trainer(cfg: TrainConfig, prep: Prepared, loc: RunLocation, progress):
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from rayacc.runner.worker import train_loop
+    from rayacc.runner.worker import WorkerInputs, train_loop
 
     source, groups = _read_source(cfg, prep, loc)
     vocabulary = Vocabulary.of_data(prep.info)
     s = cfg.scaling
+    inputs = WorkerInputs(
+        spec=prep.spec,
+        source=source,
+        groups=groups,
+        storage=loc.storage,
+        name=loc.name,
+        progress=progress,
+        vocabulary=vocabulary.to_json() if vocabulary else None,
+    )
     return TorchTrainer(
-        train_loop,
-        train_loop_config={
-            "cfg": cfg.model_dump(mode="json"),
-            "dataset": prep.info.to_dict(),
-            "source": source,
-            "groups": groups,
-            "progress": progress,
-            "run": {"storage": loc.storage, "name": loc.name},
-            "vocabulary": vocabulary.to_json() if vocabulary else None,
-        },
+        functools.partial(train_loop, inputs),
         scaling_config=ScalingConfig(
             num_workers=tuple(s.num_workers) if s.elastic else s.num_workers,
             elastic_resize_monitor_interval_s=s.resize_interval_s,
@@ -270,12 +269,12 @@ def fit(
     `resume=True` continues the run named `run.name` (or the latest run in the storage path) from
     its latest checkpoint. `observers` see every event and per-step record as it arrives.
     `parent_run_id` nests the MLflow run under a sweep's parent run; `tags` are added to it.
-    `location`: `prelaunch.locate(cfg, resume, info)` when the caller checked it already.
+    `location`: `prelaunch.locate(cfg, resume, identity)` when the caller checked it already.
     """
     t0 = time.perf_counter()
     phases = {"called": time.time()}
     prep = prepared or prepare(cfg)
-    loc = location or locate(cfg, resume, prep.info)
+    loc = location or locate(cfg, resume, prep.spec.identity)
     phases["checked"] = time.time()
     ensure_ray(cfg)
     check_cluster(cfg)
@@ -292,7 +291,7 @@ def fit(
         job=cfg.source_file,
         model=cfg.model.name,
         data=cfg.data.source,  # the info file is written masked
-        identity=run_identity(cfg, prep.info),
+        identity=prep.spec.identity,
         total_steps=prep.total_steps,
         status="running",
     )

@@ -33,6 +33,11 @@ class PlaceError(ValueError):
         self.problems = problems
         super().__init__(f"{len(problems)} place(s) cannot be used:\n  " + "\n  ".join(problems))
 
+    def __reduce__(self):
+        # rebuilt from its parts where it is unpickled (an error crossing processes, as Ray
+        # carries a worker's to the driver): the default would pass the message alone
+        return type(self), (self.problems,)
+
 
 def check_folder(field: str, value: str, *, writes: bool = True) -> str | None:
     """Why the local folder `value` (named by `field`) cannot be used, or None: it is a folder,

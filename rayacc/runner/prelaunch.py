@@ -22,13 +22,7 @@ from rayacc.data.order import DataOrder, EpochLayout
 from rayacc.data.sources import DataError, DatasetInfo, RowGroups, describe_dataset, row_groups
 from rayacc.engine.units import fsdp_blocks
 from rayacc.models import build_on_meta
-from rayacc.quantities import (
-    data_order,
-    epoch_layout,
-    run_effective_lr,
-    total_optimizer_steps,
-)
-from rayacc.runner.checkpoint import run_identity
+from rayacc.quantities import RunSpec, data_order, derive_run
 from rayacc.runner.places import check_places
 from rayacc.runner.runs import RunLocation, locate_run
 
@@ -50,19 +44,42 @@ __all__ = [
 # ----------------------------------------------------------------------------- data and model
 @dataclass
 class Prepared:
-    """Everything checked on the driver before any worker starts."""
+    """What the checks before launch found: the run (derived once, handed to the workers), the
+    model's size, and what to tell the user."""
 
-    cfg: TrainConfig
-    info: DatasetInfo
-    plan: BatchPlan
-    effective_lr: float
-    layout: EpochLayout
-    total_steps: int
+    spec: RunSpec
     num_parameters: int
     warnings: list[str]
     notes: list[str] = field(default_factory=list)
-    groups: RowGroups | None = None
-    """The source's Parquet row groups (the units data is read in)."""
+
+    # the run's own quantities, read through (derived once, in `derive_run`)
+    @property
+    def cfg(self) -> TrainConfig:
+        return self.spec.cfg
+
+    @property
+    def info(self) -> DatasetInfo:
+        return self.spec.info
+
+    @property
+    def groups(self) -> RowGroups:
+        return self.spec.groups
+
+    @property
+    def plan(self) -> BatchPlan:
+        return self.spec.reference
+
+    @property
+    def effective_lr(self) -> float:
+        return self.spec.effective_lr
+
+    @property
+    def layout(self) -> EpochLayout:
+        return self.spec.layout
+
+    @property
+    def total_steps(self) -> int:
+        return self.spec.total_steps
 
 
 def check(cfg: TrainConfig, scope: str = "run") -> Prepared | None:
@@ -86,9 +103,9 @@ def prepare(cfg: TrainConfig) -> Prepared:
     used."""
     check_places(cfg)
     info = describe_dataset(cfg.data.source, cfg.data.cache_dir, cfg.data.seq_len)
-    plan = cfg.batch_plan()
     model = build_on_meta(cfg, info)
     groups = row_groups(info.path)
+    plan = cfg.batch_plan()
     order = data_order(cfg, info, groups)
     if len(order.train_units) == 0:
         raise DataError(
@@ -106,19 +123,14 @@ def prepare(cfg: TrainConfig) -> Prepared:
             f"set batch.global_batch_size to at most {order.num_train_rows} (and "
             "batch.micro_batch_size to divide it), lower data.val_fraction, or use more data"
         )
-    layout = epoch_layout(cfg, order.num_train_rows, plan)
+    spec = derive_run(cfg, info, groups, order)
+    layout = spec.layout
     reads = read_factor(order, layout) if order.chunked else None
     return Prepared(
-        cfg,
-        info,
-        plan,
-        run_effective_lr(cfg, plan),
-        layout,
-        total_optimizer_steps(cfg, layout),
+        spec,
         sum(p.numel() for p in model.parameters()),
         _warnings(cfg, layout, model, reads, groups),
         [_order_note(cfg, info, groups, reads), *_notes(cfg, plan)],
-        groups,
     )
 
 
@@ -266,17 +278,17 @@ def batchnorm_layers(model) -> list[str]:
 
 
 # ----------------------------------------------------------------------------- the run
-def locate(cfg: TrainConfig, resume: bool, info: DatasetInfo) -> RunLocation:
+def locate(cfg: TrainConfig, resume: bool, identity: dict[str, object]) -> RunLocation:
     """The run's location (`runs.locate_run`: without run.name, a resume takes the latest run
     of the same job), and on a resume the check that its latest checkpoint may be continued by
-    this config."""
-    loc = locate_run(cfg, resume, run_identity(cfg, info))
+    this config. `identity`: the run's (`RunSpec.identity`)."""
+    loc = locate_run(cfg, resume, identity)
     if resume:
-        check_resume(cfg, info, loc)
+        check_resume(cfg, identity, loc)
     return loc
 
 
-def check_resume(cfg: TrainConfig, info: DatasetInfo, loc: RunLocation) -> None:
+def check_resume(cfg: TrainConfig, identity: dict[str, object], loc: RunLocation) -> None:
     """The latest checkpoint's identity against this config's: another seed, data, split,
     order, model, strategy or (for a run that keeps it) global batch would re-split and
     re-order the data under the saved sample position, or fail inside the workers."""
@@ -285,7 +297,7 @@ def check_resume(cfg: TrainConfig, info: DatasetInfo, loc: RunLocation) -> None:
     saved = meta.get("identity")
     if saved is None:
         return  # nothing saved yet (or a checkpoint from before identities)
-    now = run_identity(cfg, info)
+    now = identity
     diffs = [
         f"{key}: the run has {saved.get(key)!r}, this config {now.get(key)!r}"
         for key in sorted(set(saved) | set(now))

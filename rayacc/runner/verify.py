@@ -12,7 +12,6 @@ from rayacc.config import TrainConfig
 from rayacc.engine import AccumulationStep
 from rayacc.models import build_model, loss_functions
 from rayacc.optim import build_optimizer, build_schedule
-from rayacc.quantities import data_order
 from rayacc.redact import redact
 from rayacc.runner.checkpoint import load_model
 from rayacc.runner.driver import fit
@@ -51,7 +50,7 @@ class VerifyResult:
 
 def _probe_batch(cfg: TrainConfig, prep: Prepared) -> dict[str, torch.Tensor]:
     """The first global batch of epoch 0 in the data order, as one micro-batch."""
-    order = data_order(cfg, prep.info, prep.groups)
+    order = prep.spec.order
     n = min(prep.plan.global_batch_size, order.num_train_rows)
     return read_rows(prep.info, prep.groups, order.row_ids(0, np.arange(n)))
 

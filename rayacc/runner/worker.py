@@ -9,7 +9,7 @@ The data order, the normalisation rule and the checkpoint contract are in docs/d
 from __future__ import annotations
 
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
@@ -19,9 +19,8 @@ import ray.train
 import torch
 from ray.train.torch import get_device
 
-from rayacc.config import TrainConfig
 from rayacc.data.order import EpochLayout
-from rayacc.data.sources import DatasetInfo
+from rayacc.data.sources import RowGroups
 from rayacc.data.vocab import VOCAB_FILE
 from rayacc.engine import (
     AccumulationStep,
@@ -44,15 +43,7 @@ from rayacc.events import (
 from rayacc.models import loss_functions
 from rayacc.models.parallel import model_recipe, strategy_for
 from rayacc.optim import build_optimizer, build_schedule
-from rayacc.quantities import (
-    data_order,
-    epoch_layout,
-    plan_at,
-    rank_seed,
-    remaining_epochs,
-    run_effective_lr,
-    schedule_length,
-)
+from rayacc.quantities import RunSpec, epoch_layout, rank_seed, remaining_epochs
 from rayacc.runner.autosize import MicroBatchSizer
 from rayacc.runner.checkpoint import RunCheckpoints, StepLog, WorkerParts, checkpoint_meta
 from rayacc.runner.ingest import LocalRows, RankReader, warm_up
@@ -61,49 +52,69 @@ from rayacc.runner.preemption import PreemptionWatch, ray_notice_sources
 from rayacc.runner.progress import Outbox
 from rayacc.runner.validation import Validator
 
-__all__ = ["REWARM_STEPS", "WorkerRun", "train_loop"]
+__all__ = ["REWARM_STEPS", "WorkerInputs", "WorkerRun", "train_loop"]
 
 REWARM_STEPS = 5
 """Applied steps over which the LR moves to a new peak after a resize that changed it."""
 
 
-def train_loop(config: dict[str, Any]) -> dict[str, Any]:
-    """Ray Train's train_loop_per_worker: the run of this rank; rank 0's return value is the
-    fit's summary."""
-    return WorkerRun(config).train()
+@dataclass(frozen=True)
+class WorkerInputs:
+    """What the driver hands every rank of the worker group: the run, derived once, and where
+    this fit reads, writes and reports."""
+
+    spec: RunSpec
+    source: str
+    """Where the ranks read the data (a bundled file staged under the run's storage)."""
+    groups: RowGroups
+    """The source's row groups there."""
+    storage: str
+    name: str
+    """The run's storage path and name (its folder: storage/name)."""
+    progress: Any
+    """The fit's ProgressBuffer actor (runner/progress.py); None where nothing listens."""
+    vocabulary: str | None = None
+    """A token run's vocabulary (JSON), kept by every checkpoint (`rayacc sample` decodes
+    with it)."""
+
+
+def train_loop(inputs: WorkerInputs) -> dict[str, Any]:
+    """Ray Train's train_loop_per_worker (bound to its inputs): the run of this rank; rank
+    0's return value is the fit's summary."""
+    return WorkerRun(inputs).train()
 
 
 class WorkerRun:
-    """Everything one rank holds for its run. The LR schedule is laid out for `reference`, the
-    plan at the most workers; `plan` is the plan at the worker count of this group. How the
-    model is spread over the ranks is the strategy's (engine/strategy.py)."""
+    """Everything one rank holds for its run. The LR schedule is laid out for the run's
+    reference split, at the most workers; `plan` is the split at the worker count of this
+    group. How the model is spread over the ranks is the strategy's (engine/strategy.py)."""
 
-    def __init__(self, config: dict[str, Any]):
+    def __init__(self, inputs: WorkerInputs):
         # when this process started and when its run began: bench/startup.py's worker phases
         self.process = psutil.Process()
         self.timeline = {"process_started": self.process.create_time(), "entered": time.time()}
-        self.cfg = cfg = TrainConfig.model_validate(config["cfg"])
-        self.info = DatasetInfo.from_dict(config["dataset"])
+        self.spec = spec = inputs.spec
+        self.cfg = cfg = spec.cfg
+        self.info = spec.info
         self.read_in_process = 0 < self.info.data_bytes <= cfg.data.in_process_read_max_mb * 2**20
         if not self.read_in_process:
             warm_up()
         ctx = ray.train.get_context()
         self.rank, self.world = ctx.get_world_rank(), ctx.get_world_size()
-        self.progress = config.get("progress")
+        self.progress = inputs.progress
         self.outbox = Outbox(self.progress if self.rank == 0 else None)
         self.device = self._device()
         # dropout and anything else random: one stream per rank, the same in every run
         torch.manual_seed(rank_seed(cfg.seed, self.rank))
-        self.reference = cfg.batch_plan()
-        self.lr = run_effective_lr(cfg, plan_at(cfg, self.world))
-        self.sizer = MicroBatchSizer(cfg, plan_at(cfg, self.world), self.device, self.progress)
-        self.groups = config["groups"]
-        self.run = config["run"]
-        self.source = config["source"]
-        # a token run's vocabulary, kept by every checkpoint (`rayacc sample` decodes with it)
-        vocabulary = config.get("vocabulary")
+        self.reference = spec.reference
+        self.lr = spec.lr_at(self.world)
+        self.sizer = MicroBatchSizer(cfg, spec.plan_at(self.world), self.device, self.progress)
+        self.groups = inputs.groups
+        self.storage, self.name = inputs.storage, inputs.name
+        self.source = inputs.source
+        vocabulary = inputs.vocabulary
         self.checkpoint_files = {VOCAB_FILE: vocabulary} if vocabulary else {}
-        self.order = data_order(cfg, self.info, self.groups)
+        self.order = spec.order
         self.state = TrainState()
         self.clock = StepClock()
         self.last: dict[str, Any] = {}
@@ -161,14 +172,13 @@ class WorkerRun:
         self.optimizer = build_optimizer(
             cfg, self.model.parameters(), self.lr, self.device, self.strategy
         )
-        reference_layout = epoch_layout(cfg, self.order.num_train_rows, self.reference)
         # the schedule advances by samples (see _window), not by the engine's scheduler hook
         self.schedule = build_schedule(
             cfg,
             self.optimizer,
             peak_lr=self.lr,
             reference_batch=self.reference.global_batch_size,
-            total_steps=schedule_length(cfg, reference_layout),
+            total_steps=self.spec.schedule_length,
         )
         self.step = AccumulationStep(
             self.model,
@@ -197,7 +207,7 @@ class WorkerRun:
             seed=cfg.seed,
             history=self.history,
         )
-        self.checkpoints = RunCheckpoints(self.run["storage"], self.run["name"], parts)
+        self.checkpoints = RunCheckpoints(self.storage, self.name, parts)
 
     def _restore(self) -> list[Event]:
         """Loads the latest checkpoint of the run, if any; a resize event when it was written
@@ -414,8 +424,7 @@ class WorkerRun:
                 "dataset": self.info.to_dict(),
             },
             meta=checkpoint_meta(
-                self.cfg,
-                self.info,
+                self.spec.identity,
                 self.plan,
                 self.state,
                 self.world,

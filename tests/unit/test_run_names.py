@@ -50,7 +50,7 @@ def test_resume_refuses_another_seed_order_or_dataset_listing_every_difference(t
     import pyarrow.parquet as pq
 
     from rayacc.data.sources import describe_dataset
-    from rayacc.runner.checkpoint import run_identity
+    from rayacc.quantities import run_identity
 
     def table(n):
         return pa.table(
@@ -69,7 +69,7 @@ def test_resume_refuses_another_seed_order_or_dataset_listing_every_difference(t
     meta = {"optimizer_step": 4, "identity": run_identity(original, describe_dataset(str(data)))}
     (ckpt / "meta.json").write_text(json.dumps(meta))
 
-    same = locate(original, resume=True, info=describe_dataset(str(data)))
+    same = locate(original, True, run_identity(original, describe_dataset(str(data))))
     assert same.name == "exp"
 
     other = original.model_copy(
@@ -79,7 +79,7 @@ def test_resume_refuses_another_seed_order_or_dataset_listing_every_difference(t
         }
     )
     with pytest.raises(DataError) as err:
-        locate(other, resume=True, info=describe_dataset(str(data)))
+        locate(other, True, run_identity(other, describe_dataset(str(data))))
     message = str(err.value)
     for field in ("seed", "data.shuffle", "data.val_fraction"):
         assert f"{field}:" in message, message
@@ -87,7 +87,7 @@ def test_resume_refuses_another_seed_order_or_dataset_listing_every_difference(t
 
     pq.write_table(table(65), data)  # a row more: the same path, other data
     with pytest.raises(DataError, match="dataset"):
-        locate(original, resume=True, info=describe_dataset(str(data)))
+        locate(original, True, run_identity(original, describe_dataset(str(data))))
 
 
 def test_a_file_only_this_node_has_is_staged_under_the_shared_storage_once(tmp_path):
@@ -159,7 +159,7 @@ def test_resume_with_another_global_batch_is_refused_before_launch(tmp_path, cha
     original = TrainConfig.from_dict(
         {**base, "batch": {"global_batch_size": 32, "micro_batch_size": 4}}
     )
-    from rayacc.runner.checkpoint import run_identity
+    from rayacc.quantities import run_identity
 
     ckpt = tmp_path / "runs" / "exp" / "checkpoint_step00000004"
     ckpt.mkdir(parents=True)
@@ -169,10 +169,10 @@ def test_resume_with_another_global_batch_is_refused_before_launch(tmp_path, cha
 
     resumed = TrainConfig.from_dict({**base, **change})
     if not refused:
-        assert locate(resumed, resume=True, info=info).name == "exp"
+        assert locate(resumed, True, run_identity(resumed, info)).name == "exp"
         return
     with pytest.raises(DataError) as err:
-        locate(resumed, resume=True, info=info)
+        locate(resumed, True, run_identity(resumed, info))
     assert "batch.global_batch_size: the run has 32" in str(err.value)
     assert "set batch.global_batch_size: 32" in str(err.value)
 

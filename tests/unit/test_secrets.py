@@ -96,7 +96,8 @@ def test_run_storage_and_checkpoint_files_hold_no_credential(tmp_path):
     """What a run writes beside its checkpoints: the run's info file, the model description,
     the identity in meta.json."""
     from rayacc.data.sources import describe_dataset, prepare_bundled
-    from rayacc.runner.checkpoint import run_identity, write_checkpoint
+    from rayacc.quantities import run_identity
+    from rayacc.runner.checkpoint import write_checkpoint
     from rayacc.runner.runs import RUN_INFO, RunLocation
 
     cfg = TrainConfig.from_dict(
