@@ -154,7 +154,7 @@ def run_bare_in_ray(cfg: TrainConfig, fused: bool) -> dict[str, float]:
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from rayacc.runner.driver import ensure_ray
+    from rayacc.driver.fit import ensure_ray
 
     ensure_ray(cfg)
     with tempfile.TemporaryDirectory() as tmp:
@@ -175,8 +175,8 @@ def run_bare_in_ray(cfg: TrainConfig, fused: bool) -> dict[str, float]:
 def run_rayacc(cfg: TrainConfig) -> dict[str, float]:
     """Steady-state samples/s, the per-step breakdown from the run's own metrics, and the
     time to the first optimizer step."""
-    from rayacc.events import RunObserver
-    from rayacc.runner.driver import fit
+    from rayacc.driver.fit import fit
+    from rayacc.observe.events import RunObserver
 
     first: list[float] = []
     t0 = time.perf_counter()

@@ -2,7 +2,7 @@
 
 Writes synthetic token data (rows of 129 uint16 tokens, row groups of 128 rows, files of 256k
 rows) at N, 2N and 4N rows, then for each size runs one epoch of reading alone on 2 ranks (two
-Ray actors, each the reader a training worker runs: `runner/ingest.py::RankReader`, global batch
+Ray actors, each the reader a training worker runs: `worker/ingest.py::RankReader`, global batch
 1024, so each rank's share of a window is 4 row groups) and prints per rank: peak RSS and its
 growth over the rank before reading, rows read against N/W, rows/s and time to the first
 window. `--train-steps K` also trains a small GPT for K steps on each size with `rayacc`'s fit
@@ -85,7 +85,7 @@ def rank_epoch(kind: str, info_dict: dict, groups, rank: int) -> dict:
     consumed = 0
     if kind == "new":
         from rayacc.data.order import DataOrder
-        from rayacc.runner.ingest import RankReader
+        from rayacc.worker.ingest import RankReader
 
         order = DataOrder(groups.start, groups.size, 0, True, 0.0, chunked=True)
         layout = EpochLayout(order.num_train_rows, GLOBAL_BATCH, 64, WORKERS)
@@ -105,7 +105,7 @@ def rank_epoch(kind: str, info_dict: dict, groups, rank: int) -> dict:
         import ray.data
 
         from rayacc.data.order import epoch_order, split_train_val
-        from rayacc.runner.ingest import fetch_rows
+        from rayacc.worker.ingest import fetch_rows
 
         ctx = ray.data.DataContext.get_current()
         ctx.execution_options.preserve_order = True

@@ -89,7 +89,7 @@ def rayacc_config(args, cfg: dict, data: str, micro: int, compiled: bool, storag
 
 
 def run_rayacc(args, cfg, data, micro, compiled, storage) -> dict:
-    from rayacc.runner.driver import fit
+    from rayacc.driver.fit import fit
 
     result = fit(rayacc_config(args, cfg, data, micro, compiled, storage))
     steady = [r for r in result.history if r["step"] > args.warmup]

@@ -40,12 +40,12 @@ JOBS = {
 
 def run_job(name: str, args) -> dict:
     from rayacc.config import TrainConfig
+    from rayacc.driver.calibrate import CalibrationGroup, sample_rows
+    from rayacc.driver.prelaunch import prepare
     from rayacc.engine.units import fsdp_blocks
     from rayacc.models.registry import build_on_meta
-    from rayacc.planner.calibrate import CalibrationGroup, sample_rows
     from rayacc.planner.candidates import enumerate_candidates
     from rayacc.planner.search import format_table, search, worker_counts
-    from rayacc.runner.prelaunch import prepare
 
     path, micros = JOBS[name]
     overrides = []

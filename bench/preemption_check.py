@@ -29,20 +29,14 @@ def train_loop(config: dict) -> dict:
 
     from rayacc import TrainConfig
     from rayacc.data.sources import describe_dataset
-    from rayacc.engine import AccumulationStep
-    from rayacc.models import loss_functions
-    from rayacc.models.parallel import model_recipe, strategy_for
-    from rayacc.optim import build_optimizer
-    from rayacc.runner.preemption import PreemptionWatch, ray_notice_sources
+    from rayacc.models.parallel import build_rank
+    from rayacc.worker.preemption import PreemptionWatch, ray_notice_sources
 
     torch.set_num_threads(1)
     cfg = TrainConfig.from_yaml(ROOT / "jobs" / "digits.yaml")
     info = describe_dataset("digits")
-    strategy = strategy_for(cfg)
-    model = strategy.build(model_recipe(cfg, info), torch.device("cpu"))
-    optimizer = build_optimizer(cfg, model.parameters(), 1e-3, torch.device("cpu"), strategy)
-    step = AccumulationStep(model, optimizer, strategy=strategy)
-    loss_fn, count = loss_functions(info, None, strategy)
+    parts = build_rank(cfg, info, torch.device("cpu"), 1e-3)
+    step, loss_fn, count = parts.step, parts.loss_fn, parts.count
     g = torch.Generator().manual_seed(ray.train.get_context().get_world_rank())
     micro = [
         {

@@ -17,11 +17,11 @@ __version__ = "0.1.0"
 
 # loaded on first use: `import rayacc.engine` must not pull in ray or mlflow
 _LAZY = {
-    "fit": "rayacc.runner.driver",
-    "FitResult": "rayacc.runner.driver",
+    "fit": "rayacc.driver.fit",
+    "FitResult": "rayacc.driver.fit",
     "build_model": "rayacc.models",
-    "load_model": "rayacc.runner.checkpoint",
-    "ProgressPrinter": "rayacc.console",
+    "load_model": "rayacc.worker.checkpoint",
+    "ProgressPrinter": "rayacc.observe.console",
 }
 
 

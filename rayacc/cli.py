@@ -22,7 +22,7 @@ def _load(args: argparse.Namespace) -> TrainConfig:
     its environment (`jobs.SECRET_OVERRIDES`: the ones that carry credentials)."""
     import json
 
-    from rayacc.runner.jobs import SECRET_OVERRIDES
+    from rayacc.driver.jobs import SECRET_OVERRIDES
 
     hidden = json.loads(os.environ.get(SECRET_OVERRIDES) or "[]")
     overrides = [*args.overrides, *hidden]
@@ -37,8 +37,8 @@ def _load(args: argparse.Namespace) -> TrainConfig:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """Prints the resolved batch plan and effective LR of a config, without running anything."""
+    from rayacc.driver.prelaunch import check
     from rayacc.quantities import lr_explanation
-    from rayacc.runner.prelaunch import check
 
     cfg = _load(args)
     if args.search:
@@ -62,11 +62,11 @@ def _plan_search(args: argparse.Namespace, cfg: TrainConfig) -> int:
     MLflow record."""
     from pathlib import Path
 
-    from rayacc.planner.calibrate import CalibrationGroup, sample_rows
+    from rayacc.driver.calibrate import CalibrationGroup, sample_rows
+    from rayacc.driver.fit import ensure_ray
+    from rayacc.driver.prelaunch import prepare
+    from rayacc.driver.runs import default_storage
     from rayacc.planner.search import format_table, search
-    from rayacc.runner.driver import ensure_ray
-    from rayacc.runner.prelaunch import prepare
-    from rayacc.runner.runs import default_storage
     from rayacc.tracking.plan_record import record_plan
 
     _console_owns_ray_output()
@@ -143,7 +143,7 @@ def _plan_search(args: argparse.Namespace, cfg: TrainConfig) -> int:
 def _cluster_holds(cfg: TrainConfig) -> int:
     import ray
 
-    from rayacc.runner.prelaunch import worker_needs, workers_that_fit
+    from rayacc.driver.prelaunch import worker_needs, workers_that_fit
 
     alive = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive", True)]
     return workers_that_fit(alive, worker_needs(cfg))
@@ -152,8 +152,8 @@ def _cluster_holds(cfg: TrainConfig) -> int:
 def _print_memory(cfg, plan) -> None:
     """Estimated memory per rank for each strategy (reads the data's description and builds
     the model on the meta device: no weights are allocated)."""
+    from rayacc.driver.prelaunch import prepare
     from rayacc.quantities import memory_per_rank
-    from rayacc.runner.prelaunch import prepare
 
     prep = prepare(cfg)
     micro = cfg.batch.fixed_micro_batch_size
@@ -193,14 +193,14 @@ def _console_owns_ray_output() -> None:
 
 
 def _user_error_types() -> tuple[type[BaseException], ...]:
-    from rayacc.batch_plan import BatchPlanError
+    from rayacc.config.batch_plan import BatchPlanError
     from rayacc.data.sources import DataError
+    from rayacc.driver.jobs import SubmitError
+    from rayacc.driver.places import PlaceError
+    from rayacc.driver.prelaunch import ResourceError
     from rayacc.models import ModelError
-    from rayacc.runner.checkpoint import CheckpointError
-    from rayacc.runner.jobs import SubmitError
-    from rayacc.runner.places import PlaceError
-    from rayacc.runner.prelaunch import ResourceError
     from rayacc.tracking.report import ReportError
+    from rayacc.worker.checkpoint import CheckpointError
 
     return (
         ConfigError,
@@ -222,9 +222,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     t_main = time.time()
     from rich.console import Console
 
-    from rayacc.console import ProgressPrinter, run_header, summary_lines
-    from rayacc.runner.driver import TrainingError, ensure_ray, fit
-    from rayacc.runner.prelaunch import locate, prepare
+    from rayacc.driver.fit import TrainingError, ensure_ray, fit
+    from rayacc.driver.prelaunch import locate, prepare
+    from rayacc.observe.console import ProgressPrinter, run_header, summary_lines
 
     t_imported = time.time()
     # paths and URIs stay on one line, copyable
@@ -294,14 +294,14 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from rayacc.config import SweepConfig
-    from rayacc.console import val_parts
-    from rayacc.runner.sweep import run_sweep
+    from rayacc.driver.sweep import run_sweep
+    from rayacc.observe.console import val_parts
     from rayacc.tracking.report import build_report
 
     console = _console()
     _console_owns_ray_output()
     sweep, base, source = SweepConfig.from_yaml(args.config)
-    from rayacc.runner.prelaunch import check
+    from rayacc.driver.prelaunch import check
 
     # the base as every trial shares it: its places, data, model and batch against the data
     check(TrainConfig.model_validate(base), "run")
@@ -359,7 +359,7 @@ def _print_report(console, report) -> None:
 
 def cmd_report(args: argparse.Namespace) -> int:
 
-    from rayacc.runner.places import PlaceError, check_folder, check_tracking_uri
+    from rayacc.driver.places import PlaceError, check_folder, check_tracking_uri
     from rayacc.tracking import default_tracking_uri
     from rayacc.tracking.report import build_report, write_report
 
@@ -396,7 +396,7 @@ def cmd_runs(args: argparse.Namespace) -> int:
     """Lists the runs of a storage path, oldest first."""
     from rich.table import Table
 
-    from rayacc.runner.runs import default_storage, list_runs
+    from rayacc.driver.runs import default_storage, list_runs
 
     console = _console()
     storage = default_storage(args.storage)
@@ -426,7 +426,7 @@ def cmd_runs(args: argparse.Namespace) -> int:
 
 def cmd_sample(args: argparse.Namespace) -> int:
     """Text from a token model's checkpoint, on stdout (prompt, then the continuation)."""
-    from rayacc.runner.sample import sample
+    from rayacc.driver.sample import sample
 
     result = sample(
         args.target,
@@ -450,7 +450,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from rayacc.runner.verify import verify
+    from rayacc.driver.verify import verify
 
     console = Console(soft_wrap=True)
     err = Console(stderr=True, soft_wrap=True)
@@ -477,13 +477,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    from rayacc.runner.jobs import submit
+    from rayacc.driver.jobs import submit
 
     return submit(args.job, args.overrides, args.address, args.follow)
 
 
 def cmd_jobs(args: argparse.Namespace) -> int:
-    from rayacc.runner.jobs import jobs_command
+    from rayacc.driver.jobs import jobs_command
 
     return jobs_command(args.action, args.job_id, args.address, getattr(args, "follow", False))
 
@@ -503,7 +503,7 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
             f"(a new folder for the Parquet); bundled names are {', '.join(BUNDLED)}"
         )
     from rayacc.data.prepare import prepare_corpus
-    from rayacc.runner.places import PlaceError, check_folder
+    from rayacc.driver.places import PlaceError, check_folder
 
     if problem := check_folder("--out", args.out):
         raise PlaceError([problem])
@@ -691,7 +691,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from rayacc.console import QuietRayStream
+    from rayacc.observe.console import QuietRayStream
     from rayacc.redact import RedactingStream
 
     args = parse_args(argv)

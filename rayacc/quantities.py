@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from rayacc.batch_plan import BatchPlan, BatchPlanError, plan_for_workers
 from rayacc.config import TrainConfig
+from rayacc.config.batch_plan import BatchPlan, BatchPlanError, plan_for_workers
 from rayacc.data.order import DataOrder, EpochLayout
 from rayacc.data.sources import DatasetInfo, RowGroups
 from rayacc.engine.lr import effective_lr

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rayacc.batch_plan import BatchPlanError, resolve_batch_plan
+from rayacc.config.batch_plan import BatchPlanError, resolve_batch_plan
 from rayacc.config.errors import MISSING, ConfigIssue
 
 # the sections (config/schema.py) arrive as arguments: this module imports nothing of the schema,

@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
-from rayacc.batch_plan import BatchPlan, BatchPlanError, resolve_batch_plan
+from rayacc.config.batch_plan import BatchPlan, BatchPlanError, resolve_batch_plan
 from rayacc.config.errors import ConfigError, ConfigIssue, issues_from_validation
 from rayacc.config.loader import read_yaml
 from rayacc.config.overrides import apply_overrides, flatten
@@ -354,7 +354,7 @@ class TrainConfig(Section):
     def elastic_summary(self) -> str:
         """Which worker counts of an elastic run keep the global batch (or what they do
         instead); raises BatchPlanError when none can run."""
-        from rayacc.batch_plan import elastic_sizes
+        from rayacc.config.batch_plan import elastic_sizes
 
         lo, hi, policy = self.scaling.min_workers, self.scaling.max_workers, self.scaling.on_resize
         sizes = elastic_sizes(self.batch_plan(), lo, hi, policy, self.batch.micro_batch_by_workers)

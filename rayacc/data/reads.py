@@ -1,15 +1,18 @@
 """Reading Parquet row groups, for the Ray Data read tasks of the ranks' reader
-(runner/ingest.py). pyarrow only: a read task's process imports nothing heavier, so it starts
-quickly on any node, CPU-only ones included."""
+(worker/ingest.py), and staging a local file where every node reads it. pyarrow only: a read
+task's process imports nothing heavier, so it starts quickly on any node, CPU-only ones
+included."""
 
 from __future__ import annotations
 
 import functools
+import uuid
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-__all__ = ["parquet_file", "read_groups", "warm"]
+__all__ = ["filesystem_and_path", "parquet_file", "read_groups", "stage_file", "warm"]
 
 
 def filesystem_and_path(location: str):
@@ -62,3 +65,23 @@ def warm() -> bool:
     """A task that only loads this module: run early, it leaves a worker process ready for
     the first read task (a new one takes seconds to start on a small machine)."""
     return True
+
+
+def stage_file(path: str, storage: str) -> str:
+    """A copy of the local Parquet file `path` under `storage` (a path or URI every node
+    reaches: the run's storage path), made once; its path there."""
+    from pyarrow import fs
+
+    name = Path(path).name
+    filesystem, root = filesystem_and_path(storage)
+    target = f"{root}/_data/{name}"
+    info = filesystem.get_file_info(target)
+    if info.type != fs.FileType.File or info.size != Path(path).stat().st_size:
+        filesystem.create_dir(f"{root}/_data", recursive=True)
+        # written under a name of its own, then renamed: a concurrent run (sweep trials share
+        # the storage path) never reads a partial file (a rename is atomic on a filesystem; an
+        # object store's upload appears whole)
+        partial = f"{target}.{uuid.uuid4().hex}.partial"
+        fs.copy_files(path, partial, fs.LocalFileSystem(), filesystem)
+        filesystem.move(partial, target)
+    return target if "://" not in storage else f"{storage.rstrip('/')}/_data/{name}"

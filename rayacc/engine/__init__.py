@@ -2,7 +2,7 @@
 control and train state. Imports torch only (never ray or mlflow), so it runs under plain
 torch.distributed as well as inside Ray Train workers."""
 
-from rayacc.batch_plan import BatchPlan, BatchPlanError, resolve_batch_plan
+from rayacc.config.batch_plan import BatchPlan, BatchPlanError, resolve_batch_plan
 from rayacc.engine.autobatch import MicroBatchSearch, TrialOutOfMemory, find_micro_batch_size
 from rayacc.engine.chunked_loss import chunked_cross_entropy_sum
 from rayacc.engine.collectives import all_gather_objects, all_reduce, group_device

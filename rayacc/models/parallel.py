@@ -1,17 +1,66 @@
 """A run's model as the strategy of its config builds it: the recipe (how the user's module is
-made) and the strategy (`train.strategy`) that builds, wraps and steps it (engine/strategy.py)."""
+made), the strategy (`train.strategy`) that builds, wraps and steps it (engine/strategy.py), and
+`build_rank`, the one assembly of a rank's training parts that the worker, the planner's
+calibration, `verify`, the combination matrix and the benches share."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
+from torch import nn
 
 from rayacc.config import TrainConfig
 from rayacc.data.sources import DatasetInfo
+from rayacc.engine.step import AccumulationStep
 from rayacc.engine.strategy import DDP, FSDP, ModelRecipe, Strategy
 from rayacc.models.init import initial_values, seeds_parameters
-from rayacc.models.registry import build_model, build_on_meta
+from rayacc.models.registry import build_model, build_on_meta, loss_functions
+from rayacc.optim import build_optimizer
 
-__all__ = ["model_recipe", "strategy_for"]
+__all__ = ["RankParts", "build_rank", "model_recipe", "strategy_for"]
+
+
+@dataclass
+class RankParts:
+    """A rank's training parts, in the order they are built."""
+
+    strategy: Strategy
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    loss_fn: Callable
+    """Per-item losses of a batch (engine/losses.py)."""
+    count: Callable
+    """The batch's count of loss items (rows or target tokens)."""
+    step: AccumulationStep
+
+
+def build_rank(
+    cfg: TrainConfig,
+    info: DatasetInfo,
+    device: torch.device,
+    lr: float,
+    *,
+    oom_retry: bool = False,
+) -> RankParts:
+    """Strategy → model → optimizer → losses → accumulation step of `cfg` on `device`, at peak
+    LR `lr` (the caller lays out a schedule, where it has one, over `parts.optimizer`).
+    `oom_retry`: a CUDA out-of-memory error halves the micro-batch on all ranks, where the
+    strategy can retry in place (`Strategy.can_retry_out_of_memory`)."""
+    strategy = strategy_for(cfg)
+    model = strategy.build(model_recipe(cfg, info), device)
+    optimizer = build_optimizer(cfg, model.parameters(), lr, device, strategy)
+    loss_fn, count = loss_functions(info, cfg.train.loss_chunk_tokens, strategy)
+    step = AccumulationStep(
+        model,
+        optimizer,
+        precision=cfg.train.precision,
+        max_grad_norm=cfg.optim.max_grad_norm,
+        oom_retry=oom_retry and strategy.can_retry_out_of_memory,
+        strategy=strategy,
+    )
+    return RankParts(strategy, model, optimizer, loss_fn, count, step)
 
 
 def strategy_for(cfg: TrainConfig) -> Strategy:

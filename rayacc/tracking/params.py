@@ -2,8 +2,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from rayacc.batch_plan import BatchPlan
 from rayacc.config import TrainConfig
+from rayacc.config.batch_plan import BatchPlan
 
 
 def contract_params(cfg: TrainConfig, plan: BatchPlan, effective_lr: float) -> dict[str, Any]:

@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rayacc.batch_plan import BatchPlan
 from rayacc.config import TrainConfig
-from rayacc.events import (
+from rayacc.config.batch_plan import BatchPlan
+from rayacc.observe.events import (
     Event,
     MicroBatchChanged,
     PreemptionNotice,

@@ -11,7 +11,7 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rayacc.goodput import PARTS, describe
+from rayacc.observe.goodput import PARTS, describe
 
 __all__ = ["RunReport", "build_run_report", "write_run_report"]
 

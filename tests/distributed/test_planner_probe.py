@@ -15,7 +15,7 @@ def test_the_calibration_probe_is_rank_safe(tmp_path):
     import torch
 
     from rayacc.data.sources import describe_dataset
-    from rayacc.planner.calibrate import sample_rows
+    from rayacc.driver.calibrate import sample_rows
     from tests.support import planner_workers
     from tests.support.engine_helpers import spawn_ranks
 

@@ -12,7 +12,7 @@ import pytest
 from rayacc.data.order import DataOrder, EpochLayout
 from rayacc.data.prepare import prepare_corpus
 from rayacc.data.sources import describe_dataset, row_groups
-from rayacc.runner.ingest import RankReader
+from rayacc.worker.ingest import RankReader
 from tests.support.corpus import corpus, quiet, rows_of
 
 ROWS = 600

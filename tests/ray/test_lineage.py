@@ -22,8 +22,8 @@ import yaml
 from mlflow.tracking import MlflowClient
 
 from rayacc import TrainConfig, load_model
-from rayacc.events import RunObserver
-from rayacc.runner.runs import RUN_INFO
+from rayacc.driver.runs import RUN_INFO
+from rayacc.observe.events import RunObserver
 from tests.support.fits import config, digits_subset, fit_or_fail, rel_diff, weights
 from tests.support.mlflow_server import free_port, start_server
 
@@ -166,7 +166,7 @@ def test_the_record_is_the_final_checkpoints_lineage_across_every_fault(
         resumed_spec = spec(tmp_path, strategy, workers, uri)
         del resumed_spec["run"]["name"]
         cfg = TrainConfig.from_dict(resumed_spec)
-        from rayacc.runner.driver import fit
+        from rayacc.driver.fit import fit
 
         box: dict = {}
         t = threading.Thread(
@@ -232,7 +232,7 @@ def test_a_resume_that_lengthens_a_cosine_run_goes_on_from_its_lr_with_the_whole
     """A 4-step cosine run resumed with train.max_steps=8: the LR goes on from where it was
     (the end of the old decay: min_lr_ratio × peak) instead of jumping up the new curve; the
     console and a tag say so; the loss curve, FitResult.history and MLflow cover steps 1..8."""
-    from rayacc.events import ScheduleChanged
+    from rayacc.observe.events import ScheduleChanged
 
     def cfg(steps):
         return config(
@@ -250,7 +250,7 @@ def test_a_resume_that_lengthens_a_cosine_run_goes_on_from_its_lr_with_the_whole
             seen.append(event)
 
     first = fit_or_fail(cfg(4))
-    from rayacc.runner.driver import fit
+    from rayacc.driver.fit import fit
 
     longer = fit(cfg(8), resume=True, observers=[Events()])
     (change,) = [e for e in seen if isinstance(e, ScheduleChanged)]

@@ -11,8 +11,8 @@ from mlflow.tracking import MlflowClient
 
 from rayacc import TrainConfig
 from rayacc.config import SweepConfig
-from rayacc.runner.sweep import run_sweep
-from rayacc.runner.verify import verify
+from rayacc.driver.sweep import run_sweep
+from rayacc.driver.verify import verify
 from rayacc.tracking.report import build_report, write_report
 from tests.support.fits import digits_subset
 

@@ -1,7 +1,7 @@
 """The combination matrix: every accepted combination of strategy, activation checkpointing,
 micro-batch, workers, precision, loss, last window and resume event, covered pairwise, each case
-run on gloo ranks (no Ray) through the product's own build path (`strategy_for(cfg).build(
-model_recipe(cfg, info))`) and the accumulation step, and compared with single-process
+run on gloo ranks (no Ray) through the product's own build path (`build_rank`: strategy,
+model, optimizer, losses and the accumulation step), and compared with single-process
 full-batch steps.
 
 A case runs in two phases when it has an event: phase A trains its first window and saves the
@@ -181,18 +181,15 @@ def micro_batches(seqs: list, micro: int, world: int, window_len: int) -> list[d
 
 def run_phase(case: Case, rank: int, world: int, folder: Path, phase: str) -> dict | None:
     """Runs this rank's part of a case's phase; rank 0 returns the full weights at its end."""
-    from rayacc.engine import AccumulationStep, find_micro_batch_size
-    from rayacc.models import loss_functions
-    from rayacc.models.parallel import model_recipe, strategy_for
-    from rayacc.optim import build_optimizer, optimizer_slots
+    from rayacc.engine import find_micro_batch_size
+    from rayacc.models.parallel import build_rank
+    from rayacc.optim import optimizer_slots
 
     cfg, info = config(case), dataset()
     device = torch.device("cpu")
-    strategy = strategy_for(cfg)
-    model = strategy.build(model_recipe(cfg, info), device)
-    optimizer = build_optimizer(cfg, model.parameters(), LR, device, strategy)
-    step = AccumulationStep(model, optimizer, precision=case.precision, strategy=strategy)
-    loss_fn, count = loss_functions(info, cfg.train.loss_chunk_tokens, strategy)
+    parts = build_rank(cfg, info, device, LR)
+    strategy, optimizer, step = parts.strategy, parts.optimizer, parts.step
+    loss_fn, count = parts.loss_fn, parts.count
     all_windows = windows(case)
     if phase == "B":
         saved = torch.load(folder / "state.pt", weights_only=True) if rank == 0 else {}

@@ -12,8 +12,8 @@ import torch.distributed as dist
 
 def run_rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
     from rayacc.config import TrainConfig
+    from rayacc.driver.calibrate import measure_candidate
     from rayacc.engine import TrialOutOfMemory
-    from rayacc.planner.calibrate import measure_candidate
     from rayacc.planner.candidates import Candidate
 
     dist.init_process_group(

@@ -49,15 +49,11 @@ def window(rank: int) -> list[torch.Tensor]:
 
 
 def build(cfg):
-    from rayacc.engine import AccumulationStep, token_item_losses
-    from rayacc.models.parallel import model_recipe, strategy_for
-    from rayacc.optim import build_optimizer
+    from rayacc.engine import token_item_losses
+    from rayacc.models.parallel import build_rank
 
-    strategy = strategy_for(cfg)
-    model = strategy.build(model_recipe(cfg, dataset()), torch.device("cpu"))
-    optimizer = build_optimizer(cfg, model.parameters(), 0.5, torch.device("cpu"), strategy)
-    step = AccumulationStep(model, optimizer, strategy=strategy)
-    return strategy, model, step, token_item_losses
+    parts = build_rank(cfg, dataset(), torch.device("cpu"), 0.5)
+    return parts.strategy, parts.model, parts.step, token_item_losses
 
 
 def fsdp_internal_grads(model: nn.Module) -> int:

@@ -107,7 +107,7 @@ def test_a_negative_seed_is_a_config_error():
 def test_a_global_batch_larger_than_the_training_rows_names_both(
     tmp_path, rows, val_fraction, global_batch, last_window, train_rows
 ):
-    from rayacc.runner.prelaunch import prepare
+    from rayacc.driver.prelaunch import prepare
 
     source = classification(
         tmp_path / "d.parquet", [[0.0, 1.0]] * rows, [0, 1] * (rows // 2) + [0] * (rows % 2)
@@ -150,8 +150,8 @@ def test_a_global_batch_larger_than_the_training_rows_names_both(
 def test_a_model_factory_that_cannot_build_the_model_is_refused_before_launch(
     tmp_path, factory, kwargs, says
 ):
+    from rayacc.driver.prelaunch import prepare
     from rayacc.models import ModelError
-    from rayacc.runner.prelaunch import prepare
 
     cfg = TrainConfig.from_dict(
         {
@@ -168,7 +168,7 @@ def test_a_model_factory_that_cannot_build_the_model_is_refused_before_launch(
 
 
 def test_a_model_factory_that_builds_passes(tmp_path):
-    from rayacc.runner.prelaunch import prepare
+    from rayacc.driver.prelaunch import prepare
 
     cfg = TrainConfig.from_dict(
         {
@@ -181,7 +181,7 @@ def test_a_model_factory_that_builds_passes(tmp_path):
 
 
 def test_wrong_columns_are_reported_before_workers_start(tmp_path):
-    from rayacc.runner.prelaunch import prepare
+    from rayacc.driver.prelaunch import prepare
     from tests.support.fits import config
 
     path = tmp_path / "bad.parquet"

@@ -110,7 +110,7 @@ def test_error_is_a_value_error_with_the_fix_in_its_message():
 
 
 def test_elastic_plans_keep_the_global_batch_or_follow_the_workers():
-    from rayacc.batch_plan import elastic_sizes, plan_for_workers
+    from rayacc.config.batch_plan import elastic_sizes, plan_for_workers
 
     base = resolve_batch_plan(num_workers=3, global_batch_size=96, micro_batch_size=32)
     kept = elastic_sizes(base, 1, 4, "keep_global_batch")

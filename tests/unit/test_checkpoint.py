@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rayacc.runner.checkpoint import CheckpointError, load_model, read_checkpoint
+from rayacc.worker.checkpoint import CheckpointError, load_model, read_checkpoint
 
 
 class _Payload:
@@ -46,7 +46,7 @@ def sharded_checkpoint(folder: Path) -> tuple[Path, dict[str, torch.Tensor]]:
     returns the folder and the weights it holds."""
     from rayacc.engine.shards import save_sharded
     from rayacc.models import build_model
-    from rayacc.runner.checkpoint import SHARDS_DIR, write_checkpoint
+    from rayacc.worker.checkpoint import SHARDS_DIR, write_checkpoint
     from tests.support.fsdp_workers import seeded_config
 
     cfg, info = seeded_config()

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from rayacc.clusterspec import SpecError, check_kuberay, check_launcher, load_yaml
+from rayacc.cluster.spec import SpecError, check_kuberay, check_launcher, load_yaml
 from rayacc.config import SweepConfig, TrainConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -85,7 +85,7 @@ def _gcp_spot(c):
 
 def _no_spot_agent(c):
     c["worker_start_ray_commands"] = [
-        cmd for cmd in c["worker_start_ray_commands"] if "rayacc.spot" not in cmd
+        cmd for cmd in c["worker_start_ray_commands"] if "rayacc.cluster.spot" not in cmd
     ]
 
 
@@ -105,8 +105,8 @@ SPOT_BREAKS = {
         lambda c: _aws_spot(c).update(MarketType="capacity-block"),
         "MarketType: use spot",
     ),
-    "aws: no reclaim agent": ("aws.yaml", _no_spot_agent, "rayacc.spot --cloud aws"),
-    "gcp: no reclaim agent": ("gcp.yaml", _no_spot_agent, "rayacc.spot --cloud gcp"),
+    "aws: no reclaim agent": ("aws.yaml", _no_spot_agent, "rayacc.cluster.spot --cloud aws"),
+    "gcp: no reclaim agent": ("gcp.yaml", _no_spot_agent, "rayacc.cluster.spot --cloud gcp"),
     "gcp: scheduling as a list": (
         "gcp.yaml",
         lambda c: c["available_node_types"]["worker.gpu"]["node_config"].update(

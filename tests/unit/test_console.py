@@ -12,7 +12,7 @@ import pytest
 from rich.console import Console
 
 from rayacc.config import TrainConfig
-from rayacc.console import (
+from rayacc.observe.console import (
     Eta,
     ProgressPrinter,
     QuietRayStream,
@@ -21,7 +21,7 @@ from rayacc.console import (
     progress_line,
     strategy_line,
 )
-from rayacc.events import RunStarted
+from rayacc.observe.events import RunStarted
 
 
 def record(step, **extra):
@@ -156,8 +156,8 @@ def test_the_summary_says_which_steps_its_medians_cover(steps, which):
 
 
 def test_a_fit_results_repr_is_short():
-    from rayacc.batch_plan import BatchPlan
-    from rayacc.runner.driver import FitResult
+    from rayacc.config.batch_plan import BatchPlan
+    from rayacc.driver.fit import FitResult
 
     history = [record(s, **{f"x/{i}": 1.0 for i in range(30)}) for s in range(1, 501)]
     result = FitResult(
@@ -393,7 +393,7 @@ def test_a_local_run_with_more_worker_cpus_than_cores_warns(
 ):
     import os
 
-    from rayacc.runner.prelaunch import local_oversubscription
+    from rayacc.driver.prelaunch import local_oversubscription
 
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
     if address:
@@ -432,9 +432,9 @@ def test_off_a_terminal_there_is_no_bar():
 
 
 def test_the_summary_names_its_validation_metrics_and_says_where_the_time_went():
-    from rayacc.batch_plan import BatchPlan
-    from rayacc.console import summary_lines
-    from rayacc.runner.driver import FitResult
+    from rayacc.config.batch_plan import BatchPlan
+    from rayacc.driver.fit import FitResult
+    from rayacc.observe.console import summary_lines
 
     cfg = TrainConfig.from_dict({"batch": {"global_batch_size": 8, "micro_batch_size": 4}})
     metrics = {"step": 5, "train/loss": 0.1, "val/loss": 0.2, "val/accuracy": 0.9}

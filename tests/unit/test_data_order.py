@@ -81,7 +81,7 @@ def test_rank_positions_cover_each_rank_share_from_a_step():
 def test_take_split_equals_one_take_per_micro_batch(fmt):
     import torch
 
-    from rayacc.runner.ingest import LocalRows
+    from rayacc.data.rows import LocalRows
 
     g = torch.Generator().manual_seed(0)
     if fmt == "classification":
@@ -170,7 +170,7 @@ def test_reads_per_epoch_follow_the_row_group_size(group_rows, factor):
     """Rows the cluster reads per epoch over rows trained on, with each rank's share of a window
     32 rows: about once when row groups are small against it, twice when a row group straddles
     both ranks' shares of every window."""
-    from rayacc.runner.prelaunch import read_factor
+    from rayacc.driver.prelaunch import read_factor
 
     order = chunk_order([group_rows] * (1536 // group_rows))
     layout = EpochLayout(order.num_train_rows, 64, 8, 2)
@@ -182,7 +182,7 @@ def test_prepare_warns_when_row_groups_are_too_large_for_the_read_once_order(tmp
     import pyarrow.parquet as pq
 
     from rayacc import TrainConfig
-    from rayacc.runner.prelaunch import prepare
+    from rayacc.driver.prelaunch import prepare
 
     path = tmp_path / "tokens.parquet"
     rows = [[i % 50, (i + 1) % 50, 3] for i in range(1536)]
@@ -212,7 +212,7 @@ def test_a_short_row_group_does_not_shift_the_windows_off_the_row_groups():
     """A file's last row group is usually short; placed early in an epoch it would shift every
     later window by its size, and each rank would read one row group more per window. Short
     units go to the end of each shuffled epoch."""
-    from rayacc.runner.prelaunch import read_factor
+    from rayacc.driver.prelaunch import read_factor
 
     order = chunk_order([8] * 200 + [4] + [8] * 199)
     layout = EpochLayout(order.num_train_rows, 64, 8, 2)
@@ -235,8 +235,8 @@ def test_a_short_row_group_does_not_shift_the_windows_off_the_row_groups():
     ],
 )
 def test_remaining_epochs_leave_out_an_epoch_without_a_window(workers, state, expected):
-    from rayacc.batch_plan import BatchPlan
     from rayacc.config import TrainConfig
+    from rayacc.config.batch_plan import BatchPlan
     from rayacc.engine import TrainState
     from rayacc.quantities import remaining_epochs
 

@@ -4,9 +4,9 @@ import time
 
 import pytest
 
+from rayacc.driver.fit import History
 from rayacc.engine import StepClock
-from rayacc.events import MicroBatchChanged, Resized, RunStarted
-from rayacc.runner.driver import History
+from rayacc.observe.events import MicroBatchChanged, Resized, RunStarted
 
 
 def test_events_describe_themselves_for_tags_and_console():

@@ -19,3 +19,54 @@ def test_config_layer_does_not_import_the_engine():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"]
+
+
+def _rayacc_imports(package: str) -> dict[str, set[str]]:
+    """Every rayacc module each module of `package` imports, at its top or inside a function."""
+    import ast
+    from pathlib import Path
+
+    import rayacc
+
+    root = Path(rayacc.__file__).parent
+    found: dict[str, set[str]] = {}
+    for path in sorted((root / package).rglob("*.py")):
+        names: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names.add(node.module)
+                names.update(f"{node.module}.{a.name}" for a in node.names)
+            elif isinstance(node, ast.Import):
+                names.update(a.name for a in node.names)
+        found[str(path.relative_to(root))] = {n for n in names if n.startswith("rayacc")}
+    return found
+
+
+def test_code_is_sorted_by_the_process_that_runs_it():
+    """The worker side never imports the driver side; the planner's pure part imports neither
+    (its Ray part, the calibration, is the driver's); what a run tells its observers and the
+    cluster code import neither either."""
+    rules = {
+        "worker": ("rayacc.driver",),
+        "planner": ("rayacc.driver", "rayacc.worker"),
+        "observe": ("rayacc.driver", "rayacc.worker"),
+        "cluster": ("rayacc.driver", "rayacc.worker"),
+        "engine": ("rayacc.driver", "rayacc.worker", "rayacc.planner", "rayacc.tracking"),
+    }
+    wrong = [
+        f"{module} imports {name}"
+        for package, banned in rules.items()
+        for module, names in _rayacc_imports(package).items()
+        for name in names
+        if name.startswith(banned)
+    ]
+    assert not wrong, wrong
+
+
+def test_at_most_six_modules_sit_at_the_top_of_the_package():
+    from pathlib import Path
+
+    import rayacc
+
+    top = sorted(p.name for p in Path(rayacc.__file__).parent.glob("*.py"))
+    assert len(top) <= 6, top

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from rayacc.config import TrainConfig
-from rayacc.runner.places import PlaceError, check_places
+from rayacc.driver.places import PlaceError, check_places
 
 
 def cfg(**sections) -> TrainConfig:

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rayacc.batch_plan import BatchPlanError
 from rayacc.config import ConfigError, TrainConfig
+from rayacc.config.batch_plan import BatchPlanError
 from rayacc.planner.candidates import Candidate, checkpointing_choices, enumerate_candidates
 from rayacc.planner.planfile import PlanFile, made_for
 from rayacc.planner.prior import predict
@@ -294,7 +294,7 @@ def test_a_planned_micro_batch_that_breaks_the_global_batch_names_the_field():
     ],
 )
 def test_planned_sizes_a_run_cannot_use_are_warned_of(scaling, warned, tmp_path):
-    from rayacc.runner.prelaunch import prepare
+    from rayacc.driver.prelaunch import prepare
 
     job = _job(**{f"scaling.{k}": v for k, v in scaling.items()})
     job["data"]["cache_dir"] = str(tmp_path)
@@ -325,7 +325,7 @@ def _plan_with_rows(job: dict) -> PlanFile:
 
 def test_a_sweep_from_a_plan_runs_its_best_candidates_with_their_predictions(tmp_path):
     from rayacc.config import SweepConfig
-    from rayacc.runner.sweep import expand_trials
+    from rayacc.driver.sweep import expand_trials
 
     _plan_with_rows(_job()).write(tmp_path / "PLAN.yaml")
     spec = {"base": str(ROOT / "jobs/digits.yaml"), "plan": "PLAN.yaml", "from_plan": 3}
@@ -371,7 +371,7 @@ def test_a_sweep_file_with_a_plan_is_checked_before_any_trial(tmp_path, spec, na
 
 def test_a_sweep_from_a_plan_for_another_job_is_refused(tmp_path):
     from rayacc.config import SweepConfig
-    from rayacc.runner.sweep import expand_trials
+    from rayacc.driver.sweep import expand_trials
 
     _plan_with_rows(_job(**{"batch.global_batch_size": 128})).write(tmp_path / "PLAN.yaml")
     spec = {"base": str(ROOT / "jobs/digits.yaml"), "plan": "PLAN.yaml", "from_plan": 2}
@@ -410,7 +410,7 @@ def test_the_profile_in_one_process_and_a_model_that_fits_only_when_recomputed(t
     import torch
 
     from rayacc.data.sources import describe_dataset
-    from rayacc.planner.calibrate import measure_overheads, sample_rows
+    from rayacc.driver.calibrate import measure_overheads, sample_rows
     from rayacc.planner.profile import measure_profile
 
     job = _job()

@@ -1,5 +1,5 @@
-"""A reclaim with notice, one rank's side (runner/preemption.py), and the goodput split
-(rayacc/goodput.py), on a clock the test moves. The whole stack — a node drained for
+"""A reclaim with notice, one rank's side (worker/preemption.py), and the goodput split
+(rayacc/observe/goodput.py), on a clock the test moves. The whole stack — a node drained for
 preemption on a multi-node cluster — is tests/test_spot.py."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from rayacc.events import Checkpointed, PreemptionNotice, ReclaimStandby, RunStarted
-from rayacc.goodput import Goodput, describe, percent
-from rayacc.runner.preemption import DEFAULT_DEADLINE_S, STANDBY_GRACE_S, PreemptionWatch
+from rayacc.observe.events import Checkpointed, PreemptionNotice, ReclaimStandby, RunStarted
+from rayacc.observe.goodput import Goodput, describe, percent
+from rayacc.worker.preemption import DEFAULT_DEADLINE_S, STANDBY_GRACE_S, PreemptionWatch
 
 
 @dataclass
@@ -268,7 +268,7 @@ SPOT_CONFIGS = [
 @pytest.mark.parametrize("scaling, train, expected", SPOT_CONFIGS)
 def test_a_run_on_spot_nodes_is_warned_of_what_a_reclaim_would_cost(scaling, train, expected):
     from rayacc import TrainConfig
-    from rayacc.runner.prelaunch import spot_warnings
+    from rayacc.driver.prelaunch import spot_warnings
 
     cfg = TrainConfig.from_dict(
         {

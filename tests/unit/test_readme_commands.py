@@ -69,10 +69,10 @@ def test_every_command_shown_parses(where, line):
 def test_the_summary_says_how_to_open_the_ui(uri, hint):
     from rich.console import Console
 
-    from rayacc.batch_plan import BatchPlan
     from rayacc.config import TrainConfig
-    from rayacc.console import summary_lines
-    from rayacc.runner.driver import FitResult
+    from rayacc.config.batch_plan import BatchPlan
+    from rayacc.driver.fit import FitResult
+    from rayacc.observe.console import summary_lines
 
     cfg = TrainConfig.from_dict({"batch": {"global_batch_size": 8, "micro_batch_size": 4}})
     result = FitResult(
@@ -99,8 +99,8 @@ def test_what_rayacc_writes_into_a_checkout_is_git_ignored(tmp_path, monkeypatch
     directory, taken from the code that writes it, is ignored."""
     import subprocess
 
-    from rayacc.runner.runs import default_storage
-    from rayacc.runner.sweep import _abs_storage
+    from rayacc.driver.runs import default_storage
+    from rayacc.driver.sweep import _abs_storage
     from rayacc.tracking.mlflow_sink import default_tracking_uri
 
     monkeypatch.chdir(ROOT)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from rayacc.config import TrainConfig
-from rayacc.runner.prelaunch import ResourceError, check_resources, workers_that_fit
+from rayacc.driver.prelaunch import ResourceError, check_resources, workers_that_fit
 
 ROOT = Path(__file__).resolve().parents[2]
 NODE = {"Alive": True, "Resources": {"CPU": 4.0, "memory": 1e10, "node:127.0.0.1": 1.0}}

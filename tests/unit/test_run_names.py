@@ -9,8 +9,8 @@ import pytest
 
 from rayacc.config import TrainConfig
 from rayacc.data.sources import DataError
-from rayacc.runner.prelaunch import locate
-from rayacc.runner.runs import locate_run
+from rayacc.driver.prelaunch import locate
+from rayacc.driver.runs import locate_run
 
 
 def cfg(storage, name=None) -> TrainConfig:
@@ -94,7 +94,7 @@ def test_a_file_only_this_node_has_is_staged_under_the_shared_storage_once(tmp_p
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from rayacc.runner.ingest import stage_file
+    from rayacc.data.reads import stage_file
 
     cache = tmp_path / "this-node-cache" / "digits.parquet"
     cache.parent.mkdir()
@@ -109,7 +109,7 @@ def test_a_file_only_this_node_has_is_staged_under_the_shared_storage_once(tmp_p
     uri = stage_file(str(cache), f"file://{tmp_path / 'bucket'}")
     assert uri == f"file://{tmp_path / 'bucket'}/_data/digits.parquet"
     # the staging folder is not a run
-    from rayacc.runner.runs import list_runs
+    from rayacc.driver.runs import list_runs
 
     assert list_runs(str(storage)) == []
 
@@ -202,7 +202,7 @@ def _classification_file(path) -> None:
 def test_resume_without_a_name_takes_the_latest_run_of_the_same_job(tmp_path, runs, job, picked):
     import json
 
-    from rayacc.runner.runs import RUN_INFO
+    from rayacc.driver.runs import RUN_INFO
 
     for name, identity, started in runs:
         (tmp_path / name).mkdir()
@@ -251,7 +251,7 @@ def test_staging_writes_a_name_of_its_own_and_renames_it(tmp_path, monkeypatch):
     the target half-written."""
     import pyarrow.fs as pafs
 
-    from rayacc.runner.ingest import stage_file
+    from rayacc.data.reads import stage_file
 
     cache = tmp_path / "cache" / "digits.parquet"
     cache.parent.mkdir()
@@ -274,7 +274,7 @@ def test_staging_writes_a_name_of_its_own_and_renames_it(tmp_path, monkeypatch):
 
 def test_runs_lists_the_runs_of_a_storage_path(tmp_path, capsys):
     """`rayacc runs` reads what runs leave in their folders: no Ray, no MLflow."""
-    from rayacc.runner.runs import list_runs, locate_run
+    from rayacc.driver.runs import list_runs, locate_run
 
     cfg = TrainConfig.from_dict(
         {

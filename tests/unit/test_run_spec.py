@@ -15,9 +15,10 @@ import pytest
 
 import rayacc
 from rayacc import TrainConfig
-from rayacc.batch_plan import BatchPlanError
+from rayacc.config.batch_plan import BatchPlanError
 from rayacc.config.errors import ConfigError, ConfigIssue
 from rayacc.data.sources import prepare_bundled
+from rayacc.driver.prelaunch import prepare
 from rayacc.quantities import (
     epoch_layout,
     plan_at,
@@ -26,7 +27,6 @@ from rayacc.quantities import (
     schedule_length,
     total_optimizer_steps,
 )
-from rayacc.runner.prelaunch import prepare
 
 
 def _cfg(tmp_path, **batch_and_scaling) -> TrainConfig:

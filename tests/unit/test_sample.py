@@ -15,9 +15,9 @@ from rayacc.cli import main
 from rayacc.data.prepare import prepare_corpus
 from rayacc.data.sources import DataError, DatasetInfo, describe_dataset
 from rayacc.data.vocab import VOCAB_FILE, Vocabulary
+from rayacc.driver.sample import find_checkpoint, sample
 from rayacc.models import build_model
-from rayacc.runner.checkpoint import SHARDS_DIR, RunCheckpoints, write_checkpoint
-from rayacc.runner.sample import find_checkpoint, sample
+from rayacc.worker.checkpoint import SHARDS_DIR, RunCheckpoints, write_checkpoint
 
 TEXT = "First Citizen:\nBefore we proceed any further, hear me speak.\nAll: Speak, speak.\n" * 4
 

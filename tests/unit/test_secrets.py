@@ -10,8 +10,8 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from rayacc.config import TrainConfig
+from rayacc.driver import jobs
 from rayacc.redact import redact
-from rayacc.runner import jobs
 from rayacc.tracking import MlflowSink
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -96,9 +96,9 @@ def test_run_storage_and_checkpoint_files_hold_no_credential(tmp_path):
     """What a run writes beside its checkpoints: the run's info file, the model description,
     the identity in meta.json."""
     from rayacc.data.sources import describe_dataset, prepare_bundled
+    from rayacc.driver.runs import RUN_INFO, RunLocation
     from rayacc.quantities import run_identity
-    from rayacc.runner.checkpoint import write_checkpoint
-    from rayacc.runner.runs import RUN_INFO, RunLocation
+    from rayacc.worker.checkpoint import write_checkpoint
 
     cfg = TrainConfig.from_dict(
         {

@@ -1,5 +1,5 @@
-"""`python -m rayacc.spot`: a cloud's reclaim warning, read from a metadata server that speaks
-the AWS (IMDSv2) or GCP protocol on loopback, becomes one drain of this Ray node with the
+"""`python -m rayacc.cluster.spot`: a cloud's reclaim warning, read from a metadata server that
+speaks the AWS (IMDSv2) or GCP protocol on loopback, becomes one drain of this Ray node with the
 seconds the cloud gave."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import ClassVar
 
 import pytest
 
-from rayacc.spot import GCP_NOTICE_S, aws_notice, gcp_notice, watch
+from rayacc.cluster.spot import GCP_NOTICE_S, aws_notice, gcp_notice, watch
 
 
 class Metadata(http.server.BaseHTTPRequestHandler):

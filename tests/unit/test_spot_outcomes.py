@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from rayacc.events import PreemptionNotice
+from rayacc.observe.events import PreemptionNotice
 from tests.support.cluster import notice_outcomes
 
 

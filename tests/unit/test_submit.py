@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from rayacc.runner import jobs
+from rayacc.driver import jobs
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from rayacc.config import SweepConfig, TrainConfig
-from rayacc.runner.sweep import expand_trials
+from rayacc.driver.sweep import expand_trials
 
 ROOT = Path(__file__).resolve().parents[2]
 

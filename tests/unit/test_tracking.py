@@ -60,8 +60,8 @@ def test_unreachable_server_disables_tracking_with_one_message(capsys):
 
 
 def test_a_reopened_run_extends_its_event_tags(tmp_path):
-    from rayacc.batch_plan import BatchPlan
-    from rayacc.events import Resized, RunStarted
+    from rayacc.config.batch_plan import BatchPlan
+    from rayacc.observe.events import Resized, RunStarted
     from rayacc.tracking import RunIdentity, open_tracking
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
@@ -99,7 +99,7 @@ def test_a_reopened_run_extends_its_event_tags(tmp_path):
 
 
 def test_the_run_info_keeps_the_mlflow_run_on_any_storage_and_never_loses_it(tmp_path):
-    from rayacc.runner.runs import RunLocation, locate_run
+    from rayacc.driver.runs import RunLocation, locate_run
 
     storage = f"file://{tmp_path / 'store'}"  # through pyarrow, as s3:// or gs:// would be
     cfg = TrainConfig.from_dict(

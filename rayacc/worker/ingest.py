@@ -13,99 +13,24 @@ every group each epoch and holds one epoch's data.
 
 from __future__ import annotations
 
-import itertools
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import torch
 
 from rayacc.data.order import DataOrder
-from rayacc.data.reads import parquet_file, read_groups
+from rayacc.data.reads import read_groups
+from rayacc.data.rows import LocalRows, assemble, columns_of, group_of, to_local_rows
 from rayacc.data.sources import DatasetInfo, RowGroups
-from rayacc.engine import collate_tokens
 
-__all__ = [
-    "EpochReads",
-    "LocalRows",
-    "RankReader",
-    "read_rows",
-    "stage_file",
-    "warm_up",
-]
+__all__ = ["EpochReads", "RankReader", "warm_up"]
 
 READ_TASK_ROWS = 16_384
 """Rows (whole row groups) one read task reads: fewer, larger tasks cost less scheduling, smaller
 ones start the first step sooner and hold less in flight."""
 PREFETCH_BLOCKS = 2
 """Read tasks' outputs a rank's iterator fetches ahead of the one it consumes."""
-
-
-@dataclass
-class LocalRows:
-    """Rows held by one rank, in the order it consumes them; sliced into micro-batches."""
-
-    format: str
-    features: torch.Tensor | None = None
-    labels: torch.Tensor | None = None
-    tokens: torch.Tensor | None = None
-    """Equal-length sequences as one [n, L] tensor."""
-    token_lists: list[np.ndarray] | None = None
-    """Sequences of varying length (collated and padded per micro-batch)."""
-
-    def __len__(self) -> int:
-        if self.format == "classification":
-            return 0 if self.labels is None else len(self.labels)
-        return len(self.tokens) if self.tokens is not None else len(self.token_lists or [])
-
-    def take(self, index: np.ndarray) -> dict[str, torch.Tensor]:
-        """A micro-batch of the rows at local positions `index`."""
-        idx = torch.from_numpy(np.asarray(index, dtype=np.int64))
-        if self.format == "classification":
-            return {"features": self.features[idx], "label": self.labels[idx]}
-        if self.tokens is not None:
-            chunk = self.tokens[idx]
-            return {"input": chunk[:, :-1], "target": chunk[:, 1:]}
-        return collate_tokens([self.token_lists[i] for i in index])
-
-    def take_split(self, index: np.ndarray, sizes: list[int]) -> list[dict[str, torch.Tensor]]:
-        """Consecutive micro-batches of `sizes` rows from the rows at `index`: one gather for
-        the whole window, the micro-batches are views of it (sequences of varying length are
-        padded per micro-batch)."""
-        if self.token_lists is not None:
-            bounds = np.cumsum([0, *sizes])
-            return [self.take(index[lo:hi]) for lo, hi in itertools.pairwise(bounds)]
-        window = self.take(index)
-        pieces = {k: torch.split(v, sizes) for k, v in window.items()}
-        return [{k: v[i] for k, v in pieces.items()} for i in range(len(sizes))]
-
-
-def _columns(info: DatasetInfo) -> list[str]:
-    return ["features", "label"] if info.format == "classification" else ["tokens"]
-
-
-def _to_local(table: pa.Table, info: DatasetInfo) -> LocalRows:
-    """Rows of a window (or the validation share) as tensors; token ids are stored as small as
-    the file keeps them and widened to int64 here, for these rows only."""
-    n = table.num_rows
-    if info.format == "classification":
-        flat = table["features"].combine_chunks().flatten().to_numpy(zero_copy_only=False)
-        features = torch.from_numpy(np.array(flat, dtype=np.float32).reshape(n, info.num_features))
-        labels = torch.from_numpy(table["label"].to_numpy().astype(np.int64))
-        return LocalRows("classification", features=features, labels=labels)
-    col = table["tokens"].combine_chunks()
-    offsets = col.offsets.to_numpy()
-    values = col.flatten().to_numpy(zero_copy_only=False).astype(np.int64)
-    offsets = offsets - offsets[0]
-    lengths = np.diff(offsets)
-    if n and (lengths == lengths[0]).all():
-        return LocalRows("tokens", tokens=torch.from_numpy(values.reshape(n, int(lengths[0]))))
-    lists = [values[offsets[i] : offsets[i + 1]] for i in range(n)]
-    return LocalRows("tokens", token_lists=lists)
 
 
 def warm_up() -> None:
@@ -154,8 +79,8 @@ class RankReader:
         self._cached: tuple[tuple[int, int], LocalRows] | None = None
 
     # ------------------------------------------------------------------ plan
-    def _group_of(self, rows: np.ndarray) -> np.ndarray:
-        return _group_of(self.groups, rows)
+    def group_of(self, rows: np.ndarray) -> np.ndarray:
+        return group_of(self.groups, rows)
 
     def epoch_reads(self, epoch: int, lo: np.ndarray, hi: np.ndarray) -> EpochReads:
         reads = EpochReads(epoch, lo, hi)
@@ -167,7 +92,7 @@ class RankReader:
             return reads
         positions = np.concatenate([np.arange(a, b) for a, b in zip(lo, hi, strict=True)])
         owner = np.repeat(np.arange(len(lo)), hi - lo)
-        group = self._group_of(self.order.row_ids(epoch, positions))
+        group = self.group_of(self.order.row_ids(epoch, positions))
         reads.groups = np.unique(group)
         last = np.zeros(len(self.groups), dtype=np.int64)
         np.maximum.at(last, group, owner)
@@ -178,7 +103,7 @@ class RankReader:
         """Starts the stream of every row group this rank reads from here on: its validation
         rows' groups, then each epoch's."""
         self.val_rows = val_rows
-        self.val_groups = np.unique(self._group_of(val_rows))
+        self.val_groups = np.unique(self.group_of(val_rows))
         self.epochs = {e.epoch: e for e in epochs}
         order = np.concatenate([self.val_groups, *(e.groups for e in epochs)]).astype(np.int64)
         self._stream = self._open(order)
@@ -196,7 +121,7 @@ class RankReader:
             pa.table({"file": [g.files[f] for f in g.file[part]], "group": g.index[part]})
             for part in np.split(order, cuts)
         ]
-        kwargs = {"source": self.source, "columns": _columns(self.info)}
+        kwargs = {"source": self.source, "columns": columns_of(self.info)}
         if self.in_process:
             # read when needed, one task's worth at a time: what a read task would do
             return _split_groups((read_groups(b, **kwargs) for b in blocks), order, sizes)
@@ -224,8 +149,8 @@ class RankReader:
             missing.discard(group)
 
     def _gather(self, rows: np.ndarray) -> LocalRows:
-        self._pull(np.unique(self._group_of(rows)))
-        return _to_local(_assemble(self._buffer, self.groups, rows, self.info), self.info)
+        self._pull(np.unique(self.group_of(rows)))
+        return to_local_rows(assemble(self._buffer, self.groups, rows, self.info), self.info)
 
     # ------------------------------------------------------------------ consume
     def validation(self) -> LocalRows:
@@ -270,66 +195,3 @@ def _split_groups(
         yield group, table.slice(0, size).combine_chunks()
         rest = table.slice(size)
         carry, held = ([rest] if rest.num_rows else []), rest.num_rows
-
-
-def stage_file(path: str, storage: str) -> str:
-    """A copy of the local Parquet file `path` under `storage` (a path or URI every node
-    reaches: the run's storage path), made once; its path there."""
-    from pyarrow import fs
-
-    from rayacc.data.reads import filesystem_and_path
-
-    name = Path(path).name
-    filesystem, root = filesystem_and_path(storage)
-    target = f"{root}/_data/{name}"
-    info = filesystem.get_file_info(target)
-    if info.type != fs.FileType.File or info.size != Path(path).stat().st_size:
-        filesystem.create_dir(f"{root}/_data", recursive=True)
-        # written under a name of its own, then renamed: a concurrent run (sweep trials share
-        # the storage path) never reads a partial file (a rename is atomic on a filesystem; an
-        # object store's upload appears whole)
-        partial = f"{target}.{uuid.uuid4().hex}.partial"
-        fs.copy_files(path, partial, fs.LocalFileSystem(), filesystem)
-        filesystem.move(partial, target)
-    return target if "://" not in storage else f"{storage.rstrip('/')}/_data/{name}"
-
-
-def read_rows(info: DatasetInfo, groups: RowGroups, row_ids: np.ndarray) -> dict[str, Any]:
-    """The rows `row_ids` of the source, in that order, as one batch, read on this process with
-    pyarrow from the row groups that hold them only (for a probe of a few rows, as `verify`
-    takes)."""
-    row_ids = np.asarray(row_ids, dtype=np.int64)
-    tables = {
-        int(h): parquet_file(info.path, groups.files[groups.file[h]]).read_row_group(
-            int(groups.index[h]), columns=_columns(info)
-        )
-        for h in np.unique(_group_of(groups, row_ids))
-    }
-    return _to_local(_assemble(tables, groups, row_ids, info), info).take(np.arange(len(row_ids)))
-
-
-_EMPTY = {
-    "tokens": pa.table({"tokens": pa.array([], pa.list_(pa.int64()))}),
-    "classification": pa.table(
-        {"features": pa.array([], pa.list_(pa.float32())), "label": pa.array([], pa.int64())}
-    ),
-}
-"""No rows (a rank without validation rows), by format."""
-
-
-def _group_of(groups: RowGroups, rows: np.ndarray) -> np.ndarray:
-    return np.searchsorted(groups.start, rows, side="right") - 1
-
-
-def _assemble(
-    tables: dict[int, pa.Table], groups: RowGroups, rows: np.ndarray, info: DatasetInfo
-) -> pa.Table:
-    """The rows `rows` (ids) from the held row groups `tables`, in that order."""
-    group = _group_of(groups, rows)
-    held = np.unique(group)
-    if len(held) == 0:
-        return _EMPTY[info.format]
-    parts = [tables[int(h)] for h in held]
-    offsets = np.concatenate([[0], np.cumsum([t.num_rows for t in parts])[:-1]])
-    index = offsets[np.searchsorted(held, group)] + (rows - groups.start[group])
-    return pa.concat_tables(parts, promote_options="permissive").take(pa.array(index))

@@ -9,8 +9,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from rayacc.data.rows import LocalRows
 from rayacc.engine import Strategy, all_reduce, autocast, to_device
-from rayacc.runner.ingest import LocalRows
 
 __all__ = ["Validator"]
 

@@ -13,8 +13,8 @@ import torch
 
 from rayacc.data.reads import filesystem_and_path, read_text
 from rayacc.data.vocab import VOCAB_FILE, Vocabulary
-from rayacc.runner.checkpoint import META_FILE, MODEL_FILE, CheckpointError, RunCheckpoints
-from rayacc.runner.runs import default_storage
+from rayacc.driver.runs import default_storage
+from rayacc.worker.checkpoint import META_FILE, MODEL_FILE, CheckpointError, RunCheckpoints
 
 __all__ = ["Sample", "find_checkpoint", "sample"]
 
@@ -95,7 +95,7 @@ def sample(
     RUN_OR_CHECKPOINT `target`, sharded checkpoints included."""
     from rayacc.data.sources import DataError
     from rayacc.models.generate import generate
-    from rayacc.runner.checkpoint import load_model
+    from rayacc.worker.checkpoint import load_model
 
     if tokens < 0:
         raise DataError(f"--tokens must be ≥ 0 (got {tokens})")

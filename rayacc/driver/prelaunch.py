@@ -16,15 +16,15 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from rayacc.batch_plan import BatchPlan
 from rayacc.config import TrainConfig
+from rayacc.config.batch_plan import BatchPlan
 from rayacc.data.order import DataOrder, EpochLayout
 from rayacc.data.sources import DataError, DatasetInfo, RowGroups, describe_dataset, row_groups
+from rayacc.driver.places import check_places
+from rayacc.driver.runs import RunLocation, locate_run
 from rayacc.engine.units import fsdp_blocks
 from rayacc.models import build_on_meta
 from rayacc.quantities import RunSpec, data_order, derive_run
-from rayacc.runner.places import check_places
-from rayacc.runner.runs import RunLocation, locate_run
 
 __all__ = [
     "Prepared",

@@ -14,8 +14,8 @@ import time
 from collections import deque
 from typing import Any
 
-from rayacc import goodput
-from rayacc.events import Event, RunObserver, RunStarted
+from rayacc.observe import goodput
+from rayacc.observe.events import Event, RunObserver, RunStarted
 from rayacc.redact import RedactingStream
 
 __all__ = [

@@ -16,7 +16,7 @@ from rayacc.config import TrainConfig
 from rayacc.data.reads import filesystem_and_path, read_text
 from rayacc.data.sources import DataError
 from rayacc.redact import redact
-from rayacc.runner.checkpoint import RunCheckpoints
+from rayacc.worker.checkpoint import RunCheckpoints
 
 __all__ = ["LATEST", "RUN_INFO", "RunLocation", "RunSummary", "default_storage", "list_runs"]
 

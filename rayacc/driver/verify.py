@@ -9,14 +9,13 @@ import numpy as np
 import torch
 
 from rayacc.config import TrainConfig
-from rayacc.engine import AccumulationStep
-from rayacc.models import build_model, loss_functions
-from rayacc.optim import build_optimizer, build_schedule
+from rayacc.data.rows import read_rows
+from rayacc.driver.fit import fit
+from rayacc.driver.prelaunch import Prepared, prepare
+from rayacc.models.parallel import build_rank
+from rayacc.optim import build_schedule
 from rayacc.redact import redact
-from rayacc.runner.checkpoint import load_model
-from rayacc.runner.driver import fit
-from rayacc.runner.ingest import read_rows
-from rayacc.runner.prelaunch import Prepared, prepare
+from rayacc.worker.checkpoint import load_model
 
 __all__ = ["TOLERANCE", "TensorDiff", "VerifyResult", "verify"]
 
@@ -68,21 +67,32 @@ def verify(cfg: TrainConfig) -> VerifyResult:
     result = fit(probe, prepared=prepare(probe), tags={"rayacc.verify": "probe"})
     distributed = load_model(result.checkpoint_dir).state_dict()
 
-    model = build_model(cfg, prep.info)
+    # the reference: one process, the whole batch as one micro-batch, fp32, eager, the plain
+    # loss; built as a rank is
+    reference = cfg.model_copy(
+        update={
+            "train": cfg.train.model_copy(
+                update={
+                    "strategy": "ddp",
+                    "precision": "fp32",
+                    "compile": False,
+                    "activation_checkpointing": "none",
+                    "loss_chunk_tokens": None,
+                }
+            )
+        }
+    )
+    parts = build_rank(reference, prep.info, torch.device("cpu"), prep.effective_lr)
+    model, step, loss_fn, count = parts.model, parts.step, parts.loss_fn, parts.count
     initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    optimizer = build_optimizer(cfg, model.parameters(), prep.effective_lr, torch.device("cpu"))
     # the training run's schedule object, laid out for the probe's single step
     build_schedule(
         cfg,
-        optimizer,
+        parts.optimizer,
         peak_lr=prep.effective_lr,
         reference_batch=prep.plan.global_batch_size,
         total_steps=1,
     )
-    step = AccumulationStep(
-        model, optimizer, precision="fp32", max_grad_norm=cfg.optim.max_grad_norm
-    )
-    loss_fn, count = loss_functions(prep.info)
     step([_probe_batch(cfg, prep)], loss_fn, count)
 
     diffs = []

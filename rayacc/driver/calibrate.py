@@ -23,11 +23,10 @@ import torch
 from rayacc.config import TrainConfig
 from rayacc.data.reads import parquet_file
 from rayacc.data.sources import DatasetInfo
-from rayacc.engine import AccumulationStep, TrialOutOfMemory, autocast_dtype, to_device
+from rayacc.engine import TrialOutOfMemory, autocast_dtype, to_device
 from rayacc.engine.autobatch import OUT_OF_MEMORY, measure_step_bytes
-from rayacc.models import loss_functions
-from rayacc.models.parallel import model_recipe, strategy_for
-from rayacc.optim import build_optimizer, optimizer_slots
+from rayacc.models.parallel import build_rank
+from rayacc.optim import optimizer_slots
 from rayacc.planner.candidates import STRATEGIES, Candidate
 from rayacc.planner.prior import predict
 from rayacc.planner.profile import Profile, largest_over_ranks, measure_profile, time_windows
@@ -47,16 +46,16 @@ def with_candidate(cfg: TrainConfig, c: Candidate) -> TrainConfig:
 def sample_rows(info: DatasetInfo, n: int):
     """The first `n` rows of the data (the calibration's windows repeat them): one global
     batch, read from the start of the first file, never the whole dataset."""
-    from rayacc.runner.ingest import _columns, _to_local
+    from rayacc.data.rows import columns_of, to_local_rows
 
     f = parquet_file(info.path, info.path)
     batches, got = [], 0
-    for batch in f.iter_batches(batch_size=max(n, 1), columns=_columns(info)):
+    for batch in f.iter_batches(batch_size=max(n, 1), columns=columns_of(info)):
         batches.append(batch)
         got += batch.num_rows
         if got >= n:
             break
-    return _to_local(pa.Table.from_batches(batches).slice(0, n), info)
+    return to_local_rows(pa.Table.from_batches(batches).slice(0, n), info)
 
 
 @ray.remote(num_cpus=0)
@@ -91,10 +90,8 @@ def measure_candidate(
 ) -> dict[str, Any]:
     """Probe, then time windows of `c` on this group (every rank calls it)."""
     cc = with_candidate(cfg, c)
-    strategy = strategy_for(cc)
-    model = strategy.build(model_recipe(cc, info), device)
-    optimizer = build_optimizer(cc, model.parameters(), cfg.optim.lr, device, strategy)
-    loss_fn, count = loss_functions(info, cc.train.loss_chunk_tokens, strategy)
+    parts = build_rank(cc, info, device, cfg.optim.lr)
+    strategy, step, loss_fn, count = parts.strategy, parts.step, parts.loss_fn, parts.count
     m = c.micro_batch_size
     index = np.resize(np.arange(len(rows)), m * (rank + 1))[rank * m :]
     try:
@@ -117,13 +114,6 @@ def measure_candidate(
             return {"status": "out of memory"}
         if over:
             return {"status": "over budget", "memory_bytes": used}
-        step = AccumulationStep(
-            model,
-            optimizer,
-            precision=cc.train.precision,
-            max_grad_norm=cc.optim.max_grad_norm,
-            strategy=strategy,
-        )
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         times = time_windows(
@@ -141,7 +131,8 @@ def measure_candidate(
         step_s, memory = largest_over_ranks([statistics.median(times), float(max(used, peak))])
         return {"status": "measured", "memory_bytes": memory, "step_s": step_s}
     finally:
-        del model, optimizer
+        # every reference to the candidate's model and optimizer, before the next one's
+        del parts, strategy, step, loss_fn, count
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()

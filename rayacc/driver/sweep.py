@@ -156,7 +156,7 @@ def run_sweep(
     """Runs the valid trials (skipped ones are recorded on the parent run) and returns outcomes."""
     from ray import tune
 
-    from rayacc.runner.driver import ensure_ray
+    from rayacc.driver.fit import ensure_ray
     from rayacc.tracking import default_tracking_uri
 
     t0 = time.perf_counter()
@@ -256,7 +256,7 @@ def _trial_function(
     """Tune's function trainable: one full fit of trial `config["trial"]`, nested under the
     sweep's parent run (tagged with what a plan predicted for it, `rayacc.predicted_*`)."""
     predicted = predicted or {}
-    from rayacc.runner.driver import fit
+    from rayacc.driver.fit import fit
 
     def trial_fn(config: dict[str, Any]) -> dict[str, Any]:
         index = config["trial"]

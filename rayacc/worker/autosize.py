@@ -12,8 +12,9 @@ import numpy as np
 import ray
 import torch
 
-from rayacc.batch_plan import BatchPlan
 from rayacc.config import TrainConfig
+from rayacc.config.batch_plan import BatchPlan
+from rayacc.data.rows import LocalRows
 from rayacc.engine import (
     StepResult,
     Strategy,
@@ -22,9 +23,8 @@ from rayacc.engine import (
     find_micro_batch_size,
     to_device,
 )
-from rayacc.events import MicroBatchChanged
+from rayacc.observe.events import MicroBatchChanged
 from rayacc.optim import optimizer_slots
-from rayacc.runner.ingest import LocalRows
 
 __all__ = ["MicroBatchSizer"]
 

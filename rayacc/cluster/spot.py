@@ -1,7 +1,7 @@
-"""The reclaim warning of a spot VM, passed on to Ray: `python -m rayacc.spot --cloud aws|gcp`
-runs beside `ray start` on each spot worker node (cluster/aws.yaml, cluster/gcp.yaml) and polls
-the instance metadata; when the cloud announces the reclaim it drains this Ray node for
-preemption with the deadline the cloud gave (`ray drain-node --reason
+"""The reclaim warning of a spot VM, passed on to Ray: `python -m rayacc.cluster.spot --cloud
+aws|gcp` runs beside `ray start` on each spot worker node (cluster/aws.yaml,
+cluster/gcp.yaml) and polls the instance metadata; when the cloud announces the reclaim it
+drains this Ray node for preemption with the deadline the cloud gave (`ray drain-node --reason
 DRAIN_NODE_REASON_PREEMPTION`), which is what Ray Train's preemption watcher — and so rayacc's
 just-in-time checkpoint — reacts to.
 
@@ -93,18 +93,20 @@ def watch(
             left = notice()
         except OSError as exc:
             if not said:
-                log(f"rayacc.spot: metadata server not reachable ({exc}); retrying")
+                log(f"rayacc.cluster.spot: metadata server not reachable ({exc}); retrying")
                 said = True
             left = None
         if left is not None:
-            log(f"rayacc.spot: reclaim announced, {left:.0f} s left: draining this Ray node")
+            log(
+                f"rayacc.cluster.spot: reclaim announced, {left:.0f} s left: draining this Ray node"
+            )
             drain(left)
             return left
         sleep(interval_s)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m rayacc.spot", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m rayacc.cluster.spot", description=__doc__)
     parser.add_argument("--cloud", choices=("aws", "gcp"), required=True)
     parser.add_argument("--interval-s", type=float, default=2.0)
     parser.add_argument("--metadata-url", default=None, help="the metadata server (tests)")

@@ -20,10 +20,10 @@ import torch
 from ray.train.torch import get_device
 
 from rayacc.data.order import EpochLayout
+from rayacc.data.rows import LocalRows
 from rayacc.data.sources import RowGroups
 from rayacc.data.vocab import VOCAB_FILE
 from rayacc.engine import (
-    AccumulationStep,
     StepClock,
     TrainState,
     all_gather_objects,
@@ -31,7 +31,8 @@ from rayacc.engine import (
     flops_per_item,
     to_device,
 )
-from rayacc.events import (
+from rayacc.models.parallel import build_rank
+from rayacc.observe.events import (
     Checkpointed,
     Event,
     PreemptionNotice,
@@ -40,17 +41,15 @@ from rayacc.events import (
     RunStarted,
     ScheduleChanged,
 )
-from rayacc.models import loss_functions
-from rayacc.models.parallel import model_recipe, strategy_for
-from rayacc.optim import build_optimizer, build_schedule
+from rayacc.optim import build_schedule
 from rayacc.quantities import RunSpec, epoch_layout, rank_seed, remaining_epochs
-from rayacc.runner.autosize import MicroBatchSizer
-from rayacc.runner.checkpoint import RunCheckpoints, StepLog, WorkerParts, checkpoint_meta
-from rayacc.runner.ingest import LocalRows, RankReader, warm_up
-from rayacc.runner.metrics import run_summary, step_record
-from rayacc.runner.preemption import PreemptionWatch, ray_notice_sources
-from rayacc.runner.progress import Outbox
-from rayacc.runner.validation import Validator
+from rayacc.worker.autosize import MicroBatchSizer
+from rayacc.worker.checkpoint import RunCheckpoints, StepLog, WorkerParts, checkpoint_meta
+from rayacc.worker.ingest import RankReader, warm_up
+from rayacc.worker.metrics import run_summary, step_record
+from rayacc.worker.preemption import PreemptionWatch, ray_notice_sources
+from rayacc.worker.progress import Outbox
+from rayacc.worker.validation import Validator
 
 __all__ = ["REWARM_STEPS", "WorkerInputs", "WorkerRun", "train_loop"]
 
@@ -72,7 +71,7 @@ class WorkerInputs:
     name: str
     """The run's storage path and name (its folder: storage/name)."""
     progress: Any
-    """The fit's ProgressBuffer actor (runner/progress.py); None where nothing listens."""
+    """The fit's ProgressBuffer actor (worker/progress.py); None where nothing listens."""
     vocabulary: str | None = None
     """A token run's vocabulary (JSON), kept by every checkpoint (`rayacc sample` decodes
     with it)."""
@@ -124,7 +123,7 @@ class WorkerRun:
         self.checkpoint_step: int | None = None
         """The step of the newest checkpoint this group restored or wrote."""
         self.window_signals = (0, 0.0)
-        """The last window's signal count and wall time (runner/preemption.py)."""
+        """The last window's signal count and wall time (worker/preemption.py)."""
         quiet = (lambda: None), (lambda: None)
         self.watch = PreemptionWatch(
             *(ray_notice_sources() if cfg.train.checkpoint_on_preemption else quiet)
@@ -167,11 +166,16 @@ class WorkerRun:
 
     def _build(self) -> None:
         cfg = self.cfg
-        self.strategy = strategy_for(cfg)
-        self.model = self.strategy.build(model_recipe(cfg, self.info), self.device)
-        self.optimizer = build_optimizer(
-            cfg, self.model.parameters(), self.lr, self.device, self.strategy
+        parts = build_rank(
+            cfg,
+            self.info,
+            self.device,
+            self.lr,
+            # a CUDA out-of-memory error halves the micro-batch on all ranks (auto micro-batch)
+            oom_retry=cfg.batch.auto_micro_batch and self.device.type == "cuda",
         )
+        self.strategy, self.model, self.optimizer = parts.strategy, parts.model, parts.optimizer
+        self.loss_fn, self.count, self.step = parts.loss_fn, parts.count, parts.step
         # the schedule advances by samples (see _window), not by the engine's scheduler hook
         self.schedule = build_schedule(
             cfg,
@@ -179,20 +183,6 @@ class WorkerRun:
             peak_lr=self.lr,
             reference_batch=self.reference.global_batch_size,
             total_steps=self.spec.schedule_length,
-        )
-        self.step = AccumulationStep(
-            self.model,
-            self.optimizer,
-            precision=cfg.train.precision,
-            max_grad_norm=cfg.optim.max_grad_norm,
-            # a CUDA out-of-memory error halves the micro-batch on all ranks (auto micro-batch)
-            oom_retry=cfg.batch.auto_micro_batch
-            and self.device.type == "cuda"
-            and self.strategy.can_retry_out_of_memory,
-            strategy=self.strategy,
-        )
-        self.loss_fn, self.count = loss_functions(
-            self.info, cfg.train.loss_chunk_tokens, self.strategy
         )
         self.peak_tflops = device_peak_tflops(self.device, cfg.train.peak_tflops)
         # the run's lineage of step records: rank 0's, carried by every checkpoint
@@ -246,7 +236,7 @@ class WorkerRun:
         )
 
     def _open_data(self) -> None:
-        """Starts this rank's reads (runner/ingest.py), takes its validation rows and the rows
+        """Starts this rank's reads (worker/ingest.py), takes its validation rows and the rows
         it holds first (for the micro-batch search, and the spare row of lockstep forwards)."""
         self.reader = RankReader(
             self.info, self.groups, self.order, self.source, in_process=self.read_in_process
@@ -373,7 +363,7 @@ class WorkerRun:
 
     def _on_preemption(self, record: dict[str, Any], checkpointed: bool, is_last: bool) -> None:
         """A notice agreed at this window: checkpoint now (when one fits), or, near the
-        deadline, the last checkpoint and a wait for the restart (runner/preemption.py)."""
+        deadline, the last checkpoint and a wait for the restart (worker/preemption.py)."""
         action = self.watch.after_window(*self.window_signals)
         if action is None:
             return

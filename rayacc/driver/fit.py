@@ -18,14 +18,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rayacc import env
-from rayacc.batch_plan import BatchPlan
 from rayacc.config import TrainConfig
+from rayacc.config.batch_plan import BatchPlan
 from rayacc.data.sources import RowGroups, row_groups
 from rayacc.data.vocab import Vocabulary
-from rayacc.events import RunObserver, RunStarted
-from rayacc.goodput import Goodput
-from rayacc.runner.prelaunch import Prepared, check_cluster, locate, prepare
-from rayacc.runner.runs import RunLocation
+from rayacc.driver.prelaunch import Prepared, check_cluster, locate, prepare
+from rayacc.driver.runs import RunLocation
+from rayacc.observe.events import RunObserver, RunStarted
+from rayacc.observe.goodput import Goodput
 
 __all__ = [
     "FitResult",
@@ -62,7 +62,7 @@ class FitResult:
     wall_time_s: float = 0.0
     """From the call to the last step's arrival (the MLflow run's `rayacc.wall_time_s`)."""
     goodput: dict[str, float] = field(default_factory=dict)
-    """Where the wall time went (rayacc/goodput.py; the MLflow run's `goodput/…`)."""
+    """Where the wall time went (rayacc/observe/goodput.py; the MLflow run's `goodput/…`)."""
     phases: dict[str, float] = field(default_factory=dict)
     """When each phase of the fit ended on the driver (time.time()); bench/startup.py reads
     these beside the workers' own timeline in `summary["timeline"]`."""
@@ -125,7 +125,7 @@ def build_trainer(cfg: TrainConfig, prep: Prepared, loc: RunLocation, progress):
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from rayacc.runner.worker import WorkerInputs, train_loop
+    from rayacc.worker.loop import WorkerInputs, train_loop
 
     source, groups = _read_source(cfg, prep, loc)
     vocabulary = Vocabulary.of_data(prep.info)
@@ -155,7 +155,7 @@ def build_trainer(cfg: TrainConfig, prep: Prepared, loc: RunLocation, progress):
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.run.keep_checkpoints),
         ),
         # no datasets here: each rank reads its own row groups through Ray Data
-        # (runner/ingest.py)
+        # (worker/ingest.py)
     )
 
 
@@ -231,8 +231,8 @@ class TrainerRun:
 
 def _read_source(cfg: TrainConfig, prep: Prepared, loc: RunLocation) -> tuple[str, RowGroups]:
     """Where the ranks' read tasks read the data, and its row groups there."""
+    from rayacc.data.reads import stage_file
     from rayacc.data.sources import BUNDLED
-    from rayacc.runner.ingest import stage_file
 
     if cfg.data.source in BUNDLED:
         # prepared in this node's cache, which read tasks on other nodes cannot see
@@ -247,7 +247,7 @@ def _progress_buffer():
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from rayacc.runner.progress import ProgressBuffer
+    from rayacc.worker.progress import ProgressBuffer
 
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     return ProgressBuffer.options(scheduling_strategy=here).remote()

@@ -103,7 +103,7 @@ def job_command(rel: Path, overrides: list[str]) -> tuple[str, dict[str, str]]:
 
 def submit(job_file: str, overrides: list[str], address: str | None, follow: bool) -> int:
     job_path = Path(job_file)
-    from rayacc.runner.prelaunch import check
+    from rayacc.driver.prelaunch import check
 
     # user mistakes stop here, before any upload
     check(TrainConfig.from_yaml(job_path, overrides), "submit")

@@ -7,7 +7,7 @@ import os
 from dataclasses import asdict
 from typing import Any
 
-from rayacc.batch_plan import BatchPlan
+from rayacc.config.batch_plan import BatchPlan
 from rayacc.engine import StepCost, StepResult
 
 __all__ = ["run_summary", "step_record"]

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from rayacc.events import Checkpointed, Event, RunObserver, RunStarted
+from rayacc.observe.events import Checkpointed, Event, RunObserver, RunStarted
 
 __all__ = ["PARTS", "Goodput", "describe"]
 

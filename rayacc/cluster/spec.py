@@ -85,8 +85,8 @@ def check_launcher(config: dict[str, Any]) -> None:
 
 def _spot_errors(config: dict[str, Any]) -> list[str]:
     """Spot capacity as rayacc runs on it: a reclaimed node is terminated (Ray launches a new
-    one), and the cloud's reclaim warning reaches Ray through `python -m rayacc.spot`. On GCP
-    every node type declares its CPUs and GPUs, which GCP's autoscaler does not detect."""
+    one), and the cloud's reclaim warning reaches Ray through `python -m rayacc.cluster.spot`.
+    On GCP every node type declares its CPUs and GPUs, which GCP's autoscaler does not detect."""
     errors: list[str] = []
     cloud = (config.get("provider") or {}).get("type")
     spot_types = []
@@ -144,10 +144,10 @@ def _spot_errors(config: dict[str, Any]) -> list[str]:
                     "(GCP's autoscaler does not read them from the machine type)"
                 )
     starts = " ".join(config.get("worker_start_ray_commands") or [])
-    if spot_types and f"rayacc.spot --cloud {cloud}" not in starts:
+    if spot_types and f"rayacc.cluster.spot --cloud {cloud}" not in starts:
         errors.append(
             f"worker_start_ray_commands: spot node types ({', '.join(spot_types)}) need "
-            f"`python -m rayacc.spot --cloud {cloud}` started beside `ray start`, or a "
+            f"`python -m rayacc.cluster.spot --cloud {cloud}` started beside `ray start`, or a "
             "reclaim warning never reaches Ray Train"
         )
     return errors
