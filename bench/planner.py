@@ -55,7 +55,7 @@ def run_job(name: str, args) -> dict:
         overrides, micros = ["scaling.num_workers=1"], micros[1:]
     cfg = TrainConfig.from_yaml(ROOT / path, overrides=overrides)
     prep = prepare(cfg)
-    rows = sample_rows(prep.info, prep.plan.global_batch_size)
+    rows = sample_rows(prep.info, prep.split.global_batch_size)
     storage = tempfile.mkdtemp(prefix="rayacc-bench-plan-")
     token = prep.info.format == "tokens"
 
@@ -88,7 +88,7 @@ def run_job(name: str, args) -> dict:
     pick_row = next(r for r in planned.rows if r.candidate.label == pick_label)
     ratio = best.measured["step_s"] / pick_row.measured["step_s"] if pick_row.measured_ok else 0.0
     mem_err, time_err = planned.median_errors()
-    print(f"\n== {name}: {path}, global batch {prep.plan.global_batch_size}, grid micro {micros}")
+    print(f"\n== {name}: {path}, global batch {prep.split.global_batch_size}, grid micro {micros}")
     print("every candidate: the prior vs the exhaustive sweep's measurement")
     planned.chosen = pick_row
     for line in format_table(planned, token):
@@ -107,7 +107,7 @@ def run_job(name: str, args) -> dict:
     )
     whole = len(
         enumerate_candidates(
-            prep.plan.global_batch_size,
+            prep.split.global_batch_size,
             worker_counts(cfg, None),
             len(fsdp_blocks(build_on_meta(cfg, prep.info))),
         )[0]

@@ -36,7 +36,7 @@ def _load(args: argparse.Namespace) -> TrainConfig:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    """Prints the resolved batch plan and effective LR of a config, without running anything."""
+    """Prints the resolved batch split and effective LR of a config, without running anything."""
     from rayacc.driver.prelaunch import check
     from rayacc.quantities import lr_explanation
 
@@ -47,13 +47,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if given is not None:
             print(f"rayacc: warning: {flag} is for a search; add --search", file=sys.stderr)
     check(cfg, "plan")
-    plan = cfg.batch_plan()
-    print(plan.describe())
+    split = cfg.batch_split()
+    print(split.describe())
     if cfg.scaling.elastic:
         print(cfg.elastic_summary())
-    print(lr_explanation(cfg, plan))
+    print(lr_explanation(cfg, split))
     if args.memory:
-        _print_memory(cfg, plan)
+        _print_memory(cfg, split)
     return 0
 
 
@@ -83,7 +83,7 @@ def _plan_search(args: argparse.Namespace, cfg: TrainConfig) -> int:
     group = CalibrationGroup(
         cfg,
         prep.info,
-        sample_rows(prep.info, prep.plan.global_batch_size),
+        sample_rows(prep.info, prep.split.global_batch_size),
         default_storage(cfg.run.storage_path),
     )
     try:
@@ -125,7 +125,7 @@ def _plan_search(args: argparse.Namespace, cfg: TrainConfig) -> int:
         cfg,
         f"plan {Path(args.config).stem}",
         {
-            "global_batch_size": prep.plan.global_batch_size,
+            "global_batch_size": prep.split.global_batch_size,
             "chosen": chosen.candidate.label,
             "candidates": len(result.rows),
             "measured": len(result.measured),
@@ -149,7 +149,7 @@ def _cluster_holds(cfg: TrainConfig) -> int:
     return workers_that_fit(alive, worker_needs(cfg))
 
 
-def _print_memory(cfg, plan) -> None:
+def _print_memory(cfg, split) -> None:
     """Estimated memory per rank for each strategy (reads the data's description and builds
     the model on the meta device: no weights are allocated)."""
     from rayacc.driver.prelaunch import prepare
@@ -159,11 +159,11 @@ def _print_memory(cfg, plan) -> None:
     micro = cfg.batch.fixed_micro_batch_size
     print(
         f"memory per rank, MiB (estimate; {prep.num_parameters:,} parameters, fp32, "
-        f"{plan.num_workers} workers, activations of one micro-batch of {micro or '?'})"
+        f"{split.num_workers} workers, activations of one micro-batch of {micro or '?'})"
     )
     print(f"  {'strategy':24} {'params':>9} {'grads':>9} {'optimizer':>9} {'activations':>11}")
     for label, params, grads, optim, acts in memory_per_rank(
-        cfg, prep.info, prep.num_parameters, plan.num_workers
+        cfg, prep.info, prep.num_parameters, split.num_workers
     ):
         act = f"{acts:11.1f}" if acts is not None else f"{'n/a':>11}"
         print(f"  {label:24} {params:9.1f} {grads:9.1f} {optim:9.1f} {act}")
@@ -193,7 +193,7 @@ def _console_owns_ray_output() -> None:
 
 
 def _user_error_types() -> tuple[type[BaseException], ...]:
-    from rayacc.config.batch_plan import BatchPlanError
+    from rayacc.config.batch_split import BatchSplitError
     from rayacc.data.sources import DataError
     from rayacc.driver.jobs import SubmitError
     from rayacc.driver.places import PlaceError
@@ -204,7 +204,7 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
 
     return (
         ConfigError,
-        BatchPlanError,
+        BatchSplitError,
         DataError,
         ModelError,
         CheckpointError,
@@ -275,7 +275,7 @@ def _write_timings(path: str, result) -> None:
     import json
     from pathlib import Path
 
-    run = {k: result.summary.get(k) for k in ("device", "backend", "plan", "train_time_s")}
+    run = {k: result.summary.get(k) for k in ("device", "backend", "split", "train_time_s")}
     timings = {
         "driver": result.phases,
         "worker": result.summary.get("timeline", {}),
@@ -459,8 +459,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     result = verify(cfg)
     for w in result.warnings:
         err.print(f"[yellow]warning:[/] {w}")
-    plan = cfg.batch_plan()
-    table = Table(title=f"one step of {plan.describe()}, {cfg.train.precision}, vs one process")
+    split = cfg.batch_split()
+    table = Table(title=f"one step of {split.describe()}, {cfg.train.precision}, vs one process")
     for col in ("parameter", "max abs diff", "rel diff ‖Δw_ray − Δw_single‖/‖Δw_single‖"):
         table.add_column(col, justify="right")
     for d in result.diffs:
@@ -561,7 +561,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "plan",
-        help="show the batch plan and effective LR of a config; with --search, choose workers, "
+        help="show the batch split and effective LR of a config; with --search, choose workers, "
         "micro-batch, strategy and activation checkpointing by measuring",
     )
     with_config(p)

@@ -1,4 +1,4 @@
-"""Quantities derived from a config, in one place: the batch plan at a worker count, the
+"""Quantities derived from a config, in one place: the batch split at a worker count, the
 effective LR and how it was derived, the train/validation split, the epoch layout and the number
 of optimizer steps. :class:`RunSpec` holds them for one run: the driver derives it once
 (`derive_run`) and hands it to the workers, which derive none of them again."""
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from rayacc.config import TrainConfig
-from rayacc.config.batch_plan import BatchPlan, BatchPlanError, plan_for_workers
+from rayacc.config.batch_split import BatchSplit, BatchSplitError, split_for_workers
 from rayacc.data.order import DataOrder, EpochLayout
 from rayacc.data.sources import DatasetInfo, RowGroups
 from rayacc.engine.lr import effective_lr
@@ -26,42 +26,42 @@ __all__ = [
     "epoch_layout",
     "lr_explanation",
     "order_kind",
-    "plan_at",
     "rank_seed",
     "remaining_epochs",
     "run_effective_lr",
     "run_identity",
     "schedule_length",
+    "split_at",
     "total_optimizer_steps",
 ]
 
 
-def plan_at(cfg: TrainConfig, num_workers: int) -> BatchPlan:
-    """The batch plan a group of `num_workers` runs: an elastic run follows `scaling.on_resize`
-    from the plan at the most workers; a fixed-size run resolves the config at that count."""
+def split_at(cfg: TrainConfig, num_workers: int) -> BatchSplit:
+    """The batch split a group of `num_workers` runs: an elastic run follows `scaling.on_resize`
+    from the split at the most workers; a fixed-size run resolves the config at that count."""
     if cfg.scaling.elastic:
-        return plan_for_workers(
-            cfg.batch_plan(),
+        return split_for_workers(
+            cfg.batch_split(),
             num_workers,
             cfg.scaling.on_resize,
             cfg.batch.micro_batch_by_workers,
         )
-    return cfg.batch_plan(num_workers=num_workers)
+    return cfg.batch_split(num_workers=num_workers)
 
 
-def run_effective_lr(cfg: TrainConfig, plan: BatchPlan) -> float:
-    """`optim.lr` rescaled from `optim.base_batch_size` to the plan's global batch."""
+def run_effective_lr(cfg: TrainConfig, split: BatchSplit) -> float:
+    """`optim.lr` rescaled from `optim.base_batch_size` to the split's global batch."""
     return effective_lr(
-        cfg.optim.lr, plan.global_batch_size, cfg.optim.base_batch_size, cfg.optim.lr_scaling
+        cfg.optim.lr, split.global_batch_size, cfg.optim.base_batch_size, cfg.optim.lr_scaling
     )
 
 
-def lr_explanation(cfg: TrainConfig, plan: BatchPlan) -> str:
+def lr_explanation(cfg: TrainConfig, split: BatchSplit) -> str:
     """E.g. `effective LR 0.006 = 0.003 × linear(256/128)`."""
-    base = cfg.optim.base_batch_size or plan.global_batch_size
+    base = cfg.optim.base_batch_size or split.global_batch_size
     return (
-        f"effective LR {run_effective_lr(cfg, plan):.6g} = {cfg.optim.lr:g} × "
-        f"{cfg.optim.lr_scaling}({plan.global_batch_size}/{base})"
+        f"effective LR {run_effective_lr(cfg, split):.6g} = {cfg.optim.lr:g} × "
+        f"{cfg.optim.lr_scaling}({split.global_batch_size}/{base})"
     )
 
 
@@ -80,19 +80,19 @@ def data_order(cfg: TrainConfig, info: DatasetInfo, groups: RowGroups) -> DataOr
     return DataOrder(groups.start, groups.size, cfg.seed, d.shuffle, d.val_fraction, chunked=True)
 
 
-def epoch_layout(cfg: TrainConfig, rows: int, plan: BatchPlan) -> EpochLayout:
-    """How `rows` rows of an epoch split into windows of the plan's global batch."""
+def epoch_layout(cfg: TrainConfig, rows: int, split: BatchSplit) -> EpochLayout:
+    """How `rows` rows of an epoch split into windows of the split's global batch."""
     return EpochLayout(
         rows,
-        plan.global_batch_size,
-        plan.micro_batch_size,
-        plan.num_workers,
+        split.global_batch_size,
+        split.micro_batch_size,
+        split.num_workers,
         cfg.data.last_window,
     )
 
 
 @dataclass(frozen=True)
-class EpochPlan:
+class EpochWindows:
     """The windows one rank runs in one epoch: the layout over the rows left in it, how many
     steps, and this rank's positions of each window (`lo[k]`, `hi[k]`, in the epoch's order)."""
 
@@ -104,8 +104,8 @@ class EpochPlan:
 
 
 def remaining_epochs(
-    cfg: TrainConfig, num_train_rows: int, state, plan: BatchPlan, rank: int
-) -> list[EpochPlan]:
+    cfg: TrainConfig, num_train_rows: int, state, split: BatchSplit, rank: int
+) -> list[EpochWindows]:
     """Every window rank `rank` runs from `state` (a TrainState) on: per epoch with steps left,
     its layout over the rows left from the saved sample position (which a new global batch need
     not divide). An epoch with fewer rows left than a window takes (after a resize, say) has no
@@ -117,12 +117,12 @@ def remaining_epochs(
         if steps_left <= 0:
             break
         offset = state.epoch_sample_offset if epoch == state.epoch else 0
-        layout = epoch_layout(cfg, num_train_rows - offset, plan)
+        layout = epoch_layout(cfg, num_train_rows - offset, split)
         steps = min(layout.steps_per_epoch, steps_left)
         if steps == 0:
             continue
         lo, hi = layout.rank_intervals(rank, steps)
-        out.append(EpochPlan(epoch, layout, steps, lo + offset, hi + offset))
+        out.append(EpochWindows(epoch, layout, steps, lo + offset, hi + offset))
         steps_left -= steps
     return out
 
@@ -189,9 +189,9 @@ class RunSpec:
     """The source's Parquet row groups (the units data is read in)."""
     order: DataOrder
     """The training/validation split and each epoch's order of rows."""
-    reference: BatchPlan
+    reference: BatchSplit
     """The batch split at the most workers: the LR schedule is laid out for it."""
-    plans: dict[int, BatchPlan | BatchPlanError]
+    splits: dict[int, BatchSplit | BatchSplitError]
     """The batch split at each worker count the run may run at, or why it cannot run there."""
     lrs: dict[int, float]
     """The effective LR at each worker count it may run at (`optim.lr_scaling`)."""
@@ -207,21 +207,21 @@ class RunSpec:
     def effective_lr(self) -> float:
         return self.lrs[self.reference.num_workers]
 
-    def plan_at(self, workers: int) -> BatchPlan:
-        """The batch split of a group of `workers`; BatchPlanError where it cannot run."""
-        plan = self.plans.get(workers)
-        if plan is None:
-            raise BatchPlanError(
+    def split_at(self, workers: int) -> BatchSplit:
+        """The batch split of a group of `workers`; BatchSplitError where it cannot run."""
+        split = self.splits.get(workers)
+        if split is None:
+            raise BatchSplitError(
                 "scaling.num_workers",
-                f"a group of {workers} workers is outside the run's sizes {sorted(self.plans)}",
+                f"a group of {workers} workers is outside the run's sizes {sorted(self.splits)}",
                 "run the job with a scaling.num_workers that includes it",
             )
-        if isinstance(plan, BatchPlanError):
-            raise plan
-        return plan
+        if isinstance(split, BatchSplitError):
+            raise split
+        return split
 
     def lr_at(self, workers: int) -> float:
-        self.plan_at(workers)
+        self.split_at(workers)
         return self.lrs[workers]
 
 
@@ -229,17 +229,19 @@ def derive_run(
     cfg: TrainConfig, info: DatasetInfo, groups: RowGroups, order: DataOrder | None = None
 ) -> RunSpec:
     """The run's :class:`RunSpec` (`order`: its data order, where the caller has checked it
-    already). Raises BatchPlanError when the config's own batch cannot run (the worker
+    already). Raises BatchSplitError when the config's own batch cannot run (the worker
     counts of an elastic run that cannot are kept as their errors)."""
-    reference = cfg.batch_plan()
-    plans: dict[int, BatchPlan | BatchPlanError] = {}
+    reference = cfg.batch_split()
+    splits: dict[int, BatchSplit | BatchSplitError] = {}
     for workers in range(cfg.scaling.min_workers, cfg.scaling.max_workers + 1):
         try:
-            plans[workers] = plan_at(cfg, workers)
-        except BatchPlanError as exc:
-            plans[workers] = exc
+            splits[workers] = split_at(cfg, workers)
+        except BatchSplitError as exc:
+            splits[workers] = exc
     lrs = {
-        w: run_effective_lr(cfg, plan) for w, plan in plans.items() if isinstance(plan, BatchPlan)
+        w: run_effective_lr(cfg, split)
+        for w, split in splits.items()
+        if isinstance(split, BatchSplit)
     }
     order = order if order is not None else data_order(cfg, info, groups)
     layout = epoch_layout(cfg, order.num_train_rows, reference)
@@ -249,7 +251,7 @@ def derive_run(
         groups=groups,
         order=order,
         reference=reference,
-        plans=plans,
+        splits=splits,
         lrs=lrs,
         layout=layout,
         schedule_length=schedule_length(cfg, layout),

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rayacc.config.batch_plan import BatchPlanError, resolve_batch_plan
+from rayacc.config.batch_split import BatchSplitError, resolve_batch_split
 from rayacc.config.errors import MISSING, ConfigIssue
 
 # the sections (config/schema.py) arrive as arguments: this module imports nothing of the schema,
@@ -142,13 +142,13 @@ def _auto_micro_batch_rules(batch: BatchConfig, scaling: ScalingConfig | None) -
 
 def _batch_plan_rules(batch: BatchConfig, scaling: ScalingConfig) -> list[ConfigIssue]:
     try:
-        resolve_batch_plan(
+        resolve_batch_split(
             num_workers=scaling.max_workers,
             global_batch_size=batch.global_batch_size,
             micro_batch_size=batch.fixed_micro_batch_size,
             grad_accum_steps=batch.grad_accum_steps,
         )
-    except BatchPlanError as exc:
+    except BatchSplitError as exc:
         return [ConfigIssue(exc.field, exc.problem, MISSING, exc.fix)]
     return []
 

@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
-from rayacc.config.batch_plan import BatchPlan, BatchPlanError, resolve_batch_plan
+from rayacc.config.batch_split import BatchSplit, BatchSplitError, resolve_batch_split
 from rayacc.config.errors import ConfigError, ConfigIssue, issues_from_validation
 from rayacc.config.loader import read_yaml
 from rayacc.config.overrides import apply_overrides, flatten
@@ -342,9 +342,9 @@ class TrainConfig(Section):
         """The job file this config was read from (None when built in code)."""
         return self._source_file
 
-    def batch_plan(self, num_workers: int | None = None) -> BatchPlan:
-        """The resolved batch plan for `num_workers` (default: the most workers the run uses)."""
-        return resolve_batch_plan(
+    def batch_split(self, num_workers: int | None = None) -> BatchSplit:
+        """The resolved batch split for `num_workers` (default: the most workers the run uses)."""
+        return resolve_batch_split(
             num_workers=num_workers or self.scaling.max_workers,
             global_batch_size=self.batch.global_batch_size,
             micro_batch_size=self.batch.fixed_micro_batch_size,
@@ -353,15 +353,15 @@ class TrainConfig(Section):
 
     def elastic_summary(self) -> str:
         """Which worker counts of an elastic run keep the global batch (or what they do
-        instead); raises BatchPlanError when none can run."""
-        from rayacc.config.batch_plan import elastic_sizes
+        instead); raises BatchSplitError when none can run."""
+        from rayacc.config.batch_split import elastic_sizes
 
         lo, hi, policy = self.scaling.min_workers, self.scaling.max_workers, self.scaling.on_resize
-        sizes = elastic_sizes(self.batch_plan(), lo, hi, policy, self.batch.micro_batch_by_workers)
-        ok = {w: p for w, p in sizes.items() if isinstance(p, BatchPlan)}
+        sizes = elastic_sizes(self.batch_split(), lo, hi, policy, self.batch.micro_batch_by_workers)
+        ok = {w: p for w, p in sizes.items() if isinstance(p, BatchSplit)}
         bad = {w: why for w, why in sizes.items() if isinstance(why, str)}
         if not ok:
-            raise BatchPlanError(
+            raise BatchSplitError(
                 "scaling.num_workers",
                 f"no worker count in [{lo}, {hi}] can run under {policy}",
                 next(iter(bad.values())),

@@ -19,7 +19,7 @@ from typing import Any
 
 from rayacc import env
 from rayacc.config import TrainConfig
-from rayacc.config.batch_plan import BatchPlan
+from rayacc.config.batch_split import BatchSplit
 from rayacc.data.sources import RowGroups, row_groups
 from rayacc.data.vocab import Vocabulary
 from rayacc.driver.prelaunch import Prepared, check_cluster, locate, prepare
@@ -52,7 +52,8 @@ class FitResult:
     checkpoint_dir: str | None
     mlflow_run_id: str | None
     metrics: dict[str, Any]
-    plan: BatchPlan
+    split: BatchSplit
+    """How the global batch split (micro × accumulation × workers) in the last worker group."""
     effective_lr: float
     run_name: str
     storage_path: str
@@ -67,6 +68,11 @@ class FitResult:
     """When each phase of the fit ended on the driver (time.time()); bench/startup.py reads
     these beside the workers' own timeline in `summary["timeline"]`."""
 
+    @property
+    def plan(self) -> BatchSplit:
+        """The old name of `split` (kept for scripts that read it)."""
+        return self.split
+
     def __repr__(self) -> str:
         # the history holds every step's record: a repr of it all would fill the screen
         m = self.metrics
@@ -79,7 +85,7 @@ class FitResult:
             if isinstance(m.get(key), (int, float)):
                 parts.append(f"{name}={m[key]:.4g}")
         parts += [
-            f"global_batch={self.plan.global_batch_size}",
+            f"global_batch={self.split.global_batch_size}",
             f"effective_lr={self.effective_lr:.4g}",
             f"wall_time_s={self.wall_time_s:.1f}",
             f"checkpoint_dir={self.checkpoint_dir!r}",
@@ -335,7 +341,7 @@ def fit(
         mlflow_run_id=tracked.run_id if tracked else None,
         metrics=summary.get("metrics", {}),
         # what the last worker group ran with (an auto micro-batch is known only there)
-        plan=BatchPlan(**summary["plan"]) if summary.get("plan") else prep.plan,
+        split=BatchSplit(**summary["split"]) if summary.get("split") else prep.split,
         effective_lr=prep.effective_lr,
         run_name=loc.name,
         storage_path=loc.storage,
@@ -360,7 +366,7 @@ def _open_tracking(
     identity = RunIdentity(
         name=loc.name,
         storage_path=loc.storage,
-        plan=prep.plan,
+        split=prep.split,
         effective_lr=prep.effective_lr,
         data_layout=prep.layout.describe(),
         num_parameters=prep.num_parameters,

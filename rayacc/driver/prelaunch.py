@@ -4,7 +4,7 @@ invariants). A user mistake found here is an error naming the field or file and 
 (exit status 2), never a failure inside the workers after Ray starts.
 
 - `prepare`: the data (one streamed pass, `data/sources.py`), the model (built on the meta
-  device), the batch plan against the data, warnings and notes;
+  device), the batch split against the data, warnings and notes;
 - `locate`: the run's name (`runs.locate_run`) and, on a resume, whether the latest checkpoint
   may be continued by this config (`check_resume`: its identity and global batch);
 - `check_cluster`, once Ray runs: whether the cluster can ever hold the worker group.
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rayacc.config import TrainConfig
-from rayacc.config.batch_plan import BatchPlan
+from rayacc.config.batch_split import BatchSplit
 from rayacc.data.order import DataOrder, EpochLayout
 from rayacc.data.sources import DataError, DatasetInfo, RowGroups, describe_dataset, row_groups
 from rayacc.driver.places import check_places
@@ -66,7 +66,7 @@ class Prepared:
         return self.spec.groups
 
     @property
-    def plan(self) -> BatchPlan:
+    def split(self) -> BatchSplit:
         return self.spec.reference
 
     @property
@@ -84,28 +84,28 @@ class Prepared:
 
 def check(cfg: TrainConfig, scope: str = "run") -> Prepared | None:
     """The one pre-launch validator of the commands: `run` (train, verify, a sweep's base):
-    everything, returned as `prepare` resolves it; `plan`: everything but the pass over the
+    everything, returned as `prepare` resolves it; `split`: everything but the pass over the
     data (places, the model factory); `submit`: what this machine can judge of a job the
     cluster runs (the URIs' schemes, the model factory's import: the project is uploaded)."""
     from rayacc.models.registry import resolve_factory
 
     if scope == "run":
         return prepare(cfg)
-    check_places(cfg, here=scope == "plan")
+    check_places(cfg, here=scope == "split")
     if cfg.model.name == "factory":
         resolve_factory(cfg.model.factory or "")
     return None
 
 
 def prepare(cfg: TrainConfig) -> Prepared:
-    """Resolves data, batch plan, LR and model; raises DataError / ModelError / BatchPlanError
+    """Resolves data, batch split, LR and model; raises DataError / ModelError / BatchSplitError
     (all ValueError) for user mistakes, PlaceError for every place it names that cannot be
     used."""
     check_places(cfg)
     info = describe_dataset(cfg.data.source, cfg.data.cache_dir, cfg.data.seq_len)
     model = build_on_meta(cfg, info)
     groups = row_groups(info.path)
-    plan = cfg.batch_plan()
+    split = cfg.batch_split()
     order = data_order(cfg, info, groups)
     if len(order.train_units) == 0:
         raise DataError(
@@ -114,10 +114,10 @@ def prepare(cfg: TrainConfig) -> Prepared:
             "write the data with smaller row groups (`rayacc data prepare`), set "
             "data.order=rows, or lower data.val_fraction"
         )
-    if order.num_train_rows < plan.global_batch_size:
+    if order.num_train_rows < split.global_batch_size:
         # no step would see the declared batch, while MLflow would record it
         raise DataError(
-            f"batch.global_batch_size={plan.global_batch_size} is more than the "
+            f"batch.global_batch_size={split.global_batch_size} is more than the "
             f"{order.num_train_rows} training rows of data.source {info.path} (after "
             f"data.val_fraction={cfg.data.val_fraction}): no step would see that batch. Fix: "
             f"set batch.global_batch_size to at most {order.num_train_rows} (and "
@@ -130,7 +130,7 @@ def prepare(cfg: TrainConfig) -> Prepared:
         spec,
         sum(p.numel() for p in model.parameters()),
         _warnings(cfg, layout, model, reads, groups),
-        [_order_note(cfg, info, groups, reads), *_notes(cfg, plan)],
+        [_order_note(cfg, info, groups, reads), *_notes(cfg, split)],
     )
 
 
@@ -256,11 +256,11 @@ def local_oversubscription(cfg: TrainConfig) -> str | None:
     )
 
 
-def _notes(cfg: TrainConfig, plan: BatchPlan) -> list[str]:
+def _notes(cfg: TrainConfig, split: BatchSplit) -> list[str]:
     notes = [cfg.elastic_summary()] if cfg.scaling.elastic else []
     if cfg.batch.auto_micro_batch:
         notes.append(
-            f"micro-batch auto: the workers search the largest divisor of {plan.micro_batch_size} "
+            f"micro-batch auto: the workers search the largest divisor of {split.micro_batch_size} "
             "(one worker's share) that fits the memory budget; the line above shows that upper "
             "bound, the chosen size is printed when training starts"
         )
@@ -320,7 +320,7 @@ def _global_batch_change(cfg: TrainConfig, meta: dict[str, Any]) -> list[str]:
     that gives micro × accumulation changes it with the worker count)."""
     keeps = not cfg.scaling.elastic or cfg.scaling.on_resize == "keep_global_batch"
     saved = meta.get("global_batch_size")
-    now = cfg.batch_plan().global_batch_size
+    now = cfg.batch_split().global_batch_size
     if not keeps or saved is None or saved == now:
         return []
     return [

@@ -85,7 +85,7 @@ def expand_trials(sweep: SweepConfig, base: dict[str, Any]) -> list[Trial]:
         for _ in range(sweep.random.samples):
             settings.append({p: _draw(rng, d, p) for p, d in sweep.random.space.items()})
 
-    held_global = base_cfg.batch_plan().global_batch_size
+    held_global = base_cfg.batch_split().global_batch_size
     trials = []
     for i, s in enumerate(settings):
         data = copy.deepcopy(base)
@@ -280,7 +280,7 @@ def _trial_function(
             "ok": True,
             "mlflow_run_id": r.mlflow_run_id,
             "metrics": r.metrics,
-            "plan": r.summary.get("plan"),
+            "split": r.summary.get("split"),
             "wall_time_s": r.wall_time_s,
         }
 

@@ -50,7 +50,7 @@ class VerifyResult:
 def _probe_batch(cfg: TrainConfig, prep: Prepared) -> dict[str, torch.Tensor]:
     """The first global batch of epoch 0 in the data order, as one micro-batch."""
     order = prep.spec.order
-    n = min(prep.plan.global_batch_size, order.num_train_rows)
+    n = min(prep.split.global_batch_size, order.num_train_rows)
     return read_rows(prep.info, prep.groups, order.row_ids(0, np.arange(n)))
 
 
@@ -90,7 +90,7 @@ def verify(cfg: TrainConfig) -> VerifyResult:
         cfg,
         parts.optimizer,
         peak_lr=prep.effective_lr,
-        reference_batch=prep.plan.global_batch_size,
+        reference_batch=prep.split.global_batch_size,
         total_steps=1,
     )
     step([_probe_batch(cfg, prep)], loss_fn, count)

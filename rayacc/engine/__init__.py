@@ -1,8 +1,8 @@
-"""Pure-PyTorch training engine: batch plan, LR rules, the accumulation step, gradient-sync
+"""Pure-PyTorch training engine: batch split, LR rules, the accumulation step, gradient-sync
 control and train state. Imports torch only (never ray or mlflow), so it runs under plain
 torch.distributed as well as inside Ray Train workers."""
 
-from rayacc.config.batch_plan import BatchPlan, BatchPlanError, resolve_batch_plan
+from rayacc.config.batch_split import BatchSplit, BatchSplitError, resolve_batch_split
 from rayacc.engine.autobatch import MicroBatchSearch, TrialOutOfMemory, find_micro_batch_size
 from rayacc.engine.chunked_loss import chunked_cross_entropy_sum
 from rayacc.engine.collectives import all_gather_objects, all_reduce, group_device
@@ -30,8 +30,8 @@ __all__ = [
     "LR_RULES",
     "PRECISIONS",
     "AccumulationStep",
-    "BatchPlan",
-    "BatchPlanError",
+    "BatchSplit",
+    "BatchSplitError",
     "CommCounter",
     "MicroBatchSearch",
     "MicroStepMismatchError",
@@ -61,7 +61,7 @@ __all__ = [
     "install_comm_counter",
     "lr_multiplier",
     "make_strategy",
-    "resolve_batch_plan",
+    "resolve_batch_split",
     "strategy_of",
     "to_device",
     "token_item_losses",

@@ -194,8 +194,8 @@ def run_header(cfg, prep, data_path: str) -> list[str]:
     from rayacc.quantities import lr_explanation
 
     return [
-        prep.plan.describe(),
-        lr_explanation(cfg, prep.plan),
+        prep.split.describe(),
+        lr_explanation(cfg, prep.split),
         strategy_line(cfg),
         f"data: {data_path} — {prep.layout.describe()}",
         f"model: {cfg.model.name}, {prep.num_parameters:,} parameters; "
@@ -236,9 +236,9 @@ def summary_lines(cfg, result) -> list[str]:
     from rayacc.quantities import lr_explanation
     from rayacc.redact import redact
 
-    plan = result.plan
+    split = result.split
     m = result.metrics
-    lines = ["[bold]done[/]", plan.describe(), lr_explanation(cfg, plan)]
+    lines = ["[bold]done[/]", split.describe(), lr_explanation(cfg, split)]
     if m:
         line = f"step {m.get('step')}: train loss {m.get('train/loss', float('nan')):.4f}"
         lines.append("".join([line, *(f", {part}" for part in val_parts(m))]))

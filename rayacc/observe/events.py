@@ -34,8 +34,8 @@ class RunStarted:
     """The checkpoint's step when the group restored one."""
     layout: str
     """How the epoch splits into windows."""
-    plan: dict[str, int]
-    """The batch plan this group runs (BatchPlan fields)."""
+    split: dict[str, int]
+    """The batch split this group runs (BatchSplit fields)."""
     effective_lr: float
 
     def describe(self) -> str | None:

@@ -31,7 +31,7 @@ def made_for(cfg: TrainConfig) -> dict[str, Any]:
         "model": cfg.model.model_dump(mode="json"),
         "data.source": cfg.data.source,
         "data.seq_len": cfg.data.seq_len,
-        "global_batch_size": cfg.batch_plan().global_batch_size,
+        "global_batch_size": cfg.batch_split().global_batch_size,
         "train.precision": cfg.train.precision,
         "train.loss_chunk_tokens": cfg.train.loss_chunk_tokens,
         "optim.name": cfg.optim.name,

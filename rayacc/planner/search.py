@@ -170,7 +170,7 @@ def search(
     from rayacc.models.registry import build_on_meta
 
     t0 = time.time()
-    g = prep.plan.global_batch_size
+    g = prep.split.global_batch_size
     counts = worker_counts(cfg, cluster_holds)
     blocks = len(fsdp_blocks(build_on_meta(cfg, prep.info)))
     candidates, skipped = enumerate_candidates(g, counts, blocks, micro_sizes=micro_sizes)

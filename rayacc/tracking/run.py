@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from rayacc.config import TrainConfig
-from rayacc.config.batch_plan import BatchPlan
+from rayacc.config.batch_split import BatchSplit
 from rayacc.observe.events import (
     Event,
     MicroBatchChanged,
@@ -33,7 +33,7 @@ class RunIdentity:
 
     name: str
     storage_path: str
-    plan: BatchPlan
+    split: BatchSplit
     effective_lr: float
     data_layout: str
     num_parameters: int
@@ -172,7 +172,7 @@ def open_tracking(
     )
     reopened = run.previous_run_id is not None
     if sink.active and not reopened:
-        params = contract_params(cfg, run.plan, run.effective_lr)
+        params = contract_params(cfg, run.split, run.effective_lr)
         if cfg.batch.auto_micro_batch:
             # known once the workers have searched: logged from their event
             del params["micro_batch_size"], params["grad_accum_steps"]

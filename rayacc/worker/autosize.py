@@ -13,7 +13,7 @@ import ray
 import torch
 
 from rayacc.config import TrainConfig
-from rayacc.config.batch_plan import BatchPlan
+from rayacc.config.batch_split import BatchSplit
 from rayacc.data.rows import LocalRows
 from rayacc.engine import (
     StepResult,
@@ -33,14 +33,14 @@ class MicroBatchSizer:
     """The micro-batch and accumulation running now (an out-of-memory retry cuts the planned
     ones), the search, and the sizes that ran out of memory."""
 
-    def __init__(self, cfg: TrainConfig, plan: BatchPlan, device: torch.device, progress):
+    def __init__(self, cfg: TrainConfig, split: BatchSplit, device: torch.device, progress):
         self.cfg, self.device, self.progress = cfg, device, progress
         self.splits = 1
-        self.set_plan(plan)
+        self.set_split(split)
 
-    def set_plan(self, plan: BatchPlan) -> None:
-        self.plan = plan
-        self.micro_now, self.accum_now = plan.micro_batch_size, plan.grad_accum_steps
+    def set_split(self, split: BatchSplit) -> None:
+        self.split = split
+        self.micro_now, self.accum_now = split.micro_batch_size, split.grad_accum_steps
 
     def search(
         self, strategy: Strategy, loss_fn: Callable, rows: LocalRows, step: int
@@ -48,8 +48,8 @@ class MicroBatchSizer:
         """The largest micro-batch that fits, the same on all ranks, tried on `rows` (real rows
         of this rank, repeated up to its share). Runs on the eager module (a compiled one would
         recompile for every size tried); the model is left as it was found."""
-        plan, device = self.plan, self.device
-        share = plan.samples_per_worker
+        split, device = self.split, self.device
+        share = split.samples_per_worker
         index = np.resize(np.arange(len(rows)), share)
 
         def make_batch(n: int):
@@ -69,18 +69,18 @@ class MicroBatchSizer:
                 below=below,
                 strategy=strategy,
             )
-        self.set_plan(
-            BatchPlan(
-                plan.global_batch_size,
+        self.set_split(
+            BatchSplit(
+                split.global_batch_size,
                 found.micro_batch_size,
                 found.grad_accum_steps,
-                plan.num_workers,
+                split.num_workers,
             )
         )
         return MicroBatchChanged(
             step=step,
-            micro_batch_size=self.plan.micro_batch_size,
-            grad_accum_steps=self.plan.grad_accum_steps,
+            micro_batch_size=self.split.micro_batch_size,
+            grad_accum_steps=self.split.grad_accum_steps,
             reason="auto search"
             + (f", below {below} (out of memory in training before)" if below else ""),
             budget_mb=found.budget_bytes / 2**20,
@@ -118,8 +118,8 @@ class MicroBatchSizer:
         if result.micro_batch_splits == self.splits:
             return None
         self.splits = result.micro_batch_splits
-        self.micro_now = math.ceil(self.plan.micro_batch_size / self.splits)
-        self.accum_now = self.plan.grad_accum_steps * self.splits
+        self.micro_now = math.ceil(self.split.micro_batch_size / self.splits)
+        self.accum_now = self.split.grad_accum_steps * self.splits
         return MicroBatchChanged(
             step=step,
             micro_batch_size=self.micro_now,

@@ -10,7 +10,7 @@ A checkpoint is the folder `checkpoint_step{step:08d}` in the run's folder `stor
 - `history.jsonl`: the run's lineage, every step record from step 1 to this step, one JSON
   object a line (about 600 bytes a step): the record a resume replays into MLflow, and the whole
   run's loss curve;
-- `meta.json`, written last: the step, the batch plan and worker count it was written at, the
+- `meta.json`, written last: the step, the batch split and worker count it was written at, the
   epoch position, the run's identity (what a resume must match) and whether it is sharded.
 
 A folder without `meta.json` (a crash mid-write) is never listed or loaded; Ray Train registers a
@@ -65,13 +65,13 @@ class CheckpointError(ValueError):
 
 
 # ----------------------------------------------------------------------------- identity
-def checkpoint_meta(identity, plan, state, world: int, sharded: bool) -> dict[str, Any]:
+def checkpoint_meta(identity, split, state, world: int, sharded: bool) -> dict[str, Any]:
     """meta.json of a checkpoint written at `state` by a group of `world` ranks; `identity`:
     the run's (`quantities.run_identity`)."""
     return {
         "optimizer_step": state.optimizer_step,
-        "global_batch_size": plan.global_batch_size,
-        "grad_accum_steps": plan.grad_accum_steps,
+        "global_batch_size": split.global_batch_size,
+        "grad_accum_steps": split.grad_accum_steps,
         "num_workers": world,
         "epoch": state.epoch,
         "epoch_sample_offset": state.epoch_sample_offset,

@@ -1,7 +1,7 @@
 """The worker run: one DDP rank of the Ray Train worker group.
 
 `train_loop` (Ray Train's `train_loop_per_worker`) builds a :class:`WorkerRun` and calls
-`train()`, which reads top to bottom: restore → plan the epochs → fetch this rank's rows →
+`train()`, which reads top to bottom: restore → split the epochs → fetch this rank's rows →
 (auto micro-batch) → window after window (fetch → step → record → validate → checkpoint).
 The data order, the normalisation rule and the checkpoint contract are in docs/design.md.
 """
@@ -85,7 +85,7 @@ def train_loop(inputs: WorkerInputs) -> dict[str, Any]:
 
 class WorkerRun:
     """Everything one rank holds for its run. The LR schedule is laid out for the run's
-    reference split, at the most workers; `plan` is the split at the worker count of this
+    reference split, at the most workers; `split` is the split at the worker count of this
     group. How the model is spread over the ranks is the strategy's (engine/strategy.py)."""
 
     def __init__(self, inputs: WorkerInputs):
@@ -107,7 +107,7 @@ class WorkerRun:
         torch.manual_seed(rank_seed(cfg.seed, self.rank))
         self.reference = spec.reference
         self.lr = spec.lr_at(self.world)
-        self.sizer = MicroBatchSizer(cfg, spec.plan_at(self.world), self.device, self.progress)
+        self.sizer = MicroBatchSizer(cfg, spec.split_at(self.world), self.device, self.progress)
         self.groups = inputs.groups
         self.storage, self.name = inputs.storage, inputs.name
         self.source = inputs.source
@@ -132,8 +132,8 @@ class WorkerRun:
         self.timeline["built"] = time.time()
 
     @property
-    def plan(self):
-        return self.sizer.plan
+    def split(self):
+        return self.sizer.split
 
     # ------------------------------------------------------------------ the run
     def train(self) -> dict[str, Any]:
@@ -145,7 +145,7 @@ class WorkerRun:
             step = self.state.optimizer_step
             events.append(self.sizer.search(self.strategy, self.loss_fn, self.first_rows, step))
             self._plan_epochs()
-            self.validate.batch_size = 2 * self.plan.micro_batch_size
+            self.validate.batch_size = 2 * self.split.micro_batch_size
         self._announce(events)
         for ep in self.epochs:
             self._begin_epoch(ep.epoch)
@@ -222,9 +222,9 @@ class WorkerRun:
                 old_workers=meta["num_workers"],
                 new_workers=self.world,
                 old_grad_accum_steps=meta.get("grad_accum_steps"),
-                new_grad_accum_steps=self.plan.grad_accum_steps,
+                new_grad_accum_steps=self.split.grad_accum_steps,
                 old_global_batch_size=meta["global_batch_size"],
-                new_global_batch_size=self.plan.global_batch_size,
+                new_global_batch_size=self.split.global_batch_size,
                 effective_lr=self.lr,
             ),
         ]
@@ -232,7 +232,7 @@ class WorkerRun:
     # ------------------------------------------------------------------ data
     def _plan_epochs(self) -> None:
         self.epochs = remaining_epochs(
-            self.cfg, self.order.num_train_rows, self.state, self.plan, self.rank
+            self.cfg, self.order.num_train_rows, self.state, self.split, self.rank
         )
 
     def _open_data(self) -> None:
@@ -258,7 +258,7 @@ class WorkerRun:
             spare=spare,
             device=self.device,
             precision=self.cfg.train.precision,
-            batch_size=2 * self.plan.micro_batch_size,
+            batch_size=2 * self.split.micro_batch_size,
         )
         self.timeline["data"] = time.time()
 
@@ -270,14 +270,14 @@ class WorkerRun:
     # ------------------------------------------------------------------ one window
     def _announce(self, events: list[Event]) -> None:
         first_layout = self.epochs[0].layout if self.epochs else None
-        layout = first_layout or epoch_layout(self.cfg, self.order.num_train_rows, self.plan)
+        layout = first_layout or epoch_layout(self.cfg, self.order.num_train_rows, self.split)
         self.outbox.send(
             RunStarted(
                 step=self.state.optimizer_step,
                 total_steps=self.total_steps,
                 resumed_from=self.resumed_from,
                 layout=layout.describe(),
-                plan=asdict(self.plan),
+                split=asdict(self.split),
                 effective_lr=self.lr,
             )
         )
@@ -327,7 +327,7 @@ class WorkerRun:
             epoch=epoch,
             wall_s=wall_s,
             data_s=data_s,
-            plan=self.plan,
+            split=self.split,
             micro_now=self.sizer.micro_now,
             accum_now=self.sizer.accum_now,
             skipped_steps=self.state.skipped_steps,
@@ -415,7 +415,7 @@ class WorkerRun:
             },
             meta=checkpoint_meta(
                 self.spec.identity,
-                self.plan,
+                self.split,
                 self.state,
                 self.world,
                 sharded=self.strategy.writes_shards,
@@ -434,7 +434,7 @@ class WorkerRun:
             metrics=self.last,
             val=self.val_metrics,
             state=self.state,
-            plan=self.plan,
+            split=self.split,
             effective_lr=self.lr,
             total_steps=self.total_steps,
             resumed_from=self.resumed_from,

@@ -7,7 +7,7 @@ import os
 from dataclasses import asdict
 from typing import Any
 
-from rayacc.config.batch_plan import BatchPlan
+from rayacc.config.batch_split import BatchSplit
 from rayacc.engine import StepCost, StepResult
 
 __all__ = ["run_summary", "step_record"]
@@ -20,7 +20,7 @@ def step_record(
     epoch: int,
     wall_s: float,
     data_s: float,
-    plan: BatchPlan,
+    split: BatchSplit,
     micro_now: int,
     accum_now: int,
     skipped_steps: int,
@@ -41,10 +41,10 @@ def step_record(
         "train/samples": result.samples,
         "train/samples_per_s": result.samples / wall_s if wall_s > 0 else 0.0,
         "train/skipped_steps": skipped_steps,
-        "scaling/num_workers": plan.num_workers,
+        "scaling/num_workers": split.num_workers,
         "scaling/grad_accum_steps": accum_now,
         "scaling/micro_batch_size": micro_now,
-        "scaling/global_batch_size": plan.global_batch_size,
+        "scaling/global_batch_size": split.global_batch_size,
         "comm/allreduce_calls": result.allreduce_calls,
         "comm/reduce_scatter_calls": result.reduce_scatter_calls,
         "data/rows_read": rows_read,
@@ -57,7 +57,7 @@ def step_record(
         wall_s=wall_s,
         data_s=data_s,
         items=result.items,
-        world_size=plan.num_workers,
+        world_size=split.num_workers,
         flops_per_item=flops_per_item,
         peak_tflops=peak_tflops,
     )
@@ -70,7 +70,7 @@ def run_summary(
     metrics: dict[str, Any],
     val: dict[str, float],
     state,
-    plan: BatchPlan,
+    split: BatchSplit,
     effective_lr: float,
     total_steps: int,
     resumed_from: int | None,
@@ -90,7 +90,7 @@ def run_summary(
         "metrics": metrics,
         "val": val,
         "train_state": state.state_dict(),
-        "plan": asdict(plan),
+        "split": asdict(split),
         "effective_lr": effective_lr,
         "total_steps": total_steps,
         "resumed_from": resumed_from,

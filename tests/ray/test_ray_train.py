@@ -174,7 +174,7 @@ def test_a_size_that_ran_out_of_memory_in_training_is_not_chosen_again(ray_local
     )
     result = fit_or_fail(cfg)
     assert [r["scaling/micro_batch_size"] for r in result.history] == [8, 8]
-    assert result.summary["plan"]["micro_batch_size"] == 8
+    assert result.summary["split"]["micro_batch_size"] == 8
 
 
 def test_a_sharded_search_trial_out_of_memory_restarts_the_group_below_it(ray_local, tmp_path):
@@ -350,7 +350,7 @@ def test_auto_micro_batch_with_compile_keeps_the_global_batch_and_the_step(
         tracking={"experiment": "auto-micro"},
     )
     result = fit_or_fail(auto)
-    assert (result.plan.micro_batch_size, result.plan.grad_accum_steps) == (8, 2)
+    assert (result.split.micro_batch_size, result.split.grad_accum_steps) == (8, 2)
     assert [r["scaling/micro_batch_size"] for r in result.history] == [8, 8, 8]
     assert all(r["train/samples"] == 32 for r in result.history)
     assert all(0 <= r["perf/data_wait_frac"] < 1 for r in result.history)

@@ -124,7 +124,7 @@ def test_a_global_batch_larger_than_the_training_rows_names_both(
         }
     )
     if train_rows is None:
-        assert prepare(cfg).plan.global_batch_size == global_batch
+        assert prepare(cfg).split.global_batch_size == global_batch
         return
     with pytest.raises(DataError) as err:
         prepare(cfg)

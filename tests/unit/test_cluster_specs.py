@@ -280,11 +280,11 @@ def test_every_job_spec_loads(path):
     raw = load_yaml(path)
     if "grid" in raw or "base" in raw:
         sweep, base, _ = SweepConfig.from_yaml(path)
-        assert TrainConfig.model_validate(base).batch_plan().global_batch_size > 0
+        assert TrainConfig.model_validate(base).batch_split().global_batch_size > 0
         assert sweep.grid or sweep.random.samples
     else:
         cfg = TrainConfig.from_yaml(path)
-        assert cfg.batch_plan().global_batch_size > 0
+        assert cfg.batch_split().global_batch_size > 0
 
 
 def test_rayjob_runs_a_job_spec_from_jobs():

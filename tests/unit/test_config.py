@@ -183,7 +183,7 @@ def test_auto_micro_batch_rules_name_their_fields():
     )
     assert cfg.batch.auto_micro_batch and cfg.batch.fixed_micro_batch_size is None
     # the plan known before the search: accumulation 1, the largest micro-batch it may pick
-    assert (cfg.batch_plan().micro_batch_size, cfg.batch_plan().grad_accum_steps) == (32, 1)
+    assert (cfg.batch_split().micro_batch_size, cfg.batch_split().grad_accum_steps) == (32, 1)
     with pytest.raises(ConfigError) as err:
         TrainConfig.from_dict({"batch": {"micro_batch_size": "auto", "grad_accum_steps": 2}})
     text = str(err.value)

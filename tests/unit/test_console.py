@@ -156,7 +156,7 @@ def test_the_summary_says_which_steps_its_medians_cover(steps, which):
 
 
 def test_a_fit_results_repr_is_short():
-    from rayacc.config.batch_plan import BatchPlan
+    from rayacc.config.batch_split import BatchSplit
     from rayacc.driver.fit import FitResult
 
     history = [record(s, **{f"x/{i}": 1.0 for i in range(30)}) for s in range(1, 501)]
@@ -164,7 +164,7 @@ def test_a_fit_results_repr_is_short():
         checkpoint_dir="/tmp/c",
         mlflow_run_id="abc",
         metrics={"step": 500, "train/loss": 0.1, "val/loss": 0.2, "val/accuracy": 0.9},
-        plan=BatchPlan(256, 32, 4, 2),
+        split=BatchSplit(256, 32, 4, 2),
         effective_lr=1e-3,
         run_name="r",
         storage_path="/tmp",
@@ -432,7 +432,7 @@ def test_off_a_terminal_there_is_no_bar():
 
 
 def test_the_summary_names_its_validation_metrics_and_says_where_the_time_went():
-    from rayacc.config.batch_plan import BatchPlan
+    from rayacc.config.batch_split import BatchSplit
     from rayacc.driver.fit import FitResult
     from rayacc.observe.console import summary_lines
 
@@ -445,7 +445,7 @@ def test_the_summary_names_its_validation_metrics_and_says_where_the_time_went()
         checkpoint_dir=None,
         mlflow_run_id=None,
         metrics=metrics,
-        plan=BatchPlan(8, 4, 1, 2),
+        split=BatchSplit(8, 4, 1, 2),
         effective_lr=1e-3,
         run_name="r",
         storage_path="/tmp",

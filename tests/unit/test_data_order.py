@@ -236,7 +236,7 @@ def test_a_short_row_group_does_not_shift_the_windows_off_the_row_groups():
 )
 def test_remaining_epochs_leave_out_an_epoch_without_a_window(workers, state, expected):
     from rayacc.config import TrainConfig
-    from rayacc.config.batch_plan import BatchPlan
+    from rayacc.config.batch_split import BatchSplit
     from rayacc.engine import TrainState
     from rayacc.quantities import remaining_epochs
 
@@ -246,7 +246,7 @@ def test_remaining_epochs_leave_out_an_epoch_without_a_window(workers, state, ex
             "train": {"epochs": 2, "max_steps": 5 if state else None},
         }
     )
-    plan = BatchPlan(16, 4, 4 // workers, workers)
+    plan = BatchSplit(16, 4, 4 // workers, workers)
     plans = remaining_epochs(cfg, 49, TrainState(**state), plan, rank=workers - 1)
     assert [(p.epoch, p.steps) for p in plans] == expected
     for p in plans:

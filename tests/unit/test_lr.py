@@ -132,7 +132,7 @@ def _last_lr(rows: int, global_batch: int, epochs: int, *, resize_at: int | None
             "train": {"epochs": epochs},
         }
     )
-    layout = epoch_layout(cfg, rows, cfg.batch_plan())
+    layout = epoch_layout(cfg, rows, cfg.batch_split())
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.5)
     schedule = build_schedule(
         cfg,

@@ -9,13 +9,13 @@ import pytest
 import yaml
 
 from rayacc.config import ConfigError, TrainConfig
-from rayacc.config.batch_plan import BatchPlanError
+from rayacc.config.batch_split import BatchSplitError
 from rayacc.planner.candidates import Candidate, checkpointing_choices, enumerate_candidates
 from rayacc.planner.planfile import PlanFile, made_for
 from rayacc.planner.prior import predict
 from rayacc.planner.profile import Curve, Profile
 from rayacc.planner.search import PlanRow, pick, profile_for, profile_sizes, worker_counts
-from rayacc.quantities import plan_at
+from rayacc.quantities import split_at
 from tests.support.cli import rayacc_here
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -212,7 +212,7 @@ def test_a_plan_file_round_trips_into_the_config_it_chose(tmp_path, chosen):
     assert back.profile == _profile().to_dict()
     assert Profile.from_dict(back.profile).compute_s["none"].at(32) == pytest.approx(0.042)
     cfg = TrainConfig.from_dict(job, back.overrides_for(TrainConfig.from_dict(job)))
-    plan = cfg.batch_plan()
+    plan = cfg.batch_split()
     assert (plan.num_workers, plan.micro_batch_size, plan.grad_accum_steps) == (
         chosen.workers,
         chosen.micro_batch_size,
@@ -270,19 +270,19 @@ def test_an_elastic_job_takes_each_sizes_micro_batch_from_the_plan():
     cfg = TrainConfig.from_dict(job, overrides)
     assert cfg.batch.micro_batch_by_workers == {1: 64, 2: 32}
     # a resize to one worker runs the plan's 64 × 4, not the 32 × 8 derived without it
-    one = plan_at(cfg, 1)
+    one = split_at(cfg, 1)
     assert (one.micro_batch_size, one.grad_accum_steps, one.global_batch_size) == (64, 4, 256)
-    two = plan_at(cfg, 2)
+    two = split_at(cfg, 2)
     assert (two.micro_batch_size, two.grad_accum_steps) == (32, 4)
     without = TrainConfig.from_dict(job, ["batch.micro_batch_size=32"])
-    assert plan_at(without, 1).micro_batch_size == 32
+    assert split_at(without, 1).micro_batch_size == 32
 
 
 def test_a_planned_micro_batch_that_breaks_the_global_batch_names_the_field():
     job = _job(**{"scaling.num_workers": [1, 2]})
     cfg = TrainConfig.from_dict(job, ["batch.micro_batch_by_workers={1: 96}"])
-    with pytest.raises(BatchPlanError, match="batch.micro_batch_by_workers"):
-        plan_at(cfg, 1)
+    with pytest.raises(BatchSplitError, match="batch.micro_batch_by_workers"):
+        split_at(cfg, 1)
 
 
 @pytest.mark.parametrize(
@@ -341,7 +341,7 @@ def test_a_sweep_from_a_plan_runs_its_best_candidates_with_their_predictions(tmp
     assert trials[2].config["train"]["strategy"] == "fsdp"
     assert trials[2].config["fsdp"]["grad_sync"] == "window_end"
     assert all(
-        TrainConfig.model_validate(t.config).batch_plan().global_batch_size == 256 for t in trials
+        TrainConfig.model_validate(t.config).batch_split().global_batch_size == 256 for t in trials
     )
     assert trials[0].predicted == {"predicted_step_s": 0.012, "predicted_memory_mb": 1.5}
 

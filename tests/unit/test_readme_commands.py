@@ -70,7 +70,7 @@ def test_the_summary_says_how_to_open_the_ui(uri, hint):
     from rich.console import Console
 
     from rayacc.config import TrainConfig
-    from rayacc.config.batch_plan import BatchPlan
+    from rayacc.config.batch_split import BatchSplit
     from rayacc.driver.fit import FitResult
     from rayacc.observe.console import summary_lines
 
@@ -79,7 +79,7 @@ def test_the_summary_says_how_to_open_the_ui(uri, hint):
         checkpoint_dir="/tmp/ckpt",
         mlflow_run_id="abc",
         metrics={},
-        plan=BatchPlan(8, 4, 1, 2),
+        split=BatchSplit(8, 4, 1, 2),
         effective_lr=1e-3,
         run_name="r",
         storage_path="/tmp",

@@ -15,16 +15,16 @@ import pytest
 
 import rayacc
 from rayacc import TrainConfig
-from rayacc.config.batch_plan import BatchPlanError
+from rayacc.config.batch_split import BatchSplitError
 from rayacc.config.errors import ConfigError, ConfigIssue
 from rayacc.data.sources import prepare_bundled
 from rayacc.driver.prelaunch import prepare
 from rayacc.quantities import (
     epoch_layout,
-    plan_at,
     run_effective_lr,
     run_identity,
     schedule_length,
+    split_at,
     total_optimizer_steps,
 )
 
@@ -62,31 +62,31 @@ def test_the_spec_holds_the_split_and_the_lr_at_every_size_the_run_may_take(
     cfg = _cfg(tmp_path, on_resize=on_resize)
     spec = prepare(cfg).spec
     for workers, (global_, micro, accum) in sizes.items():
-        plan = spec.plan_at(workers)
+        plan = spec.split_at(workers)
         assert (plan.global_batch_size, plan.micro_batch_size, plan.grad_accum_steps) == (
             global_,
             micro,
             accum,
         )
-        assert plan == plan_at(cfg, workers)
+        assert plan == split_at(cfg, workers)
         # linear scaling from base batch 16
         assert spec.lr_at(workers) == pytest.approx(0.1 * global_ / 16)
         assert spec.lr_at(workers) == run_effective_lr(cfg, plan)
-    assert spec.reference == cfg.batch_plan() and spec.effective_lr == spec.lr_at(4)
+    assert spec.reference == cfg.batch_split() and spec.effective_lr == spec.lr_at(4)
     layout = epoch_layout(cfg, spec.order.num_train_rows, spec.reference)
     assert spec.layout == layout
     assert spec.total_steps == total_optimizer_steps(cfg, layout)
     assert spec.schedule_length == schedule_length(cfg, layout)
     assert spec.identity == run_identity(cfg, spec.info)
-    with pytest.raises(BatchPlanError, match="outside the run's sizes"):
-        spec.plan_at(5)
+    with pytest.raises(BatchSplitError, match="outside the run's sizes"):
+        spec.split_at(5)
 
 
 def test_a_size_the_policy_cannot_run_keeps_its_error_for_the_group_that_would(tmp_path):
     # 40 rows a step: 3 workers cannot share them evenly
     spec = prepare(_cfg(tmp_path, global_batch_size=40, micro_batch_size=5)).spec
-    assert spec.plan_at(4).grad_accum_steps == 2
-    with pytest.raises(BatchPlanError) as refused:
+    assert spec.split_at(4).grad_accum_steps == 2
+    with pytest.raises(BatchSplitError) as refused:
         spec.lr_at(3)
     assert refused.value.field and "Fix:" in str(refused.value)
 
@@ -95,9 +95,9 @@ def test_the_spec_crosses_a_process_boundary_whole(tmp_path):
     spec = prepare(_cfg(tmp_path, global_batch_size=40, micro_batch_size=5)).spec
     back = pickle.loads(pickle.dumps(spec))
     assert back.cfg == spec.cfg and back.cfg.source_file == spec.cfg.source_file
-    assert back.plans.keys() == spec.plans.keys()
-    for workers, plan in spec.plans.items():
-        assert str(back.plans[workers]) == str(plan)
+    assert back.splits.keys() == spec.splits.keys()
+    for workers, plan in spec.splits.items():
+        assert str(back.splits[workers]) == str(plan)
     assert back.lrs == spec.lrs and back.identity == spec.identity
     assert (back.layout, back.total_steps, back.schedule_length) == (
         spec.layout,
@@ -109,8 +109,8 @@ def test_the_spec_crosses_a_process_boundary_whole(tmp_path):
         assert np.array_equal(
             back.order.row_ids(epoch, positions), spec.order.row_ids(epoch, positions)
         )
-    with pytest.raises(BatchPlanError):
-        back.plan_at(3)
+    with pytest.raises(BatchSplitError):
+        back.split_at(3)
 
 
 # one instance of every error class rayacc defines, as its own code raises it
@@ -118,7 +118,7 @@ ERRORS = {
     "ConfigError": lambda c: c(
         [ConfigIssue("batch.micro_batch_size", "must divide", 7, "use 8")], "job.yaml"
     ),
-    "BatchPlanError": lambda c: c("batch.global_batch_size", "not divisible", "use 48"),
+    "BatchSplitError": lambda c: c("batch.global_batch_size", "not divisible", "use 48"),
     "PlaceError": lambda c: c(["run.storage_path='/x' is not writable. Fix: another"]),
     "TrialOutOfMemory": lambda c: c(16),
     "TrainingError": lambda c: c("rank 1 failed"),

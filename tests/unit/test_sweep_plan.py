@@ -30,7 +30,7 @@ def test_hold_global_batch_derives_accumulation_and_skips_invalid():
         (
             t.config["scaling"]["num_workers"],
             t.config["batch"]["micro_batch_size"],
-        ): TrainConfig.model_validate(t.config).batch_plan()
+        ): TrainConfig.model_validate(t.config).batch_split()
         for t in valid
     }
     assert {p.global_batch_size for p in plans.values()} == {64}
@@ -54,7 +54,9 @@ def test_without_hold_the_global_batch_follows_the_grid():
         }
     )
     trials = expand_trials(sweep, BASE)
-    assert [TrainConfig.model_validate(t.config).batch_plan().grad_accum_steps for t in trials] == [
+    assert [
+        TrainConfig.model_validate(t.config).batch_split().grad_accum_steps for t in trials
+    ] == [
         2,
         8,
     ]

@@ -36,7 +36,7 @@ def test_contract_params_are_the_resolved_values(tmp_path):
             "optim": {"lr": 0.01, "base_batch_size": 64, "lr_scaling": "sqrt"},
         }
     )
-    params = contract_params(cfg, cfg.batch_plan(), 0.02)
+    params = contract_params(cfg, cfg.batch_split(), 0.02)
     assert params["grad_accum_steps"] == 4 and params["num_workers"] == 4
     assert params["global_batch_size"] == 256 and params["micro_batch_size"] == 16
     assert (params["base_lr"], params["base_batch_size"], params["lr_scaling"]) == (
@@ -60,7 +60,7 @@ def test_unreachable_server_disables_tracking_with_one_message(capsys):
 
 
 def test_a_reopened_run_extends_its_event_tags(tmp_path):
-    from rayacc.config.batch_plan import BatchPlan
+    from rayacc.config.batch_split import BatchSplit
     from rayacc.observe.events import Resized, RunStarted
     from rayacc.tracking import RunIdentity, open_tracking
 
@@ -74,7 +74,7 @@ def test_a_reopened_run_extends_its_event_tags(tmp_path):
 
     def identity(previous=None):
         return RunIdentity(
-            "run", str(tmp_path), BatchPlan(32, 4, 4, 2), 0.1, "layout", 10, previous
+            "run", str(tmp_path), BatchSplit(32, 4, 4, 2), 0.1, "layout", 10, previous
         )
 
     def resize(step, old, new):

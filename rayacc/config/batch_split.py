@@ -8,11 +8,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = [
-    "BatchPlan",
-    "BatchPlanError",
+    "BatchSplit",
+    "BatchSplitError",
     "elastic_sizes",
-    "plan_for_workers",
-    "resolve_batch_plan",
+    "resolve_batch_split",
+    "split_for_workers",
 ]
 
 GLOBAL = "batch.global_batch_size"
@@ -22,7 +22,7 @@ WORKERS = "scaling.num_workers"
 
 
 @dataclass(frozen=True)
-class BatchPlan:
+class BatchSplit:
     """How one optimizer step's samples are split: over workers, then over micro-steps."""
 
     global_batch_size: int
@@ -42,7 +42,7 @@ class BatchPlan:
         )
 
 
-class BatchPlanError(ValueError):
+class BatchSplitError(ValueError):
     """An impossible batch configuration; names the field at fault and the nearest valid values."""
 
     def __init__(self, field: str, problem: str, fix: str):
@@ -75,36 +75,36 @@ def _or(values: list[int]) -> str:
     return " or ".join(str(v) for v in values)
 
 
-def resolve_batch_plan(
+def resolve_batch_split(
     *,
     num_workers: int,
     global_batch_size: int | None = None,
     micro_batch_size: int | None = None,
     grad_accum_steps: int | None = None,
-) -> BatchPlan:
-    """Completes the batch plan for `num_workers` workers.
+) -> BatchSplit:
+    """Completes the batch split for `num_workers` workers.
 
     - global + micro: accumulation is derived (the usual case; it follows the worker count);
     - global + accum: the micro-batch is derived;
     - global alone: accumulation 1;
     - micro (+ accum, default 1) without global: the global batch is their product;
     - all three: they must agree.
-    Raises :class:`BatchPlanError` naming the field and the nearest valid values.
+    Raises :class:`BatchSplitError` naming the field and the nearest valid values.
     """
     _check_positive(num_workers, global_batch_size, micro_batch_size, grad_accum_steps)
     w = num_workers
     if global_batch_size is None:
         if micro_batch_size is None:
-            raise BatchPlanError(
+            raise BatchSplitError(
                 GLOBAL,
                 "neither batch.global_batch_size nor batch.micro_batch_size is set",
                 "set batch.global_batch_size (and batch.micro_batch_size to derive accumulation)",
             )
         accum = grad_accum_steps or 1
-        return BatchPlan(micro_batch_size * accum * w, micro_batch_size, accum, w)
+        return BatchSplit(micro_batch_size * accum * w, micro_batch_size, accum, w)
     g = global_batch_size
     if g % w:
-        raise BatchPlanError(
+        raise BatchSplitError(
             GLOBAL,
             f"{g} does not split evenly over {WORKERS}={w}",
             f"set {GLOBAL} to {_or(_multiples_near(g, w))}, or use a worker count dividing {g}",
@@ -115,77 +115,77 @@ def resolve_batch_plan(
         return _accum_from_micro(g, micro_batch_size, w)
     if grad_accum_steps is not None:
         return _micro_from_accum(g, grad_accum_steps, w)
-    return BatchPlan(g, g // w, 1, w)
+    return BatchSplit(g, g // w, 1, w)
 
 
 def _check_positive(*values: int | None) -> None:
     for name, value in zip((WORKERS, GLOBAL, MICRO, ACCUM), values):
         if value is not None and (not isinstance(value, int) or value < 1):
-            raise BatchPlanError(
+            raise BatchSplitError(
                 name, f"must be a positive integer, got {value!r}", f"set {name} >= 1"
             )
 
 
-def _all_three(g: int, m: int, k: int, w: int) -> BatchPlan:
+def _all_three(g: int, m: int, k: int, w: int) -> BatchSplit:
     product = m * k * w
     if product != g:
         fix = f"remove {ACCUM} to derive it"
         if (g // w) % m == 0:
             fix += f" (it would be {g // w // m})"
         fix += f", or set {GLOBAL}={product}"
-        raise BatchPlanError(
+        raise BatchSplitError(
             GLOBAL,
             f"{g} != {MICRO} × {ACCUM} × {WORKERS} = {m} × {k} × {w} = {product}",
             fix,
         )
-    return BatchPlan(g, m, k, w)
+    return BatchSplit(g, m, k, w)
 
 
-def _accum_from_micro(g: int, m: int, w: int) -> BatchPlan:
+def _accum_from_micro(g: int, m: int, w: int) -> BatchSplit:
     per_worker = g // w
     share = f"({GLOBAL}={g} / {WORKERS}={w} = {per_worker})"
     if m > per_worker:
-        raise BatchPlanError(
+        raise BatchSplitError(
             MICRO,
             f"{m} is larger than one worker's share of the global batch {share}",
             f"set {MICRO} to at most {per_worker}, e.g. {_or(_divisors_near(per_worker, m))}",
         )
     if per_worker % m:
-        raise BatchPlanError(
+        raise BatchSplitError(
             MICRO,
             f"{m} does not divide one worker's share of the global batch {share}, so {ACCUM} "
             "would not be whole",
             f"set {MICRO} to {_or(_divisors_near(per_worker, m))}, or {GLOBAL} to "
             f"{_or(_multiples_near(g, m * w))}",
         )
-    return BatchPlan(g, m, per_worker // m, w)
+    return BatchSplit(g, m, per_worker // m, w)
 
 
-def _micro_from_accum(g: int, k: int, w: int) -> BatchPlan:
+def _micro_from_accum(g: int, k: int, w: int) -> BatchSplit:
     per_worker = g // w
     if per_worker % k:
-        raise BatchPlanError(
+        raise BatchSplitError(
             ACCUM,
             f"{k} does not divide one worker's share of the global batch "
             f"({GLOBAL}={g} / {WORKERS}={w} = {per_worker})",
             f"set {ACCUM} to {_or(_divisors_near(per_worker, k))}, or {GLOBAL} to "
             f"{_or(_multiples_near(g, k * w))}",
         )
-    return BatchPlan(g, per_worker // k, k, w)
+    return BatchSplit(g, per_worker // k, k, w)
 
 
-def plan_for_workers(
-    base: BatchPlan, num_workers: int, on_resize: str, planned: dict[int, int] | None = None
-) -> BatchPlan:
-    """The plan when an elastic run has `num_workers` workers; `base` is the plan at its most.
+def split_for_workers(
+    base: BatchSplit, num_workers: int, on_resize: str, planned: dict[int, int] | None = None
+) -> BatchSplit:
+    """The split when an elastic run has `num_workers` workers; `base` is the split at its most.
 
     keep_global_batch: the global batch stays; accumulation is re-derived, and the micro-batch
-    is `planned`'s for this count (`batch.micro_batch_by_workers`, from a plan), else the
+    is `planned`'s for this count (`batch.micro_batch_by_workers`, from a split), else the
     largest divisor of the worker's share not above the configured one.
     keep_micro_batch: micro-batch and accumulation stay; the global batch follows the workers.
     """
     if on_resize == "keep_micro_batch":
-        return BatchPlan(
+        return BatchSplit(
             base.samples_per_worker * num_workers,
             base.micro_batch_size,
             base.grad_accum_steps,
@@ -193,7 +193,7 @@ def plan_for_workers(
         )
     g = base.global_batch_size
     if g % num_workers:
-        raise BatchPlanError(
+        raise BatchSplitError(
             WORKERS,
             f"the global batch {g} cannot be kept at {num_workers} workers (it does not split "
             "evenly)",
@@ -203,25 +203,25 @@ def plan_for_workers(
     per_worker = g // num_workers
     micro = (planned or {}).get(num_workers)
     if micro is not None and per_worker % micro:
-        raise BatchPlanError(
+        raise BatchSplitError(
             "batch.micro_batch_by_workers",
             f"micro-batch {micro} at {num_workers} workers does not divide the worker's share "
             f"{per_worker} of the global batch {g}",
-            "make the plan again for this job (rayacc plan --search), or remove the entry",
+            "make the split again for this job (rayacc split --search), or remove the entry",
         )
     if micro is None:
         micro = max(d for d in range(1, base.micro_batch_size + 1) if per_worker % d == 0)
-    return BatchPlan(g, micro, per_worker // micro, num_workers)
+    return BatchSplit(g, micro, per_worker // micro, num_workers)
 
 
 def elastic_sizes(
-    base: BatchPlan, lo: int, hi: int, on_resize: str, planned: dict[int, int] | None = None
-) -> dict[int, BatchPlan | str]:
-    """For each worker count in [lo, hi]: its plan, or why the policy cannot run there."""
-    sizes: dict[int, BatchPlan | str] = {}
+    base: BatchSplit, lo: int, hi: int, on_resize: str, planned: dict[int, int] | None = None
+) -> dict[int, BatchSplit | str]:
+    """For each worker count in [lo, hi]: its split, or why the policy cannot run there."""
+    sizes: dict[int, BatchSplit | str] = {}
     for w in range(lo, hi + 1):
         try:
-            sizes[w] = plan_for_workers(base, w, on_resize, planned)
-        except BatchPlanError as exc:
+            sizes[w] = split_for_workers(base, w, on_resize, planned)
+        except BatchSplitError as exc:
             sizes[w] = exc.problem
     return sizes

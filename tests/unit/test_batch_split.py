@@ -1,6 +1,6 @@
 import pytest
 
-from rayacc.engine import BatchPlan, BatchPlanError, resolve_batch_plan
+from rayacc.engine import BatchSplit, BatchSplitError, resolve_batch_split
 
 
 @pytest.mark.parametrize(
@@ -20,7 +20,7 @@ from rayacc.engine import BatchPlan, BatchPlanError, resolve_batch_plan
     ],
 )
 def test_valid_plans(kw, expected):
-    plan = resolve_batch_plan(**kw)
+    plan = resolve_batch_split(**kw)
     assert (
         plan.global_batch_size,
         plan.micro_batch_size,
@@ -34,7 +34,7 @@ def test_valid_plans(kw, expected):
 
 def test_plan_keeps_global_batch_when_workers_change():
     plans = [
-        resolve_batch_plan(num_workers=w, global_batch_size=96, micro_batch_size=4)
+        resolve_batch_split(num_workers=w, global_batch_size=96, micro_batch_size=4)
         for w in (1, 2, 3, 4, 6)
     ]
     assert {p.global_batch_size for p in plans} == {96}
@@ -43,14 +43,14 @@ def test_plan_keeps_global_batch_when_workers_change():
 
 def test_describe():
     assert (
-        BatchPlan(256, 32, 4, 2).describe() == "global batch 256 = micro 32 × accum 4 × workers 2"
+        BatchSplit(256, 32, 4, 2).describe() == "global batch 256 = micro 32 × accum 4 × workers 2"
     )
-    assert BatchPlan(256, 32, 4, 2).samples_per_worker == 128
+    assert BatchSplit(256, 32, 4, 2).samples_per_worker == 128
 
 
-def raises(**kw) -> BatchPlanError:
-    with pytest.raises(BatchPlanError) as info:
-        resolve_batch_plan(**kw)
+def raises(**kw) -> BatchSplitError:
+    with pytest.raises(BatchSplitError) as info:
+        resolve_batch_split(**kw)
     return info.value
 
 
@@ -106,20 +106,20 @@ def test_non_positive_values(field):
 
 def test_error_is_a_value_error_with_the_fix_in_its_message():
     with pytest.raises(ValueError, match=r"Fix: set batch.micro_batch_size to"):
-        resolve_batch_plan(num_workers=2, global_batch_size=100, micro_batch_size=7)
+        resolve_batch_split(num_workers=2, global_batch_size=100, micro_batch_size=7)
 
 
 def test_elastic_plans_keep_the_global_batch_or_follow_the_workers():
-    from rayacc.config.batch_plan import elastic_sizes, plan_for_workers
+    from rayacc.config.batch_split import elastic_sizes, split_for_workers
 
-    base = resolve_batch_plan(num_workers=3, global_batch_size=96, micro_batch_size=32)
+    base = resolve_batch_split(num_workers=3, global_batch_size=96, micro_batch_size=32)
     kept = elastic_sizes(base, 1, 4, "keep_global_batch")
-    assert kept[1] == BatchPlan(96, 32, 3, 1)
-    assert kept[2] == BatchPlan(96, 24, 2, 2)  # 48 per worker: micro re-derived to 24
+    assert kept[1] == BatchSplit(96, 32, 3, 1)
+    assert kept[2] == BatchSplit(96, 24, 2, 2)  # 48 per worker: micro re-derived to 24
     assert kept[3] == base
-    assert kept[4] == BatchPlan(96, 24, 1, 4)
+    assert kept[4] == BatchSplit(96, 24, 1, 4)
     followed = elastic_sizes(base, 1, 3, "keep_micro_batch")
     assert [p.global_batch_size for p in followed.values()] == [32, 64, 96]
     assert {p.grad_accum_steps for p in followed.values()} == {1}
-    with pytest.raises(BatchPlanError, match="cannot be kept at 5 workers"):
-        plan_for_workers(base, 5, "keep_global_batch")
+    with pytest.raises(BatchSplitError, match="cannot be kept at 5 workers"):
+        split_for_workers(base, 5, "keep_global_batch")
