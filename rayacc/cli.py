@@ -220,16 +220,19 @@ def cmd_train(args: argparse.Namespace) -> int:
     import time
 
     t_main = time.time()
-    from rich.console import Console
-
     from rayacc.driver.fit import TrainingError, ensure_ray, fit
     from rayacc.driver.prelaunch import locate, prepare
-    from rayacc.observe.console import ProgressPrinter, run_header, summary_lines
+    from rayacc.observe.console import (
+        ProgressPrinter,
+        make_console,
+        run_header,
+        styled,
+        summary_lines,
+    )
 
     t_imported = time.time()
     # paths and URIs stay on one line, copyable
-    console = Console(soft_wrap=True)
-    err = Console(stderr=True, soft_wrap=True)
+    console, err = make_console(), make_console(stderr=True)
     _console_owns_ray_output()
     cfg = _load(args)
     # every user mistake surfaces here, before Ray starts
@@ -242,13 +245,13 @@ def cmd_train(args: argparse.Namespace) -> int:
         pool.submit(_import_ray_layer)
         ensure_ray(cfg)
     t_ray = time.time()
-    console.print(f"[bold]rayacc train[/] {args.config}")
+    console.print(styled(("rayacc train", "bold"), f" {args.config}"))
     if args.plan:
-        console.print(f"  settings from the plan {args.plan}", markup=False)
+        console.print(f"  settings from the plan {args.plan}")
     for line in run_header(cfg, prep, redact(prep.info.path)):
-        console.print(f"  {line}", markup=False)  # a path may hold brackets
+        console.print(f"  {line}")
     for w in prep.warnings:
-        err.print(f"[yellow]warning:[/] {w}")
+        err.print(styled(("warning:", "yellow"), f" {w}"))
 
     try:
         with ProgressPrinter(console, prep.total_steps, bar=True) as display:
@@ -256,12 +259,12 @@ def cmd_train(args: argparse.Namespace) -> int:
                 cfg, resume=args.resume, observers=[display], prepared=prep, location=location
             )
     except TrainingError as exc:
-        err.print(f"[red]rayacc: {exc}[/]")
+        err.print(styled((f"rayacc: {exc}", "red")))
         return 1
     heading, *lines = summary_lines(cfg, result)
     console.print(heading)
     for line in lines:
-        console.print(f"  {line}")
+        console.print(styled("  ", line))
     if args.timings:
         result.phases.update(
             main_entered=t_main, imported=t_imported, cli_checked=t_checked, cli_ray_started=t_ray
@@ -295,7 +298,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
     from rayacc.config import SweepConfig
     from rayacc.driver.sweep import run_sweep
-    from rayacc.observe.console import val_parts
+    from rayacc.observe.console import styled, val_parts
     from rayacc.tracking.report import build_report
 
     console = _console()
@@ -305,12 +308,16 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
     # the base as every trial shares it: its places, data, model and batch against the data
     check(TrainConfig.model_validate(base), "run")
-    console.print(f"[bold]rayacc sweep[/] {source}")
+    console.print(styled(("rayacc sweep", "bold"), f" {source}"))
 
     def on_event(kind, trial, info):
         if kind == "skipped":
             console.print(
-                f"  [yellow]skipped[/] trial {trial.index} ({trial.label()}): {info['reason']}"
+                styled(
+                    "  ",
+                    ("skipped", "yellow"),
+                    f" trial {trial.index} ({trial.label()}): {info['reason']}",
+                )
             )
         elif kind == "started":
             console.print(f"  trial {trial.index} started: {trial.label()}")
@@ -323,7 +330,9 @@ def cmd_sweep(args: argparse.Namespace) -> int:
                 f"{val}, {info.get('wall_time_s', 0):.1f} s"
             )
         else:
-            console.print(f"  [red]trial {trial.index} failed[/]: {info.get('error')}")
+            console.print(
+                styled("  ", (f"trial {trial.index} failed", "red"), f": {info.get('error')}")
+            )
 
     result = run_sweep(sweep, base, Path(args.config).read_text(), on_event)
     console.print(
@@ -336,10 +345,10 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def _console():
-    from rich.console import Console
+    from rayacc.observe.console import make_console
 
     # tables need room: a pipe or a file gets 160 columns instead of rich's default 80
-    return Console(soft_wrap=True, width=None if sys.stdout.isatty() else 160)
+    return make_console(width=None if sys.stdout.isatty() else 160)
 
 
 def _print_report(console, report) -> None:
@@ -379,7 +388,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
         one = build_run_report(client, run)
         for line in one.lines():
-            console.print(line, markup=False)
+            console.print(line)
         files = write_run_report(one, args.out)
         console.print(f"wrote {', '.join(str(f) for f in files)}")
         return 0
@@ -447,18 +456,17 @@ def cmd_sample(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from rich.console import Console
     from rich.table import Table
 
     from rayacc.driver.verify import verify
+    from rayacc.observe.console import make_console, styled
 
-    console = Console(soft_wrap=True)
-    err = Console(stderr=True, soft_wrap=True)
+    console, err = make_console(), make_console(stderr=True)
     _console_owns_ray_output()
     cfg = _load(args)
     result = verify(cfg)
     for w in result.warnings:
-        err.print(f"[yellow]warning:[/] {w}")
+        err.print(styled(("warning:", "yellow"), f" {w}"))
     split = cfg.batch_split()
     table = Table(title=f"one step of {split.describe()}, {cfg.train.precision}, vs one process")
     for col in ("parameter", "max abs diff", "rel diff ‖Δw_ray − Δw_single‖/‖Δw_single‖"):
@@ -466,10 +474,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
     for d in result.diffs:
         table.add_row(d.name, f"{d.max_abs:.3e}", f"{d.max_rel:.3e}")
     console.print(table)
-    verdict = "[green]PASS[/]" if result.passed else "[red]FAIL[/]"
+    verdict = ("PASS", "green") if result.passed else ("FAIL", "red")
     console.print(
-        f"{verdict}: largest relative difference {result.worst.max_rel:.3e} "
-        f"({result.worst.name}); tolerance {result.tolerance:g} for {cfg.train.precision}"
+        styled(
+            verdict,
+            f": largest relative difference {result.worst.max_rel:.3e} "
+            f"({result.worst.name}); tolerance {result.tolerance:g} for {cfg.train.precision}",
+        )
     )
     if result.mlflow_run_id:
         console.print(f"  MLflow run {result.mlflow_run_id} tagged rayacc.verified")
@@ -699,7 +710,8 @@ def main(argv: list[str] | None = None) -> int:
     # Ray's own records below ERROR stay in Ray's log files unless RAYACC_VERBOSE=1
     streams = sys.stdout, sys.stderr
     console_stream = RedactingStream if env.verbose() else QuietRayStream
-    sys.stdout, sys.stderr = console_stream(sys.stdout), console_stream(sys.stderr)
+    out, err = console_stream(sys.stdout), console_stream(sys.stderr)
+    sys.stdout, sys.stderr = out, err
     try:
         return args.func(args)
     except _user_error_types() as exc:
@@ -714,6 +726,9 @@ def main(argv: list[str] | None = None) -> int:
         traceback.print_exc()  # through the boundary, so masked too
         return 1
     finally:
+        # a line left unfinished is masked whole, then the streams are the process's again
+        out.release()
+        err.release()
         sys.stdout, sys.stderr = streams
 
 

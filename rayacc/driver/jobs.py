@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from rayacc.config import TrainConfig
-from rayacc.redact import redact
+from rayacc.redact import contains_secret, redact
 
 __all__ = [
     "MAX_UPLOAD_BYTES",
@@ -82,7 +82,7 @@ def job_command(rel: Path, overrides: list[str]) -> tuple[str, dict[str, str]]:
     """The job's entrypoint and environment. An override that carries a credential travels in
     the environment (`SECRET_OVERRIDES`), never in the entrypoint, which the cluster stores and
     `rayacc jobs list` shows."""
-    secret = [o for o in overrides if redact(o) != o]
+    secret = [o for o in overrides if contains_secret(o)]
     env_vars = {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}
     if secret:
         env_vars[SECRET_OVERRIDES] = json.dumps(secret)

@@ -4,6 +4,11 @@ log records (shown with RAYACC_VERBOSE=1 only).
 
 `ProgressPrinter` is a RunObserver: the CLI uses it, and a library caller passes it to
 `fit(cfg, observers=[ProgressPrinter()])` (fit alone prints nothing).
+
+Every console rayacc prints on is `make_console()`'s: text is printed as given, never parsed as
+markup (a path may hold `[ml]` or `[/a]`, an error `[rank1]:`) and never highlighted (a
+highlighter's colour codes would split a URI before the stream boundary masks it); styles come
+only from `styled` parts.
 """
 
 from __future__ import annotations
@@ -23,13 +28,33 @@ __all__ = [
     "ProgressPrinter",
     "QuietRayStream",
     "clock",
+    "make_console",
     "perf_summary",
     "progress_line",
     "run_header",
     "strategy_line",
+    "styled",
     "summary_lines",
     "val_parts",
 ]
+
+
+def make_console(*, stderr: bool = False, width: int | None = None, **options):
+    """A rich console that prints text as given: no markup, no highlighting; paths and URIs
+    stay on one line, copyable (soft wrap). `options`: rich's others (file, force_terminal)."""
+    from rich.console import Console
+
+    return Console(
+        stderr=stderr, soft_wrap=True, markup=False, highlight=False, width=width, **options
+    )
+
+
+def styled(*parts):
+    """One line of plain text parts and (text, style) parts; no part is parsed as markup."""
+    from rich.text import Text
+
+    return Text.assemble(*parts)
+
 
 VAL_NAMES = {"val/loss": "val_loss", "val/accuracy": "val_acc"}
 """Validation metrics as the console names them (MLflow keeps the `val/…` keys)."""
@@ -115,9 +140,7 @@ class ProgressPrinter(RunObserver):
 
     def __init__(self, console=None, total_steps: int | None = None, bar: bool = False):
         if console is None:
-            from rich.console import Console
-
-            console = Console(soft_wrap=True)
+            console = make_console()
         self.console = console
         self.total = total_steps
         self.bar = bar and console.is_terminal
@@ -131,7 +154,7 @@ class ProgressPrinter(RunObserver):
             from rich.progress import BarColumn, Progress, TextColumn
 
             self.progress = Progress(
-                BarColumn(), TextColumn("{task.fields[info]}"), console=self.console
+                BarColumn(), TextColumn("{task.fields[info]}", markup=False), console=self.console
             )
             self.progress.__enter__()
             self.task = self.progress.add_task("train", total=self.total, info="starting workers")
@@ -149,7 +172,7 @@ class ProgressPrinter(RunObserver):
         else:
             line = event.console_line()
         if line:
-            self.console.print(f"  {line}", markup=False)
+            self.console.print(f"  {line}")
 
     def on_step(self, record: dict[str, Any]) -> None:
         now = time.monotonic()
@@ -161,9 +184,9 @@ class ProgressPrinter(RunObserver):
         if self.progress is not None:
             self.progress.update(self.task, total=total, completed=step, info=line)
             if validated:
-                self.console.print(f"  {line}", markup=False)
+                self.console.print(f"  {line}")
         elif validated or step % max(1, total // 10) == 0 or step == total:
-            self.console.print(f"  {line}", markup=False)
+            self.console.print(f"  {line}")
 
 
 # ----------------------------------------------------------------------------- header, summary
@@ -238,14 +261,16 @@ def summary_lines(cfg, result) -> list[str]:
 
     split = result.split
     m = result.metrics
-    lines = ["[bold]done[/]", split.describe(), lr_explanation(cfg, split)]
+    lines: list[Any] = [styled(("done", "bold")), split.describe(), lr_explanation(cfg, split)]
     if m:
         line = f"step {m.get('step')}: train loss {m.get('train/loss', float('nan')):.4f}"
         lines.append("".join([line, *(f", {part}" for part in val_parts(m))]))
         if m.get("train/skipped_steps"):
             lines.append(
-                f"[yellow]{m['train/skipped_steps']} step(s) skipped[/] for a non-finite loss "
-                "or gradient (train/skipped_steps)"
+                styled(
+                    (f"{m['train/skipped_steps']} step(s) skipped", "yellow"),
+                    " for a non-finite loss or gradient (train/skipped_steps)",
+                )
             )
     resumed = result.summary.get("resumed_from")
     if resumed is not None and result.history:
@@ -288,6 +313,7 @@ class QuietRayStream(RedactingStream):
     installs it unless RAYACC_VERBOSE=1."""
 
     def write(self, text: str) -> int:
-        if _RAY_RECORD.match(text):
+        # a record, continuation lines and all, is one write that begins a line
+        if not self._partial and _RAY_RECORD.match(text):
             return len(text)
         return super().write(text)
