@@ -445,6 +445,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
         top_k=args.top_k,
         seed=args.seed,
         storage=args.storage,
+        factory=args.factory,
     )
     print(
         f"rayacc: {len(result.ids)} tokens from {redact(result.checkpoint)}, decoded as "
@@ -632,6 +633,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--storage", default=None, help="run.storage_path of a run name (default: ./rayacc_runs)"
+    )
+    p.add_argument(
+        "--factory",
+        default=None,
+        metavar="MODULE:FUNCTION",
+        help="the model factory a user factory model's checkpoint is rebuilt with (a checkpoint "
+        "never names code to run on its own word)",
     )
     p.set_defaults(func=cmd_sample)
 

@@ -90,9 +90,11 @@ def sample(
     seed: int = 0,
     storage: str | None = None,
     device: str | None = None,
+    factory: str | None = None,
 ) -> Sample:
     """`tokens` new tokens after `prompt` (none: a line break) from the model of
-    RUN_OR_CHECKPOINT `target`, sharded checkpoints included."""
+    RUN_OR_CHECKPOINT `target`, sharded checkpoints included. `factory`: the model factory a
+    user factory's checkpoint is rebuilt with (`load_model`)."""
     from rayacc.data.sources import DataError
     from rayacc.models.generate import generate
     from rayacc.worker.checkpoint import load_model
@@ -109,7 +111,7 @@ def sample(
     if not start:
         raise DataError("--prompt: encodes to no tokens. Fix: give some text")
     with tempfile.TemporaryDirectory(prefix="rayacc-sample-") as scratch:
-        model = load_model(_local(checkpoint, scratch))
+        model = load_model(_local(checkpoint, scratch), factory=factory)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     model.to(device)
     generator = torch.Generator(device=device).manual_seed(seed)

@@ -65,7 +65,9 @@ def verify(cfg: TrainConfig) -> VerifyResult:
         }
     )
     result = fit(probe, prepared=prepare(probe), tags={"rayacc.verify": "probe"})
-    distributed = load_model(result.checkpoint_dir).state_dict()
+    # the job's own factory, if it names one: the user's code, not the checkpoint's word
+    factory = cfg.model.factory if cfg.model.name == "factory" else None
+    distributed = load_model(result.checkpoint_dir, factory=factory).state_dict()
 
     # the reference: one process, the whole batch as one micro-batch, fp32, eager, the plain
     # loss; built as a rank is

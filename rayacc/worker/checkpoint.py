@@ -166,12 +166,33 @@ def _shards_of(folder: str | Path, meta: dict[str, Any]) -> Path | None:
         raise CheckpointError(str(exc)) from None
 
 
-def load_model(path: str | Path) -> nn.Module:
-    """The model saved in a checkpoint folder, with its weights, in eval mode, on the CPU."""
+def load_model(path: str | Path, factory: str | None = None) -> nn.Module:
+    """The model saved in a checkpoint folder, with its weights, in eval mode, on the CPU.
+
+    A checkpoint is data: it must not be able to run code here. A built-in model (`mlp`,
+    `gpt`) is rebuilt from its description; a user factory's model only when the caller names
+    the factory (`factory="package.module:function"`, which the caller trusts): the one the
+    checkpoint names is never imported on its word. The factory is called with the
+    checkpoint's `model.kwargs`."""
     from rayacc.models import build_model
 
     state, description, meta = read_checkpoint(path)
     cfg = TrainConfig.model_validate(description["config"])
+    if cfg.model.name == "factory":
+        if factory is None:
+            raise CheckpointError(
+                f"{path} holds a model made by model.factory={cfg.model.factory!r}; loading "
+                "it would import and call code the checkpoint names, and a checkpoint is "
+                "data. Fix: name the factory you trust: load_model(path, "
+                "factory='package.module:function') or `rayacc sample ... --factory "
+                "package.module:function`"
+            )
+        cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"factory": factory})})
+    elif factory is not None:
+        raise CheckpointError(
+            f"{path} holds a built-in model (model.name={cfg.model.name}), not a factory's. "
+            "Fix: load it without a factory"
+        )
     model = build_model(cfg, DatasetInfo.from_dict(description["dataset"]))
     shards = _shards_of(path, meta)
     if shards is None:

@@ -36,12 +36,15 @@ FORWARDS_PER_STEP = 4  # per rank: global 32 = micro 4 × accumulation 4 × 2 wo
 COMPUTED = ("train/loss", "train/lr", "train/grad_norm", "train/items", "val/loss")
 
 
+FAULTY_MODEL = "tests.support.faulty_model:build"
+
+
 def spec(tmp_path: Path, strategy: str, workers: int, tracking_uri: str) -> dict:
     return {
         "seed": 7,
         "model": {
             "name": "factory",
-            "factory": "tests.support.faulty_model:build",
+            "factory": FAULTY_MODEL,
             "kwargs": {
                 "marker": str(tmp_path / "died"),
                 # the resumed run (from step 6) loses a worker in step 12 on 2 workers
@@ -219,7 +222,9 @@ def test_the_record_is_the_final_checkpoints_lineage_across_every_fault(
         # the fit's own outputs cover the whole lineage too
         assert [r["step"] for r in result.history] == list(range(1, STEPS + 1))
         assert (tmp_path / "runs" / "faulty" / "loss_curve.png").is_file()
-        a, b = (weights(load_model(r.checkpoint_dir)) for r in (reference, result))
+        a, b = (
+            weights(load_model(r.checkpoint_dir, factory=FAULTY_MODEL)) for r in (reference, result)
+        )
         assert rel_diff(b, a) <= (0.0 if workers == 2 else 1e-5), rel_diff(b, a)
     finally:
         if server["proc"].poll() is None:

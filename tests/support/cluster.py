@@ -37,6 +37,10 @@ def local(*args: str, env: dict) -> subprocess.CompletedProcess:
     return proc
 
 
+SLOW_MODEL = "tests.support.slow_model:build"
+"""The whole-stack cluster jobs' model (its forwards can be held at a step)."""
+
+
 def job(tmp_path: Path, name: str, num_workers, **extra) -> Path:
     data = tmp_path / "d256.parquet"
     if not data.exists():
@@ -45,7 +49,7 @@ def job(tmp_path: Path, name: str, num_workers, **extra) -> Path:
         "seed": 1,
         "model": {
             "name": "factory",
-            "factory": "tests.support.slow_model:build",
+            "factory": SLOW_MODEL,
             "kwargs": {"delay_s": 0.05},
         },
         "data": {"source": str(data), "shuffle": False, "val_fraction": 0.0},
@@ -121,7 +125,9 @@ def wait_for_checkpoint(storage: Path, step: int, timeout_s: float = 300) -> Non
 
 
 def weights(checkpoint: Path) -> torch.Tensor:
-    return torch.cat([v.reshape(-1).double() for v in load_model(checkpoint).state_dict().values()])
+    """The weights of a checkpoint of `job`'s model (the factory this suite trusts)."""
+    model = load_model(checkpoint, factory=SLOW_MODEL)
+    return torch.cat([v.reshape(-1).double() for v in model.state_dict().values()])
 
 
 def run_record(tmp_path: Path, name: str):

@@ -143,3 +143,58 @@ def test_a_sharded_checkpoint_naming_a_file_outside_its_folder_is_refused(tmp_pa
         load_model(folder)
     with pytest.raises(CheckpointError, match="outside the checkpoint folder"):
         read_checkpoint(folder)
+
+
+# ---------------------------------------------------------------- a user factory's checkpoint
+def factory_checkpoint(folder: Path) -> tuple[Path, dict[str, torch.Tensor]]:
+    """A checkpoint of `tests.support.planted_factory:build`'s model (width 3)."""
+    from rayacc import TrainConfig
+    from rayacc.data.sources import DatasetInfo
+    from rayacc.worker.checkpoint import write_checkpoint
+
+    cfg = TrainConfig.from_dict(
+        {
+            "model": {
+                "name": "factory",
+                "factory": "tests.support.planted_factory:build",
+                "kwargs": {"width": 3},
+            },
+            "batch": {"global_batch_size": 8},
+        }
+    )
+    info = DatasetInfo(
+        path="d.parquet", format="classification", num_rows=8, num_features=5, num_classes=3
+    )
+    model = torch.nn.Linear(5, 3)
+    write_checkpoint(
+        folder,
+        state={"model": model.state_dict()},
+        description={"config": cfg.model_dump(mode="json"), "dataset": info.to_dict()},
+        meta={"optimizer_step": 1},
+    )
+    return folder, model.state_dict()
+
+
+def test_a_factory_checkpoint_loads_only_with_the_factory_its_caller_names(tmp_path, monkeypatch):
+    import sys
+
+    from rayacc.cli import main
+
+    mark = tmp_path / "imported"
+    monkeypatch.setenv("RAYACC_PLANTED_MARK", str(mark))
+    monkeypatch.delitem(sys.modules, "tests.support.planted_factory", raising=False)
+    folder, weights = factory_checkpoint(tmp_path / "ckpt")
+    with pytest.raises(CheckpointError, match="factory=.*you trust") as refused:
+        load_model(folder)
+    assert "tests.support.planted_factory:build" in str(refused.value)
+    # the command line says the same, exit 2, before importing anything of it
+    assert main(["sample", str(folder), "--tokens", "1"]) == 2
+    assert not mark.exists() and "tests.support.planted_factory" not in sys.modules
+    # named by the caller, it is the caller's code: imported, called with the saved kwargs
+    model = load_model(folder, factory="tests.support.planted_factory:build")
+    assert mark.exists()
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, weights[name]), name
+    with pytest.raises(CheckpointError, match="built-in model"):
+        folder2, _ = sharded_checkpoint(tmp_path / "gpt")
+        load_model(folder2, factory="tests.support.planted_factory:build")
