@@ -345,28 +345,30 @@ class RunCheckpoints:
 class StepLog:
     """Rank 0's copy of the run's lineage: every step record so far, spooled to a local file
     (a long run's records stay off the heap; about 600 bytes and 25 µs a step); a checkpoint
-    takes a copy."""
+    takes a copy. The file has no name (an anonymous temporary file): nothing is left in the
+    temp folder however the process ends, a group ended by a resize or a failure included."""
 
     def __init__(self) -> None:
-        handle, self.path = tempfile.mkstemp(prefix="rayacc-history-", suffix=".jsonl")
-        os.close(handle)
-        self._file = open(self.path, "a")  # noqa: SIM115 (open for the run's length)
+        # open for the run's length
+        self._file = tempfile.TemporaryFile("w+", prefix="rayacc-history-")  # noqa: SIM115
 
     def append(self, record: dict[str, Any]) -> None:
         self._file.write(json.dumps(record, default=str) + "\n")
 
     def load(self, path: Path) -> None:
         """Starts from a checkpoint's lineage (none: an empty one)."""
-        self._file.close()
+        self._file.seek(0)
+        self._file.truncate()
         if path.is_file():
-            shutil.copyfile(path, self.path)
-        else:
-            Path(self.path).write_text("")
-        self._file = open(self.path, "a")  # noqa: SIM115
+            with open(path) as saved:
+                shutil.copyfileobj(saved, self._file)
 
     def copy_to(self, path: Path) -> None:
         self._file.flush()
-        shutil.copyfile(self.path, path)
+        self._file.seek(0)
+        with open(path, "w") as copy:
+            shutil.copyfileobj(self._file, copy)
+        self._file.seek(0, os.SEEK_END)
 
 
 @dataclass

@@ -159,7 +159,14 @@ def test_two_runs_of_one_config_give_the_same_weights_through_either_read_path(
 def test_a_size_that_ran_out_of_memory_in_training_is_not_chosen_again(ray_local, tmp_path):
     """Out of memory in a window's last micro-step cannot be retried in place (the peers
     already wait in the gradient all-reduce): the group restarts, and its auto search stays
-    below every size that failed. Micro 32 and then 16 fail here; 8 trains."""
+    below every size that failed. Micro 32 and then 16 fail here; 8 trains. The groups that
+    ended leave nothing in the temp folder."""
+    import tempfile
+
+    def ours() -> set[str]:
+        return {p.name for p in Path(tempfile.gettempdir()).glob("rayacc-*")}
+
+    before = ours()
     cfg = config(
         tmp_path,
         model={
@@ -175,6 +182,7 @@ def test_a_size_that_ran_out_of_memory_in_training_is_not_chosen_again(ray_local
     result = fit_or_fail(cfg)
     assert [r["scaling/micro_batch_size"] for r in result.history] == [8, 8]
     assert result.summary["split"]["micro_batch_size"] == 8
+    assert ours() - before == set(), ours() - before
 
 
 def test_a_sharded_search_trial_out_of_memory_restarts_the_group_below_it(ray_local, tmp_path):

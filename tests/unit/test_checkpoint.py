@@ -198,3 +198,29 @@ def test_a_factory_checkpoint_loads_only_with_the_factory_its_caller_names(tmp_p
     with pytest.raises(CheckpointError, match="built-in model"):
         folder2, _ = sharded_checkpoint(tmp_path / "gpt")
         load_model(folder2, factory="tests.support.planted_factory:build")
+
+
+def test_the_lineage_spool_leaves_nothing_in_the_temp_folder(tmp_path, monkeypatch):
+    """Rank 0 spools the run's step records to a file of its own; a group's process may end at
+    any moment (a resize, a failure), so the file has no name to leave behind."""
+    import tempfile
+
+    from rayacc.worker.checkpoint import StepLog
+
+    spool = tmp_path / "tmp"
+    spool.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(spool))
+    logs = [StepLog() for _ in range(3)]  # three groups of one run (restarts, resizes)
+    for i, log in enumerate(logs):
+        log.append({"step": 1, "group": i})
+    assert list(spool.iterdir()) == []
+    saved = tmp_path / "history.jsonl"
+    logs[0].copy_to(saved)
+    logs[1].load(saved)
+    logs[1].append({"step": 2})
+    logs[1].copy_to(saved)
+    lines = [json.loads(line) for line in saved.read_text().splitlines()]
+    assert lines == [{"step": 1, "group": 0}, {"step": 2}]
+    logs[2].load(tmp_path / "none.jsonl")  # no lineage yet: an empty one
+    logs[2].copy_to(saved)
+    assert saved.read_text() == ""
