@@ -284,7 +284,7 @@ def _write_timings(path: str, result) -> None:
         "worker": result.summary.get("timeline", {}),
         "run": {**run, "checkpoint_dir": result.checkpoint_dir},
     }
-    Path(path).write_text(json.dumps(timings, indent=1))
+    Path(path).write_text(json.dumps(redact(timings), indent=1))
 
 
 def _import_ray_layer() -> None:

@@ -19,6 +19,7 @@ from rayacc.config import ConfigError, TrainConfig
 from rayacc.config.errors import ConfigIssue
 from rayacc.config.loader import read_yaml
 from rayacc.planner.candidates import Candidate
+from rayacc.redact import redact
 
 __all__ = ["PLAN_VERSION", "PlanFile", "made_for"]
 
@@ -26,17 +27,20 @@ PLAN_VERSION = 1
 
 
 def made_for(cfg: TrainConfig) -> dict[str, Any]:
-    """The job's fields a plan depends on (dotted keys)."""
-    return {
-        "model": cfg.model.model_dump(mode="json"),
-        "data.source": cfg.data.source,
-        "data.seq_len": cfg.data.seq_len,
-        "global_batch_size": cfg.batch_split().global_batch_size,
-        "train.precision": cfg.train.precision,
-        "train.loss_chunk_tokens": cfg.train.loss_chunk_tokens,
-        "optim.name": cfg.optim.name,
-        "scaling.use_gpu": cfg.scaling.use_gpu,
-    }
+    """The job's fields a plan depends on (dotted keys), masked as PLAN.yaml holds them (a
+    presigned `data.source` is compared without its signature)."""
+    return redact(
+        {
+            "model": cfg.model.model_dump(mode="json"),
+            "data.source": cfg.data.source,
+            "data.seq_len": cfg.data.seq_len,
+            "global_batch_size": cfg.batch_split().global_batch_size,
+            "train.precision": cfg.train.precision,
+            "train.loss_chunk_tokens": cfg.train.loss_chunk_tokens,
+            "optim.name": cfg.optim.name,
+            "scaling.use_gpu": cfg.scaling.use_gpu,
+        }
+    )
 
 
 @dataclass
@@ -68,7 +72,8 @@ class PlanFile:
             "# written by `rayacc plan --search`; run it with "
             f"`rayacc train -c {self.job or 'JOB.yaml'} --plan THIS_FILE`\n"
         )
-        return head + yaml.safe_dump(doc, sort_keys=False, width=100, allow_unicode=True)
+        # written through the one matcher, as every file rayacc writes
+        return redact(head + yaml.safe_dump(doc, sort_keys=False, width=100, allow_unicode=True))
 
     def write(self, path: str | os.PathLike) -> Path:
         """Written whole or not at all (a temporary file renamed into place)."""

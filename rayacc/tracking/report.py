@@ -10,6 +10,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rayacc.redact import redact
+
 __all__ = ["Report", "ReportError", "TrialRow", "build_report", "write_report"]
 
 COLUMNS = [
@@ -351,6 +353,9 @@ def _plot_xy(
 
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     every = max(1, max((len(x) for x, _ in series.values()), default=1) // 8)
+    # a trial's label, a title or a note may quote a setting: the picture is a file rayacc writes
+    title, note = redact(title), redact(note)
+    series = {redact(label): xy for label, xy in series.items()}
     for i, (label, (x, y)) in enumerate(series.items()):
         marker = MARKERS[i % len(MARKERS)]
         if scatter:
@@ -407,7 +412,7 @@ def write_report(
         writer = csv.DictWriter(f, fieldnames=list(asdict(report.rows[0])))
         writer.writeheader()
         for row in report.rows:
-            writer.writerow(asdict(row))
+            writer.writerow(redact(asdict(row)))
     files = [
         csv_path,
         out / "loss_vs_samples.png",

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rayacc.observe.goodput import PARTS, describe
+from rayacc.redact import redact
 
 __all__ = ["RunReport", "build_run_report", "write_run_report"]
 
@@ -139,12 +140,12 @@ def write_run_report(report: RunReport, out_dir: str | Path) -> list[Path]:
     top = axes[0].get_ylim()[1]
     for step, kinds in by_step.items():
         at = _time_at(report.steps, report.seconds, step)
-        label = f"{step}: {', '.join(dict.fromkeys(kinds))}"
+        label = redact(f"{step}: {', '.join(dict.fromkeys(kinds))}")
         axes[0].annotate(label, (at, top), fontsize=7, rotation=90, va="top", ha="right")
     for lo, hi in pauses:
         axes[0].annotate("restart", ((lo + hi) / 2, 0.1 * top), fontsize=7, ha="center")
     axes[-1].set_xlabel("seconds since the first step")
-    axes[0].set_title(f"run {report.name}: workers, global batch and accumulation")
+    axes[0].set_title(redact(f"run {report.name}: workers, global batch and accumulation"))
     fig.tight_layout()
     fig.savefig(png, dpi=100)
     plt.close(fig)

@@ -204,3 +204,86 @@ def test_a_submit_address_with_credentials_is_named_without_them(monkeypatch):
         jobs.submit("jobs/digits.yaml", [], address="http://bob:hunter2@127.0.0.1:9", follow=False)
     assert "http://***@127.0.0.1:9" in str(err.value)
     assert "hunter2" not in str(err.value) and "bob" not in str(err.value)
+
+
+# every file rayacc writes, with a credential planted where a user's text reaches it
+PLANTED = "https://bkt.s3.amazonaws.com/d.parquet?X-Amz-Signature=Zq9PLANTED&u=http://al:Zq9PW@h"
+
+
+def _texts_drawn(monkeypatch) -> list[str]:
+    """Every string matplotlib is asked to draw (titles, labels, notes, annotations)."""
+    from matplotlib.axes import Axes
+
+    drawn: list[str] = []
+    for name in ("set_title", "text", "annotate", "plot", "set_xlabel", "set_ylabel"):
+        original = getattr(Axes, name)
+
+        def spy(self, *args, _original=original, **kwargs):
+            drawn.extend(str(a) for a in (*args, *kwargs.values()) if isinstance(a, str))
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(Axes, name, spy)
+    return drawn
+
+
+def _plan_file(tmp_path):
+    from rayacc.planner.candidates import Candidate
+    from rayacc.planner.planfile import PlanFile, made_for
+
+    cfg = TrainConfig.from_dict(
+        {"data": {"source": PLANTED}, "batch": {"global_batch_size": 8, "micro_batch_size": 4}}
+    )
+    chosen = Candidate(2, 4, 1)
+    plan = PlanFile("job.yaml", made_for(cfg), chosen, {2: chosen}, [{"label": PLANTED}])
+    path = plan.write(tmp_path / "PLAN.yaml")
+    # read back and checked against the same job: the masked source still matches
+    assert PlanFile.read(path).overrides_for(cfg)
+    return path
+
+
+def _sweep_report(tmp_path):
+    from rayacc.tracking.report import Report, TrialRow, write_report
+
+    row = TrialRow(PLANTED, "r1", "FINISHED", 2, 4, 1, 8, 0.1, 1.0, 1.0, "val/loss", 1, 1, 0.1, 1)
+    report = Report("parent", [row], loss_curves={PLANTED: ([8.0, 16.0], [1.0, 0.9])})
+    return write_report(report, tmp_path / "report")
+
+
+def _run_report(tmp_path):
+    from rayacc.tracking.run_report import SERIES, RunReport, write_run_report
+
+    report = RunReport(
+        "r1",
+        f"run at {PLANTED}",
+        steps=[1, 2],
+        seconds=[0.0, 1.0],
+        series={k: [2, 2] for k in SERIES},
+        events=[(1, f"resized from {PLANTED}", "")],
+    )
+    return write_run_report(report, tmp_path / "run_report")
+
+
+def _timings(tmp_path):
+    from types import SimpleNamespace
+
+    from rayacc.cli import _write_timings
+
+    result = SimpleNamespace(
+        phases={"called": 1.0},
+        summary={"device": "cpu", "timeline": {}},
+        checkpoint_dir=f"{PLANTED}/checkpoint_step00000001",
+    )
+    _write_timings(str(tmp_path / "timings.json"), result)
+    return [tmp_path / "timings.json"]
+
+
+@pytest.mark.parametrize("write", [_plan_file, _sweep_report, _run_report, _timings])
+def test_every_file_rayacc_writes_holds_no_credential(write, tmp_path, monkeypatch):
+    drawn = _texts_drawn(monkeypatch)
+    write(tmp_path)
+    written = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert written
+    for path in written:
+        data = path.read_bytes()
+        assert b"Zq9PLANTED" not in data and b"Zq9PW" not in data, path
+    assert not [t for t in drawn if "Zq9" in t], drawn
