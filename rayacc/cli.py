@@ -250,7 +250,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         console.print(f"  settings from the plan {args.plan}")
     for line in run_header(cfg, prep, redact(prep.info.path)):
         console.print(f"  {line}")
-    for w in prep.warnings:
+    for w in [*prep.warnings, *location.notes]:
         err.print(styled(("warning:", "yellow"), f" {w}"))
 
     try:

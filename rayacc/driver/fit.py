@@ -23,7 +23,7 @@ from rayacc.config.batch_split import BatchSplit
 from rayacc.data.sources import RowGroups, row_groups
 from rayacc.data.vocab import Vocabulary
 from rayacc.driver.prelaunch import Prepared, check_cluster, locate, prepare
-from rayacc.driver.runs import RunLocation
+from rayacc.driver.runs import RunLease, RunLocation
 from rayacc.observe.events import RunObserver, RunStarted
 from rayacc.observe.goodput import Goodput
 
@@ -280,7 +280,33 @@ def fit(
     t0 = time.perf_counter()
     phases = {"called": time.time()}
     prep = prepared or prepare(cfg)
-    loc = location or locate(cfg, resume, prep.spec.identity)
+    if location is None:
+        location = locate(cfg, resume, prep.spec.identity)
+        for note in location.notes:
+            log.warning(note)
+    loc = location
+    # one writer per run: refused while another live driver holds the run
+    lease = RunLease(loc).take()
+    try:
+        return _fit_holding(
+            cfg, prep, loc, resume, observers, parent_run_id, tags, phases=phases, t0=t0
+        )
+    finally:
+        lease.release()
+
+
+def _fit_holding(
+    cfg: TrainConfig,
+    prep: Prepared,
+    loc: RunLocation,
+    resume: bool,
+    observers: Sequence[RunObserver],
+    parent_run_id: str | None,
+    tags: dict[str, Any] | None,
+    *,
+    phases: dict[str, float],
+    t0: float,
+) -> FitResult:
     phases["checked"] = time.time()
     ensure_ray(cfg)
     check_cluster(cfg)

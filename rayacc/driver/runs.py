@@ -1,11 +1,16 @@
 """Where a run lives: its folder `storage/name` on a local disk or any storage pyarrow reaches
 (`s3://`, `gs://`, `file://`), the rules that keep a name to one run, which run a `--resume`
 without a name means, the run's info file (its MLflow run, so that every resume continues that
-one, and what `rayacc runs` lists), and the list of a storage path's runs."""
+one, and what `rayacc runs` lists), the lease a live driver holds on its run (one writer per
+run), and the list of a storage path's runs."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import socket
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -18,13 +23,30 @@ from rayacc.data.sources import DataError
 from rayacc.redact import redact
 from rayacc.worker.checkpoint import RunCheckpoints
 
-__all__ = ["LATEST", "RUN_INFO", "RunLocation", "RunSummary", "default_storage", "list_runs"]
+__all__ = [
+    "LATEST",
+    "LEASE",
+    "LEASE_TTL_S",
+    "RUN_INFO",
+    "Lease",
+    "RunLease",
+    "RunLocation",
+    "RunSummary",
+    "default_storage",
+    "list_runs",
+    "read_lease",
+]
 
 RUN_INFO = "rayacc_run.json"
 """In the run's folder: the MLflow run, job file, model, data, identity, planned steps and
 status of the run."""
 LATEST = "LATEST"
 """In the storage path: the name of the latest run started there."""
+LEASE = "rayacc_lease.json"
+"""In the run's folder while a driver writes the run: its host, pid and heartbeat."""
+LEASE_TTL_S = 60.0
+"""A lease whose heartbeat is older than this is a killed driver's: it holds the run no more
+(the holder beats every quarter of it)."""
 
 
 def _write_text(storage: str, relative: str, text: str) -> None:
@@ -43,6 +65,102 @@ def _run_info(storage: str, name: str) -> dict[str, Any]:
         return {}
 
 
+@dataclass(frozen=True)
+class Lease:
+    """A driver's claim on a run: while its heartbeat is fresh (and, on this host, its process
+    lives) no other driver writes the run."""
+
+    host: str
+    pid: int
+    heartbeat: float
+    token: str
+
+    def live(self) -> bool:
+        if time.time() - self.heartbeat > LEASE_TTL_S:
+            return False
+        if self.host == socket.gethostname():
+            try:
+                os.kill(self.pid, 0)
+            except ProcessLookupError:
+                return False  # a driver of this host that is gone: no need to wait it out
+            except PermissionError:
+                pass
+        return True
+
+    def describe(self) -> str:
+        age = max(0.0, time.time() - self.heartbeat)
+        return f"host {self.host}, pid {self.pid}, heartbeat {age:.0f} s ago"
+
+
+def read_lease(storage: str, name: str) -> Lease | None:
+    text = read_text(f"{storage}/{name}/{LEASE}")
+    try:
+        raw = json.loads(text) if text else None
+        return Lease(str(raw["host"]), int(raw["pid"]), float(raw["heartbeat"]), str(raw["token"]))
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+        return None  # none, or a torn write: no claim
+
+
+class RunLease:
+    """The lease this driver holds on its run for the fit's length: taken before the worker
+    group starts (refused while another live driver holds it), its heartbeat refreshed by a
+    thread, removed when the fit ends. A driver that is killed leaves it to expire."""
+
+    def __init__(self, loc: RunLocation):
+        self.loc = loc
+        self.token = uuid.uuid4().hex
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _write(self) -> None:
+        lease = {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "heartbeat": time.time(),
+            "token": self.token,
+        }
+        _write_text(self.loc.storage, f"{self.loc.name}/{LEASE}", json.dumps(lease))
+
+    def take(self) -> RunLease:
+        held = read_lease(self.loc.storage, self.loc.name)
+        if held is not None and held.token != self.token and held.live():
+            raise DataError(_held_message(self.loc.name, self.loc.storage, held))
+        self._write()
+        # two drivers that read "free" at once: the one whose lease stands goes on
+        time.sleep(0.05)
+        mine = read_lease(self.loc.storage, self.loc.name)
+        if mine is None or mine.token != self.token:
+            raise DataError(_held_message(self.loc.name, self.loc.storage, mine))
+        self._thread = threading.Thread(target=self._beat, name="rayacc-lease", daemon=True)
+        self._thread.start()
+        return self
+
+    def _beat(self) -> None:
+        while not self._stop.wait(LEASE_TTL_S / 4):
+            # storage away for a moment: the next beat tries again
+            with contextlib.suppress(OSError):
+                self._write()
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        held = read_lease(self.loc.storage, self.loc.name)
+        if held is not None and held.token == self.token:
+            filesystem, root = filesystem_and_path(self.loc.storage)
+            filesystem.delete_file(f"{root}/{self.loc.name}/{LEASE}")
+
+
+def _held_message(name: str, storage: str, held: Lease | None) -> str:
+    who = held.describe() if held is not None else "another driver"
+    return (
+        f"run {name!r} in {storage} is being written by a live driver ({who}); two drivers "
+        "would write one folder and one MLflow run. Fix: wait for it to end (`rayacc runs` "
+        f"shows it running), stop it, or resume another run; a lease a killed driver left "
+        f"expires {LEASE_TTL_S:.0f} s after its last heartbeat"
+    )
+
+
 def default_storage(path: str | None = None) -> str:
     """`run.storage_path` (a local path made absolute, or a URI); unset: ./rayacc_runs."""
     storage = path or str(Path.cwd() / "rayacc_runs")
@@ -57,6 +175,8 @@ class RunLocation:
     name: str
     previous: dict[str, Any] = field(default_factory=dict)
     """What an earlier attempt of this run recorded in its folder (on a resume)."""
+    notes: list[str] = field(default_factory=list)
+    """What the choice of the run should tell the user (a live run passed over)."""
 
     @property
     def local(self) -> bool:
@@ -91,26 +211,38 @@ def locate_run(cfg: TrainConfig, resume: bool, identity: dict[str, Any] | None =
     may be resumed by this config: `prelaunch.locate`)."""
     storage = default_storage(cfg.run.storage_path)
     name = cfg.run.name
+    notes: list[str] = []
     if name is None and resume:
-        name = _same_job(storage, identity)
+        name = _same_job(storage, identity, notes)
     elif name is not None:
         _check_name(storage, name, resume)
+        held = read_lease(storage, name) if resume else None
+        if held is not None and held.live():
+            raise DataError(_held_message(name, storage, held))
     name = name or f"rayacc-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
-    return RunLocation(storage, name, _run_info(storage, name) if resume else {})
+    return RunLocation(storage, name, _run_info(storage, name) if resume else {}, notes)
 
 
-def _same_job(storage: str, identity: dict[str, Any] | None) -> str:
-    """The latest run in `storage` whose identity is `identity`; a DataError listing the runs
-    there when none is."""
+def _same_job(storage: str, identity: dict[str, Any] | None, notes: list[str]) -> str:
+    """The latest run in `storage` whose identity is `identity` and that no live driver
+    writes (one passed over is noted); a DataError listing the runs there when none is."""
     runs = list_runs(storage)
     same = [r for r in runs if identity is not None and r.identity == identity]
-    if same:
-        return max(same, key=lambda r: r.started).name
+    free = [r for r in same if r.status != "running"]
+    for r in same:
+        if r.status == "running":
+            notes.append(
+                f"--resume passed over run {r.name!r}: a live driver writes it "
+                f"({r.lease.describe() if r.lease else 'lease held'})"
+            )
+    if free:
+        return max(free, key=lambda r: r.started).name
     listing = "\n  ".join(r.line() for r in runs[-10:]) or "none"
+    busy = " that no live driver writes" if same else ""
     raise DataError(
-        f"--resume without run.name: no run in {storage} was trained on this job's data and "
-        f"model (runs there, newest last):\n  {listing}\nFix: set run.name=NAME to the run to "
-        "resume (`rayacc runs` lists them), or drop --resume to start a new run"
+        f"--resume without run.name: no run in {storage}{busy} was trained on this job's data "
+        f"and model (runs there, newest last):\n  {listing}\nFix: set run.name=NAME to the run "
+        "to resume (`rayacc runs` lists them), or drop --resume to start a new run"
     )
 
 
@@ -154,6 +286,8 @@ class RunSummary:
     status: str
     started: str
     identity: dict[str, Any] | None
+    lease: Lease | None = None
+    """The live driver's lease, while one writes the run."""
 
     def line(self) -> str:
         total = self.total_steps if self.total_steps is not None else "?"
@@ -164,8 +298,9 @@ class RunSummary:
 
 
 def list_runs(storage: str) -> list[RunSummary]:
-    """The runs of `storage`, oldest first. A run whose info says `running` and whose driver is
-    gone reads `unfinished` (a resume continues it)."""
+    """The runs of `storage`, oldest first. A run reads `running` while a live driver holds its
+    lease; one whose info says `running` and whose driver is gone reads `unfinished` (a resume
+    continues it)."""
     found = []
     for name in _runs_in(storage):
         info = _run_info(storage, name)
@@ -173,6 +308,12 @@ def list_runs(storage: str) -> list[RunSummary]:
         if not info and latest is None:
             continue  # not a rayacc run
         status = info.get("status", "unfinished")
+        lease = read_lease(storage, name)
+        live = lease is not None and lease.live()
+        if live:
+            status = "running"
+        elif status == "running":
+            status = "unfinished"  # its driver is gone
         identity = info.get("identity") or (latest.meta().get("identity") if latest else None)
         found.append(
             RunSummary(
@@ -184,9 +325,10 @@ def list_runs(storage: str) -> list[RunSummary]:
                 total_steps=info.get("total_steps"),
                 last_checkpoint=latest.uri if latest else None,
                 mlflow_run_id=info.get("mlflow_run_id"),
-                status="unfinished" if status == "running" else status,
+                status=status,
                 started=info.get("started", ""),
                 identity=identity,
+                lease=lease if live else None,
             )
         )
     return sorted(found, key=lambda r: (r.started, r.name))

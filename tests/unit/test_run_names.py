@@ -308,3 +308,71 @@ def test_runs_lists_the_runs_of_a_storage_path(tmp_path, capsys):
     for shown in ("a", "jobs/digits.yaml", "mlp / digits", "4/10", "checkpoint_step00000004"):
         assert shown in out, (shown, out)
     assert "abc" in out and "unfinished" in out
+
+
+# ---------------------------------------------------------------- one writer per run
+def _finished_run(tmp_path, name: str, identity: dict, started: str):
+    import json
+
+    folder = tmp_path / "runs" / name
+    (folder / "checkpoint_step00000004").mkdir(parents=True)
+    (folder / "checkpoint_step00000004" / "meta.json").write_text(
+        json.dumps({"optimizer_step": 4, "identity": identity})
+    )
+    info = {"status": "finished", "identity": identity, "started": started}
+    (folder / "rayacc_run.json").write_text(json.dumps(info))
+
+
+def test_a_live_driver_holds_its_run_and_a_killed_ones_lease_expires(tmp_path, monkeypatch):
+    import json
+    import time
+
+    from rayacc.data.sources import DataError
+    from rayacc.driver import runs
+    from rayacc.driver.runs import LEASE, RunLease, RunLocation, list_runs, locate_run
+
+    storage = str(tmp_path / "runs")
+    ident = {"seed": 0}
+    _finished_run(tmp_path, "old", ident, "2026-01-01 00:00:00")
+    _finished_run(tmp_path, "new", ident, "2026-01-02 00:00:00")
+    held = RunLease(RunLocation(storage, "new")).take()
+    try:
+        by_name = {r.name: r for r in list_runs(storage)}
+        assert by_name["new"].status == "running" and by_name["old"].status == "finished"
+        # a second driver: neither a named resume nor its own lease may take the run
+        with pytest.raises(DataError, match=r"'new' .* live driver \(host .*pid") as named:
+            locate_run(cfg(storage, "new"), resume=True)
+        assert "Fix:" in str(named.value)
+        with pytest.raises(DataError, match="live driver"):
+            RunLease(RunLocation(storage, "new")).take()
+        # an unnamed resume passes over the live run and says so
+        loc = locate_run(cfg(storage, None), resume=True, identity=ident)
+        assert loc.name == "old" and "passed over run 'new'" in loc.notes[0]
+    finally:
+        held.release()
+    assert not (tmp_path / "runs" / "new" / LEASE).exists()
+    assert locate_run(cfg(storage, None), resume=True, identity=ident).name == "new"
+
+    # a lease left by a driver that was killed: expired by its heartbeat's age, or at once on
+    # this host when its process is gone
+    lease_file = tmp_path / "runs" / "new" / LEASE
+    stale = {"host": "elsewhere", "pid": 1, "heartbeat": time.time() - runs.LEASE_TTL_S - 1}
+    lease_file.write_text(json.dumps({**stale, "token": "t"}))
+    assert {r.name: r.status for r in list_runs(storage)}["new"] == "finished"
+    import socket
+    import subprocess
+    import sys
+
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    dead = {"host": socket.gethostname(), "pid": int(gone.stdout), "heartbeat": time.time()}
+    lease_file.write_text(json.dumps({**dead, "token": "t"}))
+    RunLease(RunLocation(storage, "new")).take().release()
+    # a live one of another host, written this moment
+    fresh = {"host": "elsewhere", "pid": 1, "heartbeat": time.time(), "token": "t"}
+    lease_file.write_text(json.dumps(fresh))
+    assert {r.name: r.status for r in list_runs(storage)}["new"] == "running"
