@@ -64,6 +64,7 @@ def _plan_search(args: argparse.Namespace, cfg: TrainConfig) -> int:
 
     from rayacc.driver.calibrate import CalibrationGroup, sample_rows
     from rayacc.driver.fit import ensure_ray
+    from rayacc.driver.places import PlaceError, check_folder
     from rayacc.driver.prelaunch import prepare
     from rayacc.driver.runs import default_storage
     from rayacc.planner.search import format_table, search
@@ -77,6 +78,10 @@ def _plan_search(args: argparse.Namespace, cfg: TrainConfig) -> int:
     budget_s = 300.0 if args.budget_s is None else args.budget_s
     top = 3 if args.top is None else args.top
     out = Path(args.out or "PLAN.yaml")
+    # where the plan goes is known now: a folder that cannot be made fails before the search
+    problem = check_folder("--out", str(out.absolute().parent))
+    if problem:
+        raise PlaceError([problem])
     prep = prepare(cfg)
     ensure_ray(cfg)
     print(f"rayacc plan --search {args.config} (time budget {budget_s:g} s, top {top})")
@@ -405,10 +410,16 @@ def cmd_runs(args: argparse.Namespace) -> int:
     """Lists the runs of a storage path, oldest first."""
     from rich.table import Table
 
-    from rayacc.driver.runs import default_storage, list_runs
+    from rayacc.data.sources import DataError
+    from rayacc.driver.runs import default_storage, list_runs, storage_exists
 
     console = _console()
     storage = default_storage(args.storage)
+    if args.storage is not None and not storage_exists(storage):
+        raise DataError(
+            f"--storage {redact(args.storage)}: no such folder. Fix: give the run.storage_path "
+            "the runs were trained with"
+        )
     runs = list_runs(storage)
     if not runs:
         console.print(f"no rayacc runs in {redact(storage)}")
@@ -534,6 +545,24 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _number(kind: type, low: float, *, above: bool = False):
+    """An argparse type: a number of `kind` at least `low` (above it, with `above`); anything
+    else is the flag's error (exit 2) before the command does any work."""
+    bound = f"> {low:g}" if above else f"≥ {low:g}"
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number {bound}") from None
+        if value < low or (above and value == low):
+            raise argparse.ArgumentTypeError(f"must be {bound} (got {text})")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its messages
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rayacc", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -590,11 +619,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--budget-s",
-        type=float,
+        type=_number(float, 0, above=True),
         default=None,
         help="with --search: seconds the search may take before it stops measuring (300)",
     )
-    p.add_argument("--top", type=int, default=None, help="with --search: candidates to measure (3)")
+    p.add_argument(
+        "--top", type=_number(int, 1), default=None, help="with --search: candidates to measure (3)"
+    )
     p.add_argument(
         "--out", default=None, help="with --search: where the plan is written (PLAN.yaml)"
     )
@@ -627,9 +658,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="a checkpoint folder, a run's folder (its latest checkpoint) or a run name",
     )
     p.add_argument("--prompt", default=None, help="text to continue (default: a line break)")
-    p.add_argument("--tokens", type=int, default=200, help="tokens to generate")
-    p.add_argument("--temperature", type=float, default=0.8, help="0 takes the likeliest token")
-    p.add_argument("--top-k", type=int, default=50, help="sample among the k likeliest")
+    p.add_argument("--tokens", type=_number(int, 0), default=200, help="tokens to generate")
+    p.add_argument(
+        "--temperature", type=_number(float, 0), default=0.8, help="0 takes the likeliest token"
+    )
+    p.add_argument("--top-k", type=_number(int, 1), default=50, help="sample among the k likeliest")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--storage", default=None, help="run.storage_path of a run name (default: ./rayacc_runs)"
@@ -677,19 +710,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("inputs", nargs="+", metavar="NAME_OR_FILE")
     p.add_argument("--out", default=None, help="new folder for the Parquet (text/JSONL inputs)")
     p.add_argument("--cache-dir", default=None, help="bundled datasets: where they are cached")
-    p.add_argument("--seq-len", type=int, default=128, help="tokens per sample (rows hold +1)")
+    p.add_argument(
+        "--seq-len", type=_number(int, 1), default=128, help="tokens per sample (rows hold +1)"
+    )
     p.add_argument(
         "--tokenizer", default=None, help="a tokenizer.json (default: byte-level, 257 ids)"
     )
     p.add_argument("--text-field", default="text", help="JSONL: the field holding the text")
     p.add_argument(
         "--rows-per-group",
-        type=int,
+        type=_number(int, 1),
         default=64,
         help="Parquet row group size: at most a quarter of each rank's share of a window "
         "(global batch / workers) for about one read of each row per epoch",
     )
-    p.add_argument("--rows-per-file", type=int, default=1 << 20)
+    p.add_argument("--rows-per-file", type=_number(int, 1), default=1 << 20)
     p.add_argument("--shuffle", action="store_true", help="shuffle all rows with Ray Data")
     p.add_argument("--seed", type=int, default=0, help="the shuffle's seed")
     p.set_defaults(func=cmd_data_prepare)

@@ -35,6 +35,7 @@ __all__ = [
     "default_storage",
     "list_runs",
     "read_lease",
+    "storage_exists",
 ]
 
 RUN_INFO = "rayacc_run.json"
@@ -159,6 +160,14 @@ def _held_message(name: str, storage: str, held: Lease | None) -> str:
         f"shows it running), stop it, or resume another run; a lease a killed driver left "
         f"expires {LEASE_TTL_S:.0f} s after its last heartbeat"
     )
+
+
+def storage_exists(storage: str) -> bool:
+    """Whether the storage path (a folder, or a URI's prefix) exists."""
+    from pyarrow import fs
+
+    filesystem, root = filesystem_and_path(storage)
+    return filesystem.get_file_info(root).type == fs.FileType.Directory
 
 
 def default_storage(path: str | None = None) -> str:
