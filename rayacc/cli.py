@@ -463,7 +463,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
         f"{result.vocabulary.describe()}",
         file=sys.stderr,
     )
-    sys.stdout.write(result.prompt + result.text + "\n")
+    sys.stdout.write(result.whole + "\n")
     return 0
 
 

@@ -21,6 +21,7 @@ TRACKING_SCHEMES = (
     "mysql",
     "mssql",
     "databricks",
+    "databricks-uc",
 )
 """Tracking URIs MLflow 3 stores runs at (a plain folder, MLflow's old file store, is refused
 by MLflow since 3.13)."""
@@ -76,7 +77,13 @@ def _check_uri_storage(field: str, value: str) -> str | None:
 
 def check_tracking_uri(field: str, uri: str) -> str | None:
     """Why MLflow cannot store runs at `uri`, or None."""
-    scheme = uri.split("://", 1)[0].split("+", 1)[0].lower() if "://" in uri else ""
+    from urllib.parse import urlparse
+
+    # as MLflow reads it: `databricks` alone (or `databricks-uc`) is the default profile's
+    # workspace; a scheme may carry a driver (`postgresql+psycopg2`)
+    if uri.strip().lower() in ("databricks", "databricks-uc"):
+        return None
+    scheme = urlparse(uri).scheme.split("+", 1)[0].lower()
     if scheme not in TRACKING_SCHEMES:
         return (
             f"{field}={redact(uri)!r} is not a tracking store MLflow 3 writes to (a plain "

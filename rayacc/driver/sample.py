@@ -4,7 +4,6 @@ folder (its latest checkpoint) or a run's name in the storage path; local or a U
 
 from __future__ import annotations
 
-import json
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,7 +13,14 @@ import torch
 from rayacc.data.reads import filesystem_and_path, read_text
 from rayacc.data.vocab import VOCAB_FILE, Vocabulary
 from rayacc.driver.runs import default_storage
-from rayacc.worker.checkpoint import META_FILE, MODEL_FILE, CheckpointError, RunCheckpoints
+from rayacc.worker.checkpoint import (
+    META_FILE,
+    MODEL_FILE,
+    CheckpointError,
+    RunCheckpoints,
+    malformed_message,
+    parse_json,
+)
 
 __all__ = ["Sample", "find_checkpoint", "sample"]
 
@@ -28,6 +34,10 @@ class Sample:
     """Its token ids."""
     checkpoint: str
     vocabulary: Vocabulary
+    whole: str = ""
+    """The prompt and the continuation decoded as one sequence (what the command prints): a
+    vocabulary may join tokens (ids with spaces, a tokenizer's merges), so the two decoded
+    apart and glued would not read as the sequence."""
 
 
 def find_checkpoint(target: str, storage: str | None = None) -> str:
@@ -68,8 +78,13 @@ def checkpoint_vocabulary(folder: str) -> Vocabulary:
     has its characters (character-level data) or only ids."""
     text = read_text(f"{folder}/{VOCAB_FILE}")
     if text is not None:
-        return Vocabulary.from_json(text)
-    dataset = json.loads(read_text(f"{folder}/{MODEL_FILE}") or "{}").get("dataset", {})
+        raw = parse_json(text, f"{folder}/{VOCAB_FILE}")
+        try:
+            return Vocabulary(**raw)
+        except TypeError:
+            raise CheckpointError(malformed_message(f"{folder}/{VOCAB_FILE}", "kind")) from None
+    described = parse_json(read_text(f"{folder}/{MODEL_FILE}") or "{}", f"{folder}/{MODEL_FILE}")
+    dataset = described.get("dataset", {}) if isinstance(described, dict) else {}
     if dataset.get("format") != "tokens":
         raise CheckpointError(
             f"{folder} is a checkpoint of a {dataset.get('format', 'non-token')} model: "
@@ -124,4 +139,5 @@ def sample(
         ids=new,
         checkpoint=checkpoint,
         vocabulary=vocabulary,
+        whole=vocabulary.decode(start + new),
     )

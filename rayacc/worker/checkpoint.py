@@ -49,6 +49,8 @@ __all__ = [
     "StepLog",
     "WorkerParts",
     "load_model",
+    "malformed_message",
+    "parse_json",
     "read_checkpoint",
     "write_checkpoint",
 ]
@@ -58,6 +60,23 @@ MODEL_FILE = "model.json"
 HISTORY_FILE = "history.jsonl"
 META_FILE = "meta.json"
 _NAME = re.compile(r"^checkpoint_step(\d+)$")
+
+
+def parse_json(text: str, source: str, *, lines: bool = False) -> Any:
+    """A JSON file (`lines`: JSON Lines) a checkpoint or run folder holds, parsed; one that is
+    truncated, not JSON or not of the shape rayacc writes is a CheckpointError naming it (exit
+    2), never a traceback."""
+    try:
+        if lines:
+            return [json.loads(line) for line in text.splitlines() if line.strip()]
+        return json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(
+            f"{source} is not the JSON rayacc writes ({exc.msg if hasattr(exc, 'msg') else exc}"
+            f"{f' at line {exc.lineno}' if hasattr(exc, 'lineno') else ''}): the folder was "
+            "damaged or written by something else. Fix: use an earlier checkpoint_* folder "
+            "of the run (or the run's previous checkpoint), or a checkpoint rayacc wrote"
+        ) from None
 
 
 class CheckpointError(ValueError):
@@ -113,6 +132,29 @@ def write_checkpoint(
     return folder
 
 
+def malformed_message(source: str, key: str) -> str:
+    """What to say of a file rayacc wrote that lacks `key` where rayacc writes it."""
+    return (
+        f"{source} lacks `{key}` where rayacc writes it: the folder was damaged or written by "
+        "something else. Fix: use an earlier checkpoint_* folder of the run, or a checkpoint "
+        "rayacc wrote"
+    )
+
+
+def _section(path: Path, keys: tuple[str, ...]) -> dict[str, Any]:
+    """A JSON object file of a checkpoint holding `keys`."""
+    if not path.is_file():
+        raise CheckpointError(
+            f"{path.parent} lacks {path.name}: not a complete rayacc checkpoint. Fix: pass the "
+            "checkpoint_dir of a finished fit, or a checkpoint_* folder of the run"
+        )
+    raw = parse_json(path.read_bytes().decode("utf-8", errors="strict"), str(path))
+    for key in keys:
+        if not isinstance(raw, dict) or key not in raw:
+            raise CheckpointError(malformed_message(str(path), key))
+    return raw
+
+
 def read_checkpoint(
     folder: str | Path, map_location: str | torch.device = "cpu"
 ) -> tuple[dict, dict, dict]:
@@ -134,8 +176,8 @@ def read_checkpoint(
             "and plain containers. Fix: load checkpoints written by rayacc; if you trust this "
             f"file, convert it to a plain state dict ({str(exc).splitlines()[0][:200]})"
         ) from None
-    description = json.loads((folder / MODEL_FILE).read_text())
-    meta = json.loads((folder / META_FILE).read_text())
+    description = _section(folder / MODEL_FILE, ("config", "dataset"))
+    meta = _section(folder / META_FILE, ("optimizer_step",))
     shards = _shards_of(folder, meta)
     if shards is not None:
         from rayacc.engine.shards import ShardError, missing_shard_files
@@ -216,13 +258,19 @@ class Checkpoint:
         text = read_text(f"{self.uri}/{META_FILE}")
         if text is None:
             raise CheckpointError(f"{self.uri} lost its {META_FILE} (deleted meanwhile?)")
-        return json.loads(text)
+        meta = parse_json(text, f"{self.uri}/{META_FILE}")
+        if not isinstance(meta, dict) or not isinstance(meta.get("optimizer_step"), int):
+            raise CheckpointError(malformed_message(f"{self.uri}/{META_FILE}", "optimizer_step"))
+        return meta
 
     def history(self, through: int | None = None) -> list[dict[str, Any]]:
         """The lineage's step records up to this checkpoint's step (or `through`), in order;
         empty for a checkpoint written before checkpoints carried it."""
         text = read_text(f"{self.uri}/{HISTORY_FILE}") or ""
-        records = [json.loads(line) for line in text.splitlines() if line.strip()]
+        source = f"{self.uri}/{HISTORY_FILE}"
+        records = parse_json(text, source, lines=True)
+        if not all(isinstance(r, dict) and isinstance(r.get("step"), int) for r in records):
+            raise CheckpointError(malformed_message(source, "step"))
         last = self.step if through is None else min(through, self.step)
         return [r for r in records if r["step"] <= last]
 

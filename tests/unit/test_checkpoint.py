@@ -224,3 +224,42 @@ def test_the_lineage_spool_leaves_nothing_in_the_temp_folder(tmp_path, monkeypat
     logs[2].load(tmp_path / "none.jsonl")  # no lineage yet: an empty one
     logs[2].copy_to(saved)
     assert saved.read_text() == ""
+
+
+# ---------------------------------------------------------------- files read back, damaged
+DAMAGE = {
+    "truncated": lambda text: text[: len(text) // 2],
+    "not JSON": lambda text: "\x00\x01 not json",
+    "empty": lambda text: "",
+    "another shape": lambda text: "[1, 2, 3]",
+}
+
+
+@pytest.mark.parametrize("how", DAMAGE)
+@pytest.mark.parametrize("file", ["meta.json", "model.json", "vocab.json", "history.jsonl"])
+def test_a_damaged_file_of_a_checkpoint_is_named_with_the_fix(tmp_path, capsys, file, how):
+    """Through `rayacc sample` (which reads the vocabulary, the description and the state) and
+    the run's lineage, the way `fit` reads it back: exit 2 naming the file, never a traceback."""
+    from rayacc.cli import main
+    from rayacc.worker.checkpoint import RunCheckpoints
+    from tests.support.tokens import gpt_checkpoint, token_data
+
+    storage = tmp_path / "runs"
+    run = RunCheckpoints(str(storage), "r")
+    checkpoint = storage / "r" / run.folder_name(3)
+    gpt_checkpoint(checkpoint, token_data(tmp_path, "chars"), sharded=False)
+    (checkpoint / "history.jsonl").write_text('{"step": 1}\n{"step": 2}\n{"step": 3}\n')
+    target = checkpoint / file
+    target.write_text(DAMAGE[how](target.read_text()))
+    if file == "history.jsonl":
+        if how == "empty":
+            assert run.latest().history() == []  # a checkpoint without a lineage
+            return
+        with pytest.raises(CheckpointError, match="history.jsonl") as refused:
+            run.latest().history()
+        assert "Fix:" in str(refused.value)
+        return
+    capsys.readouterr()
+    assert main(["sample", str(checkpoint), "--tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert file in err and "Fix:" in err and "Traceback" not in err, err

@@ -129,3 +129,28 @@ def test_every_command_refuses_the_same_mistakes_before_it_starts(
     err = capsys.readouterr().err
     assert code == 2, err
     assert names in err and "Fix:" in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize(
+    ("uri", "refused"),
+    [
+        # MLflow's own forms of a Databricks workspace
+        ("databricks", False),
+        ("databricks://my-profile", False),
+        ("databricks-uc", False),
+        ("http://mlflow.internal:5000", False),
+        ("postgresql+psycopg2://u:p@db/mlflow", False),
+        # MLflow's file store, however written: refused by MLflow 3
+        ("file:///tmp/mlruns", True),
+        ("file:/tmp/mlruns", True),
+        ("/tmp/mlruns", True),
+        ("mlruns", True),
+    ],
+)
+def test_tracking_uris_are_read_as_mlflow_reads_them(uri, refused):
+    from rayacc.driver.places import check_tracking_uri
+
+    problem = check_tracking_uri("tracking.tracking_uri", uri)
+    assert (problem is not None) == refused, problem
+    if refused:
+        assert "Fix:" in problem
