@@ -86,23 +86,42 @@ def watch(
     log: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
 ) -> float:
     """Polls `notice` until it announces a reclaim, drains this node once with the seconds
-    left, and returns them. An unreachable metadata server is retried (it is said once)."""
-    said = False
+    left, and returns them. Nothing one poll or one drain does ends the watch: a poll that
+    fails (a server away, an error reply, a reply of another shape) is said and retried after a
+    back-off of at most 4 intervals (a 30 s notice still leaves most of it); a drain that fails
+    is said and retried with the seconds then left, until it succeeds or the time is up."""
+    failures = 0
+    said: set[str] = set()
     while True:
         try:
             left = notice()
-        except OSError as exc:
-            if not said:
-                log(f"rayacc.cluster.spot: metadata server not reachable ({exc}); retrying")
-                said = True
-            left = None
-        if left is not None:
-            log(
-                f"rayacc.cluster.spot: reclaim announced, {left:.0f} s left: draining this Ray node"
-            )
-            drain(left)
-            return left
-        sleep(interval_s)
+        except Exception as exc:
+            failures += 1
+            kind = type(exc).__name__
+            if kind not in said:  # each kind of failure said once, not every 2 s
+                log(f"rayacc.cluster.spot: metadata poll failed ({kind}: {exc}); retrying")
+                said.add(kind)
+            sleep(interval_s * min(2 ** (failures - 1), 4))
+            continue
+        failures = 0
+        if left is None:
+            sleep(interval_s)
+            continue
+        log(f"rayacc.cluster.spot: reclaim announced, {left:.0f} s left: draining this Ray node")
+        deadline = time.monotonic() + left
+        while True:
+            try:
+                drain(left)
+                return left
+            except Exception as exc:
+                left = deadline - time.monotonic()
+                log(
+                    f"rayacc.cluster.spot: drain failed ({type(exc).__name__}: {exc}); "
+                    f"{max(left, 0):.0f} s left"
+                )
+                if left <= 1:
+                    return 0.0
+                sleep(min(interval_s, left / 4))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -41,23 +41,37 @@ class PlaceError(ValueError):
 
 
 def check_folder(field: str, value: str, *, writes: bool = True) -> str | None:
-    """Why the local folder `value` (named by `field`) cannot be used, or None: it is a folder,
-    or can be created (its nearest existing parent is a writable folder)."""
+    """Why the local folder `value` (named by `field`) cannot be used, or None: it is a folder
+    a probe can be written in, or one can be made (a probe folder is made and removed in its
+    nearest existing parent). Tried, not read from permission bits: root passes every bit, and
+    a read-only mount or a filesystem that takes no folders shows only when tried."""
     path = Path(value).expanduser()
     if path.exists():
         if not path.is_dir():
             return f"{field}={value!r} is a file, not a folder. Fix: name a folder"
-        if writes and not os.access(path, os.W_OK | os.X_OK):
-            return f"{field}={value!r} is not writable. Fix: name a folder you can write to"
+        if writes and (why := _try_writing(path)):
+            return f"{field}={value!r} is not writable ({why}). Fix: name a folder you can write to"
         return None
     parent = next((p for p in path.parents if p.exists()), None)
     if parent is None or not parent.is_dir():
         return f"{field}={value!r} cannot be created under {parent}. Fix: name a folder"
-    if not os.access(parent, os.W_OK | os.X_OK):
+    if why := _try_writing(parent):
         return (
-            f"{field}={value!r} does not exist and {parent} is not writable, so it cannot be "
-            "created. Fix: create it, or name a folder you can write to"
+            f"{field}={value!r} does not exist and cannot be created in {parent} ({why}). Fix: "
+            "create it, or name a folder you can write to"
         )
+    return None
+
+
+def _try_writing(folder: Path) -> str | None:
+    """Why a folder cannot be made in `folder` (the error's text), or None; nothing is left."""
+    import tempfile
+
+    try:
+        probe = tempfile.mkdtemp(prefix=".rayacc-probe-", dir=folder)
+    except OSError as exc:
+        return exc.strerror or type(exc).__name__
+    os.rmdir(probe)
     return None
 
 

@@ -154,3 +154,17 @@ def test_tracking_uris_are_read_as_mlflow_reads_them(uri, refused):
     assert (problem is not None) == refused, problem
     if refused:
         assert "Fix:" in problem
+
+
+@pytest.mark.parametrize("where", ["/proc/rayacc-runs", "/sys/rayacc-runs/deeper"])
+def test_a_place_that_takes_no_folder_fails_by_trying_even_as_root(where, tmp_path):
+    """Permission bits say yes to root everywhere; /proc and /sys take no new folders whoever
+    asks. The check tries (a probe folder made and removed), so it finds out before launch."""
+    from rayacc.driver.places import check_folder
+
+    problem = check_folder("run.storage_path", where)
+    assert problem is not None and "cannot be created" in problem and "Fix:" in problem
+    # a writable place passes and keeps no probe
+    assert check_folder("run.storage_path", str(tmp_path / "new" / "runs")) is None
+    assert check_folder("run.storage_path", str(tmp_path)) is None
+    assert list(tmp_path.iterdir()) == []

@@ -29,6 +29,10 @@ class Metadata(http.server.BaseHTTPRequestHandler):
         self._send(200, b"tok")
 
     def do_GET(self):
+        script = self.state.get("script") or []
+        if script:  # replies of a server in trouble, served first
+            code, body = script.pop(0)
+            return self._send(code, body)
         self.state["polls"] = self.state.get("polls", 0) + 1
         announced = self.state["polls"] > self.state["quiet_polls"]
         if self.path == "/latest/meta-data/spot/instance-action":
@@ -88,4 +92,38 @@ def test_an_unreachable_metadata_server_is_said_once_and_retried():
     drained = []
     assert watch(notice, drain=drained.append, sleep=lambda s: None, log=lines.append) == 25.0
     assert drained == [25.0]
-    assert len([line for line in lines if "not reachable" in line]) == 1
+    assert len([line for line in lines if "poll failed (OSError" in line]) == 1
+
+
+@pytest.mark.parametrize("cloud", ["aws", "gcp"])
+def test_the_agent_outlives_bad_replies_and_failed_drains_then_drains(metadata, cloud):
+    """Errors and garbage from the metadata server, then a real notice; the first two drains
+    fail (a `ray drain-node` that exits non-zero): the agent says each kind once, keeps
+    watching, and drains with the seconds then left."""
+    import subprocess
+
+    base, state = metadata
+    now = 1_800_000_000.0
+    state["reclaim_at"] = dt.datetime.fromtimestamp(now + 118, dt.UTC).strftime(
+        "%Y-%m-%dT%H:%M:%SZ"
+    )
+    state["quiet_polls"] = 1
+    garbage = [(500, b"oops"), (200, b"<html>not json"), (200, b'{"action": "terminate"}')]
+    state["script"] = list(garbage) if cloud == "aws" else [(500, b""), (200, b"\xff\xfe")]
+    notice = (
+        (lambda: aws_notice(base, now=lambda: now))
+        if cloud == "aws"
+        else (lambda: gcp_notice(base))
+    )
+    attempts, lines = [], []
+
+    def drain(seconds):
+        attempts.append(seconds)
+        if len(attempts) < 3:
+            raise subprocess.CalledProcessError(1, ["ray", "drain-node"])
+
+    left = watch(notice, drain=drain, sleep=lambda s: None, log=lines.append)
+    assert len(attempts) == 3 and left == attempts[-1] > 0
+    assert sum("drain failed" in line for line in lines) == 2
+    failed = [line for line in lines if "poll failed" in line]
+    assert failed and len(failed) == len({line.split("(")[1].split(":")[0] for line in failed})
