@@ -204,6 +204,7 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
     from rayacc.driver.places import PlaceError
     from rayacc.driver.prelaunch import ResourceError
     from rayacc.models import ModelError
+    from rayacc.planner.search import NothingFits
     from rayacc.tracking.report import ReportError
     from rayacc.worker.checkpoint import CheckpointError
 
@@ -217,6 +218,7 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
         SubmitError,
         ResourceError,
         PlaceError,
+        NothingFits,
     )
 
 

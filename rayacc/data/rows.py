@@ -16,7 +16,15 @@ from rayacc.data.reads import parquet_file
 from rayacc.data.sources import DatasetInfo, RowGroups
 from rayacc.engine import collate_tokens
 
-__all__ = ["LocalRows", "assemble", "columns_of", "group_of", "read_rows", "to_local_rows"]
+__all__ = [
+    "LocalRows",
+    "assemble",
+    "columns_of",
+    "group_of",
+    "read_local_rows",
+    "read_rows",
+    "to_local_rows",
+]
 
 
 @dataclass
@@ -86,6 +94,12 @@ def read_rows(info: DatasetInfo, groups: RowGroups, row_ids: np.ndarray) -> dict
     """The rows `row_ids` of the source, in that order, as one batch, read on this process with
     pyarrow from the row groups that hold them only (for a probe of a few rows, as `verify`
     takes)."""
+    return read_local_rows(info, groups, row_ids).take(np.arange(len(row_ids)))
+
+
+def read_local_rows(info: DatasetInfo, groups: RowGroups, row_ids: np.ndarray) -> LocalRows:
+    """The rows `row_ids` of the source (a file or a folder of files, local or a URI), in that
+    order, read on this process from the row groups that hold them only."""
     row_ids = np.asarray(row_ids, dtype=np.int64)
     tables = {
         int(h): parquet_file(info.path, groups.files[groups.file[h]]).read_row_group(
@@ -93,9 +107,7 @@ def read_rows(info: DatasetInfo, groups: RowGroups, row_ids: np.ndarray) -> dict
         )
         for h in np.unique(group_of(groups, row_ids))
     }
-    return to_local_rows(assemble(tables, groups, row_ids, info), info).take(
-        np.arange(len(row_ids))
-    )
+    return to_local_rows(assemble(tables, groups, row_ids, info), info)
 
 
 _EMPTY = {

@@ -16,12 +16,10 @@ import uuid
 from typing import Any
 
 import numpy as np
-import pyarrow as pa
 import ray
 import torch
 
 from rayacc.config import TrainConfig
-from rayacc.data.reads import parquet_file
 from rayacc.data.sources import DatasetInfo
 from rayacc.engine import TrialOutOfMemory, autocast_dtype, to_device
 from rayacc.engine.autobatch import OUT_OF_MEMORY, measure_step_bytes
@@ -45,17 +43,12 @@ def with_candidate(cfg: TrainConfig, c: Candidate) -> TrainConfig:
 
 def sample_rows(info: DatasetInfo, n: int):
     """The first `n` rows of the data (the calibration's windows repeat them): one global
-    batch, read from the start of the first file, never the whole dataset."""
-    from rayacc.data.rows import columns_of, to_local_rows
+    batch, read from the row groups that hold them by the reader the rest of rayacc uses (a
+    file or a folder of files, local or a URI), never the whole dataset."""
+    from rayacc.data.rows import read_local_rows
+    from rayacc.data.sources import row_groups
 
-    f = parquet_file(info.path, info.path)
-    batches, got = [], 0
-    for batch in f.iter_batches(batch_size=max(n, 1), columns=columns_of(info)):
-        batches.append(batch)
-        got += batch.num_rows
-        if got >= n:
-            break
-    return to_local_rows(pa.Table.from_batches(batches).slice(0, n), info)
+    return read_local_rows(info, row_groups(info.path), np.arange(min(n, info.num_rows)))
 
 
 @ray.remote(num_cpus=0)

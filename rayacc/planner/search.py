@@ -69,6 +69,32 @@ def _round(s: float) -> float | None:
     return None if s == float("inf") else float(f"{s:.4g}")
 
 
+class NothingFits(ValueError):
+    """No candidate fits the memory budget (by the prior, or as calibrated): the search has no
+    plan to write."""
+
+
+def nothing_fits(rows: list[PlanRow]) -> NothingFits | None:
+    """The outcome when no candidate can run: none fits by the prior, or every one calibrated
+    ran out of memory or over budget and none is left that the prior says fits; else None."""
+    measured_fail = [r for r in rows if r.measured and not r.measured_ok]
+    if any(r.measured_ok for r in rows):
+        return None
+    fitting = [r for r in rows if r.prediction.fits]
+    if fitting and any(not r.measured for r in fitting):
+        return None  # some fit by the prior and were not measured: the prior's word stands
+    if fitting and not measured_fail:
+        return None
+    least = min(rows, key=lambda r: r.prediction.memory_bytes)
+    why = least.prediction.why_not or (least.measured or {}).get("status", "over budget")
+    return NothingFits(
+        f"no candidate fits the memory budget: the smallest, {least.candidate.label}, {why}"
+        f" ({len(rows)} candidates, {len(measured_fail)} calibrated out of memory or over "
+        "budget); no plan written. Fix: raise batch.memory_budget (or batch.memory_budget_mb), "
+        "allow more workers (scaling.num_workers), or use a smaller model or global batch"
+    )
+
+
 @dataclass
 class SearchResult:
     rows: list[PlanRow]
@@ -226,6 +252,8 @@ def search(
     for key, result in group.results().items():
         if key in by_key:
             by_key[key].measured = result
+    if (outcome := nothing_fits(rows)) is not None:
+        raise outcome
     chosen = pick(fitting or rows)
     t_end = time.time()
     return SearchResult(

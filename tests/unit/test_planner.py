@@ -446,3 +446,75 @@ def test_a_plan_for_another_job_is_a_user_error(tmp_path, monkeypatch, capsys):
     assert ran.code == 2
     assert "global_batch_size" in ran.err and "rayacc plan" in ran.err
     assert "Traceback" not in ran.err
+
+
+def test_the_search_samples_rows_of_a_folder_dataset_as_every_reader_does(tmp_path):
+    """`rayacc data prepare --out DIR` writes a folder of Parquet files; the planner's sample of
+    one global batch reads it through the one reader of rows (it opened the path as one file)."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from rayacc.data.sources import describe_dataset
+    from rayacc.driver.calibrate import sample_rows
+
+    folder = tmp_path / "tokens"
+    folder.mkdir()
+    rows = np.arange(90, dtype=np.int64).reshape(30, 3)
+    for i in range(3):  # three files of ten rows, each in row groups of four
+        part = pa.table(
+            {"tokens": pa.array(list(rows[10 * i : 10 * i + 10]), pa.list_(pa.int64()))}
+        )
+        pq.write_table(part, folder / f"part-{i}.parquet", row_group_size=4)
+    info = describe_dataset(str(folder))
+    got = sample_rows(info, 14)
+    assert len(got) == 14
+    assert got.take(np.arange(14))["input"].tolist() == rows[:14, :2].tolist()
+    assert len(sample_rows(info, 100)) == 30  # a batch larger than the data: all of it
+
+
+def _row(label_micro: int, memory_mb: float, fits: bool, measured: str | None = None):
+    from rayacc.planner.prior import Prediction
+    from rayacc.planner.search import PlanRow
+
+    why = None if fits else f"needs {memory_mb} MiB per rank, the budget is 100 MiB"
+    result = None
+    if measured == "measured":
+        result = {"status": "measured", "memory_bytes": memory_mb * 2**20, "step_s": 0.1}
+    elif measured:
+        result = {"status": measured}
+    return PlanRow(
+        Candidate(2, label_micro, 64 // (2 * label_micro)),
+        Prediction(memory_mb * 2**20, 0.1, 0.1, 0.0, fits, why),
+        result,
+    )
+
+
+@pytest.mark.parametrize(
+    ("rows", "outcome"),
+    [
+        # none fits by the prior: the smallest need is named against the budget
+        ([(32, 400, False), (16, 250, False)], "2w 16×2 ddp ac=none, needs 250 MiB"),
+        # the prior said two fit; calibrated, both ran out of memory, none left to try
+        (
+            [(8, 90, True, "out of memory"), (4, 60, True, "over budget"), (16, 250, False)],
+            "2w 4×8 ddp ac=none, over budget",
+        ),
+        # one measured: a plan
+        ([(8, 90, True, "measured"), (4, 60, True, "out of memory")], None),
+        # the time budget ran out before any was measured: the prior's pick stands
+        ([(8, 90, True), (4, 60, True)], None),
+        # one failed, another the prior says fits was not reached
+        ([(8, 90, True, "out of memory"), (4, 60, True)], None),
+    ],
+)
+def test_nothing_fits_is_an_outcome_that_writes_no_plan(rows, outcome):
+    from rayacc.planner.search import NothingFits, nothing_fits
+
+    found = nothing_fits([_row(*r) for r in rows])
+    if outcome is None:
+        assert found is None
+        return
+    assert isinstance(found, NothingFits)
+    message = str(found)
+    assert outcome in message and "no plan written" in message and "Fix:" in message

@@ -131,6 +131,7 @@ ERRORS = {
     "DataError": lambda c: c("no rows"),
     "ReportError": lambda c: c("no such run"),
     "SpecError": lambda c: c("bad spec"),
+    "NothingFits": lambda c: c("no candidate fits the memory budget"),
 }
 
 
