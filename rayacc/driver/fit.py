@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -26,6 +27,7 @@ from rayacc.driver.prelaunch import Prepared, check_cluster, locate, prepare
 from rayacc.driver.runs import RunLease, RunLocation
 from rayacc.observe.events import RunObserver, RunStarted
 from rayacc.observe.goodput import Goodput
+from rayacc.redact import redact
 
 __all__ = [
     "FitResult",
@@ -380,6 +382,23 @@ def _fit_holding(
     )
 
 
+def continued_run(recorded: dict[str, Any], tracking_uri: str | None) -> tuple[str | None, str]:
+    """(the MLflow run a resume reopens, or None; what a new run continues, or ''). The run
+    recorded in the run's folder is reopened in the store it lives in; a resume that names
+    another store starts a run there, tagged with the one it continues (that run's id means
+    nothing in another store). The recorded store is masked, as the folder keeps it."""
+    previous = recorded.get("mlflow_run_id")
+    was = recorded.get("tracking_uri")
+    if previous is None or was is None:
+        return previous, ""
+    from rayacc.tracking.mlflow_sink import default_tracking_uri
+
+    now = redact(tracking_uri or default_tracking_uri())
+    if now == was:
+        return previous, ""
+    return None, f"{previous} of {was}"
+
+
 def _open_tracking(
     cfg, prep: Prepared, loc: RunLocation, resume, parent_run_id, tags, phases, lineage
 ):
@@ -389,6 +408,13 @@ def _open_tracking(
     # imported only when tracking is on: a machine without MLflow can still train
     from rayacc.tracking import RunIdentity, open_tracking
 
+    previous, continues = continued_run(loc.previous if resume else {}, cfg.tracking.tracking_uri)
+    if continues:
+        print(
+            f"rayacc: --resume into another tracking store: a new MLflow run continues run "
+            f"{continues} (tag rayacc.continues)",
+            file=sys.stderr,
+        )
     identity = RunIdentity(
         name=loc.name,
         storage_path=loc.storage,
@@ -396,9 +422,9 @@ def _open_tracking(
         effective_lr=prep.effective_lr,
         data_layout=prep.layout.describe(),
         num_parameters=prep.num_parameters,
-        previous_run_id=loc.previous.get("mlflow_run_id") if resume else None,
+        previous_run_id=previous,
         parent_run_id=parent_run_id,
-        tags=tags or {},
+        tags={**(tags or {}), **({"rayacc.continues": continues} if continues else {})},
     )
     tracked = open_tracking(
         cfg,

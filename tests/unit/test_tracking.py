@@ -1,5 +1,6 @@
 """The MLflow sink against a real sqlite store."""
 
+import pytest
 from mlflow.tracking import MlflowClient
 
 from rayacc import TrainConfig
@@ -154,3 +155,45 @@ def test_a_new_sqlite_store_is_a_copy_of_the_cached_empty_one(tmp_path, monkeypa
     before = copied.read_bytes()
     assert not prepare_sqlite_store(f"sqlite:///{copied}")
     assert copied.read_bytes() == before
+
+
+@pytest.mark.parametrize(
+    ("recorded", "now", "reopens", "continues"),
+    [
+        # the same store (as the run's folder keeps it, masked): the run is reopened
+        (
+            {"mlflow_run_id": "r1", "tracking_uri": "sqlite:////a/mlflow.db"},
+            "sqlite:////a/mlflow.db",
+            "r1",
+            "",
+        ),
+        (
+            {"mlflow_run_id": "r1", "tracking_uri": "http://***@h:5000"},
+            "http://u:pw@h:5000",
+            "r1",
+            "",
+        ),
+        # another store: a new run there, tagged with the one it continues
+        (
+            {"mlflow_run_id": "r1", "tracking_uri": "sqlite:////a/mlflow.db"},
+            "sqlite:////b/mlflow.db",
+            None,
+            "r1 of sqlite:////a/mlflow.db",
+        ),
+        (
+            {"mlflow_run_id": "r1", "tracking_uri": "sqlite:////a/mlflow.db"},
+            "http://h:5000",
+            None,
+            "r1 of sqlite:////a/mlflow.db",
+        ),
+        # nothing recorded (a fresh run, or tracking was off): nothing to reopen
+        ({}, "sqlite:////a/mlflow.db", None, ""),
+        ({"mlflow_run_id": "r1"}, "sqlite:////b/mlflow.db", "r1", ""),
+    ],
+)
+def test_a_resume_into_another_store_starts_a_run_there_that_says_what_it_continues(
+    recorded, now, reopens, continues
+):
+    from rayacc.driver.fit import continued_run
+
+    assert continued_run(recorded, now) == (reopens, continues)
