@@ -59,11 +59,23 @@ def _write_text(storage: str, relative: str, text: str) -> None:
 
 
 def _run_info(storage: str, name: str) -> dict[str, Any]:
+    """The run's info file (none yet: {}); a damaged one is a DataError naming it: a resume
+    would otherwise lose which MLflow run it continues."""
+    source = f"{redact(storage)}/{name}/{RUN_INFO}"
     text = read_text(f"{storage}/{name}/{RUN_INFO}")
-    try:
-        return json.loads(text) if text else {}
-    except json.JSONDecodeError:
+    if not text:
         return {}
+    try:
+        info = json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        info = None
+    if not isinstance(info, dict):
+        raise DataError(
+            f"{source} is not the JSON rayacc writes (damaged, or written by something else). "
+            "Fix: restore it, or delete it (the run's checkpoints stay; a resume then starts a "
+            "new MLflow run)"
+        )
+    return info
 
 
 @dataclass(frozen=True)
@@ -312,7 +324,11 @@ def list_runs(storage: str) -> list[RunSummary]:
     continues it)."""
     found = []
     for name in _runs_in(storage):
-        info = _run_info(storage, name)
+        try:
+            info = _run_info(storage, name)
+            unreadable = False
+        except DataError:
+            info, unreadable = {}, True  # listed all the same, marked
         latest = RunCheckpoints(storage, name).latest()
         if not info and latest is None:
             continue  # not a rayacc run
@@ -321,6 +337,8 @@ def list_runs(storage: str) -> list[RunSummary]:
         live = lease is not None and lease.live()
         if live:
             status = "running"
+        elif unreadable:
+            status = f"unknown ({RUN_INFO} damaged)"
         elif status == "running":
             status = "unfinished"  # its driver is gone
         identity = info.get("identity") or (latest.meta().get("identity") if latest else None)
