@@ -180,7 +180,7 @@ def split_for_workers(
     """The split when an elastic run has `num_workers` workers; `base` is the split at its most.
 
     keep_global_batch: the global batch stays; accumulation is re-derived, and the micro-batch
-    is `planned`'s for this count (`batch.micro_batch_by_workers`, from a split), else the
+    is `planned`'s for this count (`batch.micro_batch_by_workers`, from a plan), else the
     largest divisor of the worker's share not above the configured one.
     keep_micro_batch: micro-batch and accumulation stay; the global batch follows the workers.
     """
@@ -207,7 +207,7 @@ def split_for_workers(
             "batch.micro_batch_by_workers",
             f"micro-batch {micro} at {num_workers} workers does not divide the worker's share "
             f"{per_worker} of the global batch {g}",
-            "make the split again for this job (rayacc split --search), or remove the entry",
+            "make the plan again for this job (rayacc plan --search), or remove the entry",
         )
     if micro is None:
         micro = max(d for d in range(1, base.micro_batch_size + 1) if per_worker % d == 0)

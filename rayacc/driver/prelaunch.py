@@ -84,14 +84,14 @@ class Prepared:
 
 def check(cfg: TrainConfig, scope: str = "run") -> Prepared | None:
     """The one pre-launch validator of the commands: `run` (train, verify, a sweep's base):
-    everything, returned as `prepare` resolves it; `split`: everything but the pass over the
+    everything, returned as `prepare` resolves it; `plan`: everything but the pass over the
     data (places, the model factory); `submit`: what this machine can judge of a job the
     cluster runs (the URIs' schemes, the model factory's import: the project is uploaded)."""
     from rayacc.models.registry import resolve_factory
 
     if scope == "run":
         return prepare(cfg)
-    check_places(cfg, here=scope == "split")
+    check_places(cfg, here=scope == "plan")
     if cfg.model.name == "factory":
         resolve_factory(cfg.model.factory or "")
     return None
