@@ -8,6 +8,8 @@
 #                             here (fake multi-node provider, up to MAX) when work is pending
 #                             and stops them once idle (RAYACC_LOCAL_IDLE_MIN minutes)
 #   cluster/local.sh nodes    how many nodes are alive
+#   cluster/local.sh slots    free/total worker slots (a slot a finished run's workers still
+#                             hold, or a node not yet counted, starts an elastic run smaller)
 #   cluster/local.sh add      one more worker node (autoscaling experiments by hand)
 #   cluster/local.sh remove I kills worker node I and its processes, as a lost machine would go
 #   cluster/local.sh reclaim I S  a spot reclaim of worker node I: Ray drains it for preemption
@@ -276,6 +278,19 @@ print(sum(1 for n in ray.nodes() if n["Alive"]))
 PY
 }
 
+free_slots() {  # worker slots free / in the cluster, as Ray's resource view has them now
+  "$BIN/python" - "$HOST:$GCS_PORT" <<'PY'
+import sys
+
+import ray
+
+ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
+free = ray.available_resources().get("worker_slot", 0)
+total = ray.cluster_resources().get("worker_slot", 0)
+print(f"{free:g}/{total:g} worker slots free")
+PY
+}
+
 running() {  # is $1 a live process (an exited one awaiting its parent does not count)
   local state
   state=$(awk '{print $3}' "/proc/$1/stat" 2>/dev/null) || return 1
@@ -359,8 +374,9 @@ case "${1:-}" in
   reclaim) reclaim "${2:-}" "${3:-}" ;;
   autoscale) autoscale "${2:-}" ;;
   nodes) alive_nodes ;;
+  slots) free_slots ;;
   down) down ;;
   status) status ;;
   prune) prune ;;
-  *) echo "usage: cluster/local.sh up N | autoscale MAX | add | remove I | reclaim I SECONDS | nodes | status | down | prune" >&2; exit 2 ;;
+  *) echo "usage: cluster/local.sh up N | autoscale MAX | add | remove I | reclaim I SECONDS | nodes | slots | status | down | prune" >&2; exit 2 ;;
 esac

@@ -17,6 +17,7 @@ from tests.support.cluster import (
     rel_diff,
     run_record,
     train,
+    wait_for_slots,
     wait_then,
     weights,
 )
@@ -32,6 +33,7 @@ def test_node_leaves_and_joins_with_global_batch_and_lr_kept(
 
     # the single-process full-batch run: what every size, and every change of size, must give
     reference = reference_weights(job(tmp_path, "fixed", 2))
+    wait_for_slots(cluster, 2)
 
     # 2 workers (accumulation 4 each) on 2 nodes; node 1 is lost in step 5: 1 worker
     # (accumulation 8) goes on from checkpoint 4, held in step 9 until a node joins: 2 workers
@@ -71,6 +73,7 @@ def test_node_leaves_and_joins_with_global_batch_and_lr_kept(
 
     # keep_micro_batch: accumulation stays 4, the global batch follows the workers (32 → 16)
     # and the LR follows the linear rule (0.05 → 0.025) over a 5-step re-warmup
+    wait_for_slots(cluster, 2)
     out = train(
         job(
             tmp_path,

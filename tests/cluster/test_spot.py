@@ -24,6 +24,7 @@ from tests.support.cluster import (
     run_record,
     train,
     wait_for_checkpoint,
+    wait_for_slots,
     weights,
 )
 
@@ -37,6 +38,7 @@ def test_spot_reclaim_with_notice_is_preempted_without_losing_a_step(
 ):
     cluster = loopback
     node = add_node(cluster)
+    wait_for_slots(cluster, 2)
     spec = job(
         tmp_path,
         "spot",

@@ -117,6 +117,18 @@ def add_node(env: dict) -> int:
     return int(found.group(1))
 
 
+def wait_for_slots(env: dict, slots: int, timeout_s: float = 120) -> None:
+    """Until the cluster has exactly `slots` worker slots, all free: an elastic run starts at as
+    many workers as there are free slots then, and one that starts smaller (a slot the last
+    run's workers still hold, a node not yet counted) grows at its first resize check, redoing
+    the steps before it."""
+    deadline = time.monotonic() + timeout_s
+    want = f"{slots}/{slots} worker slots free"
+    while (seen := local("slots", env=env).stdout.strip()) != want:
+        assert time.monotonic() < deadline, f"the cluster has {seen}, not {want}"
+        time.sleep(1)
+
+
 def wait_for_checkpoint(storage: Path, step: int, timeout_s: float = 300) -> None:
     deadline = time.monotonic() + timeout_s
     while not list(storage.glob(f"*/checkpoint_step{step:08d}")):
