@@ -147,14 +147,17 @@ def main() -> int:
     logging.getLogger("ray").setLevel(logging.ERROR)
     import ray
 
-    ray.init(
-        address="local",
-        num_cpus=max(os.cpu_count() or 2, 4),
-        include_dashboard=False,
-        logging_level=logging.WARNING,
-        log_to_driver=False,
-        runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}},
-    )
+    if os.environ.get("RAY_ADDRESS"):  # a running Ray (its workers import this checkout)
+        ray.init(logging_level=logging.WARNING, log_to_driver=False)
+    else:
+        ray.init(
+            address="local",
+            num_cpus=max(os.cpu_count() or 2, 4),
+            include_dashboard=False,
+            logging_level=logging.WARNING,
+            log_to_driver=False,
+            runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}},
+        )
     os.chdir(tempfile.mkdtemp(prefix="rayacc-bench-cwd-"))  # bundled data's cache, not the tree
     results = {name: run_job(name, args) for name in args.jobs}
     print("\n== summary")

@@ -165,3 +165,12 @@ def ray_local(tmp_path_factory):
     )
     yield
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def ray_address(ray_local):
+    """The shared local Ray's address (`RAY_ADDRESS` for a `rayacc` process that joins it
+    instead of starting a Ray of its own, which costs about 10 s of start and stop)."""
+    import ray
+
+    return ray.get_runtime_context().gcs_address

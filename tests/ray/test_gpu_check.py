@@ -15,8 +15,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.ray
-def test_gpu_check_dry_run_passes_every_step(tmp_path):
-    env = dict(os.environ, RAY_ADDRESS="", PYTHON=sys.executable)
+def test_gpu_check_dry_run_passes_every_step(tmp_path, ray_address):
+    # its `rayacc` and bench processes join the suite's Ray (on the GPU machine each starts
+    # its own; that start is `tests/ray/test_user_console.py`'s to prove)
+    env = dict(os.environ, RAY_ADDRESS=ray_address, PYTHON=sys.executable)
     proc = subprocess.run(
         ["bash", str(ROOT / "bench" / "gpu_check.sh"), "--dry-run", "--out", str(tmp_path)],
         capture_output=True,

@@ -1,5 +1,7 @@
-"""`rayacc plan --search` then `rayacc train --plan` on the shared local Ray: the table, the
-pruning by the memory budget, PLAN.yaml, the MLflow record, and the run of the plan."""
+"""`rayacc plan --search`, a `rayacc sweep` of the plan's best two, then `rayacc train --plan`
+on the shared local Ray: the table, the pruning by the memory budget, PLAN.yaml, the MLflow
+record, the sweep's console (rayacc's lines only: no Tune reporter, no Ray records) and verdict,
+and the run of the plan."""
 
 from __future__ import annotations
 
@@ -9,13 +11,14 @@ import pytest
 import yaml
 
 from rayacc.cli import main
+from tests.support.cli import assert_only_rayaccs_lines, rayacc_process
 
 pytestmark = pytest.mark.ray
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_plan_search_then_train_with_the_plan(ray_local, tmp_path, monkeypatch, capsys):
+def test_plan_search_then_train_with_the_plan(ray_address, tmp_path, monkeypatch, capsys):
     from mlflow.tracking import MlflowClient
 
     monkeypatch.chdir(tmp_path)
@@ -60,10 +63,16 @@ def test_plan_search_then_train_with_the_plan(ray_local, tmp_path, monkeypatch, 
         "from_plan": 2,
     }
     (tmp_path / "sweep.yaml").write_text(yaml.safe_dump(sweep))
-    code = main(["sweep", "-c", "sweep.yaml"])
-    out = capsys.readouterr().out
-    assert code == 0, out
+    # the command as a user runs it, joining the suite's Ray
+    swept = rayacc_process(
+        ["sweep", "-c", "sweep.yaml"], cwd=tmp_path, timeout=400, RAY_ADDRESS=ray_address
+    )
+    assert swept.returncode == 0, swept.stdout + swept.stderr
+    assert_only_rayaccs_lines(swept)
+    out = swept.stdout
     assert "same final loss" in out and "in all 2 trials" in out, out
+    assert "as expected at one global batch; fastest: trial" in out, out
+    assert "by throughput" in out and "by peak memory" in out, out
     assert "the plan's prior vs the trials (median |step-time error|" in out, out
 
     code = main(["train", "-c", job, "--plan", "plans/P.yaml", "train.max_steps=2"])

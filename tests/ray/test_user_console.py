@@ -1,7 +1,7 @@
-"""A new user's first hour through the real `rayacc` command: train (progress lines with ETA, LR,
-tokens/s and named validation metrics), sample the trained GPT, sweep the default job; and every
-line on the console is rayacc's or an error, never a record of Ray's loggers or Tune's
-reporter."""
+"""A new user's first hour through the real `rayacc` command, on a Ray it starts itself: train
+(progress lines with ETA, LR, tokens/s and named validation metrics) and sample the trained GPT;
+every line on the console is rayacc's or an error, never a record of Ray's loggers. (A sweep's
+console, Tune's reporter silenced, is checked on the sweep of `tests/ray/test_plan_search.py`.)"""
 
 from __future__ import annotations
 
@@ -12,22 +12,12 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
+
+from tests.support.cli import assert_only_rayaccs_lines
 
 ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.ray
-
-RAY_RECORD = re.compile(r"\t(DEBUG|INFO|WARNING) \S+:\d+ -- ")
-"""A record as Ray's console handlers format it (Ray Core, Ray Data, Train, Tune)."""
-NOT_OURS = (
-    "Token authentication",
-    "tensorboard",
-    "View detailed results",
-    "Configuration for experiment",
-    "Trial status",
-    "Progress bars disabled",
-)
 
 
 def rayacc(tmp_path: Path, *argv: str, timeout: int = 400) -> subprocess.CompletedProcess:
@@ -42,14 +32,6 @@ def rayacc(tmp_path: Path, *argv: str, timeout: int = 400) -> subprocess.Complet
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc
-
-
-def assert_only_rayaccs_lines(proc: subprocess.CompletedProcess) -> None:
-    console = proc.stdout + proc.stderr
-    records = [line for line in console.splitlines() if RAY_RECORD.search(line)]
-    assert not records, records
-    for words in NOT_OURS:
-        assert words not in console, console
 
 
 def test_train_the_shakespeare_job_watch_it_and_sample_it(tmp_path):
@@ -98,17 +80,3 @@ def test_train_the_shakespeare_job_watch_it_and_sample_it(tmp_path):
     vocab = json.loads((checkpoint / "vocab.json").read_text())
     assert vocab["kind"] == "chars" and set(text) <= set(vocab["chars"])
     assert "40 tokens from" in sampled.stderr
-
-
-def test_a_sweep_of_the_default_job_prints_only_rayaccs_lines(tmp_path):
-    """(The default job's own console — progress lines with `val_acc` — is the console unit
-    tests' table; its summary's goodput line is checked on the GPT run above.)"""
-    spec = yaml.safe_load((ROOT / "jobs/sweep_accum.yaml").read_text())
-    spec["base"] = str(ROOT / "jobs/digits.yaml")
-    spec["overrides"] = ["train.max_steps=3", "train.checkpoint_every_steps=null"]
-    spec["grid"] = {"batch.micro_batch_size": [32, 128]}
-    (tmp_path / "sweep.yaml").write_text(yaml.safe_dump(spec))
-    swept = rayacc(tmp_path, "sweep", "-c", "sweep.yaml")
-    assert_only_rayaccs_lines(swept)
-    assert "as expected at one global batch; fastest: trial" in swept.stdout, swept.stdout
-    assert "by throughput" in swept.stdout and "by peak memory" in swept.stdout

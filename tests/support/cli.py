@@ -4,6 +4,7 @@ process of its own (where the process itself is what a test proves)."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -11,6 +12,28 @@ from pathlib import Path
 
 from tests.support import ROOT
 from tests.support.counts import ray_sessions
+
+RAY_RECORD = re.compile(r"\t(DEBUG|INFO|WARNING) \S+:\d+ -- ")
+"""A record as Ray's console handlers format it (Ray Core, Ray Data, Train, Tune)."""
+NOT_OURS = (
+    "Token authentication",
+    "tensorboard",
+    "View detailed results",
+    "Configuration for experiment",
+    "Trial status",
+    "Progress bars disabled",
+)
+"""Lines Ray, Tune or their reporters print that a `rayacc` console must not show."""
+
+
+def assert_only_rayaccs_lines(proc: subprocess.CompletedProcess) -> None:
+    """Every line a `rayacc` process printed is rayacc's or an error, never a record of Ray's
+    loggers or Tune's reporter."""
+    console = proc.stdout + proc.stderr
+    records = [line for line in console.splitlines() if RAY_RECORD.search(line)]
+    assert not records, records
+    for words in NOT_OURS:
+        assert words not in console, console
 
 
 @dataclass(frozen=True)
