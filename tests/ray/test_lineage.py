@@ -1,10 +1,11 @@
 """The run's record is the lineage of its final checkpoint, across every fault at once, on the
-whole stack (real Ray, a real `mlflow server`, the `rayacc` command): the driver SIGKILLed
-after a checkpoint and two steps beyond it (steps no checkpoint keeps, already in MLflow); a
-resume during which the tracking server is killed and started again and a worker process is
-SIGKILLed (Ray Train restarts the group from the latest checkpoint); under FSDP the resume
-also resizes the group (2 workers → 1). MLflow must hold steps 1..N exactly once with the
-values of an uninterrupted run, and the final weights must be that run's."""
+whole stack (real Ray, a real `mlflow server`, the `rayacc` command): the driver (joined to
+the suite's Ray, as on a cluster) SIGKILLed after a checkpoint and two steps beyond it (steps
+no checkpoint keeps, already in MLflow); a resume during which the tracking server is killed
+and started again and a worker process is SIGKILLed (Ray Train restarts the group from the
+latest checkpoint); under FSDP the resume also resizes the group (2 workers → 1). MLflow must
+hold steps 1..N exactly once with the values of an uninterrupted run, and the final weights
+must be that run's."""
 
 from __future__ import annotations
 
@@ -78,13 +79,24 @@ def spec(tmp_path: Path, strategy: str, workers: int, tracking_uri: str) -> dict
     }
 
 
+def wait_for_idle_cluster(timeout_s: float = 60) -> None:
+    """Until every CPU of the suite's Ray is free again: the actors of a killed driver's job
+    have ended (a stalled worker left alive would go on and write a checkpoint)."""
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while ray.available_resources().get("CPU", 0) < ray.cluster_resources()["CPU"]:
+        assert time.monotonic() < deadline, f"still in use: {ray.available_resources()}"
+        time.sleep(0.2)
+
+
 def steps_in(client: MlflowClient, run_id: str, key: str = "train/loss") -> list[int]:
     return sorted(m.step for m in client.get_metric_history(run_id, key))
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_the_record_is_the_final_checkpoints_lineage_across_every_fault(
-    ray_local, tmp_path, monkeypatch, capfd, strategy
+    ray_address, tmp_path, monkeypatch, capfd, strategy
 ):
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
@@ -116,9 +128,12 @@ def test_the_record_is_the_final_checkpoints_lineage_across_every_fault(
         # then the driver and every process it started are SIGKILLed, and the server returns
         job = tmp_path / "job.yaml"
         job.write_text(yaml.safe_dump(spec(tmp_path, strategy, 2, uri)))
+        # the driver joins the suite's Ray, as a driver on a cluster does: killed, its job's
+        # actors (Ray Train's controller, the workers) are ended by Ray, not with the driver
         driver = subprocess.Popen(
             [sys.executable, "-m", "rayacc.cli", "train", "-c", str(job)],
             cwd=ROOT,
+            env=dict(os.environ, RAY_ADDRESS=ray_address),
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             start_new_session=True,
@@ -141,7 +156,7 @@ def test_the_record_is_the_final_checkpoints_lineage_across_every_fault(
         time.sleep(4)  # steps 7 and 8 (under a second) reach the driver; step 9 stalls
         os.killpg(driver.pid, signal.SIGKILL)
         driver.wait()
-        time.sleep(2)  # the killed cluster's reaper ends its workers
+        wait_for_idle_cluster()  # the killed job's workers ended: no step 9 after this
         checkpoints = sorted(p.name for p in run_dir.glob("checkpoint_*"))
         assert checkpoints[-1] == "checkpoint_step00000006", checkpoints
         server["proc"] = start_server(port, db)
