@@ -30,7 +30,26 @@ def read_yaml(path: str | os.PathLike, kind: str, example: str) -> Any:
             str(p),
         )
     try:
-        return yaml.safe_load(p.read_text())
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            [
+                ConfigIssue(
+                    "",
+                    f"not a text file (byte {exc.start} is not UTF-8)",
+                    MISSING,
+                    f"pass the {kind} YAML file itself, e.g. -c {example}",
+                )
+            ],
+            str(p),
+        ) from None
+    except OSError as exc:
+        raise ConfigError(
+            [ConfigIssue("", f"cannot be read ({exc.strerror})", MISSING, "check its permissions")],
+            str(p),
+        ) from None
+    try:
+        return yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise ConfigError(
             [ConfigIssue("", f"not valid YAML: {exc}", MISSING, "correct the YAML syntax")],

@@ -25,15 +25,17 @@ def filesystem_and_path(location: str):
     return fs.LocalFileSystem(), location
 
 
-def read_text(location: str) -> str | None:
-    """The text of the file at a local path or URI; None when there is no such file."""
+def read_bytes(location: str) -> bytes | None:
+    """The bytes of the file at a local path or URI; None when there is no such file. Decoding
+    is the reader's: a file that is not UTF-8 text is then a damaged file it names (`json.loads`
+    decodes bytes and raises a ValueError), not a traceback here."""
     from pyarrow import fs
 
     filesystem, path = filesystem_and_path(location)
     if filesystem.get_file_info(path).type != fs.FileType.File:
         return None
     with filesystem.open_input_stream(path) as f:
-        return f.read().decode()
+        return f.read()
 
 
 @functools.lru_cache(maxsize=32)

@@ -61,6 +61,16 @@ class Vocabulary:
     def to_json(self) -> str:
         return json.dumps(asdict(self))
 
+    def well_formed(self) -> bool:
+        """Whether a vocabulary read back (a checkpoint's `vocab.json`) is one rayacc writes."""
+        return (
+            self.kind in ("chars", "bytes", "tokenizer", "ids")
+            and type(self.size) is int
+            and self.size >= 0
+            and isinstance(self.chars, str)
+            and isinstance(self.tokenizer_json, str)
+        )
+
     @classmethod
     def from_json(cls, text: str) -> Vocabulary:
         return cls(**json.loads(text))

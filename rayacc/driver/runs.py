@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from rayacc.config import TrainConfig
-from rayacc.data.reads import filesystem_and_path, read_text
+from rayacc.data.reads import filesystem_and_path, read_bytes
 from rayacc.data.sources import DataError
 from rayacc.redact import redact
 from rayacc.worker.checkpoint import RunCheckpoints
@@ -62,7 +62,7 @@ def _run_info(storage: str, name: str) -> dict[str, Any]:
     """The run's info file (none yet: {}); a damaged one is a DataError naming it: a resume
     would otherwise lose which MLflow run it continues."""
     source = f"{redact(storage)}/{name}/{RUN_INFO}"
-    text = read_text(f"{storage}/{name}/{RUN_INFO}")
+    text = read_bytes(f"{storage}/{name}/{RUN_INFO}")
     if not text:
         return {}
     try:
@@ -106,7 +106,7 @@ class Lease:
 
 
 def read_lease(storage: str, name: str) -> Lease | None:
-    text = read_text(f"{storage}/{name}/{LEASE}")
+    text = read_bytes(f"{storage}/{name}/{LEASE}")
     try:
         raw = json.loads(text) if text else None
         return Lease(str(raw["host"]), int(raw["pid"]), float(raw["heartbeat"]), str(raw["token"]))

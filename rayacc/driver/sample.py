@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from rayacc.data.reads import filesystem_and_path, read_text
+from rayacc.data.reads import filesystem_and_path, read_bytes
 from rayacc.data.vocab import VOCAB_FILE, Vocabulary
 from rayacc.driver.runs import default_storage
 from rayacc.worker.checkpoint import (
@@ -44,7 +44,7 @@ def find_checkpoint(target: str, storage: str | None = None) -> str:
     """The checkpoint folder (path or URI) that RUN_OR_CHECKPOINT names."""
     local = "://" not in target
     location = str(Path(target).expanduser().resolve()) if local else target.rstrip("/")
-    if read_text(f"{location}/{META_FILE}") is not None:
+    if read_bytes(f"{location}/{META_FILE}") is not None:
         return location
     parent, _, name = location.rpartition("/")
     candidates = [(parent, name)] if name else []
@@ -76,14 +76,17 @@ def _local(checkpoint: str, scratch: str) -> str:
 def checkpoint_vocabulary(folder: str) -> Vocabulary:
     """The vocabulary a checkpoint carries; a checkpoint written before checkpoints carried one
     has its characters (character-level data) or only ids."""
-    text = read_text(f"{folder}/{VOCAB_FILE}")
+    text = read_bytes(f"{folder}/{VOCAB_FILE}")
     if text is not None:
         raw = parse_json(text, f"{folder}/{VOCAB_FILE}")
         try:
-            return Vocabulary(**raw)
+            vocabulary = Vocabulary(**raw)
         except TypeError:
-            raise CheckpointError(malformed_message(f"{folder}/{VOCAB_FILE}", "kind")) from None
-    described = parse_json(read_text(f"{folder}/{MODEL_FILE}") or "{}", f"{folder}/{MODEL_FILE}")
+            vocabulary = None
+        if vocabulary is None or not vocabulary.well_formed():
+            raise CheckpointError(malformed_message(f"{folder}/{VOCAB_FILE}", "kind"))
+        return vocabulary
+    described = parse_json(read_bytes(f"{folder}/{MODEL_FILE}") or b"{}", f"{folder}/{MODEL_FILE}")
     dataset = described.get("dataset", {}) if isinstance(described, dict) else {}
     if dataset.get("format") != "tokens":
         raise CheckpointError(

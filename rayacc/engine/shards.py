@@ -60,6 +60,10 @@ _INDEX_GLOBALS = {
 }
 
 
+class _Refused(pickle.UnpicklingError):
+    """The index names a global that no checkpoint index holds (code, not data)."""
+
+
 class _IndexUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         if name in _INDEX_GLOBALS.get(module, ()):
@@ -67,7 +71,7 @@ class _IndexUnpickler(pickle.Unpickler):
         value = getattr(torch, name, None) if module == "torch" else None
         if isinstance(value, torch.dtype | torch.layout | torch.memory_format):
             return value
-        raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint index")
+        raise _Refused(f"{module}.{name} is not part of a checkpoint index")
 
 
 class _SafeReader(FileSystemReader):
@@ -75,14 +79,24 @@ class _SafeReader(FileSystemReader):
 
     def read_metadata(self, *args, **kwargs):
         path = Path(self.path) / INDEX_FILE
+        from torch.distributed.checkpoint.metadata import Metadata
+
         try:
             with open(path, "rb") as f:
                 metadata = _IndexUnpickler(f).load()
-        except pickle.UnpicklingError as exc:
+        except _Refused as exc:
             raise ShardError(
                 f"{path} holds more than a checkpoint index, so it is not loaded (it could run "
                 f"code): {exc}. Fix: load checkpoints written by rayacc"
             ) from None
+        except Exception as exc:  # unpickling damaged bytes raises any kind of error
+            metadata = exc
+        if not isinstance(metadata, Metadata):
+            raise ShardError(
+                f"{path} is not a checkpoint index ({type(metadata).__name__}): the folder was "
+                "damaged (a copy cut short?) or written by something else. Fix: use an earlier "
+                "checkpoint_* folder of the run, or a checkpoint rayacc wrote"
+            )
         for info in (metadata.storage_data or {}).values():
             contained(Path(self.path), info.relative_path, path)
         metadata.storage_meta = getattr(metadata, "storage_meta", None) or _storage_meta()

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from rayacc.config import TrainConfig
-from rayacc.data.reads import filesystem_and_path, read_text
+from rayacc.data.reads import filesystem_and_path, read_bytes
 from rayacc.data.sources import DatasetInfo
 from rayacc.engine.strategy import SHARDS_DIR
 from rayacc.redact import redact
@@ -62,7 +62,7 @@ META_FILE = "meta.json"
 _NAME = re.compile(r"^checkpoint_step(\d+)$")
 
 
-def parse_json(text: str, source: str, *, lines: bool = False) -> Any:
+def parse_json(text: str | bytes, source: str, *, lines: bool = False) -> Any:
     """A JSON file (`lines`: JSON Lines) a checkpoint or run folder holds, parsed; one that is
     truncated, not JSON or not of the shape rayacc writes is a CheckpointError naming it (exit
     2), never a traceback."""
@@ -141,16 +141,16 @@ def malformed_message(source: str, key: str) -> str:
     )
 
 
-def _section(path: Path, keys: tuple[str, ...]) -> dict[str, Any]:
-    """A JSON object file of a checkpoint holding `keys`."""
+def _section(path: Path, keys: dict[str, type]) -> dict[str, Any]:
+    """A JSON object file of a checkpoint holding `keys`, each a value of its type."""
     if not path.is_file():
         raise CheckpointError(
             f"{path.parent} lacks {path.name}: not a complete rayacc checkpoint. Fix: pass the "
             "checkpoint_dir of a finished fit, or a checkpoint_* folder of the run"
         )
-    raw = parse_json(path.read_bytes().decode("utf-8", errors="strict"), str(path))
-    for key in keys:
-        if not isinstance(raw, dict) or key not in raw:
+    raw = parse_json(path.read_bytes(), str(path))
+    for key, kind in keys.items():
+        if not isinstance(raw, dict) or type(raw.get(key)) is not kind:
             raise CheckpointError(malformed_message(str(path), key))
     return raw
 
@@ -169,15 +169,23 @@ def read_checkpoint(
         # tensors, numbers, strings and plain containers only: a checkpoint from shared storage
         # or a downloaded run must not be able to run code here
         state = torch.load(folder / STATE_FILE, map_location=map_location, weights_only=True)
-    except pickle.UnpicklingError as exc:
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError) as exc:
+        # torch's restricted unpickler refuses a global (a class, a function: code), or the
+        # file is no whole archive (cut short, empty, not torch's): damaged, not dangerous
+        if "global" not in str(exc).lower():
+            raise CheckpointError(
+                f"{folder / STATE_FILE} is not a whole torch archive ({type(exc).__name__}): "
+                "the folder was damaged (a copy cut short?) or written by something else. Fix: "
+                "use an earlier checkpoint_* folder of the run, or a checkpoint rayacc wrote"
+            ) from None
         raise CheckpointError(
             f"{folder / STATE_FILE} holds more than tensors and plain values, so it is not "
             "loaded (it could run code). rayacc checkpoints hold only tensors, numbers, strings "
             "and plain containers. Fix: load checkpoints written by rayacc; if you trust this "
             f"file, convert it to a plain state dict ({str(exc).splitlines()[0][:200]})"
         ) from None
-    description = _section(folder / MODEL_FILE, ("config", "dataset"))
-    meta = _section(folder / META_FILE, ("optimizer_step",))
+    description = _section(folder / MODEL_FILE, {"config": dict, "dataset": dict})
+    meta = _section(folder / META_FILE, {"optimizer_step": int})
     shards = _shards_of(folder, meta)
     if shards is not None:
         from rayacc.engine.shards import ShardError, missing_shard_files
@@ -255,7 +263,7 @@ class Checkpoint:
     step: int
 
     def meta(self) -> dict[str, Any]:
-        text = read_text(f"{self.uri}/{META_FILE}")
+        text = read_bytes(f"{self.uri}/{META_FILE}")
         if text is None:
             raise CheckpointError(f"{self.uri} lost its {META_FILE} (deleted meanwhile?)")
         meta = parse_json(text, f"{self.uri}/{META_FILE}")
@@ -266,7 +274,7 @@ class Checkpoint:
     def history(self, through: int | None = None) -> list[dict[str, Any]]:
         """The lineage's step records up to this checkpoint's step (or `through`), in order;
         empty for a checkpoint written before checkpoints carried it."""
-        text = read_text(f"{self.uri}/{HISTORY_FILE}") or ""
+        text = read_bytes(f"{self.uri}/{HISTORY_FILE}") or b""
         source = f"{self.uri}/{HISTORY_FILE}"
         records = parse_json(text, source, lines=True)
         if not all(isinstance(r, dict) and isinstance(r.get("step"), int) for r in records):

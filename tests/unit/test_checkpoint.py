@@ -228,18 +228,27 @@ def test_the_lineage_spool_leaves_nothing_in_the_temp_folder(tmp_path, monkeypat
 
 # ---------------------------------------------------------------- files read back, damaged
 DAMAGE = {
-    "truncated": lambda text: text[: len(text) // 2],
-    "not JSON": lambda text: "\x00\x01 not json",
-    "empty": lambda text: "",
-    "another shape": lambda text: "[1, 2, 3]",
+    "truncated": lambda data: data[: len(data) // 2],
+    "not JSON": lambda data: b"\x00\x01 not json",
+    "not text": lambda data: b"\xff\x00\xfe\x80 binary",
+    "empty": lambda data: b"",
+    "another shape": lambda data: b"[1, 2, 3]",
+    "wrong types": lambda data: json.dumps(
+        {k: "x" for k in ("kind", "size", "optimizer_step", "step", "config", "dataset")}
+    ).encode(),
 }
+"""Ways a file rayacc wrote comes back damaged: each must be exit 2 naming the file."""
 
 
 @pytest.mark.parametrize("how", DAMAGE)
-@pytest.mark.parametrize("file", ["meta.json", "model.json", "vocab.json", "history.jsonl"])
+@pytest.mark.parametrize(
+    "file",
+    ["meta.json", "model.json", "vocab.json", "history.jsonl", "state.pt", "shards/.metadata"],
+)
 def test_a_damaged_file_of_a_checkpoint_is_named_with_the_fix(tmp_path, capsys, file, how):
-    """Through `rayacc sample` (which reads the vocabulary, the description and the state) and
-    the run's lineage, the way `fit` reads it back: exit 2 naming the file, never a traceback."""
+    """Through `rayacc sample` (which reads the vocabulary, the description, the state and a
+    sharded checkpoint's index) and the run's lineage, the way `fit` reads it back: exit 2
+    naming the file, never a traceback."""
     from rayacc.cli import main
     from rayacc.worker.checkpoint import RunCheckpoints
     from tests.support.tokens import gpt_checkpoint, token_data
@@ -247,10 +256,11 @@ def test_a_damaged_file_of_a_checkpoint_is_named_with_the_fix(tmp_path, capsys, 
     storage = tmp_path / "runs"
     run = RunCheckpoints(str(storage), "r")
     checkpoint = storage / "r" / run.folder_name(3)
-    gpt_checkpoint(checkpoint, token_data(tmp_path, "chars"), sharded=False)
+    sharded = file.startswith("shards/")
+    gpt_checkpoint(checkpoint, token_data(tmp_path, "chars"), sharded=sharded)
     (checkpoint / "history.jsonl").write_text('{"step": 1}\n{"step": 2}\n{"step": 3}\n')
     target = checkpoint / file
-    target.write_text(DAMAGE[how](target.read_text()))
+    target.write_bytes(DAMAGE[how](target.read_bytes()))
     if file == "history.jsonl":
         if how == "empty":
             assert run.latest().history() == []  # a checkpoint without a lineage
@@ -262,4 +272,5 @@ def test_a_damaged_file_of_a_checkpoint_is_named_with_the_fix(tmp_path, capsys, 
     capsys.readouterr()
     assert main(["sample", str(checkpoint), "--tokens", "2"]) == 2
     err = capsys.readouterr().err
-    assert file in err and "Fix:" in err and "Traceback" not in err, err
+    assert Path(file).name in err and "Fix:" in err and "Traceback" not in err, err
+    assert "could run code" not in err, "a damaged file is not a dangerous one"

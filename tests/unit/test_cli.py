@@ -146,3 +146,33 @@ def test_plan_lists_the_worker_counts_of_an_elastic_run(rayacc):
     assert "elastic run [1, 4] (keep_global_batch)" in proc.out
     assert "1 → micro 32 × accum 8, global 256" in proc.out
     assert "Not at 3 worker(s): the global batch 256 cannot be kept at 3 workers" in proc.out
+
+
+YAML_DAMAGE = {
+    "not text": b"\xff\xfe\x00\x80 binary",
+    "not YAML": b"batch: [1, 2\n",
+    "empty": b"",
+    "another shape": b"- 1\n- 2\n",
+}
+"""Ways a YAML file a command reads comes back wrong."""
+
+READS_YAML = {
+    "train -c": lambda f: ["train", "-c", f],
+    "plan -c": lambda f: ["plan", "-c", f],
+    "verify -c": lambda f: ["verify", "-c", f],
+    "sweep -c": lambda f: ["sweep", "-c", f],
+    "train --plan": lambda f: ["train", "-c", DIGITS_JOB, "--plan", f],
+}
+
+
+@pytest.mark.parametrize("how", YAML_DAMAGE)
+@pytest.mark.parametrize("command", READS_YAML)
+def test_a_yaml_file_that_is_not_a_config_is_named_with_the_fix(tmp_path, rayacc, command, how):
+    """Every command that reads a YAML file (a job, a sweep, a plan): a file that is binary, not
+    YAML, empty or another shape is exit 2 naming it with the fix, never a traceback."""
+    path = tmp_path / "given.yaml"
+    path.write_bytes(YAML_DAMAGE[how])
+    ran = rayacc(*READS_YAML[command](str(path)))
+    assert ran.code == 2, ran.out + ran.err
+    assert "given.yaml" in ran.err and "Fix:" in ran.err, ran.err
+    assert "Traceback" not in ran.err, ran.err

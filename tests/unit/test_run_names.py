@@ -378,17 +378,19 @@ def test_a_live_driver_holds_its_run_and_a_killed_ones_lease_expires(tmp_path, m
     assert {r.name: r.status for r in list_runs(storage)}["new"] == "running"
 
 
-@pytest.mark.parametrize("damage", ["{not json", "[1, 2]", "\xff\xfe", '{"status": "fin'])
+@pytest.mark.parametrize("damage", [b"{not json", b"[1, 2]", b"\xff\x00\x80", b'{"status": "fin'])
 def test_a_damaged_run_info_is_named_on_resume_and_marked_in_the_listing(tmp_path, damage):
     import json
 
     from rayacc.data.sources import DataError
-    from rayacc.driver.runs import RUN_INFO, list_runs, locate_run
+    from rayacc.driver.runs import LEASE, RUN_INFO, list_runs, locate_run
 
     storage = tmp_path / "runs"
     _finished_run(tmp_path, "good", {"seed": 0}, "2026-01-01 00:00:00")
     _finished_run(tmp_path, "bad", {"seed": 0}, "2026-01-02 00:00:00")
-    (storage / "bad" / RUN_INFO).write_bytes(damage.encode("utf-8", "surrogateescape"))
+    (storage / "bad" / RUN_INFO).write_bytes(damage)
+    # a lease torn or overwritten with bytes is no claim
+    (storage / "bad" / LEASE).write_bytes(damage)
     with pytest.raises(DataError, match=rf"bad/{RUN_INFO} is not the JSON") as refused:
         locate_run(cfg(storage, "bad"), resume=True)
     assert "Fix:" in str(refused.value)

@@ -127,6 +127,7 @@ ERRORS = {
     "ResourceError": lambda c: c("3 workers need 3 CPUs"),
     "MicroStepMismatchError": lambda c: c("rank 0 ran 3, rank 1 ran 4"),
     "ShardError": lambda c: c("shard missing"),
+    "_Refused": lambda c: c("posix.system is not part of a checkpoint index"),
     "ModelError": lambda c: c("no such factory"),
     "DataError": lambda c: c("no rows"),
     "ReportError": lambda c: c("no such run"),
