@@ -381,7 +381,10 @@ def cmd_report(args: argparse.Namespace) -> int:
 
     console = _console()
     uri = args.tracking_uri or default_tracking_uri()
-    problems = [check_tracking_uri("--tracking-uri", uri), check_folder("--out", args.out)]
+    problems = [
+        check_tracking_uri("--tracking-uri", uri, recorded=True),
+        check_folder("--out", args.out),
+    ]
     if any(problems):
         raise PlaceError([p for p in problems if p])
     from mlflow.tracking import MlflowClient

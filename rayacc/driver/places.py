@@ -89,8 +89,10 @@ def _check_uri_storage(field: str, value: str) -> str | None:
     return None
 
 
-def check_tracking_uri(field: str, uri: str) -> str | None:
-    """Why MLflow cannot store runs at `uri`, or None."""
+def check_tracking_uri(field: str, uri: str, *, recorded: bool = False) -> str | None:
+    """Why MLflow cannot store runs at `uri`, or None. `recorded`: the store is read, so it
+    must exist (MLflow would create an empty database at a mistyped sqlite path, and report
+    nothing found in it)."""
     from urllib.parse import urlparse
 
     # as MLflow reads it: `databricks` alone (or `databricks-uc`) is the default profile's
@@ -113,6 +115,12 @@ def check_tracking_uri(field: str, uri: str) -> str | None:
             return None  # sqlite:// in memory: MLflow's own business
         if path.is_dir():
             return f"{field}={uri!r} names a folder, not a database file. Fix: end it in .db"
+        if recorded and not path.is_file():
+            return (
+                f"{field}={redact(uri)!r}: no tracking store there (no such file), so no run "
+                "to read. Fix: pass the tracking URI the runs were recorded in (rayacc train "
+                "prints it under its summary)"
+            )
         return check_folder(f"the folder of {field}={uri!r}:", str(path.parent))
     return None
 

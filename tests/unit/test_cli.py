@@ -74,6 +74,11 @@ CASES = [
         lambda tmp: ["train", "-c", DIGITS_JOB, "optim.lr_scalling=sqrt"],
         ["optim.lr_scalling: unknown key", "did you mean 'optim.lr_scaling'"],
     ),
+    (
+        # a mistyped store is named, not created empty and searched
+        lambda tmp: ["report", "some-run", "--tracking-uri", f"sqlite:///{tmp / 'typo.db'}"],
+        ["typo.db", "no tracking store there"],
+    ),
 ]
 
 
@@ -89,6 +94,7 @@ CASES = [
         "factory-import",
         "model-data-mismatch",
         "unknown-key",
+        "report-store-typo",
     ],
 )
 def test_user_errors_exit_2_with_message(tmp_path, rayacc, argv, expected):
@@ -98,6 +104,7 @@ def test_user_errors_exit_2_with_message(tmp_path, rayacc, argv, expected):
         assert text in ran.err, ran.err
     assert "Traceback" not in ran.err
     assert "Ray" not in ran.err + ran.out, "the error must come before Ray starts"
+    assert not list(tmp_path.glob("*.db")), "a mistake left a store behind"
 
 
 def test_the_command_itself_exits_2_on_a_user_error(tmp_path, cache):
