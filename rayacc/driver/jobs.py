@@ -163,21 +163,35 @@ def follow_logs(client, job_id: str) -> int:
 
 
 def jobs_command(action: str, job_id: str | None, address: str | None, follow: bool) -> int:
+    # the arguments first: a mistake is named before the cluster is asked anything
+    if action != "list" and not job_id:
+        raise SubmitError(
+            f"`rayacc jobs {action}` needs a job id. Fix: rayacc jobs {action} JOB_ID (ids: "
+            "`rayacc jobs list`)"
+        )
+    if action == "list" and job_id:
+        raise SubmitError(f"`rayacc jobs list` takes no job id (got {job_id!r}). Fix: drop it")
+    if follow and action != "logs":
+        raise SubmitError(f"--follow streams logs only. Fix: rayacc jobs logs {job_id} --follow")
     client = _client(address)
     if action == "list":
         for job in client.list_jobs():
             print(f"{job.submission_id}\t{str(job.status).split('.')[-1]}\t{job.entrypoint}")
         return 0
-    if not job_id:
-        raise SubmitError(f"`rayacc jobs {action}` needs a job id (see `rayacc jobs list`)")
-    if action == "status":
-        print(str(client.get_job_status(job_id)).split(".")[-1])
-        return 0
-    if action == "logs":
-        if follow:
-            return follow_logs(client, job_id)
-        print(client.get_job_logs(job_id), end="")
-        return 0
-    stopped = client.stop_job(job_id)
+    try:
+        if action == "status":
+            print(str(client.get_job_status(job_id)).split(".")[-1])
+            return 0
+        if action == "logs":
+            if follow:
+                return follow_logs(client, job_id)
+            print(client.get_job_logs(job_id), end="")
+            return 0
+        stopped = client.stop_job(job_id)
+    except RuntimeError as exc:  # the Jobs API's reply to an unknown id (HTTP 404)
+        raise SubmitError(
+            f"job {job_id!r}: {redact(str(exc)).strip()} Fix: pass an id that "
+            "`rayacc jobs list` shows"
+        ) from None
     print(f"job {job_id}: {'stop requested' if stopped else 'already finished'}")
     return 0

@@ -144,6 +144,20 @@ def test_submit_to_local_multinode_cluster(tmp_path):
             text=True,
             timeout=120,
         )
+        # a job id the cluster does not know: named, exit 2, no traceback
+        unknown = subprocess.run(
+            [
+                *(sys.executable, "-m", "rayacc.cli", "jobs", "status", "raysubmit_nosuchjob"),
+                *("--address", cluster["RAY_ADDRESS"]),
+            ],
+            cwd=ROOT,
+            env=job_env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert unknown.returncode == 2, unknown.stdout + unknown.stderr
+        assert "raysubmit_nosuchjob" in unknown.stderr and "Traceback" not in unknown.stderr
         outputs = {
             "console": submit.stdout + submit.stderr,
             "rayacc jobs list": listed.stdout + listed.stderr,

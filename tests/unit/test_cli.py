@@ -79,6 +79,10 @@ CASES = [
         lambda tmp: ["report", "some-run", "--tracking-uri", f"sqlite:///{tmp / 'typo.db'}"],
         ["typo.db", "no tracking store there"],
     ),
+    # `rayacc jobs`: the arguments are checked before any cluster is asked
+    (lambda tmp: ["jobs", "stop"], ["`rayacc jobs stop` needs a job id", "Fix:"]),
+    (lambda tmp: ["jobs", "list", "raysubmit_1"], ["takes no job id", "Fix: drop it"]),
+    (lambda tmp: ["jobs", "status", "raysubmit_1", "--follow"], ["--follow streams logs only"]),
 ]
 
 
@@ -95,6 +99,9 @@ CASES = [
         "model-data-mismatch",
         "unknown-key",
         "report-store-typo",
+        "jobs-without-id",
+        "jobs-list-with-id",
+        "jobs-follow-not-logs",
     ],
 )
 def test_user_errors_exit_2_with_message(tmp_path, rayacc, argv, expected):
