@@ -90,8 +90,10 @@ class Vocabulary:
             lookup = {c: i for i, c in enumerate(self.chars)}
             missing = sorted({c for c in text if c not in lookup})
             if missing:
+                named = ", ".join(repr(c) for c in missing)
                 raise DataError(
-                    f"--prompt: {''.join(missing)!r} is not in the run's vocabulary of "
+                    f"--prompt: the character{'s' if len(missing) > 1 else ''} {named} "
+                    f"{'are' if len(missing) > 1 else 'is'} not in the run's vocabulary of "
                     f"{len(self.chars)} characters ({self.chars!r}). Fix: use those characters"
                 )
             return [lookup[c] for c in text]
@@ -106,8 +108,13 @@ class Vocabulary:
                 "--prompt: this run's data records no vocabulary (token ids only), so the "
                 "prompt is token ids. Fix: give them as numbers, e.g. --prompt '12 7 301'"
             ) from None
-        if any(not 0 <= i < self.size for i in ids):
-            raise DataError(f"--prompt: token ids must lie in 0..{self.size - 1}")
+        outside = [i for i in ids if not 0 <= i < self.size]
+        if outside:
+            raise DataError(
+                f"--prompt: token id{'s' if len(outside) > 1 else ''} "
+                f"{', '.join(map(str, outside[:5]))} outside the run's {self.size} ids. Fix: "
+                f"give ids in 0..{self.size - 1}"
+            )
         return ids
 
     def decode(self, ids: list[int]) -> str:

@@ -51,9 +51,11 @@ def test_byte_data_prepared_before_the_tokenizer_was_recorded_still_decodes(tmp_
 @pytest.mark.parametrize(
     "kind, prompt, message",
     [
-        ("chars", "Zebra", "'Zb' is not in the run's vocabulary"),
+        ("chars", "Zebra", "the characters 'Z', 'b' are not in the run's vocabulary"),
+        ("chars", "€", "the character '€' is not in the run's vocabulary"),
         ("ids", "hello", "the prompt is token ids"),
-        ("ids", "999", "token ids must lie in"),
+        ("ids", "1 999", r"token id 999 outside the run's \d+ ids. Fix: give ids in 0\.\."),
+        ("ids", "-1 2", "token id -1 outside"),
     ],
 )
 def test_a_prompt_the_vocabulary_cannot_encode_is_named(tmp_path, kind, prompt, message):
