@@ -516,6 +516,18 @@ def cmd_jobs(args: argparse.Namespace) -> int:
     return jobs_command(args.action, args.job_id, args.address, getattr(args, "follow", False))
 
 
+OWN_TEXT_FLAGS = {
+    "tokenizer": None,
+    "text_field": "text",
+    "rows_per_group": 64,
+    "rows_per_file": 1 << 20,
+    "shuffle": False,
+    "seed": 0,
+}
+"""`rayacc data prepare` flags of the user's own text (with --out), and their defaults."""
+SEQ_LEN = 128
+
+
 def cmd_data_prepare(args: argparse.Namespace) -> int:
     """A bundled dataset (cached), or the user's text/JSONL files → token Parquet in --out."""
     from rayacc.data.sources import BUNDLED, DataError, describe_dataset
@@ -523,6 +535,19 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
     if len(args.inputs) == 1 and args.inputs[0] in BUNDLED and args.out is None:
         name = args.inputs[0]
         info = describe_dataset(name, args.cache_dir, args.seq_len)
+        ignored = [
+            f"--{key.replace('_', '-')}"
+            for key, default in OWN_TEXT_FLAGS.items()
+            if getattr(args, key) != default
+        ]
+        if info.format != "tokens" and args.seq_len != SEQ_LEN:
+            ignored.insert(0, "--seq-len")
+        if ignored:
+            print(
+                f"rayacc: warning: {', '.join(ignored)} ignored: {name} is a bundled "
+                f"{info.format} dataset (they apply to your own text files, with --out)",
+                file=sys.stderr,
+            )
         print(f"{name}: {info.num_rows} rows ({info.format}) at {info.path}")
         return 0
     if args.out is None:
@@ -716,22 +741,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="new folder for the Parquet (text/JSONL inputs)")
     p.add_argument("--cache-dir", default=None, help="bundled datasets: where they are cached")
     p.add_argument(
-        "--seq-len", type=_number(int, 1), default=128, help="tokens per sample (rows hold +1)"
+        "--seq-len", type=_number(int, 1), default=SEQ_LEN, help="tokens per sample (rows hold +1)"
+    )
+    own = OWN_TEXT_FLAGS
+    p.add_argument(
+        "--tokenizer",
+        default=own["tokenizer"],
+        help="a tokenizer.json (default: byte-level, 257 ids)",
     )
     p.add_argument(
-        "--tokenizer", default=None, help="a tokenizer.json (default: byte-level, 257 ids)"
+        "--text-field", default=own["text_field"], help="JSONL: the field holding the text"
     )
-    p.add_argument("--text-field", default="text", help="JSONL: the field holding the text")
     p.add_argument(
         "--rows-per-group",
         type=_number(int, 1),
-        default=64,
+        default=own["rows_per_group"],
         help="Parquet row group size: at most a quarter of each rank's share of a window "
         "(global batch / workers) for about one read of each row per epoch",
     )
-    p.add_argument("--rows-per-file", type=_number(int, 1), default=1 << 20)
+    p.add_argument("--rows-per-file", type=_number(int, 1), default=own["rows_per_file"])
     p.add_argument("--shuffle", action="store_true", help="shuffle all rows with Ray Data")
-    p.add_argument("--seed", type=int, default=0, help="the shuffle's seed")
+    p.add_argument("--seed", type=int, default=own["seed"], help="the shuffle's seed")
     p.set_defaults(func=cmd_data_prepare)
     return parser
 

@@ -65,7 +65,10 @@ def _input_files(inputs: list[str]) -> list[tuple[object, str, str]]:
             found = filesystem.get_file_info(fs.FileSelector(path, recursive=True))
             inner = sorted(i.path for i in found if i.type == fs.FileType.File)
             if not inner:
-                raise DataError(f"{item}: the folder holds no files")
+                raise DataError(
+                    f"{item}: the folder holds no files. Fix: give the folder of your text or "
+                    "JSONL files, or the files themselves"
+                )
             files += [(filesystem, p, p) for p in inner]
         else:
             files.append((filesystem, path, item))
@@ -117,7 +120,17 @@ def _json_text(line: str, shown: str, line_no: int, text_field: str) -> str:
         raise DataError(
             f"{shown}, line {line_no}: not JSON ({exc.msg}). Fix: one JSON object per line"
         ) from None
-    if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
+    if (
+        isinstance(record, dict)
+        and text_field in record
+        and not isinstance(record[text_field], str)
+    ):
+        raise DataError(
+            f"{shown}, line {line_no}: the text field {text_field!r} holds a "
+            f"{type(record[text_field]).__name__}, not text. Fix: --text-field NAME of a field "
+            "that holds each record's text"
+        )
+    if not isinstance(record, dict) or text_field not in record:
         keys = sorted(record) if isinstance(record, dict) else type(record).__name__
         raise DataError(
             f"{shown}, line {line_no}: no text field {text_field!r} (found {keys}). "

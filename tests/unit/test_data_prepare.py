@@ -57,13 +57,23 @@ def test_a_tokenizer_json_gives_its_ids_and_vocabulary(tmp_path):
         ("bad.txt", b"fine\n\xff\xfe broken", "bad.txt: not UTF-8 text at byte 5"),
         ("bad.jsonl", b'{"text": "ok"}\n{"text": oops}\n', "bad.jsonl, line 2: not JSON"),
         ("bad.jsonl", b'{"text": "ok"}\n{"body": "x"}\n', "no text field 'text' (found ['body'])"),
+        ("bad.jsonl", b'{"text": "ok"}\n[1, 2]\n', "line 2: no text field 'text' (found list)"),
+        (
+            "bad.jsonl",
+            b'{"text": "ok"}\n{"text": 5}\n',
+            "line 2: the text field 'text' holds a int",
+        ),
+        ("empty", None, "empty: the folder holds no files"),
     ],
 )
 def test_a_bad_file_is_named_with_the_fix_and_nothing_is_left_behind(
     tmp_path, capsys, name, content, message
 ):
     inputs, _ = corpus(tmp_path)
-    (tmp_path / name).write_bytes(content)
+    if content is None:
+        (tmp_path / name).mkdir()
+    else:
+        (tmp_path / name).write_bytes(content)
     out = tmp_path / "out"
     code = main(["data", "prepare", *inputs, str(tmp_path / name), "--out", str(out)])
     err = capsys.readouterr().err
@@ -77,3 +87,17 @@ def test_out_must_be_new_and_inputs_must_exist(tmp_path):
         prepare_corpus(inputs, str(tmp_path), progress=quiet)
     with pytest.raises(DataError, match="no such file or folder"):
         prepare_corpus([str(tmp_path / "missing.txt")], str(tmp_path / "o"), progress=quiet)
+
+
+def test_flags_of_own_text_given_for_a_bundled_dataset_are_named_as_ignored(tmp_path, capsys):
+    code = main(
+        ["data", "prepare", "digits", "--cache-dir", str(tmp_path), "--shuffle", "--seq-len", "5"]
+    )
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert "warning: --seq-len, --shuffle ignored: digits is a bundled classification" in (
+        captured.err
+    )
+    assert "digits: 1797 rows" in captured.out
+    assert main(["data", "prepare", "digits", "--cache-dir", str(tmp_path)]) == 0
+    assert "warning" not in capsys.readouterr().err
