@@ -47,7 +47,7 @@ from rayacc.worker.autosize import MicroBatchSizer
 from rayacc.worker.checkpoint import RunCheckpoints, StepLog, WorkerParts, checkpoint_meta
 from rayacc.worker.ingest import RankReader, warm_up
 from rayacc.worker.metrics import run_summary, step_record
-from rayacc.worker.preemption import PreemptionWatch, ray_notice_sources
+from rayacc.worker.preemption import Boundaries, PreemptionWatch, ray_notice_sources
 from rayacc.worker.progress import Outbox
 from rayacc.worker.validation import Validator
 
@@ -140,6 +140,12 @@ class WorkerRun:
         events = self._restore()
         self._plan_epochs()
         self.total_steps = self.state.optimizer_step + sum(e.steps for e in self.epochs)
+        self.watch.boundaries = Boundaries(
+            self.total_steps,
+            self.cfg.train.val_every_steps,
+            self.cfg.train.checkpoint_every_steps,
+            validates=bool(len(self.order.val_units)),
+        )
         self._open_data()
         if self.cfg.batch.auto_micro_batch and self.epochs:
             step = self.state.optimizer_step
@@ -304,7 +310,7 @@ class WorkerRun:
                 self.loss_fn,
                 self.count,
                 local_items=local_items,
-                signal=self.watch.signal(),
+                signal=self.watch.signal(self.state.optimizer_step),
             )
         except torch.OutOfMemoryError:
             self.sizer.remember_out_of_memory()
@@ -343,19 +349,18 @@ class WorkerRun:
         checkpoints are not step time; handing the record over is."""
         step = self.state.optimizer_step
         is_last = step >= self.total_steps
-        every_val, every_ckpt = (
-            self.cfg.train.val_every_steps,
-            self.cfg.train.checkpoint_every_steps,
-        )
-        if len(self.order.val_units) and (is_last or (every_val and step % every_val == 0)):
+        boundaries = self.watch.boundaries
+        if boundaries.validates_at(step):
             with self.clock.paused():
+                t = time.perf_counter()
                 self.val_metrics = self.validate()
+                self.watch.validation_s = time.perf_counter() - t
             record.update(self.val_metrics)
         self.last = record
         if self.history is not None:
             self.history.append(record)
         self.outbox.send(dict(record))
-        checkpointed = is_last or bool(every_ckpt and step % every_ckpt == 0)
+        checkpointed = boundaries.checkpoints_at(step)
         if checkpointed:
             with self.clock.paused():
                 self._checkpoint(record, "last" if is_last else "periodic")

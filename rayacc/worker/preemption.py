@@ -11,8 +11,9 @@ non-zero makes every rank call the barrier, so all make the same calls.
 
 Then: a checkpoint at once (unless a checkpoint takes longer than the time left: the periodic
 one is the fallback, and the notice says so), training goes on, and a last checkpoint is written
-when one more window and a checkpoint would no longer fit before the deadline — that decision
-travels by the same signal, so every rank takes it in the same window. The ranks then wait for
+when one more window, what the boundaries on the way run (a validation, a periodic checkpoint:
+`Boundaries`) and a checkpoint would no longer fit before the deadline — that decision travels
+by the same signal, so every rank takes it in the same window. The ranks then wait for
 Ray Train to end the group at the deadline and restart it without the node, from that last
 checkpoint: no step is recomputed.
 """
@@ -24,13 +25,33 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["DEFAULT_DEADLINE_S", "Notice", "PreemptionWatch", "ray_notice_sources"]
+__all__ = ["DEFAULT_DEADLINE_S", "Boundaries", "Notice", "PreemptionWatch", "ray_notice_sources"]
 
 DEFAULT_DEADLINE_S = 120.0
 """Ray Train's own wait when a drain gives no deadline (its DEFAULT_PREEMPTION_DEADLINE_S)."""
 STANDBY_GRACE_S = 60.0
 """How long past the deadline the ranks wait for the restart before they train on (a drain
 can be cancelled; Ray Train then never ends the group)."""
+
+
+@dataclass(frozen=True)
+class Boundaries:
+    """What a window boundary runs besides the step: the worker's one rule for when it
+    validates and writes a periodic checkpoint, which a reclaim's budget counts too."""
+
+    total_steps: int
+    val_every: int | None
+    checkpoint_every: int | None
+    validates: bool
+    """The run holds validation rows."""
+
+    def validates_at(self, step: int) -> bool:
+        last = step >= self.total_steps
+        return self.validates and (last or bool(self.val_every and step % self.val_every == 0))
+
+    def checkpoints_at(self, step: int) -> bool:
+        every = self.checkpoint_every
+        return step >= self.total_steps or bool(every and step % every == 0)
 
 
 @dataclass(frozen=True)
@@ -78,20 +99,33 @@ class PreemptionWatch:
         """The longest of the last windows (decaying, so one slow window is forgotten)."""
         self.checkpoint_s: float | None = None
         """The last checkpoint's time on this rank; None before the first."""
+        self.validation_s = 0.0
+        """The last validation's time on this rank."""
+        self.boundaries: Boundaries | None = None
+        """The run's boundaries, once its length is known (none: windows and checkpoints)."""
 
-    def signal(self) -> bool:
-        """Whether this rank raises the next window's signal."""
+    def signal(self, step: int = 0) -> bool:
+        """Whether this rank raises the signal of the window that makes step `step + 1`."""
         if self.phase == "watching":
             return self.local() is not None
         if self.phase == "noticed":
-            return self.clock() + self.needed_s() >= self.notice.deadline
+            return self.clock() + self.needed_s(step) >= self.notice.deadline
         return False
 
-    def needed_s(self) -> float:
-        """What one more window and a checkpoint after the next need before the deadline,
-        with a margin for a slow one."""
+    def needed_s(self, step: int = 0) -> float:
+        """What this window, the next, their boundaries and the checkpoint after the next need
+        before the deadline, with a margin for a slow one. Not signalled now, the last
+        checkpoint comes after the next window at the earliest; on the way, the boundary after
+        this window may validate and write a periodic checkpoint, and the next may validate
+        (its periodic checkpoint would be the last one)."""
         ckpt = self.checkpoint_s or 0.0
-        return 2 * self.window_s + ckpt + max(1.0, 0.25 * (self.window_s + ckpt))
+        b = self.boundaries
+        extra = 0.0
+        if b is not None:
+            extra += self.validation_s * (b.validates_at(step + 1) + b.validates_at(step + 2))
+            extra += ckpt * b.checkpoints_at(step + 1)
+        work = 2 * self.window_s + ckpt + extra
+        return work + max(1.0, 0.25 * (self.window_s + ckpt + extra))
 
     def after_window(self, signals: int, window_s: float) -> str | None:
         self.window_s = max(window_s, 0.9 * self.window_s)

@@ -10,7 +10,12 @@ import pytest
 
 from rayacc.observe.events import Checkpointed, PreemptionNotice, ReclaimStandby, RunStarted
 from rayacc.observe.goodput import Goodput, describe, percent
-from rayacc.worker.preemption import DEFAULT_DEADLINE_S, STANDBY_GRACE_S, PreemptionWatch
+from rayacc.worker.preemption import (
+    DEFAULT_DEADLINE_S,
+    STANDBY_GRACE_S,
+    Boundaries,
+    PreemptionWatch,
+)
 
 
 @dataclass
@@ -109,6 +114,80 @@ def test_notice_then_a_last_checkpoint_as_late_as_the_deadline_allows(
         deadline = t0 + (deadline_s if deadline_s is not None else DEFAULT_DEADLINE_S)
         assert watch.notice.deadline == pytest.approx(deadline, abs=window_s + 1)
         assert watch.notice.nodes == ("node-b",) and watch.notice.ranks == (1,)
+
+
+def worker_order(
+    deadline_s, window_s, val_every, val_s, ckpt_every, ckpt_s, notice_at, *, budget=True
+):
+    """The worker's order on a moved clock (worker/loop.py): the window's signal, the window,
+    its boundary as `Boundaries` says (validation, then a periodic checkpoint), then the
+    watch's action (a notice: a checkpoint now unless one was just written; the last: the
+    last checkpoint). Returns (when the last checkpoint ended, relative to the deadline; the
+    step it holds). `budget=False`: the watch does not know the boundaries (the old budget)."""
+    clock = Clock()
+    info = Info(int((clock.t + deadline_s) * 1000))
+    at = {"window": 0}
+
+    def told():
+        return info if at["window"] >= notice_at else None
+
+    watch = PreemptionWatch(told, told, clock)
+    boundaries = Boundaries(10_000, val_every, ckpt_every, validates=True)
+    watch.boundaries = boundaries if budget else None
+    for n in range(10_000):
+        at["window"] = n
+        signals = int(watch.signal(n))
+        clock.t += window_s
+        step = n + 1
+        if boundaries.validates_at(step):
+            clock.t += val_s
+            watch.validation_s = val_s
+        checkpointed = boundaries.checkpoints_at(step)
+        if checkpointed:
+            clock.t += ckpt_s
+            watch.checkpoint_s = ckpt_s
+        action = watch.after_window(signals, window_s)
+        if action in ("notice", "last") and not checkpointed:
+            clock.t += ckpt_s
+            watch.checkpoint_s = ckpt_s
+        if action == "last":
+            return clock.t - watch.notice.deadline, step
+    raise AssertionError("no last checkpoint")
+
+
+BOUNDARY_CASES = [
+    # (what, deadline s, window s, validation every / s, checkpoint every / s, notice at window)
+    ("windows only", 120, 5.0, None, 0.0, None, 3.0, 2),
+    ("a long validation every 4 steps", 120, 5.0, 4, 20.0, None, 3.0, 5),
+    ("a periodic checkpoint every 3 steps", 120, 5.0, None, 0.0, 3, 8.0, 2),
+    ("both, every step", 120, 2.0, 1, 3.0, 1, 3.0, 2),
+    ("validation and checkpoint every 5, 30 s notice", 30, 1.0, 5, 6.0, 5, 2.0, 6),
+    ("the reported case: validation 25 s every 10", 120, 4.0, 10, 25.0, 20, 5.0, 11),
+]
+
+
+@pytest.mark.parametrize(
+    "what, deadline_s, window_s, val_every, val_s, ckpt_every, ckpt_s, notice_at",
+    BOUNDARY_CASES,
+    ids=[c[0] for c in BOUNDARY_CASES],
+)
+def test_the_last_checkpoint_ends_before_the_deadline_whatever_the_boundaries_run(
+    what, deadline_s, window_s, val_every, val_s, ckpt_every, ckpt_s, notice_at
+):
+    """The budget counts the validations and periodic checkpoints on the way: the last
+    checkpoint ends before the deadline, and not more than a window and its boundaries early."""
+    late, step = worker_order(deadline_s, window_s, val_every, val_s, ckpt_every, ckpt_s, notice_at)
+    assert late < 0, f"{what}: the last checkpoint (step {step}) ended {late:.1f} s after"
+    most_boundary = (val_s if val_every else 0) * 2 + (ckpt_s if ckpt_every else 0) + ckpt_s
+    slack = 2 * window_s + most_boundary + max(1.0, 0.25 * (window_s + most_boundary))
+    assert -late <= slack + window_s, f"{what}: {-late:.1f} s to spare, over {slack:.1f}"
+
+
+def test_a_budget_blind_to_the_boundaries_misses_the_deadline():
+    """What the table guards: without the boundaries, a long validation on the way makes the
+    last checkpoint end after the deadline."""
+    late, _ = worker_order(120, 4.0, 10, 25.0, 20, 5.0, 11, budget=False)
+    assert late > 0, late
 
 
 def test_another_ranks_signal_makes_every_rank_ask_and_decide_in_the_same_window():
