@@ -25,6 +25,15 @@ def _factory_missing(tmp_path):
     return ["plan", "-c", JOB, "model.name=factory", "model.factory=no_such_pkg.mod:build"]
 
 
+def _empty_store(tmp_path) -> str:
+    """An MLflow store that exists and holds nothing (a missing one is a place error)."""
+    from rayacc.tracking.sqlite_store import prepare_sqlite_store
+
+    uri = f"sqlite:///{tmp_path}/m.db"
+    prepare_sqlite_store(uri)
+    return uri
+
+
 CASES = {
     # error class: (argv maker, what the message says)
     "ConfigError": (lambda t: ["plan", "-c", JOB, "batch.no_such_key=1"], "no_such_key"),
@@ -40,7 +49,7 @@ CASES = {
     "CheckpointError": (_ckpt_damaged, "meta.json"),
     "PlaceError": (lambda t: ["plan", "-c", JOB, "run.storage_path=/proc/rayacc-x"], "/proc"),
     "ReportError": (
-        lambda t: ["report", "no-such-experiment", "--tracking-uri", f"sqlite:///{t}/m.db"],
+        lambda t: ["report", "no-such-experiment", "--tracking-uri", _empty_store(t)],
         "no-such-experiment",
     ),
     "SubmitError": (lambda t: ["submit", "/tmp/elsewhere/job.yaml"], "job.yaml"),
