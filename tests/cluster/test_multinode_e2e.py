@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
+from tests.support.cli import rayacc_process
 from tests.support.counts import count
 
 pytestmark = [pytest.mark.ray, pytest.mark.cluster]
@@ -75,11 +76,8 @@ def test_submit_to_local_multinode_cluster(tmp_path):
         cluster = read_env(state / "env")
         job_env = dict(env, **cluster)
         tracking = cluster["MLFLOW_TRACKING_URI"].replace("http://", f"http://alice:{SECRET}@")
-        submit = subprocess.run(
+        submit = rayacc_process(
             [
-                sys.executable,
-                "-m",
-                "rayacc.cli",
                 "submit",
                 "jobs/digits.yaml",
                 "train.epochs=2",
@@ -91,11 +89,8 @@ def test_submit_to_local_multinode_cluster(tmp_path):
                 cluster["RAY_ADDRESS"],
                 "--follow",
             ],
-            cwd=ROOT,
-            env=job_env,
-            capture_output=True,
-            text=True,
             timeout=900,
+            **job_env,
         )
         assert submit.returncode == 0, submit.stdout[-4000:] + submit.stderr[-4000:]
         assert "SUCCEEDED" in submit.stdout
@@ -128,33 +123,14 @@ def test_submit_to_local_multinode_cluster(tmp_path):
             timeout=120,
         )
         assert records.returncode == 0 and "rayacc.cli" in records.stdout, records.stderr[-2000:]
-        listed = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "rayacc.cli",
-                "jobs",
-                "list",
-                "--address",
-                cluster["RAY_ADDRESS"],
-            ],
-            cwd=ROOT,
-            env=job_env,
-            capture_output=True,
-            text=True,
-            timeout=120,
+        listed = rayacc_process(
+            ["jobs", "list", "--address", cluster["RAY_ADDRESS"]], timeout=120, **job_env
         )
         # a job id the cluster does not know: named, exit 2, no traceback
-        unknown = subprocess.run(
-            [
-                *(sys.executable, "-m", "rayacc.cli", "jobs", "status", "raysubmit_nosuchjob"),
-                *("--address", cluster["RAY_ADDRESS"]),
-            ],
-            cwd=ROOT,
-            env=job_env,
-            capture_output=True,
-            text=True,
+        unknown = rayacc_process(
+            ["jobs", "status", "raysubmit_nosuchjob", "--address", cluster["RAY_ADDRESS"]],
             timeout=120,
+            **job_env,
         )
         assert unknown.returncode == 2, unknown.stdout + unknown.stderr
         assert "raysubmit_nosuchjob" in unknown.stderr and "Traceback" not in unknown.stderr
