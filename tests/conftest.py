@@ -174,3 +174,19 @@ def ray_address(ray_local):
     import ray
 
     return ray.get_runtime_context().gcs_address
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory):
+    """One real `mlflow server` for the session (a start costs about 20 s on 2 cores): its
+    port. A test that needs the server gone puts a `tests.support.mlflow_server.Gate` in
+    front of it and closes that; a test keeps to experiments of its own."""
+    import signal
+
+    from tests.support.mlflow_server import free_port, start_server
+
+    port = free_port()
+    proc = start_server(port, tmp_path_factory.mktemp("mlflow") / "server.db")
+    yield port
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()

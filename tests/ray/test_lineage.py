@@ -1,11 +1,12 @@
 """The run's record is the lineage of its final checkpoint, across every fault at once, on the
 whole stack (real Ray, a real `mlflow server`, the `rayacc` command): the driver (joined to
 the suite's Ray, as on a cluster) SIGKILLed after a checkpoint and two steps beyond it (steps
-no checkpoint keeps, already in MLflow); a resume during which the tracking server is killed
-and started again and a worker process is SIGKILLed (Ray Train restarts the group from the
-latest checkpoint); under FSDP the resume also resizes the group (2 workers → 1). MLflow must
-hold steps 1..N exactly once with the values of an uninterrupted run, and the final weights
-must be that run's."""
+no checkpoint keeps, already in MLflow); a resume during which the tracking server is cut off
+and back again (a gate in front of the suite's server, `tests.support.mlflow_server.Gate`: to
+a client the same as a killed and restarted server) and a worker process is SIGKILLed (Ray
+Train restarts the group from the latest checkpoint); under FSDP the resume also resizes the
+group (2 workers → 1). MLflow must hold steps 1..N exactly once with the values of an
+uninterrupted run, and the final weights must be that run's."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from rayacc import TrainConfig, load_model
 from rayacc.driver.runs import RUN_INFO
 from rayacc.observe.events import RunObserver
 from tests.support.fits import config, digits_subset, fit_or_fail, rel_diff, weights
-from tests.support.mlflow_server import free_port, start_server
+from tests.support.mlflow_server import Gate
 
 pytestmark = pytest.mark.ray
 
@@ -74,7 +75,7 @@ def spec(tmp_path: Path, strategy: str, workers: int, tracking_uri: str) -> dict
             "val_every_steps": 4,
         },
         "scaling": {"num_workers": workers, "cpus_per_worker": 0.5},
-        "tracking": {"tracking_uri": tracking_uri, "experiment": "lineage"},
+        "tracking": {"tracking_uri": tracking_uri, "experiment": f"lineage-{strategy}"},
         "run": {"storage_path": str(tmp_path / "runs"), "name": "faulty", "max_failures": 1},
     }
 
@@ -96,13 +97,12 @@ def steps_in(client: MlflowClient, run_id: str, key: str = "train/loss") -> list
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_the_record_is_the_final_checkpoints_lineage_across_every_fault(
-    ray_address, tmp_path, monkeypatch, capfd, strategy
+    ray_address, mlflow_server, tmp_path, monkeypatch, capfd, strategy
 ):
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
-    port, db = free_port(), tmp_path / "server.db"
-    uri = f"http://127.0.0.1:{port}"
-    server = {"proc": start_server(port, db)}
+    gate = Gate(mlflow_server)
+    uri = gate.uri
     client = MlflowClient(uri)
     try:
         # the uninterrupted run (the stalls and deaths wait for files it never creates...
@@ -145,11 +145,10 @@ def test_the_record_is_the_final_checkpoints_lineage_across_every_fault(
             assert driver.poll() is None, "the first attempt ended before it was killed"
             assert time.monotonic() < deadline, "the first attempt never reached step 1"
             time.sleep(0.2)
-            exp = client.get_experiment_by_name("lineage")
+            exp = client.get_experiment_by_name(f"lineage-{strategy}")
             runs = client.search_runs([exp.experiment_id]) if exp else []
             first_run = runs[0].info.run_id if runs else None
-        os.killpg(server["proc"].pid, signal.SIGKILL)
-        server["proc"].wait()
+        gate.close()
         while not (run_dir / "checkpoint_step00000006" / "meta.json").exists():
             assert driver.poll() is None and time.monotonic() < deadline, "no checkpoint 6"
             time.sleep(0.2)
@@ -159,26 +158,23 @@ def test_the_record_is_the_final_checkpoints_lineage_across_every_fault(
         wait_for_idle_cluster()  # the killed job's workers ended: no step 9 after this
         checkpoints = sorted(p.name for p in run_dir.glob("checkpoint_*"))
         assert checkpoints[-1] == "checkpoint_step00000006", checkpoints
-        server["proc"] = start_server(port, db)
+        gate.open()
         held = steps_in(client, first_run)
         assert max(held) < 6, f"steps 1..6 must be missing from MLflow for the test: {held}"
         (tmp_path / "resumed").touch()
 
         # 2. --resume (without run.name: the latest run of this job), on 1 worker under FSDP;
-        # the tracking server dies when step 8 arrives and is back from step 10; a worker
+        # the tracking server is cut off when step 8 arrives and is back from step 10; a worker
         # process is SIGKILLed (in step 12 on 2 workers, in step 9 on 1)
         restarted = threading.Event()
 
         class Outage(RunObserver):
             def on_step(self, record):
-                if record["step"] == 8 and server["proc"].poll() is None:
-                    os.killpg(server["proc"].pid, signal.SIGKILL)
-                    server["proc"].wait()
+                if record["step"] == 8 and not restarted.is_set():
+                    gate.close()
                 if record["step"] == 10 and not restarted.is_set():
                     restarted.set()
-                    threading.Thread(
-                        target=lambda: server.update(proc=start_server(port, db)), daemon=True
-                    ).start()
+                    gate.open()
 
         workers = 1 if strategy == "fsdp" else 2
         resumed_spec = spec(tmp_path, strategy, workers, uri)
@@ -242,8 +238,7 @@ def test_the_record_is_the_final_checkpoints_lineage_across_every_fault(
         )
         assert rel_diff(b, a) <= (0.0 if workers == 2 else 1e-5), rel_diff(b, a)
     finally:
-        if server["proc"].poll() is None:
-            os.killpg(server["proc"].pid, signal.SIGKILL)
+        gate.close()
 
 
 def test_a_resume_that_lengthens_a_cosine_run_goes_on_from_its_lr_with_the_whole_history(

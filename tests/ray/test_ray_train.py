@@ -258,13 +258,19 @@ def test_fsdp_on_padded_token_rows_equals_full_batch(
     assert err <= 2 * floor, (err, floor)
 
 
-def test_fsdp_resumes_at_another_worker_count_from_its_checkpoint(ray_local, tmp_path):
+def test_fsdp_resumes_at_another_worker_count_where_an_epoch_has_fewer_rows_than_workers(
+    ray_local, tmp_path
+):
     """A sharded run's checkpoint holds every rank's shards (each rank writes its own file; no
-    whole model in `state.pt`) and loading reshards: 2 steps on 2 workers, then --resume on 1
-    worker to step 4, ends where 4 steps on 2 workers end."""
-    rng = np.random.default_rng(2)
+    whole model in `state.pt`) and loading reshards, AdamW's state with the weights: 3 steps on
+    1 worker, then --resume on 2 workers to step 5, ends where 5 steps on 2 workers end.
+    49 rows, global batch 16: on 1 worker epoch 0 is 3 windows and a short one of 1 row; on 2
+    workers that row is fewer than the workers (no window: the run goes on in epoch 1), and
+    the auto search and the spare row of lockstep forwards must not read a window that epoch
+    does not have. Resumed again with no steps left, the run ends cleanly (no rank has a row
+    to hold)."""
     path = tmp_path / "tokens.parquet"
-    rows = rng.integers(0, 17, (48, 9)).tolist()
+    rows = np.random.default_rng(4).integers(0, 17, (49, 9)).tolist()
     pq.write_table(pa.table({"tokens": pa.array(rows, pa.list_(pa.uint16()))}), path)
 
     def cfg_for(name: str, workers: int, steps: int) -> TrainConfig:
@@ -273,59 +279,29 @@ def test_fsdp_resumes_at_another_worker_count_from_its_checkpoint(ray_local, tmp
             seed=5,
             model={"name": "gpt", "n_layer": 2, "n_head": 2, "n_embd": 16, "block_size": 8},
             data={"source": str(path), "shuffle": True, "seq_len": 8},
-            batch={"global_batch_size": 16, "micro_batch_size": 4},
+            batch={"global_batch_size": 16, "micro_batch_size": "auto", "memory_budget_mb": 4096},
             optim={"name": "adamw", "lr": 0.01},
-            train={"strategy": "fsdp", "max_steps": steps, "epochs": 2, "loss_chunk_tokens": None},
+            train={"strategy": "fsdp", "max_steps": steps, "epochs": 2},
+            fsdp={"grad_sync": "window_end"},
             scaling={"num_workers": workers, "cpus_per_worker": 0.5},
             tracking={"enabled": False},
             run={"storage_path": str(tmp_path / "runs"), "name": name},
         )
 
-    straight = fit_or_fail(cfg_for("straight", 2, 4))
-    halfway = fit_or_fail(cfg_for("resized", 2, 2))
-    shards = Path(halfway.checkpoint_dir) / "shards"
-    assert sorted(p.name for p in shards.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
-    saved = torch.load(Path(halfway.checkpoint_dir) / "state.pt", weights_only=True)
-    assert "model" not in saved and "optimizer" not in saved
-    resumed = fit_or_fail(cfg_for("resized", 1, 4), resume=True)
-    assert resumed.summary["resumed_from"] == 2
-    assert resumed.summary["train_state"]["optimizer_step"] == 4
-    a, b = (weights(load_model(r.checkpoint_dir)) for r in (straight, resumed))
-    assert rel_diff(b, a) <= 1e-5, rel_diff(b, a)
-
-
-def test_fsdp_search_resumed_where_an_epoch_has_fewer_rows_than_workers_and_with_none_left(
-    ray_local, tmp_path
-):
-    """49 rows, global batch 16: on 1 worker an epoch is 3 windows and a short one of 1 row.
-    Stopped at step 3 and resumed on 2 workers, the row left in epoch 0 is fewer than the
-    workers (no window: the run goes on in epoch 1), and the auto search and the spare row of
-    lockstep forwards must not read a window that epoch does not have; resumed again with no
-    steps left, the run ends cleanly (no rank has a row to hold)."""
-    path = tmp_path / "tokens.parquet"
-    rows = np.random.default_rng(4).integers(0, 17, (49, 9)).tolist()
-    pq.write_table(pa.table({"tokens": pa.array(rows, pa.list_(pa.uint16()))}), path)
-
-    def cfg_for(workers: int, steps: int) -> TrainConfig:
-        return config(
-            tmp_path,
-            model={"name": "gpt", "n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": 8},
-            data={"source": str(path), "shuffle": True, "seq_len": 8},
-            batch={"global_batch_size": 16, "micro_batch_size": "auto", "memory_budget_mb": 4096},
-            train={"strategy": "fsdp", "max_steps": steps, "epochs": 2},
-            fsdp={"grad_sync": "window_end"},
-            scaling={"num_workers": workers, "cpus_per_worker": 0.5},
-            tracking={"enabled": False},
-            run={"storage_path": str(tmp_path / "runs"), "name": "short"},
-        )
-
-    first = fit_or_fail(cfg_for(1, 3))
+    straight = fit_or_fail(cfg_for("straight", 2, 5))
+    first = fit_or_fail(cfg_for("resized", 1, 3))
     assert first.summary["train_state"]["epoch"] == 0
-    resized = fit_or_fail(cfg_for(2, 5), resume=True)
+    resized = fit_or_fail(cfg_for("resized", 2, 5), resume=True)
     assert resized.summary["resumed_from"] == 3
     assert resized.summary["train_state"]["optimizer_step"] == 5
     assert resized.summary["train_state"]["epoch"] == 1
-    done = fit_or_fail(cfg_for(2, 5), resume=True)
+    shards = Path(resized.checkpoint_dir) / "shards"
+    assert sorted(p.name for p in shards.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    saved = torch.load(Path(resized.checkpoint_dir) / "state.pt", weights_only=True)
+    assert "model" not in saved and "optimizer" not in saved
+    a, b = (weights(load_model(r.checkpoint_dir)) for r in (straight, resized))
+    assert rel_diff(b, a) <= 1e-5, rel_diff(b, a)
+    done = fit_or_fail(cfg_for("resized", 2, 5), resume=True)
     assert done.summary["resumed_from"] == 5 and done.summary["total_steps"] == 5
 
 

@@ -128,25 +128,15 @@ def json_identity_is_stable(identity) -> bool:
     return json.loads(json.dumps(identity)) == identity
 
 
-def test_a_tracking_server_reached_through_a_uri_with_userinfo_records_the_run(tmp_path):
+def test_a_tracking_server_reached_through_a_uri_with_userinfo_records_the_run(mlflow_server):
     """The health check speaks HTTP as MLflow's client does: the URI's userinfo is basic auth,
     not part of the host."""
-    import os
-    import signal
-
-    from tests.support.mlflow_server import free_port, start_server
-
-    port = free_port()
-    proc = start_server(port, tmp_path / "server.db")
-    try:
-        sink = MlflowSink(f"http://alice:s3cr3t@127.0.0.1:{port}", "exp", "run")
-        assert sink.active, sink.disabled_reason
-        sink.log_params({"lr": 0.1})
-        sink.finish()
-        run = MlflowClient(f"http://127.0.0.1:{port}").get_run(sink.run_id)
-        assert run.data.params["lr"] == "0.1" and run.info.status == "FINISHED"
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
+    sink = MlflowSink(f"http://alice:s3cr3t@127.0.0.1:{mlflow_server}", "userinfo", "run")
+    assert sink.active, sink.disabled_reason
+    sink.log_params({"lr": 0.1})
+    sink.finish()
+    run = MlflowClient(f"http://127.0.0.1:{mlflow_server}").get_run(sink.run_id)
+    assert run.data.params["lr"] == "0.1" and run.info.status == "FINISHED"
 
 
 def test_params_tags_and_texts_reach_mlflow_without_credentials(tmp_path):
