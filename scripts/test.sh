@@ -9,4 +9,6 @@ bash scripts/setup.sh
 # compiles rayacc anew
 # (about 0.5 CPU-s each, a few hundred processes)
 .venv/bin/python -m compileall -q rayacc tests bench >/dev/null
-exec .venv/bin/python -m pytest --durations=25 "$@"
+# two workers: one runs every test on the suite's shared Ray, the other the rest (the
+# multi-node tests mostly wait on their clusters) — tests/conftest.py::worker_group
+exec .venv/bin/python -m pytest -n 2 --dist loadgroup --durations=25 "$@"

@@ -56,6 +56,39 @@ def pytest_configure(config):
     os.environ["RAY_TMPDIR"] = str(me)
 
 
+OWN_RAY = ("tests/ray/test_user_console.py", "tests/ray/test_local_ray.py")
+"""The files of tests/ray/ whose `rayacc` processes start a Ray of their own."""
+
+
+def worker_group(nodeid: str) -> str:
+    """Which worker of a parallel run (`-n 2 --dist loadgroup`, what `scripts/test.sh` runs)
+    takes a test: every test on the suite's Ray (`ray_local`) on one, so that Ray starts once;
+    the rest on the other — the multi-node tests, which mostly wait on their clusters, the gloo
+    ranks, the units and the `rayacc` processes that start a Ray of their own."""
+    path = nodeid.split("::")[0]
+    return "suite-ray" if path.startswith("tests/ray/") and path not in OWN_RAY else "own"
+
+
+def pytest_xdist_make_scheduler(config, log):
+    # xdist's own groups (the `xdist_group` mark) do not reach its scheduler under pytest 9
+    # (a node id is no longer a string it can suffix): the same grouping, by path
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByWorkerGroup(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return worker_group(nodeid)
+
+    return ByWorkerGroup(config, log) if config.getvalue("dist") == "loadgroup" else None
+
+
+def pytest_itemcollected(item):
+    if "ray_local" in item.fixturenames and worker_group(item.nodeid) != "suite-ray":
+        raise pytest.UsageError(
+            f"{item.nodeid} uses the suite's Ray but a parallel run would start another for it: "
+            "keep it under tests/ray/ (tests/conftest.py::worker_group)"
+        )
+
+
 def pytest_collection_modifyitems(items):
     for item in items:
         marker = KIND_OF_FOLDER.get(Path(str(item.path)).relative_to(ROOT / "tests").parts[0])
