@@ -9,6 +9,7 @@ bash scripts/setup.sh
 # compiles rayacc anew
 # (about 0.5 CPU-s each, a few hundred processes)
 .venv/bin/python -m compileall -q rayacc tests bench >/dev/null
-# two workers: one runs every test on the suite's shared Ray, the other the rest (the
-# multi-node tests mostly wait on their clusters) — tests/conftest.py::worker_group
+# two workers, each test file on one of them (tests/conftest.py::SECOND_WORKER): the heavy
+# whole-stack files on one; the multi-node tests, which mostly wait on their clusters, the
+# gloo ranks, the units and the lighter whole-stack files on the other
 exec .venv/bin/python -m pytest -n 2 --dist loadgroup --durations=25 "$@"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import ROOT
+from tests.support import LEAN_RAY_TRAIN, ROOT
 from tests.support.counts import (
     COUNTS_ENV,
     KINDS,
@@ -56,17 +56,25 @@ def pytest_configure(config):
     os.environ["RAY_TMPDIR"] = str(me)
 
 
-OWN_RAY = ("tests/ray/test_user_console.py", "tests/ray/test_local_ray.py")
-"""The files of tests/ray/ whose `rayacc` processes start a Ray of their own."""
+SECOND_WORKER = (
+    "tests/cluster/",
+    "tests/distributed/",
+    "tests/unit/",
+    "tests/ray/test_user_console.py",
+    "tests/ray/test_local_ray.py",
+    "tests/ray/test_sweep_verify.py",
+    "tests/ray/test_ingest.py",
+)
+"""What the second worker of a parallel run takes (`-n 2 --dist loadgroup`, what
+`scripts/test.sh` runs): the multi-node tests, which mostly wait on their clusters, the gloo
+ranks, the units, the `rayacc` processes that start a Ray of their own, and the lighter files of
+tests/ray/ on a Ray of that worker's own (`ray_local` starts once per worker); the first worker
+takes the heavy whole-stack files on its `ray_local`. The split follows the seconds per file of
+a whole run (tests/README.md), so that both end at about the same time."""
 
 
 def worker_group(nodeid: str) -> str:
-    """Which worker of a parallel run (`-n 2 --dist loadgroup`, what `scripts/test.sh` runs)
-    takes a test: every test on the suite's Ray (`ray_local`) on one, so that Ray starts once;
-    the rest on the other — the multi-node tests, which mostly wait on their clusters, the gloo
-    ranks, the units and the `rayacc` processes that start a Ray of their own."""
-    path = nodeid.split("::")[0]
-    return "suite-ray" if path.startswith("tests/ray/") and path not in OWN_RAY else "own"
+    return "second" if nodeid.split("::")[0].startswith(SECOND_WORKER) else "first"
 
 
 def pytest_xdist_make_scheduler(config, log):
@@ -79,14 +87,6 @@ def pytest_xdist_make_scheduler(config, log):
             return worker_group(nodeid)
 
     return ByWorkerGroup(config, log) if config.getvalue("dist") == "loadgroup" else None
-
-
-def pytest_itemcollected(item):
-    if "ray_local" in item.fixturenames and worker_group(item.nodeid) != "suite-ray":
-        raise pytest.UsageError(
-            f"{item.nodeid} uses the suite's Ray but a parallel run would start another for it: "
-            "keep it under tests/ray/ (tests/conftest.py::worker_group)"
-        )
 
 
 def pytest_collection_modifyitems(items):
@@ -183,6 +183,11 @@ def ray_local(tmp_path_factory):
     import ray
 
     os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
+    # Ray Train's own Prometheus metrics and its drain watcher: callbacks and a helper actor in
+    # every worker group (about 2 of its 20 CPU-seconds here), and nothing the tests on this Ray
+    # prove uses them; the multi-node tests, which prove reclaims, run with Ray's defaults
+    # (tests/cluster/conftest.py::cluster_env)
+    os.environ[LEAN_RAY_TRAIN[0]] = os.environ[LEAN_RAY_TRAIN[1]] = "0"
     # as the `rayacc` command does: a finished group is noticed in 0.2 s instead of 2 s
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
     os.environ["RAYACC_CACHE"] = str(tmp_path_factory.mktemp("cache"))

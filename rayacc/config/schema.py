@@ -189,6 +189,13 @@ class TrainSection(Section):
     """Run validation every N optimizer steps (and always at the end); null = only at the end."""
     checkpoint_every_steps: int | None = Field(None, ge=1)
     """Checkpoint every N optimizer steps (and always at the end); null = only at the end."""
+    checkpoint_mode: Literal["async", "sync"] = "async"
+    """`async`: training waits only while the state is copied off the device (on CPU, a
+    snapshot) and, under FSDP, staged; writing the files and copying them into the run's
+    storage overlap the next windows. At most one checkpoint is in flight (the next waits for
+    it), one is reported to Ray Train (and so resumed from) only once complete, and the run's
+    last checkpoint and those a reclaim asks for are waited for. `sync`: every rank waits until
+    the checkpoint is in storage (for comparison; bench/checkpoint_blocking.py)."""
     checkpoint_on_preemption: bool = True
     """When a node of the run is reclaimed with notice (a spot or preemptible instance that Ray
     drains for preemption): checkpoint at the next window, train on, write a last checkpoint
@@ -215,8 +222,9 @@ class TrainSection(Section):
     (every block), `{every_n: k}` (every k-th block) or `none`. Less activation memory for
     about one more forward of compute; the step is unchanged (to rounding)."""
     peak_tflops: float | None = Field(None, gt=0.0)
-    """Peak TFLOP/s of one worker's device for `perf/mfu`; null = a known GPU's dense bf16
-    peak, none on CPU (then only `perf/tflops` is logged)."""
+    """Peak TFLOP/s of one worker's device for `perf/mfu`; null = a known GPU's dense peak at
+    the run's precision (H200, H100, A100, L4, A10G: `engine/perf.PEAK_TFLOPS`), none on a CPU
+    or another device (then only `perf/tflops` is logged; set it to see MFU there)."""
 
 
 class ScalingConfig(Section):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -10,20 +11,46 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["PEAK_BF16_TFLOPS", "StepClock", "StepCost", "device_peak_tflops", "flops_per_item"]
+__all__ = ["PEAK_TFLOPS", "StepClock", "StepCost", "device_peak_tflops", "flops_per_item"]
 
-PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}
-"""Dense bf16 tensor-core peaks from the vendor's data sheets, by device-name fragment."""
+PEAK_TFLOPS: list[tuple[str, str | None, tuple[float, float, float]]] = [
+    ("H200", None, (989.0, 67.0, 494.0)),
+    ("H100", "PCIe", (756.0, 51.0, 378.0)),
+    ("H100", None, (989.0, 67.0, 494.0)),
+    ("A100", None, (312.0, 19.5, 156.0)),
+    ("L4", None, (121.0, 30.3, 60.0)),
+    ("A10G", None, (70.0, 35.0, 35.0)),
+]
+"""Dense peaks of one device, TFLOP/s — (bf16/fp16 tensor cores, fp32 without them, TF32
+tensor cores) — from the vendor's data sheets (no 2:4 sparsity; H100/H200: the SXM parts),
+by the model named in the device name (with the variant, where it changes the peak; the first
+match wins). The A10G, AWS's variant of the A10, trades tensor for CUDA-core rate."""
 
 
-def device_peak_tflops(device: torch.device, configured: float | None = None) -> float | None:
-    """`configured`, else a known GPU's dense bf16 peak; None on CPU or an unknown device."""
+def device_peak_tflops(
+    device: torch.device,
+    configured: float | None = None,
+    precision: str = "bf16",
+    allow_tf32: bool = False,
+) -> float | None:
+    """`configured`, else a known GPU's dense peak at the step's precision (fp32: TF32 tensor
+    cores when allowed); None on a CPU or a device the table does not know."""
     if configured is not None:
         return configured
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
+    return known_peak(torch.cuda.get_device_name(device), precision, allow_tf32)
+
+
+def known_peak(name: str, precision: str, allow_tf32: bool = False) -> float | None:
+    """The table's peak for a device name (`torch.cuda.get_device_name`), or None."""
+    words = set(re.split(r"[\s_-]+", name))
+    for model, variant, (half, fp32, tf32) in PEAK_TFLOPS:
+        if model in words and (variant is None or variant in words):
+            if precision in ("bf16", "fp16"):
+                return half
+            return tf32 if allow_tf32 else fp32
+    return None
 
 
 def flops_per_item(model: nn.Module, item_shape: tuple[int, ...] | None = None) -> float | None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
@@ -141,18 +142,26 @@ class _SafePlanner(DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = loaded
 
 
-def save_sharded(folder: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+def save_sharded(
+    folder: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, *, group=None
+) -> Future | None:
     """Every rank writes its shards of the model and optimizer state into `folder` (its own
     `__<rank>_0.distcp`; rank 0 also the index): a collective, every rank calls it. The folders
-    may be different ones per rank (each rank's part is then merged into one)."""
-    from torch.distributed.checkpoint import save
+    may be different ones per rank (each rank's part is then merged into one).
+
+    `group` (a host-side gloo group of every rank, not the training one): the shards are
+    copied to host memory now and written in the background, DCP's collectives on that
+    group; returns the future of the write."""
+    from torch.distributed.checkpoint import async_save, save
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_state, optimizer_state = get_state_dict(model, optimizer)
-    save(
-        {"model": model_state, "optimizer": optimizer_state},
-        storage_writer=FileSystemWriter(os.fspath(folder), single_file_per_rank=True),
-    )
+    state = {"model": model_state, "optimizer": optimizer_state}
+    writer = FileSystemWriter(os.fspath(folder), single_file_per_rank=True)
+    if group is None:
+        save(state, storage_writer=writer)
+        return None
+    return async_save(state, storage_writer=writer, process_group=group)
 
 
 def load_sharded(folder: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:

@@ -200,10 +200,18 @@ class Strategy(ABC):
     # ------------------------------------------------------------------ state
     @abstractmethod
     def save(
-        self, optimizer: torch.optim.Optimizer, folder: str | Path, rank: int
-    ) -> dict[str, Any]:
+        self,
+        optimizer: torch.optim.Optimizer,
+        folder: str | Path,
+        rank: int,
+        *,
+        background: bool = False,
+    ) -> tuple[dict[str, Any], Callable[[], None]]:
         """Writes this rank's part of the model and optimizer state under `folder`; returns
-        what goes whole into the checkpoint's state file (rank 0)."""
+        what goes whole into the checkpoint's state file (rank 0) and a wait for this rank's
+        files. `background`: the state is copied now (training may change it next) and the
+        files are written meanwhile; the wait blocks until they are (a collective's own
+        group, so training's collectives go on)."""
 
     @abstractmethod
     def load(self, optimizer: torch.optim.Optimizer, folder: str | Path, saved: dict) -> None:
@@ -224,6 +232,22 @@ def unwrap(model: nn.Module) -> nn.Module:
             model = model._orig_mod
         else:
             return model
+
+
+def host_copy(state: Any) -> Any:
+    """A copy of a state dict's tensors in host memory (off the device: a checkpoint written
+    meanwhile holds this moment's state whatever the next steps do); other values as they are."""
+    if isinstance(state, torch.Tensor):
+        return state.detach().to("cpu", copy=True)
+    if isinstance(state, dict):
+        return {k: host_copy(v) for k, v in state.items()}
+    if isinstance(state, list | tuple):
+        return type(state)(host_copy(v) for v in state)
+    return state
+
+
+def _written() -> None:
+    """The wait of a part that is already on disk (or that this rank does not write)."""
 
 
 def _checkpoint_blocks(module: nn.Module, recipe: ModelRecipe) -> None:
@@ -307,11 +331,18 @@ class DDP(Strategy):
         )
 
     def save(
-        self, optimizer: torch.optim.Optimizer, folder: str | Path, rank: int
-    ) -> dict[str, Any]:
+        self,
+        optimizer: torch.optim.Optimizer,
+        folder: str | Path,
+        rank: int,
+        *,
+        background: bool = False,
+    ) -> tuple[dict[str, Any], Callable[[], None]]:
         if rank != 0:
-            return {}
-        return {"model": self.unwrapped().state_dict(), "optimizer": optimizer.state_dict()}
+            return {}, _written
+        whole = {"model": self.unwrapped().state_dict(), "optimizer": optimizer.state_dict()}
+        # the state dicts hold the live tensors: a copy, before the next step changes them
+        return (host_copy(whole) if background else whole), _written
 
     def load(self, optimizer: torch.optim.Optimizer, folder: str | Path, saved: dict) -> None:
         if "model" not in saved:
@@ -358,6 +389,7 @@ class FSDP(Strategy):
         self._timeline = _Timeline()
         self.counted = False
         self._unit_list: list[nn.Module] | None = None
+        self._checkpoint_group: Any = None
 
     def _build(self, recipe: ModelRecipe, device: torch.device) -> nn.Module:
         from rayacc.engine.fsdp import materialize_shards, shard_model
@@ -456,12 +488,29 @@ class FSDP(Strategy):
         )
 
     def save(
-        self, optimizer: torch.optim.Optimizer, folder: str | Path, rank: int
-    ) -> dict[str, Any]:
+        self,
+        optimizer: torch.optim.Optimizer,
+        folder: str | Path,
+        rank: int,
+        *,
+        background: bool = False,
+    ) -> tuple[dict[str, Any], Callable[[], None]]:
         from rayacc.engine.shards import save_sharded
 
-        save_sharded(Path(folder) / SHARDS_DIR, self.model, optimizer)
-        return {}
+        if not background:
+            save_sharded(Path(folder) / SHARDS_DIR, self.model, optimizer)
+            return {}, _written
+        if self._checkpoint_group is None:
+            import torch.distributed as dist
+
+            # DCP plans and ends a background save with collectives of its own, on the host:
+            # on the training group they would interleave with the next windows' collectives
+            # (every rank reaches this first save at one step, so the group is made in step)
+            self._checkpoint_group = dist.new_group(backend="gloo")
+        future = save_sharded(
+            Path(folder) / SHARDS_DIR, self.model, optimizer, group=self._checkpoint_group
+        )
+        return {}, future.result
 
     def load(self, optimizer: torch.optim.Optimizer, folder: str | Path, saved: dict) -> None:
         from rayacc.engine.shards import load_sharded

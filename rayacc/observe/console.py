@@ -109,7 +109,7 @@ class Eta:
 
 def progress_line(record: dict[str, Any], total: int, elapsed_s: float, eta_s: float | None) -> str:
     """`step 30/60  0:12 elapsed  ETA 0:10  loss 0.1339  lr 8.1e-04  25,265 samples/s
-    [12,000 tokens/s]  [val_loss 0.2629  val_acc 95.10%]`."""
+    [12,000 tokens/s]  [MFU 41.2%]  [val_loss 0.2629  val_acc 95.10%]`."""
     parts = [
         f"step {record['step']}/{total}",
         f"{clock(elapsed_s)} elapsed",
@@ -120,6 +120,8 @@ def progress_line(record: dict[str, Any], total: int, elapsed_s: float, eta_s: f
     ]
     if "perf/tokens_per_s" in record:
         parts.append(f"{record['perf/tokens_per_s']:,.0f} tokens/s")
+    if "perf/mfu" in record:
+        parts.append(f"MFU {record['perf/mfu']:.1%}")
     return "  ".join(parts + val_parts(record))
 
 

@@ -26,7 +26,9 @@ import pickle
 import re
 import shutil
 import tempfile
-from dataclasses import dataclass
+import threading
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -289,6 +291,10 @@ class RunCheckpoints:
 
     def __init__(self, storage: str, name: str, parts: WorkerParts | None = None):
         self.storage, self.name, self.parts = storage, name, parts
+        self._in_flight: _InFlight | None = None
+        self.complete_s: float | None = None
+        """The seconds the latest complete checkpoint took, from the save to its files in
+        storage (what a checkpoint the ranks must wait for costs)."""
 
     @staticmethod
     def folder_name(step: int) -> str:
@@ -360,42 +366,110 @@ class RunCheckpoints:
         description: dict,
         meta: dict,
         files: dict[str, str] | None = None,
+        background: bool = False,
     ) -> None:
         """Every rank reports (a barrier). Rank 0 writes the folder, with every rank's random
         state and the lineage; a strategy that shards has every rank write its part first (Ray
-        Train merges the parts into one checkpoint folder in the run's storage)."""
+        Train merges the parts into one checkpoint folder in the run's storage).
+
+        `background`: training waits only for the copy of the state (and, sharded, its
+        staging); the files are written and copied into storage on Ray Train's upload thread,
+        and Ray Train registers the checkpoint (the one a restart resumes from) only once that
+        is done. At most one is in flight: a save first waits for the one before (`wait`)."""
         import ray.train
 
         from rayacc.engine import all_gather_objects
+        from rayacc.engine.strategy import host_copy
 
+        self.wait()
         w = self._worker()
+        started = time.perf_counter()
         rng = all_gather_objects(w.rng_state())
-        with tempfile.TemporaryDirectory() as tmp:
-            whole = w.strategy.save(w.optimizer, tmp, w.rank)
+        folder = Path(tempfile.mkdtemp(prefix="rayacc-checkpoint-"))
+        try:
+            whole, written = w.strategy.save(w.optimizer, folder, w.rank, background=background)
+            state = None
             if w.rank == 0:
-                state = {
-                    name: p.state_dict() if p is not None else None
-                    for name, p in w.stateful.items()
-                }
+                parts = {n: None if p is None else p.state_dict() for n, p in w.stateful.items()}
+                state = {**whole, **(host_copy(parts) if background else parts), "rng": rng}
+                if w.history is not None:
+                    w.history.copy_to(folder / HISTORY_FILE)
+        except BaseException:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
+
+        def write() -> None:
+            written()
+            if state is not None:
                 write_checkpoint(
-                    tmp,
-                    state={**whole, **state, "rng": rng},
-                    description=description,
-                    meta=meta,
-                    history=w.history,
-                    files=files,
+                    folder, state=state, description=description, meta=meta, files=files
                 )
-            has_part = w.rank == 0 or w.strategy.writes_shards
-            ray.train.report(
-                metrics,
-                checkpoint=ray.train.Checkpoint.from_directory(tmp) if has_part else None,
-                checkpoint_dir_name=self.folder_name(step),
-            )
+
+        has_part = w.rank == 0 or w.strategy.writes_shards
+        checkpoint = ray.train.Checkpoint.from_directory(folder) if has_part else None
+        name = self.folder_name(step)
+        if not background or checkpoint is None:
+            try:
+                write()
+                ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=name)
+            finally:
+                shutil.rmtree(folder, ignore_errors=True)
+            self.complete_s = time.perf_counter() - started
+            return
+        storage = ray.train.get_context().get_storage()
+        flight = _InFlight(step, started)
+
+        def write_then_upload(ckpt: ray.train.Checkpoint, dir_name: str) -> ray.train.Checkpoint:
+            try:
+                write()
+                return storage.persist_current_checkpoint(ckpt, dir_name)
+            except BaseException as exc:
+                flight.error = exc
+                shutil.rmtree(folder, ignore_errors=True)
+                raise
+            finally:
+                flight.seconds = time.perf_counter() - started
+                flight.done.set()
+
+        self._in_flight = flight
+        ray.train.report(
+            metrics,
+            checkpoint=checkpoint,
+            checkpoint_dir_name=name,
+            checkpoint_upload_mode=ray.train.CheckpointUploadMode.ASYNC,
+            checkpoint_upload_fn=write_then_upload,
+            delete_local_checkpoint_after_upload=True,
+        )
+
+    def wait(self) -> None:
+        """Until the checkpoint in flight, if any, is in storage (its time: `complete_s`); one
+        that could not be written ends the group (a restart resumes from the one before)."""
+        flight, self._in_flight = self._in_flight, None
+        if flight is None:
+            return
+        flight.done.wait()
+        self.complete_s = flight.seconds
+        if flight.error is not None:
+            raise RuntimeError(
+                f"the checkpoint of step {flight.step} could not be written "
+                f"({type(flight.error).__name__}: {redact(str(flight.error))[:300]})"
+            ) from flight.error
 
     def _worker(self) -> WorkerParts:
         if self.parts is None:
             raise RuntimeError("RunCheckpoints saves and restores only in a worker (parts=)")
         return self.parts
+
+
+@dataclass
+class _InFlight:
+    """A checkpoint being written and copied into storage in the background."""
+
+    step: int
+    started: float
+    done: threading.Event = field(default_factory=threading.Event)
+    seconds: float = 0.0
+    error: BaseException | None = None
 
 
 class StepLog:

@@ -190,7 +190,9 @@ class WorkerRun:
             reference_batch=self.reference.global_batch_size,
             total_steps=self.spec.schedule_length,
         )
-        self.peak_tflops = device_peak_tflops(self.device, cfg.train.peak_tflops)
+        self.peak_tflops = device_peak_tflops(
+            self.device, cfg.train.peak_tflops, cfg.train.precision, cfg.train.allow_tf32
+        )
         # the run's lineage of step records: rank 0's, carried by every checkpoint
         self.history = StepLog() if self.rank == 0 else None
         parts = WorkerParts(
@@ -374,6 +376,8 @@ class WorkerRun:
             return
         step = self.state.optimizer_step
         with self.clock.paused():
+            # a checkpoint still in flight is in storage before anything a notice asks for
+            self.checkpoints.wait()
             if action == "last":
                 if not checkpointed:
                     self._checkpoint(record, "before the reclaim")
@@ -407,7 +411,9 @@ class WorkerRun:
             self.outbox.flush()
 
     def _checkpoint(self, record: dict[str, Any], reason: str) -> float:
-        """Writes the checkpoint of this step; returns the seconds it took."""
+        """Writes the checkpoint of this step; returns the seconds training waited for it. A
+        periodic one (train.checkpoint_mode=async) is written while training goes on; the
+        run's last one and those a reclaim asks for are waited for."""
         t = time.perf_counter()
         # records up to a checkpoint are never replayed after a restart: hand them over
         self.outbox.flush()
@@ -426,10 +432,14 @@ class WorkerRun:
                 sharded=self.strategy.writes_shards,
             ),
             files=self.checkpoint_files,
+            background=self.cfg.train.checkpoint_mode == "async",
         )
+        if reason != "periodic":
+            self.checkpoints.wait()
         seconds = time.perf_counter() - t
         self.checkpoint_step = self.state.optimizer_step
-        self.watch.checkpoint_s = seconds
+        # what a checkpoint the ranks must wait for costs: the whole write, not the blocking part
+        self.watch.checkpoint_s = max(seconds, self.checkpoints.complete_s or 0.0)
         self.outbox.send(Checkpointed(self.state.optimizer_step, seconds, reason))
         return seconds
 

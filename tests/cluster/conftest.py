@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import ROOT
+from tests.support import LEAN_RAY_TRAIN, ROOT
 from tests.support.cluster import local
 
 # each cluster's ports start here, a node's in a block of 200 above them (cluster/local.sh)
@@ -26,6 +26,9 @@ def cluster_env(state: Path, port: str, **extra: str) -> dict:
         **extra,
     )
     env.pop("RAY_ADDRESS", None)
+    # Ray Train as users run it: the preemption watcher is what a reclaim needs
+    for name in LEAN_RAY_TRAIN:
+        env.pop(name, None)
     return env
 
 

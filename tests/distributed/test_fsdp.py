@@ -110,3 +110,15 @@ def test_ranks_materialise_only_their_shards_of_the_same_initial_weights(tmp_pat
         assert sum(r["held"] for r in got) == total
         if world > 1:
             assert max(r["held"] for r in got) < total
+
+
+def test_a_checkpoint_written_in_the_background_holds_the_state_it_was_taken_at(ranks):
+    """train.checkpoint_mode=async: the sharded write is in flight while two more windows
+    train (DCP's collectives on a group of its own); loaded after, it holds the weights of the
+    step it was taken at, and DDP's copy does not follow the live parameters."""
+    for rank in ranks:
+        got = rank["background"]
+        assert got["whole"] == {}
+        assert not torch.equal(got["at_save"], got["after"]), "training went on meanwhile"
+        assert torch.equal(got["loaded"], got["at_save"])
+    assert ranks[0]["background"]["ddp_copy_kept"] is True

@@ -80,7 +80,55 @@ def run_rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
 
     modes = ("ddp", "every_micro_step", "window_end")
     scenarios = [functools.partial(scenario, mode=mode) for mode in modes]
-    run_scenarios(rank, world, init_file, out_dir, [*scenarios, search])
+    background = functools.partial(background_save, folder=f"{out_dir}/background")
+    run_scenarios(rank, world, init_file, out_dir, [*scenarios, search, background])
+
+
+def background_save(rank: int, world: int, out: dict, folder: str) -> None:
+    """A checkpoint written in the background (train.checkpoint_mode=async) holds the state of
+    the step it was taken at, although training goes on meanwhile: after window 1 the sharded
+    state is saved with the write left in flight, windows 2 and 3 train (their collectives on
+    the training group while the save's run on its own), then the write is waited for and
+    loaded into a fresh sharded model and optimizer. DDP's copy, the same way."""
+    from rayacc.engine.shards import load_sharded
+    from rayacc.engine.strategy import SHARDS_DIR
+
+    model = shard_model(gpt(), device=torch.device("cpu"))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.02, weight_decay=0.1)
+    strategy = FSDP("every_micro_step").adopt(model)
+    step = AccumulationStep(model, opt, max_grad_norm=0.5, strategy=strategy)
+
+    def train(window: list[torch.Tensor]) -> None:
+        mine = rank_share(window, rank, world)
+        steps = -(-len(window) // world // MICRO)
+        step(micro_split(mine, steps), token_item_losses, count_target_tokens)
+
+    first, *rest = windows()
+    train(first)
+    at_save = full_weights(model)
+    whole, written = strategy.save(opt, folder, rank, background=True)
+    for window in rest:
+        train(window)
+    written()
+    after = full_weights(model)
+    fresh = shard_model(gpt(), device=torch.device("cpu"))
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.02, weight_decay=0.1)
+    load_sharded(f"{folder}/{SHARDS_DIR}", fresh, fresh_opt)
+    out["background"] = {"whole": whole, "at_save": at_save, "after": after}
+    out["background"]["loaded"] = full_weights(fresh)
+
+    ddp_model = torch.nn.parallel.DistributedDataParallel(gpt())
+    ddp_opt = torch.optim.AdamW(ddp_model.parameters(), lr=0.02)
+    ddp = DDP().adopt(ddp_model)
+    copy, _ = ddp.save(ddp_opt, folder, rank, background=True)
+    if rank == 0:
+        before = {k: v.clone() for k, v in copy["model"].items()}
+        with torch.no_grad():
+            for p in ddp_model.parameters():
+                p.add_(1.0)
+        out["background"]["ddp_copy_kept"] = all(
+            torch.equal(before[k], copy["model"][k]) for k in before
+        )
 
 
 def search(rank: int, world: int, out: dict) -> None:

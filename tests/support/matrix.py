@@ -226,7 +226,7 @@ def run_phase(case: Case, rank: int, world: int, folder: Path, phase: str) -> di
         result = step(micro_batches(mine, micro, world, len(window)), loss_fn, count, signal=raised)
         signals.append(result.signals)
     if phase == "A" and case.event != "none":
-        whole = strategy.save(optimizer, folder, rank)
+        whole, _ = strategy.save(optimizer, folder, rank)
         if rank == 0:
             torch.save(whole, folder / "state.pt")
         return None

@@ -40,8 +40,9 @@ def record(step, **extra):
         (
             {},
             ["step 3/10", "ETA 0:07", "lr 0.001", "1,000 samples/s", "0:03 elapsed"],
-            ["tokens/s", "val_"],
+            ["tokens/s", "val_", "MFU"],
         ),
+        ({"perf/tokens_per_s": 9e3, "perf/mfu": 0.4123}, ["9,000 tokens/s", "MFU 41.2%"], []),
         ({"perf/tokens_per_s": 128000.0}, ["128,000 tokens/s"], ["val_"]),
         ({"val/loss": 0.25}, ["val_loss 0.2500"], ["val_acc", "val "]),
         ({"val/loss": 0.25, "val/accuracy": 0.951}, ["val_loss 0.2500", "val_acc 95.10%"], []),
