@@ -86,6 +86,8 @@ descendants() {  # a process id and all its descendants
   for child in $(ps -o pid= --ppid "$pid" 2>/dev/null); do descendants "$child"; done
 }
 
+# A node's start (raylet, dashboard and runtime-env agents: Python processes importing Ray)
+# took over 90 s on 2 cores beside a training run; the limits leave room for that
 wait_for() {  # wait_for SECONDS DESCRIPTION COMMAND...
   local limit=$1 what=$2; shift 2
   local deadline=$((SECONDS + limit))
@@ -129,7 +131,7 @@ add() {
   local i=1
   while [ -f "$STATE/worker$i.pid" ]; do i=$((i + 1)); done
   start_worker "$i"
-  wait_for 90 "worker node $i" node_joined "$i"
+  wait_for 180 "worker node $i" node_joined "$i"
   echo "worker node $i up"
 }
 
@@ -195,7 +197,7 @@ up() {
   fi
   # the last worker node's resource shows once every node has joined
   if [ "$n" -gt 0 ]; then
-    wait_for 90 "$n worker node(s)" node_joined "$n"
+    wait_for 180 "$n worker node(s)" node_joined "$n"
   fi
   local tracking=""
   if [ "$with_mlflow" != 0 ]; then

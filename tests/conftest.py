@@ -62,19 +62,25 @@ SECOND_WORKER = (
     "tests/unit/",
     "tests/ray/test_user_console.py",
     "tests/ray/test_local_ray.py",
-    "tests/ray/test_sweep_verify.py",
-    "tests/ray/test_ingest.py",
 )
 """What the second worker of a parallel run takes (`-n 2 --dist loadgroup`, what
 `scripts/test.sh` runs): the multi-node tests, which mostly wait on their clusters, the gloo
-ranks, the units, the `rayacc` processes that start a Ray of their own, and the lighter files of
-tests/ray/ on a Ray of that worker's own (`ray_local` starts once per worker); the first worker
-takes the heavy whole-stack files on its `ray_local`. The split follows the seconds per file of
-a whole run (tests/README.md), so that both end at about the same time."""
+ranks, the units and the `rayacc` processes that start a Ray of their own; the first worker
+takes every test on the suite's local Ray (`ray_local`, started once). A second `ray_local` on
+the other worker (to even the two out) kept a Ray busy beside the clusters, whose node starts
+then ran past their limits on 2 cores (tests/README.md)."""
 
 
 def worker_group(nodeid: str) -> str:
     return "second" if nodeid.split("::")[0].startswith(SECOND_WORKER) else "first"
+
+
+def pytest_itemcollected(item):
+    if "ray_local" in item.fixturenames and worker_group(item.nodeid) != "first":
+        raise pytest.UsageError(
+            f"{item.nodeid} uses the suite's Ray on the worker that runs the clusters: keep it "
+            "out of tests/conftest.py::SECOND_WORKER"
+        )
 
 
 def pytest_xdist_make_scheduler(config, log):

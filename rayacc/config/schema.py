@@ -249,9 +249,23 @@ class ScalingConfig(Section):
     """How Ray places the workers on nodes: PACK fills few nodes, SPREAD spreads when it can,
     STRICT_SPREAD puts every worker on its own node."""
 
+    start_timeout_s: float | None = Field(None, gt=0)
+    """How long Ray Train waits to place a worker group at a size before it gives up on that
+    size (`RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S`, sent to its controller with the run). After
+    a node is lost without notice, Ray Train first retries the old size and waits this long
+    before going smaller. null: 10 s for an elastic run (smaller within seconds, not a minute
+    of the whole group idle), Ray's own 60 s otherwise (a fixed size only waits for capacity).
+    A driver that joins a Ray already started in its process (a notebook's `ray.init`) keeps
+    that Ray's setting."""
+
     @property
     def elastic(self) -> bool:
         return not isinstance(self.num_workers, int)
+
+    def ray_train_env(self) -> dict[str, str]:
+        """What the run's Ray job hands Ray Train's controller (`start_timeout_s`)."""
+        timeout = self.start_timeout_s or (10.0 if self.elastic else None)
+        return {} if timeout is None else {"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": f"{timeout:g}"}
 
     @property
     def min_workers(self) -> int:

@@ -108,7 +108,11 @@ def ensure_ray(cfg: TrainConfig) -> None:
         return
     if os.environ.get("RAY_ADDRESS"):
         # the workers' and Ray Train's log lines stay in the cluster's logs, as on a local Ray
-        ray.init(logging_level=logging.WARNING, log_to_driver=env.verbose())
+        ray.init(
+            logging_level=logging.WARNING,
+            log_to_driver=env.verbose(),
+            runtime_env={"env_vars": cfg.scaling.ray_train_env()},
+        )
         return
     # Ray Data's read tasks need CPUs beside the workers' or ingestion starves and hangs
     workers_cpu = cfg.scaling.max_workers * cfg.scaling.cpus_per_worker
@@ -125,6 +129,7 @@ def ensure_ray(cfg: TrainConfig) -> None:
         # and never use them, and on a small machine they take the CPU the workers start on
         # (seconds off every start on 2 cores)
         _system_config={"prestart_worker_first_driver": False},
+        runtime_env={"env_vars": cfg.scaling.ray_train_env()},
     )
 
 
@@ -330,7 +335,7 @@ def _fit_holding(
         status="running",
     )
     history = History(lineage)
-    goodput = Goodput(started=phases["called"])
+    goodput = Goodput(started=phases["called"], checked=phases["checked"])
     try:
         result = running.relay([history, goodput, *([tracked] if tracked else []), *observers])
     except TrainingError:

@@ -37,6 +37,10 @@ class RunStarted:
     split: dict[str, int]
     """The batch split this group runs (BatchSplit fields)."""
     effective_lr: float
+    restore_s: float = 0.0
+    """How long loading the checkpoint took (rank 0; none restored: 0)."""
+    entered_at: float | None = None
+    """When rank 0's train function began (time.time()): the group's start ends there."""
 
     def describe(self) -> str | None:
         if self.resumed_from is None:

@@ -119,6 +119,7 @@ class WorkerRun:
         self.last: dict[str, Any] = {}
         self.val_metrics: dict[str, float] = {}
         self.resumed_from: int | None = None
+        self.restore_s = 0.0
         self.flops_per_item: float | None = None
         self.checkpoint_step: int | None = None
         """The step of the newest checkpoint this group restored or wrote."""
@@ -210,9 +211,11 @@ class WorkerRun:
     def _restore(self) -> list[Event]:
         """Loads the latest checkpoint of the run, if any; a resize event when it was written
         at another worker count. (Whether it may be resumed at all was checked before launch.)"""
+        t = time.perf_counter()
         meta = self.checkpoints.restore()
         if meta is None:
             return []
+        self.restore_s = time.perf_counter() - t
         self.resumed_from = self.checkpoint_step = self.state.optimizer_step
         # a new global batch (keep_micro_batch) moves to its LR over a short re-warmup
         self.schedule.set_peak(self.lr, rewarm_steps=REWARM_STEPS)
@@ -287,6 +290,8 @@ class WorkerRun:
                 layout=layout.describe(),
                 split=asdict(self.split),
                 effective_lr=self.lr,
+                restore_s=self.restore_s,
+                entered_at=self.timeline["entered"],
             )
         )
         for event in events:
@@ -357,7 +362,7 @@ class WorkerRun:
                 t = time.perf_counter()
                 self.val_metrics = self.validate()
                 self.watch.validation_s = time.perf_counter() - t
-            record.update(self.val_metrics)
+            record.update(self.val_metrics, **{"val/time_s": self.watch.validation_s})
         self.last = record
         if self.history is not None:
             self.history.append(record)

@@ -166,7 +166,7 @@ def test_the_record_is_the_final_checkpoints_lineage_across_every_fault(
         (tmp_path / "resumed").touch()
 
         # 2. --resume (without run.name: the latest run of this job), on 1 worker under FSDP;
-        # the tracking server is cut off when step 8 arrives and is back from step 10; a worker
+        # the tracking server is cut off when step 8 arrives and is back 3 s after step 10; a worker
         # process is SIGKILLed (in step 12 on 2 workers, in step 9 on 1)
         restarted = threading.Event()
 
@@ -176,7 +176,9 @@ def test_the_record_is_the_final_checkpoints_lineage_across_every_fault(
                     gate.close()
                 if record["step"] == 10 and not restarted.is_set():
                     restarted.set()
-                    gate.open()
+                    # back a few seconds later, as a restarted server is: steps 8..10 may
+                    # reach the driver in one batch, before any write has met the outage
+                    threading.Timer(3.0, gate.open).start()
 
         workers = 1 if strategy == "fsdp" else 2
         resumed_spec = spec(tmp_path, strategy, workers, uri)

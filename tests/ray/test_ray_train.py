@@ -91,6 +91,16 @@ def test_end_to_end_fit_records_contract_params_and_every_step(ray_local, tmp_pa
     assert result.checkpoint_dir and load_model(result.checkpoint_dir) is not None
     assert (tmp_path / "runs" / "_data" / "digits.parquet").is_file()
 
+    # every second of the wall time in a category; those this run has are not empty
+    from rayacc.observe.goodput import PARTS
+
+    g = result.goodput
+    assert sum(g[k] for k in PARTS) == pytest.approx(g["wall_s"])
+    for key in ("training_s", "startup_s", "group_start_s", "validation_s", "checkpoint_s"):
+        assert g[key] > 0, (key, g)
+    assert g["restore_s"] == 0 and g["recomputed_s"] == 0 and g["restarts_s"] == 0, g
+    assert run.data.metrics["goodput/validation_s"] == pytest.approx(g["validation_s"])
+
 
 def test_whole_stack_step_equals_full_batch(ray_local, tmp_path, record_equivalence):
     """One step of 2 workers × micro 4 × accumulation 4 through the whole stack against the

@@ -88,11 +88,8 @@ def train(spec: Path, env: dict, cluster_env: Path, during=None) -> subprocess.C
         env,
         RAY_ADDRESS=addresses["RAYACC_GCS_ADDRESS"],
         RAY_AUTH_MODE="token",
-        # After a node is lost, Ray Train first retries the old worker count and waits this long
-        # for its placement (60 s by default) before it goes smaller: the tests would sit idle.
-        # Placement on this cluster is instant when the resources are there; Ray's controller
-        # counts these timeouts apart from max_failures, so a lower value only retries sooner.
-        RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S="10",
+        # (an elastic run hands Ray Train's controller a 10 s placement timeout of its own:
+        # scaling.start_timeout_s)
     )
     proc = subprocess.Popen(
         [sys.executable, "-m", "rayacc.cli", "train", "-c", str(spec)],

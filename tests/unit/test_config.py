@@ -200,3 +200,22 @@ def test_a_value_no_union_branch_takes_is_one_problem():
     text = str(err.value)
     assert "batch.micro_batch_size: is not a valid value (got 'big')" in text
     assert "whole number" in text and "'auto'" in text
+
+
+TIMEOUT = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
+
+
+@pytest.mark.parametrize(
+    "scaling, timeout",
+    [
+        # an elastic run goes smaller within seconds after a node is lost without notice
+        ({"num_workers": [1, 2]}, "10"),
+        # a fixed size only waits for capacity: Ray's own 60 s
+        ({"num_workers": 2}, None),
+        ({"num_workers": 2, "start_timeout_s": 30}, "30"),
+        ({"num_workers": [1, 2], "start_timeout_s": 2.5}, "2.5"),
+    ],
+)
+def test_the_placement_timeout_the_run_hands_ray_train(scaling, timeout):
+    cfg = load({**GOOD, "scaling": scaling})
+    assert cfg.scaling.ray_train_env() == ({TIMEOUT: timeout} if timeout else {})

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from rayacc.observe.events import Checkpointed, PreemptionNotice, ReclaimStandby, RunStarted
-from rayacc.observe.goodput import Goodput, describe, percent
+from rayacc.observe.goodput import PARTS, Goodput, describe, percent
 from rayacc.worker.preemption import (
     DEFAULT_DEADLINE_S,
     STANDBY_GRACE_S,
@@ -304,6 +304,49 @@ def test_goodput_splits_the_wall_time():
     line = describe(split)
     assert line.startswith("goodput 12%: training 4.8 s of 40.0 s (start-up 10.0 s, ")
     assert "restarts and resizes 16.0 s" in line and line.endswith("2 steps recomputed")
+
+
+def test_goodput_finds_each_known_delay_in_its_category():
+    """Known seconds in each category (the driver's checks, Ray and the group, the restore,
+    the rank's set-up, data waits, validation, a checkpoint's blocking part, a restart, the
+    steps done again): each is found in its category, and the categories sum to the wall."""
+    clock = Clock(100.0)
+    g = Goodput(started=100.0, clock=clock, checked=102.0)  # checks: 2 s
+    clock.t = 116.0
+    # Ray and the group: 8 s (102 → 110); restore 1.5 s; the rank's set-up 4.5 s
+    g.on_event(RunStarted(0, 10, None, "", {}, 0.1, restore_s=1.5, entered_at=110.0))
+    for step in (1, 2, 3, 4):
+        clock.t += 1.0
+        record = {"step": step, "perf/step_time_s": 0.8, "perf/data_wait_frac": 0.25}
+        if step == 2:
+            record["val/time_s"] = 2.0
+            clock.t += 2.0
+        g.on_step(record)
+    g.on_event(Checkpointed(2, 0.7, "periodic"))
+    clock.t += 10.0  # a failure in step 5: the next group restores step 2 in 1.2 s
+    g.on_event(RunStarted(2, 10, 2, "", {}, 0.1, restore_s=1.2, entered_at=None))
+    for step in (3, 4, 5):
+        clock.t += 1.0
+        g.on_step({"step": step, "perf/step_time_s": 0.8, "perf/data_wait_frac": 0.25})
+    wall = clock.t - 100.0 + 1.0  # the end: 1 s of other
+    split = g.split(wall_s=wall)
+    injected = {
+        "startup_s": 2.0 + 4.5,
+        "group_start_s": 8.0,
+        "restore_s": 1.5 + 1.2,
+        "data_s": 0.2 * 5,
+        "validation_s": 2.0,
+        "checkpoint_s": 0.7,
+        "recomputed_s": 0.8 * 2,
+        "restarts_s": 10.0 - 1.2,
+        "training_s": 0.6 * 5,
+    }
+    for key, seconds in injected.items():
+        assert split[key] == pytest.approx(seconds, rel=0.02), key
+    assert sum(split[k] for k in PARTS) == pytest.approx(wall)
+    line = describe(split)
+    for name in ("Ray and worker-group start 8.0", "checkpoint restore 2.7", "validation 2.0"):
+        assert f"{name} s" in line, line
 
 
 @pytest.mark.parametrize(
