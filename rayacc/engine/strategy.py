@@ -501,8 +501,6 @@ class FSDP(Strategy):
             save_sharded(Path(folder) / SHARDS_DIR, self.model, optimizer)
             return {}, _written
         if self._checkpoint_group is None:
-            import torch.distributed as dist
-
             # DCP plans and ends a background save with collectives of its own, on the host:
             # on the training group they would interleave with the next windows' collectives
             # (every rank reaches this first save at one step, so the group is made in step)

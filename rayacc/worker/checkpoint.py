@@ -417,7 +417,7 @@ class RunCheckpoints:
             self.complete_s = time.perf_counter() - started
             return
         storage = ray.train.get_context().get_storage()
-        flight = _InFlight(step, started)
+        flight = _InFlight(step)
 
         def write_then_upload(ckpt: ray.train.Checkpoint, dir_name: str) -> ray.train.Checkpoint:
             try:
@@ -466,7 +466,6 @@ class _InFlight:
     """A checkpoint being written and copied into storage in the background."""
 
     step: int
-    started: float
     done: threading.Event = field(default_factory=threading.Event)
     seconds: float = 0.0
     error: BaseException | None = None
