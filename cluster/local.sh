@@ -10,6 +10,8 @@
 #   cluster/local.sh nodes    how many nodes are alive
 #   cluster/local.sh slots    free/total worker slots (a slot a finished run's workers still
 #                             hold, or a node not yet counted, starts an elastic run smaller)
+#                             (`nodes quick`, `slots quick`: from the autoscaler report, cheap
+#                             to poll but up to a few seconds behind)
 #   cluster/local.sh add      one more worker node (autoscaling experiments by hand)
 #   cluster/local.sh remove I kills worker node I and its processes, as a lost machine would go
 #   cluster/local.sh reclaim I S  a spot reclaim of worker node I: Ray drains it for preemption
@@ -122,8 +124,44 @@ prune() {  # drop records of processes that are gone or whose pid another proces
   return 0
 }
 
+ray_token() {  # the token of Ray's token authentication, found where Ray's own clients look
+  if [ -n "${RAY_AUTH_TOKEN:-}" ]; then echo "$RAY_AUTH_TOKEN"; return 0; fi
+  cat "${RAY_AUTH_TOKEN_PATH:-$HOME/.ray/auth_token}" 2>/dev/null || true
+}
+
+# What `ray status` prints (the autoscaler's report of nodes and resource use), from the head's
+# dashboard. Every wait here polls it each second: `ray status`, or a Python process that calls
+# ray.init to read resources, costs 1.5-2 CPU-seconds a poll (a process importing Ray) and
+# slowed the very node start it waited for; a curl costs a few milliseconds.
+cluster_status() {
+  local token auth=()
+  token=$(ray_token)
+  [ -z "$token" ] || auth=(-H "Authorization: Bearer $token")
+  curl -sf --max-time 10 "${auth[@]}" "http://$HOST:$DASH_PORT/api/cluster_status"
+}
+
+from_status() {  # from_status nodes|slots|joined I: read from cluster_status's JSON (stdin)
+  "$BIN/python" -S -c '
+import json, sys
+status = json.load(sys.stdin)["data"]["clusterStatus"] or {}
+# the autoscaler report appears with its first update, a few seconds after the head starts
+report = status.get("autoscalerReport") or {}
+usage = (status.get("loadMetricsReport") or {}).get("usage") or {}
+what = sys.argv[1]
+if what == "nodes":  # the nodes Ray counts alive, busy or idle
+    print(sum((report.get("activeNodes") or {}).values()) + sum((report.get("idleNodes") or {}).values()))
+elif what == "slots":  # usage holds [used, total] per resource (camel-cased by the dashboard)
+    used, total = usage.get("worker_slot") or usage.get("workerSlot") or (0, 0)
+    print(f"{total - used:g}/{total:g} worker slots free")
+else:  # has worker node I joined: its resource node_I is in the totals
+    sys.exit(0 if f"node_{sys.argv[2]}" in usage or f"node{sys.argv[2]}" in usage else 1)
+' "$@"
+}
+
+head_ready() { cluster_status >/dev/null; }
+
 node_joined() {  # has worker node $1 joined the cluster
-  "$RAY" status --address="$HOST:$GCS_PORT" 2>/dev/null | grep -q "node_$1"
+  cluster_status | from_status joined "$1"
 }
 
 add() {
@@ -187,7 +225,7 @@ up() {
     --ray-client-server-port=$((BASE + 3)) --temp-dir="$TEMP" --num-cpus="$CPUS" --num-gpus=0 \
     --object-store-memory=$((512 * 1024 * 1024)) --resources='{"node_head": 1, "worker_slot": 1}' \
     $(node_ports 0)
-  wait_for 120 "Ray head" "$RAY" status --address=$HOST:$GCS_PORT
+  wait_for 120 "Ray head" head_ready
   for i in $(seq 1 "$n"); do start_worker "$i"; done
   local with_mlflow=${RAYACC_LOCAL_MLFLOW:-1}
   if [ "$with_mlflow" != 0 ]; then
@@ -264,7 +302,7 @@ YAML
     --ray-client-server-port=$((BASE + 3)) --temp-dir="$TEMP" --num-cpus="$CPUS" --num-gpus=0 \
     --object-store-memory=$((512 * 1024 * 1024)) --resources='{"node_head": 1, "worker_slot": 1}' \
     $(node_ports 0)
-  wait_for 120 "Ray head" "$RAY" status --address=$HOST:$GCS_PORT
+  wait_for 120 "Ray head" head_ready
   cat >"$STATE/env" <<ENV
 export RAY_ADDRESS=http://$HOST:$DASH_PORT
 export RAYACC_GCS_ADDRESS=$HOST:$GCS_PORT
@@ -274,7 +312,11 @@ ENV
   cat "$STATE/env"
 }
 
+# `nodes` and `slots` ask Ray itself (a driver that connects: exact, about 2 CPU-seconds);
+# `nodes quick` and `slots quick` read the autoscaler report instead (a curl: cheap, but up to
+# its update period behind), for a wait to poll before it confirms with the exact answer
 alive_nodes() {  # how many nodes the cluster has now
+  if [ "${1:-}" = quick ]; then cluster_status | from_status nodes; return; fi
   "$BIN/python" - "$HOST:$GCS_PORT" <<'PY'
 import sys
 
@@ -286,6 +328,7 @@ PY
 }
 
 free_slots() {  # worker slots free / in the cluster, as Ray's resource view has them now
+  if [ "${1:-}" = quick ]; then cluster_status | from_status slots; return; fi
   "$BIN/python" - "$HOST:$GCS_PORT" <<'PY'
 import sys
 
@@ -380,10 +423,10 @@ case "${1:-}" in
   remove) remove "${2:-}" ;;
   reclaim) reclaim "${2:-}" "${3:-}" ;;
   autoscale) autoscale "${2:-}" ;;
-  nodes) alive_nodes ;;
-  slots) free_slots ;;
+  nodes) alive_nodes "${2:-}" ;;
+  slots) free_slots "${2:-}" ;;
   down) down ;;
   status) status ;;
   prune) prune ;;
-  *) echo "usage: cluster/local.sh up N | autoscale MAX | add | remove I | reclaim I SECONDS | nodes | slots | status | down | prune" >&2; exit 2 ;;
+  *) echo "usage: cluster/local.sh up N | autoscale MAX | add | remove I | reclaim I SECONDS | nodes [quick] | slots [quick] | status | down | prune" >&2; exit 2 ;;
 esac

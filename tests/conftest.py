@@ -32,7 +32,7 @@ KIND_OF_FOLDER = {
 }
 """tests/<folder>/: the marker every test there carries (`-m ray`, `-m "not cluster"`)."""
 
-BUDGET = {"worker groups": 60, "Ray instances": 4, "clusters": 3, "MLflow servers": 4}
+BUDGET = {"worker groups": 56, "Ray instances": 4, "clusters": 3, "MLflow servers": 4}
 """The most of each start the whole suite may make (tests/README.md: what each costs)."""
 
 

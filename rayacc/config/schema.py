@@ -221,6 +221,11 @@ class TrainSection(Section):
     """Recompute transformer blocks' activations in backward instead of keeping them: `full`
     (every block), `{every_n: k}` (every k-th block) or `none`. Less activation memory for
     about one more forward of compute; the step is unchanged (to rounding)."""
+    straggler_margin: float = Field(0.3, gt=0.0)
+    """A rank is named a straggler (console line, `rayacc.stragglers` tag) when its own time
+    per window — compute, data wait and optimizer, not the wait for its peers — stays this far
+    above the other ranks' median (0.3 = 30 %, and at least 0.1 s) for two logging intervals
+    in a row (an interval is a tenth of the run); the part furthest above is named with it."""
     peak_tflops: float | None = Field(None, gt=0.0)
     """Peak TFLOP/s of one worker's device for `perf/mfu`; null = a known GPU's dense peak at
     the run's precision (H200, H100, A100, L4, A10G: `engine/perf.PEAK_TFLOPS`), none on a CPU

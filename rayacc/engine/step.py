@@ -77,6 +77,12 @@ class StepResult:
     """Ranks that raised the caller's `signal` for this window: a notice one rank has that
     every rank learns in the same window, summed with the window's counts (no collective of
     its own)."""
+    optimizer_time_s: float = 0.0
+    """This rank: unscale, normalise, clip, step and schedule."""
+    rank_reports: tuple[tuple[float, ...], ...] = ()
+    """Every rank's `rank_report` given for this window, in rank order (the same on every
+    rank): each rank's figures summed into its own slots of the window's counts, so they
+    travel with the gradient reduction (no collective of their own)."""
 
     @property
     def compute_time_s(self) -> float:
@@ -177,11 +183,15 @@ class AccumulationStep:
         count_items: ItemCounter = count_rows,
         local_items: int | None = None,
         signal: bool = False,
+        rank_report: Sequence[float] = (),
     ) -> StepResult:
         """`local_items`: this rank's loss items in the window when the caller already knows
         them (counted on the host before the batches moved to the GPU, where counting would
         stall the host once per micro-batch); otherwise `count_items` counts them. `signal`:
-        this rank raises a flag every rank sees counted in `StepResult.signals`."""
+        this rank raises a flag every rank sees counted in `StepResult.signals`.
+        `rank_report`: figures of this rank (the same number on every rank) that every rank
+        receives in `StepResult.rank_reports`; known before the window's last backward, so a
+        caller reports its previous window's times."""
         t_start = time.perf_counter()
         if local_items is None:
             local_items = sum(count_items(mb) for mb in micro_batches)
@@ -189,7 +199,7 @@ class AccumulationStep:
             given = micro_batches
             if self.micro_batch_splits > 1:
                 given = [p for mb in micro_batches for p in _split(mb, self.micro_batch_splits)]
-            result = self._window(t_start, given, loss_fn, local_items, signal)
+            result = self._window(t_start, given, loss_fn, local_items, signal, rank_report)
             if result is not None:
                 return result
             # some rank ran out of memory: all ranks retry with half the micro-batch
@@ -202,6 +212,7 @@ class AccumulationStep:
         loss_fn: LossFn,
         local_items: int,
         signal: bool = False,
+        rank_report: Sequence[float] = (),
     ) -> StepResult | None:
         """One attempt at the window; None when an out-of-memory retry is due."""
         if self.device.type == "cuda":
@@ -223,10 +234,14 @@ class AccumulationStep:
         # back-propagate item-loss sums and divide once the total is known, after backward
         scale = self._scale_before_backward(counts) if self.scaler is not None else None
         self._clear_grads()
-        stats = self._micro_steps(micro_batches, loss_fn, [*counts, int(signal)], scale)
+        stats = self._micro_steps(
+            micro_batches, loss_fn, [*counts, int(signal)], scale, self._slots(rank_report)
+        )
         if stats is None:
             return None
-        total_loss, items, samples, sum_m, sum_m2, signals = self._reduced(stats)
+        total_loss, items, samples, sum_m, sum_m2, signals, reports = self._reduced(
+            stats, len(rank_report)
+        )
         if scale is None:
             self._check_micro_steps(n_micro, sum_m, sum_m2)
         if items == 0 or not math.isfinite(total_loss):
@@ -234,14 +249,37 @@ class AccumulationStep:
             self._clear_grads()
             why = "no loss items" if items == 0 else "non-finite loss"
             return self._result(
-                t_start, math.nan, items, samples, n_micro, math.nan, lr, why, signals
+                t_start, math.nan, items, samples, n_micro, math.nan, lr, why, signals, reports
             )
+        t_optimizer = time.perf_counter()
         grad_norm, skip_reason = self._normalise_clip_step(items, divided=scale is not None)
         self._clear_grads()
         loss = total_loss / items
         return self._result(
-            t_start, loss, items, samples, n_micro, grad_norm, lr, skip_reason, signals
+            t_start,
+            loss,
+            items,
+            samples,
+            n_micro,
+            grad_norm,
+            lr,
+            skip_reason,
+            signals,
+            reports,
+            optimizer_time_s=time.perf_counter() - t_optimizer,
         )
+
+    def _slots(self, rank_report: Sequence[float]) -> list[float]:
+        """This rank's figures in its own slots of a vector of every rank's: summed over the
+        ranks, the vector holds each rank's figures (an all-gather inside the all-reduce the
+        window makes anyway)."""
+        if not rank_report:
+            return []
+        k = len(rank_report)
+        rank = dist.get_rank(self.group) if self.world_size > 1 else 0
+        slots = [0.0] * (k * self.world_size)
+        slots[rank * k : rank * k + k] = [float(v) for v in rank_report]
+        return slots
 
     def _scale_before_backward(self, counts: list[int]) -> float:
         """fp16: 1 / N_window (× W after DDP's averaging hook), known before the first
@@ -256,6 +294,7 @@ class AccumulationStep:
         loss_fn: LossFn,
         counts: list[int],
         scale: float | None,
+        slots: list[float],
     ) -> torch.Tensor | None:
         """Forward and backward of every micro-batch, gradients synced on the last one only;
         the window's statistics for the all-reduce, or None when an out-of-memory retry is
@@ -284,7 +323,7 @@ class AccumulationStep:
                         # summed over ranks with the gradients: loss, items, samples, a
                         # micro-step parity check (Σm² · W == (Σm)² exactly when every rank ran
                         # the same m) and the caller's signal
-                        stats = self._window_stats(micro_sums, counts)
+                        stats = self._window_stats(micro_sums, [*counts, *slots])
                         # counts stay exact in a float32 bucket below 2**24
                         exact = max(counts[0], counts[3]) * self.world_size < 2**24
                         self.strategy.attach_window_stats(stats, exact_in_fp32=exact)
@@ -300,12 +339,18 @@ class AccumulationStep:
                 item_losses = micro_sum = scaled = None
         return stats
 
-    def _reduced(self, stats: torch.Tensor) -> tuple[float, int, int, float, float, int]:
-        """(loss sum, items, samples, Σm, Σm², signals) over all ranks."""
+    def _reduced(
+        self, stats: torch.Tensor, k: int
+    ) -> tuple[float, int, int, float, float, int, tuple[tuple[float, ...], ...]]:
+        """(loss sum, items, samples, Σm, Σm², signals, every rank's `k` figures) over all
+        ranks."""
         reduced = self.strategy.reduced_window_stats(stats, group=self.group)
         # a CPU–GPU sync point on GPU: whether to step depends on these
-        total_loss, items, samples, sum_m, sum_m2, signals = reduced.tolist()
-        return total_loss, int(items), int(samples), sum_m, sum_m2, int(signals)
+        total_loss, items, samples, sum_m, sum_m2, signals, *slots = reduced.tolist()
+        reports = (
+            tuple(tuple(slots[r * k : r * k + k]) for r in range(len(slots) // k)) if k else ()
+        )
+        return total_loss, int(items), int(samples), sum_m, sum_m2, int(signals), reports
 
     def _normalise_clip_step(self, items: int, divided: bool) -> tuple[float, str | None]:
         """Unscale → normalise → clip → step → schedule; (gradient norm, why skipped or None).
@@ -396,6 +441,8 @@ class AccumulationStep:
         lr: float,
         skip_reason: str | None,
         signals: int = 0,
+        rank_reports: tuple[tuple[float, ...], ...] = (),
+        optimizer_time_s: float = 0.0,
     ) -> StepResult:
         if self.device.type == "cuda":
             peak_mb = torch.cuda.max_memory_allocated(self.device) / 2**20
@@ -425,6 +472,8 @@ class AccumulationStep:
             peak_memory_mb=peak_mb,
             micro_batch_splits=self.micro_batch_splits,
             signals=signals,
+            optimizer_time_s=optimizer_time_s,
+            rank_reports=rank_reports,
         )
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from rayacc.observe.ranks import Straggler
+
 __all__ = [
     "Checkpointed",
     "Event",
@@ -20,6 +22,7 @@ __all__ = [
     "RunObserver",
     "RunStarted",
     "ScheduleChanged",
+    "Straggler",
 ]
 
 
@@ -245,6 +248,7 @@ Event = (
     | Checkpointed
     | PreemptionNotice
     | ReclaimStandby
+    | Straggler
 )
 
 

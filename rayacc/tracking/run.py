@@ -19,6 +19,7 @@ from rayacc.observe.events import (
     RunObserver,
     RunStarted,
     ScheduleChanged,
+    Straggler,
 )
 from rayacc.tracking.mlflow_sink import MlflowSink, default_tracking_uri
 from rayacc.tracking.params import contract_params
@@ -74,6 +75,7 @@ class TrackedRun(RunObserver):
         self.micro_changes = _entries(tags.get("rayacc.micro_batch_events"), "; ")
         self.schedule_changes = _entries(tags.get("rayacc.schedule_changes"), "; ")
         self.preemptions = _entries(tags.get("rayacc.preemptions"), "; ")
+        self.stragglers = _entries(tags.get("rayacc.stragglers"), "; ")
 
     @property
     def run_id(self) -> str | None:
@@ -97,6 +99,9 @@ class TrackedRun(RunObserver):
         elif isinstance(event, (PreemptionNotice, ReclaimStandby)):
             self.preemptions.append(event.describe())
             self.sink.set_tags({"rayacc.preemptions": "; ".join(self.preemptions)})
+        elif isinstance(event, Straggler):
+            self.stragglers.append(event.describe())
+            self.sink.set_tags({"rayacc.stragglers": "; ".join(self.stragglers)})
         elif isinstance(event, ScheduleChanged):
             self.schedule_changes.append(event.describe())
             self.sink.set_tags({"rayacc.schedule_changes": "; ".join(self.schedule_changes)})

@@ -1,6 +1,7 @@
 """`rayacc report RUN`: one run's course — workers, global batch and accumulation over time,
-with its events (resizes, preemption notices, resumes, micro-batch changes) marked — and
-where its wall time went (`goodput/…`), from its MLflow record."""
+with its events (resizes, preemption notices, resumes, micro-batch changes, stragglers)
+marked; every rank's own time per window, a straggler's line marked — and where its wall time
+went (`goodput/…`), from its MLflow record."""
 
 from __future__ import annotations
 
@@ -25,8 +26,11 @@ EVENT_TAGS = {
     "rayacc.resizes": "resize",
     "rayacc.preemptions": "preemption",
     "rayacc.micro_batch_events": "micro-batch",
+    "rayacc.stragglers": "straggler",
 }
 _STEP = re.compile(r"^step (\d+): (.*)$")
+_RANK_OWN = re.compile(r"^rank_(\d+)/own_s$")
+_STRAGGLER = re.compile(r"^rank (\d+) ")
 
 
 @dataclass
@@ -40,7 +44,15 @@ class RunReport:
     events: list[tuple[int, str, str]] = field(default_factory=list)
     """(step, kind, what) in step order."""
     goodput: dict[str, float] = field(default_factory=dict)
+    ranks: dict[int, list[tuple[int, float]]] = field(default_factory=dict)
+    """Rank → (step, its own time per window over the logging interval that ended there)."""
     files: list[Path] = field(default_factory=list)
+
+    @property
+    def stragglers(self) -> list[int]:
+        """The ranks the run named stragglers."""
+        named = (_STRAGGLER.match(what) for _, kind, what in self.events if kind == "straggler")
+        return sorted({int(m.group(1)) for m in named if m})
 
     def lines(self) -> list[str]:
         """What the console says of the run."""
@@ -55,6 +67,14 @@ class RunReport:
                 out.append(f"  {label}: {' → '.join(changes)}")
         for step, kind, what in self.events:
             out.append(f"  step {step}: {kind}: {what}")
+        if len(self.ranks) > 1:
+            mean = {r: statistics.fmean(v for _, v in pts) for r, pts in self.ranks.items()}
+            slowest = max(mean, key=mean.__getitem__)
+            out.append(
+                f"  ranks: {len(self.ranks)}; own time per window, mean over the run: median "
+                f"{statistics.median(mean.values()) * 1000:.0f} ms, slowest rank {slowest} "
+                f"{mean[slowest] * 1000:.0f} ms"
+            )
         if self.goodput:
             out.append(f"  {describe(self.goodput)}")
         return out
@@ -95,12 +115,17 @@ def build_run_report(client, run) -> RunReport:
             report.goodput[key] = max(history, key=lambda m: (m.step, m.timestamp)).value
     if "fraction" not in report.goodput:
         report.goodput = {}
+    for key in run.data.metrics:
+        m = _RANK_OWN.match(key)
+        if m:
+            history = sorted(client.get_metric_history(rid, key), key=lambda x: x.step)
+            report.ranks[int(m.group(1))] = [(x.step, x.value) for x in history]
     return report
 
 
 def write_run_report(report: RunReport, out_dir: str | Path) -> list[Path]:
     """steps.csv and scaling_over_time.png (three panels sharing the time axis, a dashed line
-    at each event)."""
+    at each event); ranks_over_time.png when the run logged its ranks' figures."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -150,4 +175,36 @@ def write_run_report(report: RunReport, out_dir: str | Path) -> list[Path]:
     fig.savefig(png, dpi=100)
     plt.close(fig)
     report.files = [csv_path, png]
+    if report.ranks:
+        report.files.append(_ranks_png(report, out / "ranks_over_time.png", plt))
     return report.files
+
+
+def _ranks_png(report: RunReport, path: Path, plt) -> Path:
+    """One line per rank: its own time per window (compute, data wait, optimizer) at each
+    logging interval; a straggler's line red and thick, the others thin."""
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    slow = set(report.stragglers)
+    many = len(report.ranks) > 16  # one legend entry per rank stops being readable
+    for rank, points in sorted(report.ranks.items()):
+        steps, values = zip(*points) if points else ((), ())
+        marked = rank in slow
+        ax.plot(
+            steps,
+            [v * 1000 for v in values],
+            color="tab:red" if marked else None,
+            linewidth=2.5 if marked else 1,
+            alpha=1.0 if marked or not many else 0.4,
+            label=f"rank {rank}" + (" (straggler)" if marked else "")
+            if marked or not many
+            else None,
+        )
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("own time per window (ms)")
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=7)
+    ax.set_title(redact(f"run {report.name}: each rank's own time (all but waiting for peers)"))
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

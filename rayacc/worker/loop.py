@@ -41,6 +41,7 @@ from rayacc.observe.events import (
     RunStarted,
     ScheduleChanged,
 )
+from rayacc.observe.ranks import RankWatch, rank_report
 from rayacc.optim import build_schedule
 from rayacc.quantities import RunSpec, epoch_layout, rank_seed, remaining_epochs
 from rayacc.worker.autosize import MicroBatchSizer
@@ -125,6 +126,10 @@ class WorkerRun:
         """The step of the newest checkpoint this group restored or wrote."""
         self.window_signals = (0, 0.0)
         """The last window's signal count and wall time (worker/preemption.py)."""
+        self.rank_report: list[float] = []
+        """This rank's figures of its last window, sent with the next (observe/ranks.py)."""
+        self.ranks: RankWatch | None = None
+        """Rank 0's view of every rank's figures."""
         quiet = (lambda: None), (lambda: None)
         self.watch = PreemptionWatch(
             *(ray_notice_sources() if cfg.train.checkpoint_on_preemption else quiet)
@@ -153,6 +158,7 @@ class WorkerRun:
             events.append(self.sizer.search(self.strategy, self.loss_fn, self.first_rows, step))
             self._plan_epochs()
             self.validate.batch_size = 2 * self.split.micro_batch_size
+        self._watch_ranks()
         self._announce(events)
         for ep in self.epochs:
             self._begin_epoch(ep.epoch)
@@ -278,6 +284,17 @@ class WorkerRun:
             self.state.start_epoch(epoch)
         self.clock.restart()
 
+    def _watch_ranks(self) -> None:
+        """Every rank's node, gathered once per group (a straggler is named with its node)."""
+        node = f"{ray.util.get_node_ip_address()}/{ray.get_runtime_context().get_node_id()[:8]}"
+        nodes = all_gather_objects(node)
+        if self.rank == 0:
+            self.ranks = RankWatch(
+                RankWatch.interval_for(self.total_steps),
+                margin=self.cfg.train.straggler_margin,
+                nodes=nodes,
+            )
+
     # ------------------------------------------------------------------ one window
     def _announce(self, events: list[Event]) -> None:
         first_layout = self.epochs[0].layout if self.epochs else None
@@ -318,6 +335,7 @@ class WorkerRun:
                 self.count,
                 local_items=local_items,
                 signal=self.watch.signal(self.state.optimizer_step),
+                rank_report=self.rank_report,
             )
         except torch.OutOfMemoryError:
             self.sizer.remember_out_of_memory()
@@ -334,7 +352,17 @@ class WorkerRun:
             self.timeline["first_step"] = time.time()
         wall_s = self.clock.lap()
         self.window_signals = (result.signals, wall_s)
-        return step_record(
+        rss_mb = self.process.memory_info().rss / 2**20
+        # sent with the next window: this one's reduction has already left
+        self.rank_report = rank_report(
+            step_s=result.step_time_s,
+            sync_s=result.sync_time_s,
+            optimizer_s=result.optimizer_time_s,
+            data_s=data_s,
+            host_mb=rss_mb,
+            device_mb=result.peak_memory_mb,
+        )
+        record = step_record(
             result,
             step=self.state.optimizer_step,
             epoch=epoch,
@@ -345,11 +373,17 @@ class WorkerRun:
             accum_now=self.sizer.accum_now,
             skipped_steps=self.state.skipped_steps,
             rows_read=self.reader.rows_read,
-            rss_mb=self.process.memory_info().rss / 2**20,
+            rss_mb=rss_mb,
             flops_per_item=self.flops_per_item or None,
             peak_tflops=self.peak_tflops,
             token_items=self.info.format == "tokens",
         )
+        if self.ranks is not None:
+            figures, straggler = self.ranks.window(self.state.optimizer_step, result.rank_reports)
+            record.update(figures)
+            if straggler is not None:
+                self.outbox.send(straggler)
+        return record
 
     def _after_window(self, record: dict[str, Any]) -> None:
         """Validation and checkpoints when due; the record goes to the driver. Validation and

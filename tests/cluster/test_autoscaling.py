@@ -22,6 +22,7 @@ from tests.support.cluster import (
     rel_diff,
     run_record,
     train,
+    until,
     weights,
 )
 
@@ -76,8 +77,5 @@ def test_autoscaler_adds_nodes_and_the_elastic_group_grows_with_global_batch_kep
     assert err <= 1e-5, err
 
     # the autoscaler stops the idle nodes (idle_timeout_minutes 0.25)
-    deadline = time.monotonic() + 120
-    while (nodes := local("nodes", env=cluster).stdout.strip()) != "1":
-        assert time.monotonic() < deadline, f"{nodes} nodes still up 120 s after the run"
-        time.sleep(5)
+    until(cluster, "nodes", "1", timeout_s=120)
     print(f"autoscaled run: {ran_s:.0f} s, resizes {resizes}")

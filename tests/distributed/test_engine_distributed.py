@@ -148,6 +148,17 @@ def test_window_stats_reach_all_ranks_beside_a_bf16_bucket(ranks):
     assert results[0].loss == pytest.approx(both / W.GLOBAL_ROWS, rel=1e-5)
 
 
+def test_every_ranks_figures_reach_every_rank_without_a_collective_of_their_own(ranks):
+    """The per-rank telemetry rides the window's reduction, as the counts do."""
+    for r in range(WORLD):
+        seen = ranks[r]["rank_reports"]
+        assert seen["reported"] == ((0.5, 0.0, 7.25), (1.5, 100.0, 7.25)), seen
+        assert seen["plain"] == ()
+        assert seen["reported_calls"] == seen["plain_calls"] >= 1, seen
+        assert seen["items"] == W.GLOBAL_ROWS  # the counts beside them still exact
+        assert seen["optimizer_time_s"] > 0
+
+
 def test_the_counter_records_what_a_wrong_loop_would_hide():
     """Sanity of the reference itself: a half-size global batch gives a different step."""
     model = TinyClassifier()

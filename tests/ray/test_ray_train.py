@@ -14,6 +14,7 @@ from mlflow.tracking import MlflowClient
 
 from rayacc import TrainConfig, build_model, load_model
 from rayacc.data.sources import prepare_bundled
+from rayacc.observe.console import ProgressPrinter
 from tests.support.fits import (
     config,
     digits_subset,
@@ -129,19 +130,26 @@ def test_whole_stack_step_equals_full_batch(ray_local, tmp_path, record_equivale
 def test_two_runs_of_one_config_give_the_same_weights_through_either_read_path(
     ray_local, tmp_path, capfd
 ):
-    """Two runs of one config — shuffled epochs, SGD momentum, dropout, 203 rows (uneven: each
+    """Two runs of one model — shuffled epochs, SGD momentum, dropout, 203 rows (uneven: each
     epoch ends on a short window of 11, 6 and 5 rows on the two ranks) — end with identical
     weights, although one reads its rows through Ray Data's read tasks and the other in its own
     processes: the exact order is the same rows in the same windows either way, and dropout
     draws the same masks. The first run's tracking server cannot be reached (nothing listens on
-    port 9): tracking turns off with one message and training goes on."""
+    port 9): tracking turns off with one message and training goes on. In the second, rank 1's
+    forwards each take 0.1 s more (timing only: the math is the same): it is named the
+    straggler, in compute, on the console and in MLflow within two logging intervals, with
+    every rank's figures logged; the first, even run names none."""
     source = digits_subset(tmp_path / "d203.parquet", 203)
 
-    def run(name: str, in_process_read_max_mb: float, tracking: dict):
+    def run(name: str, in_process_read_max_mb: float, tracking: dict, **slow):
         return fit_or_fail(
             config(
                 tmp_path / name,
-                model={"dropout": 0.1},
+                model={
+                    "name": "factory",
+                    "factory": "tests.support.slow_model:build",
+                    "kwargs": {"dropout": 0.1, "delay_s": 0.0, **slow},
+                },
                 data={
                     "source": source,
                     "shuffle": True,
@@ -150,20 +158,47 @@ def test_two_runs_of_one_config_give_the_same_weights_through_either_read_path(
                 optim={"momentum": 0.9},
                 train={"epochs": 2, "max_steps": None},
                 tracking=tracking,
-            )
+            ),
+            observers=[ProgressPrinter()],  # the console of `rayacc train`
         )
 
     ray_data = run("ray-data", 0, {"tracking_uri": "http://127.0.0.1:9"})
-    err = capfd.readouterr().err
+    out, err = capfd.readouterr()
     assert err.count("tracking off, training goes on") == 1, err
     assert ray_data.mlflow_run_id is None
-    in_process = run("in-process", 16, {"enabled": False})
+    assert "straggler" not in out + err, "an even run names no straggler"
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    in_process = run(
+        "in-process", 16, {"tracking_uri": uri, "experiment": "ranks"}, delay_s=0.1, slow_rank=1
+    )
+    out, _ = capfd.readouterr()
     for result in (ray_data, in_process):
         assert [r["train/samples"] for r in result.history] == [32] * 6 + [11] + [32] * 6 + [11]
         assert result.summary["train_state"]["samples_seen"] == 2 * 203
         assert result.summary["train_state"]["optimizer_step"] == 14
-    wa, wb = (weights(load_model(r.checkpoint_dir)) for r in (ray_data, in_process))
+    factory = "tests.support.slow_model:build"
+    wa, wb = (weights(load_model(r.checkpoint_dir, factory)) for r in (ray_data, in_process))
     assert torch.equal(wa, wb), "two runs of one config must give identical weights"
+
+    # 14 steps: a logging interval is 2; rank 1 is slow from its first window, whose figures
+    # arrive with step 2, so it is named at the end of the second interval, step 4
+    (line,) = [x for x in out.splitlines() if "straggler" in x]
+    assert "straggler at step 4: rank 1 on node " in line and "slow in compute" in line, line
+    client = MlflowClient(uri)
+    run_ = client.get_run(in_process.mlflow_run_id)
+    assert run_.data.tags["rayacc.stragglers"].startswith("step 4: rank 1 on node "), run_
+    assert "compute" in run_.data.tags["rayacc.stragglers"]
+    history = {
+        key: sorted((m.step, m.value) for m in client.get_metric_history(run_.info.run_id, key))
+        for key in ("rank_0/own_s", "rank_1/own_s", "rank_1/compute_s", "ranks/slowest")
+    }
+    assert [step for step, _ in history["rank_1/own_s"]] == list(range(2, 15, 2))
+    assert all(
+        slow > fast + 0.15  # 0.4 s a window (0.2 s in the short ones)
+        for (_, slow), (_, fast) in zip(history["rank_1/own_s"], history["rank_0/own_s"])
+    ), history
+    assert [step for step, _ in history["ranks/slowest"]] == list(range(2, 15))
+    assert {v for _, v in history["ranks/slowest"]} == {1.0}
 
 
 def test_a_size_that_ran_out_of_memory_in_training_is_not_chosen_again(ray_local, tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import itertools
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,12 @@ pytestmark = pytest.mark.ray
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_sweep_then_report(ray_local, tmp_path):
+def test_a_sweep_over_the_strategy_with_auto_micro_batch_then_report(ray_local, tmp_path):
+    """One sweep, every claim of a sweep: `train.strategy` as an axis with `micro_batch_size:
+    auto` (the search runs on the sharded model in the fsdp trial), the global batch held, a
+    setting that cannot hold it skipped before anything runs; both trials' losses are the same
+    step for step (FSDP's step is DDP's); the parent and child runs in MLflow; the report's
+    table, plots, verdict and loss curves agree with MLflow and the console."""
     source = digits_subset(tmp_path / "d96.parquet", 96)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     spec = {
@@ -28,16 +34,16 @@ def test_sweep_then_report(ray_local, tmp_path):
         "config": {
             "model": {"name": "mlp", "hidden_sizes": [16]},
             "data": {"source": source, "val_fraction": 0.25},
-            "batch": {"global_batch_size": 32, "micro_batch_size": 4},
-            "optim": {"name": "sgd", "lr": 0.05},
-            "train": {"max_steps": 2},
+            "batch": {"global_batch_size": 32, "micro_batch_size": "auto", "memory_budget_mb": 64},
+            "optim": {"name": "adamw", "lr": 0.01},
+            "train": {"max_steps": 3},
             "scaling": {"num_workers": 2, "cpus_per_worker": 0.5},
             "tracking": {"tracking_uri": uri, "experiment": "sweeps"},
             "run": {"storage_path": str(tmp_path / "runs")},
         },
         "hold": "global_batch_size",
         # 5 does not divide 16 rows per worker: skipped before anything runs
-        "grid": {"batch.micro_batch_size": [4, 5, 16]},
+        "grid": {"train.strategy": ["ddp", "fsdp"], "batch.micro_batch_size": [5, "auto"]},
     }
     path = tmp_path / "sweep.yaml"
     path.write_text(yaml.safe_dump(spec))
@@ -52,15 +58,16 @@ def test_sweep_then_report(ray_local, tmp_path):
 
     result = run_sweep(sweep, base, path.read_text(), on_event)
 
-    assert ("skipped", 1) in events
-    (skipped,) = [t for t in result.trials if t.skip_reason]
-    assert skipped.settings == {"batch.micro_batch_size": 5}
-    assert "batch.micro_batch_size" in skipped.skip_reason
-    assert sorted(i for kind, i in events if kind == "finished") == [0, 2]
+    skipped = [t for t in result.trials if t.skip_reason]
+    assert [t.settings["batch.micro_batch_size"] for t in skipped] == [5, 5]
+    assert all("batch.micro_batch_size" in t.skip_reason for t in skipped)
+    assert sorted(i for kind, i in events if kind == "skipped") == [t.index for t in skipped]
+    ran = sorted(t.index for t in result.trials if not t.skip_reason)
+    assert sorted(i for kind, i in events if kind == "finished") == ran and len(ran) == 2
 
     client = MlflowClient(uri)
     parent = client.get_run(result.parent_run_id)
-    assert parent.data.tags["rayacc.sweep"] == "true" and parent.data.tags["rayacc.skipped"] == "1"
+    assert parent.data.tags["rayacc.sweep"] == "true" and parent.data.tags["rayacc.skipped"] == "2"
     artifacts = {a.path for a in client.list_artifacts(result.parent_run_id)}
     assert {"sweep.yaml", "skipped.txt"} <= artifacts
     children = client.search_runs(
@@ -68,12 +75,27 @@ def test_sweep_then_report(ray_local, tmp_path):
         filter_string=f"tags.mlflow.parentRunId = '{result.parent_run_id}'",
     )
     assert len(children) == 2
-    resolved = sorted(
-        (int(c.data.params["micro_batch_size"]), int(c.data.params["grad_accum_steps"]))
+    # the search picks 16 per worker (the whole of each rank's share) under the held batch
+    resolved = {
+        c.data.params["train.strategy"]: (
+            int(c.data.params["micro_batch_size"]),
+            int(c.data.params["grad_accum_steps"]),
+        )
         for c in children
-    )
-    assert resolved == [(4, 4), (16, 1)]
+    }
+    assert resolved == {"ddp": (16, 1), "fsdp": (16, 1)}, resolved
     assert {int(c.data.params["global_batch_size"]) for c in children} == {32}
+    losses = {}
+    for child in children:
+        history = client.get_metric_history(child.info.run_id, "train/loss")
+        losses[child.data.params["train.strategy"]] = [
+            m.value for m in sorted(history, key=lambda m: m.step)
+        ]
+        micro = client.get_metric_history(child.info.run_id, "scaling/micro_batch_size")
+        assert micro and all(m.value >= 1 for m in micro)
+    assert len(losses["ddp"]) == 3
+    for a, b in zip(losses["ddp"], losses["fsdp"], strict=True):
+        assert abs(a - b) <= 1e-5 * abs(a), losses
 
     report = build_report(uri, "sweeps")  # the experiment's latest sweep
     assert report.parent_run_id == result.parent_run_id
@@ -85,7 +107,7 @@ def test_sweep_then_report(ray_local, tmp_path):
     files = write_report(report, tmp_path / "report", tracking_uri=uri)
     with open(files[0]) as f:
         rows = list(csv.DictReader(f))
-    assert sorted(int(r["micro"]) for r in rows) == [4, 16]
+    assert sorted(int(r["micro"]) for r in rows) == [16, 16]
     for png in files[1:]:
         assert png.stat().st_size > 5000 and png.read_bytes()[:4] == b"\x89PNG"
     for child in children:
@@ -94,17 +116,18 @@ def test_sweep_then_report(ray_local, tmp_path):
             for k in report.loss_curves
             if k.startswith(f"trial {child.data.tags['rayacc.trial']}:")
         )
-        seen, losses = report.loss_curves[label]
+        seen, curve = report.loss_curves[label]
         history = sorted(
             client.get_metric_history(child.info.run_id, "train/loss"), key=lambda m: m.step
         )
-        assert losses == [m.value for m in history]
+        assert curve == [m.value for m in history]
         samples = sorted(
             client.get_metric_history(child.info.run_id, "train/samples"), key=lambda m: m.step
         )
-        assert seen == [32.0 * (i + 1) for i in range(len(samples))]
+        # samples seen: 32 a step, then the epoch's short last window (72 rows: 32 + 32 + 8)
+        assert seen == list(itertools.accumulate(m.value for m in samples)) == [32.0, 64.0, 72.0]
     throughput = report.per_micro("samples_per_s")["2 worker(s)"]
-    assert sorted(throughput[0]) == [4, 16]
+    assert sorted(throughput[0]) == [16, 16]
     assert {"report/report.csv", "report/loss_vs_samples.png"} <= {
         a.path for a in client.list_artifacts(result.parent_run_id, "report")
     }
@@ -144,47 +167,3 @@ def test_verify_fails_on_batchnorm(ray_local, tmp_path):
     assert any("BatchNorm" in w and "GroupNorm or LayerNorm" in w for w in result.warnings)
     tags = MlflowClient(result.tracking_uri).get_run(result.mlflow_run_id).data.tags
     assert tags["rayacc.verified"] == "FAIL"
-
-
-def test_a_sweep_over_the_strategy_with_auto_micro_batch(ray_local, tmp_path):
-    """`train.strategy` as a sweep axis, with `micro_batch_size: auto` (the search runs on the
-    sharded model in the fsdp trial): both trials run, and their losses are the same step for
-    step (FSDP's step is DDP's)."""
-    source = digits_subset(tmp_path / "d96.parquet", 96)
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    spec = {
-        "name": "strategy-sweep",
-        "config": {
-            "model": {"name": "mlp", "hidden_sizes": [16]},
-            "data": {"source": source, "val_fraction": 0.0},
-            "batch": {"global_batch_size": 32, "micro_batch_size": "auto", "memory_budget_mb": 64},
-            "optim": {"name": "adamw", "lr": 0.01},
-            "train": {"max_steps": 3},
-            "scaling": {"num_workers": 2, "cpus_per_worker": 0.5},
-            "tracking": {"tracking_uri": uri, "experiment": "strategies"},
-            "run": {"storage_path": str(tmp_path / "runs")},
-        },
-        "grid": {"train.strategy": ["ddp", "fsdp"]},
-    }
-    path = tmp_path / "sweep.yaml"
-    path.write_text(yaml.safe_dump(spec))
-    sweep, base, _ = SweepConfig.from_yaml(path)
-    result = run_sweep(sweep, base, path.read_text())
-    assert not [t for t in result.trials if t.skip_reason]
-
-    client = MlflowClient(uri)
-    children = client.search_runs(
-        [client.get_run(result.parent_run_id).info.experiment_id],
-        filter_string=f"tags.mlflow.parentRunId = '{result.parent_run_id}'",
-    )
-    losses = {}
-    for child in children:
-        history = client.get_metric_history(child.info.run_id, "train/loss")
-        losses[child.data.params["train.strategy"]] = [
-            m.value for m in sorted(history, key=lambda m: m.step)
-        ]
-        micro = client.get_metric_history(child.info.run_id, "scaling/micro_batch_size")
-        assert micro and all(m.value >= 1 for m in micro)
-    assert set(losses) == {"ddp", "fsdp"} and len(losses["ddp"]) == 3
-    for a, b in zip(losses["ddp"], losses["fsdp"], strict=True):
-        assert abs(a - b) <= 1e-5 * abs(a), losses

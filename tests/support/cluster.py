@@ -119,10 +119,21 @@ def wait_for_slots(env: dict, slots: int, timeout_s: float = 120) -> None:
     many workers as there are free slots then, and one that starts smaller (a slot the last
     run's workers still hold, a node not yet counted) grows at its first resize check, redoing
     the steps before it."""
+    until(env, "slots", f"{slots}/{slots} worker slots free", timeout_s)
+
+
+def until(env: dict, what: str, want: str, timeout_s: float) -> None:
+    """Until `cluster/local.sh WHAT` says `want`: polls the cheap `WHAT quick` (the autoscaler
+    report, a curl) each second and confirms with the exact `WHAT` (a Ray driver, about 2
+    CPU-seconds) once it agrees — the report can be a few seconds behind Ray."""
     deadline = time.monotonic() + timeout_s
-    want = f"{slots}/{slots} worker slots free"
-    while (seen := local("slots", env=env).stdout.strip()) != want:
-        assert time.monotonic() < deadline, f"the cluster has {seen}, not {want}"
+    while True:
+        seen = local(what, "quick", env=env).stdout.strip()
+        if seen == want:
+            seen = local(what, env=env).stdout.strip()
+            if seen == want:
+                return
+        assert time.monotonic() < deadline, f"cluster/local.sh {what}: {seen}, not {want}"
         time.sleep(1)
 
 

@@ -233,6 +233,42 @@ def scenario_stats_beside_a_bf16_bucket(rank, world, out):
     out["bf16"] = {"result": result, "local_loss_sum": float(mine)}
 
 
+def scenario_rank_reports_ride_the_window(rank, world, out):
+    """Every rank's figures reach every rank inside the window's gradient all-reduce: a window
+    with them launches as many all-reduces as one without."""
+    rows = classification_rows(GLOBAL_ROWS)
+    model = DDP(TinyClassifier())
+    step = AccumulationStep(model, torch.optim.SGD(model.parameters(), lr=LR))
+    lo, hi = shard(rank, world, GLOBAL_ROWS)
+    batches = micro_batches(slice_rows(rows, lo, hi), MICRO)
+    calls = []
+    real = dist.all_reduce
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    dist.all_reduce = counting
+    try:
+        step(batches, classification_item_losses)  # DDP settles its buckets after the first
+        before = len(calls)
+        plain = step(batches, classification_item_losses)
+        between = len(calls)
+        report = [rank + 0.5, 100.0 * rank, 7.25]
+        reported = step(batches, classification_item_losses, rank_report=report)
+        after = len(calls)
+    finally:
+        dist.all_reduce = real
+    out["rank_reports"] = {
+        "plain_calls": between - before,
+        "reported_calls": after - between,
+        "plain": plain.rank_reports,
+        "reported": reported.rank_reports,
+        "items": reported.items,
+        "optimizer_time_s": reported.optimizer_time_s,
+    }
+
+
 SCENARIOS = [
     scenario_classify,
     scenario_classify_with_ddp_default_hook,
@@ -244,6 +280,7 @@ SCENARIOS = [
     scenario_out_of_memory_on_one_rank,
     scenario_out_of_memory_without_retry_raises,
     scenario_stats_beside_a_bf16_bucket,
+    scenario_rank_reports_ride_the_window,
 ]
 
 

@@ -18,13 +18,13 @@ from rayacc.data.sources import prepare_bundled
 FIT_TIMEOUT_S = 300
 
 
-def fit_or_fail(cfg: TrainConfig, resume: bool = False):
+def fit_or_fail(cfg: TrainConfig, resume: bool = False, observers=()):
     """fit() with a deadline: a DDP hang fails the test instead of stalling the suite."""
     box: dict = {}
 
     def run():
         try:
-            box["result"] = fit(cfg, resume=resume)
+            box["result"] = fit(cfg, resume=resume, observers=observers)
         except BaseException as exc:
             box["error"] = exc
 

@@ -19,10 +19,12 @@ class Slow(nn.Module):
         holds: dict[int, int],
         hold_max_s: float,
         held: str | None,
+        slow_rank: int | None = None,
     ):
         super().__init__()
         self.inner = inner
         self.delay_s = delay_s
+        self.slow_rank = slow_rank
         self.holds = holds
         self.hold_max_s = hold_max_s
         self.held = held
@@ -40,7 +42,9 @@ class Slow(nn.Module):
                         marker.touch()  # once a run: a later group of this size goes on
                     # wait for the resize that ends this group; past the cap it goes on as is
                     time.sleep(self.hold_max_s)
-            time.sleep(self.delay_s)
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            if self.slow_rank is None or rank == self.slow_rank:
+                time.sleep(self.delay_s)
         return self.inner(x)
 
 
@@ -51,11 +55,13 @@ def build(
     holds: dict | None = None,
     hold_max_s: float = 240.0,
     held: str | None = None,
+    slow_rank: int | None = None,
+    dropout: float = 0.0,
 ) -> nn.Module:
     """`holds`: worker count → forwards; a group of that many workers stops in its forward
     number `forwards + 1` (counted per process: a restarted group counts from 0) for up to
     `hold_max_s` seconds; with `held` (a path prefix) only the first group of that size in the
-    run holds."""
-    mlp = MLP(dataset.num_features, dataset.num_classes, [hidden])
+    run holds. `slow_rank`: only that rank's forwards take `delay_s` (a straggler)."""
+    mlp = MLP(dataset.num_features, dataset.num_classes, [hidden], dropout)
     holds = {int(w): n for w, n in (holds or {}).items()}
-    return Slow(mlp, delay_s, holds, hold_max_s, held)
+    return Slow(mlp, delay_s, holds, hold_max_s, held, slow_rank)

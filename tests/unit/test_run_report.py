@@ -29,6 +29,12 @@ def record_run(uri: str) -> str:
     split |= {"recomputed_s": 0.0, "other_s": 1.0, "wall_s": 54.0, "fraction": 12 / 54}
     split |= {"restarts": 1.0, "steps_recomputed": 0.0}
     metrics += [Metric(f"goodput/{k}", v, t0 + 60_000, 12) for k, v in split.items()]
+    # every rank's own time per window at each logging interval (2 steps) while 2 ran
+    for step in (2, 4, 6):
+        metrics += [
+            Metric("rank_0/own_s", 0.2, t0 + step * 1000, step),
+            Metric("rank_1/own_s", 0.5, t0 + step * 1000, step),
+        ]
     client.log_batch(rid, metrics=metrics)
     client.set_tag(
         rid,
@@ -38,6 +44,11 @@ def record_run(uri: str) -> str:
     )
     client.set_tag(rid, "rayacc.resizes", "step 6: workers 2→1, accum 4→8, global 32→32")
     client.set_tag(rid, "rayacc.resumed_at_steps", "6")
+    client.set_tag(
+        rid,
+        "rayacc.stragglers",
+        "step 4: rank 1 on node 10.0.0.2/ab12cd34, compute (2.50× the others' median)",
+    )
     client.set_terminated(rid)
     return rid
 
@@ -60,6 +71,8 @@ def test_report_of_a_preempted_elastic_run(tmp_path, capsys, monkeypatch):
         assert events == [
             "step 4: preemption: node abc (ranks 1), deadline in 14.0 s, checkpoint 0.3 s, "
             "13.7 s to spare",
+            "step 4: straggler: rank 1 on node 10.0.0.2/ab12cd34, compute (2.50× the others' "
+            "median)",
             "step 6: resize: workers 2→1, accum 4→8, global 32→32",
             "step 6: preemption: last checkpoint, 2.1 s before the deadline",
             "step 6: resumed: from the checkpoint of this step",
@@ -68,5 +81,21 @@ def test_report_of_a_preempted_elastic_run(tmp_path, capsys, monkeypatch):
         steps = (out_dir / "steps.csv").read_text().splitlines()
         assert steps[0] == "step,seconds,workers,global batch,accumulation"
         assert steps[7] == "7,36.00,1.0,32.0,8.0", steps[7]  # the restart's 30 s in the time
-        png = out_dir / "scaling_over_time.png"
-        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+        ranks = (
+            "ranks: 2; own time per window, mean over the run: median 350 ms, slowest rank 1 500 ms"
+        )
+        assert ranks in out, out
+        for name in ("scaling_over_time.png", "ranks_over_time.png"):
+            png = out_dir / name
+            assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_the_ranks_and_the_straggler_read_back(tmp_path):
+    from rayacc.tracking.run_report import build_run_report
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    rid = record_run(uri)
+    client = MlflowClient(uri)
+    report = build_run_report(client, client.get_run(rid))
+    assert report.ranks == {0: [(2, 0.2), (4, 0.2), (6, 0.2)], 1: [(2, 0.5), (4, 0.5), (6, 0.5)]}
+    assert report.stragglers == [1]

@@ -1,0 +1,143 @@
+"""What the per-rank telemetry costs the default job's step: the accumulation step of
+jobs/digits.yaml (MLP 64→128→128→10, micro 32 × accumulation 4, AdamW) on 2 gloo ranks, with
+and without every rank's figures riding the window's reduction and rank 0 judging them
+(`observe/ranks.py`), as the worker loop does both.
+
+Both run in the same two processes, alternating in blocks of steps, so that whatever else the
+machine does hits both alike. Prints each one's median and mean step time and ends with
+
+    per-rank telemetry cost / step: X %      (target: at most 1 %)
+
+    .venv/bin/python bench/rank_telemetry.py [--blocks 60] [--block-steps 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from rayacc.engine import AccumulationStep, classification_item_losses
+from rayacc.models.mlp import MLP
+from rayacc.observe.ranks import RankWatch, rank_report
+
+MICRO, ACCUM = 32, 4
+VARIANTS = ("plain", "telemetry")
+
+
+class Runner:
+    """One model, optimizer and step per variant; `telemetry` does what the loop does per
+    window: its figures of the last window in, rank 0's judgement of everyone's out."""
+
+    def __init__(self, telemetry: bool, rank: int):
+        torch.manual_seed(0)
+        model = DDP(MLP(64, 10, [128, 128]))
+        self.step = AccumulationStep(model, torch.optim.AdamW(model.parameters(), lr=3e-3))
+        self.telemetry = telemetry
+        self.report: list[float] = []
+        self.watch = RankWatch(10) if telemetry and rank == 0 else None
+        self.process = psutil.Process()
+        self.n = 0
+
+    def __call__(self, mbs) -> None:
+        t = time.perf_counter()
+        result = self.step(mbs, classification_item_losses, rank_report=self.report)
+        self.n += 1
+        if not self.telemetry:
+            return
+        self.report = rank_report(
+            step_s=result.step_time_s,
+            sync_s=result.sync_time_s,
+            optimizer_s=result.optimizer_time_s,
+            data_s=time.perf_counter() - t - result.step_time_s,
+            host_mb=self.process.memory_info().rss / 2**20,
+            device_mb=result.peak_memory_mb,
+        )
+        if self.watch is not None:
+            self.watch.window(self.n, result.rank_reports)
+
+
+def alternate(rank: int, blocks: int, block_steps: int) -> dict[str, list[float]]:
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    x, y = torch.randn(4096, 64), torch.randint(0, 10, (4096,))
+    runners = {v: Runner(v == "telemetry", rank) for v in VARIANTS}
+    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    s = 0
+    for _ in range(blocks):
+        for variant in VARIANTS:
+            for _ in range(block_steps):
+                start = (s * MICRO * ACCUM) % (4096 - MICRO * ACCUM)
+                s += 1
+                mbs = [
+                    {"features": x[i : i + MICRO], "label": y[i : i + MICRO]}
+                    for i in range(start, start + MICRO * ACCUM, MICRO)
+                ]
+                t = time.perf_counter()
+                runners[variant](mbs)
+                times[variant].append(time.perf_counter() - t)
+    # the first two blocks warm up allocator and caches
+    return {v: t[2 * block_steps :] for v, t in times.items()}
+
+
+def rank_body(rank: int, init: str, blocks: int, block_steps: int, queue) -> None:
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init}",
+        rank=rank,
+        world_size=2,
+        timeout=datetime.timedelta(seconds=120),
+    )
+    times = alternate(rank, blocks, block_steps)
+    if rank == 0:
+        queue.put(times)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--blocks", type=int, default=60)
+    parser.add_argument("--block-steps", type=int, default=20)
+    args = parser.parse_args()
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [
+            ctx.Process(
+                target=rank_body, args=(r, f"{tmp}/init", args.blocks, args.block_steps, queue)
+            )
+            for r in range(2)
+        ]
+        for p in procs:
+            p.start()
+        times = queue.get(timeout=1800)
+        for p in procs:
+            p.join()
+    print(
+        f"the default job's step (MLP 64→128→128→10, 2 gloo ranks × micro {MICRO} × accum "
+        f"{ACCUM}, AdamW); {args.blocks} alternating blocks of {args.block_steps} steps"
+    )
+    med = {v: statistics.median(t) for v, t in times.items()}
+    for v, t in times.items():
+        print(f"{v:9} step ms: median {med[v] * 1e3:.3f}  mean {statistics.mean(t) * 1e3:.3f}")
+    cost = (med["telemetry"] / med["plain"] - 1) * 100
+    print(f"per-rank telemetry cost / step: {cost:.2f} %")
+
+
+if __name__ == "__main__":
+    main()

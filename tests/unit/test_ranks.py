@@ -1,0 +1,129 @@
+"""observe/ranks.py: every rank's figures per window and per logging interval, and the rule that
+names a straggler (its own time above the others' median by the margin, two intervals in a
+row), checked on figures made up window by window."""
+
+from __future__ import annotations
+
+import pytest
+
+from rayacc.observe.ranks import FIELDS, RankWatch, rank_report
+
+
+def figures(compute=0.2, data=0.01, sync=0.05, optimizer=0.01, host=500.0, device=100.0):
+    return [compute, data, sync, optimizer, host, device]
+
+
+def even(world=4, **slow):
+    """One window's reports: every rank alike, rank r's fields changed by slow[r]."""
+    return [figures(**slow.get(f"r{r}", {})) for r in range(world)]
+
+
+def run(watch, windows):
+    """Feeds windows 1..n; returns (step, straggler) for every one named."""
+    named = []
+    for step, reports in enumerate(windows, start=1):
+        _, straggler = watch.window(step, reports)
+        if straggler is not None:
+            named.append((step, straggler))
+    return named
+
+
+SLOW_COMPUTE = {"r2": {"compute": 0.5}}
+SLOW_DATA = {"r1": {"data": 0.4}}
+
+
+@pytest.mark.parametrize(
+    ("case", "windows", "expect"),
+    [
+        ("even ranks", [even()] * 12, []),
+        # tens of ms on windows of 20 ms: far above 30 % but below the 0.1 s floor
+        (
+            "tiny windows, uneven by milliseconds",
+            [[figures(compute=0.04 if r == 1 else 0.01) for r in range(4)]] * 12,
+            [],
+        ),
+        (
+            "one rank slow in compute from the start",
+            [even(**SLOW_COMPUTE)] * 12,
+            [(4, 2, "compute")],
+        ),
+        ("one rank slow in its data", [even(**SLOW_DATA)] * 12, [(4, 1, "data")]),
+        # slow in one interval only (steps 3-4): a blip, not a straggler
+        ("a blip of one interval", [even()] * 2 + [even(**SLOW_COMPUTE)] * 2 + [even()] * 8, []),
+        # slow from step 5 on: named at the end of its second slow interval (step 8)
+        ("slow from the middle", [even()] * 4 + [even(**SLOW_COMPUTE)] * 8, [(8, 2, "compute")]),
+        # named once per streak: recovered at steps 5-8, slow again from 9 → named again at 12
+        (
+            "slow, recovered, slow again",
+            [even(**SLOW_COMPUTE)] * 4 + [even()] * 4 + [even(**SLOW_COMPUTE)] * 4,
+            [(4, 2, "compute"), (12, 2, "compute")],
+        ),
+        ("two ranks", [even(2, r1={"compute": 0.6})] * 6, [(4, 1, "compute")]),
+        ("one rank: nobody to compare with", [even(1, r0={"compute": 9.0})] * 6, []),
+    ],
+)
+def test_a_straggler_is_named_within_two_intervals_and_an_even_run_names_none(
+    case, windows, expect
+):
+    watch = RankWatch(2, nodes=[f"10.0.0.{r}/n{r}" for r in range(4)])
+    named = run(watch, windows)
+    assert [(step, s.rank, s.part) for step, s in named] == expect, case
+    for _, s in named:
+        assert s.node == f"10.0.0.{s.rank}/n{s.rank}"
+        assert s.ratio > 1.3 and s.intervals == 2
+        assert f"rank {s.rank} on node {s.node}" in s.console_line()
+        assert s.part in s.describe()
+
+
+def test_the_window_and_interval_figures():
+    watch = RankWatch(3, nodes=())
+    reports = even(3, r1={"compute": 0.5, "device": 300.0})
+    first, _ = watch.window(1, reports)
+    own = [0.22, 0.52, 0.22]  # compute + data + optimizer
+    assert first["ranks/own_s_median"] == pytest.approx(0.22)
+    assert first["ranks/own_s_max"] == pytest.approx(0.52)
+    assert first["ranks/slowest"] == 1.0
+    assert not any(k.startswith("rank_") for k in first), "per rank only at an interval's end"
+    watch.window(2, even(3, r1={"device": 900.0}))
+    third, _ = watch.window(3, even(3))
+    for r in range(3):
+        assert set(FIELDS) | {"own_s"} == {
+            k.split("/")[1] for k in third if k.startswith(f"rank_{r}/")
+        }
+    # means over the interval's three windows; memory its peak
+    assert third["rank_1/compute_s"] == pytest.approx((0.5 + 0.2 + 0.2) / 3)
+    assert third["rank_1/own_s"] == pytest.approx((own[1] + 0.22 + 0.22) / 3)
+    assert third["rank_1/device_mb"] == 900.0
+    assert third["rank_0/device_mb"] == 100.0
+    # the next interval starts afresh
+    fourth, _ = watch.window(4, even(3))
+    assert not any(k.startswith("rank_") for k in fourth)
+
+
+def test_no_reports_no_figures_and_a_new_worker_count_starts_over():
+    watch = RankWatch(2)
+    assert watch.window(1, ()) == ({}, None)  # a group's first window: nothing sent yet
+    run(watch, [even(4, r1={"compute": 0.6})] * 2)  # one slow interval at 4 workers
+    # resized to 2 workers: the streak at 4 does not carry over
+    named = run(watch, [even(2, r1={"compute": 0.6})] * 2)
+    assert named == []
+
+
+def test_a_tenth_of_the_run_is_the_interval():
+    assert [RankWatch.interval_for(n) for n in (1, 9, 10, 14, 100, 1001)] == [1, 1, 1, 2, 10, 101]
+
+
+def test_a_ranks_report_splits_its_window():
+    report = rank_report(
+        step_s=1.0, sync_s=0.3, optimizer_s=0.1, data_s=0.2, host_mb=10.0, device_mb=20.0
+    )
+    assert dict(zip(FIELDS, report, strict=True)) == pytest.approx(
+        {
+            "compute_s": 0.6,
+            "data_s": 0.2,
+            "sync_s": 0.3,
+            "optimizer_s": 0.1,
+            "host_mb": 10.0,
+            "device_mb": 20.0,
+        }
+    )
