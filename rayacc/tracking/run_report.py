@@ -200,10 +200,10 @@ def _ranks_png(report: RunReport, path: Path, plt) -> Path:
             else None,
         )
     ax.set_xlabel("optimizer step")
-    ax.set_ylabel("own time per window (ms)")
+    ax.set_ylabel("own time per window (ms)\n(all but waiting for peers)", fontsize=9)
     ax.set_ylim(bottom=0)
     ax.legend(fontsize=7)
-    ax.set_title(redact(f"run {report.name}: each rank's own time (all but waiting for peers)"))
+    ax.set_title(redact(f"run {report.name}: each rank's own time"), fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
