@@ -290,6 +290,11 @@ class TrackingConfig(Section):
     """MLflow experiment name."""
     run_name: str | None = None
     """MLflow run name; null = generated."""
+    system_metrics: bool = False
+    """Record every node's CPU and memory use (and, on NVIDIA GPUs, their utilisation and
+    memory) as MLflow system metrics, one series per node (`system/<node>/<name>`, MLflow's
+    names), every tenth of the run: sampled with MLflow's own monitors by the first rank of
+    each node and carried to the driver with the ranks' figures. Off by default."""
 
 
 class RunConfig(Section):

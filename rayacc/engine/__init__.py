@@ -16,7 +16,13 @@ from rayacc.engine.losses import (
     token_item_losses,
 )
 from rayacc.engine.lr import LR_RULES, SampleSchedule, build_scheduler, effective_lr, lr_multiplier
-from rayacc.engine.perf import StepClock, StepCost, device_peak_tflops, flops_per_item
+from rayacc.engine.perf import (
+    StepClock,
+    StepCost,
+    device_peak_tflops,
+    flops_per_item,
+    recompute_flops_per_item,
+)
 from rayacc.engine.precision import autocast, autocast_dtype
 from rayacc.engine.state import TrainState
 from rayacc.engine.step import PRECISIONS, AccumulationStep, MicroStepMismatchError, StepResult
@@ -61,6 +67,7 @@ __all__ = [
     "install_comm_counter",
     "lr_multiplier",
     "make_strategy",
+    "recompute_flops_per_item",
     "resolve_batch_split",
     "strategy_of",
     "to_device",

@@ -60,6 +60,13 @@ def flops_per_item(model: nn.Module, item_shape: tuple[int, ...] | None = None) 
     return float(fn(item_shape)) if callable(fn) else None
 
 
+def recompute_flops_per_item(model: nn.Module, item_shape: tuple[int, ...] | None = None) -> float:
+    """FLOPs per loss item that activation checkpointing adds (the recomputed forwards), from
+    the model's own `recompute_flops_per_item` (the GPT has one); 0 without it."""
+    fn = getattr(model, "recompute_flops_per_item", None)
+    return float(fn(item_shape)) if callable(fn) else 0.0
+
+
 @dataclass(frozen=True)
 class StepCost:
     """One optimizer step as a worker saw it: its wall time, the part spent waiting for data,
@@ -71,6 +78,9 @@ class StepCost:
     world_size: int
     flops_per_item: float | None = None
     peak_tflops: float | None = None
+    recompute_flops_per_item: float = 0.0
+    """Hardware FLOPs beyond the model's (activation checkpointing's recomputed forwards):
+    counted in `perf/hardware_tflops` and `perf/hfu`, never in MFU."""
 
     def metrics(self, token_items: bool) -> dict[str, float]:
         out = {
@@ -85,6 +95,11 @@ class StepCost:
             out["perf/tflops"] = tflops
             if self.peak_tflops:
                 out["perf/mfu"] = tflops / self.peak_tflops
+            if self.recompute_flops_per_item:
+                hardware = tflops * (1 + self.recompute_flops_per_item / self.flops_per_item)
+                out["perf/hardware_tflops"] = hardware
+                if self.peak_tflops:
+                    out["perf/hfu"] = hardware / self.peak_tflops
         return out
 
 

@@ -33,4 +33,6 @@ def apply_activation_checkpointing(blocks: Sequence[nn.Module], every_n: int = 1
             return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
 
         block.forward = forward
+        # what a model's recompute_flops_per_item counts (hardware FLOPs, perf/hfu)
+        block.recomputed = True
     return len(chosen)

@@ -95,6 +95,19 @@ class GPT(nn.Module):
         head_size = attn.qkv.in_features // attn.n_head
         return 6.0 * n + 12.0 * len(self.blocks) * attn.n_head * head_size * seq
 
+    def recompute_flops_per_item(self, item_shape=None) -> float:
+        """FLOPs per target token that activation checkpointing adds: the forward of each
+        recomputed block again in backward (2 × its parameters + 4 × heads × head size ×
+        sequence), hardware FLOPs beyond the model's."""
+        seq = item_shape[-1] if item_shape else self.block_size
+        attn = self.blocks[0].attn
+        head_size = attn.qkv.in_features // attn.n_head
+        return sum(
+            2.0 * sum(p.numel() for p in block.parameters()) + 4.0 * attn.n_head * head_size * seq
+            for block in self.blocks
+            if getattr(block, "recomputed", False)
+        )
+
     def generate(
         self,
         idx: torch.Tensor,

@@ -96,9 +96,14 @@ class RankWatch:
         margin: float = 0.3,
         patience: int = 2,
         nodes: Sequence[str] = (),
+        system: Sequence[str] = (),
     ):
+        """`system`: names of the node figures that follow `FIELDS` in every report (MLflow's
+        system metrics, sampled by the first rank of each node): logged per node at each
+        interval's end as `system/<node>/<name>`."""
         self.interval_steps = max(1, interval_steps)
         self.margin, self.patience, self.nodes = margin, patience, tuple(nodes)
+        self.system = tuple(system)
         self._interval = _Interval()
         self._streaks: dict[int, int] = {}
         self._named: set[int] = set()
@@ -130,8 +135,9 @@ class RankWatch:
             self._named.clear()
             self._world = len(reports)
         if not iv.sums:
-            iv.sums = [[0.0] * len(FIELDS) for _ in reports]
-            iv.peaks = [[0.0] * len(FIELDS) for _ in reports]
+            width = len(FIELDS) + len(self.system)
+            iv.sums = [[0.0] * width for _ in reports]
+            iv.peaks = [[0.0] * width for _ in reports]
         iv.windows += 1
         for r, values in enumerate(reports):
             for i, v in enumerate(values):
@@ -144,8 +150,21 @@ class RankWatch:
             for i, name in enumerate(FIELDS):
                 metrics[f"rank_{r}/{name}"] = peak[i] if name.endswith("_mb") else mean[i]
             metrics[f"rank_{r}/own_s"] = sum(mean[FIELDS.index(p)] for p in PARTS)
+        for node, r in self._first_rank_of_each_node(len(means)).items():
+            for i, name in enumerate(self.system):
+                metrics[f"system/{node}/{name}"] = means[r][len(FIELDS) + i]
         self._interval = _Interval()
         return metrics, self._judge(step, means)
+
+    def _first_rank_of_each_node(self, world: int) -> dict[str, int]:
+        """Node label (in a metric name: `/` is a level there) → the rank that samples it."""
+        if not self.system:
+            return {}
+        first: dict[str, int] = {}
+        for r in range(world):
+            node = self.nodes[r] if r < len(self.nodes) else f"rank{r}"
+            first.setdefault(node.replace("/", "-"), r)
+        return first
 
     def _judge(self, step: int, means: list[list[float]]) -> Straggler | None:
         """Each rank's own time against the median of the others'; a rank above it by the

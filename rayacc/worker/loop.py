@@ -29,6 +29,7 @@ from rayacc.engine import (
     all_gather_objects,
     device_peak_tflops,
     flops_per_item,
+    recompute_flops_per_item,
     to_device,
 )
 from rayacc.models.parallel import build_rank
@@ -50,6 +51,8 @@ from rayacc.worker.ingest import RankReader, warm_up
 from rayacc.worker.metrics import run_summary, step_record
 from rayacc.worker.preemption import Boundaries, PreemptionWatch, ray_notice_sources
 from rayacc.worker.progress import Outbox
+from rayacc.worker.system import NAMES as SYSTEM_NAMES
+from rayacc.worker.system import NodeSampler
 from rayacc.worker.validation import Validator
 
 __all__ = ["REWARM_STEPS", "WorkerInputs", "WorkerRun", "train_loop"]
@@ -122,6 +125,7 @@ class WorkerRun:
         self.resumed_from: int | None = None
         self.restore_s = 0.0
         self.flops_per_item: float | None = None
+        self.recompute_flops = 0.0
         self.checkpoint_step: int | None = None
         """The step of the newest checkpoint this group restored or wrote."""
         self.window_signals = (0, 0.0)
@@ -130,6 +134,8 @@ class WorkerRun:
         """This rank's figures of its last window, sent with the next (observe/ranks.py)."""
         self.ranks: RankWatch | None = None
         """Rank 0's view of every rank's figures."""
+        self.node_sampler: NodeSampler | None = None
+        """With tracking.system_metrics: this node's figures (sampled by its first rank)."""
         quiet = (lambda: None), (lambda: None)
         self.watch = PreemptionWatch(
             *(ray_notice_sources() if cfg.train.checkpoint_on_preemption else quiet)
@@ -288,11 +294,15 @@ class WorkerRun:
         """Every rank's node, gathered once per group (a straggler is named with its node)."""
         node = f"{ray.util.get_node_ip_address()}/{ray.get_runtime_context().get_node_id()[:8]}"
         nodes = all_gather_objects(node)
+        system = self.cfg.tracking.system_metrics
+        if system:
+            self.node_sampler = NodeSampler(samples=nodes.index(node) == self.rank)
         if self.rank == 0:
             self.ranks = RankWatch(
                 RankWatch.interval_for(self.total_steps),
                 margin=self.cfg.train.straggler_margin,
                 nodes=nodes,
+                system=SYSTEM_NAMES if system else (),
             )
 
     # ------------------------------------------------------------------ one window
@@ -327,7 +337,9 @@ class WorkerRun:
         data_s = time.perf_counter() - t_data
         if self.flops_per_item is None and micro_batches:
             shape = tuple(next(iter(micro_batches[0].values())).shape[1:])
-            self.flops_per_item = flops_per_item(self.strategy.unwrapped(), shape) or 0.0
+            model = self.strategy.unwrapped()
+            self.flops_per_item = flops_per_item(model, shape) or 0.0
+            self.recompute_flops = recompute_flops_per_item(model, shape)
         try:
             result = self.step(
                 micro_batches,
@@ -362,6 +374,8 @@ class WorkerRun:
             host_mb=rss_mb,
             device_mb=result.peak_memory_mb,
         )
+        if self.node_sampler is not None:
+            self.rank_report += self.node_sampler.figures()
         record = step_record(
             result,
             step=self.state.optimizer_step,
@@ -375,6 +389,7 @@ class WorkerRun:
             rows_read=self.reader.rows_read,
             rss_mb=rss_mb,
             flops_per_item=self.flops_per_item or None,
+            recompute_flops_per_item=self.recompute_flops,
             peak_tflops=self.peak_tflops,
             token_items=self.info.format == "tokens",
         )

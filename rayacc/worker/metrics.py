@@ -29,6 +29,7 @@ def step_record(
     flops_per_item: float | None,
     peak_tflops: float | None,
     token_items: bool,
+    recompute_flops_per_item: float = 0.0,
 ) -> dict[str, Any]:
     """`micro_now` / `accum_now`: the micro-batch and accumulation that ran (an out-of-memory
     retry cuts the planned ones)."""
@@ -60,6 +61,7 @@ def step_record(
         world_size=split.num_workers,
         flops_per_item=flops_per_item,
         peak_tflops=peak_tflops,
+        recompute_flops_per_item=recompute_flops_per_item,
     )
     record.update(cost.metrics(token_items=token_items))
     return record

@@ -206,6 +206,12 @@ def test_the_record_is_the_final_checkpoints_lineage_across_every_fault(
             value = expected[STEPS][key]
             if key == "step" or key.startswith("val/") or not isinstance(value, int | float):
                 continue
+            if key.startswith(("ranks/", "rank_", "system/")):
+                # every rank's figures arrive one window late: a group's first step has none;
+                # still each step at most once, in the lineage's range
+                held = steps_in(client, run_id, key)
+                assert held == sorted(set(held)) and set(held) <= set(range(2, STEPS + 1)), key
+                continue
             assert steps_in(client, run_id, key) == list(range(1, STEPS + 1)), key
         assert steps_in(client, run_id, "val/loss") == [4, 8, 12]
         tol = 0.0 if workers == 2 else 1e-5  # a resize changes the float rounding only

@@ -47,6 +47,7 @@ def test_end_to_end_fit_records_contract_params_and_every_step(ray_local, tmp_pa
             "schedule": "cosine",
         },
         train={"max_steps": 8, "val_every_steps": 4, "checkpoint_every_steps": 4},
+        tracking={"system_metrics": True},
     )
     result = fit_or_fail(cfg)
 
@@ -101,6 +102,22 @@ def test_end_to_end_fit_records_contract_params_and_every_step(ray_local, tmp_pa
         assert g[key] > 0, (key, g)
     assert g["restore_s"] == 0 and g["recomputed_s"] == 0 and g["restarts_s"] == 0, g
     assert run.data.metrics["goodput/validation_s"] == pytest.approx(g["validation_s"])
+
+    # tracking.system_metrics: MLflow's system metrics of the one node, with every rank's
+    # figures, each interval (a tenth of 8 steps: every step; step 1's arrive with step 2)
+    from rayacc.worker.system import NAMES
+
+    system = sorted(k for k in run.data.metrics if k.startswith("system/"))
+    nodes = {k.split("/")[1] for k in system}
+    assert len(nodes) == 1 and len(system) == len(NAMES), system
+    (node,) = nodes
+    for key in (f"system/{node}/cpu_utilization_percentage", "rank_0/own_s", "rank_1/sync_s"):
+        steps = sorted(m.step for m in client.get_metric_history(run.info.run_id, key))
+        assert steps == list(range(2, 9)), (key, steps)
+    memory = client.get_metric_history(
+        run.info.run_id, f"system/{node}/system_memory_usage_megabytes"
+    )
+    assert all(m.value > 0 for m in memory)
 
 
 def test_whole_stack_step_equals_full_batch(ray_local, tmp_path, record_equivalence):
@@ -291,6 +308,11 @@ def test_fsdp_on_padded_token_rows_equals_full_batch(
     assert record["comm/reduce_scatter_calls"] == expected, record
     assert record["perf/tokens_per_s"] > 0 and record["perf/tflops"] > 0
     assert "perf/mfu" not in record, "no known peak on CPU: no MFU"
+    # recomputed blocks are hardware FLOPs, counted apart from the model's
+    if recompute == "full":
+        assert record["perf/hardware_tflops"] > record["perf/tflops"], record
+    else:
+        assert "perf/hardware_tflops" not in record, record
     assert 0 < record["comm/sync_time_frac"] < 1, record
 
     err, floor = sgd_step_errors(cfg, padded_token_loss(seqs), load_model(result.checkpoint_dir))

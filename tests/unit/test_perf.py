@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from rayacc.engine.perf import StepCost, device_peak_tflops, known_peak
+from rayacc.engine.recompute import apply_activation_checkpointing
 from rayacc.models.gpt import GPT
 
 
@@ -24,6 +25,14 @@ def test_the_gpt_s_flops_per_token_are_the_hand_count():
         want = 6 * params + 12 * layers * heads * head_size * seq
         assert model.flops_per_item((4, seq)) == want
     assert model.flops_per_item() == 6 * 6992 + 12 * 2 * 2 * 8 * 8
+    # activation checkpointing: each recomputed block's forward again, hardware FLOPs only
+    assert model.recompute_flops_per_item((4, 8)) == 0
+    forward = 2 * block + 4 * heads * head_size * 8  # one block's forward per token
+    for every_n, recomputed in ((2, 1), (1, 2)):
+        fresh = GPT(vocab, ctx, n_layer=layers, n_head=heads, n_embd=d)
+        assert apply_activation_checkpointing(fresh.blocks, every_n) == recomputed
+        assert fresh.recompute_flops_per_item((4, 8)) == recomputed * forward
+        assert fresh.flops_per_item((4, 8)) == model.flops_per_item((4, 8))  # MFU unchanged
 
 
 @pytest.mark.parametrize(
@@ -52,6 +61,18 @@ def test_a_configured_peak_wins_and_a_cpu_has_none_without_one():
     cpu = torch.device("cpu")
     assert device_peak_tflops(cpu) is None
     assert device_peak_tflops(cpu, 0.5, "fp32") == 0.5
+
+
+def test_hfu_counts_the_recompute_and_mfu_does_not():
+    cost = StepCost(
+        2.0, 0.0, 3, 2, flops_per_item=1e12, peak_tflops=1.5, recompute_flops_per_item=2.5e11
+    )
+    m = cost.metrics(token_items=True)
+    assert m["perf/mfu"] == pytest.approx(0.5)
+    assert m["perf/hardware_tflops"] == pytest.approx(0.75 * 1.25)
+    assert m["perf/hfu"] == pytest.approx(0.625)
+    plain = StepCost(2.0, 0.0, 3, 2, flops_per_item=1e12, peak_tflops=1.5).metrics(True)
+    assert "perf/hfu" not in plain and "perf/hardware_tflops" not in plain
 
 
 def test_mfu_is_the_achieved_tflops_per_device_over_the_peak():

@@ -127,3 +127,39 @@ def test_a_ranks_report_splits_its_window():
             "device_mb": 20.0,
         }
     )
+
+
+def test_each_nodes_system_figures_come_from_its_first_rank():
+    watch = RankWatch(
+        2,
+        nodes=["10.0.0.1/aa", "10.0.0.1/aa", "10.0.0.2/bb", "10.0.0.2/bb"],
+        system=("cpu_utilization_percentage", "gpu_memory_usage_megabytes"),
+    )
+    system = {0: [40.0, 1000.0], 1: [0.0, 0.0], 2: [90.0, 3000.0], 3: [0.0, 0.0]}
+    for step, cpu_extra in ((1, 0.0), (2, 10.0)):
+        reports = [
+            [*figures(), system[r][0] + (cpu_extra if system[r][0] else 0), system[r][1]]
+            for r in range(4)
+        ]
+        metrics, _ = watch.window(step, reports)
+    assert {k: v for k, v in metrics.items() if k.startswith("system/")} == {
+        "system/10.0.0.1-aa/cpu_utilization_percentage": 45.0,
+        "system/10.0.0.1-aa/gpu_memory_usage_megabytes": 1000.0,
+        "system/10.0.0.2-bb/cpu_utilization_percentage": 95.0,
+        "system/10.0.0.2-bb/gpu_memory_usage_megabytes": 3000.0,
+    }
+    assert metrics["rank_0/compute_s"] == pytest.approx(0.2), "the ranks' figures unchanged"
+
+
+def test_a_node_sampler_reads_mlflows_monitors_once_a_second():
+    from rayacc.worker.system import NAMES, NodeSampler
+
+    sampler = NodeSampler(samples=True)
+    first = dict(zip(NAMES, sampler.figures(), strict=True))
+    assert 0 <= first["cpu_utilization_percentage"] <= 100
+    assert first["system_memory_usage_megabytes"] > 0
+    assert 0 < first["system_memory_usage_percentage"] < 100
+    if sampler.gpu is None:  # no NVIDIA GPU here
+        assert first["gpu_utilization_percentage"] == first["gpu_memory_usage_megabytes"] == 0
+    assert sampler.figures() is sampler.figures(), "sampled at most once a second"
+    assert NodeSampler(samples=False).figures() == [0.0] * len(NAMES)
