@@ -246,6 +246,7 @@ def perf_summary(history: list[dict]) -> str:
         ("perf/tokens_per_s", "tokens/s", "{:,.0f}"),
         ("perf/tflops", "TFLOP/s per worker", "{:.3g}"),
         ("perf/mfu", "MFU", "{:.1%}"),
+        ("perf/hfu", "HFU (with the recompute)", "{:.1%}"),
         ("perf/data_wait_frac", "data wait", "{:.1%}"),
         ("comm/sync_time_frac", "gradient sync", "{:.1%}"),
         ("mem/peak_mb", "peak memory MB", "{:,.0f}"),

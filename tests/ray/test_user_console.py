@@ -45,6 +45,8 @@ def test_train_the_shakespeare_job_watch_it_and_sample_it(tmp_path):
         "train.checkpoint_every_steps=null",
         "run.name=bard",
         "model.n_layer=2",
+        # a CPU has no known peak: configured, the GPT's MFU shows (PaLM's FLOPs per token)
+        "train.peak_tflops=0.05",
     )
     assert_only_rayaccs_lines(proc)
     out = proc.stdout
@@ -54,11 +56,14 @@ def test_train_the_shakespeare_job_watch_it_and_sample_it(tmp_path):
     for line in lines:
         assert re.search(r"\d+:\d\d elapsed  ETA (\d+:\d\d|\?)  loss \S+  lr \S+  ", line), line
         assert "samples/s" in line and "tokens/s" in line, line
+        assert re.search(r"  MFU \d+\.\d%", line), line
     with_eta = [line for line in lines if "ETA ?" not in line]
     assert with_eta, lines
     validated = [line for line in lines if "val_loss" in line]
     assert [int(re.search(r"step (\d+)/", line).group(1)) for line in validated] == [5, 10, 12]
     assert "rayacc sample" in out  # the summary says how
+    summary = next(line for line in out.splitlines() if "per step (median" in line)
+    assert re.search(r"MFU \d+\.\d%", summary), summary
     # where the wall time went: one group, nothing restarted or recomputed
     goodput = re.search(
         r"goodput <?([\d.]+)%: training ([\d.]+) s of [\d.]+ s \((.*)\); (\d+) steps", out
