@@ -59,51 +59,79 @@ def make_runner(variant: str):
     return bare
 
 
-def alternate(blocks: int, block_steps: int) -> dict[str, list[float]]:
-    """Both variants on this rank's process group, in alternating blocks; per-step times."""
+def engine_and_bare(rank: int) -> dict:
+    """This script's two variants (the same on every rank)."""
+    return {v: make_runner(v) for v in VARIANTS}
+
+
+def alternate(
+    make_runners, rank: int, blocks: int, block_steps: int, flip: bool = False
+) -> dict[str, list[float]]:
+    """The runners `make_runners(rank)` builds, on this rank's process group, in alternating
+    blocks of steps on the same micro-batches; per-step times. `flip`: each variant goes first
+    in every other block, so neither always follows the other."""
     torch.set_num_threads(1)
     torch.manual_seed(0)
     x, y = torch.randn(4096, 64), torch.randint(0, 10, (4096,))
-    runners = {v: make_runner(v) for v in VARIANTS}
-    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    runners = make_runners(rank)
+    names = list(runners)
+    times: dict[str, list[float]] = {v: [] for v in names}
     s = 0
-    for _ in range(blocks):
-        for variant in VARIANTS:
+    for b in range(blocks):
+        for variant in names[::-1] if flip and b % 2 == 0 else names:
             for _ in range(block_steps):
-                t = time.perf_counter()
                 start = (s * MICRO * ACCUM) % (4096 - MICRO * ACCUM)
                 s += 1
-                runners[variant](
-                    [
-                        {"features": x[i : i + MICRO], "label": y[i : i + MICRO]}
-                        for i in range(start, start + MICRO * ACCUM, MICRO)
-                    ]
-                )
+                mbs = [
+                    {"features": x[i : i + MICRO], "label": y[i : i + MICRO]}
+                    for i in range(start, start + MICRO * ACCUM, MICRO)
+                ]
+                t = time.perf_counter()
+                runners[variant](mbs)
                 times[variant].append(time.perf_counter() - t)
     # the first two blocks warm up allocator and caches
     return {v: t[2 * block_steps :] for v, t in times.items()}
 
 
-def rank_body(rank: int, world: int, init: str, blocks: int, block_steps: int, queue) -> None:
+def rank_body(rank: int, init: str, args: tuple, queue) -> None:
     dist.init_process_group(
         "gloo",
         init_method=f"file://{init}",
         rank=rank,
-        world_size=world,
+        world_size=2,
         timeout=datetime.timedelta(seconds=120),
     )
-    times = alternate(blocks, block_steps)
+    times = alternate(args[0], rank, *args[1:])
     if rank == 0:
         queue.put(times)
     dist.barrier()
     dist.destroy_process_group()
 
 
+def in_gloo_ranks(make_runners, blocks: int, block_steps: int, flip: bool = False) -> dict:
+    """`alternate` in 2 spawned gloo processes; rank 0's times. `make_runners` must be
+    picklable (a module-level function, or a partial of one)."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        args = (make_runners, blocks, block_steps, flip)
+        procs = [
+            ctx.Process(target=rank_body, args=(r, f"{tmp}/init", args, queue)) for r in range(2)
+        ]
+        for p in procs:
+            p.start()
+        times = queue.get(timeout=1800)
+        for p in procs:
+            p.join()
+    return times
+
+
 def ray_worker(config: dict) -> None:
     import ray.train
 
-    times = alternate(config["blocks"], config["block_steps"])
-    if ray.train.get_context().get_world_rank() == 0:
+    rank = ray.train.get_context().get_world_rank()
+    times = alternate(engine_and_bare, rank, config["blocks"], config["block_steps"])
+    if rank == 0:
         torch.save(times, config["out"])
     ray.train.report({"done": 1})
 
@@ -136,21 +164,7 @@ def main() -> None:
     if args.in_ray:
         times = run_in_ray(args.blocks, args.block_steps)
     else:
-        ctx = mp.get_context("spawn")
-        queue = ctx.Queue()
-        with tempfile.TemporaryDirectory() as tmp:
-            procs = [
-                ctx.Process(
-                    target=rank_body,
-                    args=(r, 2, f"{tmp}/init", args.blocks, args.block_steps, queue),
-                )
-                for r in range(2)
-            ]
-            for p in procs:
-                p.start()
-            times = queue.get(timeout=900)
-            for p in procs:
-                p.join()
+        times = in_gloo_ranks(engine_and_bare, args.blocks, args.block_steps)
     where = "Ray Train workers" if args.in_ray else "gloo ranks"
     print(
         f"MLP 64→256→256→10, 2 {where} × micro {MICRO} × accum {ACCUM}, fused AdamW; "

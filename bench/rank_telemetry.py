@@ -14,26 +14,25 @@ machine does hits both alike. Prints each one's median and mean step time and en
 from __future__ import annotations
 
 import argparse
-import datetime
+import functools
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import psutil
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from cpu_engine_vs_bare import ACCUM, MICRO, in_gloo_ranks
 
 from rayacc.engine import AccumulationStep, classification_item_losses
 from rayacc.models.mlp import MLP
 from rayacc.observe.ranks import RankWatch, rank_report
 
-MICRO, ACCUM = 32, 4
 VARIANTS = ("plain", "telemetry")
 
 
@@ -71,44 +70,9 @@ class Runner:
             self.watch.window(self.n, result.rank_reports)
 
 
-def alternate(rank: int, blocks: int, block_steps: int, same: bool) -> dict[str, list[float]]:
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    x, y = torch.randn(4096, 64), torch.randint(0, 10, (4096,))
-    # `same`: both sides without telemetry, to see what the measurement itself varies by
-    runners = {v: Runner(v == "telemetry" and not same, rank) for v in VARIANTS}
-    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    s = 0
-    for b in range(blocks):
-        # each variant goes first in every other block: neither always follows the other
-        for variant in VARIANTS if b % 2 else VARIANTS[::-1]:
-            for _ in range(block_steps):
-                start = (s * MICRO * ACCUM) % (4096 - MICRO * ACCUM)
-                s += 1
-                mbs = [
-                    {"features": x[i : i + MICRO], "label": y[i : i + MICRO]}
-                    for i in range(start, start + MICRO * ACCUM, MICRO)
-                ]
-                t = time.perf_counter()
-                runners[variant](mbs)
-                times[variant].append(time.perf_counter() - t)
-    # the first two blocks warm up allocator and caches
-    return {v: t[2 * block_steps :] for v, t in times.items()}
-
-
-def rank_body(rank: int, init: str, blocks: int, block_steps: int, same: bool, queue) -> None:
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{init}",
-        rank=rank,
-        world_size=2,
-        timeout=datetime.timedelta(seconds=120),
-    )
-    times = alternate(rank, blocks, block_steps, same)
-    if rank == 0:
-        queue.put(times)
-    dist.barrier()
-    dist.destroy_process_group()
+def runners(rank: int, same: bool) -> dict:
+    """`same`: both sides without telemetry, to see what the measurement itself varies by."""
+    return {v: Runner(v == "telemetry" and not same, rank) for v in VARIANTS}
 
 
 def main() -> None:
@@ -119,21 +83,9 @@ def main() -> None:
     parser.add_argument("--block-steps", type=int, default=5)
     parser.add_argument("--same", action="store_true", help="no telemetry on either side (A/A)")
     args = parser.parse_args()
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [
-            ctx.Process(
-                target=rank_body,
-                args=(r, f"{tmp}/init", args.blocks, args.block_steps, args.same, queue),
-            )
-            for r in range(2)
-        ]
-        for p in procs:
-            p.start()
-        times = queue.get(timeout=1800)
-        for p in procs:
-            p.join()
+    times = in_gloo_ranks(
+        functools.partial(runners, same=args.same), args.blocks, args.block_steps, flip=True
+    )
     print(
         f"the default job's step (MLP 64→128→128→10, 2 gloo ranks × micro {MICRO} × accum "
         f"{ACCUM}, AdamW); {args.blocks} alternating blocks of {args.block_steps} steps"
