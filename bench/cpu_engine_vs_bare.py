@@ -130,23 +130,42 @@ def ray_worker(config: dict) -> None:
     import ray.train
 
     rank = ray.train.get_context().get_world_rank()
-    times = alternate(engine_and_bare, rank, config["blocks"], config["block_steps"])
+    times = alternate(
+        config["make_runners"], rank, config["blocks"], config["block_steps"], config["flip"]
+    )
     if rank == 0:
         torch.save(times, config["out"])
     ray.train.report({"done": 1})
 
 
-def run_in_ray(blocks: int, block_steps: int) -> dict[str, list[float]]:
+def run_in_ray(
+    make_runners, blocks: int, block_steps: int, flip: bool = False
+) -> dict[str, list[float]]:
+    """`alternate` in 2 Ray Train workers on a local Ray (the default job's processes);
+    rank 0's times."""
     import ray
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    here = str(Path(__file__).resolve().parent)
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"PYTHONPATH": f"{here}:{here}/.."}},
+    )
     with tempfile.TemporaryDirectory() as tmp:
         out = f"{tmp}/times.pt"
+        config = {
+            "make_runners": make_runners,
+            "blocks": blocks,
+            "block_steps": block_steps,
+            "flip": flip,
+            "out": out,
+        }
         TorchTrainer(
             ray_worker,
-            train_loop_config={"blocks": blocks, "block_steps": block_steps, "out": out},
+            train_loop_config=config,
             scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1}),
             run_config=RunConfig(storage_path=tmp, name="engine_vs_bare"),
         ).fit()
@@ -162,7 +181,7 @@ def main() -> None:
     parser.add_argument("--in-ray", action="store_true", help="as Ray Train workers")
     args = parser.parse_args()
     if args.in_ray:
-        times = run_in_ray(args.blocks, args.block_steps)
+        times = run_in_ray(engine_and_bare, args.blocks, args.block_steps)
     else:
         times = in_gloo_ranks(engine_and_bare, args.blocks, args.block_steps)
     where = "Ray Train workers" if args.in_ray else "gloo ranks"

@@ -141,9 +141,9 @@ class AccumulationStep:
         self.max_grad_norm = max_grad_norm
         self.device = next(model.parameters()).device
         self.group = self.strategy.process_group
-        self.world_size = (
-            dist.get_world_size(self.group) if dist.is_available() and dist.is_initialized() else 1
-        )
+        distributed = dist.is_available() and dist.is_initialized()
+        self.world_size = dist.get_world_size(self.group) if distributed else 1
+        self._rank = dist.get_rank(self.group) if distributed else 0
         if precision == "fp16":
             self.scaler = scaler or torch.amp.GradScaler(self.device.type)
         else:
@@ -276,10 +276,11 @@ class AccumulationStep:
         if not rank_report:
             return []
         k = len(rank_report)
-        rank = dist.get_rank(self.group) if self.world_size > 1 else 0
-        slots = [0.0] * (k * self.world_size)
-        slots[rank * k : rank * k + k] = [float(v) for v in rank_report]
-        return slots
+        return [
+            *[0.0] * (self._rank * k),
+            *map(float, rank_report),
+            *[0.0] * ((self.world_size - self._rank - 1) * k),
+        ]
 
     def _scale_before_backward(self, counts: list[int]) -> float:
         """fp16: 1 / N_window (× W after DDP's averaging hook), known before the first

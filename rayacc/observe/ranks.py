@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 __all__ = ["FIELDS", "PARTS", "RankWatch", "Straggler", "rank_report"]
 
@@ -76,11 +76,8 @@ class Straggler:
         )
 
 
-@dataclass
-class _Interval:
-    windows: int = 0
-    sums: list[list[float]] = field(default_factory=list)
-    peaks: list[list[float]] = field(default_factory=list)
+_COMPUTE, _DATA, _OPTIMIZER = (FIELDS.index(p) for p in PARTS)
+FOLD_EVERY = 256
 
 
 class RankWatch:
@@ -104,7 +101,12 @@ class RankWatch:
         self.interval_steps = max(1, interval_steps)
         self.margin, self.patience, self.nodes = margin, patience, tuple(nodes)
         self.system = tuple(system)
-        self._interval = _Interval()
+        self._interval: list[Sequence[Sequence[float]]] = []
+        """The reports not yet folded into `_folded`: adding them up window by window would
+        cost every step more (this runs on rank 0 between windows); folded every
+        `FOLD_EVERY` windows, so a long interval on many ranks holds little."""
+        self._folded: tuple[int, list[list[float]], list[list[float]]] | None = None
+        """(windows, per rank sums, per rank peaks) of the interval's folded reports."""
         self._streaks: dict[int, int] = {}
         self._named: set[int] = set()
         self._world = 0
@@ -121,40 +123,64 @@ class RankWatch:
         per rank at an interval's end) and a straggler newly named, if any."""
         if not reports:
             return {}, None
-        own = [sum(r[FIELDS.index(p)] for p in PARTS) for r in reports]
-        slowest = max(range(len(own)), key=own.__getitem__)
+        # every window, on rank 0 between windows: as little as it takes
+        own = [r[_COMPUTE] + r[_DATA] + r[_OPTIMIZER] for r in reports]
+        top = max(own)
+        ranked = sorted(own)
+        mid = len(ranked) // 2
         metrics = {
-            "ranks/own_s_median": statistics.median(own),
-            "ranks/own_s_max": own[slowest],
-            "ranks/slowest": float(slowest),
+            "ranks/own_s_median": ranked[mid]
+            if mid * 2 != len(ranked)
+            else (ranked[mid - 1] + ranked[mid]) / 2,
+            "ranks/own_s_max": top,
+            "ranks/slowest": float(own.index(top)),
         }
-        iv = self._interval
         if len(reports) != self._world:  # another worker count: start over
-            iv = self._interval = _Interval()
+            self._interval, self._folded = [], None
             self._streaks.clear()
             self._named.clear()
             self._world = len(reports)
-        if not iv.sums:
-            width = len(FIELDS) + len(self.system)
-            iv.sums = [[0.0] * width for _ in reports]
-            iv.peaks = [[0.0] * width for _ in reports]
-        iv.windows += 1
-        for r, values in enumerate(reports):
-            for i, v in enumerate(values):
-                iv.sums[r][i] += v
-                iv.peaks[r][i] = max(iv.peaks[r][i], v)
+        self._interval.append(reports)
         if step % self.interval_steps:
+            if len(self._interval) >= FOLD_EVERY:
+                self._fold()
             return metrics, None
-        means = [[v / iv.windows for v in sums] for sums in iv.sums]
-        for r, (mean, peak) in enumerate(zip(means, iv.peaks, strict=True)):
+        self._fold()
+        assert self._folded is not None
+        windows, sums, peaks = self._folded
+        self._folded = None
+        means = [[v / windows for v in rank] for rank in sums]
+        for r, (mean, peak) in enumerate(zip(means, peaks, strict=True)):
             for i, name in enumerate(FIELDS):
                 metrics[f"rank_{r}/{name}"] = peak[i] if name.endswith("_mb") else mean[i]
             metrics[f"rank_{r}/own_s"] = sum(mean[FIELDS.index(p)] for p in PARTS)
         for node, r in self._first_rank_of_each_node(len(means)).items():
             for i, name in enumerate(self.system):
                 metrics[f"system/{node}/{name}"] = means[r][len(FIELDS) + i]
-        self._interval = _Interval()
         return metrics, self._judge(step, means)
+
+    def _fold(self) -> None:
+        """Adds the pending reports to the interval's sums and peaks."""
+        pending, self._interval = self._interval, []
+        if not pending:
+            return
+        # per rank, per figure: its values over the pending windows
+        columns = [list(zip(*rank, strict=True)) for rank in zip(*pending, strict=True)]
+        sums = [[sum(c) for c in rank] for rank in columns]
+        peaks = [[max(c) for c in rank] for rank in columns]
+        if self._folded is not None:
+            n, old_sums, old_peaks = self._folded
+            sums = [
+                [a + b for a, b in zip(x, y, strict=True)]
+                for x, y in zip(old_sums, sums, strict=True)
+            ]
+            peaks = [
+                [max(a, b) for a, b in zip(x, y, strict=True)]
+                for x, y in zip(old_peaks, peaks, strict=True)
+            ]
+            self._folded = (n + len(pending), sums, peaks)
+        else:
+            self._folded = (len(pending), sums, peaks)
 
     def _first_rank_of_each_node(self, world: int) -> dict[str, int]:
         """Node label (in a metric name: `/` is a level there) → the rank that samples it."""

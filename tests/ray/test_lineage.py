@@ -4,9 +4,11 @@ the suite's Ray, as on a cluster) SIGKILLed after a checkpoint and two steps bey
 no checkpoint keeps, already in MLflow); a resume during which the tracking server is cut off
 and back again (a gate in front of the suite's server, `tests.support.mlflow_server.Gate`: to
 a client the same as a killed and restarted server) and a worker process is SIGKILLed (Ray
-Train restarts the group from the latest checkpoint); under FSDP the resume also resizes the
-group (2 workers → 1). MLflow must hold steps 1..N exactly once with the values of an
-uninterrupted run, and the final weights must be that run's."""
+Train restarts the group from the latest checkpoint): under DDP rank 0 in the middle of writing
+a checkpoint in the background, which must leave the one before it the run's; under FSDP a rank
+in its forward, and the resume also resizes the group (2 workers → 1). MLflow must hold steps
+1..N exactly once with the values of an uninterrupted run, and the final weights must be that
+run's."""
 
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from mlflow.tracking import MlflowClient
 
 from rayacc import TrainConfig, load_model
 from rayacc.driver.runs import RUN_INFO
-from rayacc.observe.events import RunObserver
+from rayacc.observe.events import RunObserver, RunStarted
 from tests.support.fits import config, digits_subset, fit_or_fail, rel_diff, weights
 from tests.support.mlflow_server import Gate
 
@@ -49,8 +51,8 @@ def spec(tmp_path: Path, strategy: str, workers: int, tracking_uri: str) -> dict
             "factory": FAULTY_MODEL,
             "kwargs": {
                 "marker": str(tmp_path / "died"),
-                # the resumed run (from step 6) loses a worker in step 12 on 2 workers
-                # (steps 10 and 11 recorded, not checkpointed), in step 9 on 1 worker
+                # the resumed run (from step 6) loses a worker in step 9 on 1 worker (FSDP;
+                # steps 7 and 8 recorded, not checkpointed)
                 "die_at_forward": 5 * FORWARDS_PER_STEP + 2,
                 "die_rank": -1,
                 "kill": True,
@@ -63,6 +65,9 @@ def spec(tmp_path: Path, strategy: str, workers: int, tracking_uri: str) -> dict
                 # masks a resumed run must draw as the uninterrupted one does (a resize
                 # starts fresh random streams, so not under FSDP here, which resizes)
                 "dropout": 0.1 if strategy == "ddp" else 0.0,
+                # under DDP rank 0 dies instead in the middle of writing checkpoint 9 in the
+                # background (the resumed run's first), while step 10 trains
+                **({"die_in_write": 1} if strategy == "ddp" else {}),
             },
         },
         "data": {"source": digits_subset(tmp_path / "d.parquet", 512), "val_fraction": 0.15},
@@ -169,8 +174,13 @@ def test_the_record_is_the_final_checkpoints_lineage_across_every_fault(
         # the tracking server is cut off when step 8 arrives and is back 3 s after step 10; a worker
         # process is SIGKILLed (in step 12 on 2 workers, in step 9 on 1)
         restarted = threading.Event()
+        resumed_from = []
 
         class Outage(RunObserver):
+            def on_event(self, event):
+                if isinstance(event, RunStarted):
+                    resumed_from.append(event.resumed_from)
+
             def on_step(self, record):
                 if record["step"] == 8 and not restarted.is_set():
                     gate.close()
@@ -199,6 +209,9 @@ def test_the_record_is_the_final_checkpoints_lineage_across_every_fault(
         assert restarted.is_set() and "tracking server back after" in err, err[-3000:]
         assert "could not be written" not in err, err[-3000:]
         assert result.run_name == "faulty"
+        # both groups start from checkpoint 6: under DDP the one of step 9 was cut off in the
+        # middle of its write, so it was never the run's (the next attempt wrote it anew)
+        assert resumed_from == [6, 6], resumed_from
 
         # MLflow: steps 1..N exactly once, each with the uninterrupted run's values
         run_id = result.mlflow_run_id

@@ -7,10 +7,14 @@ exceptions), to exercise recovery from the latest checkpoint.
 - `phase_marker`: while that file does not exist, rank 0 stalls (up to 120 s) in its training
   forward `hold_at_forward` and no rank dies: the test kills the driver meanwhile, creates the
   file, and resumes; from then on the rank dies as above.
+- `die_in_write`: rank 0 is SIGKILLed instead while it writes that checkpoint of its process
+  (counted from 1, after the phase marker exists) to disk: in the middle of `state.pt`, on the
+  background writer's thread when checkpoints are asynchronous, once (`marker`).
 """
 
 from __future__ import annotations
 
+import collections
 import os
 import signal
 import time
@@ -67,6 +71,49 @@ class DiesOnce(nn.Module):
         return self.inner(x)
 
 
+class _DiesWhenWritten:
+    """The model's extra state: pickled in the middle of the checkpoint's `state.pt`, where it
+    kills the process on cue; otherwise it is saved as an empty mapping (a type a weights-only
+    load accepts)."""
+
+    def __init__(self, die: bool):
+        self.die = die
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __reduce_ex__(self, protocol):
+        if self.die:
+            time.sleep(0.5)  # the next window is under way: the write is the background's
+            os.kill(os.getpid(), signal.SIGKILL)
+        return (collections.OrderedDict, ())
+
+
+class DiesInWrite(DiesOnce):
+    def __init__(self, *args, die_in_write: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.die_in_write = die_in_write
+        self.writes = 0
+
+    def get_extra_state(self):
+        import ray.train
+
+        if self.phase_marker is not None and not os.path.exists(self.phase_marker):
+            return _DiesWhenWritten(False)
+        self.writes += 1
+        die = (
+            self.writes == self.die_in_write
+            and not os.path.exists(self.marker)
+            and ray.train.get_context().get_world_rank() == 0
+        )
+        if die:
+            open(self.marker, "w").close()
+        return _DiesWhenWritten(die)
+
+    def set_extra_state(self, state):
+        pass
+
+
 def build(
     dataset,
     marker: str,
@@ -75,7 +122,8 @@ def build(
     dropout: float = 0.0,
     **options,
 ) -> nn.Module:
-    return DiesOnce(
+    cls = DiesInWrite if "die_in_write" in options else DiesOnce
+    return cls(
         MLP(dataset.num_features, dataset.num_classes, [hidden], dropout),
         marker,
         die_at_forward,

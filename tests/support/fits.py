@@ -65,7 +65,9 @@ def config(tmp_path, **sections) -> TrainConfig:
 
 
 def weights(model: torch.nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1).double() for p in model.state_dict().values()])
+    """Every tensor of the model's state (a module's extra state, if any, is not one)."""
+    state = model.state_dict().values()
+    return torch.cat([p.detach().reshape(-1).double() for p in state if torch.is_tensor(p)])
 
 
 def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -163,3 +163,30 @@ def test_a_node_sampler_reads_mlflows_monitors_once_a_second():
         assert first["gpu_utilization_percentage"] == first["gpu_memory_usage_megabytes"] == 0
     assert sampler.figures() is sampler.figures(), "sampled at most once a second"
     assert NodeSampler(samples=False).figures() == [0.0] * len(NAMES)
+
+
+@pytest.mark.parametrize("interval", [1, 5, 256, 257, 600])
+def test_an_intervals_figures_are_those_of_its_windows_however_it_is_folded(interval, monkeypatch):
+    """The watch keeps an interval's reports and folds them every FOLD_EVERY windows (3 here):
+    its means and peaks are those of every window of the interval, in any case."""
+    import random
+
+    from rayacc.observe import ranks
+
+    monkeypatch.setattr(ranks, "FOLD_EVERY", 3)
+    rng = random.Random(interval)
+    watch = RankWatch(interval)
+    windows = [[[rng.uniform(0, 1) for _ in FIELDS] for _ in range(3)] for _ in range(2 * interval)]
+    ends = {}
+    for step, reports in enumerate(windows, start=1):
+        metrics, _ = watch.window(step, reports)
+        if step % interval == 0:
+            ends[step] = metrics
+    assert sorted(ends) == [interval, 2 * interval]
+    for end, metrics in ends.items():
+        held = windows[end - interval : end]
+        for r in range(3):
+            for i, name in enumerate(FIELDS):
+                values = [w[r][i] for w in held]
+                want = max(values) if name.endswith("_mb") else sum(values) / interval
+                assert metrics[f"rank_{r}/{name}"] == pytest.approx(want, rel=1e-12), (end, r, name)
