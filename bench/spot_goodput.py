@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -62,7 +63,6 @@ def run(folder: Path, env: dict, name: str, handle_notice: bool, node: int, noti
     )["RAYACC_GCS_ADDRESS"]
 
     thread = threading.Thread(target=local, args=(env, "reclaim", str(node), str(notice_s)))
-    started = time.monotonic()
     proc = subprocess.Popen(
         [sys.executable, "-m", "rayacc.cli", "train", "-c", str(spec(folder, name, handle_notice))],
         cwd=ROOT,
@@ -72,11 +72,20 @@ def run(folder: Path, env: dict, name: str, handle_notice: bool, node: int, noti
         text=True,
     )
     out = []
+    timeline = {}
     for line in proc.stdout:
         out.append(line)
+        now = time.monotonic()
         # once: a run that starts over prints step 4 again
         if f"step 4/{STEPS}" in line and thread.ident is None:
             thread.start()
+            timeline["notice"] = now  # the drain comes first in `local.sh reclaim`
+        if "last checkpoint before the reclaim" in line:
+            timeline["last checkpoint"] = now
+        if "resize at step" in line or "restart at step" in line:
+            timeline.setdefault("resized", now)
+        if "resized" in timeline and re.search(rf"step \d+/{STEPS}", line):
+            timeline.setdefault("training again", now)
     proc.wait()
     thread.join()
     if proc.returncode != 0:
@@ -93,7 +102,7 @@ def run(folder: Path, env: dict, name: str, handle_notice: bool, node: int, noti
     split = {
         k.removeprefix("goodput/"): v for k, v in r.data.metrics.items() if k.startswith("goodput/")
     }
-    return split, time.monotonic() - started
+    return split, {k: v - timeline["notice"] for k, v in timeline.items() if "notice" in timeline}
 
 
 def main() -> None:
@@ -128,6 +137,10 @@ def main() -> None:
             f"{s['checkpoint_s']:>6.1f}s{s['recomputed_s']:>11.1f}s"
             f"{int(s['steps_recomputed']):>7}{s['wall_s']:>7.1f}s"
         )
+    print(f"seconds after the notice (the deadline: {args.notice_s} s)")
+    for label, (_, times) in results.items():
+        shown = ", ".join(f"{k} {v:.1f}" for k, v in times.items() if k != "notice")
+        print(f"{label:28}{shown}")
     on, off = (results[k][0] for k in results)
     # goodput's fraction counts the kept steps' time, which grows when more of them run on
     # fewer workers: the wall time and the steps done twice are the comparison

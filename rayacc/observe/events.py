@@ -225,14 +225,22 @@ class ReclaimStandby:
     step: int
     seconds_left: float
     """From the checkpoint's end to the deadline."""
+    kept_until_deadline: str | None = None
+    """Why the group could not end at once and waits for the deadline; None: it ends now."""
 
     def describe(self) -> str:
         return f"step {self.step}: last checkpoint, {self.seconds_left:.1f} s before the deadline"
 
     def console_line(self) -> str:
-        return (
+        head = (
             f"last checkpoint before the reclaim at step {self.step}, {self.seconds_left:.0f} s "
-            "before the deadline; the workers wait for the restart without the reclaimed node"
+            "before the deadline; "
+        )
+        if self.kept_until_deadline is None:
+            return head + "the group ends now and restarts without the reclaimed node"
+        return head + (
+            f"the workers wait for the restart without the reclaimed node at the deadline "
+            f"(the group could not end at once: {self.kept_until_deadline})"
         )
 
 

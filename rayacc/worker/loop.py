@@ -136,10 +136,11 @@ class WorkerRun:
         """Rank 0's view of every rank's figures."""
         self.node_sampler: NodeSampler | None = None
         """With tracking.system_metrics: this node's figures (sampled by its first rank)."""
-        quiet = (lambda: None), (lambda: None)
-        self.watch = PreemptionWatch(
-            *(ray_notice_sources() if cfg.train.checkpoint_on_preemption else quiet)
+        quiet = (lambda: None), (lambda: None), None
+        local, agree, end_now = (
+            ray_notice_sources() if cfg.train.checkpoint_on_preemption else quiet
         )
+        self.watch = PreemptionWatch(local, agree, end_now=end_now)
         self._build()
         self.timeline["built"] = time.time()
 
@@ -437,7 +438,11 @@ class WorkerRun:
                     self._checkpoint(record, "before the reclaim")
                 if is_last:
                     return  # the run is done: nothing to wait for
-                self.outbox.send(ReclaimStandby(step, self.watch.seconds_left()))
+                # rank 0 alone: one request to Ray for the whole group
+                kept_until_deadline = self.watch.end_group() if self.rank == 0 else None
+                self.outbox.send(
+                    ReclaimStandby(step, self.watch.seconds_left(), kept_until_deadline)
+                )
                 self.outbox.flush()
                 self.watch.stand_by()
                 return

@@ -13,15 +13,17 @@ Then: a checkpoint at once (unless a checkpoint takes longer than the time left:
 one is the fallback, and the notice says so), training goes on, and a last checkpoint is written
 when one more window, what the boundaries on the way run (a validation, a periodic checkpoint:
 `Boundaries`) and a checkpoint would no longer fit before the deadline — that decision travels
-by the same signal, so every rank takes it in the same window. The ranks then wait for
-Ray Train to end the group at the deadline and restart it without the node, from that last
-checkpoint: no step is recomputed.
+by the same signal, so every rank takes it in the same window. Then rank 0 moves the drain's
+deadline to a second from now (`end_group_now`): Ray Train's watcher sees the earlier deadline,
+its controller ends the group then and restarts it without the node, from that last
+checkpoint — no step recomputed and no idling until the deadline. (A rank that ended the group
+by exiting would count against `run.max_failures`; a drain's end counts as a preemption.)
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +31,9 @@ __all__ = ["DEFAULT_DEADLINE_S", "Boundaries", "Notice", "PreemptionWatch", "ray
 
 DEFAULT_DEADLINE_S = 120.0
 """Ray Train's own wait when a drain gives no deadline (its DEFAULT_PREEMPTION_DEADLINE_S)."""
+END_AFTER_S = 1.0
+"""The deadline rank 0 sets once the last checkpoint is written (a drain's deadline of 0 means
+none)."""
 STANDBY_GRACE_S = 60.0
 """How long past the deadline the ranks wait for the restart before they train on (a drain
 can be cancelled; Ray Train then never ends the group)."""
@@ -91,8 +96,12 @@ class PreemptionWatch:
         local: Callable[[], Any],
         agree: Callable[[], Any],
         clock: Callable[[], float] = time.time,
+        end_now: Callable[[Sequence[str]], None] | None = None,
     ):
+        """`end_now(nodes)`: brings the reclaim of these nodes forward to now (None: the ranks
+        wait for the deadline)."""
         self.local, self.agree, self.clock = local, agree, clock
+        self.end_now = end_now
         self.phase = "watching"
         self.notice: Notice | None = None
         self.window_s = 0.0
@@ -154,6 +163,17 @@ class PreemptionWatch:
     def seconds_left(self) -> float:
         return self.notice.deadline - self.clock() if self.notice else float("inf")
 
+    def end_group(self) -> str | None:
+        """Once the last checkpoint is written (rank 0): the group ends now rather than at the
+        deadline. None when it does, else why not (the ranks then wait for the deadline)."""
+        if self.end_now is None or self.notice is None:
+            return "no way to end it here"
+        try:
+            self.end_now(self.notice.nodes)
+        except Exception as exc:  # the wait for the deadline still ends the group
+            return f"{type(exc).__name__}: {exc}"[:300]
+        return None
+
     def stand_by(self, sleep: Callable[[float], None] = time.sleep) -> None:
         """Waits for Ray Train to end the group at the deadline. Returns only when it did not
         (the drain was cancelled): training then goes on, and this notice is done with."""
@@ -163,10 +183,10 @@ class PreemptionWatch:
         self.phase = "over"
 
 
-def ray_notice_sources() -> tuple[Callable[[], Any], Callable[[], Any]]:
-    """(local, agree) for a Ray Train worker. The local read is of Ray Train's worker context,
-    which its preemption watcher marks on every worker; a Ray without it gives no local
-    notices (and so no notices at all: the periodic checkpoints remain)."""
+def ray_notice_sources() -> tuple[Callable[[], Any], Callable[[], Any], Callable | None]:
+    """(local, agree, end_now) for a Ray Train worker. The local read is of Ray Train's worker
+    context, which its preemption watcher marks on every worker; a Ray without it gives no
+    local notices (and so no notices at all: the periodic checkpoints remain)."""
     import ray.train
 
     try:
@@ -174,5 +194,24 @@ def ray_notice_sources() -> tuple[Callable[[], Any], Callable[[], Any]]:
 
         context = get_train_context().preemption_context
     except (ImportError, AttributeError, RuntimeError):
-        return (lambda: None), ray.train.get_preemption_info
-    return (lambda: context.preemption_info), ray.train.get_preemption_info
+        return (lambda: None), ray.train.get_preemption_info, None
+    return (lambda: context.preemption_info), ray.train.get_preemption_info, end_group_now
+
+
+def end_group_now(nodes: Sequence[str]) -> None:
+    """Drains `nodes` for preemption again, with a deadline `END_AFTER_S` away: Ray Core keeps
+    the newer request, Ray Train's watcher passes the earlier deadline on and its controller
+    ends the group then (a preemption, not a failure) and places the next one without them.
+    The node is leaving anyway; whatever else runs there sees the earlier deadline too."""
+    import ray
+    from ray.core.generated import autoscaler_pb2
+
+    gcs = ray._private.worker.global_worker.gcs_client
+    reason = autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION")
+    deadline_ms = int((time.time() + END_AFTER_S) * 1000)
+    for node in nodes:
+        accepted, why = gcs.drain_node(
+            node, reason, "rayacc: the last checkpoint before the reclaim is written", deadline_ms
+        )
+        if not accepted:
+            raise RuntimeError(f"Ray refused the drain of node {node}: {why}")

@@ -1,7 +1,8 @@
 """A spot reclaim with notice, on a real multi-node Ray cluster on loopback: a worker node is
 drained for preemption with a deadline (what a cloud's reclaim warning makes Ray's autoscaler
-do) and removed at the deadline. No step may be recomputed, and the run must end with the
-weights of the uninterrupted single-process run."""
+do) and removed at the deadline. No step may be recomputed, the group must end as soon as the
+last checkpoint is written, and the run must end with the weights of the uninterrupted
+single-process run."""
 
 from __future__ import annotations
 
@@ -64,6 +65,11 @@ def test_spot_reclaim_with_notice_is_preempted_without_losing_a_step(
     assert re.search(console_says, out), out[-4000:]
     last = re.search(r"last checkpoint before the reclaim at step (\d+)", out)
     assert last, out[-4000:]
+    # ... after which the group ends at once (rank 0 brings the drain's deadline forward)
+    # rather than idling until the deadline
+    assert re.search(
+        rf"reclaim at step {last.group(1)}, \d+ s before the deadline; the group ends now", out
+    ), out[-4000:]
     noticed_at, last_at = int(notice.group(1)), int(last.group(1))
     assert 4 < noticed_at < last_at < STEPS, (noticed_at, last_at)
     # the group restarts without the node from the last checkpoint: not one step again

@@ -228,6 +228,32 @@ def test_stand_by_returns_only_when_no_restart_came():
     assert not watch.signal() and watch.after_window(1, 1.0) is None
 
 
+def refused(nodes):
+    raise RuntimeError("Ray refused the drain of node n")
+
+
+@pytest.mark.parametrize(
+    ("end_now", "noticed", "why"),
+    [
+        ("records", True, None),
+        (refused, True, "RuntimeError: Ray refused the drain of node n"),
+        (None, True, "no way to end it here"),
+        ("records", False, "no way to end it here"),  # no notice agreed: nothing to end
+    ],
+)
+def test_the_group_ends_once_the_last_checkpoint_is_written(end_now, noticed, why):
+    clock = Clock()
+    info = Info(int((clock.t + 10) * 1000))
+    asked = []
+    if end_now == "records":
+        end_now = asked.append
+    watch = PreemptionWatch(lambda: info, lambda: info, clock, end_now=end_now)
+    if noticed:
+        watch.after_window(1, 1.0)
+    assert watch.end_group() == why
+    assert asked == ([watch.notice.nodes] if why is None else [])
+
+
 def test_quiet_sources_never_signal():
     watch = PreemptionWatch(lambda: None, lambda: None)
     assert run_windows(watch, Clock(), 10, 1.0) == []
@@ -261,7 +287,13 @@ NOTICES = [
     (
         ReclaimStandby(9, 4.2),
         "step 9: last checkpoint, 4.2 s before the deadline",
-        "the workers wait for the restart without the reclaimed node",
+        "the group ends now and restarts without the reclaimed node",
+    ),
+    (
+        ReclaimStandby(9, 4.2, "RuntimeError: Ray refused the drain"),
+        "step 9: last checkpoint, 4.2 s before the deadline",
+        "the workers wait for the restart without the reclaimed node at the deadline (the "
+        "group could not end at once: RuntimeError: Ray refused the drain)",
     ),
 ]
 
