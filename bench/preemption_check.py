@@ -45,7 +45,8 @@ def train_loop(config: dict) -> dict:
         }
         for _ in range(4)
     ]
-    watch = PreemptionWatch(*ray_notice_sources())
+    local, agree, end_now = ray_notice_sources()
+    watch = PreemptionWatch(local, agree, end_now=end_now)
     with_check, without = [], []
     for i in range(config["windows"]):
         checked = i % 2 == 0
