@@ -64,9 +64,12 @@ def engine_and_bare(rank: int) -> dict:
     return {v: make_runner(v) for v in VARIANTS}
 
 
-def alternate(
-    make_runners, rank: int, blocks: int, block_steps: int, flip: bool = False
-) -> dict[str, list[float]]:
+Times = dict[str, dict[str, list[float]]]
+"""Per variant, per clock (`wall`; `cpu`: the process's CPU time, every thread), one time a
+step."""
+
+
+def alternate(make_runners, rank: int, blocks: int, block_steps: int, flip: bool = False) -> Times:
     """The runners `make_runners(rank)` builds, on this rank's process group, in alternating
     blocks of steps on the same micro-batches; per-step times. `flip`: each variant goes first
     in every other block, so neither always follows the other."""
@@ -75,7 +78,7 @@ def alternate(
     x, y = torch.randn(4096, 64), torch.randint(0, 10, (4096,))
     runners = make_runners(rank)
     names = list(runners)
-    times: dict[str, list[float]] = {v: [] for v in names}
+    times: Times = {v: {"wall": [], "cpu": []} for v in names}
     s = 0
     for b in range(blocks):
         for variant in names[::-1] if flip and b % 2 == 0 else names:
@@ -86,11 +89,12 @@ def alternate(
                     {"features": x[i : i + MICRO], "label": y[i : i + MICRO]}
                     for i in range(start, start + MICRO * ACCUM, MICRO)
                 ]
-                t = time.perf_counter()
+                c, t = time.process_time(), time.perf_counter()
                 runners[variant](mbs)
-                times[variant].append(time.perf_counter() - t)
+                times[variant]["wall"].append(time.perf_counter() - t)
+                times[variant]["cpu"].append(time.process_time() - c)
     # the first two blocks warm up allocator and caches
-    return {v: t[2 * block_steps :] for v, t in times.items()}
+    return {v: {k: t[2 * block_steps :] for k, t in clocks.items()} for v, clocks in times.items()}
 
 
 def rank_body(rank: int, init: str, args: tuple, queue) -> None:
@@ -108,7 +112,7 @@ def rank_body(rank: int, init: str, args: tuple, queue) -> None:
     dist.destroy_process_group()
 
 
-def in_gloo_ranks(make_runners, blocks: int, block_steps: int, flip: bool = False) -> dict:
+def in_gloo_ranks(make_runners, blocks: int, block_steps: int, flip: bool = False) -> Times:
     """`alternate` in 2 spawned gloo processes; rank 0's times. `make_runners` must be
     picklable (a module-level function, or a partial of one)."""
     ctx = mp.get_context("spawn")
@@ -138,9 +142,7 @@ def ray_worker(config: dict) -> None:
     ray.train.report({"done": 1})
 
 
-def run_in_ray(
-    make_runners, blocks: int, block_steps: int, flip: bool = False
-) -> dict[str, list[float]]:
+def run_in_ray(make_runners, blocks: int, block_steps: int, flip: bool = False) -> Times:
     """`alternate` in 2 Ray Train workers on a local Ray (the default job's processes);
     rank 0's times."""
     import ray
@@ -181,9 +183,10 @@ def main() -> None:
     parser.add_argument("--in-ray", action="store_true", help="as Ray Train workers")
     args = parser.parse_args()
     if args.in_ray:
-        times = run_in_ray(engine_and_bare, args.blocks, args.block_steps)
+        clocks = run_in_ray(engine_and_bare, args.blocks, args.block_steps)
     else:
-        times = in_gloo_ranks(engine_and_bare, args.blocks, args.block_steps)
+        clocks = in_gloo_ranks(engine_and_bare, args.blocks, args.block_steps)
+    times = {v: c["wall"] for v, c in clocks.items()}
     where = "Ray Train workers" if args.in_ray else "gloo ranks"
     print(
         f"MLP 64→256→256→10, 2 {where} × micro {MICRO} × accum {ACCUM}, fused AdamW; "

@@ -4,9 +4,14 @@ and without every rank's figures riding the window's reduction and rank 0 judgin
 (`observe/ranks.py`), as the worker loop does both.
 
 Both run in the same two processes, alternating in blocks of steps, so that whatever else the
-machine does hits both alike. Prints each one's median and mean step time and ends with
+machine does hits both alike. Prints each one's median and mean step time, the cost measured
+on two clocks with a bootstrap 95 % interval each, and ends with
 
-    per-rank telemetry cost / step: X %      (target: at most 1 %)
+    per-rank telemetry cost / step: X % wall, Y % CPU      (target: at most 1 %)
+
+wall: the telemetry side's step time over the plain side's; CPU: rank 0's extra CPU time per
+step over the plain step's wall time. CPU time leaves out the time a rank waits for a core or
+for its peer, the wall measure's main noise, and rank 0 does all the other ranks do and more.
 
     .venv/bin/python bench/rank_telemetry.py [--blocks 400] [--block-steps 5] [--same]
 """
@@ -15,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import random
 import statistics
 import sys
 import time
@@ -34,6 +40,10 @@ from rayacc.models.mlp import MLP
 from rayacc.observe.ranks import RankWatch, rank_report
 
 VARIANTS = ("plain", "telemetry")
+INTERVAL = RankWatch.interval_for(60)
+"""The default job's logging interval: its 60 windows (10 epochs of 6) in tenths. Each
+interval's end costs rank 0 about ten windows' telemetry, so the short default job pays the
+most per window."""
 
 
 class Runner:
@@ -44,7 +54,7 @@ class Runner:
         self.step = step
         self.telemetry = telemetry
         self.report: list[float] = []
-        self.watch = RankWatch(10) if telemetry and rank == 0 else None
+        self.watch = RankWatch(INTERVAL) if telemetry and rank == 0 else None
         self.process = psutil.Process()
         self.n = 0
 
@@ -65,7 +75,7 @@ class Runner:
             device_mb=result.peak_memory_mb,
         )
         if self.watch is not None:
-            self.watch.window(self.n, result.rank_reports)
+            self.watch.window(self.n, result.rank_figures)
 
 
 def runners(rank: int, same: bool) -> dict:
@@ -90,7 +100,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     run = run_in_ray if args.in_ray else in_gloo_ranks
-    times = run(
+    clocks = run(
         functools.partial(runners, same=args.same), args.blocks, args.block_steps, flip=True
     )
     where = "Ray Train workers" if args.in_ray else "gloo ranks"
@@ -98,20 +108,51 @@ def main() -> None:
         f"the default job's step (MLP 64→128→128→10, 2 {where} × micro {MICRO} × accum "
         f"{ACCUM}, AdamW); {args.blocks} alternating blocks of {args.block_steps} steps"
     )
-    med = {v: statistics.median(t) for v, t in times.items()}
-    for v, t in times.items():
-        print(f"{v:9} step ms: median {med[v] * 1e3:.3f}  mean {statistics.mean(t) * 1e3:.3f}")
-    # the ratio of the two within each block pair, then their median: what the machine did
-    # meanwhile hits both sides of a pair alike
-    k = args.block_steps
-    pairs = [
-        statistics.median(times["telemetry"][i : i + k])
-        / statistics.median(times["plain"][i : i + k])
-        for i in range(0, len(times["plain"]), k)
-    ]
-    cost = (statistics.median(pairs) - 1) * 100
+    for v, c in clocks.items():
+        print(
+            f"{v:9} step ms: median {statistics.median(c['wall']) * 1e3:.3f}  mean "
+            f"{statistics.mean(c['wall']) * 1e3:.3f}  CPU median "
+            f"{statistics.median(c['cpu']) * 1e3:.3f}"
+        )
+    wall, cpu = block_costs(clocks, args.block_steps)
+    for name, costs in (("wall", wall), ("CPU", cpu)):
+        low, high = interval95(costs)
+        print(
+            f"{name:4} cost / step: {statistics.median(costs) * 100:.2f} % "
+            f"(95 % interval {low * 100:.2f} … {high * 100:.2f} %)"
+        )
     label = "the same step twice (A/A)" if args.same else "per-rank telemetry cost / step"
-    print(f"{label}: {cost:.2f} %")
+    wall_cost, cpu_cost = statistics.median(wall) * 100, statistics.median(cpu) * 100
+    print(f"{label}: {wall_cost:.2f} % wall, {cpu_cost:.2f} % CPU")
+
+
+def block_costs(clocks: dict, k: int) -> tuple[list[float], list[float]]:
+    """Per pair of blocks, the telemetry side's extra time over the plain side's step: wall
+    (the ratio of their median step times, less one) and CPU (the extra median CPU time of
+    rank 0, which does everything the other ranks do and judges them too, over the plain
+    step's median wall time). Within a pair, what the machine did meanwhile hits both alike;
+    CPU time leaves out the time the process waited (for a core, for the other rank), the
+    wall measure's main noise."""
+    tel, plain = clocks["telemetry"], clocks["plain"]
+    wall, cpu = [], []
+    for i in range(0, len(plain["wall"]), k):
+        base = statistics.median(plain["wall"][i : i + k])
+        wall.append(statistics.median(tel["wall"][i : i + k]) / base - 1)
+        extra = statistics.median(tel["cpu"][i : i + k]) - statistics.median(
+            plain["cpu"][i : i + k]
+        )
+        cpu.append(extra / base)
+    return wall, cpu
+
+
+def interval95(costs: list[float], resamples: int = 1000) -> tuple[float, float]:
+    """A bootstrap 95 % interval of the median over the block pairs: how far the figure would
+    move on another run of as many pairs (not what differs between runs for other reasons,
+    which `--same` shows)."""
+    rng = random.Random(0)
+    n = len(costs)
+    medians = sorted(statistics.median(rng.choices(costs, k=n)) for _ in range(resamples))
+    return medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
 
 
 if __name__ == "__main__":

@@ -79,10 +79,20 @@ class StepResult:
     its own)."""
     optimizer_time_s: float = 0.0
     """This rank: unscale, normalise, clip, step and schedule."""
-    rank_reports: tuple[tuple[float, ...], ...] = ()
-    """Every rank's `rank_report` given for this window, in rank order (the same on every
-    rank): each rank's figures summed into its own slots of the window's counts, so they
-    travel with the gradient reduction (no collective of their own)."""
+    rank_figures: tuple[float, ...] = ()
+    """Every rank's `rank_report` given for this window, flat in rank order (the same on
+    every rank; rank r's at [r·k, (r+1)·k) for reports of k figures): each rank's figures
+    summed into its own slots of the window's counts, so they travel with the gradient
+    reduction (no collective of their own)."""
+    rank_width: int = 0
+    """k: figures in each rank's report (0: none given)."""
+
+    @property
+    def rank_reports(self) -> tuple[tuple[float, ...], ...]:
+        """`rank_figures` cut into one report per rank (cut only when asked: the ranks that
+        do not read them pay nothing)."""
+        f, k = self.rank_figures, self.rank_width
+        return tuple(f[i : i + k] for i in range(0, len(f), k)) if k else ()
 
     @property
     def compute_time_s(self) -> float:
@@ -239,9 +249,8 @@ class AccumulationStep:
         )
         if stats is None:
             return None
-        total_loss, items, samples, sum_m, sum_m2, signals, reports = self._reduced(
-            stats, len(rank_report)
-        )
+        k = len(rank_report)
+        total_loss, items, samples, sum_m, sum_m2, signals, figures = self._reduced(stats, k)
         if scale is None:
             self._check_micro_steps(n_micro, sum_m, sum_m2)
         if items == 0 or not math.isfinite(total_loss):
@@ -249,7 +258,16 @@ class AccumulationStep:
             self._clear_grads()
             why = "no loss items" if items == 0 else "non-finite loss"
             return self._result(
-                t_start, math.nan, items, samples, n_micro, math.nan, lr, why, signals, reports
+                t_start,
+                math.nan,
+                items,
+                samples,
+                n_micro,
+                math.nan,
+                lr,
+                why,
+                signals,
+                (figures, k),
             )
         t_optimizer = time.perf_counter()
         grad_norm, skip_reason = self._normalise_clip_step(items, divided=scale is not None)
@@ -265,7 +283,7 @@ class AccumulationStep:
             lr,
             skip_reason,
             signals,
-            reports,
+            (figures, k),
             optimizer_time_s=time.perf_counter() - t_optimizer,
         )
 
@@ -342,16 +360,15 @@ class AccumulationStep:
 
     def _reduced(
         self, stats: torch.Tensor, k: int
-    ) -> tuple[float, int, int, float, float, int, tuple[tuple[float, ...], ...]]:
-        """(loss sum, items, samples, Σm, Σm², signals, every rank's `k` figures) over all
-        ranks."""
+    ) -> tuple[float, int, int, float, float, int, tuple[float, ...]]:
+        """(loss sum, items, samples, Σm, Σm², signals, every rank's `k` figures flat) over
+        all ranks."""
         reduced = self.strategy.reduced_window_stats(stats, group=self.group)
         # a CPU–GPU sync point on GPU: whether to step depends on these
-        total_loss, items, samples, sum_m, sum_m2, signals, *slots = reduced.tolist()
-        reports = (
-            tuple(tuple(slots[r * k : r * k + k]) for r in range(len(slots) // k)) if k else ()
-        )
-        return total_loss, int(items), int(samples), sum_m, sum_m2, int(signals), reports
+        values = reduced.tolist()
+        total_loss, items, samples, sum_m, sum_m2, signals = values[:6]
+        figures = tuple(values[6:]) if k else ()
+        return total_loss, int(items), int(samples), sum_m, sum_m2, int(signals), figures
 
     def _normalise_clip_step(self, items: int, divided: bool) -> tuple[float, str | None]:
         """Unscale → normalise → clip → step → schedule; (gradient norm, why skipped or None).
@@ -442,7 +459,7 @@ class AccumulationStep:
         lr: float,
         skip_reason: str | None,
         signals: int = 0,
-        rank_reports: tuple[tuple[float, ...], ...] = (),
+        rank_figures: tuple[tuple[float, ...], int] = ((), 0),
         optimizer_time_s: float = 0.0,
     ) -> StepResult:
         if self.device.type == "cuda":
@@ -474,7 +491,8 @@ class AccumulationStep:
             micro_batch_splits=self.micro_batch_splits,
             signals=signals,
             optimizer_time_s=optimizer_time_s,
-            rank_reports=rank_reports,
+            rank_figures=rank_figures[0],
+            rank_width=rank_figures[1],
         )
 
 

@@ -11,14 +11,15 @@ intervals of a tenth of the run.
 from __future__ import annotations
 
 import math
-import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 __all__ = ["FIELDS", "PARTS", "RankWatch", "Straggler", "rank_report"]
 
-FIELDS = ("compute_s", "data_s", "sync_s", "optimizer_s", "host_mb", "device_mb")
-"""What each rank reports of its window, in this order."""
+FIELDS = ("compute_s", "data_s", "sync_s", "optimizer_s", "own_s", "host_mb", "device_mb")
+"""What each rank reports of its window, in this order. `own_s`: its own time, the sum of
+`PARTS`, added up by each rank for itself rather than by rank 0 for everyone between
+windows."""
 PARTS = ("compute_s", "data_s", "optimizer_s")
 """A rank's own time: the parts that make it slower than its peers. (Its gradient-sync wait is
 shorter, not longer: the others wait for it. A slow link slows every rank's sync alike, which
@@ -42,7 +43,8 @@ def rank_report(
 ) -> list[float]:
     """One rank's figures of one window, in `FIELDS` order."""
     compute_s = max(0.0, step_s - sync_s - optimizer_s)
-    return [compute_s, data_s, sync_s, optimizer_s, host_mb, device_mb]
+    own_s = compute_s + data_s + optimizer_s
+    return [compute_s, data_s, sync_s, optimizer_s, own_s, host_mb, device_mb]
 
 
 @dataclass(frozen=True)
@@ -76,7 +78,17 @@ class Straggler:
         )
 
 
-_COMPUTE, _DATA, _OPTIMIZER = (FIELDS.index(p) for p in PARTS)
+_OWN = FIELDS.index("own_s")
+
+
+def _median(values: list[float]) -> float:
+    """statistics.median without its type dispatch, which costs more than the rest of a
+    window's work here."""
+    ranked = sorted(values)
+    mid = len(ranked) // 2
+    return ranked[mid] if len(ranked) % 2 else (ranked[mid - 1] + ranked[mid]) / 2
+
+
 FOLD_EVERY = 256
 
 
@@ -84,7 +96,11 @@ class RankWatch:
     """Rank 0's view of every rank: per window, the median and the slowest rank's own time;
     per logging interval, each rank's means (memory: its peak) and whether a straggler is to
     be named. `margin`: how far above the others' median a rank's own time must stay
-    (0.3 = 30 %), for `patience` consecutive intervals."""
+    (0.3 = 30 %), for `patience` consecutive intervals.
+
+    A window's figures arrive flat, as the step's reduction leaves them
+    (`StepResult.rank_figures`: rank r's report at [r·k, (r+1)·k)); they are read in place,
+    never cut into one sequence per rank between windows."""
 
     def __init__(
         self,
@@ -101,15 +117,27 @@ class RankWatch:
         self.interval_steps = max(1, interval_steps)
         self.margin, self.patience, self.nodes = margin, patience, tuple(nodes)
         self.system = tuple(system)
-        self._interval: list[Sequence[Sequence[float]]] = []
-        """The reports not yet folded into `_folded`: adding them up window by window would
-        cost every step more (this runs on rank 0 between windows); folded every
-        `FOLD_EVERY` windows, so a long interval on many ranks holds little."""
-        self._folded: tuple[int, list[list[float]], list[list[float]]] | None = None
-        """(windows, per rank sums, per rank peaks) of the interval's folded reports."""
+        self.width = len(FIELDS) + len(self.system)
+        """Figures in one rank's report."""
+        self._pending: list[float] = []
+        """The figures of the interval's windows not yet in `_totals`, one window after
+        the other: adding them up window by window would cost every step more (this runs on
+        rank 0 between windows), and so would keeping each window's figures as an object of
+        its own (every object kept alive brings Python's garbage collection round sooner, and
+        its passes cost the step's time); folded every `FOLD_EVERY` windows, so a long interval
+        on many ranks holds little."""
+        self._windows = 0
+        self._totals: list[float] = []
+        """Per figure of each rank, over the interval's folded windows: its sum, or its peak
+        where `_peak_at` (memory)."""
+        self._peak_at: list[bool] = []
         self._streaks: dict[int, int] = {}
         self._named: set[int] = set()
-        self._world = 0
+        self._size = -1
+        self._fold_at = 0
+        self._names: list[tuple[int, str]] = []
+        """(flat index, metric name) of every rank's `FIELDS`, for the world of `_size`
+        figures."""
 
     @staticmethod
     def interval_for(total_steps: int) -> int:
@@ -117,70 +145,89 @@ class RankWatch:
         return max(1, math.ceil(total_steps / 10))
 
     def window(
-        self, step: int, reports: Sequence[Sequence[float]]
+        self, step: int, figures: Sequence[float]
     ) -> tuple[dict[str, float], Straggler | None]:
-        """The ranks' figures arriving with `step`: metrics for its record (per window, and
-        per rank at an interval's end) and a straggler newly named, if any."""
-        if not reports:
-            return {}, None
-        # every window, on rank 0 between windows: as little as it takes
-        own = [r[_COMPUTE] + r[_DATA] + r[_OPTIMIZER] for r in reports]
-        top = max(own)
+        """Every rank's figures of the window arriving with `step`, flat in rank order:
+        metrics for its record (per window, and per rank at an interval's end) and a straggler
+        newly named, if any."""
+        if len(figures) != self._size:  # the first window, or another worker count
+            if not figures:
+                return {}, None
+            self._start_over(len(figures))
+        k = self.width
+        # every window, on rank 0 between windows: as little as it takes (each line here
+        # costs several times what it does in a hot loop: the step before has taken the
+        # caches)
+        own = figures[_OWN::k]
         ranked = sorted(own)
         mid = len(ranked) // 2
         metrics = {
             "ranks/own_s_median": ranked[mid]
-            if mid * 2 != len(ranked)
+            if len(ranked) % 2
             else (ranked[mid - 1] + ranked[mid]) / 2,
-            "ranks/own_s_max": top,
-            "ranks/slowest": float(own.index(top)),
+            "ranks/own_s_max": ranked[-1],
+            "ranks/slowest": float(own.index(ranked[-1])),
         }
-        if len(reports) != self._world:  # another worker count: start over
-            self._interval, self._folded = [], None
-            self._streaks.clear()
-            self._named.clear()
-            self._world = len(reports)
-        self._interval.append(reports)
+        self._pending += figures
         if step % self.interval_steps:
-            if len(self._interval) >= FOLD_EVERY:
+            if len(self._pending) >= self._fold_at:
                 self._fold()
             return metrics, None
+        return metrics, self._interval_end(step, metrics)
+
+    def _interval_end(self, step: int, metrics: dict[str, float]) -> Straggler | None:
+        """Each rank's means over the interval (memory: its peak) into `metrics`; a straggler
+        newly named, if any."""
         self._fold()
-        assert self._folded is not None
-        windows, sums, peaks = self._folded
-        self._folded = None
-        means = [[v / windows for v in rank] for rank in sums]
-        for r, (mean, peak) in enumerate(zip(means, peaks, strict=True)):
-            for i, name in enumerate(FIELDS):
-                metrics[f"rank_{r}/{name}"] = peak[i] if name.endswith("_mb") else mean[i]
-            metrics[f"rank_{r}/own_s"] = sum(mean[FIELDS.index(p)] for p in PARTS)
-        for node, r in self._first_rank_of_each_node(len(means)).items():
+        n, totals = self._windows, self._totals
+        self._windows, self._totals = 0, []
+        values = [t if peak else t / n for t, peak in zip(totals, self._peak_at, strict=True)]
+        for i, name in self._names:
+            metrics[name] = values[i]
+        k = self.width
+        per_rank = [values[i : i + k] for i in range(0, len(values), k)]
+        for node, r in self._first_rank_of_each_node(len(per_rank)).items():
             for i, name in enumerate(self.system):
-                metrics[f"system/{node}/{name}"] = means[r][len(FIELDS) + i]
-        return metrics, self._judge(step, means)
+                metrics[f"system/{node}/{name}"] = per_rank[r][len(FIELDS) + i]
+        return self._judge(step, per_rank, values[_OWN::k])
+
+    def _start_over(self, size: int) -> None:
+        if size % self.width:
+            raise ValueError(
+                f"{size} rank figures do not split into reports of {self.width} "
+                f"({len(FIELDS)} FIELDS and {len(self.system)} system figures)"
+            )
+        self._pending, self._windows, self._totals = [], 0, []
+        self._streaks.clear()
+        self._named.clear()
+        self._size = size
+        self._fold_at = FOLD_EVERY * size
+        world = size // self.width
+        self._names = [
+            (r * self.width + i, f"rank_{r}/{name}")
+            for r in range(world)
+            for i, name in enumerate(FIELDS)
+        ]
+        self._peak_at = [name.endswith("_mb") for name in FIELDS + self.system] * world
 
     def _fold(self) -> None:
-        """Adds the pending reports to the interval's sums and peaks."""
-        pending, self._interval = self._interval, []
+        """Adds the pending windows to the interval's totals: sums, and peaks of memory."""
+        pending, self._pending = self._pending, []
         if not pending:
             return
-        # per rank, per figure: its values over the pending windows
-        columns = [list(zip(*rank, strict=True)) for rank in zip(*pending, strict=True)]
-        sums = [[sum(c) for c in rank] for rank in columns]
-        peaks = [[max(c) for c in rank] for rank in columns]
-        if self._folded is not None:
-            n, old_sums, old_peaks = self._folded
-            sums = [
-                [a + b for a, b in zip(x, y, strict=True)]
-                for x, y in zip(old_sums, sums, strict=True)
+        size = self._size
+        # per figure of each rank: its values over the pending windows, summed or their peak
+        totals = [
+            max(pending[i::size]) if peak else sum(pending[i::size])
+            for i, peak in enumerate(self._peak_at)
+        ]
+        if self._windows:
+            totals = [
+                max(a, b) if peak else a + b
+                for a, b, peak in zip(self._totals, totals, self._peak_at, strict=True)
             ]
-            peaks = [
-                [max(a, b) for a, b in zip(x, y, strict=True)]
-                for x, y in zip(old_peaks, peaks, strict=True)
-            ]
-            self._folded = (n + len(pending), sums, peaks)
-        else:
-            self._folded = (len(pending), sums, peaks)
+        self._windows += len(pending) // size
+        self._totals = totals
 
     def _first_rank_of_each_node(self, world: int) -> dict[str, int]:
         """Node label (in a metric name: `/` is a level there) → the rank that samples it."""
@@ -192,15 +239,15 @@ class RankWatch:
             first.setdefault(node.replace("/", "-"), r)
         return first
 
-    def _judge(self, step: int, means: list[list[float]]) -> Straggler | None:
-        """Each rank's own time against the median of the others'; a rank above it by the
-        margin (and MIN_EXCESS_S) for `patience` intervals in a row is named, once per streak."""
+    def _judge(self, step: int, means: list[list[float]], own: list[float]) -> Straggler | None:
+        """Each rank's own time (`own`, from its `means`) against the median of the others';
+        a rank above it by the margin (and MIN_EXCESS_S) for `patience` intervals in a row is
+        named, once per streak."""
         if len(means) < 2:
             return None
-        own = [sum(m[FIELDS.index(p)] for p in PARTS) for m in means]
         named = None
         for r, mine in enumerate(own):
-            others = statistics.median(own[:r] + own[r + 1 :])
+            others = _median(own[:r] + own[r + 1 :])
             slow = mine > others * (1 + self.margin) and mine - others > MIN_EXCESS_S
             self._streaks[r] = self._streaks.get(r, 0) + 1 if slow else 0
             if not slow:
@@ -213,7 +260,7 @@ class RankWatch:
                 PARTS,
                 key=lambda p: (
                     means[r][FIELDS.index(p)]
-                    - statistics.median(m[FIELDS.index(p)] for i, m in enumerate(means) if i != r)
+                    - _median([m[FIELDS.index(p)] for i, m in enumerate(means) if i != r])
                 ),
             )
             named = Straggler(

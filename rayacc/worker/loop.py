@@ -395,7 +395,7 @@ class WorkerRun:
             token_items=self.info.format == "tokens",
         )
         if self.ranks is not None:
-            figures, straggler = self.ranks.window(self.state.optimizer_step, result.rank_reports)
+            figures, straggler = self.ranks.window(self.state.optimizer_step, result.rank_figures)
             record.update(figures)
             if straggler is not None:
                 self.outbox.send(straggler)

@@ -10,7 +10,14 @@ from rayacc.observe.ranks import FIELDS, RankWatch, rank_report
 
 
 def figures(compute=0.2, data=0.01, sync=0.05, optimizer=0.01, host=500.0, device=100.0):
-    return [compute, data, sync, optimizer, host, device]
+    return rank_report(
+        step_s=compute + sync + optimizer,
+        sync_s=sync,
+        optimizer_s=optimizer,
+        data_s=data,
+        host_mb=host,
+        device_mb=device,
+    )
 
 
 def even(world=4, **slow):
@@ -18,11 +25,16 @@ def even(world=4, **slow):
     return [figures(**slow.get(f"r{r}", {})) for r in range(world)]
 
 
+def flat(reports):
+    """One window's reports as the step's reduction leaves them: rank after rank."""
+    return [v for report in reports for v in report]
+
+
 def run(watch, windows):
     """Feeds windows 1..n; returns (step, straggler) for every one named."""
     named = []
     for step, reports in enumerate(windows, start=1):
-        _, straggler = watch.window(step, reports)
+        _, straggler = watch.window(step, flat(reports))
         if straggler is not None:
             named.append((step, straggler))
     return named
@@ -78,25 +90,23 @@ def test_a_straggler_is_named_within_two_intervals_and_an_even_run_names_none(
 def test_the_window_and_interval_figures():
     watch = RankWatch(3, nodes=())
     reports = even(3, r1={"compute": 0.5, "device": 300.0})
-    first, _ = watch.window(1, reports)
+    first, _ = watch.window(1, flat(reports))
     own = [0.22, 0.52, 0.22]  # compute + data + optimizer
     assert first["ranks/own_s_median"] == pytest.approx(0.22)
     assert first["ranks/own_s_max"] == pytest.approx(0.52)
     assert first["ranks/slowest"] == 1.0
     assert not any(k.startswith("rank_") for k in first), "per rank only at an interval's end"
-    watch.window(2, even(3, r1={"device": 900.0}))
-    third, _ = watch.window(3, even(3))
+    watch.window(2, flat(even(3, r1={"device": 900.0})))
+    third, _ = watch.window(3, flat(even(3)))
     for r in range(3):
-        assert set(FIELDS) | {"own_s"} == {
-            k.split("/")[1] for k in third if k.startswith(f"rank_{r}/")
-        }
+        assert set(FIELDS) == {k.split("/")[1] for k in third if k.startswith(f"rank_{r}/")}
     # means over the interval's three windows; memory its peak
     assert third["rank_1/compute_s"] == pytest.approx((0.5 + 0.2 + 0.2) / 3)
     assert third["rank_1/own_s"] == pytest.approx((own[1] + 0.22 + 0.22) / 3)
     assert third["rank_1/device_mb"] == 900.0
     assert third["rank_0/device_mb"] == 100.0
     # the next interval starts afresh
-    fourth, _ = watch.window(4, even(3))
+    fourth, _ = watch.window(4, flat(even(3)))
     assert not any(k.startswith("rank_") for k in fourth)
 
 
@@ -123,6 +133,7 @@ def test_a_ranks_report_splits_its_window():
             "data_s": 0.2,
             "sync_s": 0.3,
             "optimizer_s": 0.1,
+            "own_s": 0.9,  # compute, data and optimizer: what makes a rank slower than others
             "host_mb": 10.0,
             "device_mb": 20.0,
         }
@@ -141,7 +152,7 @@ def test_each_nodes_system_figures_come_from_its_first_rank():
             [*figures(), system[r][0] + (cpu_extra if system[r][0] else 0), system[r][1]]
             for r in range(4)
         ]
-        metrics, _ = watch.window(step, reports)
+        metrics, _ = watch.window(step, flat(reports))
     assert {k: v for k, v in metrics.items() if k.startswith("system/")} == {
         "system/10.0.0.1-aa/cpu_utilization_percentage": 45.0,
         "system/10.0.0.1-aa/gpu_memory_usage_megabytes": 1000.0,
@@ -179,7 +190,7 @@ def test_an_intervals_figures_are_those_of_its_windows_however_it_is_folded(inte
     windows = [[[rng.uniform(0, 1) for _ in FIELDS] for _ in range(3)] for _ in range(2 * interval)]
     ends = {}
     for step, reports in enumerate(windows, start=1):
-        metrics, _ = watch.window(step, reports)
+        metrics, _ = watch.window(step, flat(reports))
         if step % interval == 0:
             ends[step] = metrics
     assert sorted(ends) == [interval, 2 * interval]
@@ -190,3 +201,12 @@ def test_an_intervals_figures_are_those_of_its_windows_however_it_is_folded(inte
                 values = [w[r][i] for w in held]
                 want = max(values) if name.endswith("_mb") else sum(values) / interval
                 assert metrics[f"rank_{r}/{name}"] == pytest.approx(want, rel=1e-12), (end, r, name)
+
+
+def test_figures_that_do_not_split_into_reports_are_refused():
+    """The watch reads rank r's report at [r·k, (r+1)·k): figures of another width would be
+    read as other ranks' figures."""
+    watch = RankWatch(2, system=("cpu_utilization_percentage",))
+    with pytest.raises(ValueError, match="do not split into reports of 8"):
+        watch.window(1, flat(even(2)))  # reports without the system figure
+    assert watch.window(1, flat([[*figures(), 50.0]] * 2))[0]["ranks/slowest"] == 0.0
