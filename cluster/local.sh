@@ -106,6 +106,27 @@ start_worker() {  # worker node $1
     --resources="{\"node_$1\": 1, \"worker_slot\": 1}" $(node_ports "$1")
 }
 
+# Ray's own start of a node gives up after 30 s ("The current node timed out during startup")
+# when the machine is loaded, and its `ray start` exits: started again, twice at most
+join_worker() {  # join_worker I DEADLINE: waits until worker node I joins, by $SECONDS DEADLINE
+  local i=$1 deadline=$2 restarts=0
+  until node_joined "$i" >/dev/null 2>&1; do
+    if [ -z "$(recorded_pid "$STATE/worker$i.pid")" ]; then
+      if [ "$restarts" -ge 2 ]; then
+        echo "local.sh: worker node $i's ray start exited $((restarts + 1)) times; its log: $STATE/worker$i.log" >&2
+        tail -n 5 "$STATE/worker$i.log" >&2 || true
+        return 1
+      fi
+      restarts=$((restarts + 1))
+      cp "$STATE/worker$i.log" "$STATE/worker$i.exited$restarts.log" 2>/dev/null || true
+      echo "local.sh: worker node $i's ray start exited before it joined (log kept as worker$i.exited$restarts.log); starting it again" >&2
+      start_worker "$i" || return 1
+    fi
+    if [ $SECONDS -ge "$deadline" ]; then echo "local.sh: worker node $i not ready by the deadline" >&2; return 1; fi
+    sleep 1
+  done
+}
+
 recorded_pid() {  # the pid of record $1 when it is still the process that was started, else nothing
   local pid start boot
   read -r pid start boot <"$1" 2>/dev/null || return 0
@@ -169,7 +190,7 @@ add() {
   local i=1
   while [ -f "$STATE/worker$i.pid" ]; do i=$((i + 1)); done
   start_worker "$i"
-  wait_for 180 "worker node $i" node_joined "$i"
+  join_worker "$i" $((SECONDS + 180))
   echo "worker node $i up"
 }
 
@@ -233,10 +254,8 @@ up() {
     start_bg mlflow "$MLFLOW" server --host $HOST --port $MLFLOW_PORT --workers 1 \
       --backend-store-uri "sqlite:///$STATE/mlflow.db" --artifacts-destination "$STATE/mlartifacts"
   fi
-  # the last worker node's resource shows once every node has joined
-  if [ "$n" -gt 0 ]; then
-    wait_for 180 "$n worker node(s)" node_joined "$n"
-  fi
+  local deadline=$((SECONDS + 180))
+  for i in $(seq 1 "$n"); do join_worker "$i" "$deadline" || exit 1; done
   local tracking=""
   if [ "$with_mlflow" != 0 ]; then
     wait_for 120 "MLflow server" curl -sf "http://$HOST:$MLFLOW_PORT/health"

@@ -8,6 +8,8 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -110,3 +112,53 @@ def test_down_kills_a_recorded_process_that_ignores_term(tmp_path):
     finally:
         if alive(stubborn):
             stubborn.kill()
+
+
+JOIN = r"""
+source "$ROOT/cluster/local.sh"
+set +e
+mkdir -p "$STATE"
+starts=0
+start_worker() {  # a node start that gives up (exits) $FAILS times, then one that joins
+  starts=$((starts + 1))
+  if [ "$FAILS" = never ]; then start_bg "worker$1" sleep 30
+  elif [ "$starts" -le "$FAILS" ]; then start_bg "worker$1" bash -c 'exit 1'
+  else start_bg "worker$1" bash -c 'touch "$0"; exec sleep 30' "$STATE/joined"
+  fi
+}
+node_joined() { [ -f "$STATE/joined" ]; }
+start_worker 1
+join_worker 1 $((SECONDS + 3))
+echo "rc=$? starts=$starts"
+kill "$(cut -d' ' -f1 "$STATE/worker1.pid")" 2>/dev/null
+"""
+
+
+@pytest.mark.parametrize(
+    ("fails", "rc", "starts", "says"),
+    [
+        ("0", 0, 1, None),
+        # Ray's own start of a node gave up after 30 s on a loaded machine: started again
+        ("1", 0, 2, "worker node 1's ray start exited before it joined"),
+        ("2", 0, 3, "worker1.exited2.log"),
+        ("3", 1, 3, "worker node 1's ray start exited 3 times"),
+        # alive but never joining: the deadline, not a restart
+        ("never", 1, 1, "worker node 1 not ready by the deadline"),
+    ],
+)
+def test_a_worker_node_whose_start_exits_is_started_again_twice_at_most(
+    tmp_path, fails, rc, starts, says
+):
+    state = tmp_path / "state"
+    out = subprocess.run(
+        ["bash", "-c", JOIN],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, ROOT=str(ROOT), RAYACC_LOCAL_DIR=str(state), FAILS=fails),
+        timeout=60,
+    )
+    assert f"rc={rc} starts={starts}" in out.stdout, out.stdout + out.stderr
+    if says is None:
+        assert "exited" not in out.stderr, out.stderr
+    else:
+        assert says in out.stderr, out.stderr
