@@ -267,7 +267,8 @@ class AccumulationStep:
                 lr,
                 why,
                 signals,
-                (figures, k),
+                rank_figures=figures,
+                rank_width=k,
             )
         t_optimizer = time.perf_counter()
         grad_norm, skip_reason = self._normalise_clip_step(items, divided=scale is not None)
@@ -283,7 +284,8 @@ class AccumulationStep:
             lr,
             skip_reason,
             signals,
-            (figures, k),
+            rank_figures=figures,
+            rank_width=k,
             optimizer_time_s=time.perf_counter() - t_optimizer,
         )
 
@@ -459,7 +461,8 @@ class AccumulationStep:
         lr: float,
         skip_reason: str | None,
         signals: int = 0,
-        rank_figures: tuple[tuple[float, ...], int] = ((), 0),
+        rank_figures: tuple[float, ...] = (),
+        rank_width: int = 0,
         optimizer_time_s: float = 0.0,
     ) -> StepResult:
         if self.device.type == "cuda":
@@ -491,8 +494,8 @@ class AccumulationStep:
             micro_batch_splits=self.micro_batch_splits,
             signals=signals,
             optimizer_time_s=optimizer_time_s,
-            rank_figures=rank_figures[0],
-            rank_width=rank_figures[1],
+            rank_figures=rank_figures,
+            rank_width=rank_width,
         )
 
 

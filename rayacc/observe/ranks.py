@@ -82,8 +82,8 @@ _OWN = FIELDS.index("own_s")
 
 
 def _median(values: list[float]) -> float:
-    """statistics.median without its type dispatch, which costs more than the rest of a
-    window's work here."""
+    """statistics.median without its type dispatch (several times the cost on a few
+    values)."""
     ranked = sorted(values)
     mid = len(ranked) // 2
     return ranked[mid] if len(ranked) % 2 else (ranked[mid - 1] + ranked[mid]) / 2
@@ -121,11 +121,9 @@ class RankWatch:
         """Figures in one rank's report."""
         self._pending: list[float] = []
         """The figures of the interval's windows not yet in `_totals`, one window after
-        the other: adding them up window by window would cost every step more (this runs on
-        rank 0 between windows), and so would keeping each window's figures as an object of
-        its own (every object kept alive brings Python's garbage collection round sooner, and
-        its passes cost the step's time); folded every `FOLD_EVERY` windows, so a long interval
-        on many ranks holds little."""
+        the other in one list: adding them up window by window would cost every step more
+        (this runs on rank 0 between windows); folded every `FOLD_EVERY` windows, so a long
+        interval on many ranks holds little."""
         self._windows = 0
         self._totals: list[float] = []
         """Per figure of each rank, over the interval's folded windows: its sum, or its peak
