@@ -81,12 +81,15 @@ class Straggler:
 _OWN = FIELDS.index("own_s")
 
 
-def _median(values: list[float]) -> float:
-    """statistics.median without its type dispatch (several times the cost on a few
-    values)."""
-    ranked = sorted(values)
+def _middle(ranked: Sequence[float]) -> float:
+    """The median of values already sorted: statistics.median without its type dispatch
+    (several times the cost on a few values)."""
     mid = len(ranked) // 2
     return ranked[mid] if len(ranked) % 2 else (ranked[mid - 1] + ranked[mid]) / 2
+
+
+def _median(values: list[float]) -> float:
+    return _middle(sorted(values))
 
 
 FOLD_EVERY = 256
@@ -158,11 +161,8 @@ class RankWatch:
         # caches)
         own = figures[_OWN::k]
         ranked = sorted(own)
-        mid = len(ranked) // 2
         metrics = {
-            "ranks/own_s_median": ranked[mid]
-            if len(ranked) % 2
-            else (ranked[mid - 1] + ranked[mid]) / 2,
+            "ranks/own_s_median": _middle(ranked),
             "ranks/own_s_max": ranked[-1],
             "ranks/slowest": float(own.index(ranked[-1])),
         }
@@ -187,7 +187,7 @@ class RankWatch:
         for node, r in self._first_rank_of_each_node(len(per_rank)).items():
             for i, name in enumerate(self.system):
                 metrics[f"system/{node}/{name}"] = per_rank[r][len(FIELDS) + i]
-        return self._judge(step, per_rank, values[_OWN::k])
+        return self._judge(step, per_rank)
 
     def _start_over(self, size: int) -> None:
         if size % self.width:
@@ -237,12 +237,13 @@ class RankWatch:
             first.setdefault(node.replace("/", "-"), r)
         return first
 
-    def _judge(self, step: int, means: list[list[float]], own: list[float]) -> Straggler | None:
-        """Each rank's own time (`own`, from its `means`) against the median of the others';
-        a rank above it by the margin (and MIN_EXCESS_S) for `patience` intervals in a row is
-        named, once per streak."""
+    def _judge(self, step: int, means: list[list[float]]) -> Straggler | None:
+        """Each rank's own time against the median of the others'; a rank above it by the
+        margin (and MIN_EXCESS_S) for `patience` intervals in a row is named, once per
+        streak."""
         if len(means) < 2:
             return None
+        own = [m[_OWN] for m in means]
         named = None
         for r, mine in enumerate(own):
             others = _median(own[:r] + own[r + 1 :])
