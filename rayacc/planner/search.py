@@ -252,6 +252,13 @@ def search(
     for key, result in group.results().items():
         if key in by_key:
             by_key[key].measured = result
+    late = [r for r in chosen_rows if r.measured is None]
+    if late:
+        # a plan from fewer measurements than asked for is a different plan: said, not hidden
+        say(
+            f"the time budget ({budget_s:g} s) ran out with {len(chosen_rows) - len(late)} of "
+            f"{len(chosen_rows)} candidates measured; to measure them all, raise --budget-s"
+        )
     if (outcome := nothing_fits(rows)) is not None:
         raise outcome
     chosen = pick(fitting or rows)

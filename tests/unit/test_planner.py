@@ -518,3 +518,50 @@ def test_nothing_fits_is_an_outcome_that_writes_no_plan(rows, outcome):
     assert isinstance(found, NothingFits)
     message = str(found)
     assert outcome in message and "no plan written" in message and "Fix:" in message
+
+
+class _Group:
+    """The calibration group's surface as `search` calls it: a made-up profile, and candidates
+    measured in order until `reached` of them are done (where a real group's deadline falls)."""
+
+    groups_started = 1
+
+    def __init__(self, reached: int):
+        self.reached, self.done = reached, {}
+
+    def profile(self, workers, sizes, choices):
+        return _profile(world=workers)
+
+    def measure(self, workers, todo, deadline):
+        for key, _ in todo[: self.reached - len(self.done)]:
+            self.done[key] = {"status": "measured", "memory_bytes": MIB, "step_s": 0.05}
+
+    def results(self):
+        return self.done
+
+
+@pytest.mark.parametrize(("reached", "said"), [(2, None), (1, "with 1 of 2"), (0, "with 0 of 2")])
+def test_a_time_budget_that_runs_out_before_the_top_candidates_is_said(tmp_path, reached, said):
+    from types import SimpleNamespace
+
+    from rayacc.data.sources import describe_dataset
+    from rayacc.planner.search import search
+
+    job = _job()
+    job["data"]["cache_dir"] = str(tmp_path)
+    cfg = TrainConfig.from_dict(job)
+    prep = SimpleNamespace(
+        info=describe_dataset("digits", str(tmp_path)),
+        split=SimpleNamespace(global_batch_size=256),
+    )
+    lines: list[str] = []
+    result = search(
+        cfg, prep, _Group(reached), budget_s=30, top=2, cluster_holds=2, say=lines.append
+    )
+    assert len(result.measured) == reached
+    late = [line for line in lines if "time budget" in line]
+    if said is None:
+        assert late == [], lines
+    else:
+        (line,) = late
+        assert said in line and "(30 s)" in line and "raise --budget-s" in line, line
