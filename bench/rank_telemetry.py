@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import pickle
 import random
 import statistics
 import sys
@@ -35,9 +36,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from cpu_engine_vs_bare import ACCUM, MICRO, in_gloo_ranks, run_in_ray
 
+from rayacc.config.batch_split import BatchSplit
 from rayacc.engine import AccumulationStep, classification_item_losses
 from rayacc.models.mlp import MLP
 from rayacc.observe.ranks import RankWatch, rank_report
+from rayacc.worker.checkpoint import StepLog
+from rayacc.worker.metrics import step_record
+from rayacc.worker.progress import Outbox
 
 VARIANTS = ("plain", "telemetry")
 INTERVAL = RankWatch.interval_for(60)
@@ -46,9 +51,27 @@ interval's end costs rank 0 about ten windows' telemetry, so the short default j
 most per window."""
 
 
+class _Pickled:
+    """The driver's progress buffer as rank 0's `Outbox` reaches it: `push.remote(items)`
+    pickles the batch (what Ray does with it), and nothing more."""
+
+    class _Push:
+        @staticmethod
+        def remote(items) -> None:
+            pickle.dumps(items)
+
+    push = _Push()
+
+
+SPLIT = BatchSplit(MICRO * ACCUM * 2, MICRO, ACCUM, 2)
+
+
 class Runner:
-    """One side of the comparison over a shared step; `telemetry` does what the loop does per
-    window: its figures of the last window in, rank 0's judgement of everyone's out."""
+    """One side of the comparison over a shared step, doing per window what the worker loop
+    does after its step: the step's record, kept in rank 0's lineage (`StepLog`, a JSON line
+    in a spool file) and sent to the driver in batches (`Outbox`, its batch pickled).
+    `telemetry` adds what the loop adds per window: this rank's figures of the last window
+    in, rank 0's judgement of everyone's out, into the record."""
 
     def __init__(self, step: AccumulationStep, telemetry: bool, rank: int):
         self.step = step
@@ -56,26 +79,47 @@ class Runner:
         self.report: list[float] = []
         self.watch = RankWatch(INTERVAL) if telemetry and rank == 0 else None
         self.process = psutil.Process()
+        self.outbox = Outbox(_Pickled() if rank == 0 else None)
+        self.history = StepLog() if rank == 0 else None
         self.n = 0
 
     def __call__(self, mbs) -> None:
         t = time.perf_counter()
         result = self.step(mbs, classification_item_losses, rank_report=self.report)
         self.n += 1
+        wall_s = time.perf_counter() - t
         # both read the host memory: the loop does for `mem/rss_mb` with or without telemetry
         rss_mb = self.process.memory_info().rss / 2**20
-        if not self.telemetry:
-            return
-        self.report = rank_report(
-            step_s=result.step_time_s,
-            sync_s=result.sync_time_s,
-            optimizer_s=result.optimizer_time_s,
-            data_s=time.perf_counter() - t - result.step_time_s,
-            host_mb=rss_mb,
-            device_mb=result.peak_memory_mb,
+        if self.telemetry:
+            self.report = rank_report(
+                step_s=result.step_time_s,
+                sync_s=result.sync_time_s,
+                optimizer_s=result.optimizer_time_s,
+                data_s=wall_s - result.step_time_s,
+                host_mb=rss_mb,
+                device_mb=result.peak_memory_mb,
+            )
+        record = step_record(
+            result,
+            step=self.n,
+            epoch=0,
+            wall_s=wall_s,
+            data_s=0.0,
+            split=SPLIT,
+            micro_now=MICRO,
+            accum_now=ACCUM,
+            skipped_steps=0,
+            rows_read=self.n * MICRO * ACCUM,
+            rss_mb=rss_mb,
+            flops_per_item=None,
+            peak_tflops=None,
+            token_items=False,
         )
         if self.watch is not None:
-            self.watch.window(self.n, result.rank_figures)
+            self.watch.window(self.n, result.rank_figures, into=record)
+        if self.history is not None:
+            self.history.append(record)
+        self.outbox.send(dict(record))
 
 
 def runners(rank: int, same: bool) -> dict:

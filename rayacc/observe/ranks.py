@@ -42,7 +42,9 @@ def rank_report(
     device_mb: float,
 ) -> list[float]:
     """One rank's figures of one window, in `FIELDS` order."""
-    compute_s = max(0.0, step_s - sync_s - optimizer_s)
+    compute_s = step_s - sync_s - optimizer_s
+    if compute_s < 0.0:  # clock jitter on a window of almost nothing
+        compute_s = 0.0
     own_s = compute_s + data_s + optimizer_s
     return [compute_s, data_s, sync_s, optimizer_s, own_s, host_mb, device_mb]
 
@@ -146,26 +148,26 @@ class RankWatch:
         return max(1, math.ceil(total_steps / 10))
 
     def window(
-        self, step: int, figures: Sequence[float]
+        self, step: int, figures: Sequence[float], into: dict | None = None
     ) -> tuple[dict[str, float], Straggler | None]:
         """Every rank's figures of the window arriving with `step`, flat in rank order:
         metrics for its record (per window, and per rank at an interval's end) and a straggler
-        newly named, if any."""
+        newly named, if any. `into`: the record to write the metrics in (returned as them),
+        instead of a dict of their own for the caller to merge."""
+        metrics = {} if into is None else into
         if len(figures) != self._size:  # the first window, or another worker count
             if not figures:
-                return {}, None
+                return metrics, None
             self._start_over(len(figures))
-        k = self.width
         # every window, on rank 0 between windows: as little as it takes (each line here
         # costs several times what it does in a hot loop: the step before has taken the
         # caches)
-        own = figures[_OWN::k]
+        own = figures[_OWN :: self.width]
         ranked = sorted(own)
-        metrics = {
-            "ranks/own_s_median": _middle(ranked),
-            "ranks/own_s_max": ranked[-1],
-            "ranks/slowest": float(own.index(ranked[-1])),
-        }
+        top = ranked[-1]
+        metrics["ranks/own_s_median"] = _middle(ranked)
+        metrics["ranks/own_s_max"] = top
+        metrics["ranks/slowest"] = float(own.index(top))
         self._pending += figures
         if step % self.interval_steps:
             if len(self._pending) >= self._fold_at:
@@ -173,21 +175,31 @@ class RankWatch:
             return metrics, None
         return metrics, self._interval_end(step, metrics)
 
-    def _interval_end(self, step: int, metrics: dict[str, float]) -> Straggler | None:
+    def _interval_end(self, step: int, metrics: dict) -> Straggler | None:
         """Each rank's means over the interval (memory: its peak) into `metrics`; a straggler
         newly named, if any."""
-        self._fold()
-        n, totals = self._windows, self._totals
-        self._windows, self._totals = 0, []
-        values = [t if peak else t / n for t, peak in zip(totals, self._peak_at, strict=True)]
+        pending, folded, size = self._pending, self._totals, self._size
+        n = self._windows + len(pending) // size
+        self._pending, self._windows, self._totals = [], 0, []
+        # one pass over the figures: each one's windows not yet folded (the one just in at
+        # least), with its folded total if there is one, as a mean or a peak
+        if folded:
+            means = [
+                max(f, *pending[i::size]) if peak else (f + sum(pending[i::size])) / n
+                for i, (f, peak) in enumerate(zip(folded, self._peak_at, strict=True))
+            ]
+        else:
+            means = [
+                max(pending[i::size]) if peak else sum(pending[i::size]) / n
+                for i, peak in enumerate(self._peak_at)
+            ]
         for i, name in self._names:
-            metrics[name] = values[i]
+            metrics[name] = means[i]
         k = self.width
-        per_rank = [values[i : i + k] for i in range(0, len(values), k)]
-        for node, r in self._first_rank_of_each_node(len(per_rank)).items():
-            for i, name in enumerate(self.system):
-                metrics[f"system/{node}/{name}"] = per_rank[r][len(FIELDS) + i]
-        return self._judge(step, per_rank)
+        for node, r in self._first_rank_of_each_node(len(means) // k).items():
+            for i, name in enumerate(self.system, start=r * k + len(FIELDS)):
+                metrics[f"system/{node}/{name}"] = means[i]
+        return self._judge(step, means)
 
     def _start_over(self, size: int) -> None:
         if size % self.width:
@@ -237,13 +249,14 @@ class RankWatch:
             first.setdefault(node.replace("/", "-"), r)
         return first
 
-    def _judge(self, step: int, means: list[list[float]]) -> Straggler | None:
+    def _judge(self, step: int, means: list[float]) -> Straggler | None:
         """Each rank's own time against the median of the others'; a rank above it by the
         margin (and MIN_EXCESS_S) for `patience` intervals in a row is named, once per
-        streak."""
-        if len(means) < 2:
+        streak. `means`: every rank's interval means, flat as the figures."""
+        k = self.width
+        own = means[_OWN::k]
+        if len(own) < 2:
             return None
-        own = [m[_OWN] for m in means]
         named = None
         for r, mine in enumerate(own):
             others = _median(own[:r] + own[r + 1 :])
@@ -255,11 +268,12 @@ class RankWatch:
             if self._streaks[r] < self.patience or r in self._named or named is not None:
                 continue
             self._named.add(r)
+            at = {p: FIELDS.index(p) for p in PARTS}
             part = max(
                 PARTS,
                 key=lambda p: (
-                    means[r][FIELDS.index(p)]
-                    - _median([m[FIELDS.index(p)] for i, m in enumerate(means) if i != r])
+                    means[r * k + at[p]]
+                    - _median([means[i * k + at[p]] for i in range(len(own)) if i != r])
                 ),
             )
             named = Straggler(

@@ -395,8 +395,9 @@ class WorkerRun:
             token_items=self.info.format == "tokens",
         )
         if self.ranks is not None:
-            figures, straggler = self.ranks.window(self.state.optimizer_step, result.rank_figures)
-            record.update(figures)
+            _, straggler = self.ranks.window(
+                self.state.optimizer_step, result.rank_figures, into=record
+            )
             if straggler is not None:
                 self.outbox.send(straggler)
         return record
