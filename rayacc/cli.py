@@ -463,6 +463,8 @@ def cmd_sample(args: argparse.Namespace) -> int:
         storage=args.storage,
         factory=args.factory,
     )
+    for note in result.passed_over:
+        print(f"rayacc: passed over {redact(note)}", file=sys.stderr)
     print(
         f"rayacc: {len(result.ids)} tokens from {redact(result.checkpoint)}, decoded as "
         f"{result.vocabulary.describe()}",

@@ -292,7 +292,9 @@ def check_resume(cfg: TrainConfig, identity: dict[str, object], loc: RunLocation
     """The latest checkpoint's identity against this config's: another seed, data, split,
     order, model, strategy or (for a run that keeps it) global batch would re-split and
     re-order the data under the saved sample position, or fail inside the workers."""
-    latest = loc.checkpoints.latest()
+    checkpoints = loc.checkpoints
+    latest = checkpoints.latest()
+    loc.notes += [f"passed over {note}" for note in checkpoints.skipped]
     meta = latest.meta() if latest is not None else {}
     saved = meta.get("identity")
     if saved is None:

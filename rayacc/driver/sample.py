@@ -5,7 +5,7 @@ folder (its latest checkpoint) or a run's name in the storage path; local or a U
 from __future__ import annotations
 
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -38,10 +38,15 @@ class Sample:
     """The prompt and the continuation decoded as one sequence (what the command prints): a
     vocabulary may join tokens (ids with spaces, a tokenizer's merges), so the two decoded
     apart and glued would not read as the sequence."""
+    passed_over: list[str] = field(default_factory=list)
+    """The run's newer checkpoints not taken, not whole (a copy cut short), each said."""
 
 
-def find_checkpoint(target: str, storage: str | None = None) -> str:
-    """The checkpoint folder (path or URI) that RUN_OR_CHECKPOINT names."""
+def find_checkpoint(
+    target: str, storage: str | None = None, passed_over: list[str] | None = None
+) -> str:
+    """The checkpoint folder (path or URI) that RUN_OR_CHECKPOINT names; a run's newer
+    checkpoints that are not whole are added to `passed_over`."""
     local = "://" not in target
     location = str(Path(target).expanduser().resolve()) if local else target.rstrip("/")
     if read_bytes(f"{location}/{META_FILE}") is not None:
@@ -51,7 +56,10 @@ def find_checkpoint(target: str, storage: str | None = None) -> str:
     if local and "/" not in target.strip("/"):
         candidates.append((default_storage(storage), target.strip("/")))
     for root, run in candidates:
-        latest = RunCheckpoints(root, run).latest()
+        checkpoints = RunCheckpoints(root, run)
+        latest = checkpoints.latest()
+        if passed_over is not None:
+            passed_over += checkpoints.skipped
         if latest is not None:
             return latest.uri
     where = default_storage(storage)
@@ -123,7 +131,8 @@ def sample(
         raise DataError(f"--temperature must be ≥ 0 (got {temperature}); 0 takes the likeliest")
     if top_k is not None and top_k < 1:
         raise DataError(f"--top-k must be ≥ 1 (got {top_k})")
-    checkpoint = find_checkpoint(target, storage)
+    passed_over: list[str] = []
+    checkpoint = find_checkpoint(target, storage, passed_over)
     vocabulary = checkpoint_vocabulary(checkpoint)
     start = vocabulary.encode(prompt) if prompt else vocabulary.start()
     if not start:
@@ -143,4 +152,5 @@ def sample(
         checkpoint=checkpoint,
         vocabulary=vocabulary,
         whole=vocabulary.decode(start + new),
+        passed_over=passed_over,
     )

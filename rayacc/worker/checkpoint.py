@@ -11,11 +11,15 @@ A checkpoint is the folder `checkpoint_step{step:08d}` in the run's folder `stor
   object a line (about 600 bytes a step): the record a resume replays into MLflow, and the whole
   run's loss curve;
 - `meta.json`, written last: the step, the batch split and worker count it was written at, the
-  epoch position, the run's identity (what a resume must match) and whether it is sharded.
+  epoch position, the run's identity (what a resume must match), whether it is sharded, and
+  every other file rank 0 wrote with its size (`files`).
 
 A folder without `meta.json` (a crash mid-write) is never listed or loaded; Ray Train registers a
 reported checkpoint only after every rank's part has been copied whole, so the previous one
-stays the latest. A folder whose shard index names a file that is not there is refused.
+stays the latest. A copy into storage cut short (a node lost mid-upload) can leave `meta.json`
+without the rest: a folder where a file `files` lists is missing or of another size is not
+loaded, and the run's latest checkpoint and lineage pass over it and say so. A folder whose
+shard index names a file that is not there (another rank's part) is refused.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from rayacc.engine.strategy import SHARDS_DIR
 from rayacc.redact import redact
 
 __all__ = [
+    "FILES_KEY",
     "HISTORY_FILE",
     "META_FILE",
     "SHARDS_DIR",
@@ -60,6 +65,8 @@ __all__ = [
 STATE_FILE = "state.pt"
 MODEL_FILE = "model.json"
 HISTORY_FILE = "history.jsonl"
+FILES_KEY = "files"
+"""meta.json's list of every other file of the folder (rank 0's part) and its size."""
 META_FILE = "meta.json"
 _NAME = re.compile(r"^checkpoint_step(\d+)$")
 
@@ -130,8 +137,45 @@ def write_checkpoint(
         history.copy_to(folder / HISTORY_FILE)
     for name, text in (files or {}).items():
         _atomic_write_text(folder / name, text)
-    _atomic_write_text(folder / META_FILE, json.dumps(meta))
+    # what a whole copy of the folder holds: a copy into storage cut short (a node lost
+    # mid-upload) may have meta.json and not the rest, or part of it
+    manifest = {
+        path.relative_to(folder).as_posix(): path.stat().st_size
+        for path in sorted(folder.rglob("*"))
+        if path.is_file() and path.name != META_FILE and not path.name.endswith(".tmp")
+    }
+    _atomic_write_text(folder / META_FILE, json.dumps({**meta, FILES_KEY: manifest}))
     return folder
+
+
+def missing_files(location: str, meta: dict[str, Any]) -> list[str]:
+    """The files `meta` lists that are not whole at the checkpoint `location` (a local path
+    or a URI), each as `name (why)`; none for a checkpoint written before meta listed them."""
+    from pyarrow import fs
+
+    files = meta.get(FILES_KEY)
+    if files is None:
+        return []
+    if not isinstance(files, dict) or not all(type(n) is int for n in files.values()):
+        raise CheckpointError(malformed_message(f"{location}/{META_FILE}", FILES_KEY))
+    filesystem, root = filesystem_and_path(location)
+    inside = [n for n in files if not n.startswith("/") and ".." not in n.split("/")]
+    infos = filesystem.get_file_info([f"{root}/{n}" for n in inside])
+    missing = [f"{n} (not inside the folder)" for n in files if n not in inside]
+    for name, info in zip(inside, infos, strict=True):
+        if info.type != fs.FileType.File:
+            missing.append(f"{name} (not there)")
+        elif info.size != files[name]:
+            missing.append(f"{name} ({info.size} of {files[name]} bytes)")
+    return missing
+
+
+def incomplete_message(location: str, missing: list[str]) -> str:
+    return (
+        f"{location} is not a whole checkpoint: {', '.join(missing[:4])}"
+        f"{' and more' if len(missing) > 4 else ''} — a copy cut short, or a file changed "
+        "since it was written. Fix: use an earlier checkpoint_* folder of the run"
+    )
 
 
 def malformed_message(source: str, key: str) -> str:
@@ -167,6 +211,10 @@ def read_checkpoint(
             f"{folder} is not a complete rayacc checkpoint (no {META_FILE}). Fix: pass the "
             "checkpoint_dir of a finished fit, or a checkpoint_* folder of the run"
         )
+    meta = _section(folder / META_FILE, {"optimizer_step": int})
+    missing = missing_files(str(folder), meta)
+    if missing:
+        raise CheckpointError(incomplete_message(str(folder), missing))
     try:
         # tensors, numbers, strings and plain containers only: a checkpoint from shared storage
         # or a downloaded run must not be able to run code here
@@ -187,7 +235,6 @@ def read_checkpoint(
             f"file, convert it to a plain state dict ({str(exc).splitlines()[0][:200]})"
         ) from None
     description = _section(folder / MODEL_FILE, {"config": dict, "dataset": dict})
-    meta = _section(folder / META_FILE, {"optimizer_step": int})
     shards = _shards_of(folder, meta)
     if shards is not None:
         from rayacc.engine.shards import ShardError, missing_shard_files
@@ -273,6 +320,10 @@ class Checkpoint:
             raise CheckpointError(malformed_message(f"{self.uri}/{META_FILE}", "optimizer_step"))
         return meta
 
+    def missing(self) -> list[str]:
+        """The files of the folder its meta.json lists that are not whole in storage."""
+        return missing_files(self.uri, self.meta())
+
     def history(self, through: int | None = None) -> list[dict[str, Any]]:
         """The lineage's step records up to this checkpoint's step (or `through`), in order;
         empty for a checkpoint written before checkpoints carried it."""
@@ -292,6 +343,8 @@ class RunCheckpoints:
     def __init__(self, storage: str, name: str, parts: WorkerParts | None = None):
         self.storage, self.name, self.parts = storage, name, parts
         self._in_flight: _InFlight | None = None
+        self.skipped: list[str] = []
+        """Checkpoints `latest` or `lineage` passed over, not whole, each said once."""
         self.complete_s: float | None = None
         """The seconds the latest complete checkpoint took, from the save to its files in
         storage (what a checkpoint the ranks must wait for costs)."""
@@ -306,7 +359,9 @@ class RunCheckpoints:
         return int(m.group(1)) if m else None
 
     def list(self) -> list[Checkpoint]:
-        """The run's complete checkpoints (those with `meta.json`), oldest first."""
+        """The run's checkpoints with `meta.json`, oldest first. Whether every file it lists
+        arrived whole is `Checkpoint.missing` (one read and a look at each file):
+        `latest` and `lineage` ask it of the ones they take, newest first."""
         from pyarrow import fs
 
         filesystem, root = filesystem_and_path(self.storage)
@@ -326,16 +381,28 @@ class RunCheckpoints:
         return f"{self.storage.rstrip('/')}/{self.name}"
 
     def latest(self) -> Checkpoint | None:
-        found = self.list()
-        return found[-1] if found else None
+        """The newest whole checkpoint; a newer one whose copy was cut short is passed over
+        and said in `skipped`."""
+        return self._first_whole(reversed(self.list()))
 
     def lineage(self, step: int) -> list[dict[str, Any]]:
         """The step records 1..`step` of the run's lineage: from the checkpoint at `step`, or
-        a later one of the same lineage when that one was pruned meanwhile."""
+        a later one of the same lineage when that one was pruned meanwhile (or is not
+        whole)."""
         if step <= 0:
             return []
-        later = [c for c in self.list() if c.step >= step]
-        return later[0].history(through=step) if later else []
+        found = self._first_whole(c for c in self.list() if c.step >= step)
+        return found.history(through=step) if found else []
+
+    def _first_whole(self, checkpoints) -> Checkpoint | None:
+        for checkpoint in checkpoints:
+            missing = checkpoint.missing()
+            if not missing:
+                return checkpoint
+            note = incomplete_message(checkpoint.uri, missing).split(" Fix:")[0]
+            if note not in self.skipped:
+                self.skipped.append(note)
+        return None
 
     # ------------------------------------------------------------------ in a worker
     def restore(self) -> dict[str, Any] | None:

@@ -64,6 +64,14 @@ def sharded_checkpoint(folder: Path) -> tuple[Path, dict[str, torch.Tensor]]:
     return folder, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def listing_only(folder: Path, *kept: str) -> None:
+    """meta.json made to list only `kept` of the folder's files, as it is where the others
+    are another rank's part (rank 0 lists its own) or the folder was crafted to match."""
+    meta = json.loads((folder / "meta.json").read_text())
+    meta["files"] = {n: size for n, size in meta["files"].items() if n in kept}
+    (folder / "meta.json").write_text(json.dumps(meta))
+
+
 def test_load_model_reads_a_sharded_checkpoint_whole(tmp_path):
     folder, weights = sharded_checkpoint(tmp_path / "ckpt")
     model = load_model(folder)
@@ -75,6 +83,7 @@ def test_load_model_reads_a_sharded_checkpoint_whole(tmp_path):
 def test_a_sharded_checkpoint_missing_a_rank_part_is_refused(tmp_path):
     folder, _ = sharded_checkpoint(tmp_path / "ckpt")
     (folder / "shards" / "__0_0.distcp").unlink()
+    listing_only(folder, "state.pt", "model.json")  # the shards: another rank's part
     with pytest.raises(CheckpointError, match=r"lacks __0_0\.distcp.*never arrived"):
         load_model(folder)
 
@@ -85,6 +94,7 @@ def test_a_sharded_index_holding_code_is_refused_without_running_it(tmp_path):
     marker = tmp_path / "code-ran"
     folder, _ = sharded_checkpoint(tmp_path / "ckpt")
     (folder / "shards" / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
+    listing_only(folder, "state.pt", "model.json")  # crafted to match
     with pytest.raises(CheckpointError, match="could run code"):
         load_model(folder)
     assert not marker.exists(), "reading the index ran its code"
@@ -136,6 +146,7 @@ def test_a_sharded_checkpoint_naming_a_file_outside_its_folder_is_refused(tmp_pa
         for info in metadata.storage_data.values():
             info.relative_path = outside
         index.write_bytes(pickle.dumps(metadata))
+        listing_only(folder, "state.pt", "model.json")  # crafted to match
     else:
         meta = json.loads((folder / "meta.json").read_text())
         (folder / "meta.json").write_text(json.dumps({**meta, "shards": outside}))
@@ -274,3 +285,101 @@ def test_a_damaged_file_of_a_checkpoint_is_named_with_the_fix(tmp_path, capsys, 
     err = capsys.readouterr().err
     assert Path(file).name in err and "Fix:" in err and "Traceback" not in err, err
     assert "could run code" not in err, "a damaged file is not a dangerous one"
+
+
+# ---------------------------------------------------------------- a copy into storage cut short
+def _cut(name: str, how: str):
+    def cut(folder: Path) -> None:
+        target = folder / name
+        if how == "gone":
+            target.unlink()
+        else:
+            target.write_bytes(target.read_bytes()[: target.stat().st_size // 2])
+
+    return cut
+
+
+def _before_the_manifest(folder: Path) -> None:
+    meta = json.loads((folder / "meta.json").read_text())
+    del meta["files"]
+    (folder / "meta.json").write_text(json.dumps(meta))
+
+
+def _manifest_outside(folder: Path) -> None:
+    meta = json.loads((folder / "meta.json").read_text())
+    meta["files"]["../elsewhere.pt"] = 1
+    (folder / "meta.json").write_text(json.dumps(meta))
+
+
+CUT_SHORT = {
+    # case: (sharded, what happened to the newer checkpoint's folder, the file named)
+    "state.pt not there": (False, _cut("state.pt", "gone"), "state.pt (not there)"),
+    "state.pt half copied": (False, _cut("state.pt", "half"), "state.pt ("),
+    "lineage not there": (False, _cut("history.jsonl", "gone"), "history.jsonl (not there)"),
+    "lineage half copied": (False, _cut("history.jsonl", "half"), "history.jsonl ("),
+    "description not there": (False, _cut("model.json", "gone"), "model.json (not there)"),
+    "vocabulary not there": (False, _cut("vocab.json", "gone"), "vocab.json (not there)"),
+    "shard index not there": (True, _cut("shards/.metadata", "gone"), "shards/.metadata"),
+    "a name outside the folder": (False, _manifest_outside, "../elsewhere.pt (not inside"),
+}
+
+
+@pytest.mark.parametrize("case", CUT_SHORT)
+def test_a_checkpoint_whose_copy_was_cut_short_is_passed_over_and_said(tmp_path, capsys, case):
+    """meta.json lists every other file of the folder and its size: a folder whose copy into
+    storage was cut short (meta.json there, another file missing or short) is not the run's
+    latest, not its lineage, not loaded, and each command that passes it over says so."""
+    from rayacc.cli import main
+    from rayacc.worker.checkpoint import RunCheckpoints, write_checkpoint
+    from tests.support.tokens import gpt_checkpoint, token_data
+
+    sharded, damage, named = CUT_SHORT[case]
+    info = token_data(tmp_path, "chars")
+    storage = tmp_path / "runs"
+    run = RunCheckpoints(str(storage), "r")
+    for step in (3, 6):
+        folder = storage / "r" / run.folder_name(step)
+        gpt_checkpoint(folder, info, sharded=sharded)
+        lines = "".join(json.dumps({"step": s}) + "\n" for s in range(1, step + 1))
+        (folder / "history.jsonl").write_text(lines)
+        # written again, as a run writes it: the lineage among the files meta.json lists
+        state, description, meta = read_checkpoint(folder)
+        write_checkpoint(folder, state=state, description=description, meta=meta)
+    newer = storage / "r" / run.folder_name(6)
+    assert run.latest().step == 6 and run.latest().missing() == []
+    damage(newer)
+
+    assert run.latest().step == 3
+    (note,) = run.skipped
+    assert named in note and str(newer) in note, note
+    assert [r["step"] for r in run.lineage(3)] == [1, 2, 3]
+    assert run.lineage(5) == [], "the lineage is not read from a folder that is not whole"
+    with pytest.raises(CheckpointError, match="not a whole checkpoint") as refused:
+        read_checkpoint(newer)
+    assert named in str(refused.value) and "Fix:" in str(refused.value)
+    capsys.readouterr()
+    assert main(["sample", "r", "--storage", str(storage), "--tokens", "2"]) == 0
+    err = capsys.readouterr().err
+    assert f"passed over {newer}" in err and named in err, err
+    assert f"from {storage / 'r' / run.folder_name(3)}" in err, err
+    # a --resume's check of the run (its notes are printed before training)
+    from rayacc.config import TrainConfig
+    from rayacc.driver.prelaunch import check_resume
+    from rayacc.driver.runs import RunLocation
+
+    loc = RunLocation(str(storage), "r")
+    check_resume(TrainConfig(), {}, loc)
+    (said,) = loc.notes
+    assert said.startswith(f"passed over {newer}") and named in said, said
+
+
+def test_a_checkpoint_written_before_meta_listed_its_files_is_taken_on_its_meta(tmp_path):
+    from rayacc.worker.checkpoint import RunCheckpoints
+    from tests.support.tokens import gpt_checkpoint, token_data
+
+    run = RunCheckpoints(str(tmp_path), "r")
+    folder = tmp_path / "r" / run.folder_name(4)
+    gpt_checkpoint(folder, token_data(tmp_path, "chars"), sharded=False)
+    _before_the_manifest(folder)
+    assert run.latest().step == 4 and run.skipped == []
+    assert read_checkpoint(folder)[2]["optimizer_step"] == 3
