@@ -82,13 +82,15 @@ class CommCounter:
         return stats, fits
 
     def _riding_buffer(self, like: torch.Tensor, numel: int) -> torch.Tensor:
-        """A buffer for bucket + stats, allocated once: a fresh one each window costs an
-        allocation the size of the bucket (page faults on CPU)."""
+        """A buffer for bucket + stats, kept between windows and made again only when a
+        larger one is needed: a fresh one costs an allocation the size of the bucket (page
+        faults on CPU), and the stats' length changes (a group's first window carries no rank
+        figures)."""
         buf = self._riding
         same = buf is not None and (buf.dtype, buf.device) == (like.dtype, like.device)
-        if not same or buf.numel() != numel:
+        if not same or buf.numel() < numel:
             buf = self._riding = torch.empty(numel, dtype=like.dtype, device=like.device)
-        return buf
+        return buf[:numel]
 
     def sync_time_s(self) -> float:
         if self._pass_start is None or self._last_done is None:

@@ -65,3 +65,21 @@ def test_the_gather_helper_refuses_tensors_off_the_group_device(monkeypatch):
     monkeypatch.setattr(collectives.torch.cuda, "current_device", lambda: 0)
     with pytest.raises(ValueError, match="cuda:0"):
         collectives.all_gather_into(torch.zeros(4), torch.zeros(2))
+
+
+def test_the_buffer_the_window_stats_ride_in_is_kept_for_every_size_it_holds():
+    """A group's first window carries no rank figures and every later one does (and a bench
+    alternates both): the bucket-sized buffer the stats ride in is made again only when a
+    larger one is needed, since each one made costs an allocation the size of the bucket."""
+    import torch
+
+    from rayacc.engine.sync import CommCounter
+
+    counter = CommCounter()
+    grads = torch.zeros(1000)
+    first = counter._riding_buffer(grads, 1006)
+    wider = counter._riding_buffer(grads, 1020)
+    narrower = counter._riding_buffer(grads, 1006)
+    assert [b.numel() for b in (first, wider, narrower)] == [1006, 1020, 1006]
+    assert narrower.data_ptr() == wider.data_ptr() and narrower.is_contiguous()
+    assert counter._riding_buffer(grads.double(), 1006).dtype == torch.float64
