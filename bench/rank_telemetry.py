@@ -27,7 +27,6 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -43,6 +42,7 @@ from rayacc.observe.ranks import RankWatch, rank_report
 from rayacc.worker.checkpoint import StepLog
 from rayacc.worker.metrics import step_record
 from rayacc.worker.progress import Outbox
+from rayacc.worker.system import ResidentMemory
 
 VARIANTS = ("plain", "telemetry")
 INTERVAL = RankWatch.interval_for(60)
@@ -78,7 +78,7 @@ class Runner:
         self.telemetry = telemetry
         self.report: list[float] = []
         self.watch = RankWatch(INTERVAL) if telemetry and rank == 0 else None
-        self.process = psutil.Process()
+        self.resident = ResidentMemory()
         self.outbox = Outbox(_Pickled() if rank == 0 else None)
         self.history = StepLog() if rank == 0 else None
         self.n = 0
@@ -89,7 +89,7 @@ class Runner:
         self.n += 1
         wall_s = time.perf_counter() - t
         # both read the host memory: the loop does for `mem/rss_mb` with or without telemetry
-        rss_mb = self.process.memory_info().rss / 2**20
+        rss_mb = self.resident.mb()
         if self.telemetry:
             self.report = rank_report(
                 step_s=result.step_time_s,

@@ -52,7 +52,7 @@ from rayacc.worker.metrics import run_summary, step_record
 from rayacc.worker.preemption import Boundaries, PreemptionWatch, ray_notice_sources
 from rayacc.worker.progress import Outbox
 from rayacc.worker.system import NAMES as SYSTEM_NAMES
-from rayacc.worker.system import NodeSampler
+from rayacc.worker.system import NodeSampler, ResidentMemory
 from rayacc.worker.validation import Validator
 
 __all__ = ["REWARM_STEPS", "WorkerInputs", "WorkerRun", "train_loop"]
@@ -94,8 +94,8 @@ class WorkerRun:
 
     def __init__(self, inputs: WorkerInputs):
         # when this process started and when its run began: bench/startup.py's worker phases
-        self.process = psutil.Process()
-        self.timeline = {"process_started": self.process.create_time(), "entered": time.time()}
+        self.resident = ResidentMemory()
+        self.timeline = {"process_started": psutil.Process().create_time(), "entered": time.time()}
         self.spec = spec = inputs.spec
         self.cfg = cfg = spec.cfg
         self.info = spec.info
@@ -365,7 +365,7 @@ class WorkerRun:
             self.timeline["first_step"] = time.time()
         wall_s = self.clock.lap()
         self.window_signals = (result.signals, wall_s)
-        rss_mb = self.process.memory_info().rss / 2**20
+        rss_mb = self.resident.mb()
         # sent with the next window: this one's reduction has already left
         self.rank_report = rank_report(
             step_s=result.step_time_s,

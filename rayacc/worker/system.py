@@ -7,10 +7,12 @@ only writer, logs them as MLflow's system metrics of that node, `system/<node>/<
 from __future__ import annotations
 
 import math
+import os
 import statistics
 import time
+import weakref
 
-__all__ = ["NAMES", "NodeSampler"]
+__all__ = ["NAMES", "NodeSampler", "ResidentMemory"]
 
 NAMES = (
     "cpu_utilization_percentage",
@@ -66,3 +68,28 @@ class NodeSampler:
             memory = sum(v for k, v in gpu.items() if k.endswith("_memory_usage_megabytes"))
         self._last = [*(float(cpu[name]) for name in NAMES[:3]), util, memory]
         return self._last
+
+
+class ResidentMemory:
+    """This process's resident memory in MiB (`mem/rss_mb`, a rank's `host_mb`), read every
+    window: one read of `/proc/self/statm` through a file kept open, where psutil opens,
+    reads and parses it each call (about 50 µs a window after a step, 1.5 % of the default
+    job's 3 ms window; the kept file: under a tenth of that in a hot loop). psutil where there
+    is no `/proc`."""
+
+    def __init__(self) -> None:
+        self._page_mb = os.sysconf("SC_PAGE_SIZE") / 2**20
+        try:
+            self._fd: int | None = os.open("/proc/self/statm", os.O_RDONLY)
+        except OSError:
+            import psutil
+
+            self._fd, self._process = None, psutil.Process()
+        else:
+            weakref.finalize(self, os.close, self._fd)
+
+    def mb(self) -> float:
+        if self._fd is None:
+            return self._process.memory_info().rss / 2**20
+        # statm: size resident shared text lib data dt, in pages; read afresh at offset 0
+        return int(os.pread(self._fd, 128, 0).split()[1]) * self._page_mb

@@ -210,3 +210,28 @@ def test_figures_that_do_not_split_into_reports_are_refused():
     with pytest.raises(ValueError, match="do not split into reports of 8"):
         watch.window(1, flat(even(2)))  # reports without the system figure
     assert watch.window(1, flat([[*figures(), 50.0]] * 2))[0]["ranks/slowest"] == 0.0
+
+
+def test_the_resident_memory_read_each_window_is_psutils_figure(monkeypatch):
+    """The kept /proc/self/statm read gives what psutil gives, follows memory the process
+    touches, and psutil stands in where there is no /proc."""
+    import os
+
+    import psutil
+
+    from rayacc.worker.system import ResidentMemory
+
+    kept = ResidentMemory()
+    assert abs(kept.mb() - psutil.Process().memory_info().rss / 2**20) < 8
+    before = kept.mb()
+    held = bytearray(96 * 2**20)
+    held[::4096] = b"x" * len(held[::4096])  # touched: resident
+    assert kept.mb() - before > 80
+    del held
+
+    def no_proc(*args, **kwargs):
+        raise OSError("no /proc here")
+
+    monkeypatch.setattr(os, "open", no_proc)
+    fallback = ResidentMemory()
+    assert abs(fallback.mb() - kept.mb()) < 8
