@@ -81,6 +81,7 @@ class Straggler:
 
 
 _OWN = FIELDS.index("own_s")
+_AT = {p: FIELDS.index(p) for p in PARTS}
 
 
 def _middle(ranked: Sequence[float]) -> float:
@@ -132,7 +133,8 @@ class RankWatch:
         self._windows = 0
         self._totals: list[float] = []
         """Per figure of each rank, over the interval's folded windows: its sum, or its peak
-        where `_peak_at` (memory)."""
+        where `_peak_at` (memory); `_nothing` (0, or −inf for a peak) before any."""
+        self._nothing: list[float] = []
         self._peak_at: list[bool] = []
         self._streaks: dict[int, int] = {}
         self._named: set[int] = set()
@@ -178,21 +180,10 @@ class RankWatch:
     def _interval_end(self, step: int, metrics: dict) -> Straggler | None:
         """Each rank's means over the interval (memory: its peak) into `metrics`; a straggler
         newly named, if any."""
-        pending, folded, size = self._pending, self._totals, self._size
-        n = self._windows + len(pending) // size
-        self._pending, self._windows, self._totals = [], 0, []
-        # one pass over the figures: each one's windows not yet folded (the one just in at
-        # least), with its folded total if there is one, as a mean or a peak
-        if folded:
-            means = [
-                max(f, *pending[i::size]) if peak else (f + sum(pending[i::size])) / n
-                for i, (f, peak) in enumerate(zip(folded, self._peak_at, strict=True))
-            ]
-        else:
-            means = [
-                max(pending[i::size]) if peak else sum(pending[i::size]) / n
-                for i, peak in enumerate(self._peak_at)
-            ]
+        self._fold()  # the window just in at least
+        n, totals = self._windows, self._totals
+        self._windows, self._totals = 0, self._nothing
+        means = [t if peak else t / n for t, peak in zip(totals, self._peak_at, strict=True)]
         for i, name in self._names:
             metrics[name] = means[i]
         k = self.width
@@ -207,7 +198,7 @@ class RankWatch:
                 f"{size} rank figures do not split into reports of {self.width} "
                 f"({len(FIELDS)} FIELDS and {len(self.system)} system figures)"
             )
-        self._pending, self._windows, self._totals = [], 0, []
+        self._pending, self._windows = [], 0
         self._streaks.clear()
         self._named.clear()
         self._size = size
@@ -219,6 +210,8 @@ class RankWatch:
             for i, name in enumerate(FIELDS)
         ]
         self._peak_at = [name.endswith("_mb") for name in FIELDS + self.system] * world
+        self._nothing = [-math.inf if peak else 0.0 for peak in self._peak_at]
+        self._totals = self._nothing
 
     def _fold(self) -> None:
         """Adds the pending windows to the interval's totals: sums, and peaks of memory."""
@@ -226,18 +219,12 @@ class RankWatch:
         if not pending:
             return
         size = self._size
-        # per figure of each rank: its values over the pending windows, summed or their peak
-        totals = [
-            max(pending[i::size]) if peak else sum(pending[i::size])
-            for i, peak in enumerate(self._peak_at)
+        # per figure of each rank: its total so far with its values over the pending windows
+        self._totals = [
+            max(t, *pending[i::size]) if peak else t + sum(pending[i::size])
+            for i, (t, peak) in enumerate(zip(self._totals, self._peak_at, strict=True))
         ]
-        if self._windows:
-            totals = [
-                max(a, b) if peak else a + b
-                for a, b, peak in zip(self._totals, totals, self._peak_at, strict=True)
-            ]
         self._windows += len(pending) // size
-        self._totals = totals
 
     def _first_rank_of_each_node(self, world: int) -> dict[str, int]:
         """Node label (in a metric name: `/` is a level there) → the rank that samples it."""
@@ -268,12 +255,11 @@ class RankWatch:
             if self._streaks[r] < self.patience or r in self._named or named is not None:
                 continue
             self._named.add(r)
-            at = {p: FIELDS.index(p) for p in PARTS}
             part = max(
                 PARTS,
                 key=lambda p: (
-                    means[r * k + at[p]]
-                    - _median([means[i * k + at[p]] for i in range(len(own)) if i != r])
+                    means[r * k + _AT[p]]
+                    - _median([means[i * k + _AT[p]] for i in range(len(own)) if i != r])
                 ),
             )
             named = Straggler(

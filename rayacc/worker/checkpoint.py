@@ -170,11 +170,12 @@ def missing_files(location: str, meta: dict[str, Any]) -> list[str]:
     return missing
 
 
-def incomplete_message(location: str, missing: list[str]) -> str:
+def not_whole(location: str, missing: list[str]) -> str:
+    """What is wrong with a folder `missing_files` found files missing or short in."""
     return (
         f"{location} is not a whole checkpoint: {', '.join(missing[:4])}"
         f"{' and more' if len(missing) > 4 else ''} — a copy cut short, or a file changed "
-        "since it was written. Fix: use an earlier checkpoint_* folder of the run"
+        "since it was written"
     )
 
 
@@ -214,7 +215,9 @@ def read_checkpoint(
     meta = _section(folder / META_FILE, {"optimizer_step": int})
     missing = missing_files(str(folder), meta)
     if missing:
-        raise CheckpointError(incomplete_message(str(folder), missing))
+        raise CheckpointError(
+            f"{not_whole(str(folder), missing)}. Fix: use an earlier checkpoint_* folder of the run"
+        )
     try:
         # tensors, numbers, strings and plain containers only: a checkpoint from shared storage
         # or a downloaded run must not be able to run code here
@@ -399,7 +402,7 @@ class RunCheckpoints:
             missing = checkpoint.missing()
             if not missing:
                 return checkpoint
-            note = incomplete_message(checkpoint.uri, missing).split(" Fix:")[0]
+            note = not_whole(checkpoint.uri, missing)
             if note not in self.skipped:
                 self.skipped.append(note)
         return None
