@@ -133,6 +133,39 @@ def ensure_ray(cfg: TrainConfig) -> None:
     )
 
 
+def refresh_elastic_sizing(cfg: TrainConfig) -> None:
+    """An elastic group starts at the size Ray's autoscaling coordinator reserves for it, and
+    that detached actor outlives runs and reads the cluster's nodes every 20 s: on a joined
+    cluster a node that came within that time is missed, so the group would start smaller and
+    grow at its first resize check, redoing every step before its first checkpoint. The
+    coordinator reads them now. (A local Ray has all its nodes from the start.)"""
+    import os
+
+    if not (cfg.scaling.elastic and os.environ.get("RAY_ADDRESS")):
+        return
+    import ray
+
+    try:
+        # the coordinator Ray Train's elastic policy asks (its own module, Ray 2.60)
+        from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
+            get_or_create_autoscaling_coordinator,
+        )
+
+        coordinator = get_or_create_autoscaling_coordinator()
+        ray.get(
+            coordinator.get_reserved_resources.remote("rayacc-driver", recompute=True),
+            timeout=10,
+        )
+    except Exception as e:  # the group then starts at the size of the coordinator's last look
+        log.warning(
+            "rayacc: could not have Ray's autoscaling coordinator read the cluster's nodes "
+            "before the elastic group starts (%s: %s); a node that joined in the last 20 s may "
+            "be counted only at the first resize check",
+            type(e).__name__,
+            e,
+        )
+
+
 def build_trainer(cfg: TrainConfig, prep: Prepared, loc: RunLocation, progress):
     """The TorchTrainer of the run; `progress` is the ProgressBuffer rank 0 reports to."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
@@ -317,6 +350,7 @@ def _fit_holding(
     phases["checked"] = time.time()
     ensure_ray(cfg)
     check_cluster(cfg)
+    refresh_elastic_sizing(cfg)
     phases["ray_started"] = time.time()
     buffer = _progress_buffer()
     running = TrainerRun(build_trainer(cfg, prep, loc, buffer), buffer)

@@ -150,6 +150,8 @@ class ProgressPrinter(RunObserver):
         self.eta = Eta()
         self.progress = None
         self.task = None
+        self.group: RunStarted | None = None
+        """The fit's latest worker group."""
 
     def __enter__(self):
         if self.bar:
@@ -170,7 +172,8 @@ class ProgressPrinter(RunObserver):
         if isinstance(event, RunStarted):
             self.total = event.total_steps
             self.eta.restart(event.step, time.monotonic())
-            line = event.describe()
+            line = event.describe(self.group)
+            self.group = event
         else:
             line = event.console_line()
         if line:

@@ -45,10 +45,18 @@ class RunStarted:
     entered_at: float | None = None
     """When rank 0's train function began (time.time()): the group's start ends there."""
 
-    def describe(self) -> str | None:
-        if self.resumed_from is None:
+    def describe(self, before: RunStarted | None = None) -> str | None:
+        """The console's line; `before`: the fit's previous group, if any. A group that
+        follows another without a checkpoint to start from redoes every step before it,
+        which is said (with the change of size that caused it, on an elastic run)."""
+        if self.resumed_from is not None:
+            return f"resumed from the checkpoint at step {self.resumed_from}"
+        if before is None:
             return None
-        return f"resumed from the checkpoint at step {self.resumed_from}"
+        was, now = before.split.get("num_workers"), self.split.get("num_workers")
+        return "restarted from the beginning (no checkpoint yet)" + (
+            f": workers {was} → {now}" if was != now else ""
+        )
 
 
 @dataclass(frozen=True)

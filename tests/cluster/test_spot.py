@@ -74,6 +74,8 @@ def test_spot_reclaim_with_notice_is_preempted_without_losing_a_step(
     assert 4 < noticed_at < last_at < STEPS, (noticed_at, last_at)
     # the group restarts without the node from the last checkpoint: not one step again
     assert f"resize at step {last_at}: workers 2 → 1" in out, out[-4000:]
+    # the first group had both nodes (one that grew before its first checkpoint redoes steps)
+    assert "restarted from the beginning" not in out, out[-4000:]
     assert "0 steps recomputed" in out, out[-3000:]
 
     run, series = run_record(tmp_path, "spot")

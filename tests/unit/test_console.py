@@ -111,6 +111,19 @@ def test_the_printer_prints_every_tenth_and_every_validation():
     assert "val_loss 0.5000" in lines[1]
 
 
+def test_the_printer_says_when_a_group_redoes_the_steps_before_it():
+    console = Console(file=io.StringIO(), width=300)
+    printer = ProgressPrinter(console)
+    one, two = ({"num_workers": n} for n in (1, 2))
+    printer.on_event(RunStarted(0, 8, None, "layout", one, 1e-3))
+    printer.on_step(record(1))
+    printer.on_event(RunStarted(0, 8, None, "layout", two, 1e-3))
+    printer.on_event(RunStarted(4, 8, 4, "layout", one, 1e-3))
+    lines = [line.strip() for line in console.file.getvalue().splitlines()]
+    assert "restarted from the beginning (no checkpoint yet): workers 1 → 2" in lines, lines
+    assert "resumed from the checkpoint at step 4" in lines, lines
+
+
 @pytest.mark.parametrize(
     "overrides, words",
     [

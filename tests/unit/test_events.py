@@ -40,6 +40,44 @@ def test_events_describe_themselves_for_tags_and_console():
     )
 
 
+def split(workers: int) -> dict[str, int]:
+    return {
+        "global_batch_size": 32,
+        "micro_batch_size": 4,
+        "grad_accum_steps": 8 // workers,
+        "num_workers": workers,
+    }
+
+
+@pytest.mark.parametrize(
+    ("before", "now", "line"),
+    [
+        # the fit's first group: nothing to say on a fresh run
+        (None, RunStarted(0, 32, None, "layout", split(2), 0.05), None),
+        # an elastic group that started at 1 worker and grew before its first checkpoint
+        (
+            RunStarted(0, 32, None, "layout", split(1), 0.05),
+            RunStarted(0, 32, None, "layout", split(2), 0.05),
+            "restarted from the beginning (no checkpoint yet): workers 1 → 2",
+        ),
+        # a failure before the first checkpoint, at the same size
+        (
+            RunStarted(0, 32, None, "layout", split(2), 0.05),
+            RunStarted(0, 32, None, "layout", split(2), 0.05),
+            "restarted from the beginning (no checkpoint yet)",
+        ),
+        # a restart that restores a checkpoint says so, whatever came before
+        (
+            RunStarted(0, 32, None, "layout", split(2), 0.05),
+            RunStarted(8, 32, 8, "layout", split(1), 0.05),
+            "resumed from the checkpoint at step 8",
+        ),
+    ],
+)
+def test_a_group_that_follows_another_says_where_it_starts_from(before, now, line):
+    assert now.describe(before) == line
+
+
 @pytest.mark.parametrize(
     ("items", "kept"),
     [
