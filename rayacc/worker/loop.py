@@ -366,17 +366,6 @@ class WorkerRun:
         wall_s = self.clock.lap()
         self.window_signals = (result.signals, wall_s)
         rss_mb = self.resident.mb()
-        # sent with the next window: this one's reduction has already left
-        self.rank_report = rank_report(
-            step_s=result.step_time_s,
-            sync_s=result.sync_time_s,
-            optimizer_s=result.optimizer_time_s,
-            data_s=data_s,
-            host_mb=rss_mb,
-            device_mb=result.peak_memory_mb,
-        )
-        if self.node_sampler is not None:
-            self.rank_report += self.node_sampler.figures()
         record = step_record(
             result,
             step=self.state.optimizer_step,
@@ -394,13 +383,29 @@ class WorkerRun:
             peak_tflops=self.peak_tflops,
             token_items=self.info.format == "tokens",
         )
+        self._rank_telemetry(result, data_s, rss_mb, record)
+        return record
+
+    def _rank_telemetry(self, result, data_s: float, rss_mb: float, record: dict) -> None:
+        """This rank's figures of the window, sent with the next one (this one's reduction
+        has left); on rank 0, every rank's figures of the last window into the record, and a
+        straggler named when there is one (observe/ranks.py)."""
+        self.rank_report = rank_report(
+            step_s=result.step_time_s,
+            sync_s=result.sync_time_s,
+            optimizer_s=result.optimizer_time_s,
+            data_s=data_s,
+            host_mb=rss_mb,
+            device_mb=result.peak_memory_mb,
+        )
+        if self.node_sampler is not None:
+            self.rank_report += self.node_sampler.figures()
         if self.ranks is not None:
             _, straggler = self.ranks.window(
                 self.state.optimizer_step, result.rank_figures, into=record
             )
             if straggler is not None:
                 self.outbox.send(straggler)
-        return record
 
     def _after_window(self, record: dict[str, Any]) -> None:
         """Validation and checkpoints when due; the record goes to the driver. Validation and

@@ -1,0 +1,203 @@
+"""What the per-rank telemetry costs the default job's step, measured in the default job's own
+worker loop: jobs/digits.yaml run by `rayacc`'s driver on a local Ray (2 Ray Train workers,
+its data read, step, record, lineage and hand-over), lengthened to many windows, with the
+telemetry on in every other block of windows and off in the others.
+
+The telemetry is everything `WorkerRun._rank_telemetry` does: each rank's figures riding the
+next window's reduction, and rank 0 writing the window's median and slowest into the record,
+keeping each rank's figures over the logging interval (the default job's: 6 windows, a tenth
+of its 60) and judging them for stragglers. A window's report is made at the end of the window
+before it, so a block's reports ride exactly its own windows; every rank switches at the same
+window, as the reduction's length must agree.
+
+Per window, rank 0 times `_window` and `_after_window` together (the step as the loop runs it:
+data, step, record, lineage, hand-over; no validation or checkpoint is due), on the wall clock
+and in its process's CPU time. Within each pair of blocks (which side goes first alternates),
+the cost is the telemetry block's median over the plain block's, less one (wall), and rank 0's
+extra median CPU time over the plain block's median wall time (CPU). Prints the median of each
+over the pairs with a bootstrap 95 % interval, and ends with
+
+    per-rank telemetry cost / default job step: X % wall, Y % CPU      (target: at most 1 %)
+
+MLflow is off (the driver's logging of tens of thousands of windows would share the cores
+with the workers); the default job logs to it from the driver, not from the step.
+
+    .venv/bin/python bench/rank_telemetry_job.py [--windows 12000] [--block 5] [--same]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from rank_telemetry import interval95
+
+from rayacc.observe.ranks import RankWatch
+from rayacc.worker.loop import WorkerRun
+
+ROOT = Path(__file__).resolve().parent.parent
+SETTINGS = "RAYACC_BENCH_TELEMETRY"
+"""`block,same,out`: handed to the workers through the environment of the Ray the driver
+starts (they inherit it)."""
+DEFAULT_JOB_STEPS = 60
+
+
+class AlternatingRun(WorkerRun):
+    """The default job's worker loop with the telemetry on in every other block of windows."""
+
+    def __init__(self, inputs):
+        block, same, self.out = os.environ[SETTINGS].split(",", 2)
+        self.block, self.same = int(block), same == "1"
+        self.n = 0
+        self.times: list[tuple[bool, float, float]] = []
+        self.judged: list[bool] = []
+        """Per window: whether rank 0 wrote every rank's figures into its record."""
+        super().__init__(inputs)
+
+    def side(self, n: int) -> bool:
+        """Whether window n of the group is on the telemetry side: blocks alternate, and which
+        side goes first alternates between pairs of blocks."""
+        b = n // self.block
+        return (b + b // 2) % 2 == 1
+
+    def telemetry(self, n: int) -> bool:
+        """Whether window n runs with the telemetry (`--same`: no window does)."""
+        return self.side(n) and not self.same
+
+    def _watch_ranks(self) -> None:
+        super()._watch_ranks()
+        if self.ranks is not None:
+            # judged as often as in the default job, not at a tenth of this long run
+            self.ranks.interval_steps = RankWatch.interval_for(DEFAULT_JOB_STEPS)
+
+    def _rank_telemetry(self, result, data_s, rss_mb, record) -> None:
+        if self.telemetry(self.n + 1) or result.rank_figures:
+            super()._rank_telemetry(result, data_s, rss_mb, record)
+        if not self.telemetry(self.n + 1):
+            self.rank_report = []
+
+    def _window(self, epoch, layout, s):
+        self.started = time.perf_counter(), time.process_time()
+        return super()._window(epoch, layout, s)
+
+    def _after_window(self, record) -> None:
+        super()._after_window(record)
+        wall, cpu = time.perf_counter(), time.process_time()
+        self.times.append((self.side(self.n), wall - self.started[0], cpu - self.started[1]))
+        self.judged.append("ranks/own_s_median" in record)
+        self.n += 1
+
+    def train(self):
+        summary = super().train()
+        if self.rank == 0:
+            torch.save((self.times, self.judged), self.out)
+        return summary
+
+
+def bench_train_loop(inputs):
+    return AlternatingRun(inputs).train()
+
+
+def block_costs(times, block: int) -> tuple[list[float], list[float]]:
+    """Per pair of blocks: (telemetry median / plain median − 1) on the wall clock, and rank
+    0's extra median CPU time over the plain block's median wall time."""
+    by_block: dict[int, tuple[bool, list[float], list[float]]] = {}
+    for n, (on, wall, cpu) in enumerate(times):
+        _, walls, cpus = by_block.setdefault(n // block, (on, [], []))
+        walls.append(wall)
+        cpus.append(cpu)
+    wall_costs, cpu_costs = [], []
+    # the group's first two pairs warm up (the reads' first epochs, the allocator)
+    for pair in range(2, len(by_block) // 2):
+        a, b = by_block[2 * pair], by_block[2 * pair + 1]
+        if len(a[1]) < block or len(b[1]) < block or a[0] == b[0]:
+            continue
+        tel, plain = (a, b) if a[0] else (b, a)
+        base = statistics.median(plain[1])
+        wall_costs.append(statistics.median(tel[1]) / base - 1)
+        cpu_costs.append((statistics.median(tel[2]) - statistics.median(plain[2])) / base)
+    return wall_costs, cpu_costs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--windows", type=int, default=12000)
+    parser.add_argument("--block", type=int, default=5)
+    parser.add_argument("--same", action="store_true", help="no telemetry on either side (A/A)")
+    args = parser.parse_args()
+
+    import yaml
+
+    import rayacc.worker.loop as loop
+    from rayacc.config import TrainConfig
+    from rayacc.driver.fit import fit
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = f"{tmp}/times.pt"
+        spec = yaml.safe_load((ROOT / "jobs/digits.yaml").read_text())
+        windows_per_epoch = 6  # 1,527 training rows in windows of 256
+        spec["train"].update(
+            epochs=-(-args.windows // windows_per_epoch),
+            max_steps=args.windows,
+            val_every_steps=None,
+            checkpoint_every_steps=None,
+        )
+        spec["tracking"] = {"enabled": False}
+        spec["run"] = {"storage_path": f"{tmp}/runs"}
+        cfg = TrainConfig.from_dict(spec)
+        # the local Ray the driver starts, and so its workers, inherit these
+        os.environ[SETTINGS] = f"{args.block},{int(args.same)},{out}"
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            [str(ROOT / "bench"), str(ROOT), os.environ.get("PYTHONPATH", "")]
+        )
+        loop.train_loop = bench_train_loop
+        t = time.perf_counter()
+        result = fit(cfg)
+        took = time.perf_counter() - t
+        times, judged = torch.load(out)
+    # the sides differ by the telemetry alone: every window of the one, none of the other
+    on = [t[0] and not args.same for t in times]
+    assert judged[1:] == on[1:], "a window's figures were judged on the wrong side"
+
+    wall, cpu = block_costs(times, args.block)
+    print(
+        f"the default job's step (jobs/digits.yaml, 2 Ray Train workers), {len(times)} windows "
+        f"in blocks of {args.block} ({len(wall)} pairs); the run took {took:.0f} s"
+    )
+    for side in (False, True):
+        w = [t[1] for t in times if t[0] == side]
+        c = [t[2] for t in times if t[0] == side]
+        if w:
+            name = "telemetry" if side else "plain"
+            print(
+                f"{name:9} window ms: median {statistics.median(w) * 1e3:.3f}  mean "
+                f"{statistics.mean(w) * 1e3:.3f}  CPU median {statistics.median(c) * 1e3:.3f}"
+            )
+    for name, costs in (("wall", wall), ("CPU", cpu)):
+        low, high = interval95(costs)
+        print(
+            f"{name:4} cost / window: {statistics.median(costs) * 100:.2f} % "
+            f"(95 % interval {low * 100:.2f} … {high * 100:.2f} %)"
+        )
+    label = "the same step twice (A/A)" if args.same else "per-rank telemetry cost"
+    print(
+        f"{label} / default job step: {statistics.median(wall) * 100:.2f} % wall, "
+        f"{statistics.median(cpu) * 100:.2f} % CPU"
+    )
+    assert result.history, "the run handed over no step records"
+
+
+if __name__ == "__main__":
+    main()
