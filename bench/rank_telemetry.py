@@ -159,13 +159,19 @@ def main() -> None:
             f"{statistics.median(c['cpu']) * 1e3:.3f}"
         )
     wall, cpu = block_costs(clocks, args.block_steps)
+    label = "the same step twice (A/A)" if args.same else "per-rank telemetry cost / step"
+    print_costs(wall, cpu, label)
+
+
+def print_costs(wall: list[float], cpu: list[float], label: str) -> None:
+    """Each clock's median cost over the block pairs with its bootstrap interval; then the
+    line the figures are read from: `LABEL: X % wall, Y % CPU`."""
     for name, costs in (("wall", wall), ("CPU", cpu)):
         low, high = interval95(costs)
         print(
             f"{name:4} cost / step: {statistics.median(costs) * 100:.2f} % "
             f"(95 % interval {low * 100:.2f} … {high * 100:.2f} %)"
         )
-    label = "the same step twice (A/A)" if args.same else "per-rank telemetry cost / step"
     wall_cost, cpu_cost = statistics.median(wall) * 100, statistics.median(cpu) * 100
     print(f"{label}: {wall_cost:.2f} % wall, {cpu_cost:.2f} % CPU")
 

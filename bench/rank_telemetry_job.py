@@ -40,7 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from rank_telemetry import interval95
+from rank_telemetry import print_costs
 
 from rayacc.observe.ranks import RankWatch
 from rayacc.worker.loop import WorkerRun
@@ -185,17 +185,8 @@ def main() -> None:
                 f"{name:9} window ms: median {statistics.median(w) * 1e3:.3f}  mean "
                 f"{statistics.mean(w) * 1e3:.3f}  CPU median {statistics.median(c) * 1e3:.3f}"
             )
-    for name, costs in (("wall", wall), ("CPU", cpu)):
-        low, high = interval95(costs)
-        print(
-            f"{name:4} cost / window: {statistics.median(costs) * 100:.2f} % "
-            f"(95 % interval {low * 100:.2f} … {high * 100:.2f} %)"
-        )
     label = "the same step twice (A/A)" if args.same else "per-rank telemetry cost"
-    print(
-        f"{label} / default job step: {statistics.median(wall) * 100:.2f} % wall, "
-        f"{statistics.median(cpu) * 100:.2f} % CPU"
-    )
+    print_costs(wall, cpu, f"{label} / default job step")
     assert result.history, "the run handed over no step records"
 
 
