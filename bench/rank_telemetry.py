@@ -1,7 +1,9 @@
 """What the per-rank telemetry costs the default job's step: the accumulation step of
 jobs/digits.yaml (MLP 64→128→128→10, micro 32 × accumulation 4, AdamW) on 2 gloo ranks, with
-and without every rank's figures riding the window's reduction and rank 0 judging them
-(`observe/ranks.py`), as the worker loop does both.
+and without every rank's figures riding the window's reduction and rank 0 handing them over
+with the step's record, as the worker loop does both (the driver judges them, off the step:
+`observe/relay.py`). `bench/rank_telemetry_job.py` measures the same in the default job's own
+loop.
 
 Both run in the same two processes, alternating in blocks of steps, so that whatever else the
 machine does hits both alike. Prints each one's median and mean step time, the cost measured
@@ -38,17 +40,13 @@ from cpu_engine_vs_bare import ACCUM, MICRO, in_gloo_ranks, run_in_ray
 from rayacc.config.batch_split import BatchSplit
 from rayacc.engine import AccumulationStep, classification_item_losses
 from rayacc.models.mlp import MLP
-from rayacc.observe.ranks import RankWatch, rank_report
+from rayacc.observe.ranks import FIGURES_KEY, rank_report
 from rayacc.worker.checkpoint import StepLog
 from rayacc.worker.metrics import step_record
 from rayacc.worker.progress import Outbox
 from rayacc.worker.system import ResidentMemory
 
 VARIANTS = ("plain", "telemetry")
-INTERVAL = RankWatch.interval_for(60)
-"""The default job's logging interval: its 60 windows (10 epochs of 6) in tenths. Each
-interval's end costs rank 0 about ten windows' telemetry, so the short default job pays the
-most per window."""
 
 
 class _Pickled:
@@ -71,13 +69,13 @@ class Runner:
     does after its step: the step's record, kept in rank 0's lineage (`StepLog`, a JSON line
     in a spool file) and sent to the driver in batches (`Outbox`, its batch pickled).
     `telemetry` adds what the loop adds per window: this rank's figures of the last window
-    in, rank 0's judgement of everyone's out, into the record."""
+    in, and everyone's, as the reduction brought them, in rank 0's hand-over of the record
+    (the driver judges them, off the step)."""
 
     def __init__(self, step: AccumulationStep, telemetry: bool, rank: int):
         self.step = step
         self.telemetry = telemetry
         self.report: list[float] = []
-        self.watch = RankWatch(INTERVAL) if telemetry and rank == 0 else None
         self.resident = ResidentMemory()
         self.outbox = Outbox(_Pickled() if rank == 0 else None)
         self.history = StepLog() if rank == 0 else None
@@ -115,11 +113,12 @@ class Runner:
             peak_tflops=None,
             token_items=False,
         )
-        if self.watch is not None:
-            self.watch.window(self.n, result.rank_figures, into=record)
         if self.history is not None:
             self.history.append(record)
-        self.outbox.send(dict(record))
+        handed = dict(record)
+        if result.rank_figures:
+            handed[FIGURES_KEY] = result.rank_figures
+        self.outbox.send(handed)
 
 
 def runners(rank: int, same: bool) -> dict:

@@ -3,12 +3,12 @@ worker loop: jobs/digits.yaml run by `rayacc`'s driver on a local Ray (2 Ray Tra
 its data read, step, record, lineage and hand-over), lengthened to many windows, with the
 telemetry on in every other block of windows and off in the others.
 
-The telemetry is everything `WorkerRun._rank_telemetry` does: each rank's figures riding the
-next window's reduction, and rank 0 writing the window's median and slowest into the record,
-keeping each rank's figures over the logging interval (the default job's: 6 windows, a tenth
-of its 60) and judging them for stragglers. A window's report is made at the end of the window
-before it, so a block's reports ride exactly its own windows; every rank switches at the same
-window, as the reduction's length must agree.
+The telemetry is everything the worker loop does for it (`WorkerRun._rank_telemetry` and the
+hand-over): each rank's figures riding the next window's reduction, and rank 0 handing every
+rank's figures over with the step's record; the driver judges them (`observe/relay.py`), off
+the step. A window's report is made at the end of the window before it, so a block's reports
+ride exactly its own windows; every rank switches at the same window, as the reduction's
+length must agree.
 
 Per window, rank 0 times `_window` and `_after_window` together (the step as the loop runs it:
 data, step, record, lineage, hand-over; no validation or checkpoint is due), on the wall clock
@@ -42,14 +42,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from rank_telemetry import print_costs
 
-from rayacc.observe.ranks import RankWatch
 from rayacc.worker.loop import WorkerRun
 
 ROOT = Path(__file__).resolve().parent.parent
 SETTINGS = "RAYACC_BENCH_TELEMETRY"
 """`block,same,out`: handed to the workers through the environment of the Ray the driver
 starts (they inherit it)."""
-DEFAULT_JOB_STEPS = 60
 
 
 class AlternatingRun(WorkerRun):
@@ -60,8 +58,8 @@ class AlternatingRun(WorkerRun):
         self.block, self.same = int(block), same == "1"
         self.n = 0
         self.times: list[tuple[bool, float, float]] = []
-        self.judged: list[bool] = []
-        """Per window: whether rank 0 wrote every rank's figures into its record."""
+        self.handed: list[bool] = []
+        """Per window: whether rank 0 handed every rank's figures over with its record."""
         super().__init__(inputs)
 
     def side(self, n: int) -> bool:
@@ -74,15 +72,11 @@ class AlternatingRun(WorkerRun):
         """Whether window n runs with the telemetry (`--same`: no window does)."""
         return self.side(n) and not self.same
 
-    def _watch_ranks(self) -> None:
-        super()._watch_ranks()
-        if self.ranks is not None:
-            # judged as often as in the default job, not at a tenth of this long run
-            self.ranks.interval_steps = RankWatch.interval_for(DEFAULT_JOB_STEPS)
-
     def _rank_telemetry(self, result, data_s, rss_mb, record) -> None:
         if self.telemetry(self.n + 1) or result.rank_figures:
             super()._rank_telemetry(result, data_s, rss_mb, record)
+        else:
+            self.rank_figures = ()
         if not self.telemetry(self.n + 1):
             self.rank_report = []
 
@@ -94,13 +88,13 @@ class AlternatingRun(WorkerRun):
         super()._after_window(record)
         wall, cpu = time.perf_counter(), time.process_time()
         self.times.append((self.side(self.n), wall - self.started[0], cpu - self.started[1]))
-        self.judged.append("ranks/own_s_median" in record)
+        self.handed.append(bool(self.rank_figures))
         self.n += 1
 
     def train(self):
         summary = super().train()
         if self.rank == 0:
-            torch.save((self.times, self.judged), self.out)
+            torch.save((self.times, self.handed), self.out)
         return summary
 
 
@@ -166,10 +160,10 @@ def main() -> None:
         t = time.perf_counter()
         result = fit(cfg)
         took = time.perf_counter() - t
-        times, judged = torch.load(out)
+        times, handed = torch.load(out)
     # the sides differ by the telemetry alone: every window of the one, none of the other
     on = [t[0] and not args.same for t in times]
-    assert judged[1:] == on[1:], "a window's figures were judged on the wrong side"
+    assert handed[1:] == on[1:], "a window's figures were handed over on the wrong side"
 
     wall, cpu = block_costs(times, args.block)
     print(

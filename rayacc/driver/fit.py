@@ -27,6 +27,7 @@ from rayacc.driver.prelaunch import Prepared, check_cluster, locate, prepare
 from rayacc.driver.runs import RunLease, RunLocation
 from rayacc.observe.events import RunObserver, RunStarted
 from rayacc.observe.goodput import Goodput
+from rayacc.observe.relay import RankRelay
 from rayacc.redact import redact
 
 __all__ = [
@@ -234,15 +235,16 @@ class History(RunObserver):
         return [self.by_step[s] for s in sorted(self.by_step)]
 
 
-def _relay(buffer, observers: Sequence[RunObserver]) -> None:
+def _relay(buffer, ranks: RankRelay, observers: Sequence[RunObserver]) -> None:
     import ray
 
-    for item in ray.get(buffer.drain.remote()):
-        for observer in observers:
-            if isinstance(item, dict):
-                observer.on_step(item)
-            else:
-                observer.on_event(item)
+    for handed in ray.get(buffer.drain.remote()):
+        for item in ranks.admit(handed):
+            for observer in observers:
+                if isinstance(item, dict):
+                    observer.on_step(item)
+                else:
+                    observer.on_event(item)
 
 
 class TrainerRun:
@@ -250,8 +252,8 @@ class TrainerRun:
     other work while the worker group starts; `relay` then hands the workers' items to the
     observers every half second until the fit ends."""
 
-    def __init__(self, trainer, buffer):
-        self.buffer = buffer
+    def __init__(self, trainer, buffer, ranks: RankRelay):
+        self.buffer, self.ranks = buffer, ranks
         self.outcome: dict[str, Any] = {}
         self.thread = threading.Thread(target=self._fit, args=(trainer,), name="rayacc-fit")
         self.thread.daemon = True
@@ -267,8 +269,8 @@ class TrainerRun:
         """The Ray Train Result, or TrainingError."""
         while self.thread.is_alive():
             self.thread.join(0.5)
-            _relay(self.buffer, observers)
-        _relay(self.buffer, observers)
+            _relay(self.buffer, self.ranks, observers)
+        _relay(self.buffer, self.ranks, observers)
         if "error" in self.outcome:
             exc = self.outcome["error"]
             raise TrainingError(f"training failed: {exc}") from exc
@@ -353,7 +355,8 @@ def _fit_holding(
     refresh_elastic_sizing(cfg)
     phases["ray_started"] = time.time()
     buffer = _progress_buffer()
-    running = TrainerRun(build_trainer(cfg, prep, loc, buffer), buffer)
+    ranks = RankRelay(margin=cfg.train.straggler_margin)
+    running = TrainerRun(build_trainer(cfg, prep, loc, buffer), buffer, ranks)
     phases["fit_started"] = time.time()
     lineage = functools.lru_cache(maxsize=4)(loc.checkpoints.lineage)
     # the MLflow store opens (seconds for a new sqlite file) while the worker group starts

@@ -44,6 +44,11 @@ class RunStarted:
     """How long loading the checkpoint took (rank 0; none restored: 0)."""
     entered_at: float | None = None
     """When rank 0's train function began (time.time()): the group's start ends there."""
+    nodes: tuple[str, ...] = ()
+    """Every rank's node, in rank order (a straggler is named with its node)."""
+    node_figures: tuple[str, ...] = ()
+    """Names of the node figures (MLflow's system metrics) that follow `ranks.FIELDS` in
+    every rank's report."""
 
     def describe(self, before: RunStarted | None = None) -> str | None:
         """The console's line; `before`: the fit's previous group, if any. A group that

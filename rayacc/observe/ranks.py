@@ -5,7 +5,8 @@ the gradient reduction. So a rank's own time — computing, waiting for its data
 optimizer, everything but waiting for its peers — is what tells ranks apart; its window time is
 everyone's. The ranks' figures of a window reach rank 0 inside the window's own reduction
 (`AccumulationStep(rank_report=...)`), one window late, and are judged here over logging
-intervals of a tenth of the run.
+intervals of a tenth of the run — on the driver (`observe/relay.py`), off the step: rank 0
+only hands them over with the step's record.
 """
 
 from __future__ import annotations
@@ -14,7 +15,11 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["FIELDS", "PARTS", "RankWatch", "Straggler", "rank_report"]
+__all__ = ["FIELDS", "FIGURES_KEY", "PARTS", "RankWatch", "Straggler", "rank_report"]
+
+FIGURES_KEY = "_rank_figures"
+"""Where every rank's figures of a window travel in rank 0's hand-over of the step's record
+(the driver takes them out before anything logs the record)."""
 
 FIELDS = ("compute_s", "data_s", "sync_s", "optimizer_s", "own_s", "host_mb", "device_mb")
 """What each rank reports of its window, in this order. `own_s`: its own time, the sum of

@@ -42,7 +42,7 @@ from rayacc.observe.events import (
     RunStarted,
     ScheduleChanged,
 )
-from rayacc.observe.ranks import RankWatch, rank_report
+from rayacc.observe.ranks import FIGURES_KEY, rank_report
 from rayacc.optim import build_schedule
 from rayacc.quantities import RunSpec, epoch_layout, rank_seed, remaining_epochs
 from rayacc.worker.autosize import MicroBatchSizer
@@ -132,8 +132,11 @@ class WorkerRun:
         """The last window's signal count and wall time (worker/preemption.py)."""
         self.rank_report: list[float] = []
         """This rank's figures of its last window, sent with the next (observe/ranks.py)."""
-        self.ranks: RankWatch | None = None
-        """Rank 0's view of every rank's figures."""
+        self.rank_figures: tuple[float, ...] = ()
+        """Every rank's figures of the window before, as the last reduction brought them:
+        handed to the driver with the step's record, which judges them there."""
+        self.nodes: list[str] = []
+        """Every rank's node, in rank order."""
         self.node_sampler: NodeSampler | None = None
         """With tracking.system_metrics: this node's figures (sampled by its first rank)."""
         quiet = (lambda: None), (lambda: None), None
@@ -165,7 +168,7 @@ class WorkerRun:
             events.append(self.sizer.search(self.strategy, self.loss_fn, self.first_rows, step))
             self._plan_epochs()
             self.validate.batch_size = 2 * self.split.micro_batch_size
-        self._watch_ranks()
+        self._gather_nodes()
         self._announce(events)
         for ep in self.epochs:
             self._begin_epoch(ep.epoch)
@@ -291,20 +294,12 @@ class WorkerRun:
             self.state.start_epoch(epoch)
         self.clock.restart()
 
-    def _watch_ranks(self) -> None:
+    def _gather_nodes(self) -> None:
         """Every rank's node, gathered once per group (a straggler is named with its node)."""
         node = f"{ray.util.get_node_ip_address()}/{ray.get_runtime_context().get_node_id()[:8]}"
-        nodes = all_gather_objects(node)
-        system = self.cfg.tracking.system_metrics
-        if system:
-            self.node_sampler = NodeSampler(samples=nodes.index(node) == self.rank)
-        if self.rank == 0:
-            self.ranks = RankWatch(
-                RankWatch.interval_for(self.total_steps),
-                margin=self.cfg.train.straggler_margin,
-                nodes=nodes,
-                system=SYSTEM_NAMES if system else (),
-            )
+        self.nodes = all_gather_objects(node)
+        if self.cfg.tracking.system_metrics:
+            self.node_sampler = NodeSampler(samples=self.nodes.index(node) == self.rank)
 
     # ------------------------------------------------------------------ one window
     def _announce(self, events: list[Event]) -> None:
@@ -320,6 +315,8 @@ class WorkerRun:
                 effective_lr=self.lr,
                 restore_s=self.restore_s,
                 entered_at=self.timeline["entered"],
+                nodes=tuple(self.nodes),
+                node_figures=SYSTEM_NAMES if self.node_sampler is not None else (),
             )
         )
         for event in events:
@@ -388,8 +385,9 @@ class WorkerRun:
 
     def _rank_telemetry(self, result, data_s: float, rss_mb: float, record: dict) -> None:
         """This rank's figures of the window, sent with the next one (this one's reduction
-        has left); on rank 0, every rank's figures of the last window into the record, and a
-        straggler named when there is one (observe/ranks.py)."""
+        has left); every rank's figures of the window before, kept for the hand-over of the
+        step's record. The driver judges them (observe/ranks.py::RankRelay): nothing of it
+        costs the step."""
         self.rank_report = rank_report(
             step_s=result.step_time_s,
             sync_s=result.sync_time_s,
@@ -400,12 +398,7 @@ class WorkerRun:
         )
         if self.node_sampler is not None:
             self.rank_report += self.node_sampler.figures()
-        if self.ranks is not None:
-            _, straggler = self.ranks.window(
-                self.state.optimizer_step, result.rank_figures, into=record
-            )
-            if straggler is not None:
-                self.outbox.send(straggler)
+        self.rank_figures = result.rank_figures
 
     def _after_window(self, record: dict[str, Any]) -> None:
         """Validation and checkpoints when due; the record goes to the driver. Validation and
@@ -422,7 +415,11 @@ class WorkerRun:
         self.last = record
         if self.history is not None:
             self.history.append(record)
-        self.outbox.send(dict(record))
+        handed = dict(record)
+        if self.rank_figures:
+            # the driver's alone: not in the lineage, whose lines every step would lengthen
+            handed[FIGURES_KEY] = self.rank_figures
+        self.outbox.send(handed)
         checkpointed = boundaries.checkpoints_at(step)
         if checkpointed:
             with self.clock.paused():

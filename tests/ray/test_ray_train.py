@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -216,6 +217,12 @@ def test_two_runs_of_one_config_give_the_same_weights_through_either_read_path(
     ), history
     assert [step for step, _ in history["ranks/slowest"]] == list(range(2, 15))
     assert {v for _, v in history["ranks/slowest"]} == {1.0}
+    # judged on the driver: the fit's records hold the judgement, the checkpoints' lineage
+    # (rank 0's records) neither it nor the figures it was made from
+    assert in_process.history[3]["ranks/slowest"] == 1.0
+    kept = (Path(in_process.checkpoint_dir) / "history.jsonl").read_text().splitlines()
+    assert len(kept) == 14
+    assert not [k for line in kept for k in json.loads(line) if k.startswith(("rank", "_rank"))]
 
 
 def test_a_size_that_ran_out_of_memory_in_training_is_not_chosen_again(ray_local, tmp_path):

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from rayacc.observe.ranks import FIELDS, RankWatch, rank_report
+from rayacc.observe.events import RunStarted
+from rayacc.observe.ranks import FIELDS, FIGURES_KEY, RankWatch, Straggler, rank_report
+from rayacc.observe.relay import RankRelay
 
 
 def figures(compute=0.2, data=0.01, sync=0.05, optimizer=0.01, host=500.0, device=100.0):
@@ -235,3 +237,36 @@ def test_the_resident_memory_read_each_window_is_psutils_figure(monkeypatch):
     monkeypatch.setattr(os, "open", no_proc)
     fallback = ResidentMemory()
     assert abs(fallback.mb() - kept.mb()) < 8
+
+
+def started(total_steps=20, nodes=("10.0.0.1/a", "10.0.0.2/b"), step=0):
+    return RunStarted(step, total_steps, None, "layout", {}, 0.1, nodes=nodes)
+
+
+def handed(step, reports, **metrics):
+    """Rank 0's hand-over of a step's record: the record and every rank's figures."""
+    return {"step": step, "train/loss": 1.0, **metrics, FIGURES_KEY: tuple(flat(reports))}
+
+
+def test_the_driver_judges_the_ranks_figures_rank_0_hands_over():
+    relay = RankRelay(margin=0.3)
+    assert relay.admit(started()) == [started()]
+    # a record without figures (a group's first window) passes as it is
+    assert relay.admit({"step": 1, "train/loss": 1.0}) == [{"step": 1, "train/loss": 1.0}]
+    slow = {"r1": {"compute": 0.6}}
+    (record,) = relay.admit(handed(2, even(2, **slow)))
+    # the figures are taken out: nothing logs them as they are
+    assert FIGURES_KEY not in record and record["train/loss"] == 1.0
+    assert record["ranks/slowest"] == 1.0 and record["ranks/own_s_max"] == pytest.approx(0.62)
+    assert "rank_1/own_s" in record  # the interval (2 steps of 20) ends at step 2
+    # the slow rank, named within two intervals, ahead of the record of its step
+    out = [relay.admit(handed(step, even(2, **slow))) for step in (3, 4)]
+    straggler, fourth = out[1]
+    assert len(out[0]) == 1 and isinstance(straggler, Straggler), out
+    assert (straggler.step, straggler.rank, straggler.node) == (4, 1, "10.0.0.2/b")
+    assert straggler.part == "compute" and fourth["step"] == 4
+    # a new group starts over: its first intervals name no one yet
+    relay.admit(started(step=4, nodes=("10.0.0.1/a", "10.0.0.3/c")))
+    assert len(relay.admit(handed(6, even(2, **slow)))) == 1
+    # events other than a group's start pass as they are
+    assert relay.admit(straggler) == [straggler]
