@@ -104,7 +104,7 @@ FOLD_EVERY = 256
 
 
 class RankWatch:
-    """Rank 0's view of every rank: per window, the median and the slowest rank's own time;
+    """The driver's view of every rank (`observe/relay.py`): per window, the median and the slowest rank's own time;
     per logging interval, each rank's means (memory: its peak) and whether a straggler is to
     be named. `margin`: how far above the others' median a rank's own time must stay
     (0.3 = 30 %), for `patience` consecutive intervals.
@@ -132,9 +132,8 @@ class RankWatch:
         """Figures in one rank's report."""
         self._pending: list[float] = []
         """The figures of the interval's windows not yet in `_totals`, one window after
-        the other in one list: adding them up window by window would cost every step more
-        (this runs on rank 0 between windows); folded every `FOLD_EVERY` windows, so a long
-        interval on many ranks holds little."""
+        the other in one list (adding them up window by window costs more); folded every
+        `FOLD_EVERY` windows, so a long interval on many ranks holds little."""
         self._windows = 0
         self._totals: list[float] = []
         """Per figure of each rank, over the interval's folded windows: its sum, or its peak
@@ -166,9 +165,7 @@ class RankWatch:
             if not figures:
                 return metrics, None
             self._start_over(len(figures))
-        # every window, on rank 0 between windows: as little as it takes (each line here
-        # costs several times what it does in a hot loop: the step before has taken the
-        # caches)
+        # every window, for every record the driver relays: as little as it takes
         own = figures[_OWN :: self.width]
         ranked = sorted(own)
         top = ranked[-1]
