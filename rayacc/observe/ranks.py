@@ -104,10 +104,10 @@ FOLD_EVERY = 256
 
 
 class RankWatch:
-    """The driver's view of every rank (`observe/relay.py`): per window, the median and the slowest rank's own time;
-    per logging interval, each rank's means (memory: its peak) and whether a straggler is to
-    be named. `margin`: how far above the others' median a rank's own time must stay
-    (0.3 = 30 %), for `patience` consecutive intervals.
+    """The driver's view of every rank (`observe/relay.py`): per window, the median and the
+    slowest rank's own time; per logging interval, each rank's means (memory: its peak) and
+    whether a straggler is to be named. `margin`: how far above the others' median a rank's
+    own time must stay (0.3 = 30 %), for `patience` consecutive intervals.
 
     A window's figures arrive flat, as the step's reduction leaves them
     (`StepResult.rank_figures`: rank r's report at [r·k, (r+1)·k)); they are read in place,
