@@ -295,7 +295,13 @@ def test_a_resume_that_lengthens_a_cosine_run_goes_on_from_its_lr_with_the_whole
     assert (change.step, change.old_length, change.new_length) == (4, 4, 8)
     assert "schedule re-planned at step 4" in change.console_line()
     assert [r["step"] for r in longer.history] == list(range(1, 9))
-    assert longer.history[:4] == first.history
+    # steps 1..4 as the checkpoint carries them: every rank's figures are the driver's
+    # judgement, in MLflow and the first fit's records, not in the lineage
+    def carried(record):
+        return {k: v for k, v in record.items() if not k.startswith(("ranks/", "rank_"))}
+
+    assert [carried(r) for r in longer.history[:4]] == [carried(r) for r in first.history]
+    assert "ranks/slowest" in first.history[3] and "ranks/slowest" not in longer.history[3]
     lrs = [r["train/lr"] for r in longer.history]
     assert lrs[3] == pytest.approx(0.01) and lrs[4:] == pytest.approx([0.01] * 4), lrs
     client = MlflowClient(longer.tracking_uri)
