@@ -72,9 +72,9 @@ class AlternatingRun(WorkerRun):
         """Whether window n runs with the telemetry (`--same`: no window does)."""
         return self.side(n) and not self.same
 
-    def _rank_telemetry(self, result, data_s, rss_mb, record) -> None:
+    def _rank_telemetry(self, result, data_s, rss_mb) -> None:
         if self.telemetry(self.n + 1) or result.rank_figures:
-            super()._rank_telemetry(result, data_s, rss_mb, record)
+            super()._rank_telemetry(result, data_s, rss_mb)
         else:
             self.rank_figures = ()
         if not self.telemetry(self.n + 1):

@@ -2,9 +2,10 @@
 figures. Rank 0 hands each step's record over with the figures the window's reduction brought
 (`ranks.FIGURES_KEY`); here they become the record's `ranks/*` (every window) and `rank_<r>/*`
 and `system/<node>/*` (every logging interval) metrics, and a rank that holds the others back
-becomes a `Straggler` event, ahead of its record. Doing it here keeps it off the step: on rank
-0, between windows, the same work cost the default job's step about 0.9 % of its time
-(bench/README.md), against about 0.1 % for the figures' ride and hand-over alone.
+becomes a `Straggler` event, ahead of its record. Doing it here keeps it off the step: with
+rank 0 judging between windows the telemetry cost the default job's step 0.88 % of its CPU time
+(median of six runs of bench/rank_telemetry_job.py), with the driver judging 0.50 % (five runs)
+— what is left is the figures' ride and hand-over.
 
 The judgement is the driver's: the records a checkpoint's lineage keeps do not carry it."""
 

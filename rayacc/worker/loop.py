@@ -380,13 +380,13 @@ class WorkerRun:
             peak_tflops=self.peak_tflops,
             token_items=self.info.format == "tokens",
         )
-        self._rank_telemetry(result, data_s, rss_mb, record)
+        self._rank_telemetry(result, data_s, rss_mb)
         return record
 
-    def _rank_telemetry(self, result, data_s: float, rss_mb: float, record: dict) -> None:
+    def _rank_telemetry(self, result, data_s: float, rss_mb: float) -> None:
         """This rank's figures of the window, sent with the next one (this one's reduction
         has left); every rank's figures of the window before, kept for the hand-over of the
-        step's record. The driver judges them (observe/ranks.py::RankRelay): nothing of it
+        step's record. The driver judges them (observe/relay.py::RankRelay): nothing of it
         costs the step."""
         self.rank_report = rank_report(
             step_s=result.step_time_s,

@@ -295,6 +295,7 @@ def test_a_resume_that_lengthens_a_cosine_run_goes_on_from_its_lr_with_the_whole
     assert (change.step, change.old_length, change.new_length) == (4, 4, 8)
     assert "schedule re-planned at step 4" in change.console_line()
     assert [r["step"] for r in longer.history] == list(range(1, 9))
+
     # steps 1..4 as the checkpoint carries them: every rank's figures are the driver's
     # judgement, in MLflow and the first fit's records, not in the lineage
     def carried(record):
