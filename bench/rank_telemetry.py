@@ -37,11 +37,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from cpu_engine_vs_bare import ACCUM, MICRO, in_gloo_ranks, run_in_ray
 
+from rayacc.checkpoint import StepLog
 from rayacc.config.batch_split import BatchSplit
 from rayacc.engine import AccumulationStep, classification_item_losses
 from rayacc.models.mlp import MLP
 from rayacc.observe.ranks import FIGURES_KEY, rank_report
-from rayacc.worker.checkpoint import StepLog
 from rayacc.worker.metrics import step_record
 from rayacc.worker.progress import Outbox
 from rayacc.worker.system import ResidentMemory

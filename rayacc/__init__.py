@@ -20,7 +20,7 @@ _LAZY = {
     "fit": "rayacc.driver.fit",
     "FitResult": "rayacc.driver.fit",
     "build_model": "rayacc.models",
-    "load_model": "rayacc.worker.checkpoint",
+    "load_model": "rayacc.checkpoint.reader",
     "ProgressPrinter": "rayacc.observe.console",
 }
 

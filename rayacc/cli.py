@@ -198,6 +198,7 @@ def _console_owns_ray_output() -> None:
 
 
 def _user_error_types() -> tuple[type[BaseException], ...]:
+    from rayacc.checkpoint.reader import CheckpointError
     from rayacc.config.batch_split import BatchSplitError
     from rayacc.data.sources import DataError
     from rayacc.driver.jobs import SubmitError
@@ -206,7 +207,6 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
     from rayacc.models import ModelError
     from rayacc.planner.search import NothingFits
     from rayacc.tracking.report import ReportError
-    from rayacc.worker.checkpoint import CheckpointError
 
     return (
         ConfigError,

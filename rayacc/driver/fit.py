@@ -19,12 +19,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rayacc import env
+from rayacc.checkpoint.lease import RunLease
 from rayacc.config import TrainConfig
 from rayacc.config.batch_split import BatchSplit
 from rayacc.data.sources import RowGroups, row_groups
 from rayacc.data.vocab import Vocabulary
 from rayacc.driver.prelaunch import Prepared, check_cluster, locate, prepare
-from rayacc.driver.runs import RunLease, RunLocation
+from rayacc.driver.runs import RunLocation
 from rayacc.observe.events import RunObserver, RunStarted
 from rayacc.observe.goodput import Goodput
 from rayacc.observe.relay import RankRelay
@@ -167,8 +168,11 @@ def refresh_elastic_sizing(cfg: TrainConfig) -> None:
         )
 
 
-def build_trainer(cfg: TrainConfig, prep: Prepared, loc: RunLocation, progress):
-    """The TorchTrainer of the run; `progress` is the ProgressBuffer rank 0 reports to."""
+def build_trainer(
+    cfg: TrainConfig, prep: Prepared, loc: RunLocation, progress, lease: str | None = None
+):
+    """The TorchTrainer of the run; `progress` is the ProgressBuffer rank 0 reports to;
+    `lease`: the token of this driver's lease on the run."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
@@ -185,6 +189,7 @@ def build_trainer(cfg: TrainConfig, prep: Prepared, loc: RunLocation, progress):
         name=loc.name,
         progress=progress,
         vocabulary=vocabulary.to_json() if vocabulary else None,
+        lease=lease,
     )
     return TorchTrainer(
         functools.partial(train_loop, inputs),
@@ -252,8 +257,8 @@ class TrainerRun:
     other work while the worker group starts; `relay` then hands the workers' items to the
     observers every half second until the fit ends."""
 
-    def __init__(self, trainer, buffer, ranks: RankRelay):
-        self.buffer, self.ranks = buffer, ranks
+    def __init__(self, trainer, buffer, ranks: RankRelay, lost=lambda: None):
+        self.buffer, self.ranks, self.lost = buffer, ranks, lost
         self.outcome: dict[str, Any] = {}
         self.thread = threading.Thread(target=self._fit, args=(trainer,), name="rayacc-fit")
         self.thread.daemon = True
@@ -270,6 +275,9 @@ class TrainerRun:
         while self.thread.is_alive():
             self.thread.join(0.5)
             _relay(self.buffer, self.ranks, observers)
+            if self.lost() is not None:
+                # its workers commit nothing more (their lease check fails): end the fit here
+                raise TrainingError(self.lost())
         _relay(self.buffer, self.ranks, observers)
         if "error" in self.outcome:
             exc = self.outcome["error"]
@@ -328,10 +336,19 @@ def fit(
             log.warning(note)
     loc = location
     # one writer per run: refused while another live driver holds the run
-    lease = RunLease(loc).take()
+    lease = RunLease(loc.storage, loc.name).take()
     try:
         return _fit_holding(
-            cfg, prep, loc, resume, observers, parent_run_id, tags, phases=phases, t0=t0
+            cfg,
+            prep,
+            loc,
+            resume,
+            observers,
+            parent_run_id,
+            tags,
+            phases=phases,
+            t0=t0,
+            lease=lease,
         )
     finally:
         lease.release()
@@ -348,6 +365,7 @@ def _fit_holding(
     *,
     phases: dict[str, float],
     t0: float,
+    lease: RunLease | None = None,
 ) -> FitResult:
     phases["checked"] = time.time()
     ensure_ray(cfg)
@@ -356,7 +374,8 @@ def _fit_holding(
     phases["ray_started"] = time.time()
     buffer = _progress_buffer()
     ranks = RankRelay(margin=cfg.train.straggler_margin)
-    running = TrainerRun(build_trainer(cfg, prep, loc, buffer), buffer, ranks)
+    trainer = build_trainer(cfg, prep, loc, buffer, lease=lease.token if lease else None)
+    running = TrainerRun(trainer, buffer, ranks, lost=lambda: lease.lost if lease else None)
     phases["fit_started"] = time.time()
     lineage = functools.lru_cache(maxsize=4)(loc.checkpoints.lineage)
     # the MLflow store opens (seconds for a new sqlite file) while the worker group starts

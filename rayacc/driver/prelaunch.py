@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from rayacc.config import TrainConfig
@@ -292,13 +293,32 @@ def check_resume(cfg: TrainConfig, identity: dict[str, object], loc: RunLocation
     """The latest checkpoint's identity against this config's: another seed, data, split,
     order, model, strategy or (for a run that keeps it) global batch would re-split and
     re-order the data under the saved sample position, or fail inside the workers."""
+    import tempfile
+
+    from rayacc.checkpoint.reader import CheckpointError, malformed_message
+
     checkpoints = loc.checkpoints
-    latest = checkpoints.latest()
+    if loc.local:
+        # what the workers will do: the newest checkpoint that reads (whole, every digest as
+        # listed, plain data), so that one they would refuse is said here, before Ray starts
+        with tempfile.TemporaryDirectory(prefix="rayacc-resume-") as scratch:
+            found = checkpoints.load_latest(Path(scratch))
+        meta = found[2][2] if found is not None else {}
+    else:
+        latest = checkpoints.latest()  # the workers check every digest when they load it
+        meta = latest.meta() if latest is not None else {}
     loc.notes += [f"passed over {note}" for note in checkpoints.skipped]
-    meta = latest.meta() if latest is not None else {}
+    if not meta and checkpoints.skipped:
+        raise CheckpointError(
+            f"--resume of run {loc.name!r}: none of its checkpoints can be used:\n  "
+            + "\n  ".join(checkpoints.skipped[:5])
+            + "\nFix: restore the run's folder from a copy, or start a new run (drop --resume)"
+        )
     saved = meta.get("identity")
     if saved is None:
         return  # nothing saved yet (or a checkpoint from before identities)
+    if not isinstance(saved, dict):
+        raise CheckpointError(malformed_message(f"{loc.name}/meta.json", "identity"))
     now = identity
     diffs = [
         f"{key}: the run has {saved.get(key)!r}, this config {now.get(key)!r}"

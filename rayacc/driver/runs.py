@@ -6,35 +6,28 @@ run), and the list of a storage path's runs."""
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import socket
-import threading
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rayacc.checkpoint.catalogue import RunCheckpoints
+from rayacc.checkpoint.lease import Lease, held_message, read_lease
+from rayacc.checkpoint.reader import CheckpointError
+from rayacc.checkpoint.storage import open_storage
 from rayacc.config import TrainConfig
-from rayacc.data.reads import filesystem_and_path, read_bytes
 from rayacc.data.sources import DataError
 from rayacc.redact import redact
-from rayacc.worker.checkpoint import RunCheckpoints
 
 __all__ = [
     "LATEST",
-    "LEASE",
-    "LEASE_TTL_S",
     "RUN_INFO",
-    "Lease",
-    "RunLease",
     "RunLocation",
     "RunSummary",
     "default_storage",
     "list_runs",
-    "read_lease",
     "storage_exists",
 ]
 
@@ -43,31 +36,25 @@ RUN_INFO = "rayacc_run.json"
 status of the run."""
 LATEST = "LATEST"
 """In the storage path: the name of the latest run started there."""
-LEASE = "rayacc_lease.json"
-"""In the run's folder while a driver writes the run: its host, pid and heartbeat."""
-LEASE_TTL_S = 60.0
-"""A lease whose heartbeat is older than this is a killed driver's: it holds the run no more
-(the holder beats every quarter of it)."""
 
 
 def _write_text(storage: str, relative: str, text: str) -> None:
-    filesystem, root = filesystem_and_path(storage)
-    path = f"{root}/{relative}"
-    filesystem.create_dir(path.rsplit("/", 1)[0], recursive=True)
-    with filesystem.open_output_stream(path) as f:
-        f.write(text.encode())
+    open_storage(storage).put(relative, text.encode())
 
 
 def _run_info(storage: str, name: str) -> dict[str, Any]:
     """The run's info file (none yet: {}); a damaged one is a DataError naming it: a resume
     would otherwise lose which MLflow run it continues."""
     source = f"{redact(storage)}/{name}/{RUN_INFO}"
-    text = read_bytes(f"{storage}/{name}/{RUN_INFO}")
+    try:
+        text = open_storage(storage).child(name).read(RUN_INFO)
+    except OSError:
+        text, info = b"?", None  # a link or a folder where the file belongs
     if not text:
         return {}
     try:
         info = json.loads(text)
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except ValueError:
         info = None
     if not isinstance(info, dict):
         raise DataError(
@@ -78,108 +65,11 @@ def _run_info(storage: str, name: str) -> dict[str, Any]:
     return info
 
 
-@dataclass(frozen=True)
-class Lease:
-    """A driver's claim on a run: while its heartbeat is fresh (and, on this host, its process
-    lives) no other driver writes the run."""
-
-    host: str
-    pid: int
-    heartbeat: float
-    token: str
-
-    def live(self) -> bool:
-        if time.time() - self.heartbeat > LEASE_TTL_S:
-            return False
-        if self.host == socket.gethostname():
-            try:
-                os.kill(self.pid, 0)
-            except ProcessLookupError:
-                return False  # a driver of this host that is gone: no need to wait it out
-            except PermissionError:
-                pass
-        return True
-
-    def describe(self) -> str:
-        age = max(0.0, time.time() - self.heartbeat)
-        return f"host {self.host}, pid {self.pid}, heartbeat {age:.0f} s ago"
-
-
-def read_lease(storage: str, name: str) -> Lease | None:
-    text = read_bytes(f"{storage}/{name}/{LEASE}")
-    try:
-        raw = json.loads(text) if text else None
-        return Lease(str(raw["host"]), int(raw["pid"]), float(raw["heartbeat"]), str(raw["token"]))
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError):
-        return None  # none, or a torn write: no claim
-
-
-class RunLease:
-    """The lease this driver holds on its run for the fit's length: taken before the worker
-    group starts (refused while another live driver holds it), its heartbeat refreshed by a
-    thread, removed when the fit ends. A driver that is killed leaves it to expire."""
-
-    def __init__(self, loc: RunLocation):
-        self.loc = loc
-        self.token = uuid.uuid4().hex
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def _write(self) -> None:
-        lease = {
-            "host": socket.gethostname(),
-            "pid": os.getpid(),
-            "heartbeat": time.time(),
-            "token": self.token,
-        }
-        _write_text(self.loc.storage, f"{self.loc.name}/{LEASE}", json.dumps(lease))
-
-    def take(self) -> RunLease:
-        held = read_lease(self.loc.storage, self.loc.name)
-        if held is not None and held.token != self.token and held.live():
-            raise DataError(_held_message(self.loc.name, self.loc.storage, held))
-        self._write()
-        # two drivers that read "free" at once: the one whose lease stands goes on
-        time.sleep(0.05)
-        mine = read_lease(self.loc.storage, self.loc.name)
-        if mine is None or mine.token != self.token:
-            raise DataError(_held_message(self.loc.name, self.loc.storage, mine))
-        self._thread = threading.Thread(target=self._beat, name="rayacc-lease", daemon=True)
-        self._thread.start()
-        return self
-
-    def _beat(self) -> None:
-        while not self._stop.wait(LEASE_TTL_S / 4):
-            # storage away for a moment: the next beat tries again
-            with contextlib.suppress(OSError):
-                self._write()
-
-    def release(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-        held = read_lease(self.loc.storage, self.loc.name)
-        if held is not None and held.token == self.token:
-            filesystem, root = filesystem_and_path(self.loc.storage)
-            filesystem.delete_file(f"{root}/{self.loc.name}/{LEASE}")
-
-
-def _held_message(name: str, storage: str, held: Lease | None) -> str:
-    who = held.describe() if held is not None else "another driver"
-    return (
-        f"run {name!r} in {storage} is being written by a live driver ({who}); two drivers "
-        "would write one folder and one MLflow run. Fix: wait for it to end (`rayacc runs` "
-        f"shows it running), stop it, or resume another run; a lease a killed driver left "
-        f"expires {LEASE_TTL_S:.0f} s after its last heartbeat"
-    )
-
-
 def storage_exists(storage: str) -> bool:
     """Whether the storage path (a folder, or a URI's prefix) exists."""
-    from pyarrow import fs
-
-    filesystem, root = filesystem_and_path(storage)
-    return filesystem.get_file_info(root).type == fs.FileType.Directory
+    root = open_storage(storage)
+    entry = root.stat("")
+    return entry is not None and entry.kind == "dir"
 
 
 def default_storage(path: str | None = None) -> str:
@@ -239,7 +129,7 @@ def locate_run(cfg: TrainConfig, resume: bool, identity: dict[str, Any] | None =
         _check_name(storage, name, resume)
         held = read_lease(storage, name) if resume else None
         if held is not None and held.live():
-            raise DataError(_held_message(name, storage, held))
+            raise DataError(held_message(name, storage, held))
     name = name or f"rayacc-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
     return RunLocation(storage, name, _run_info(storage, name) if resume else {}, notes)
 
@@ -285,11 +175,7 @@ def _check_name(storage: str, name: str, resume: bool) -> None:
 
 def _runs_in(storage: str) -> set[str]:
     """The names of the run folders in `storage` (not `_data`, where shared data is staged)."""
-    from pyarrow import fs
-
-    filesystem, root = filesystem_and_path(storage)
-    infos = filesystem.get_file_info(fs.FileSelector(root, allow_not_found=True))
-    return {i.base_name for i in infos if i.type == fs.FileType.Directory} - {"_data"}
+    return {e.name for e in open_storage(storage).list() if e.kind == "dir"} - {"_data"}
 
 
 @dataclass
@@ -318,6 +204,13 @@ class RunSummary:
         )
 
 
+def _meta_of(checkpoint) -> dict[str, Any]:
+    try:
+        return checkpoint.meta()
+    except (CheckpointError, OSError):
+        return {}  # changed since it was listed whole: the run is listed without it
+
+
 def list_runs(storage: str) -> list[RunSummary]:
     """The runs of `storage`, oldest first. A run reads `running` while a live driver holds its
     lease; one whose info says `running` and whose driver is gone reads `unfinished` (a resume
@@ -341,7 +234,7 @@ def list_runs(storage: str) -> list[RunSummary]:
             status = f"unknown ({RUN_INFO} damaged)"
         elif status == "running":
             status = "unfinished"  # its driver is gone
-        identity = info.get("identity") or (latest.meta().get("identity") if latest else None)
+        identity = info.get("identity") or (_meta_of(latest).get("identity") if latest else None)
         found.append(
             RunSummary(
                 name=name,

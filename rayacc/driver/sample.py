@@ -10,17 +10,12 @@ from pathlib import Path
 
 import torch
 
-from rayacc.data.reads import filesystem_and_path, read_bytes
+from rayacc.checkpoint.catalogue import Checkpoint, RunCheckpoints
+from rayacc.checkpoint.format import META_FILE, MODEL_FILE
+from rayacc.checkpoint.reader import CheckpointError, malformed_message, parse_json, read_file
+from rayacc.checkpoint.storage import open_storage
 from rayacc.data.vocab import VOCAB_FILE, Vocabulary
 from rayacc.driver.runs import default_storage
-from rayacc.worker.checkpoint import (
-    META_FILE,
-    MODEL_FILE,
-    CheckpointError,
-    RunCheckpoints,
-    malformed_message,
-    parse_json,
-)
 
 __all__ = ["Sample", "find_checkpoint", "sample"]
 
@@ -49,8 +44,11 @@ def find_checkpoint(
     checkpoints that are not whole are added to `passed_over`."""
     local = "://" not in target
     location = str(Path(target).expanduser().resolve()) if local else target.rstrip("/")
-    if read_bytes(f"{location}/{META_FILE}") is not None:
-        return location
+    try:
+        if open_storage(location).stat(META_FILE) is not None:
+            return location
+    except ValueError:
+        pass
     parent, _, name = location.rpartition("/")
     candidates = [(parent, name)] if name else []
     if local and "/" not in target.strip("/"):
@@ -72,19 +70,24 @@ def find_checkpoint(
 
 def _local(checkpoint: str, scratch: str) -> str:
     """A local copy of a checkpoint on remote storage (the folder itself when local)."""
-    if "://" not in checkpoint:
-        return checkpoint
-    from pyarrow import fs
+    return str(Checkpoint(open_storage(checkpoint), 0).fetch(Path(scratch)))
 
-    filesystem, path = filesystem_and_path(checkpoint)
-    fs.copy_files(path, scratch, source_filesystem=filesystem)
-    return scratch
+
+def _described(folder: str) -> dict:
+    source = f"{folder}/{MODEL_FILE}"
+    described = parse_json(read_file(open_storage(folder), MODEL_FILE) or b"{}", source)
+    dataset = described.get("dataset", {}) if isinstance(described, dict) else {}
+    if not isinstance(dataset, dict):
+        raise CheckpointError(malformed_message(source, "dataset"))
+    return dataset
 
 
 def checkpoint_vocabulary(folder: str) -> Vocabulary:
-    """The vocabulary a checkpoint carries; a checkpoint written before checkpoints carried one
-    has its characters (character-level data) or only ids."""
-    text = read_bytes(f"{folder}/{VOCAB_FILE}")
+    """The vocabulary a checkpoint carries, checked against the model it describes (every id
+    the model can draw decodes); a checkpoint written before checkpoints carried one has its
+    characters (character-level data) or only ids."""
+    dataset = _described(folder)
+    text = read_file(open_storage(folder), VOCAB_FILE)
     if text is not None:
         raw = parse_json(text, f"{folder}/{VOCAB_FILE}")
         try:
@@ -93,17 +96,50 @@ def checkpoint_vocabulary(folder: str) -> Vocabulary:
             vocabulary = None
         if vocabulary is None or not vocabulary.well_formed():
             raise CheckpointError(malformed_message(f"{folder}/{VOCAB_FILE}", "kind"))
+        _fits_the_model(vocabulary, dataset, f"{folder}/{VOCAB_FILE}")
         return vocabulary
-    described = parse_json(read_bytes(f"{folder}/{MODEL_FILE}") or b"{}", f"{folder}/{MODEL_FILE}")
-    dataset = described.get("dataset", {}) if isinstance(described, dict) else {}
     if dataset.get("format") != "tokens":
         raise CheckpointError(
             f"{folder} is a checkpoint of a {dataset.get('format', 'non-token')} model: "
             "`rayacc sample` generates text from token models (e.g. model.name=gpt)"
         )
-    if dataset.get("vocab"):
+    if isinstance(dataset.get("vocab"), str) and dataset["vocab"]:
         return Vocabulary("chars", len(dataset["vocab"]), chars=dataset["vocab"])
-    return Vocabulary("ids", int(dataset.get("vocab_size", 0)))
+    size = dataset.get("vocab_size", 0)
+    if type(size) is not int or size < 0:
+        raise CheckpointError(malformed_message(f"{folder}/{MODEL_FILE}", "vocab_size"))
+    return Vocabulary("ids", size)
+
+
+def _fits_the_model(vocabulary: Vocabulary, dataset: dict, source: str) -> None:
+    """Every id the model draws (0..vocab_size-1) decodes with `vocabulary`."""
+    size = dataset.get("vocab_size")
+    fits = type(size) is int and vocabulary.size == size
+    if vocabulary.kind == "chars":
+        fits = fits and len(vocabulary.chars) == vocabulary.size
+    elif vocabulary.kind == "bytes":
+        from rayacc.data.vocab import BYTE_EOD
+
+        fits = fits and vocabulary.size <= BYTE_EOD + 1
+    elif vocabulary.kind == "tokenizer" and fits:
+        try:
+            vocabulary._tokenizer()
+        except Exception as exc:  # the tokenizers library's own errors on a damaged file
+            from rayacc.data.sources import DataError
+
+            if isinstance(exc, DataError):
+                raise
+            raise CheckpointError(
+                f"{source} holds a tokenizer that does not load ({type(exc).__name__}). Fix: "
+                "use an earlier checkpoint_* folder of the run, or a checkpoint rayacc wrote"
+            ) from None
+    if not fits:
+        raise CheckpointError(
+            f"{source} does not fit the model its {MODEL_FILE} describes ({vocabulary.kind}, "
+            f"{vocabulary.size} ids, the model {size!r}): the model would draw ids it cannot "
+            "decode. Fix: use the vocab.json of the run that wrote the checkpoint, or an "
+            "earlier checkpoint_* folder of the run"
+        )
 
 
 def sample(
@@ -121,9 +157,9 @@ def sample(
     """`tokens` new tokens after `prompt` (none: a line break) from the model of
     RUN_OR_CHECKPOINT `target`, sharded checkpoints included. `factory`: the model factory a
     user factory's checkpoint is rebuilt with (`load_model`)."""
+    from rayacc.checkpoint.reader import load_model
     from rayacc.data.sources import DataError
     from rayacc.models.generate import generate
-    from rayacc.worker.checkpoint import load_model
 
     if tokens < 0:
         raise DataError(f"--tokens must be ≥ 0 (got {tokens})")

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from rayacc.checkpoint.reader import load_model
 from rayacc.config import TrainConfig
 from rayacc.data.rows import read_rows
 from rayacc.driver.fit import fit
@@ -15,7 +16,6 @@ from rayacc.driver.prelaunch import Prepared, prepare
 from rayacc.models.parallel import build_rank
 from rayacc.optim import build_schedule
 from rayacc.redact import redact
-from rayacc.worker.checkpoint import load_model
 
 __all__ = ["TOLERANCE", "TensorDiff", "VerifyResult", "verify"]
 

@@ -207,12 +207,25 @@ def _load(state: dict, folder: str | Path, no_dist: bool = False) -> None:
                 planner=_SafePlanner(),
                 no_dist=no_dist,
             )
-    except CheckpointException as exc:
+    except CheckpointException as exc:  # a BaseException: every rank's failure in one
         for failure in exc.failures.values():
             inner = failure[0] if isinstance(failure, tuple) else failure
             if isinstance(inner, ShardError):
                 raise inner from None
+        raise _damaged(folder, exc) from None
+    except ShardError:
         raise
+    except Exception as exc:  # damaged bytes raise whatever the decoder meets
+        raise _damaged(folder, exc) from None
+
+
+def _damaged(folder: str | Path, exc: BaseException) -> ShardError:
+    first = (str(exc).strip().splitlines() or [""])[0][:200]
+    return ShardError(
+        f"{folder} holds shards that do not load ({type(exc).__name__}: {first}): the folder "
+        "was damaged (a copy cut short?) or written by something else. Fix: use an earlier "
+        "checkpoint_* folder of the run, or a checkpoint rayacc wrote"
+    )
 
 
 def missing_shard_files(folder: str | Path) -> list[str]:

@@ -19,6 +19,8 @@ import ray.train
 import torch
 from ray.train.torch import get_device
 
+from rayacc.checkpoint.format import checkpoint_meta
+from rayacc.checkpoint.lineage import StepLog
 from rayacc.data.order import EpochLayout
 from rayacc.data.rows import LocalRows
 from rayacc.data.sources import RowGroups
@@ -46,7 +48,7 @@ from rayacc.observe.ranks import FIGURES_KEY, rank_report
 from rayacc.optim import build_schedule
 from rayacc.quantities import RunSpec, epoch_layout, rank_seed, remaining_epochs
 from rayacc.worker.autosize import MicroBatchSizer
-from rayacc.worker.checkpoint import RunCheckpoints, StepLog, WorkerParts, checkpoint_meta
+from rayacc.worker.checkpoint import Checkpointer, WorkerParts
 from rayacc.worker.ingest import RankReader, warm_up
 from rayacc.worker.metrics import run_summary, step_record
 from rayacc.worker.preemption import Boundaries, PreemptionWatch, ray_notice_sources
@@ -79,6 +81,9 @@ class WorkerInputs:
     vocabulary: str | None = None
     """A token run's vocabulary (JSON), kept by every checkpoint (`rayacc sample` decodes
     with it)."""
+    lease: str | None = None
+    """The token of the driver's lease on the run: a checkpoint is committed only while the
+    lease is still that driver's (checkpoint/lease.py)."""
 
 
 def train_loop(inputs: WorkerInputs) -> dict[str, Any]:
@@ -113,7 +118,7 @@ class WorkerRun:
         self.lr = spec.lr_at(self.world)
         self.sizer = MicroBatchSizer(cfg, spec.split_at(self.world), self.device, self.progress)
         self.groups = inputs.groups
-        self.storage, self.name = inputs.storage, inputs.name
+        self.storage, self.name, self.lease = inputs.storage, inputs.name, inputs.lease
         self.source = inputs.source
         vocabulary = inputs.vocabulary
         self.checkpoint_files = {VOCAB_FILE: vocabulary} if vocabulary else {}
@@ -222,7 +227,7 @@ class WorkerRun:
             seed=cfg.seed,
             history=self.history,
         )
-        self.checkpoints = RunCheckpoints(self.storage, self.name, parts)
+        self.checkpoints = Checkpointer(self.storage, self.name, parts, lease=self.lease)
 
     def _restore(self) -> list[Event]:
         """Loads the latest checkpoint of the run, if any; a resize event when it was written

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import torch
 
+from rayacc.checkpoint import SHARDS_DIR, write_checkpoint
 from rayacc.data.prepare import prepare_corpus
 from rayacc.data.sources import DatasetInfo, describe_dataset
 from rayacc.data.vocab import VOCAB_FILE, Vocabulary
 from rayacc.models import build_model
-from rayacc.worker.checkpoint import SHARDS_DIR, write_checkpoint
 
 TEXT = "First Citizen:\nBefore we proceed any further, hear me speak.\nAll: Speak, speak.\n" * 4
 

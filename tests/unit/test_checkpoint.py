@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rayacc.worker.checkpoint import CheckpointError, load_model, read_checkpoint
+from rayacc.checkpoint import CheckpointError, load_model, read_checkpoint
 
 
 class _Payload:
@@ -44,9 +44,9 @@ def sharded_checkpoint(folder: Path) -> tuple[Path, dict[str, torch.Tensor]]:
     """A complete sharded checkpoint folder as a one-process sharded run writes it (shards,
     then `state.pt`, `model.json`, `meta.json`), of a GPT moved off its initial weights;
     returns the folder and the weights it holds."""
+    from rayacc.checkpoint import SHARDS_DIR, write_checkpoint
     from rayacc.engine.shards import save_sharded
     from rayacc.models import build_model
-    from rayacc.worker.checkpoint import SHARDS_DIR, write_checkpoint
     from tests.support.fsdp_workers import seeded_config
 
     cfg, info = seeded_config()
@@ -160,8 +160,8 @@ def test_a_sharded_checkpoint_naming_a_file_outside_its_folder_is_refused(tmp_pa
 def factory_checkpoint(folder: Path) -> tuple[Path, dict[str, torch.Tensor]]:
     """A checkpoint of `tests.support.planted_factory:build`'s model (width 3)."""
     from rayacc import TrainConfig
+    from rayacc.checkpoint import write_checkpoint
     from rayacc.data.sources import DatasetInfo
-    from rayacc.worker.checkpoint import write_checkpoint
 
     cfg = TrainConfig.from_dict(
         {
@@ -216,7 +216,7 @@ def test_the_lineage_spool_leaves_nothing_in_the_temp_folder(tmp_path, monkeypat
     any moment (a resize, a failure), so the file has no name to leave behind."""
     import tempfile
 
-    from rayacc.worker.checkpoint import StepLog
+    from rayacc.checkpoint import StepLog
 
     spool = tmp_path / "tmp"
     spool.mkdir()
@@ -260,8 +260,8 @@ def test_a_damaged_file_of_a_checkpoint_is_named_with_the_fix(tmp_path, capsys, 
     """Through `rayacc sample` (which reads the vocabulary, the description, the state and a
     sharded checkpoint's index) and the run's lineage, the way `fit` reads it back: exit 2
     naming the file, never a traceback."""
+    from rayacc.checkpoint import RunCheckpoints
     from rayacc.cli import main
-    from rayacc.worker.checkpoint import RunCheckpoints
     from tests.support.tokens import gpt_checkpoint, token_data
 
     storage = tmp_path / "runs"
@@ -329,8 +329,8 @@ def test_a_checkpoint_whose_copy_was_cut_short_is_passed_over_and_said(tmp_path,
     """meta.json lists every other file of the folder and its size: a folder whose copy into
     storage was cut short (meta.json there, another file missing or short) is not the run's
     latest, not its lineage, not loaded, and each command that passes it over says so."""
+    from rayacc.checkpoint import RunCheckpoints, write_checkpoint
     from rayacc.cli import main
-    from rayacc.worker.checkpoint import RunCheckpoints, write_checkpoint
     from tests.support.tokens import gpt_checkpoint, token_data
 
     sharded, damage, named = CUT_SHORT[case]
@@ -374,7 +374,7 @@ def test_a_checkpoint_whose_copy_was_cut_short_is_passed_over_and_said(tmp_path,
 
 
 def test_a_checkpoint_written_before_meta_listed_its_files_is_taken_on_its_meta(tmp_path):
-    from rayacc.worker.checkpoint import RunCheckpoints
+    from rayacc.checkpoint import RunCheckpoints
     from tests.support.tokens import gpt_checkpoint, token_data
 
     run = RunCheckpoints(str(tmp_path), "r")

@@ -11,6 +11,7 @@ from rayacc.config import TrainConfig
 from rayacc.data.sources import DataError
 from rayacc.driver.prelaunch import locate
 from rayacc.driver.runs import locate_run
+from tests.support.checkpoints import minimal_checkpoint
 
 
 def cfg(storage, name=None) -> TrainConfig:
@@ -44,7 +45,6 @@ def test_unnamed_runs_get_fresh_names(tmp_path):
 
 
 def test_resume_refuses_another_seed_order_or_dataset_listing_every_difference(tmp_path):
-    import json
 
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -65,9 +65,8 @@ def test_resume_refuses_another_seed_order_or_dataset_listing_every_difference(t
         update={"data": original.data.model_copy(update={"source": str(data)})}
     )
     ckpt = tmp_path / "runs" / "exp" / "checkpoint_step00000004"
-    ckpt.mkdir(parents=True)
     meta = {"optimizer_step": 4, "identity": run_identity(original, describe_dataset(str(data)))}
-    (ckpt / "meta.json").write_text(json.dumps(meta))
+    minimal_checkpoint(ckpt, meta)
 
     same = locate(original, True, run_identity(original, describe_dataset(str(data))))
     assert same.name == "exp"
@@ -146,7 +145,6 @@ def test_a_file_only_this_node_has_is_staged_under_the_shared_storage_once(tmp_p
 def test_resume_with_another_global_batch_is_refused_before_launch(tmp_path, change, refused):
     """The checkpoint was trained at global batch 32 on 2 workers: a run that keeps the global
     batch and now resolves to another is refused on the driver (exit 2), not in the workers."""
-    import json
 
     from rayacc.data.sources import describe_dataset
 
@@ -162,10 +160,9 @@ def test_resume_with_another_global_batch_is_refused_before_launch(tmp_path, cha
     from rayacc.quantities import run_identity
 
     ckpt = tmp_path / "runs" / "exp" / "checkpoint_step00000004"
-    ckpt.mkdir(parents=True)
     info = describe_dataset(str(data))
     meta = {"optimizer_step": 4, "global_batch_size": 32, "identity": run_identity(original, info)}
-    (ckpt / "meta.json").write_text(json.dumps(meta))
+    minimal_checkpoint(ckpt, meta)
 
     resumed = TrainConfig.from_dict({**base, **change})
     if not refused:
@@ -200,7 +197,6 @@ def _classification_file(path) -> None:
     ],
 )
 def test_resume_without_a_name_takes_the_latest_run_of_the_same_job(tmp_path, runs, job, picked):
-    import json
 
     from rayacc.driver.runs import RUN_INFO
 
@@ -292,8 +288,7 @@ def test_runs_lists_the_runs_of_a_storage_path(tmp_path, capsys):
         mlflow_run_id="abc",
     )
     ckpt = tmp_path / "a" / "checkpoint_step00000004"
-    ckpt.mkdir()
-    (ckpt / "meta.json").write_text(json.dumps({"optimizer_step": 4}))
+    minimal_checkpoint(ckpt, {"optimizer_step": 4})
     (tmp_path / "a" / "checkpoint_step00000006").mkdir()  # never completed: not listed
     (run,) = list_runs(str(tmp_path))
     assert (run.name, run.steps_done, run.total_steps) == ("a", 4, 10)
@@ -312,30 +307,28 @@ def test_runs_lists_the_runs_of_a_storage_path(tmp_path, capsys):
 
 # ---------------------------------------------------------------- one writer per run
 def _finished_run(tmp_path, name: str, identity: dict, started: str):
-    import json
 
     folder = tmp_path / "runs" / name
-    (folder / "checkpoint_step00000004").mkdir(parents=True)
-    (folder / "checkpoint_step00000004" / "meta.json").write_text(
-        json.dumps({"optimizer_step": 4, "identity": identity})
+    minimal_checkpoint(
+        folder / "checkpoint_step00000004", {"optimizer_step": 4, "identity": identity}
     )
     info = {"status": "finished", "identity": identity, "started": started}
     (folder / "rayacc_run.json").write_text(json.dumps(info))
 
 
 def test_a_live_driver_holds_its_run_and_a_killed_ones_lease_expires(tmp_path, monkeypatch):
-    import json
     import time
 
+    from rayacc.checkpoint import lease as leases
+    from rayacc.checkpoint.lease import LEASE, RunLease
     from rayacc.data.sources import DataError
-    from rayacc.driver import runs
-    from rayacc.driver.runs import LEASE, RunLease, RunLocation, list_runs, locate_run
+    from rayacc.driver.runs import list_runs, locate_run
 
     storage = str(tmp_path / "runs")
     ident = {"seed": 0}
     _finished_run(tmp_path, "old", ident, "2026-01-01 00:00:00")
     _finished_run(tmp_path, "new", ident, "2026-01-02 00:00:00")
-    held = RunLease(RunLocation(storage, "new")).take()
+    held = RunLease(storage, "new").take()
     try:
         by_name = {r.name: r for r in list_runs(storage)}
         assert by_name["new"].status == "running" and by_name["old"].status == "finished"
@@ -344,7 +337,7 @@ def test_a_live_driver_holds_its_run_and_a_killed_ones_lease_expires(tmp_path, m
             locate_run(cfg(storage, "new"), resume=True)
         assert "Fix:" in str(named.value)
         with pytest.raises(DataError, match="live driver"):
-            RunLease(RunLocation(storage, "new")).take()
+            RunLease(storage, "new").take()
         # an unnamed resume passes over the live run and says so
         loc = locate_run(cfg(storage, None), resume=True, identity=ident)
         assert loc.name == "old" and "passed over run 'new'" in loc.notes[0]
@@ -353,10 +346,10 @@ def test_a_live_driver_holds_its_run_and_a_killed_ones_lease_expires(tmp_path, m
     assert not (tmp_path / "runs" / "new" / LEASE).exists()
     assert locate_run(cfg(storage, None), resume=True, identity=ident).name == "new"
 
-    # a lease left by a driver that was killed: expired by its heartbeat's age, or at once on
-    # this host when its process is gone
+    # a lease left by a driver that was killed: expired by its heartbeat's age, or on this
+    # host, when its process is gone, once its workers stopped committing (DEAD_HOLDER_S)
     lease_file = tmp_path / "runs" / "new" / LEASE
-    stale = {"host": "elsewhere", "pid": 1, "heartbeat": time.time() - runs.LEASE_TTL_S - 1}
+    stale = {"host": "elsewhere", "pid": 1, "heartbeat": time.time() - leases.LEASE_TTL_S - 1}
     lease_file.write_text(json.dumps({**stale, "token": "t"}))
     assert {r.name: r.status for r in list_runs(storage)}["new"] == "finished"
     import socket
@@ -369,9 +362,13 @@ def test_a_live_driver_holds_its_run_and_a_killed_ones_lease_expires(tmp_path, m
         text=True,
         check=True,
     )
-    dead = {"host": socket.gethostname(), "pid": int(gone.stdout), "heartbeat": time.time()}
+    beat = time.time() - leases.DEAD_HOLDER_S + 1.0
+    dead = {"host": socket.gethostname(), "pid": int(gone.stdout), "heartbeat": beat}
     lease_file.write_text(json.dumps({**dead, "token": "t"}))
-    RunLease(RunLocation(storage, "new")).take().release()
+    assert {r.name: r.status for r in list_runs(storage)}["new"] == "running"
+    waited = time.monotonic()
+    RunLease(storage, "new").take().release()
+    assert time.monotonic() - waited >= 0.8, "taken before the gone driver's workers stopped"
     # a live one of another host, written this moment
     fresh = {"host": "elsewhere", "pid": 1, "heartbeat": time.time(), "token": "t"}
     lease_file.write_text(json.dumps(fresh))
@@ -380,10 +377,10 @@ def test_a_live_driver_holds_its_run_and_a_killed_ones_lease_expires(tmp_path, m
 
 @pytest.mark.parametrize("damage", [b"{not json", b"[1, 2]", b"\xff\x00\x80", b'{"status": "fin'])
 def test_a_damaged_run_info_is_named_on_resume_and_marked_in_the_listing(tmp_path, damage):
-    import json
 
+    from rayacc.checkpoint.lease import LEASE
     from rayacc.data.sources import DataError
-    from rayacc.driver.runs import LEASE, RUN_INFO, list_runs, locate_run
+    from rayacc.driver.runs import RUN_INFO, list_runs, locate_run
 
     storage = tmp_path / "runs"
     _finished_run(tmp_path, "good", {"seed": 0}, "2026-01-01 00:00:00")

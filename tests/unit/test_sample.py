@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from rayacc.checkpoint import RunCheckpoints, write_checkpoint
 from rayacc.cli import main
 from rayacc.data.sources import DataError, DatasetInfo, describe_dataset
 from rayacc.data.vocab import VOCAB_FILE, Vocabulary
 from rayacc.driver.sample import find_checkpoint, sample
-from rayacc.worker.checkpoint import RunCheckpoints, write_checkpoint
 from tests.support.tokens import gpt_checkpoint, token_data
 
 

@@ -95,10 +95,10 @@ def test_a_submitted_job_gets_its_credentials_in_its_environment_not_its_entrypo
 def test_run_storage_and_checkpoint_files_hold_no_credential(tmp_path):
     """What a run writes beside its checkpoints: the run's info file, the model description,
     the identity in meta.json."""
+    from rayacc.checkpoint import write_checkpoint
     from rayacc.data.sources import describe_dataset, prepare_bundled
     from rayacc.driver.runs import RUN_INFO, RunLocation
     from rayacc.quantities import run_identity
-    from rayacc.worker.checkpoint import write_checkpoint
 
     cfg = TrainConfig.from_dict(
         {

@@ -1,0 +1,165 @@
+"""What a checkpoint is on storage: its folder's name, its files, and the manifests that say
+when it is whole.
+
+A checkpoint is the folder `checkpoint_step{step:08d}` in the run's folder `storage/name`:
+
+- `state.pt`: the model and optimizer state (whole), the schedule, scaler and train state, and
+  every rank's random state; a sharded (FSDP) run keeps model and optimizer as every rank's
+  shards under `shards/` (engine/shards.py) instead;
+- `model.json`: the config and dataset description (`load_model` rebuilds the model from it);
+- `history.jsonl`: the run's lineage, every step record from step 1 to this step, one JSON
+  object a line: the record a resume replays into MLflow, and the whole run's loss curve;
+- `vocab.json` (token runs): the vocabulary `rayacc sample` decodes with;
+- `parts/rank_NNNNN.json`: the manifest of rank N's part (a sharded run's other ranks): every
+  file that rank wrote, with its size and SHA-256, put into storage after them;
+- `meta.json`, rank 0's manifest, put into storage after rank 0's other files: the step, the
+  batch split and worker count it was written at, the epoch position, the run's identity (what
+  a resume must match), whether it is sharded, every file of rank 0's part with its size and
+  SHA-256 (`files`), and the manifests of the other ranks' parts (`parts`).
+
+A checkpoint is whole when meta.json is there and every file of every rank's manifest is there
+as listed (the sizes, when listed; `reader.read_checkpoint` also checks every digest). Anything
+else is passed over by every listing and refused by every reader.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rayacc.engine.strategy import SHARDS_DIR
+from rayacc.redact import redact
+
+__all__ = [
+    "FILES_KEY",
+    "HISTORY_FILE",
+    "META_FILE",
+    "MODEL_FILE",
+    "PARTS_KEY",
+    "SHARDS_DIR",
+    "STATE_FILE",
+    "checkpoint_meta",
+    "file_entry",
+    "folder_name",
+    "part_manifest",
+    "step_of",
+    "write_checkpoint",
+    "write_part",
+]
+
+STATE_FILE = "state.pt"
+MODEL_FILE = "model.json"
+HISTORY_FILE = "history.jsonl"
+META_FILE = "meta.json"
+FILES_KEY = "files"
+"""A manifest's files: name → {"size", "sha256"} (a checkpoint of an earlier rayacc: name →
+size, or none at all)."""
+PARTS_KEY = "parts"
+"""meta.json's list of the other ranks' part manifests (a sharded run's)."""
+_NAME = re.compile(r"^checkpoint_step(\d+)$")
+
+
+def folder_name(step: int) -> str:
+    return f"checkpoint_step{step:08d}"
+
+
+def step_of(name: str) -> int | None:
+    m = _NAME.match(name)
+    return int(m.group(1)) if m else None
+
+
+def part_manifest(rank: int) -> str:
+    """The manifest of rank `rank`'s part (rank 0's is meta.json)."""
+    return META_FILE if rank == 0 else f"parts/rank_{rank:05d}.json"
+
+
+def checkpoint_meta(identity, split, state, world: int, sharded: bool) -> dict[str, Any]:
+    """meta.json of a checkpoint written at `state` by a group of `world` ranks; `identity`:
+    the run's (`quantities.run_identity`)."""
+    return {
+        "optimizer_step": state.optimizer_step,
+        "global_batch_size": split.global_batch_size,
+        "grad_accum_steps": split.grad_accum_steps,
+        "num_workers": world,
+        "epoch": state.epoch,
+        "epoch_sample_offset": state.epoch_sample_offset,
+        "identity": identity,
+        "shards": SHARDS_DIR if sharded else None,
+        PARTS_KEY: [part_manifest(r) for r in range(1, world)] if sharded else [],
+    }
+
+
+def file_entry(path: Path) -> dict[str, Any]:
+    """A file's manifest entry: its size and SHA-256 (read once, in 8 MiB pieces)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(8 << 20):
+            digest.update(chunk)
+    return {"size": path.stat().st_size, "sha256": digest.hexdigest()}
+
+
+def _manifest(folder: Path, own: list[str]) -> dict[str, dict[str, Any]]:
+    return {name: file_entry(folder / name) for name in sorted(own)}
+
+
+def _own_files(folder: Path, *, rank: int) -> list[str]:
+    """The files of a rank's staging folder it lists (not its manifest, not a partial)."""
+    names = []
+    for path in sorted(folder.rglob("*")):
+        name = path.relative_to(folder).as_posix()
+        if not path.is_file() or name == part_manifest(rank) or name.endswith(".tmp"):
+            continue
+        names.append(name)
+    return names
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def write_checkpoint(
+    folder: str | Path,
+    *,
+    state: dict[str, Any],
+    description: dict[str, Any],
+    meta: dict[str, Any],
+    files: dict[str, str] | None = None,
+) -> Path:
+    """Writes rank 0's part of a checkpoint into a local folder (its staging, or a folder made
+    by hand): `state.pt`, `model.json`, `files` (more text files by name: a token run's
+    vocabulary), and meta.json last, listing every file of the folder (a lineage copied in
+    before included). Run twice, it writes the same part again."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / (STATE_FILE + ".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, folder / STATE_FILE)
+    # the config in a checkpoint is for rebuilding the model: its credentials stay out
+    _atomic_write(folder / MODEL_FILE, json.dumps(redact(description)).encode())
+    for name, text in (files or {}).items():
+        _atomic_write(folder / name, text.encode())
+    listed = {**meta, FILES_KEY: _manifest(folder, _own_files(folder, rank=0))}
+    listed.setdefault(PARTS_KEY, [])
+    _atomic_write(folder / META_FILE, json.dumps(listed).encode())
+    return folder
+
+
+def write_part(folder: str | Path, *, rank: int, step: int) -> Path:
+    """Writes the manifest of rank `rank`'s part (its shards, already in `folder`)."""
+    folder = Path(folder)
+    manifest = {
+        "rank": rank,
+        "optimizer_step": step,
+        FILES_KEY: _manifest(folder, _own_files(folder, rank=rank)),
+    }
+    _atomic_write(folder / part_manifest(rank), json.dumps(manifest).encode())
+    return folder
