@@ -296,8 +296,15 @@ def shards_of(folder: str | Path, meta: dict[str, Any]) -> Path | None:
         raise CheckpointError(str(exc)) from None
 
 
-def described_model(path: str | Path, description: dict, factory: str | None) -> nn.Module:
-    """The model a checkpoint's description builds (its initial weights)."""
+def described_model(
+    path: str | Path,
+    description: dict,
+    factory: str | None,
+    shapes: dict[str, tuple[int, ...]] | None = None,
+) -> nn.Module:
+    """The model a checkpoint's description builds (its initial weights). `shapes`: those of
+    the weights the checkpoint holds; a built-in model is first built on the meta device and
+    must have them, so a description of a huge model costs nothing before it is refused."""
     from pydantic import ValidationError
 
     from rayacc.config import TrainConfig
@@ -337,12 +344,54 @@ def described_model(path: str | Path, description: dict, factory: str | None) ->
     if factory is not None:
         return build_model(cfg, info)
     try:
+        if shapes is not None:
+            with torch.device("meta"):
+                meta_model = build_model(cfg, info)
+            described = {
+                k: tuple(v.shape)
+                for k, v in meta_model.state_dict().items()
+                if isinstance(v, torch.Tensor)
+            }
+            if described != shapes:
+                other = sorted(
+                    k for k in described.keys() | shapes.keys() if described.get(k) != shapes.get(k)
+                )
+                raise CheckpointError(
+                    f"{source} describes a model whose weights are not the ones the checkpoint "
+                    f"holds ({', '.join(other[:3])}{' and more' if len(other) > 3 else ''}). "
+                    f"{EARLIER}"
+                )
         return build_model(cfg, info)
+    except CheckpointError:
+        raise
     except Exception as exc:  # a built-in model from a description no run could have had
         raise CheckpointError(
             f"{source} describes a model that cannot be built ({type(exc).__name__}: "
             f"{str(exc)[:200]}). {EARLIER}"
         ) from None
+
+
+def _held_shapes(path, state: dict, shards: Path | None) -> dict[str, tuple[int, ...]]:
+    """The shapes of the model weights a checkpoint holds: in state.pt, or in the shards'
+    index (read safely)."""
+    if shards is None:
+        weights = state.get("model")
+        if not isinstance(weights, dict):
+            raise CheckpointError(malformed_message(str(Path(path) / STATE_FILE), "model"))
+        return {k: tuple(v.shape) for k, v in weights.items() if isinstance(v, torch.Tensor)}
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from rayacc.engine.shards import ShardError, read_index
+
+    try:
+        index = read_index(shards)
+    except ShardError as exc:
+        raise CheckpointError(str(exc)) from None
+    return {
+        key.removeprefix("model."): tuple(entry.size)
+        for key, entry in (index.state_dict_metadata or {}).items()
+        if key.startswith("model.") and isinstance(entry, TensorStorageMetadata)
+    }
 
 
 def load_model(path: str | Path, factory: str | None = None) -> nn.Module:
@@ -354,8 +403,8 @@ def load_model(path: str | Path, factory: str | None = None) -> nn.Module:
     checkpoint names is never imported on its word. The factory is called with the
     checkpoint's `model.kwargs`."""
     state, description, meta = read_checkpoint(path)
-    model = described_model(path, description, factory)
     shards = shards_of(path, meta)
+    model = described_model(path, description, factory, _held_shapes(path, state, shards))
     try:
         if shards is None:
             if not isinstance(state.get("model"), dict):

@@ -175,6 +175,15 @@ def sample(
         raise DataError("--prompt: encodes to no tokens. Fix: give some text")
     with tempfile.TemporaryDirectory(prefix="rayacc-sample-") as scratch:
         model = load_model(_local(checkpoint, scratch), factory=factory)
+    bad = [
+        n for n, p in model.state_dict().items() if p.is_floating_point() and not p.isfinite().all()
+    ]
+    if bad:
+        # sampling from them ends in torch's error on the probabilities
+        raise CheckpointError(
+            f"{checkpoint} holds weights that are not finite ({', '.join(bad[:3])}): a run that "
+            "diverged, or a damaged folder. Fix: sample an earlier checkpoint_* folder of the run"
+        )
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     model.to(device)
     generator = torch.Generator(device=device).manual_seed(seed)

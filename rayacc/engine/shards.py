@@ -14,6 +14,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import pickletools
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -29,6 +30,7 @@ __all__ = [
     "load_model_shards",
     "load_sharded",
     "missing_shard_files",
+    "read_index",
     "save_sharded",
 ]
 
@@ -83,8 +85,9 @@ class _SafeReader(FileSystemReader):
         from torch.distributed.checkpoint.metadata import Metadata
 
         try:
-            with open(path, "rb") as f:
-                metadata = _IndexUnpickler(f).load()
+            data = path.read_bytes()
+            _bounded(data)
+            metadata = _IndexUnpickler(io.BytesIO(data)).load()
         except _Refused as exc:
             raise ShardError(
                 f"{path} holds more than a checkpoint index, so it is not loaded (it could run "
@@ -103,6 +106,18 @@ class _SafeReader(FileSystemReader):
         metadata.storage_meta = getattr(metadata, "storage_meta", None) or _storage_meta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+
+def _bounded(data: bytes) -> None:
+    """Refuses (ValueError) a pickle whose numbers would make the unpickler allocate more than
+    the data could hold: a length past the end, a memo slot past the number of opcodes (the
+    unpickler grows its memo to the slot: a damaged `LONG_BINPUT` asked 24 GB, seen)."""
+    for ops, (op, arg, pos) in enumerate(pickletools.genops(data), 1):
+        if op.name in ("BINPUT", "LONG_BINPUT", "PUT", "BINGET", "LONG_BINGET", "GET"):
+            if int(arg) > ops:
+                raise ValueError(f"memo slot {arg} at byte {pos}")
+        elif op.name == "FRAME" and int(arg) > len(data) - pos:
+            raise ValueError(f"a frame of {arg} bytes at byte {pos}")
 
 
 def contained(folder: Path, relative: str, named_in: Path | str) -> Path:
@@ -220,12 +235,20 @@ def _load(state: dict, folder: str | Path, no_dist: bool = False) -> None:
 
 
 def _damaged(folder: str | Path, exc: BaseException) -> ShardError:
+    for failure in getattr(exc, "failures", {}).values():  # what DCP wrapped: the cause
+        exc = failure[0] if isinstance(failure, tuple) else failure
+        break
     first = (str(exc).strip().splitlines() or [""])[0][:200]
     return ShardError(
         f"{folder} holds shards that do not load ({type(exc).__name__}: {first}): the folder "
         "was damaged (a copy cut short?) or written by something else. Fix: use an earlier "
         "checkpoint_* folder of the run, or a checkpoint rayacc wrote"
     )
+
+
+def read_index(folder: str | Path):
+    """The DCP index of a `save_sharded` folder, read safely (a ShardError when it is not one)."""
+    return _SafeReader(os.fspath(folder)).read_metadata()
 
 
 def missing_shard_files(folder: str | Path) -> list[str]:

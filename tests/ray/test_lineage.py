@@ -68,6 +68,10 @@ def spec(tmp_path: Path, strategy: str, workers: int, tracking_uri: str) -> dict
                 # under DDP rank 0 dies instead in the middle of writing checkpoint 9 in the
                 # background (the resumed run's first), while step 10 trains
                 **({"die_in_write": 1} if strategy == "ddp" else {}),
+                # and the first attempt's write of checkpoint 6 (its second) fails once as a
+                # throttled store's put does: the retry must send the whole checkpoint again,
+                # its lineage included, which the resume from 6 carries on
+                **({"throttle_in_write": 2} if strategy == "ddp" else {}),
             },
         },
         "data": {"source": digits_subset(tmp_path / "d.parquet", 512), "val_fraction": 0.15},
@@ -206,6 +210,8 @@ def test_the_record_is_the_final_checkpoints_lineage_across_every_fault(
         result = box["r"]
         err = capfd.readouterr().err
         assert (tmp_path / "died").exists(), "no worker died: the test proves less than it says"
+        if strategy == "ddp":
+            assert (tmp_path / "died.throttled").exists(), "no put was throttled"
         assert restarted.is_set() and "tracking server back after" in err, err[-3000:]
         assert "could not be written" not in err, err[-3000:]
         assert result.run_name == "faulty"

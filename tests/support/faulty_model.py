@@ -10,6 +10,9 @@ exceptions), to exercise recovery from the latest checkpoint.
 - `die_in_write`: rank 0 is SIGKILLed instead while it writes that checkpoint of its process
   (counted from 1, after the phase marker exists) to disk: in the middle of `state.pt`, on the
   background writer's thread when checkpoints are asynchronous, once (`marker`).
+- `throttle_in_write`: before the phase marker exists, rank 0's write of that checkpoint of its
+  process (counted from 1) fails once in the middle of `state.pt` with the error a throttled
+  object store raises (Ray Train retries an upload on its text).
 """
 
 from __future__ import annotations
@@ -76,30 +79,43 @@ class _DiesWhenWritten:
     kills the process on cue; otherwise it is saved as an empty mapping (a type a weights-only
     load accepts)."""
 
-    def __init__(self, die: bool):
-        self.die = die
+    def __init__(self, die: bool, throttle: str | None = None):
+        self.die, self.throttle = die, throttle
+        """A throttle is said in this file (the marker's name + `.throttled`)."""
 
     def __deepcopy__(self, memo):
         return self
 
     def __reduce_ex__(self, protocol):
+        if self.throttle:
+            open(self.throttle, "w").close()
+            self.throttle = None  # once: the retry pickles this same object
+            raise OSError(THROTTLE)
         if self.die:
             time.sleep(0.5)  # the next window is under way: the write is the background's
             os.kill(os.getpid(), signal.SIGKILL)
         return (collections.OrderedDict, ())
 
 
+THROTTLE = "AWS Error SLOW_DOWN during PutObject operation: Please reduce your request rate."
+
+
 class DiesInWrite(DiesOnce):
-    def __init__(self, *args, die_in_write: int, **kwargs):
+    def __init__(self, *args, die_in_write: int, throttle_in_write: int = 0, **kwargs):
         super().__init__(*args, **kwargs)
-        self.die_in_write = die_in_write
-        self.writes = 0
+        self.die_in_write, self.throttle_in_write = die_in_write, throttle_in_write
+        self.writes = self.first_phase_writes = 0
 
     def get_extra_state(self):
         import ray.train
 
         if self.phase_marker is not None and not os.path.exists(self.phase_marker):
-            return _DiesWhenWritten(False)
+            self.first_phase_writes += 1
+            throttle = (
+                self.first_phase_writes == self.throttle_in_write
+                and ray.train.get_context().get_world_rank() == 0
+            )
+            return _DiesWhenWritten(False, f"{self.marker}.throttled" if throttle else None)
         self.writes += 1
         die = (
             self.writes == self.die_in_write
