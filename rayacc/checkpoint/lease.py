@@ -89,6 +89,11 @@ class Lease:
             return False
         return not (age > DEAD_HOLDER_S and self.holder_gone())
 
+    def driver_lives(self) -> bool:
+        """A live driver holds the run (a gone one's lease, not yet free, is waited for by the
+        next driver's `take`, not refused)."""
+        return self.live() and not self.holder_gone()
+
     def free_in(self) -> float | None:
         """Seconds until a gone holder's lease is free (None: its holder lives, or another
         host's: it lasts until its heartbeats stop)."""

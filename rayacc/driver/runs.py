@@ -128,7 +128,7 @@ def locate_run(cfg: TrainConfig, resume: bool, identity: dict[str, Any] | None =
     elif name is not None:
         _check_name(storage, name, resume)
         held = read_lease(storage, name) if resume else None
-        if held is not None and held.live():
+        if held is not None and held.driver_lives():
             raise DataError(held_message(name, storage, held))
     name = name or f"rayacc-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
     return RunLocation(storage, name, _run_info(storage, name) if resume else {}, notes)
@@ -227,7 +227,7 @@ def list_runs(storage: str) -> list[RunSummary]:
             continue  # not a rayacc run
         status = info.get("status", "unfinished")
         lease = read_lease(storage, name)
-        live = lease is not None and lease.live()
+        live = lease is not None and lease.driver_lives()
         if live:
             status = "running"
         elif unreadable:

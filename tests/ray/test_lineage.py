@@ -212,6 +212,11 @@ def test_the_record_is_the_final_checkpoints_lineage_across_every_fault(
         assert (tmp_path / "died").exists(), "no worker died: the test proves less than it says"
         if strategy == "ddp":
             assert (tmp_path / "died.throttled").exists(), "no put was throttled"
+            # the killed rank's staging copy of checkpoint 9 is gone: the next group on its
+            # node removed it
+            left = (tmp_path / "died.staging").read_text().split()
+            assert left, "the killed rank had no staging folder: the test proves less"
+            assert not [p for p in left if Path(p).exists()], left
         assert restarted.is_set() and "tracking server back after" in err, err[-3000:]
         assert "could not be written" not in err, err[-3000:]
         assert result.run_name == "faulty"

@@ -18,8 +18,10 @@ exceptions), to exercise recovery from the latest checkpoint.
 from __future__ import annotations
 
 import collections
+import glob
 import os
 import signal
+import tempfile
 import time
 
 from torch import nn
@@ -79,9 +81,10 @@ class _DiesWhenWritten:
     kills the process on cue; otherwise it is saved as an empty mapping (a type a weights-only
     load accepts)."""
 
-    def __init__(self, die: bool, throttle: str | None = None):
+    def __init__(self, die: str | None, throttle: str | None = None):
         self.die, self.throttle = die, throttle
-        """A throttle is said in this file (the marker's name + `.throttled`)."""
+        """`die`: the marker, beside which the staging left behind is listed (`.staging`);
+        `throttle`: the file that says a put was throttled."""
 
     def __deepcopy__(self, memo):
         return self
@@ -92,6 +95,12 @@ class _DiesWhenWritten:
             self.throttle = None  # once: the retry pickles this same object
             raise OSError(THROTTLE)
         if self.die:
+            # the staging folders this process leaves behind: the next group must remove them
+            from rayacc.checkpoint.upload import STAGING_PREFIX
+
+            mine = glob.glob(f"{tempfile.gettempdir()}/{STAGING_PREFIX}*-{os.getpid()}-*")
+            with open(f"{self.die}.staging", "w") as f:
+                f.write("\n".join(mine))
             time.sleep(0.5)  # the next window is under way: the write is the background's
             os.kill(os.getpid(), signal.SIGKILL)
         return (collections.OrderedDict, ())
@@ -115,7 +124,7 @@ class DiesInWrite(DiesOnce):
                 self.first_phase_writes == self.throttle_in_write
                 and ray.train.get_context().get_world_rank() == 0
             )
-            return _DiesWhenWritten(False, f"{self.marker}.throttled" if throttle else None)
+            return _DiesWhenWritten(None, f"{self.marker}.throttled" if throttle else None)
         self.writes += 1
         die = (
             self.writes == self.die_in_write
@@ -124,7 +133,7 @@ class DiesInWrite(DiesOnce):
         )
         if die:
             open(self.marker, "w").close()
-        return _DiesWhenWritten(die)
+        return _DiesWhenWritten(self.marker if die else None)
 
     def set_extra_state(self, state):
         pass
