@@ -2,9 +2,10 @@ import subprocess
 import sys
 
 
-def test_engine_loads_neither_ray_nor_mlflow():
+def test_engine_and_checkpoint_layer_load_neither_ray_nor_mlflow():
     code = (
-        "import sys, rayacc.engine, rayacc.config\n"
+        "import sys, rayacc.engine, rayacc.config, rayacc.checkpoint\n"
+        "import rayacc.checkpoint.upload, rayacc.checkpoint.lease\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('ray', 'mlflow'))\n"
         "assert 'torch' in sys.modules\n"
         "print(','.join(bad))\n"
@@ -52,6 +53,14 @@ def test_code_is_sorted_by_the_process_that_runs_it():
         "observe": ("rayacc.driver", "rayacc.worker"),
         "cluster": ("rayacc.driver", "rayacc.worker"),
         "engine": ("rayacc.driver", "rayacc.worker", "rayacc.planner", "rayacc.tracking"),
+        # the checkpoint layer: beneath both sides, which both use it
+        "checkpoint": (
+            "rayacc.driver",
+            "rayacc.worker",
+            "rayacc.planner",
+            "rayacc.tracking",
+            "rayacc.observe",
+        ),
     }
     wrong = [
         f"{module} imports {name}"

@@ -365,7 +365,9 @@ def test_a_live_driver_holds_its_run_and_a_killed_ones_lease_expires(tmp_path, m
     beat = time.time() - leases.DEAD_HOLDER_S + 1.0
     dead = {"host": socket.gethostname(), "pid": int(gone.stdout), "heartbeat": beat}
     lease_file.write_text(json.dumps({**dead, "token": "t"}))
-    assert {r.name: r.status for r in list_runs(storage)}["new"] == "finished", "a gone driver listed as running"
+    assert {r.name: r.status for r in list_runs(storage)}["new"] == "finished", (
+        "a gone driver listed as running"
+    )
     waited = time.monotonic()
     RunLease(storage, "new").take().release()
     assert time.monotonic() - waited >= 0.8, "taken before the gone driver's workers stopped"
