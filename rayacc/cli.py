@@ -445,6 +445,9 @@ def cmd_runs(args: argparse.Namespace) -> int:
             r.status,
         )
     console.print(table)
+    for r in runs:
+        for note in r.passed_over:
+            print(f"rayacc: {r.name}: passed over {redact(note)}", file=sys.stderr)
     console.print("resume one: rayacc train -c JOB --resume run.name=NAME")
     return 0
 

@@ -195,6 +195,8 @@ class RunSummary:
     identity: dict[str, Any] | None
     lease: Lease | None = None
     """The live driver's lease, while one writes the run."""
+    passed_over: list[str] = field(default_factory=list)
+    """Its newer checkpoints not counted (not whole, or not readable), each said."""
 
     def line(self) -> str:
         total = self.total_steps if self.total_steps is not None else "?"
@@ -222,7 +224,8 @@ def list_runs(storage: str) -> list[RunSummary]:
             unreadable = False
         except DataError:
             info, unreadable = {}, True  # listed all the same, marked
-        latest = RunCheckpoints(storage, name).latest()
+        checkpoints = RunCheckpoints(storage, name)
+        latest = checkpoints.latest()
         if not info and latest is None:
             continue  # not a rayacc run
         status = info.get("status", "unfinished")
@@ -249,6 +252,7 @@ def list_runs(storage: str) -> list[RunSummary]:
                 started=info.get("started", ""),
                 identity=identity,
                 lease=lease if live else None,
+                passed_over=checkpoints.skipped,
             )
         )
     return sorted(found, key=lambda r: (r.started, r.name))

@@ -197,6 +197,8 @@ def test_one_bad_meta_json_blocks_no_listing_of_the_storage_path(tmp_path, capsy
     assert {r.name: r.steps_done for r in list_runs(str(storage))} == {"r": 2, "other": 5}
     capsys.readouterr()
     assert main(["runs", "--storage", str(storage)]) == 0
+    said = capsys.readouterr().err
+    assert said.count(folder_name(4)) == 1 and "r: passed over" in said, said
     loc = RunLocation(str(storage), "r")
     check_resume(TrainConfig(), {}, loc)
     assert any(folder_name(4) in note for note in loc.notes), loc.notes
@@ -310,3 +312,24 @@ def test_sample_refuses_a_checkpoint_whose_weights_are_not_finite(tmp_path, caps
     assert main(["sample", str(folder), "--tokens", "3"]) == 2
     err = capsys.readouterr().err
     assert "not finite (tok.weight" in err and "Fix:" in err and "Traceback" not in err, err
+
+
+def test_sample_checks_the_vocabulary_against_the_model_before_decoding(tmp_path, capsys):
+    """A vocab.json of fewer characters than the model's ids ended in IndexError."""
+    from rayacc.checkpoint.format import META_FILE
+    from rayacc.cli import main
+    from tests.support.tokens import gpt_checkpoint, token_data
+
+    folder = tmp_path / "ckpt"
+    gpt_checkpoint(folder, token_data(tmp_path, "chars"), sharded=False)
+    vocab = json.loads((folder / "vocab.json").read_text())
+    vocab["chars"], vocab["size"] = vocab["chars"][:3], 3
+    (folder / "vocab.json").write_text(json.dumps(vocab))
+    meta = json.loads((folder / META_FILE).read_text())
+    del meta["files"]["vocab.json"]  # re-sealed, as a crafted folder is
+    (folder / META_FILE).write_text(json.dumps(meta))
+    capsys.readouterr()
+    assert main(["sample", str(folder), "--tokens", "50", "--temperature", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "vocab.json does not fit the model" in err and "Fix:" in err, err
+    assert "Traceback" not in err
