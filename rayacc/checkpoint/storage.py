@@ -10,6 +10,7 @@ of it (`..`, an absolute path).
 from __future__ import annotations
 
 import os
+import shutil
 import stat
 import uuid
 from dataclasses import dataclass
@@ -111,13 +112,20 @@ class ArrowStorage:
                 self._delete_quietly(partial)
 
     def put_file(self, relative: str, local: Path) -> None:
+        from pyarrow import fs
+
         target = self._full(relative)
         self._fs.create_dir(target.rsplit("/", 1)[0], recursive=True)
         partial = f"{target}.{uuid.uuid4().hex[:12]}.partial" if self._renames else target
         try:
-            with open(local, "rb") as src, self._fs.open_output_stream(partial) as out:
-                while chunk := src.read(8 << 20):
-                    out.write(chunk)
+            if self._local:
+                try:
+                    # the same disk: a second name for the staged file, nothing copied
+                    os.link(local, partial)
+                except OSError:
+                    shutil.copyfile(local, partial)  # the kernel's copy (copy_file_range)
+            else:
+                fs.copy_files(str(local), partial, fs.LocalFileSystem(), self._fs)
             if partial != target:
                 self._fs.move(partial, target)
         finally:
