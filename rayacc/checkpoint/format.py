@@ -47,7 +47,9 @@ __all__ = [
     "checkpoint_meta",
     "file_entry",
     "folder_name",
+    "part_files",
     "part_manifest",
+    "sha256_of",
     "step_of",
     "write_checkpoint",
     "write_part",
@@ -95,20 +97,26 @@ def checkpoint_meta(identity, split, state, world: int, sharded: bool) -> dict[s
     }
 
 
-def file_entry(path: Path) -> dict[str, Any]:
-    """A file's manifest entry: its size and SHA-256 (read once, in 8 MiB pieces)."""
+def sha256_of(path: Path) -> str:
+    """A file's SHA-256, read once in 8 MiB pieces (a link is not followed)."""
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    with os.fdopen(fd, "rb") as f:
         while chunk := f.read(8 << 20):
             digest.update(chunk)
-    return {"size": path.stat().st_size, "sha256": digest.hexdigest()}
+    return digest.hexdigest()
+
+
+def file_entry(path: Path) -> dict[str, Any]:
+    """A file's manifest entry: its size and SHA-256."""
+    return {"size": path.stat().st_size, "sha256": sha256_of(path)}
 
 
 def _manifest(folder: Path, own: list[str]) -> dict[str, dict[str, Any]]:
     return {name: file_entry(folder / name) for name in sorted(own)}
 
 
-def _own_files(folder: Path, *, rank: int) -> list[str]:
+def part_files(folder: Path, *, rank: int) -> list[str]:
     """The files of a rank's staging folder it lists (not its manifest, not a partial)."""
     names = []
     for path in sorted(folder.rglob("*")):
@@ -147,7 +155,7 @@ def write_checkpoint(
     _atomic_write(folder / MODEL_FILE, json.dumps(redact(description)).encode())
     for name, text in (files or {}).items():
         _atomic_write(folder / name, text.encode())
-    listed = {**meta, FILES_KEY: _manifest(folder, _own_files(folder, rank=0))}
+    listed = {**meta, FILES_KEY: _manifest(folder, part_files(folder, rank=0))}
     listed.setdefault(PARTS_KEY, [])
     _atomic_write(folder / META_FILE, json.dumps(listed).encode())
     return folder
@@ -159,7 +167,7 @@ def write_part(folder: str | Path, *, rank: int, step: int) -> Path:
     manifest = {
         "rank": rank,
         "optimizer_step": step,
-        FILES_KEY: _manifest(folder, _own_files(folder, rank=rank)),
+        FILES_KEY: _manifest(folder, part_files(folder, rank=rank)),
     }
     _atomic_write(folder / part_manifest(rank), json.dumps(manifest).encode())
     return folder

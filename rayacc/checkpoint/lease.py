@@ -59,6 +59,17 @@ class LeaseLost(RuntimeError):
     """The run's lease is not (or no longer) this driver's: its workers stop writing."""
 
 
+def process_alive(pid: int) -> bool:
+    """Whether a process of this host with that pid exists (one of another user's counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
 @dataclass(frozen=True)
 class Lease:
     """A driver's claim on a run: while its heartbeat is fresh no other driver writes it."""
@@ -73,15 +84,7 @@ class Lease:
 
     def holder_gone(self) -> bool:
         """Its driver is of this host and its process is gone."""
-        if self.host != socket.gethostname():
-            return False
-        try:
-            os.kill(self.pid, 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:
-            pass
-        return False
+        return self.host == socket.gethostname() and not process_alive(self.pid)
 
     def live(self) -> bool:
         age = self.age()

@@ -6,7 +6,6 @@ never a read outside the folder (a link or anything but a regular file is refuse
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import pickle
@@ -23,6 +22,7 @@ from rayacc.checkpoint.format import (
     MODEL_FILE,
     PARTS_KEY,
     STATE_FILE,
+    sha256_of,
 )
 from rayacc.checkpoint.storage import NotAFile, Storage, open_storage
 
@@ -176,15 +176,6 @@ def whole_problems(storage: Storage, meta: dict[str, Any]) -> list[str]:
     return problems
 
 
-def _digest(path: Path) -> str:
-    digest = hashlib.sha256()
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-    with os.fdopen(fd, "rb") as f:
-        while chunk := f.read(8 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def _no_links(folder: Path) -> None:
     """Refuses a folder holding a link or anything but folders and regular files."""
     if folder.is_symlink() or not folder.is_dir():
@@ -211,7 +202,7 @@ def verify(folder: Path) -> dict[str, Any]:
     if not problems:
         files, _ = manifests(storage, meta)
         for name, (_, digest) in files.items():
-            if digest is not None and _digest(folder / name) != digest:
+            if digest is not None and sha256_of(folder / name) != digest:
                 problems.append(f"{name} (its content changed: another SHA-256)")
     if problems:
         raise CheckpointError(f"{not_whole(str(folder), problems)}. {EARLIER}")

@@ -17,7 +17,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from rayacc.checkpoint.format import part_manifest
+from rayacc.checkpoint.format import part_files, part_manifest
+from rayacc.checkpoint.lease import process_alive
 from rayacc.checkpoint.storage import Storage
 from rayacc.redact import redact
 
@@ -50,16 +51,6 @@ def staging_folder() -> Path:
     return Path(tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{_host()}-{os.getpid()}-"))
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def stale_staging(tmp: str | Path | None = None) -> list[Path]:
     """The staging folders of this host's processes that are gone."""
     folder = Path(tmp or tempfile.gettempdir())
@@ -67,7 +58,12 @@ def stale_staging(tmp: str | Path | None = None) -> list[Path]:
     stale = []
     for path in folder.glob(f"{prefix}*"):
         pid = path.name[len(prefix) :].split("-", 1)[0]
-        if pid.isdigit() and not _alive(int(pid)) and path.is_dir() and not path.is_symlink():
+        if (
+            pid.isdigit()
+            and not process_alive(int(pid))
+            and path.is_dir()
+            and not path.is_symlink()
+        ):
             stale.append(path)
     return sorted(stale)
 
@@ -153,12 +149,7 @@ class PartUpload:
             raise self.error
 
     def _files(self) -> list[str]:
-        names = []
-        for path in sorted(self.staging.rglob("*")):
-            name = path.relative_to(self.staging).as_posix()
-            if path.is_file() and name != self.manifest and not name.endswith(".tmp"):
-                names.append(name)
-        return names
+        return part_files(self.staging, rank=self.rank)
 
     def _put(self) -> None:
         for name in self._files():
