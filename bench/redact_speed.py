@@ -24,6 +24,14 @@ def inputs(size: int) -> dict[str, str]:
         "?a=?a=…": "?a=" * (size // 3),
         "?token=x…": "?token=x" * (size // 8),
         "log lines with URIs": ("step 3 at http://u:p@h:5000/x?sig=abc done\n" * (size // 43)),
+        "password=x password=x…": "password=x " * (size // 11),
+        "token: token: …": "token: " * (size // 7),
+        "--token --token …": "--token " * (size // 8),
+        "a-a-a-…-token": "a-" * (size // 2) + "token",
+        "Bearer Bearer …": "Bearer " * (size // 7),
+        "ghp_ghp_…": "ghp_" * (size // 4),
+        "AKIA…AKIA… ": ("AKIA" + "A" * 16 + " ") * (size // 21),
+        "log lines with keys": ("step 3 token=abc api_key: 'k' --password p done\n" * (size // 49)),
     }
 
 

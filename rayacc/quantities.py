@@ -205,7 +205,7 @@ class RunSpec:
 
     @property
     def effective_lr(self) -> float:
-        return self.lrs[self.reference.num_workers]
+        return self.lr_at(self.reference.num_workers)
 
     def split_at(self, workers: int) -> BatchSplit:
         """The batch split of a group of `workers`; BatchSplitError where it cannot run."""

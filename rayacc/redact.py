@@ -2,7 +2,7 @@
 (console streams, files in run storage and checkpoints, PLAN.yaml and reports, MLflow, job
 entrypoints, messages).
 
-Two shapes are credentials:
+The shapes a credential takes, each masked to `***`:
 - a URI's userinfo, `scheme://user:password@host` or `scheme://token@host`, masked to
   `scheme://***@host` (a user part alone may be the secret). The userinfo runs from `://` to the
   last `@` before the line ends or the next `://` begins, so a password holding `@`, `/`,
@@ -11,10 +11,23 @@ Two shapes are credentials:
 - a token in a query string or fragment (`?`, `&`, `;` or `#` then a known key, `=`, the
   value): presigned URLs (S3, GCS, Azure SAS), OAuth, API keys; the value runs to the next
   `&`, `;`, `#`, quote, `<`, `>` or space.
+- a keyed value: a key whose last word is a secret's (`password`, `token`, `secret`,
+  `api_key`, `access_key`, `authorization`, …), then `=` or `:`, then the value — a libpq
+  string (`host=db password=pw`), an environment line (`AWS_SECRET_ACCESS_KEY=…`,
+  `MLFLOW_TRACKING_PASSWORD=…`), JSON or a Python mapping (`"api_key": "…"`), YAML, an HTTP
+  header (`Authorization: Bearer …`, the scheme word kept). A quoted value goes to its
+  closing quote; a bare one to a space, quote, `&`, `;`, `,` or a bracket.
+- a command line's secret flag: `--password VALUE`, `--db-password=VALUE`, `--api-key VALUE`.
+- a bearer token on its own (`Bearer eyJ…`, 16 characters or more: prose has shorter words).
+- the well-known token formats, wherever they stand: GitHub (`ghp_…`, `gho_…`, `ghu_…`,
+  `ghs_…`, `ghr_…`, `github_pat_…`), Hugging Face (`hf_…`), GitLab (`glpat-…`), OpenAI and
+  Anthropic (`sk-…`), Slack (`xox…-`), and an AWS key id (`AKIA…`, `ASIA…`) with the
+  40-character secret that follows it.
 
-The matcher takes time linear in its input (a scheme is looked for once per run of scheme
-characters, a userinfo's stretch once per `://`, a query key through a trie from one of four
-characters): every console line and MLflow tag goes through it (bench/redact_speed.py).
+The matcher takes time linear in its input: every pattern starts at a boundary it checks with
+one look behind, and what follows is bounded by the next boundary (bench/redact_speed.py; it
+uses no possessive quantifier, so it runs on every Python rayacc supports). Every console
+line and MLflow tag goes through it.
 """
 
 from __future__ import annotations
@@ -61,6 +74,47 @@ _QUERY_KEYS = (
     "client_secret",
 )
 
+_KEY_WORDS = (
+    "password",
+    "passwd",
+    "passphrase",
+    "pwd",
+    "secret",
+    "token",
+    "apikey",
+    "api_key",
+    "api-key",
+    "access_key",
+    "access-key",
+    "accesskey",
+    "private_key",
+    "private-key",
+    "credential",
+    "credentials",
+    "signature",
+    "auth",
+    "authorization",
+)
+"""The last word of a key whose value is a secret (`AWS_SECRET_ACCESS_KEY` ends in
+`access_key`, `MLFLOW_TRACKING_TOKEN` in `token`): the word must start the key or follow a
+character that is not a letter or digit."""
+
+_FLAG_WORDS = (
+    "password",
+    "passwd",
+    "passphrase",
+    "secret",
+    "token",
+    "api-key",
+    "apikey",
+    "access-key",
+    "secret-key",
+    "private-key",
+    "credential",
+    "credentials",
+    "auth",
+)
+
 
 def _trie(words) -> str:
     """One alternation of `words` as a trie (common prefixes once): the engine tries a
@@ -83,22 +137,78 @@ def _trie(words) -> str:
 
 
 # A scheme starts at the first letter of a run of scheme characters that nothing of the kind
-# precedes, and is taken whole (possessive): each run is scanned once, whatever follows. The
+# precedes (so each run is tried once; inside it nothing but `://` can end the scheme). The
 # userinfo then runs to the last `@` before the line's end or the next `://`.
 _USERINFO = re.compile(
-    r"(?<![a-zA-Z0-9+.\-])(?P<scheme>[0-9+.\-]*+[a-zA-Z][a-zA-Z0-9+.\-]*+://)"
+    r"(?<![a-zA-Z0-9+.\-])(?P<scheme>[0-9+.\-]*[a-zA-Z][a-zA-Z0-9+.\-]*://)"
     r"(?:(?!://)[^\n\r])*@"
 )
 _QUERY = re.compile(
     r"(?P<key>[?&;#](?=[a-zA-Z])" + _trie(_QUERY_KEYS) + r"=)[^&;#\s'\"<>]+", re.IGNORECASE
 )
+# a value: quoted to its closing quote (JSON's escapes inside), or bare to a delimiter
+_VALUE = r"(?P<value>\"(?:[^\"\\\n]|\\.)*\"|'[^'\n]*'|[^\s&;,'\"<>(){}\[\]]+)"
+_KEYED = re.compile(
+    r"(?P<key>(?<![a-zA-Z0-9])"
+    + _trie(_KEY_WORDS)
+    + r"[\"']?[ \t]*[:=][ \t]*(?:(?:bearer|basic|token|digest|negotiate)[ \t]+)?)"
+    + _VALUE,
+    re.IGNORECASE,
+)
+_FLAG = re.compile(
+    r"(?P<key>(?<![a-zA-Z0-9-])--?(?:[a-zA-Z0-9_]+[-_])*"
+    + _trie(_FLAG_WORDS)
+    + r"(?:=|[ \t]+))"
+    + _VALUE,
+    re.IGNORECASE,
+)
+_BEARER = re.compile(
+    r"(?P<key>(?<![a-zA-Z0-9])bearer[ \t]+)(?P<value>[a-zA-Z0-9\-._~+/]{16,}=*)", re.IGNORECASE
+)
+_TOKEN = re.compile(
+    r"(?<![a-zA-Z0-9])(?:"
+    r"gh[pousr]_[a-zA-Z0-9]{30,}"
+    r"|github_pat_[a-zA-Z0-9_]{20,}"
+    r"|hf_[a-zA-Z0-9]{30,}"
+    r"|glpat-[a-zA-Z0-9_\-]{20,}"
+    r"|sk-[a-zA-Z0-9_\-]{20,}"
+    r"|xox[abposr]-[a-zA-Z0-9\-]{10,}"
+    r"|(?:AKIA|ASIA)[A-Z0-9]{16}(?![a-zA-Z0-9])"
+    r"(?:[ \t,:;=|'\"]{1,4}[a-zA-Z0-9/+]{40}(?![a-zA-Z0-9/+=]))?"
+    r")"
+)
+
+
+def _keep_quotes(match: re.Match) -> str:
+    value = match["value"]
+    quote = value[0] if value[0] in "\"'" else ""
+    return f"{match['key']}{quote}{MASK}{quote}"
+
+
+_KEY_STEMS = ("pass", "pwd", "secret", "token", "key", "credential", "auth", "signature")
+_TOKEN_PREFIXES = ("gh", "github_pat_", "hf_", "glpat-", "sk-", "xox", "AKIA", "ASIA")
+
+
+def _shapes_in(text: str) -> list[tuple[re.Pattern, Any]]:
+    """The patterns worth trying on `text`, each with its replacement: a pattern is tried only
+    where a substring it needs is present, so a plain log line (most of what passes) costs a
+    few substring searches. Masking only removes text, so what `text` rules out stays out."""
+    low = text.lower()
+    keyed = any(stem in low for stem in _KEY_STEMS)
+    wanted = [
+        ("://" in text, _USERINFO, rf"\g<scheme>{MASK}@"),
+        ("=" in text, _QUERY, rf"\g<key>{MASK}"),
+        (keyed and ("=" in text or ":" in text), _KEYED, _keep_quotes),
+        (keyed and "-" in text, _FLAG, _keep_quotes),
+        ("bearer" in low, _BEARER, _keep_quotes),
+        (any(prefix in text for prefix in _TOKEN_PREFIXES), _TOKEN, MASK),
+    ]
+    return [(pattern, replace) for needed, pattern, replace in wanted if needed]
 
 
 def _mask_str(text: str) -> str:
-    if "://" in text:
-        text = _USERINFO.sub(rf"\g<scheme>{MASK}@", text)
-    if "=" in text:
-        text = _QUERY.sub(rf"\g<key>{MASK}", text)
+    for pattern, replace in _shapes_in(text):
+        text = pattern.sub(replace, text)
     return text
 
 
@@ -116,7 +226,7 @@ def redact(value: Any) -> Any:
 
 def contains_secret(text: str) -> bool:
     """Whether the matcher finds a credential in `text` (masked already or not)."""
-    return _USERINFO.search(text) is not None or _QUERY.search(text) is not None
+    return any(pattern.search(text) is not None for pattern, _ in _shapes_in(text))
 
 
 class RedactingStream:

@@ -6,8 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 __all__ = ["SpecError", "check_kuberay", "check_launcher", "load_yaml"]
 
 
@@ -16,7 +14,9 @@ class SpecError(ValueError):
 
 
 def load_yaml(path: str | Path) -> Any:
-    return yaml.safe_load(Path(path).read_text())
+    from rayacc.config.loader import load_yaml_text
+
+    return load_yaml_text(Path(path).read_text())
 
 
 def _schema_errors(doc: Any, schema: dict) -> list[str]:

@@ -1,4 +1,6 @@
-"""The one YAML loader of config and sweep files."""
+"""The one YAML loader of the files rayacc reads (job, sweep and plan files, cluster specs) and
+of override values: safe YAML that refuses a key written twice in one mapping, at any depth
+(YAML itself keeps the last and drops the first without a word)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,54 @@ import yaml
 
 from rayacc.config.errors import MISSING, ConfigError, ConfigIssue
 
-__all__ = ["read_yaml"]
+__all__ = ["DuplicateKeyError", "load_yaml_text", "read_yaml"]
+
+
+class DuplicateKeyError(yaml.YAMLError):
+    """Keys written twice in one mapping: each as (dotted path, its first line, the repeat's
+    line), lines counted from 1."""
+
+    def __init__(self, found: list[tuple[str, int, int]]):
+        self.found = found
+        super().__init__(
+            "; ".join(f"{path!r} written twice (lines {a} and {b})" for path, a, b in found)
+        )
+
+    def __reduce__(self):
+        return type(self), (self.found,)
+
+
+def _repeated_keys(node: yaml.Node, path: str, seen: set[int], found: list) -> None:
+    if id(node) in seen:  # an alias: the node it names is checked where it stands
+        return
+    seen.add(id(node))
+    if isinstance(node, yaml.MappingNode):
+        first: dict[str, int] = {}
+        for key, value in node.value:
+            if key.tag == "tag:yaml.org,2002:merge":  # `<<: *base` then a key: an override
+                continue
+            name = key.value if isinstance(key, yaml.ScalarNode) else f"<{key.tag}>"
+            where = f"{path}.{name}" if path else str(name)
+            line = key.start_mark.line + 1
+            if isinstance(key, yaml.ScalarNode) and name in first:
+                found.append((where, first[name], line))
+            first.setdefault(name, line)
+            _repeated_keys(value, where, seen, found)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _repeated_keys(item, f"{path}[{i}]", seen, found)
+
+
+def load_yaml_text(text: str) -> Any:
+    """The parsed YAML of `text` (safe types only); a key written twice anywhere raises
+    :class:`DuplicateKeyError`, bad YAML `yaml.YAMLError`."""
+    node = yaml.compose(text, Loader=yaml.SafeLoader)
+    found: list[tuple[str, int, int]] = []
+    if node is not None:
+        _repeated_keys(node, "", set(), found)
+    if found:
+        raise DuplicateKeyError(found)
+    return yaml.safe_load(text)
 
 
 def read_yaml(path: str | os.PathLike, kind: str, example: str) -> Any:
@@ -49,7 +98,21 @@ def read_yaml(path: str | os.PathLike, kind: str, example: str) -> Any:
             str(p),
         ) from None
     try:
-        return yaml.safe_load(text)
+        return load_yaml_text(text)
+    except DuplicateKeyError as exc:
+        raise ConfigError(
+            [
+                ConfigIssue(
+                    path,
+                    f"written twice (line {a} and line {b}): YAML would keep the second and "
+                    "drop the first without a word",
+                    MISSING,
+                    "keep one of them (merge what both say into it)",
+                )
+                for path, a, b in exc.found
+            ],
+            str(p),
+        ) from None
     except yaml.YAMLError as exc:
         raise ConfigError(
             [ConfigIssue("", f"not valid YAML: {exc}", MISSING, "correct the YAML syntax")],

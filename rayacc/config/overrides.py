@@ -9,6 +9,7 @@ import yaml
 from pydantic import BaseModel
 
 from rayacc.config.errors import MISSING, ConfigIssue, is_value_field
+from rayacc.config.loader import DuplicateKeyError, load_yaml_text
 
 __all__ = ["apply_overrides", "flatten"]
 
@@ -36,7 +37,10 @@ def apply_overrides(
             )
             continue
         try:
-            value = yaml.safe_load(raw) if raw.strip() else None
+            value = load_yaml_text(raw) if raw.strip() else None
+        except DuplicateKeyError as exc:
+            issues.append(ConfigIssue(key, f"its value has {exc}", MISSING, "write each key once"))
+            continue
         except yaml.YAMLError:
             value = raw
         _set(data, key.split("."), value, issues, model)

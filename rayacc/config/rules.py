@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rayacc.config.batch_split import BatchSplitError, resolve_batch_split
+from rayacc.config.batch_split import BatchSplitError, resolve_batch_split, split_for_workers
 from rayacc.config.errors import MISSING, ConfigIssue
 
 # the sections (config/schema.py) arrive as arguments: this module imports nothing of the schema,
@@ -142,7 +142,7 @@ def _auto_micro_batch_rules(batch: BatchConfig, scaling: ScalingConfig | None) -
 
 def _batch_plan_rules(batch: BatchConfig, scaling: ScalingConfig) -> list[ConfigIssue]:
     try:
-        resolve_batch_split(
+        base = resolve_batch_split(
             num_workers=scaling.max_workers,
             global_batch_size=batch.global_batch_size,
             micro_batch_size=batch.fixed_micro_batch_size,
@@ -150,7 +150,37 @@ def _batch_plan_rules(batch: BatchConfig, scaling: ScalingConfig) -> list[Config
         )
     except BatchSplitError as exc:
         return [ConfigIssue(exc.field, exc.problem, MISSING, exc.fix)]
-    return []
+    return _planned_micro_batch_rules(batch, scaling, base)
+
+
+def _planned_micro_batch_rules(
+    batch: BatchConfig, scaling: ScalingConfig, base
+) -> list[ConfigIssue]:
+    """Each entry of `batch.micro_batch_by_workers` is a worker count the elastic run can have
+    and a micro-batch that divides the worker's share there (a run that reached such a size
+    would stop; one whose largest size is such would not start)."""
+    planned = batch.micro_batch_by_workers
+    if not planned or not scaling.elastic or scaling.on_resize != "keep_global_batch":
+        return []  # ignored, with a warning before launch
+    lo, hi = scaling.min_workers, scaling.max_workers
+    issues = []
+    outside = sorted(w for w in planned if not lo <= w <= hi)
+    if outside:
+        issues.append(
+            ConfigIssue(
+                "batch.micro_batch_by_workers",
+                f"names worker count(s) {outside} outside scaling.num_workers [{lo}, {hi}]",
+                planned,
+                "remove those entries, or widen scaling.num_workers",
+            )
+        )
+    for workers in sorted(w for w in planned if lo <= w <= hi):
+        try:
+            split_for_workers(base, workers, scaling.on_resize, planned)
+        except BatchSplitError as exc:
+            if exc.field == "batch.micro_batch_by_workers":
+                issues.append(ConfigIssue(exc.field, exc.problem, planned, exc.fix))
+    return issues
 
 
 def _strategy_rules(train: TrainSection) -> list[ConfigIssue]:

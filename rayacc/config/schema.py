@@ -106,7 +106,9 @@ class BatchConfig(Section):
     GPU an out-of-memory error later halves it on all ranks and redoes the window."""
     grad_accum_steps: int | None = Field(None, ge=1)
     """Micro-steps per optimizer step on each worker; derived from the other two when omitted."""
-    micro_batch_by_workers: dict[int, int] = Field(default_factory=dict)
+    micro_batch_by_workers: dict[Annotated[int, Field(ge=1)], Annotated[int, Field(ge=1)]] = Field(
+        default_factory=dict
+    )
     """Elastic runs keeping the global batch: the micro-batch at each worker count (written by
     `rayacc plan --search`; `rayacc train --plan` sets it); a resize to a count listed here
     takes its micro-batch, a count not listed derives one as without it."""

@@ -9,7 +9,6 @@ import pytest
 import yaml
 
 from rayacc.config import ConfigError, TrainConfig
-from rayacc.config.batch_split import BatchSplitError
 from rayacc.planner.candidates import Candidate, checkpointing_choices, enumerate_candidates
 from rayacc.planner.planfile import PlanFile, made_for
 from rayacc.planner.prior import predict
@@ -280,9 +279,9 @@ def test_an_elastic_job_takes_each_sizes_micro_batch_from_the_plan():
 
 def test_a_planned_micro_batch_that_breaks_the_global_batch_names_the_field():
     job = _job(**{"scaling.num_workers": [1, 2]})
-    cfg = TrainConfig.from_dict(job, ["batch.micro_batch_by_workers={1: 96}"])
-    with pytest.raises(BatchSplitError, match="batch.micro_batch_by_workers"):
-        split_at(cfg, 1)
+    # refused where the config is read: the run would stop on reaching one worker
+    with pytest.raises(ConfigError, match="batch.micro_batch_by_workers: micro-batch 96 at 1"):
+        TrainConfig.from_dict(job, ["batch.micro_batch_by_workers={1: 96}"])
 
 
 @pytest.mark.parametrize(

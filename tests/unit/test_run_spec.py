@@ -119,6 +119,7 @@ ERRORS = {
         [ConfigIssue("batch.micro_batch_size", "must divide", 7, "use 8")], "job.yaml"
     ),
     "BatchSplitError": lambda c: c("batch.global_batch_size", "not divisible", "use 48"),
+    "DuplicateKeyError": lambda c: c([("batch", 1, 5)]),
     "PlaceError": lambda c: c(["run.storage_path='/x' is not writable. Fix: another"]),
     "TrialOutOfMemory": lambda c: c(16),
     "TrainingError": lambda c: c("rank 1 failed"),
