@@ -10,6 +10,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from rayacc.config.batch_split import BatchSplit, BatchSplitError, resolve_batch_split
+from rayacc.config.credentials import PLACE, credential_issues
 from rayacc.config.errors import ConfigError, ConfigIssue, issues_from_validation
 from rayacc.config.loader import read_yaml
 from rayacc.config.overrides import apply_overrides, flatten
@@ -60,7 +61,7 @@ class ModelConfig(Section):
 
 
 class DataConfig(Section):
-    source: str = "digits"
+    source: str = Field("digits", json_schema_extra=PLACE)
     """A bundled dataset name (`digits`, `shakespeare`) or a Parquet file/folder path or URI
     (local, s3://, gs://)."""
     shuffle: bool = True
@@ -72,7 +73,7 @@ class DataConfig(Section):
     (normalised by its real size), `drop` skips them."""
     seq_len: int = Field(128, ge=2)
     """Token datasets: tokens per sample (sequence) when a bundled corpus is cut into samples."""
-    cache_dir: str | None = None
+    cache_dir: str | None = Field(None, json_schema_extra=PLACE)
     """Where bundled datasets are prepared as Parquet (default: ~/.cache/rayacc)."""
     order: Literal["auto", "chunks", "rows"] = "auto"
     """The data order's unit (docs/design.md, README "Data at scale"). `chunks`: an epoch is a
@@ -286,7 +287,7 @@ class ScalingConfig(Section):
 class TrackingConfig(Section):
     enabled: bool = True
     """Record the run in MLflow."""
-    tracking_uri: str | None = None
+    tracking_uri: str | None = Field(None, json_schema_extra=PLACE)
     """MLflow tracking URI; null = sqlite:///<cwd>/mlflow.db."""
     experiment: str = "rayacc"
     """MLflow experiment name."""
@@ -304,7 +305,7 @@ class RunConfig(Section):
     """Name of the run's folder under `run.storage_path`: letters, digits, `.`, `_` and `-`,
     starting with a letter or digit, at most 128 characters (a `/` or `..` would put the run
     outside the storage path, or inside another run); null = a fresh unique name."""
-    storage_path: str | None = None
+    storage_path: str | None = Field(None, json_schema_extra=PLACE)
     """Where checkpoints and run state go (absolute path or URI; shared storage on a multi-node
     cluster); null = <cwd>/rayacc_runs."""
     max_failures: int = Field(0, ge=-1)
@@ -358,6 +359,8 @@ class TrainConfig(Section):
         except ValidationError as exc:
             issues += issues_from_validation(exc, cls)
         issues += cross_field_issues(_valid_sections(cfg, data))
+        if cfg is not None:
+            issues += credential_issues(cfg)
         if issues:
             raise ConfigError(issues, source)
         assert cfg is not None

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import copy
+import math
 import os
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, ValidationError
 
+from rayacc.config.credentials import CHECKED_ELSEWHERE, PLACE, credential_issues
 from rayacc.config.errors import MISSING, ConfigError, ConfigIssue, issues_from_validation
 from rayacc.config.loader import read_yaml
 from rayacc.config.schema import Section, TrainConfig
@@ -33,19 +35,19 @@ class SweepConfig(Section):
 
     name: str | None = None
     """The parent MLflow run's name; null = generated."""
-    base: str | None = None
+    base: str | None = Field(None, json_schema_extra=PLACE)
     """Path of the base training config (relative to the sweep file), or null with `config:`."""
-    config: dict[str, Any] | None = None
+    config: dict[str, Any] | None = Field(None, json_schema_extra=CHECKED_ELSEWHERE)
     """The base training config inline (instead of `base`)."""
-    overrides: list[str] = Field(default_factory=list)
+    overrides: list[str] = Field(default_factory=list, json_schema_extra=CHECKED_ELSEWHERE)
     """key.path=value overrides applied to the base before the trials' own settings."""
     hold: Literal["global_batch_size"] | None = "global_batch_size"
     """`global_batch_size`: every trial keeps the base global batch; accumulation is derived.
     null: trials may change the global batch."""
-    grid: dict[str, list[Any]] = Field(default_factory=dict)
+    grid: dict[str, list[Any]] = Field(default_factory=dict, json_schema_extra=CHECKED_ELSEWHERE)
     """Key path → values; every combination is a trial."""
-    random: RandomSearch = Field(default_factory=RandomSearch)
-    plan: str | None = None
+    random: RandomSearch = Field(default_factory=RandomSearch, json_schema_extra=CHECKED_ELSEWHERE)
+    plan: str | None = Field(None, json_schema_extra=PLACE)
     """A PLAN.yaml from `rayacc plan --search` (relative to the sweep file), for `from_plan`."""
     from_plan: int | None = Field(None, ge=1)
     """Run the plan's best N candidates as the trials (measured fastest first, then by the
@@ -75,9 +77,9 @@ class SweepConfig(Section):
                 ],
                 str(p),
             )
-        plan_issues = sweep.plan_issues()
-        if plan_issues:
-            raise ConfigError(plan_issues, str(p))
+        shape_issues = sweep.plan_issues() + sweep.trial_issues() + credential_issues(sweep)
+        if shape_issues:
+            raise ConfigError(shape_issues, str(p))
         if sweep.plan is not None:
             sweep.plan = str((p.parent / sweep.plan).resolve())
         if sweep.base is not None:
@@ -124,6 +126,48 @@ class SweepConfig(Section):
             )
         return issues
 
+    def trial_issues(self) -> list[ConfigIssue]:
+        """The trials the file describes, at least one: each grid key with values, each random
+        distribution one that can be drawn from (a draw that cannot be made would end the
+        sweep midway; a grid key without values would make it a sweep of no trial)."""
+        issues = [
+            ConfigIssue(
+                f"grid.{key}",
+                "has no values: the grid would hold no trial",
+                values,
+                "give at least one value, or remove the key",
+            )
+            for key, values in self.grid.items()
+            if not isinstance(values, list) or not values
+        ]
+        space, samples = self.random.space, self.random.samples
+        if samples and not space:
+            issues.append(
+                ConfigIssue(
+                    "random.space",
+                    f"is empty while random.samples is {samples}",
+                    MISSING,
+                    "give key paths to draw, e.g. {optim.lr: {loguniform: "
+                    "[0.0001, 0.01]}}, or set random.samples: 0",
+                )
+            )
+        if space and not samples:
+            issues.append(
+                ConfigIssue(
+                    "random.samples",
+                    "is 0, so random.space would never be drawn from",
+                    samples,
+                    "set random.samples to the draws wanted, or remove random.space",
+                )
+            )
+        for key, dist in space.items():
+            if len(dist) != 1 or next(iter(dist)) not in DISTRIBUTIONS:
+                continue  # named by setting_issues
+            ((kind, args),) = dist.items()
+            if problem := _draw_problem(kind, args):
+                issues.append(ConfigIssue(f"random.space.{key}.{kind}", problem, args, None))
+        return issues
+
     def setting_issues(self, base: dict[str, Any]) -> list[ConfigIssue]:
         """Every key the grid and the random space name must be a config field, and every value
         they can give (each grid value, each choice, the bounds of a range) one of its type:
@@ -167,3 +211,21 @@ class SweepConfig(Section):
                     if all(str(i) != str(issue) for i in issues):
                         issues.append(issue)
         return issues
+
+
+def _draw_problem(kind: str, args: list[Any]) -> str | None:
+    """Why a distribution cannot be drawn from, None when it can."""
+    if kind == "choice":
+        return None if args else "has no values to choose from"
+    if len(args) != 2 or not all(
+        isinstance(a, (int, float)) and not isinstance(a, bool) and math.isfinite(a) for a in args
+    ):
+        return f"{kind} takes [low, high], two finite numbers"
+    lo, hi = args
+    if kind == "randint" and not all(isinstance(a, int) for a in args):
+        return "randint takes two whole numbers (high exclusive)"
+    if not lo < hi:
+        return f"low {lo} is not below high {hi}"
+    if kind == "loguniform" and lo <= 0:
+        return "loguniform draws between two positive numbers"
+    return None

@@ -376,6 +376,81 @@ def _scan_tokens(ds: pq.ParquetDataset, declared: int | None) -> tuple[int, int]
     return (declared or top + 1), longest
 
 
+def _list_of(kinds: tuple[str, ...], element) -> Any:
+    def check(t: pa.DataType) -> bool:
+        return any(getattr(pa.types, f"is_{k}")(t) for k in kinds) and element(t.value_type)
+
+    return check
+
+
+def _numeric(t: pa.DataType) -> bool:
+    return pa.types.is_floating(t) or pa.types.is_integer(t)
+
+
+COLUMNS: dict[str, dict[str, tuple[Any, str]]] = {
+    "classification": {
+        "features": (
+            _list_of(("list", "large_list", "fixed_size_list"), _numeric),
+            "list<float32> (a list of numbers per row; integers are widened)",
+        ),
+        "label": (pa.types.is_integer, "int64 (a class index per row)"),
+    },
+    "tokens": {
+        "tokens": (
+            _list_of(("list", "large_list"), pa.types.is_integer),
+            "list<int64> (token ids; any integer width)",
+        ),
+    },
+}
+"""Every column rayacc reads, by format: what its type must be, and how to say it. Read values
+are never cast from another type (numbers written as strings are a pipeline's bug to see)."""
+
+
+def column_problems(schema: pa.Schema, fmt: str) -> str | None:
+    """What is wrong with the types of `fmt`'s columns in `schema` (one sentence naming each
+    column, its type and the one expected, and the fix), None when they are right."""
+    wrong = [
+        f"column `{name}` is {schema.field(name).type}, expected {expected}"
+        for name, (fits, expected) in COLUMNS[fmt].items()
+        if name in schema.names and not fits(schema.field(name).type)
+    ]
+    if not wrong:
+        return None
+    return "; ".join(wrong) + (
+        ". Fix: write the columns with these types where the data is made (numbers stored as "
+        "strings are not converted)"
+    )
+
+
+def _check_columns(source: str, ds: pq.ParquetDataset, fmt: str) -> None:
+    """Every file's own column types (a folder's files may differ from the first one)."""
+    for fragment in ds.fragments:
+        if wrong := column_problems(fragment.physical_schema, fmt):
+            where = "" if fragment.path == source else f" (file {fragment.path})"
+            raise DataError(f"data.source={source!r}{where}: {wrong}")
+
+
+def _declared_vocabulary(source: str, meta: dict[bytes, bytes]) -> tuple[str | None, int | None]:
+    """The vocabulary (text) and its size that a token file's metadata declares, if any."""
+    try:
+        vocab = meta[VOCAB_KEY].decode("utf-8") if VOCAB_KEY in meta else None
+        declared = len(vocab) if vocab else None
+        if VOCAB_SIZE_KEY in meta:
+            declared = int(meta[VOCAB_SIZE_KEY])
+    except (UnicodeDecodeError, ValueError):
+        raise DataError(
+            f"data.source={source!r}: the schema's metadata {VOCAB_KEY.decode()!r} or "
+            f"{VOCAB_SIZE_KEY.decode()!r} is malformed (not UTF-8 text, not a whole number). "
+            "Fix: write the file again with `rayacc data prepare`, or drop those keys"
+        ) from None
+    if declared is not None and declared < 1:
+        raise DataError(
+            f"data.source={source!r}: the schema's metadata declares a vocabulary of "
+            f"{declared} tokens. Fix: write the file again with `rayacc data prepare`"
+        )
+    return vocab, declared
+
+
 def schema_metadata(source: str) -> dict[bytes, bytes]:
     """The key-value metadata of a Parquet source's schema (its first file's footer)."""
     return dict(_dataset(source).schema.metadata or {})
@@ -407,14 +482,7 @@ def describe_dataset(source: str, cache_dir: str | None = None, seq_len: int = 1
     }
 
     if {"features", "label"} <= names:
-        ftype, ltype = schema.field("features").type, schema.field("label").type
-        if not (
-            pa.types.is_list(ftype) or pa.types.is_fixed_size_list(ftype)
-        ) or not pa.types.is_integer(ltype):
-            raise DataError(
-                f"{source}: columns `features` ({ftype}) and `label` ({ltype}) must be "
-                "list<float32> and int64"
-            )
+        _check_columns(source, ds, "classification")
         width, classes = _scan_classification(ds)
         return DatasetInfo(
             source,
@@ -427,16 +495,8 @@ def describe_dataset(source: str, cache_dir: str | None = None, seq_len: int = 1
         )
 
     if "tokens" in names:
-        ttype = schema.field("tokens").type
-        if not pa.types.is_list(ttype) or not pa.types.is_integer(ttype.value_type):
-            raise DataError(
-                f"{source}: column `tokens` ({ttype}) must be a list of integers (token ids)"
-            )
-        meta = schema.metadata or {}
-        vocab = meta[VOCAB_KEY].decode("utf-8") if VOCAB_KEY in meta else None
-        declared = len(vocab) if vocab else None
-        if VOCAB_SIZE_KEY in meta:
-            declared = int(meta[VOCAB_SIZE_KEY])
+        _check_columns(source, ds, "tokens")
+        vocab, declared = _declared_vocabulary(source, schema.metadata or {})
         vocab_size, longest = _scan_tokens(ds, declared)
         return DatasetInfo(
             source,

@@ -77,6 +77,8 @@ class MlflowSink:
         parent_run_id: str | None = None,
     ):
         self.tracking_uri = tracking_uri
+        # the config refuses credentials in names; a name from elsewhere is masked all the same
+        experiment, run_name = redact(experiment), redact(run_name)
         self.run_id: str | None = None
         self.client: Any = None
         self.disabled_reason: str | None = None
