@@ -15,6 +15,8 @@ from rayacc.config import ConfigError, TrainConfig
 from rayacc.redact import redact
 
 EXIT_USER_ERROR = 2
+REPORT_OUT = "rayacc_report"
+"""Where `rayacc report` writes without --out."""
 
 
 def _load(args: argparse.Namespace) -> TrainConfig:
@@ -381,9 +383,10 @@ def cmd_report(args: argparse.Namespace) -> int:
 
     console = _console()
     uri = args.tracking_uri or default_tracking_uri()
+    out = args.out or REPORT_OUT
     problems = [
         check_tracking_uri("--tracking-uri", uri, recorded=True),
-        check_folder("--out", args.out),
+        check_folder("--out", out),
     ]
     if any(problems):
         raise PlaceError([p for p in problems if p])
@@ -399,12 +402,12 @@ def cmd_report(args: argparse.Namespace) -> int:
         one = build_run_report(client, run)
         for line in one.lines():
             console.print(line)
-        files = write_run_report(one, args.out)
+        files = write_run_report(one, out)
         console.print(f"wrote {', '.join(str(f) for f in files)}")
         return 0
     report = build_report(uri, args.target)
     _print_report(console, report)
-    files = write_report(report, args.out, tracking_uri=uri)
+    files = write_report(report, out, tracking_uri=uri)
     console.print(
         f"wrote {', '.join(str(f) for f in files)} (also artifacts of run {report.parent_run_id})"
     )
@@ -580,33 +583,37 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
-def _number(kind: type, low: float, *, above: bool = False):
-    """An argparse type: a number of `kind` at least `low` (above it, with `above`); anything
-    else is the flag's error (exit 2) before the command does any work."""
-    bound = f"> {low:g}" if above else f"≥ {low:g}"
-
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number {bound}") from None
-        if value < low or (above and value == low):
-            raise argparse.ArgumentTypeError(f"must be {bound} (got {text})")
-        return value
-
-    parse.__name__ = kind.__name__  # argparse names the type in its messages
-    return parse
-
-
 def build_parser() -> argparse.ArgumentParser:
+    from rayacc.driver.arguments import (
+        Address,
+        ExistingFile,
+        Factory,
+        Folder,
+        Name,
+        NewFile,
+        Number,
+        Override,
+        Storage,
+        Text,
+        TrackingUri,
+    )
+
     parser = argparse.ArgumentParser(prog="rayacc", description=__doc__)
+    job_file = ExistingFile("the job's YAML file, e.g. jobs/digits.yaml")
     sub = parser.add_subparsers(dest="command", required=True)
 
     def with_config(p: argparse.ArgumentParser) -> None:
-        p.add_argument("-c", "--config", required=True, help="job spec YAML, e.g. jobs/digits.yaml")
+        p.add_argument(
+            "-c",
+            "--config",
+            required=True,
+            type=job_file,
+            help="job spec YAML, e.g. jobs/digits.yaml",
+        )
         p.add_argument(
             "overrides",
             nargs="*",
+            type=Override(),
             metavar="key.path=value",
             help="config overrides, values parsed as YAML",
         )
@@ -623,12 +630,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--plan",
         metavar="PLAN.yaml",
+        type=ExistingFile("the PLAN.yaml `rayacc plan --search` wrote"),
         default=None,
         help="run the settings `rayacc plan --search` chose (overrides given here still win)",
     )
     p.add_argument(
         "--timings",
         metavar="FILE",
+        type=NewFile("--timings"),
         default=None,
         help="write when each phase of the run ended (driver and rank 0), and what it ran on, "
         "as JSON",
@@ -654,20 +663,29 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--budget-s",
-        type=_number(float, 0, above=True),
+        type=Number(float, 0, above=True),
         default=None,
         help="with --search: seconds the search may take before it stops measuring (300)",
     )
     p.add_argument(
-        "--top", type=_number(int, 1), default=None, help="with --search: candidates to measure (3)"
+        "--top", type=Number(int, 1), default=None, help="with --search: candidates to measure (3)"
     )
     p.add_argument(
-        "--out", default=None, help="with --search: where the plan is written (PLAN.yaml)"
+        "--out",
+        type=NewFile("--out"),
+        default=None,
+        help="with --search: where the plan is written (PLAN.yaml)",
     )
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("sweep", help="run a sweep of accumulation settings through Ray Tune")
-    p.add_argument("-c", "--config", required=True, help="sweep YAML, e.g. jobs/sweep_accum.yaml")
+    p.add_argument(
+        "-c",
+        "--config",
+        required=True,
+        type=ExistingFile("the sweep's YAML file, e.g. jobs/sweep_accum.yaml"),
+        help="sweep YAML, e.g. jobs/sweep_accum.yaml",
+    )
     p.set_defaults(func=cmd_sweep)
 
     p = sub.add_parser(
@@ -675,14 +693,29 @@ def build_parser() -> argparse.ArgumentParser:
         help="compare a sweep's trials (table, CSV, plots), or show one run's course: workers, "
         "global batch and accumulation over time with its events, and its goodput",
     )
-    p.add_argument("target", metavar="EXPERIMENT_OR_RUN")
-    p.add_argument("--out", default="rayacc_report", help="folder for the CSV and the PNGs")
-    p.add_argument("--tracking-uri", default=None, help="default: sqlite:///<cwd>/mlflow.db")
+    p.add_argument(
+        "target", metavar="EXPERIMENT_OR_RUN", type=Name("an experiment name or a run id")
+    )
+    p.add_argument(
+        "--out",
+        type=Folder("--out"),
+        default=None,
+        help="folder for the CSV and the PNGs (rayacc_report)",
+    )
+    p.add_argument(
+        "--tracking-uri",
+        type=TrackingUri("--tracking-uri"),
+        default=None,
+        help="default: sqlite:///<cwd>/mlflow.db",
+    )
     p.set_defaults(func=cmd_report)
 
     p = sub.add_parser("runs", help="list the runs of a storage path and how far each got")
     p.add_argument(
-        "--storage", default=None, help="run.storage_path of the runs (default: ./rayacc_runs)"
+        "--storage",
+        type=Storage(),
+        default=None,
+        help="run.storage_path of the runs (default: ./rayacc_runs)",
     )
     p.set_defaults(func=cmd_runs)
 
@@ -690,20 +723,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "target",
         metavar="RUN_OR_CHECKPOINT",
+        type=Name("a checkpoint folder, a run's folder or a run name"),
         help="a checkpoint folder, a run's folder (its latest checkpoint) or a run name",
     )
-    p.add_argument("--prompt", default=None, help="text to continue (default: a line break)")
-    p.add_argument("--tokens", type=_number(int, 0), default=200, help="tokens to generate")
     p.add_argument(
-        "--temperature", type=_number(float, 0), default=0.8, help="0 takes the likeliest token"
+        "--prompt", type=Text(), default=None, help="text to continue (default: a line break)"
     )
-    p.add_argument("--top-k", type=_number(int, 1), default=50, help="sample among the k likeliest")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tokens", type=Number(int, 0), default=200, help="tokens to generate")
     p.add_argument(
-        "--storage", default=None, help="run.storage_path of a run name (default: ./rayacc_runs)"
+        "--temperature", type=Number(float, 0), default=0.8, help="0 takes the likeliest token"
+    )
+    p.add_argument("--top-k", type=Number(int, 1), default=50, help="sample among the k likeliest")
+    p.add_argument("--seed", type=Number(int, 0), default=0)
+    p.add_argument(
+        "--storage",
+        type=Storage(),
+        default=None,
+        help="run.storage_path of a run name (default: ./rayacc_runs)",
     )
     p.add_argument(
         "--factory",
+        type=Factory(),
         default=None,
         metavar="MODULE:FUNCTION",
         help="the model factory a user factory model's checkpoint is rebuilt with (a checkpoint "
@@ -716,10 +756,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_verify)
 
     p = sub.add_parser("submit", help="submit a job spec to a Ray cluster (Ray Jobs API)")
-    p.add_argument("job", help="job spec YAML inside the project, e.g. jobs/digits.yaml")
-    p.add_argument("overrides", nargs="*", metavar="key.path=value")
+    p.add_argument(
+        "job", type=job_file, help="job spec YAML inside the project, e.g. jobs/digits.yaml"
+    )
+    p.add_argument("overrides", nargs="*", type=Override(), metavar="key.path=value")
     p.add_argument(
         "--address",
+        type=Address(),
         default=None,
         help="Ray Jobs API, e.g. http://127.0.0.1:8265 (default: $RAY_ADDRESS)",
     )
@@ -730,8 +773,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("jobs", help="list, inspect, follow or stop submitted jobs")
     p.add_argument("action", choices=["list", "status", "logs", "stop"])
-    p.add_argument("job_id", nargs="?")
-    p.add_argument("--address", default=None)
+    p.add_argument("job_id", nargs="?", type=Name("a job id (`rayacc jobs list` shows them)"))
+    p.add_argument(
+        "--address", type=Address(), default=None, help="Ray Jobs API (default: $RAY_ADDRESS)"
+    )
     p.add_argument("--follow", action="store_true", help="with logs: stream until the job ends")
     p.set_defaults(func=cmd_jobs)
 
@@ -742,31 +787,50 @@ def build_parser() -> argparse.ArgumentParser:
         help="prepare a bundled dataset (digits, shakespeare; cached), or tokenize text/JSONL "
         "files or folders (local or URI) into token Parquet in --out",
     )
-    p.add_argument("inputs", nargs="+", metavar="NAME_OR_FILE")
-    p.add_argument("--out", default=None, help="new folder for the Parquet (text/JSONL inputs)")
-    p.add_argument("--cache-dir", default=None, help="bundled datasets: where they are cached")
     p.add_argument(
-        "--seq-len", type=_number(int, 1), default=SEQ_LEN, help="tokens per sample (rows hold +1)"
+        "inputs",
+        nargs="+",
+        metavar="NAME_OR_FILE",
+        type=Name("a bundled dataset's name, or a text/JSONL file or folder"),
+    )
+    p.add_argument(
+        "--out",
+        type=Folder("--out"),
+        default=None,
+        help="new folder for the Parquet (text/JSONL inputs)",
+    )
+    p.add_argument(
+        "--cache-dir",
+        type=Folder("--cache-dir"),
+        default=None,
+        help="bundled datasets: where they are cached",
+    )
+    p.add_argument(
+        "--seq-len", type=Number(int, 1), default=SEQ_LEN, help="tokens per sample (rows hold +1)"
     )
     own = OWN_TEXT_FLAGS
     p.add_argument(
         "--tokenizer",
+        type=ExistingFile("a tokenizer.json (Hugging Face tokenizers' format)"),
         default=own["tokenizer"],
         help="a tokenizer.json (default: byte-level, 257 ids)",
     )
     p.add_argument(
-        "--text-field", default=own["text_field"], help="JSONL: the field holding the text"
+        "--text-field",
+        type=Name("the JSONL field that holds the text"),
+        default=own["text_field"],
+        help="JSONL: the field holding the text",
     )
     p.add_argument(
         "--rows-per-group",
-        type=_number(int, 1),
+        type=Number(int, 1),
         default=own["rows_per_group"],
         help="Parquet row group size: at most a quarter of each rank's share of a window "
         "(global batch / workers) for about one read of each row per epoch",
     )
-    p.add_argument("--rows-per-file", type=_number(int, 1), default=own["rows_per_file"])
+    p.add_argument("--rows-per-file", type=Number(int, 1), default=own["rows_per_file"])
     p.add_argument("--shuffle", action="store_true", help="shuffle all rows with Ray Data")
-    p.add_argument("--seed", type=int, default=own["seed"], help="the shuffle's seed")
+    p.add_argument("--seed", type=Number(int, 0), default=own["seed"], help="the shuffle's seed")
     p.set_defaults(func=cmd_data_prepare)
     return parser
 
@@ -774,11 +838,16 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line, with `key.path=value` overrides accepted anywhere among the flags
     (argparse alone takes them only before the first flag)."""
+    from rayacc.driver.arguments import Override
+
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     stray = [a for a in extra if a.startswith("-") or "=" not in a]
     if stray or (extra and not hasattr(args, "overrides")):
         parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
+    for item in extra:  # the same check argparse gives the ones before the first flag
+        if problem := Override().problem(item):
+            parser.error(f"argument key.path=value: {problem}")
     if extra:
         args.overrides = [*args.overrides, *extra]
     return args
@@ -788,14 +857,15 @@ def main(argv: list[str] | None = None) -> int:
     from rayacc.observe.console import QuietRayStream
     from rayacc.redact import RedactingStream
 
-    args = parse_args(argv)
-    # the console's one boundary: every line, rayacc's or a library's, loses its credentials;
-    # Ray's own records below ERROR stay in Ray's log files unless RAYACC_VERBOSE=1
+    # the console's one boundary: every line, rayacc's or a library's (argparse's messages
+    # about the command line too), loses its credentials; Ray's own records below ERROR stay
+    # in Ray's log files unless RAYACC_VERBOSE=1
     streams = sys.stdout, sys.stderr
     console_stream = RedactingStream if env.verbose() else QuietRayStream
     out, err = console_stream(sys.stdout), console_stream(sys.stderr)
     sys.stdout, sys.stderr = out, err
     try:
+        args = parse_args(argv)
         return args.func(args)
     except _user_error_types() as exc:
         print(f"rayacc: {exc}", file=sys.stderr)

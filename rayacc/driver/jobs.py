@@ -64,7 +64,16 @@ def upload_size(root: Path) -> int:
 
 
 def _client(address: str | None):
+    import os
+
     from ray.job_submission import JobSubmissionClient
+
+    from rayacc.driver.arguments import address_problem
+
+    given = address or os.environ.get("RAY_ADDRESS")
+    if given and (problem := address_problem(given)):
+        source = "--address" if address else "$RAY_ADDRESS"
+        raise SubmitError(f"{source}: {redact(problem)}")
 
     try:
         return JobSubmissionClient(address)

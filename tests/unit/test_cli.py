@@ -38,7 +38,7 @@ def bad_parquet(tmp_path: Path) -> str:
 CASES = [
     (
         lambda tmp: ["train", "-c", str(tmp / "missing.yaml")],
-        ["config file not found", "missing.yaml"],
+        ["argument -c/--config: no such file", "missing.yaml"],
     ),
     (
         lambda tmp: ["train", "-c", DIGITS_JOB, f"data.source={bad_parquet(tmp)}"],

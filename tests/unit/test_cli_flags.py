@@ -19,7 +19,7 @@ BAD_FLAGS = [
     (["sample", "run", "--tokens", "-1"], "--tokens", "≥ 0"),
     (["sample", "run", "--temperature", "-0.1"], "--temperature", "≥ 0"),
     (["sample", "run", "--top-k", "0"], "--top-k", "≥ 1"),
-    (["sample", "run", "--seed", "x"], "--seed", "invalid int"),
+    (["sample", "run", "--seed", "x"], "--seed", "not a number"),
     (["data", "prepare", "shakespeare", "--seq-len", "0"], "--seq-len", "≥ 1"),
     (
         ["data", "prepare", "f.txt", "--out", "o", "--rows-per-group", "0"],

@@ -80,16 +80,18 @@ def test_a_folder_that_cannot_be_written_is_named(tmp_path):
         locked.chmod(0o700)
 
 
-def test_the_commands_refuse_a_place_before_anything_starts(tmp_path, capsys):
-    from rayacc.cli import main
+def test_the_commands_refuse_a_place_before_anything_starts(tmp_path, capsys, monkeypatch):
+    from tests.support.cli import rayacc_here
 
     afile = tmp_path / "a-file"
     afile.write_text("x")
-    code = main(["report", "exp", "--out", str(afile), "--tracking-uri", "ftp://h/x"])
-    err = capsys.readouterr().err
-    assert code == 2 and "--out" in err and "--tracking-uri" in err, err
-    code = main(["data", "prepare", str(afile), "--out", str(afile)])
-    assert code == 2 and "--out" in capsys.readouterr().err
+    for argv, flag in [
+        (["report", "exp", "--out", str(afile)], "--out"),
+        (["report", "exp", "--tracking-uri", "ftp://h/x"], "--tracking-uri"),
+        (["data", "prepare", str(afile), "--out", str(afile)], "--out"),
+    ]:
+        ran = rayacc_here(argv, capsys, monkeypatch)
+        assert ran.code == 2 and f"argument {flag}" in ran.err and "Fix:" in ran.err, ran
 
 
 @pytest.mark.parametrize("command", ["train", "verify", "plan", "submit", "sweep"])
