@@ -28,6 +28,7 @@ def inputs(size: int) -> dict[str, str]:
         "token: token: …": "token: " * (size // 7),
         "--token --token …": "--token " * (size // 8),
         "a-a-a-…-token": "a-" * (size // 2) + "token",
+        "a.a.a.…token:": "a." * (size // 2) + "token:",
         "Bearer Bearer …": "Bearer " * (size // 7),
         "ghp_ghp_…": "ghp_" * (size // 4),
         "AKIA…AKIA… ": ("AKIA" + "A" * 16 + " ") * (size // 21),

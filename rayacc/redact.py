@@ -12,7 +12,8 @@ The shapes a credential takes, each masked to `***`:
   value): presigned URLs (S3, GCS, Azure SAS), OAuth, API keys; the value runs to the next
   `&`, `;`, `#`, quote, `<`, `>` or space.
 - a keyed value: a key whose last word is a secret's (`password`, `token`, `secret`,
-  `api_key`, `access_key`, `authorization`, …), then `=` or `:`, then the value — a libpq
+  `api_key`, `access_key`, `authorization`, …), then `=` or `:` (only `=` after a `.`: a
+  dotted path then `:` is a message about a config field), then the value — a libpq
   string (`host=db password=pw`), an environment line (`AWS_SECRET_ACCESS_KEY=…`,
   `MLFLOW_TRACKING_PASSWORD=…`), JSON or a Python mapping (`"api_key": "…"`), YAML, an HTTP
   header (`Authorization: Bearer …`, the scheme word kept). A quoted value goes to its
@@ -148,10 +149,13 @@ _QUERY = re.compile(
 )
 # a value: quoted to its closing quote (JSON's escapes inside), or bare to a delimiter
 _VALUE = r"(?P<value>\"(?:[^\"\\\n]|\\.)*\"|'[^'\n]*'|[^\s&;,'\"<>(){}\[\]]+)"
+# the key: an identifier (a dotted path's last part) whose last word is a secret's; after a
+# dotted path only `=` is keyed (an override, `model.kwargs.token=…`): a dotted path then
+# `:` is a message about a config field (`train.loss_chunk_token: unknown key`)
 _KEYED = re.compile(
-    r"(?P<key>(?<![a-zA-Z0-9])"
+    r"(?P<key>(?<![\w.\-])(?P<dots>(?:[\w\-]+\.)+)?(?:[\w\-]*[_\-])?"
     + _trie(_KEY_WORDS)
-    + r"[\"']?[ \t]*[:=][ \t]*(?:(?:bearer|basic|token|digest|negotiate)[ \t]+)?)"
+    + r"[\"']?[ \t]*(?(dots)=|[:=])[ \t]*(?:(?:bearer|basic|token|digest|negotiate)[ \t]+)?)"
     + _VALUE,
     re.IGNORECASE,
 )

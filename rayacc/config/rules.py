@@ -44,15 +44,6 @@ def _model_rules(model: ModelConfig, data: DataConfig | None) -> list[ConfigIssu
                 "write e.g. mypkg.models:build",
             )
         )
-    if any(h < 1 for h in model.hidden_sizes):
-        issues.append(
-            ConfigIssue(
-                "model.hidden_sizes",
-                "must hold positive integers",
-                model.hidden_sizes,
-                "e.g. [128, 128]",
-            )
-        )
     if model.n_embd % model.n_head:
         issues.append(
             ConfigIssue(

@@ -30,6 +30,10 @@ __all__ = [
 ]
 
 
+Count = Annotated[int, Field(ge=1)]
+Beta = Annotated[float, Field(ge=0.0, lt=1.0)]
+
+
 class Section(BaseModel):
     # attribute docstrings become field descriptions, which error messages quote as the fix
     model_config = ConfigDict(
@@ -46,7 +50,7 @@ class ModelConfig(Section):
     info; used only when `model.name` is `factory`."""
     kwargs: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments passed to `model.factory`."""
-    hidden_sizes: list[int] = Field(default_factory=lambda: [128, 128])
+    hidden_sizes: list[Annotated[int, Field(ge=1)]] = Field(default_factory=lambda: [128, 128])
     """mlp: widths of the hidden layers."""
     n_layer: int = Field(4, ge=1)
     """gpt: transformer blocks."""
@@ -144,7 +148,7 @@ class OptimConfig(Section):
     """SGD momentum."""
     weight_decay: float = Field(0.0, ge=0.0)
     """Decoupled weight decay (AdamW) or L2 penalty (SGD)."""
-    betas: tuple[float, float] = (0.9, 0.999)
+    betas: tuple[Beta, Beta] = (0.9, 0.999)
     """AdamW betas."""
     warmup_steps: int = Field(0, ge=0)
     """Linear LR warmup, in global batches of samples (optimizer steps at the planned global
@@ -236,7 +240,7 @@ class TrainSection(Section):
 
 
 class ScalingConfig(Section):
-    num_workers: int | tuple[int, int] = 2
+    num_workers: Count | tuple[Count, Count] = 2
     """Data-parallel training workers (one DDP rank each), or [min, max] for an elastic run:
     Ray starts as many as fit and restarts the group at a new size when capacity changes."""
     on_resize: Literal["keep_global_batch", "keep_micro_batch"] = "keep_global_batch"
@@ -249,7 +253,7 @@ class ScalingConfig(Section):
     """One GPU per worker (NCCL); CPU workers use gloo."""
     cpus_per_worker: float = Field(1.0, gt=0.0)
     """Logical CPUs reserved per worker (fractions allowed)."""
-    extra_resources: dict[str, float] = Field(default_factory=dict)
+    extra_resources: dict[str, Annotated[float, Field(gt=0.0)]] = Field(default_factory=dict)
     """Custom Ray resources each worker needs besides CPUs/GPUs, e.g. {worker_slot: 1} on nodes
     that offer one slot each. Elastic sizing counts resources, not the placement strategy, so
     this is how an elastic run is held to one worker per node."""

@@ -67,6 +67,8 @@ SHAPES = [
     ("loss_chunk_tokens=8192 --tokens 200 tokenizer=t.json", None),
     ("rayacc: 200 tokens from x; keyboard: yes; author=a", None),
     ("the passage: 3, secretary=no, --monkey 2, task-aaaaaaaaaaaaaaaaaaaaaaaa", None),
+    ("  - train.loss_chunk_token: unknown key. Fix: did you mean", None),
+    ("model.kwargs.token=abc and x.password = p", "model.kwargs.token=*** and x.password = ***"),
     ("sqlite:////tmp/mlflow.db", "sqlite:////tmp/mlflow.db"),
     ("https://h/x?author=a&keyboard=k&monkey=1", "https://h/x?author=a&keyboard=k&monkey=1"),
     ("mail me@x.org, see https://h/x", "mail me@x.org, see https://h/x"),
@@ -227,6 +229,8 @@ ADVERSARIAL = {
     "--token ": "--token " * (1 << 17),
     "Bearer ": "Bearer " * 149_796,
     "ghp_": "ghp_" * (1 << 18),
+    "a_a_…_token": "a_" * (1 << 19) + "token",
+    "a.a.…token:": "a." * (1 << 19) + "token:",
     "AKIA… ": ("AKIA" + "A" * 16 + " ") * 49_932,
 }
 
