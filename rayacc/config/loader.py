@@ -63,8 +63,8 @@ def load_yaml_text(text: str) -> Any:
 
 
 def read_yaml(path: str | os.PathLike, kind: str, example: str) -> Any:
-    """The parsed contents of the YAML file at `path` (None for an empty file); a missing file
-    or bad YAML is a ConfigError naming the file. `kind` and `example` word the fix."""
+    """The parsed contents of the YAML file at `path`; a missing or empty file, bad YAML or a
+    key written twice is a ConfigError naming the file. `kind` and `example` word the fix."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(
@@ -98,7 +98,21 @@ def read_yaml(path: str | os.PathLike, kind: str, example: str) -> Any:
             str(p),
         ) from None
     try:
-        return load_yaml_text(text)
+        data = load_yaml_text(text)
+        if data is None:
+            raise ConfigError(
+                [
+                    ConfigIssue(
+                        "",
+                        f"the {kind} file is empty (or holds only comments)",
+                        MISSING,
+                        f"pass the {kind} file itself, e.g. -c {example} (`{{}}` alone takes "
+                        "every default)",
+                    )
+                ],
+                str(p),
+            )
+        return data
     except DuplicateKeyError as exc:
         raise ConfigError(
             [

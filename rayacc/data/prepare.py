@@ -71,6 +71,10 @@ def _input_files(inputs: list[str]) -> list[tuple[object, str, str]]:
                 )
             files += [(filesystem, p, p) for p in inner]
         else:
+            if info.size == 0:
+                raise DataError(
+                    f"{item} is empty. Fix: give text or JSONL files that hold the corpus"
+                )
             files.append((filesystem, path, item))
     return files
 
@@ -324,8 +328,9 @@ def _write_rows(files, tokenizer: _Tokenizer, staging: Path, layout: _Layout, sa
     writer.close()
     if writer.rows == 0:
         raise DataError(
-            f"the inputs hold {tokens} tokens, fewer than one row of {width}. Fix: lower "
-            "--seq-len or give more text"
+            f"the inputs ({', '.join(name for _, _, name in files[:3])}"
+            f"{', …' if len(files) > 3 else ''}) hold {tokens} tokens, fewer than one row of "
+            f"{width}. Fix: lower --seq-len or give more text"
         )
     return PrepareResult("", writer.rows, writer.files, tokens, vocab, np.dtype(dtype).name)
 

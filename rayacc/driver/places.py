@@ -115,6 +115,11 @@ def check_tracking_uri(field: str, uri: str, *, recorded: bool = False) -> str |
             return None  # sqlite:// in memory: MLflow's own business
         if path.is_dir():
             return f"{field}={uri!r} names a folder, not a database file. Fix: end it in .db"
+        if path.is_file() and (why := _not_sqlite(path, recorded)):
+            return (
+                f"{field}={redact(uri)!r}: {path} {why}. Fix: pass the tracking URI the runs "
+                "are recorded in (a file MLflow made), or a new file's"
+            )
         if recorded and not path.is_file():
             return (
                 f"{field}={redact(uri)!r}: no tracking store there (no such file), so no run "
@@ -122,6 +127,21 @@ def check_tracking_uri(field: str, uri: str, *, recorded: bool = False) -> str |
                 "prints it under its summary)"
             )
         return check_folder(f"the folder of {field}={uri!r}:", str(path.parent))
+    return None
+
+
+def _not_sqlite(path: Path, recorded: bool) -> str | None:
+    """Why the file at `path` is no MLflow store to use, None when it may be one: an SQLite
+    database (its 16-byte header), or an empty file where a store is to be made."""
+    try:
+        with path.open("rb") as f:
+            head = f.read(16)
+    except OSError as exc:
+        return f"cannot be read ({exc.strerror})"
+    if not head:
+        return "is empty: no runs are recorded there" if recorded else None
+    if head != b"SQLite format 3\x00":
+        return "is not an SQLite database (MLflow's sqlite store is one)"
     return None
 
 

@@ -9,8 +9,6 @@ the field, flag or file, no traceback, no Ray started, no cluster asked, nothing
 from __future__ import annotations
 
 import argparse
-import difflib
-import os
 import types
 import typing
 from pathlib import Path
@@ -20,13 +18,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import yaml
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from rayacc.cli import build_parser
 from rayacc.config import TrainConfig
-from rayacc.config.credentials import may_hold_credentials
 from rayacc.config.sweep import SweepConfig
 from rayacc.driver.arguments import Kind
 from tests.support import ROOT
@@ -298,3 +293,200 @@ def _set(data: dict, path: str, value: Any) -> dict:
         node = node.setdefault(part, {})
     node[last] = value
     return data
+
+
+# ----------------------------------------------------------------------------- 2. the parser
+def commands() -> dict[str, argparse.ArgumentParser]:
+    """Every command of the parser by its words (`data prepare` too)."""
+    found = {}
+
+    def walk(parser: argparse.ArgumentParser, words: tuple[str, ...]) -> None:
+        subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        if not subs:
+            found[" ".join(words)] = parser
+        for sub in subs:
+            for name, child in sub.choices.items():
+                walk(child, (*words, name))
+
+    walk(build_parser(), ())
+    return found
+
+
+BASE = {
+    "train": {"config": ["-c", JOB]},
+    "plan": {"config": ["-c", JOB]},
+    "sweep": {"config": ["-c", ROOT / "jobs" / "sweep_accum.yaml"]},
+    "report": {"target": ["no-such-experiment"]},
+    "runs": {},
+    "sample": {"target": ["no-such-run"]},
+    "verify": {"config": ["-c", JOB]},
+    "submit": {"job": [JOB]},
+    "jobs": {"action": ["status"], "job_id": ["raysubmit_x"]},
+    "data prepare": {"inputs": ["digits"]},
+}
+"""The least each command needs to parse, by argument: a command added tomorrow adds its line."""
+
+
+def flag_cases() -> list[tuple[str, str, Any]]:
+    cases = []
+    for words, parser in commands().items():
+        for action in parser._actions:
+            if isinstance(action, argparse._HelpAction) or action.nargs == 0:
+                continue
+            cases.append((words, action.dest, action))
+    return cases
+
+
+def _argv(words: str, dest: str, value: str) -> list[Any]:
+    parser = commands()[words]
+    argv: list[Any] = words.split()
+    for action in parser._actions:
+        if action.dest == dest:
+            argv += [action.option_strings[-1], value] if action.option_strings else [value]
+        else:
+            argv += BASE[words].get(action.dest, [])
+    return argv
+
+
+def test_every_command_says_what_it_needs_to_parse():
+    assert set(BASE) == set(commands()), set(BASE) ^ set(commands())
+
+
+def test_every_argument_that_takes_a_value_has_a_kind():
+    """A flag without a kind takes anything, and its mistakes surface wherever the value is
+    used: each has a kind (rayacc/driver/arguments.py) or a fixed set of choices."""
+    loose = [
+        f"rayacc {words} {action.option_strings or action.dest}"
+        for words, _, action in flag_cases()
+        if not isinstance(action.type, Kind) and not action.choices
+    ]
+    assert not loose, f"give these a kind: {loose}"
+
+
+MALFORMED = [
+    (words, dest)
+    for words, dest, action in flag_cases()
+    if action.choices or getattr(action.type, "malformed", None) is not None
+]
+
+
+@pytest.mark.parametrize(("words", "dest"), MALFORMED, ids=[f"{w} {d}" for w, d in MALFORMED])
+def test_every_flag_refuses_its_malformed_value_before_any_work(words, dest, here):
+    action = next(a for w, d, a in flag_cases() if (w, d) == (words, dest))
+    value = "zz-not-a-choice" if action.choices else action.type.malformed
+    ran = here(_argv(words, dest, value))
+    named = "/".join(action.option_strings) if action.option_strings else action.metavar or dest
+    _refused(ran, f"argument {named}")
+
+
+# ----------------------------------------------------------------------------- 3. the files
+def _parquet(table: pa.Table) -> bytes:
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink)
+    return sink.getvalue().to_pybytes()
+
+
+CLASSIFICATION = pa.table(
+    {
+        "features": pa.array([[0.1, 0.2]] * 64, pa.list_(pa.float32())),
+        "label": pa.array([0, 1] * 32, pa.int64()),
+    }
+)
+TOKENS = pa.table({"tokens": pa.array([[1, 2, 3, 4]] * 64, pa.list_(pa.int64()))})
+WRONG_COLUMN = {
+    "features": pa.array([["0.1", "n/a"]] * 64, pa.list_(pa.string())),
+    "label": pa.array([0.5, 1.5] * 32, pa.float64()),
+    "tokens": pa.array([["1", "2", "3"]] * 64, pa.list_(pa.string())),
+}
+BINARY = bytes(range(256)) * 4
+
+
+def _yaml_damage(valid: str) -> dict[str, bytes]:
+    first = next(line for line in valid.splitlines() if line and not line.startswith((" ", "#")))
+    return {
+        "empty": b"",
+        "comments only": b"# nothing here\n",
+        "binary": BINARY,
+        "a key written twice": (valid + "\n" + first + "\n").encode(),
+        "a list, not a mapping": b"- 1\n- 2\n",
+        "a number, not a mapping": b"42\n",
+    }
+
+
+def _parquet_damage(table: pa.Table) -> dict[str, bytes]:
+    whole = _parquet(table)
+    forms = {
+        "empty": b"",
+        "binary": BINARY,
+        "cut in half": whole[: len(whole) // 2],
+        "no rows": _parquet(table.slice(0, 0)),
+        "a column missing": _parquet(table.drop_columns([table.column_names[0]])),
+    }
+    for name in table.column_names:
+        wrong = table.set_column(table.column_names.index(name), name, WRONG_COLUMN[name])
+        forms[f"`{name}` of the wrong type"] = _parquet(wrong)
+    return forms
+
+
+def _plan_text() -> str:
+    return "rayacc_plan: 1\nmade_for: {}\nchosen: {}\nby_workers: {}\n"
+
+
+TEXT = b"to be or not to be, that is the question\n" * 50
+FILE_KINDS: dict[str, tuple[str, Any, dict[str, bytes]]] = {
+    # kind: (suffix, the command that reads it, its damaged forms)
+    "job": (".yaml", lambda p: ["plan", "-c", p], _yaml_damage(JOB.read_text())),
+    "sweep": (
+        ".yaml",
+        lambda p: ["sweep", "-c", p],
+        _yaml_damage(f"base: {JOB}\ngrid:\n  batch.micro_batch_size: [16]\n"),
+    ),
+    "plan": (".yaml", lambda p: ["train", "-c", JOB, "--plan", p], _yaml_damage(_plan_text())),
+    "classification parquet": (
+        ".parquet",
+        lambda p: ["train", "-c", JOB, f"data.source={p}"],
+        _parquet_damage(CLASSIFICATION),
+    ),
+    "token parquet": (
+        ".parquet",
+        lambda p: ["train", "-c", ROOT / "jobs" / "shakespeare.yaml", f"data.source={p}"],
+        _parquet_damage(TOKENS),
+    ),
+    "text": (
+        ".txt",
+        lambda p: ["data", "prepare", p, "--out", "out"],
+        {"empty": b"", "binary": BINARY, "not UTF-8": b"caf\xe9 " * 100},
+    ),
+    "jsonl": (
+        ".jsonl",
+        lambda p: ["data", "prepare", p, "--out", "out"],
+        {
+            "empty": b"",
+            "binary": BINARY,
+            "a line that is not JSON": b'{"text": "a b c"}\n{"text": \n',
+            "a text that is not a string": b'{"text": 42}\n',
+            "no text field": b'{"body": "a b c"}\n',
+        },
+    ),
+    "MLflow store": (
+        ".db",
+        lambda p: ["report", "exp", "--tracking-uri", f"sqlite:///{p}"],
+        {"empty": b"", "binary": BINARY},
+    ),
+    "tokenizer": (
+        ".json",
+        lambda p: ["data", "prepare", "corpus.txt", "--out", "out", "--tokenizer", p],
+        {"empty": b"", "binary": BINARY, "not a tokenizer": b"{}", "a list": b"[1, 2]"},
+    ),
+}
+FILE_CASES = [(kind, form) for kind, (_, _, forms) in FILE_KINDS.items() for form in forms]
+
+
+@pytest.mark.parametrize(("kind", "form"), FILE_CASES, ids=[f"{k}: {f}" for k, f in FILE_CASES])
+def test_every_file_kind_damaged_is_named_before_any_work(kind, form, here, tmp_path):
+    suffix, command, forms = FILE_KINDS[kind]
+    damaged = tmp_path / f"damaged{suffix}"
+    damaged.write_bytes(forms[form])
+    (here.work / "corpus.txt").write_bytes(TEXT)  # the text a tokenizer is tried on
+    ran = here(command(damaged))
+    _refused(ran, "damaged")

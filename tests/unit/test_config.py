@@ -53,7 +53,7 @@ BAD = [
     (with_("batch", micro_batch_size=30), "batch.micro_batch_size", "32"),
     (with_("batch", grad_accum_steps=3), "batch.global_batch_size", "it would be 4"),
     (with_("scaling", num_workers=3), "batch.global_batch_size", "scaling.num_workers=3"),
-    (with_("scaling", num_workers=0), "scaling.num_workers", "positive count"),
+    (with_("scaling", num_workers=0), "scaling.num_workers", "set a value >= 1"),
     (with_("scaling", num_workers=[4, 2]), "scaling.num_workers", "1 <= min <= max"),
     (
         with_("scaling", on_resize="keep_micro_batch"),
