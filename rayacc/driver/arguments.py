@@ -167,7 +167,7 @@ class Storage(Kind):
     malformed = "nope://bucket/runs"
 
     def problem(self, text: str) -> str | None:
-        from rayacc.driver.places import STORAGE_SCHEMES
+        from rayacc.driver.places import STORAGE_SCHEMES, storage_problem
 
         if not text.strip():
             return "is empty. Fix: give the run.storage_path the runs were trained with"
@@ -178,7 +178,7 @@ class Storage(Kind):
                     f"{scheme}:// is not a storage rayacc writes to. Fix: use one of "
                     f"{', '.join(s + '://' for s in STORAGE_SCHEMES)}, or a local path"
                 )
-            return None
+            return storage_problem("--storage", text)
         if not Path(text).expanduser().is_dir():
             return (
                 f"{text!r}: no such folder. Fix: give the run.storage_path the runs were "

@@ -11,7 +11,7 @@ from pathlib import Path
 from rayacc.config import TrainConfig
 from rayacc.redact import redact
 
-__all__ = ["PlaceError", "check_folder", "check_places", "check_tracking_uri"]
+__all__ = ["PlaceError", "check_folder", "check_places", "check_tracking_uri", "storage_problem"]
 
 TRACKING_SCHEMES = (
     "sqlite",
@@ -45,6 +45,9 @@ def check_folder(field: str, value: str, *, writes: bool = True) -> str | None:
     a probe can be written in, or one can be made (a probe folder is made and removed in its
     nearest existing parent). Tried, not read from permission bits: root passes every bit, and
     a read-only mount or a filesystem that takes no folders shows only when tried."""
+    if "://" in value:
+        # a local folder is wanted: the path would fold `//` and write under `scheme:/…`
+        return f"{field}={redact(value)!r} is a URI. Fix: name a local folder"
     path = Path(value).expanduser()
     if path.exists():
         if not path.is_dir():
@@ -75,7 +78,8 @@ def _try_writing(folder: Path) -> str | None:
     return None
 
 
-def _check_uri_storage(field: str, value: str) -> str | None:
+def storage_problem(field: str, value: str) -> str | None:
+    """Why the storage URI `value` (named by `field`) cannot be opened, None when it can."""
     from pyarrow import fs
 
     try:
@@ -164,7 +168,7 @@ def check_places(cfg: TrainConfig, here: bool = True) -> None:
                     f"writes to. Fix: use one of {', '.join(s + '://' for s in STORAGE_SCHEMES)}"
                 )
         else:
-            problems.append(_check_uri_storage("run.storage_path", storage))
+            problems.append(storage_problem("run.storage_path", storage))
     elif storage is not None and here:
         problems.append(check_folder("run.storage_path", storage))
     uri = cfg.tracking.tracking_uri

@@ -44,6 +44,11 @@ def find_checkpoint(
     checkpoints that are not whole are added to `passed_over`."""
     local = "://" not in target
     location = str(Path(target).expanduser().resolve()) if local else target.rstrip("/")
+    if not local:
+        from rayacc.driver.places import storage_problem
+
+        if problem := storage_problem("RUN_OR_CHECKPOINT", location):
+            raise CheckpointError(problem)
     try:
         if open_storage(location).stat(META_FILE) is not None:
             return location

@@ -22,8 +22,9 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from rayacc.cli import build_parser
 from rayacc.config import TrainConfig
+from rayacc.config.credentials import may_hold_credentials
 from rayacc.config.sweep import SweepConfig
-from rayacc.driver.arguments import Kind
+from rayacc.driver.arguments import Kind, Number
 from tests.support import ROOT
 from tests.support.cli import Ran, rayacc_here
 
@@ -490,3 +491,72 @@ def test_every_file_kind_damaged_is_named_before_any_work(kind, form, here, tmp_
     (here.work / "corpus.txt").write_bytes(TEXT)  # the text a tokenizer is tried on
     ran = here(command(damaged))
     _refused(ran, "damaged")
+
+
+# ----------------------------------------------------------------------------- 4. credentials
+SECRET = "Zq9s3cr3tValue0123456789abcdefABCDEF"
+AWS_SECRET = "Zq9/s3cr3t+Value0123456789abcdefABCDEF01"
+PLANTS = {
+    "uri userinfo": f"hdfs://user:{SECRET}@host/x",
+    "query token": f"hdfs://host/x?token={SECRET}",
+    "keyed": f"password={SECRET}",
+    "json": f'{{"api_key": "{SECRET}"}}',
+    "header": f"Authorization: Bearer {SECRET}",
+    "flag": f"--password {SECRET}",
+    "github": f"ghp_{SECRET}",
+    "hugging face": f"hf_{SECRET}",
+    "aws key pair": f"AKIAABCDEFGHIJKLMNOP {AWS_SECRET}",
+}
+"""A credential in each shape the matcher knows; the secret part is `SECRET` (or
+`AWS_SECRET`)."""
+
+
+def _nowhere(ran: Ran, work: Path) -> None:
+    """Neither secret in what the command printed, nor in any file it left."""
+    said = ran.out + ran.err.split("\n<left ")[0]  # (the names of files left are the test's)
+    for secret in (SECRET, AWS_SECRET):
+        assert secret not in said, ran
+        for path in work.rglob("*"):
+            if path.is_file():
+                assert secret.encode() not in path.read_bytes(), path
+
+
+def _takes_text(field) -> bool:
+    return _accepts(field, "x") or _accepts(field, {"k": "x"})
+
+
+STRING_FIELDS = [(p, f, m) for p, f, m in CONFIG_FIELDS if _takes_text(f)]
+PLANTED_FIELDS = [(p, shape) for p, _, _ in STRING_FIELDS for shape in PLANTS]
+
+
+@pytest.mark.parametrize(
+    ("path", "shape"), PLANTED_FIELDS, ids=[f"{p} {s}" for p, s in PLANTED_FIELDS]
+)
+def test_a_credential_in_any_config_string_is_refused_or_masked(path, shape, here):
+    """A field that names a place may carry the credentials of the store it opens (masked
+    wherever shown); every other string field refuses one, naming the field."""
+    field, model = next((f, m) for p, f, m in STRING_FIELDS if p == path)
+    value = PLANTS[shape] if _accepts(field, "x") else {"k": PLANTS[shape]}
+    ran = here(["plan", "-c", JOB, f"{path}={_flow(value)}"])
+    _nowhere(ran, here.work)
+    if not may_hold_credentials(model, path.rsplit(".", 1)[-1]):
+        _refused(ran, path)
+
+
+TEXT_FLAGS = [
+    (words, dest, shape)
+    for words, dest, action in flag_cases()
+    if isinstance(action.type, Kind) and not isinstance(action.type, Number)
+    for shape in PLANTS
+]
+
+
+@pytest.mark.parametrize(
+    ("words", "dest", "shape"), TEXT_FLAGS, ids=[f"{w} {d} {s}" for w, d, s in TEXT_FLAGS]
+)
+def test_a_credential_in_any_flag_appears_nowhere(words, dest, shape, here):
+    value = PLANTS[shape]
+    if dest == "overrides":
+        value = f"tracking.run_name={_flow(value)}"
+    ran = here(_argv(words, dest, value))
+    _nowhere(ran, here.work)
