@@ -10,11 +10,11 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from rayacc.config.batch_split import BatchSplit, BatchSplitError, resolve_batch_split
-from rayacc.config.credentials import PLACE, credential_issues
 from rayacc.config.errors import ConfigError, ConfigIssue, issues_from_validation
 from rayacc.config.loader import read_yaml
 from rayacc.config.overrides import apply_overrides, flatten
 from rayacc.config.rules import cross_field_issues
+from rayacc.config.strings import PLACE, string_issues
 
 __all__ = [
     "BatchConfig",
@@ -364,7 +364,7 @@ class TrainConfig(Section):
             issues += issues_from_validation(exc, cls)
         issues += cross_field_issues(_valid_sections(cfg, data))
         if cfg is not None:
-            issues += credential_issues(cfg)
+            issues += string_issues(cfg)
         if issues:
             raise ConfigError(issues, source)
         assert cfg is not None

@@ -10,10 +10,10 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError
 
-from rayacc.config.credentials import CHECKED_ELSEWHERE, PLACE, credential_issues
 from rayacc.config.errors import MISSING, ConfigError, ConfigIssue, issues_from_validation
 from rayacc.config.loader import read_yaml
 from rayacc.config.schema import Section, TrainConfig
+from rayacc.config.strings import CHECKED_ELSEWHERE, PLACE, string_issues
 
 __all__ = ["DISTRIBUTIONS", "RandomSearch", "SweepConfig"]
 
@@ -77,7 +77,7 @@ class SweepConfig(Section):
                 ],
                 str(p),
             )
-        shape_issues = sweep.plan_issues() + sweep.trial_issues() + credential_issues(sweep)
+        shape_issues = sweep.plan_issues() + sweep.trial_issues() + string_issues(sweep)
         if shape_issues:
             raise ConfigError(shape_issues, str(p))
         if sweep.plan is not None:

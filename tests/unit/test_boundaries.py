@@ -9,6 +9,7 @@ the field, flag or file, no traceback, no Ray started, no cluster asked, nothing
 from __future__ import annotations
 
 import argparse
+import os
 import types
 import typing
 from pathlib import Path
@@ -18,11 +19,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import yaml
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from rayacc.cli import build_parser
 from rayacc.config import TrainConfig
-from rayacc.config.credentials import may_hold_credentials
+from rayacc.config.strings import may_hold_credentials
 from rayacc.config.sweep import SweepConfig
 from rayacc.driver.arguments import Kind, Number
 from tests.support import ROOT
@@ -560,3 +563,84 @@ def test_a_credential_in_any_flag_appears_nowhere(words, dest, shape, here):
         value = f"tracking.run_name={_flow(value)}"
     ran = here(_argv(words, dest, value))
     _nowhere(ran, here.work)
+
+
+# ----------------------------------------------------------------------------- 5. typed values
+def values_of(annotation: Any, path: str) -> st.SearchStrategy:
+    """Values of the field's own type, its ranges ignored: the edges and the far ends a user
+    types, for the checks after the schema (the run's derived quantities) to meet."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if annotation is type(None):
+        return st.none()
+    if origin is typing.Annotated:
+        return values_of(args[0], path)
+    if origin in (typing.Union, types.UnionType):
+        return st.one_of(*(values_of(a, path) for a in args))
+    if origin is typing.Literal:
+        return st.sampled_from(args)
+    if annotation is bool:
+        return st.booleans()
+    if annotation is int:
+        # a model's sizes stay small: a billion layers built on the meta device is a hang
+        far = [] if path.startswith("model.") else [1000, 2**31 - 1]
+        # worker counts, sizes and steps are small numbers most often
+        return st.one_of(st.integers(0, 4), st.integers(-2, 64), st.sampled_from([0, *far]))
+    if annotation is float:
+        return st.one_of(
+            st.floats(-1.0, 2.0), st.sampled_from([0.0, 1e-12, 1e12, float("nan"), float("inf")])
+        )
+    if annotation is str:
+        return st.one_of(st.sampled_from(["", "x", "digits", "auto"]), st.text(max_size=6))
+    if origin is list:
+        return st.lists(values_of(args[0], path), max_size=3)
+    if origin is tuple:
+        return st.tuples(*(values_of(a, path) for a in args))
+    if origin is dict:
+        return st.dictionaries(values_of(args[0], path), values_of(args[1], path), max_size=3)
+    if _section(annotation) is not None:
+        return st.fixed_dictionaries(
+            {n: values_of(f.annotation, path) for n, f in annotation.model_fields.items()}
+        )
+    return st.one_of(st.integers(-2, 64), st.text(max_size=6))  # Any
+
+
+FIELD_VALUES = st.sampled_from(CONFIG_FIELDS).flatmap(
+    lambda leaf: st.tuples(st.just(leaf[0]), values_of(leaf[1].annotation, leaf[0]))
+)
+BASES = [JOB, ROOT / "jobs" / "elastic_digits.yaml"]
+
+
+@pytest.fixture
+def until_the_fit(here, monkeypatch):
+    """`here`, with the driver going as far as the fit: everything derived before launch (each
+    property of the prepared run and of its derived quantities read, as the fit reads them),
+    the run's header printed; then exit 98 where the worker group would start."""
+
+    def stop(cfg, *, prepared, **_):
+        for owner in (prepared, prepared.spec):
+            for name, attr in vars(type(owner)).items():
+                if isinstance(attr, property):
+                    getattr(owner, name)
+        raise SystemExit(98)
+
+    monkeypatch.setattr("rayacc.driver.fit.ensure_ray", lambda cfg: None)
+    monkeypatch.setattr("rayacc.driver.fit.fit", stop)
+    return here
+
+
+@settings(
+    max_examples=int(os.environ.get("RAYACC_TYPED_EXAMPLES", "40")),
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(base=st.sampled_from(BASES), changes=st.lists(FIELD_VALUES, min_size=1, max_size=3))
+# cases seen failing before, kept (the random draws cover the rest of their class)
+@example(base=BASES[1], changes=[("batch.micro_batch_by_workers", {2: 7})])
+@example(base=BASES[0], changes=[("run.storage_path", "\x00")])
+def test_any_typed_value_ends_in_a_user_error_or_a_run(base, changes, until_the_fit):
+    """A value of the field's type that its checks let through reaches the fit; one they do
+    not is a user error (exit 2). Nothing in between fails (a `KeyError` in the derived
+    quantities was one)."""
+    argv = ["train", "-c", base, *(f"{path}={_flow(value)}" for path, value in changes)]
+    ran = until_the_fit(argv)
+    assert ran.code in (2, 98), ran
