@@ -27,7 +27,7 @@ The shapes a credential takes, each masked to `***`:
 
 The matcher takes time linear in its input: every pattern starts at a boundary it checks with
 one look behind, and what follows is bounded by the next boundary (bench/redact_speed.py; it
-uses no possessive quantifier, so it runs on every Python rayacc supports). Every console
+uses no possessive quantifier). Every console
 line and MLflow tag goes through it.
 """
 

@@ -41,6 +41,7 @@ COMPUTED = ("train/loss", "train/lr", "train/grad_norm", "train/items", "val/los
 
 
 FAULTY_MODEL = "tests.support.faulty_model:build"
+PLANTED = "Zq9PlantedPassword"
 
 
 def spec(tmp_path: Path, strategy: str, workers: int, tracking_uri: str) -> dict:
@@ -106,14 +107,16 @@ def steps_in(client: MlflowClient, run_id: str, key: str = "train/loss") -> list
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_the_record_is_the_final_checkpoints_lineage_across_every_fault(
-    ray_address, mlflow_server, tmp_path, monkeypatch, capfd, strategy
+    ray_address, mlflow_server, tmp_path, tmp_path_factory, monkeypatch, capfd, strategy
 ):
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     # an outage is a refused connection, not a wait; a server slowed by a loaded machine must
     # not read as one
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
     gate = Gate(mlflow_server)
-    uri = gate.uri
+    # a password in the tracking URI (basic auth, which this server does not ask for): it
+    # must appear nowhere the run writes or prints
+    uri = gate.uri.replace("http://", f"http://rayacc:{PLANTED}@")
     client = MlflowClient(uri)
     try:
         # the uninterrupted run (the stalls and deaths wait for files it never creates...
@@ -271,6 +274,15 @@ def test_the_record_is_the_final_checkpoints_lineage_across_every_fault(
             weights(load_model(r.checkpoint_dir, factory=FAULTY_MODEL)) for r in (reference, result)
         )
         assert rel_diff(b, a) <= (0.0 if workers == 2 else 1e-5), rel_diff(b, a)
+
+        # the tracking URI's password: in the job file the user wrote, nowhere else — not in
+        # the console, the run's storage and checkpoints, or the MLflow store (names, params,
+        # tags, artifacts)
+        assert PLANTED not in err + capfd.readouterr().err
+        written = [p for p in tmp_path.rglob("*") if p.is_file() and p.name != "job.yaml"]
+        assert written and not [p for p in written if PLANTED.encode() in p.read_bytes()]
+        stores = list(tmp_path_factory.getbasetemp().glob("mlflow*/server.db*"))
+        assert stores and not [p for p in stores if PLANTED.encode() in p.read_bytes()]
     finally:
         gate.close()
 
