@@ -50,13 +50,38 @@ def _repeated_keys(node: yaml.Node, path: str, seen: set[int], found: list) -> N
             _repeated_keys(item, f"{path}[{i}]", seen, found)
 
 
+MAX_VALUES = 100_000
+"""The most values a file may hold with its aliases expanded: a few aliases of aliases make
+billions (each level multiplies), which the checks after the parse would walk for hours."""
+
+
+def _expanded(node: yaml.Node, sizes: dict[int, int]) -> int:
+    """How many values `node` holds with every alias in it expanded."""
+    if id(node) not in sizes:
+        sizes[id(node)] = 1  # a node that holds itself counts once
+        if isinstance(node, yaml.MappingNode):
+            sizes[id(node)] += sum(_expanded(k, sizes) + _expanded(v, sizes) for k, v in node.value)
+        elif isinstance(node, yaml.SequenceNode):
+            sizes[id(node)] += sum(_expanded(item, sizes) for item in node.value)
+    return sizes[id(node)]
+
+
 def load_yaml_text(text: str) -> Any:
     """The parsed YAML of `text` (safe types only); a key written twice anywhere raises
-    :class:`DuplicateKeyError`, bad YAML `yaml.YAMLError`."""
-    node = yaml.compose(text, Loader=yaml.SafeLoader)
-    found: list[tuple[str, int, int]] = []
-    if node is not None:
-        _repeated_keys(node, "", set(), found)
+    :class:`DuplicateKeyError`, bad YAML (nested deeper than the parser reaches, or more than
+    `MAX_VALUES` values with its aliases expanded) `yaml.YAMLError`."""
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        found: list[tuple[str, int, int]] = []
+        if node is not None:
+            _repeated_keys(node, "", set(), found)
+            if (values := _expanded(node, {})) > MAX_VALUES:
+                raise yaml.YAMLError(
+                    f"it holds {values:,} values with its aliases (&name, *name) expanded, more "
+                    f"than {MAX_VALUES:,}"
+                )
+    except RecursionError:
+        raise yaml.YAMLError("it is nested deeper than the parser follows") from None
     if found:
         raise DuplicateKeyError(found)
     return yaml.safe_load(text)

@@ -120,9 +120,10 @@ def _texts(filesystem, path: str, shown: str, text_field: str) -> Iterator[tuple
 def _json_text(line: str, shown: str, line_no: int, text_field: str) -> str:
     try:
         record = json.loads(line)
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, RecursionError) as exc:
+        why = getattr(exc, "msg", "nested deeper than the parser follows")
         raise DataError(
-            f"{shown}, line {line_no}: not JSON ({exc.msg}). Fix: one JSON object per line"
+            f"{shown}, line {line_no}: not JSON ({why}). Fix: one JSON object per line"
         ) from None
     if (
         isinstance(record, dict)

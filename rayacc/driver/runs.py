@@ -50,11 +50,11 @@ def _run_info(storage: str, name: str) -> dict[str, Any]:
         text = open_storage(storage).child(name).read(RUN_INFO)
     except OSError:
         text, info = b"?", None  # a link or a folder where the file belongs
-    if not text:
+    if text is None:
         return {}
     try:
         info = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         info = None
     if not isinstance(info, dict):
         raise DataError(
@@ -226,7 +226,7 @@ def list_runs(storage: str) -> list[RunSummary]:
             info, unreadable = {}, True  # listed all the same, marked
         checkpoints = RunCheckpoints(storage, name)
         latest = checkpoints.latest()
-        if not info and latest is None:
+        if not info and latest is None and not unreadable:
             continue  # not a rayacc run
         status = info.get("status", "unfinished")
         lease = read_lease(storage, name)

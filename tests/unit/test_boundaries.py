@@ -414,7 +414,17 @@ def _yaml_damage(valid: str) -> dict[str, bytes]:
         "a key written twice": (valid + "\n" + first + "\n").encode(),
         "a list, not a mapping": b"- 1\n- 2\n",
         "a number, not a mapping": b"42\n",
+        "nested 5000 deep": ("seed: " + "[" * 5000 + "]" * 5000 + "\n").encode(),
+        "aliases expanding to billions": _laughs(),
     }
+
+
+def _laughs() -> bytes:
+    """Nine aliases of nine aliases, nine levels deep: 387 million values once expanded."""
+    lines = ["seed: 0", "laughs:", "  a0: &a0 [1, 1, 1, 1, 1, 1, 1, 1, 1]"]
+    for i in range(1, 9):
+        lines.append(f"  a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]")
+    return ("\n".join(lines) + "\n").encode()
 
 
 def _parquet_damage(table: pa.Table) -> dict[str, bytes]:
@@ -438,7 +448,7 @@ def _plan_text() -> str:
 
 TEXT = b"to be or not to be, that is the question\n" * 50
 FILE_KINDS: dict[str, tuple[str, Any, dict[str, bytes]]] = {
-    # kind: (suffix, the command that reads it, its damaged forms)
+    # kind: (its suffix or place, the command that reads it, its damaged forms)
     "job": (".yaml", lambda p: ["plan", "-c", p], _yaml_damage(JOB.read_text())),
     "sweep": (
         ".yaml",
@@ -470,6 +480,18 @@ FILE_KINDS: dict[str, tuple[str, Any, dict[str, bytes]]] = {
             "a line that is not JSON": b'{"text": "a b c"}\n{"text": \n',
             "a text that is not a string": b'{"text": 42}\n',
             "no text field": b'{"body": "a b c"}\n',
+            "nested 100000 deep": b'{"text": ' + b"[" * 100_000 + b"]" * 100_000 + b"}\n",
+        },
+    ),
+    # a listing goes on past one damaged run: listed, its file named as damaged (exit 0)
+    "run info": (
+        "runs/damaged/rayacc_run.json",
+        lambda p: ["runs", "--storage", p.parent.parent],
+        {
+            "empty": b"",
+            "binary": BINARY,
+            "a list": b"[1, 2]",
+            "nested 100000 deep": b"[" * 100_000 + b"]" * 100_000,
         },
     ),
     "MLflow store": (
@@ -488,12 +510,21 @@ FILE_CASES = [(kind, form) for kind, (_, _, forms) in FILE_KINDS.items() for for
 
 @pytest.mark.parametrize(("kind", "form"), FILE_CASES, ids=[f"{k}: {f}" for k, f in FILE_CASES])
 def test_every_file_kind_damaged_is_named_before_any_work(kind, form, here, tmp_path):
-    suffix, command, forms = FILE_KINDS[kind]
-    damaged = tmp_path / f"damaged{suffix}"
+    where, command, forms = FILE_KINDS[kind]
+    # `where`: the damaged file's suffix, or its place under the test's folder
+    damaged = tmp_path / (where if "/" in where else f"damaged{where}")
+    damaged.parent.mkdir(parents=True, exist_ok=True)
     damaged.write_bytes(forms[form])
     (here.work / "corpus.txt").write_bytes(TEXT)  # the text a tokenizer is tried on
     ran = here(command(damaged))
+    if kind in LISTED:
+        assert ran.code == 0 and "damaged" in ran.out and LISTED[kind] in ran.out, ran
+        return
     _refused(ran, "damaged")
+
+
+LISTED = {"run info": "rayacc_run.json damaged"}
+"""File kinds a listing reads: one damaged file is named in its row, the listing goes on."""
 
 
 # ----------------------------------------------------------------------------- 4. credentials
