@@ -19,7 +19,8 @@ The shapes a credential takes, each masked to `***`:
   header (`Authorization: Bearer …`, the scheme word kept). A quoted value goes to its
   closing quote; a bare one to a space, quote, `&`, `;`, `,` or a bracket.
 - a command line's secret flag: `--password VALUE`, `--db-password=VALUE`, `--api-key VALUE`.
-- a bearer token on its own (`Bearer eyJ…`, 16 characters or more: prose has shorter words).
+- a bearer token on its own (`Bearer eyJ…`: 16 characters or more, a digit among them; prose
+  and identifiers have neither).
 - the well-known token formats, wherever they stand: GitHub (`ghp_…`, `gho_…`, `ghu_…`,
   `ghs_…`, `ghr_…`, `github_pat_…`), Hugging Face (`hf_…`), GitLab (`glpat-…`), OpenAI and
   Anthropic (`sk-…`), Slack (`xox…-`), and an AWS key id (`AKIA…`, `ASIA…`) with the
@@ -167,7 +168,9 @@ _FLAG = re.compile(
     re.IGNORECASE,
 )
 _BEARER = re.compile(
-    r"(?P<key>(?<![a-zA-Z0-9])bearer[ \t]+)(?P<value>[a-zA-Z0-9\-._~+/]{16,}=*)", re.IGNORECASE
+    r"(?P<key>(?<![a-zA-Z0-9])bearer[ \t]+)(?=[a-zA-Z\-._~+/]*[0-9])"
+    r"(?P<value>[a-zA-Z0-9\-._~+/]{16,}=*)",
+    re.IGNORECASE,
 )
 _TOKEN = re.compile(
     r"(?<![a-zA-Z0-9])(?:"

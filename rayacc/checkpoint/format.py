@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from rayacc.engine.strategy import SHARDS_DIR
+from rayacc.engine.parallel import SHARDS_DIR
 from rayacc.redact import redact
 
 __all__ = [

@@ -78,7 +78,7 @@ class DataConfig(Section):
     seq_len: int = Field(128, ge=2)
     """Token datasets: tokens per sample (sequence) when a bundled corpus is cut into samples."""
     cache_dir: str | None = Field(None, json_schema_extra=PLACE)
-    """Where bundled datasets are prepared as Parquet (default: ~/.cache/rayacc)."""
+    """A local folder where bundled datasets are prepared as Parquet (default: ~/.cache/rayacc)."""
     order: Literal["auto", "chunks", "rows"] = "auto"
     """The data order's unit (docs/design.md, README "Data at scale"). `chunks`: an epoch is a
     seeded permutation of Parquet row groups with a seeded shuffle of the rows inside each; every

@@ -16,6 +16,7 @@ from rayacc.engine.losses import (
     token_item_losses,
 )
 from rayacc.engine.lr import LR_RULES, SampleSchedule, build_scheduler, effective_lr, lr_multiplier
+from rayacc.engine.parallel import DDP, FSDP, ModelRecipe, Strategy, make_strategy, strategy_of
 from rayacc.engine.perf import (
     StepClock,
     StepCost,
@@ -26,7 +27,6 @@ from rayacc.engine.perf import (
 from rayacc.engine.precision import autocast, autocast_dtype
 from rayacc.engine.state import TrainState
 from rayacc.engine.step import PRECISIONS, AccumulationStep, MicroStepMismatchError, StepResult
-from rayacc.engine.strategy import DDP, FSDP, ModelRecipe, Strategy, make_strategy, strategy_of
 from rayacc.engine.sync import CommCounter, install_comm_counter
 
 __all__ = [

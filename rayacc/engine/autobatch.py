@@ -23,7 +23,7 @@ from torch import nn
 
 from rayacc.engine.collectives import all_reduce
 from rayacc.engine.losses import Batch, LossFn
-from rayacc.engine.strategy import Strategy, strategy_of
+from rayacc.engine.parallel import Strategy, strategy_of
 
 __all__ = [
     "MicroBatchSearch",

@@ -123,7 +123,7 @@ def drop_unsynced_grads(units: Iterable[nn.Module]) -> None:
 
 class CountingReduceScatter(ReduceScatter):
     """FSDP's reduce-scatter of gradients (the default collective), counted and timed on
-    `timeline` (launched / done, see engine/strategy.py). Installed on every FSDP unit."""
+    `timeline` (launched / done, see engine/parallel/). Installed on every FSDP unit."""
 
     def __init__(self, timeline) -> None:
         self.timeline = timeline

@@ -26,8 +26,8 @@ from torch import nn
 
 from rayacc.engine.collectives import all_reduce
 from rayacc.engine.losses import Batch, ItemCounter, LossFn, count_rows
+from rayacc.engine.parallel import Strategy, strategy_of
 from rayacc.engine.precision import PRECISIONS, autocast
-from rayacc.engine.strategy import Strategy, strategy_of
 
 __all__ = ["PRECISIONS", "AccumulationStep", "MicroStepMismatchError", "StepResult"]
 
@@ -127,7 +127,7 @@ class AccumulationStep:
         oom_retry: bool = False,
         strategy: Strategy | None = None,
     ):
-        """`strategy`: the one that built `model` (engine/strategy.py); by default the one the
+        """`strategy`: the one that built `model` (engine/parallel/); by default the one the
         model was wrapped for (DDP, or FSDP `every_micro_step` for a sharded model)."""
         if precision not in PRECISIONS:
             raise ValueError(f"precision={precision!r} is not one of {', '.join(PRECISIONS)}")

@@ -1,5 +1,5 @@
 """DDP's gradient all-reduce, counted: the comm hook that sums gradients over ranks and carries
-the window's statistics with them (when to sync is the strategy's: engine/strategy.py)."""
+the window's statistics with them (when to sync is the strategy's: engine/parallel/)."""
 
 import threading
 import time

@@ -1,5 +1,5 @@
 """A run's model as the strategy of its config builds it: the recipe (how the user's module is
-made), the strategy (`train.strategy`) that builds, wraps and steps it (engine/strategy.py), and
+made), the strategy (`train.strategy`) that builds, wraps and steps it (engine/parallel/), and
 `build_rank`, the one assembly of a rank's training parts that the worker, the planner's
 calibration, `verify`, the combination matrix and the benches share."""
 
@@ -13,8 +13,8 @@ from torch import nn
 
 from rayacc.config import TrainConfig
 from rayacc.data.sources import DatasetInfo
+from rayacc.engine.parallel import DDP, FSDP, ModelRecipe, Strategy
 from rayacc.engine.step import AccumulationStep
-from rayacc.engine.strategy import DDP, FSDP, ModelRecipe, Strategy
 from rayacc.models.init import initial_values, seeds_parameters
 from rayacc.models.registry import build_model, build_on_meta, loss_functions
 from rayacc.optim import build_optimizer

@@ -19,8 +19,8 @@ from rayacc.engine import (
     token_item_losses,
 )
 from rayacc.engine.chunked_loss import chunked_cross_entropy_sum
-from rayacc.engine.strategy import Strategy
-from rayacc.engine.strategy import unwrap as unwrap_model
+from rayacc.engine.parallel import Strategy
+from rayacc.engine.parallel import unwrap as unwrap_model
 from rayacc.models.init import init_parameters, seeds_parameters
 
 __all__ = [

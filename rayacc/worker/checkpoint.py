@@ -114,7 +114,7 @@ class Checkpointer:
         import ray.train
 
         from rayacc.engine import all_gather_objects
-        from rayacc.engine.strategy import host_copy
+        from rayacc.engine.parallel import host_copy
 
         self.wait()
         w = self.parts

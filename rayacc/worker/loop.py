@@ -95,7 +95,7 @@ def train_loop(inputs: WorkerInputs) -> dict[str, Any]:
 class WorkerRun:
     """Everything one rank holds for its run. The LR schedule is laid out for the run's
     reference split, at the most workers; `split` is the split at the worker count of this
-    group. How the model is spread over the ranks is the strategy's (engine/strategy.py)."""
+    group. How the model is spread over the ranks is the strategy's (engine/parallel/)."""
 
     def __init__(self, inputs: WorkerInputs):
         # when this process started and when its run began: bench/startup.py's worker phases

@@ -1,4 +1,4 @@
-"""The strategy object (engine/strategy.py) on 2 gloo ranks: a micro-batch search leaves the
+"""The strategy object (engine/parallel/) on 2 gloo ranks: a micro-batch search leaves the
 model exactly as it found it, for every strategy and sync mode; a user model's buffers survive
 FSDP's materialisation on the meta device."""
 

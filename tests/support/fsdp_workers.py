@@ -90,8 +90,8 @@ def background_save(rank: int, world: int, out: dict, folder: str) -> None:
     state is saved with the write left in flight, windows 2 and 3 train (their collectives on
     the training group while the save's run on its own), then the write is waited for and
     loaded into a fresh sharded model and optimizer. DDP's copy, the same way."""
+    from rayacc.engine.parallel import SHARDS_DIR
     from rayacc.engine.shards import load_sharded
-    from rayacc.engine.strategy import SHARDS_DIR
 
     model = shard_model(gpt(), device=torch.device("cpu"))
     opt = torch.optim.AdamW(model.parameters(), lr=0.02, weight_decay=0.1)

@@ -48,8 +48,9 @@ SHAPES = [
     ("db_password: hunter2", "db_password: ***"),
     ("Authorization: Bearer eyJ0.eyJ1.sig-_x", "Authorization: Bearer ***"),
     ("-H 'Authorization: Basic dXNlcjpw' x", "-H 'Authorization: Basic ***' x"),
-    ("sent Bearer abcdefghij.klmnopqr==", "sent Bearer ***"),
+    ("sent Bearer abc123ghij.klmnopqr==", "sent Bearer ***"),
     ("bearer tokens are short-lived", None),
+    ("bearer loss_chunk_tokens=8192", None),
     # a command line's secret flags
     ("mysql --user u --password hunter2 db", "mysql --user u --password *** db"),
     ("run --db-password=hunter2 --x 1", "run --db-password=*** --x 1"),

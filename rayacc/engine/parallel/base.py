@@ -1,0 +1,242 @@
+"""What every parallel strategy shares: the `Strategy` interface the accumulation step, the
+micro-batch search and the worker call (they never ask which strategy runs), the model's recipe,
+the window's communication figures, and the helpers the strategies use."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from rayacc.engine.collectives import all_reduce
+from rayacc.engine.recompute import apply_activation_checkpointing
+from rayacc.engine.sync import is_ddp
+from rayacc.engine.units import fsdp_blocks
+
+__all__ = ["CommStats", "ModelRecipe", "Strategy", "host_copy", "unwrap"]
+
+InitialValues = Callable[[str, torch.Size], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class ModelRecipe:
+    """How the user's module is made; a strategy builds and wraps it."""
+
+    build: Callable[[], nn.Module]
+    """The whole module on the CPU, its weights a function of the seed alone."""
+    build_on_meta: Callable[[], nn.Module] | None = None
+    """The module with its parameters on the meta device and its buffers real (computed by the
+    module's own code), or None when it cannot be built so."""
+    initial_values: Callable[[nn.Module], InitialValues | None] | None = None
+    """For a meta-built module: `(name, shape) -> full initial value` of each parameter, or
+    None when the module does not say how its parameters start (it is then built whole)."""
+    activation_checkpointing: int | None = None
+    """Recompute every n-th block in backward (1: all); None: off."""
+    compile: bool = False
+
+
+@dataclass(frozen=True)
+class CommStats:
+    """The gradient communication of one window on this rank."""
+
+    allreduce_calls: int = 0
+    reduce_scatter_calls: int = 0
+    sync_passes: int = 0
+    """Backward passes that synced gradients (1 when accumulation skips the others)."""
+    sync_time_s: float = 0.0
+    """From the window's first gradient collective launched to the last one done."""
+
+
+class _Timeline:
+    """Launches since the window began, and the span from the first launch to the last
+    completion (collectives overlap the backward's compute, so this is an upper bound on what
+    they cost)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.begin_window()
+
+    def begin_window(self) -> None:
+        self.launches = 0
+        self.first: float | None = None
+        self.last_done: float | None = None
+
+    def launched(self) -> None:
+        with self._lock:
+            self.launches += 1
+            if self.first is None:
+                self.first = time.perf_counter()
+
+    def done(self, *_: Any) -> None:
+        with self._lock:
+            self.last_done = time.perf_counter()
+
+    def span_s(self) -> float:
+        if self.first is None or self.last_done is None:
+            return 0.0
+        return max(0.0, self.last_done - self.first)
+
+
+class Strategy(ABC):
+    """One way of spreading a model over the ranks. An instance serves one model: `build` (or
+    `adopt`, for a model wrapped elsewhere) binds it."""
+
+    name: str = ""
+    lockstep: bool = False
+    """Every forward is a collective (parameters are gathered): a rank with one forward more
+    than the others would wait forever, so counts of forwards are agreed first."""
+    can_retry_out_of_memory: bool = True
+    """An out-of-memory error before a window's syncing micro-step can be retried in place
+    (nothing is waiting on this rank in a collective)."""
+    writes_shards: bool = False
+    """Every rank writes its part of a checkpoint (else rank 0 writes the whole state)."""
+    fused_sgd: bool = True
+    """PyTorch's fused SGD kernel can step this strategy's parameters."""
+    gathers_in_forward: bool = False
+    """Parameters are whole only inside the forward that gathered them: a loss that uses a
+    module's weights (the chunked loss's head) runs inside the model's forward."""
+    holds_whole_gradients: bool = False
+    """Every rank holds gradients of the whole model across a window (not only its shard's)."""
+
+    def __init__(self) -> None:
+        self.model: nn.Module | None = None
+
+    # ------------------------------------------------------------------ build
+    def build(self, recipe: ModelRecipe, device: torch.device) -> nn.Module:
+        """The model of `recipe` on `device`, wrapped for this strategy."""
+        self.model = self._build(recipe, device)
+        return self.model
+
+    @abstractmethod
+    def _build(self, recipe: ModelRecipe, device: torch.device) -> nn.Module: ...
+
+    def adopt(self, model: nn.Module) -> Strategy:
+        """Binds a model wrapped by the caller (DDP, or sharded with `fully_shard`)."""
+        self.model = model
+        return self
+
+    @property
+    def process_group(self):
+        """The group the gradients sync over (None: the default group)."""
+        return getattr(self.model, "process_group", None) if is_ddp(self.model) else None
+
+    # ------------------------------------------------------------------ the step
+    @abstractmethod
+    def setup_reduction(self, count_comm: bool) -> bool:
+        """Prepares the gradient reduction; True when it sums over ranks (the step then
+        divides by N_window), False when it averages (DDP's own hook: × W / N_window)."""
+
+    @abstractmethod
+    def sync_context(self, sync: bool) -> contextlib.AbstractContextManager[None]:
+        """Wraps a micro-step's forward and backward; `sync` on the window's last."""
+
+    def agree_forwards(self, n: int, group=None) -> int:
+        """How many forwards every rank runs when this one has `n` to run (lockstep: the most
+        of any rank; a rank with fewer pads them)."""
+        return n
+
+    def attach_window_stats(  # noqa: B027 (default: the stats are all-reduced on their own)
+        self, stats: torch.Tensor, exact_in_fp32: bool
+    ) -> None:
+        """Offers the window's statistics to ride with the gradient reduction."""
+
+    def reduced_window_stats(self, stats: torch.Tensor, group=None) -> torch.Tensor:
+        """The window's statistics summed over the ranks."""
+        return all_reduce(stats, group=group)
+
+    @abstractmethod
+    def grad_norm(self, grads: list[torch.Tensor], uniform: bool) -> torch.Tensor:
+        """The gradient norm over all parameters of all ranks."""
+
+    def discard_grads(self, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Drops every gradient this rank holds: the parameters' and the strategy's own
+        buffers, so the next backward starts from nothing."""
+        assert self.model is not None
+        params = (
+            [p for g in optimizer.param_groups for p in g["params"]]
+            if optimizer is not None
+            else list(self.model.parameters())
+        )
+        for p in params:
+            p.grad = None
+
+    def restore_sync(self) -> None:  # noqa: B027 (default: sync is decided per micro-step)
+        """Leaves gradient sync as a fresh model has it (after a search's trials)."""
+
+    def begin_window(self) -> None:  # noqa: B027 (default: nothing counted)
+        """Starts counting a window's communication."""
+
+    def comm_stats(self, micro_steps: int) -> CommStats:
+        return CommStats()
+
+    # ------------------------------------------------------------------ state
+    @abstractmethod
+    def save(
+        self,
+        optimizer: torch.optim.Optimizer,
+        folder: str | Path,
+        rank: int,
+        *,
+        background: bool = False,
+    ) -> tuple[dict[str, Any], Callable[[], None]]:
+        """Writes this rank's part of the model and optimizer state under `folder`; returns
+        what goes whole into the checkpoint's state file (rank 0) and a wait for this rank's
+        files. `background`: the state is copied now (training may change it next) and the
+        files are written meanwhile; the wait blocks until they are (a collective's own
+        group, so training's collectives go on)."""
+
+    @abstractmethod
+    def load(self, optimizer: torch.optim.Optimizer, folder: str | Path, saved: dict) -> None:
+        """Loads what `save` wrote (at any number of ranks)."""
+
+    def unwrapped(self) -> nn.Module:
+        """The user's module inside the wrappers (its parameters as the strategy holds them)."""
+        assert self.model is not None
+        return unwrap(self.model)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's module inside DistributedDataParallel and torch.compile wrappers."""
+    while True:
+        if is_ddp(model):
+            model = model.module
+        elif type(model).__name__ == "OptimizedModule":  # torch.compile's wrapper
+            model = model._orig_mod
+        else:
+            return model
+
+
+def host_copy(state: Any) -> Any:
+    """A copy of a state dict's tensors in host memory (off the device: a checkpoint written
+    meanwhile holds this moment's state whatever the next steps do); other values as they are."""
+    if isinstance(state, torch.Tensor):
+        return state.detach().to("cpu", copy=True)
+    if isinstance(state, dict):
+        return {k: host_copy(v) for k, v in state.items()}
+    if isinstance(state, list | tuple):
+        return type(state)(host_copy(v) for v in state)
+    return state
+
+
+def _written() -> None:
+    """The wait of a part that is already on disk (or that this rank does not write)."""
+
+
+def _checkpoint_blocks(module: nn.Module, recipe: ModelRecipe) -> None:
+    if recipe.activation_checkpointing is not None:
+        blocks = fsdp_blocks(module)
+        if blocks:  # none: the driver has warned
+            apply_activation_checkpointing(blocks, recipe.activation_checkpointing)
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1

@@ -1,0 +1,194 @@
+"""FSDP: parameters, gradients and optimizer state sharded over the ranks (FSDP2)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from rayacc.engine.collectives import all_reduce
+from rayacc.engine.parallel.base import (
+    CommStats,
+    ModelRecipe,
+    Strategy,
+    _checkpoint_blocks,
+    _Timeline,
+    _world,
+    _written,
+)
+from rayacc.engine.units import GRAD_SYNC_MODES, fsdp_blocks, is_fsdp
+
+__all__ = ["FSDP", "SHARDS_DIR"]
+
+SHARDS_DIR = "shards"
+
+
+class FSDP(Strategy):
+    """Parameters, gradients and optimizer state sharded over the ranks (FSDP2 `fully_shard`
+    per block, then at the root). `grad_sync`: `every_micro_step` reduce-scatters after every
+    micro-step (least memory); `window_end` holds the unsharded gradients across the window and
+    reduce-scatters once."""
+
+    name = "fsdp"
+    lockstep = True
+    # a peer may be waiting in a gather or reduce-scatter this rank will never join
+    can_retry_out_of_memory = False
+    writes_shards = True
+    # the fused SGD kernel has no rule for sharded (DTensor) parameters
+    fused_sgd = False
+    gathers_in_forward = True
+
+    def __init__(
+        self,
+        grad_sync: str = "every_micro_step",
+        *,
+        reshard_after_forward: bool = True,
+        param_dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        if grad_sync not in GRAD_SYNC_MODES:
+            raise ValueError(f"grad_sync={grad_sync!r} is not one of {', '.join(GRAD_SYNC_MODES)}")
+        self.grad_sync = grad_sync
+        self.holds_whole_gradients = grad_sync == "window_end"
+        self.reshard_after_forward = reshard_after_forward
+        self.param_dtype = param_dtype
+        self._timeline = _Timeline()
+        self.counted = False
+        self._unit_list: list[nn.Module] | None = None
+        self._checkpoint_group: Any = None
+
+    def _build(self, recipe: ModelRecipe, device: torch.device) -> nn.Module:
+        from rayacc.engine.fsdp import materialize_shards, shard_model
+
+        module = recipe.build_on_meta() if recipe.build_on_meta else recipe.build()
+        values = None
+        if any(p.is_meta for p in module.parameters()):
+            values = recipe.initial_values(module) if recipe.initial_values else None
+            if values is None:
+                # no rule for each parameter's start: built whole on every rank, then sharded
+                module = recipe.build()
+        _checkpoint_blocks(module, recipe)
+        if recipe.compile:
+            # each block compiled in place before it is sharded (names, and so checkpoints,
+            # stay): FSDP's gathers and reduce-scatters run between the compiled blocks
+            for block in fsdp_blocks(module):
+                block.compile()
+        if values is None:
+            module = module.to(device)
+        shard_model(
+            module,
+            device=device,
+            reshard_after_forward=self.reshard_after_forward,
+            param_dtype=self.param_dtype,
+        )
+        if values is not None:
+            materialize_shards(module, device, values)
+        return module
+
+    def adopt(self, model: nn.Module) -> Strategy:
+        if not is_fsdp(model):
+            raise ValueError("the FSDP strategy needs a model sharded with fully_shard")
+        return super().adopt(model)
+
+    def _units(self) -> list[nn.Module]:
+        if self._unit_list is None:
+            self._unit_list = [m for m in self.model.modules() if is_fsdp(m)]
+        return self._unit_list
+
+    def setup_reduction(self, count_comm: bool) -> bool:
+        from rayacc.engine.fsdp import CountingReduceScatter
+
+        for unit in self._units():
+            # a sum over ranks: the step's multiply by 1 / N is the whole normalisation
+            unit.set_gradient_divide_factor(1.0)
+            # a plain SUM (not NCCL's PreMulSum by 1, which gloo lacks)
+            unit.set_force_sum_reduction_for_comms(True)
+        self.counted = count_comm
+        if count_comm:
+            reduce_scatter = CountingReduceScatter(self._timeline)
+            for unit in self._units():
+                unit.set_custom_reduce_scatter(reduce_scatter)
+        return True
+
+    def sync_context(self, sync: bool) -> contextlib.AbstractContextManager[None]:
+        # FSDP2's forward gathers and its backward reduce-scatters per unit; a DDP-style
+        # `no_sync` would do nothing. With `every_micro_step` every backward syncs.
+        if self.grad_sync == "window_end":
+            self.model.set_requires_gradient_sync(sync)
+        return contextlib.nullcontext()
+
+    def agree_forwards(self, n: int, group=None) -> int:
+        if _world() == 1:
+            return n
+        return int(all_reduce(torch.tensor([float(n)]), op="max", group=group).item())
+
+    def grad_norm(self, grads: list[torch.Tensor], uniform: bool) -> torch.Tensor:
+        # the sharded gradients' norms combined over the ranks: a collective
+        norm = torch.nn.utils.get_total_norm(grads)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+    def discard_grads(self, optimizer: torch.optim.Optimizer | None = None) -> None:
+        super().discard_grads(optimizer)
+        from rayacc.engine.fsdp import drop_unsynced_grads
+
+        # a backward that did not reduce-scatter leaves unsharded gradients inside FSDP, which
+        # the next synced backward would add to its own
+        drop_unsynced_grads(self._units())
+
+    def restore_sync(self) -> None:
+        self.model.set_requires_gradient_sync(True)
+
+    def begin_window(self) -> None:
+        self._timeline.begin_window()
+
+    def comm_stats(self, micro_steps: int) -> CommStats:
+        synced = 0
+        if _world() > 1:
+            synced = micro_steps if self.grad_sync == "every_micro_step" else 1
+        if not self.counted:
+            return CommStats(sync_passes=synced)
+        return CommStats(
+            reduce_scatter_calls=self._timeline.launches,
+            sync_passes=synced,
+            sync_time_s=self._timeline.span_s(),
+        )
+
+    def save(
+        self,
+        optimizer: torch.optim.Optimizer,
+        folder: str | Path,
+        rank: int,
+        *,
+        background: bool = False,
+    ) -> tuple[dict[str, Any], Callable[[], None]]:
+        from rayacc.engine.shards import save_sharded
+
+        if not background:
+            save_sharded(Path(folder) / SHARDS_DIR, self.model, optimizer)
+            return {}, _written
+        if self._checkpoint_group is None:
+            # DCP plans and ends a background save with collectives of its own, on the host:
+            # on the training group they would interleave with the next windows' collectives
+            # (every rank reaches this first save at one step, so the group is made in step)
+            self._checkpoint_group = dist.new_group(backend="gloo")
+        future = save_sharded(
+            Path(folder) / SHARDS_DIR, self.model, optimizer, group=self._checkpoint_group
+        )
+        return {}, future.result
+
+    def load(self, optimizer: torch.optim.Optimizer, folder: str | Path, saved: dict) -> None:
+        from rayacc.engine.shards import load_sharded
+
+        shards = Path(folder) / SHARDS_DIR
+        if not shards.is_dir():
+            raise ValueError(
+                f"{folder} holds a whole-model checkpoint (written under DDP): "
+                "this model is sharded"
+            )
+        # each rank reads its rows of every tensor, whatever the size that wrote them
+        load_sharded(shards, self.model, optimizer)
