@@ -79,7 +79,8 @@ def test_a_submitted_job_gets_its_credentials_in_its_environment_not_its_entrypo
 ):
     import json
 
-    from rayacc.cli import _load, parse_args
+    from rayacc.cli import parse_args
+    from rayacc.cli.common import _load
 
     overrides = [f"tracking.tracking_uri={SECRET_URI}", "train.max_steps=3"]
     entrypoint, env = jobs.job_command(Path("jobs/digits.yaml"), overrides)
@@ -256,7 +257,7 @@ def _run_report(tmp_path):
 def _timings(tmp_path):
     from types import SimpleNamespace
 
-    from rayacc.cli import _write_timings
+    from rayacc.cli.train import _write_timings
 
     result = SimpleNamespace(
         phases={"called": 1.0},

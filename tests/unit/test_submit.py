@@ -20,7 +20,7 @@ def test_upload_honours_gitignore(tmp_path, monkeypatch):
     try:
         assert jobs.upload_size(ROOT) == before
         assert not any(".venv" in p.parts for p in jobs.upload_files(ROOT))
-        assert ROOT / "rayacc" / "cli.py" in jobs.upload_files(ROOT)
+        assert ROOT / "rayacc" / "cli" / "parser.py" in jobs.upload_files(ROOT)
     finally:
         ignored.unlink()
 

@@ -1,0 +1,64 @@
+"""`rayacc data prepare`: bundled datasets, and token Parquet from your own text."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+OWN_TEXT_FLAGS = {
+    "tokenizer": None,
+    "text_field": "text",
+    "rows_per_group": 64,
+    "rows_per_file": 1 << 20,
+    "shuffle": False,
+    "seed": 0,
+}
+"""`rayacc data prepare` flags of the user's own text (with --out), and their defaults."""
+SEQ_LEN = 128
+
+
+def cmd_data_prepare(args: argparse.Namespace) -> int:
+    """A bundled dataset (cached), or the user's text/JSONL files → token Parquet in --out."""
+    from rayacc.data.sources import BUNDLED, DataError, describe_dataset
+
+    if len(args.inputs) == 1 and args.inputs[0] in BUNDLED and args.out is None:
+        name = args.inputs[0]
+        info = describe_dataset(name, args.cache_dir, args.seq_len)
+        ignored = [
+            f"--{key.replace('_', '-')}"
+            for key, default in OWN_TEXT_FLAGS.items()
+            if getattr(args, key) != default
+        ]
+        if info.format != "tokens" and args.seq_len != SEQ_LEN:
+            ignored.insert(0, "--seq-len")
+        if ignored:
+            print(
+                f"rayacc: warning: {', '.join(ignored)} ignored: {name} is a bundled "
+                f"{info.format} dataset (they apply to your own text files, with --out)",
+                file=sys.stderr,
+            )
+        print(f"{name}: {info.num_rows} rows ({info.format}) at {info.path}")
+        return 0
+    if args.out is None:
+        raise DataError(
+            f"rayacc data prepare {' '.join(args.inputs)}: text or JSONL inputs need --out DIR "
+            f"(a new folder for the Parquet); bundled names are {', '.join(BUNDLED)}"
+        )
+    from rayacc.data.prepare import prepare_corpus
+    from rayacc.driver.places import PlaceError, check_folder
+
+    if problem := check_folder("--out", args.out):
+        raise PlaceError([problem])
+    prepare_corpus(
+        args.inputs,
+        args.out,
+        seq_len=args.seq_len,
+        tokenizer=args.tokenizer,
+        text_field=args.text_field,
+        rows_per_group=args.rows_per_group,
+        rows_per_file=args.rows_per_file,
+        shuffle=args.shuffle,
+        seed=args.seed,
+    )
+    print(f"train on it: rayacc train -c JOB.yaml data.source={args.out}")
+    return 0

@@ -1,0 +1,152 @@
+"""`rayacc plan`: the batch split and LR of a config; with --search, the calibrated search."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from rayacc.cli.common import (
+    _console_owns_ray_output,
+    _load,
+)
+from rayacc.config import TrainConfig
+from rayacc.redact import redact
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Prints the resolved batch split and effective LR of a config, without running anything."""
+    from rayacc.driver.prelaunch import check
+    from rayacc.quantities import lr_explanation
+
+    cfg = _load(args)
+    if args.search:
+        return _plan_search(args, cfg)
+    for flag, given in (("--budget-s", args.budget_s), ("--top", args.top), ("--out", args.out)):
+        if given is not None:
+            print(f"rayacc: warning: {flag} is for a search; add --search", file=sys.stderr)
+    check(cfg, "plan")
+    split = cfg.batch_split()
+    print(split.describe())
+    if cfg.scaling.elastic:
+        print(cfg.elastic_summary())
+    print(lr_explanation(cfg, split))
+    if args.memory:
+        _print_memory(cfg, split)
+    return 0
+
+
+def _plan_search(args: argparse.Namespace, cfg: TrainConfig) -> int:
+    """`plan --search`: the calibrated search (rayacc/planner), its table, PLAN.yaml and the
+    MLflow record."""
+
+    from rayacc.driver.calibrate import CalibrationGroup, sample_rows
+    from rayacc.driver.fit import ensure_ray
+    from rayacc.driver.places import PlaceError, check_folder
+    from rayacc.driver.prelaunch import prepare
+    from rayacc.driver.runs import default_storage
+    from rayacc.planner.search import format_table, search
+    from rayacc.tracking.plan_record import record_plan
+
+    _console_owns_ray_output()
+    if args.memory:
+        print(
+            "rayacc: warning: --memory is the estimate without a search; ignored", file=sys.stderr
+        )
+    budget_s = 300.0 if args.budget_s is None else args.budget_s
+    top = 3 if args.top is None else args.top
+    out = Path(args.out or "PLAN.yaml")
+    # where the plan goes is known now: a folder that cannot be made fails before the search
+    problem = check_folder("--out", str(out.absolute().parent))
+    if problem:
+        raise PlaceError([problem])
+    prep = prepare(cfg)
+    ensure_ray(cfg)
+    print(f"rayacc plan --search {args.config} (time budget {budget_s:g} s, top {top})")
+    group = CalibrationGroup(
+        cfg,
+        prep.info,
+        sample_rows(prep.info, prep.split.global_batch_size),
+        default_storage(cfg.run.storage_path),
+    )
+    try:
+        result = search(
+            cfg,
+            prep,
+            group,
+            budget_s=budget_s,
+            top=top,
+            cluster_holds=_cluster_holds(cfg),
+            say=lambda line: print(f"  {line}"),
+        )
+    finally:
+        group.cleanup()
+    token_items = prep.info.format == "tokens"
+    for line in format_table(result, token_items, limit=10):
+        print(f"  {line}", flush=False)
+    mem_err, time_err = result.median_errors()
+    if mem_err is not None:
+        print(
+            f"  median error of the prior over {len(result.measured)} measured: memory "
+            f"{100 * mem_err:.1f}%, step time {100 * time_err:.1f}%"
+        )
+    for line in result.skipped:
+        print(f"  skipped: {line}")
+    plan = result.plan_file(cfg)
+    plan.write(out)
+    chosen = result.chosen
+    how = "measured" if chosen.measured_ok else "predicted (none could be measured)"
+    print(f"chosen: {chosen.candidate.label}, fastest {how}")
+    print(f"  plan written to {out}; run it: rayacc train -c {args.config} --plan {out}")
+    t = result.timings
+    print(
+        f"  planning took {t['total_s']:.0f} s (profile {t['profile_s']:.0f} s, calibration "
+        f"{t['calibrate_s']:.0f} s, {result.groups_started} worker group(s))"
+    )
+    table = "\n".join(format_table(result, token_items))
+    run_id, uri = record_plan(
+        cfg,
+        f"plan {Path(args.config).stem}",
+        {
+            "global_batch_size": prep.split.global_batch_size,
+            "chosen": chosen.candidate.label,
+            "candidates": len(result.rows),
+            "measured": len(result.measured),
+            "budget_s": budget_s,
+            "top": top,
+        },
+        table,
+        plan.to_yaml(),
+    )
+    if run_id:
+        print(f"  MLflow run {run_id} in {redact(uri)} (artifacts plan/table.txt, plan/PLAN.yaml)")
+    return 0
+
+
+def _cluster_holds(cfg: TrainConfig) -> int:
+    import ray
+
+    from rayacc.driver.prelaunch import worker_needs, workers_that_fit
+
+    alive = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive", True)]
+    return workers_that_fit(alive, worker_needs(cfg))
+
+
+def _print_memory(cfg, split) -> None:
+    """Estimated memory per rank for each strategy (reads the data's description and builds
+    the model on the meta device: no weights are allocated)."""
+    from rayacc.driver.prelaunch import prepare
+    from rayacc.quantities import memory_per_rank
+
+    prep = prepare(cfg)
+    micro = cfg.batch.fixed_micro_batch_size
+    print(
+        f"memory per rank, MiB (estimate; {prep.num_parameters:,} parameters, fp32, "
+        f"{split.num_workers} workers, activations of one micro-batch of {micro or '?'})"
+    )
+    print(f"  {'strategy':24} {'params':>9} {'grads':>9} {'optimizer':>9} {'activations':>11}")
+    for label, params, grads, optim, acts in memory_per_rank(
+        cfg, prep.info, prep.num_parameters, split.num_workers
+    ):
+        act = f"{acts:11.1f}" if acts is not None else f"{'n/a':>11}"
+        print(f"  {label:24} {params:9.1f} {grads:9.1f} {optim:9.1f} {act}")

@@ -1,0 +1,78 @@
+"""`rayacc runs` and `rayacc sample`: a storage path's runs, and text from a checkpoint."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from rayacc.cli.common import (
+    _console,
+)
+from rayacc.redact import redact
+
+
+def cmd_runs(args: argparse.Namespace) -> int:
+    """Lists the runs of a storage path, oldest first."""
+    from rich.table import Table
+
+    from rayacc.data.sources import DataError
+    from rayacc.driver.runs import default_storage, list_runs, storage_exists
+
+    console = _console()
+    storage = default_storage(args.storage)
+    if args.storage is not None and not storage_exists(storage):
+        raise DataError(
+            f"--storage {redact(args.storage)}: no such folder. Fix: give the run.storage_path "
+            "the runs were trained with"
+        )
+    runs = list_runs(storage)
+    if not runs:
+        console.print(f"no rayacc runs in {redact(storage)}")
+        return 0
+    table = Table(title=f"runs in {redact(storage)}")
+    for column in ("name", "job", "model / data", "steps", "last checkpoint", "MLflow run"):
+        table.add_column(column)
+    table.add_column("status")
+    for r in runs:
+        total = r.total_steps if r.total_steps is not None else "?"
+        table.add_row(
+            r.name,
+            r.job or "-",
+            f"{r.model or '?'} / {r.data or '?'}",
+            f"{r.steps_done}/{total}",
+            Path(r.last_checkpoint).name if r.last_checkpoint else "-",
+            r.mlflow_run_id or "-",
+            r.status,
+        )
+    console.print(table)
+    for r in runs:
+        for note in r.passed_over:
+            print(f"rayacc: {r.name}: passed over {redact(note)}", file=sys.stderr)
+    console.print("resume one: rayacc train -c JOB --resume run.name=NAME")
+    return 0
+
+
+def cmd_sample(args: argparse.Namespace) -> int:
+    """Text from a token model's checkpoint, on stdout (prompt, then the continuation)."""
+    from rayacc.driver.sample import sample
+
+    result = sample(
+        args.target,
+        prompt=args.prompt,
+        tokens=args.tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        seed=args.seed,
+        storage=args.storage,
+        factory=args.factory,
+    )
+    for note in result.passed_over:
+        print(f"rayacc: passed over {redact(note)}", file=sys.stderr)
+    print(
+        f"rayacc: {len(result.ids)} tokens from {redact(result.checkpoint)}, decoded as "
+        f"{result.vocabulary.describe()}",
+        file=sys.stderr,
+    )
+    sys.stdout.write(result.whole + "\n")
+    return 0

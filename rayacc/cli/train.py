@@ -1,0 +1,121 @@
+"""`rayacc train` and `rayacc verify`."""
+
+from __future__ import annotations
+
+import argparse
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from rayacc.cli.common import (
+    _console_owns_ray_output,
+    _load,
+)
+from rayacc.redact import redact
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    """Runs a training job and prints its summary."""
+    import time
+
+    t_main = time.time()
+    from rayacc.driver.fit import TrainingError, ensure_ray, fit
+    from rayacc.driver.prelaunch import locate, prepare
+    from rayacc.observe.console import (
+        ProgressPrinter,
+        make_console,
+        run_header,
+        styled,
+        summary_lines,
+    )
+
+    t_imported = time.time()
+    # paths and URIs stay on one line, copyable
+    console, err = make_console(), make_console(stderr=True)
+    _console_owns_ray_output()
+    cfg = _load(args)
+    # every user mistake surfaces here, before Ray starts
+    prep = prepare(cfg)
+    location = locate(cfg, args.resume, prep.spec.identity)
+    t_checked = time.time()
+    with ThreadPoolExecutor(1, thread_name_prefix="rayacc-imports") as pool:
+        # Ray's start is mostly other processes' work: the modules the fit needs next load
+        # meanwhile instead of after it
+        pool.submit(_import_ray_layer)
+        ensure_ray(cfg)
+    t_ray = time.time()
+    console.print(styled(("rayacc train", "bold"), f" {args.config}"))
+    if args.plan:
+        console.print(f"  settings from the plan {args.plan}")
+    for line in run_header(cfg, prep, redact(prep.info.path)):
+        console.print(f"  {line}")
+    for w in [*prep.warnings, *location.notes]:
+        err.print(styled(("warning:", "yellow"), f" {w}"))
+
+    try:
+        with ProgressPrinter(console, prep.total_steps, bar=True) as display:
+            result = fit(
+                cfg, resume=args.resume, observers=[display], prepared=prep, location=location
+            )
+    except TrainingError as exc:
+        err.print(styled((f"rayacc: {exc}", "red")))
+        return 1
+    heading, *lines = summary_lines(cfg, result)
+    console.print(heading)
+    for line in lines:
+        console.print(styled("  ", line))
+    if args.timings:
+        result.phases.update(
+            main_entered=t_main, imported=t_imported, cli_checked=t_checked, cli_ray_started=t_ray
+        )
+        _write_timings(args.timings, result)
+    return 0
+
+
+def _write_timings(path: str, result) -> None:
+    """The fit's phase timestamps (driver) and rank 0's timeline, as JSON."""
+    import json
+
+    run = {k: result.summary.get(k) for k in ("device", "backend", "split", "train_time_s")}
+    timings = {
+        "driver": result.phases,
+        "worker": result.summary.get("timeline", {}),
+        "run": {**run, "checkpoint_dir": result.checkpoint_dir},
+    }
+    Path(path).write_text(json.dumps(redact(timings), indent=1))
+
+
+def _import_ray_layer() -> None:
+    import ray.data
+    import ray.train.torch  # noqa: F401
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from rich.table import Table
+
+    from rayacc.driver.verify import verify
+    from rayacc.observe.console import make_console, styled
+
+    console, err = make_console(), make_console(stderr=True)
+    _console_owns_ray_output()
+    cfg = _load(args)
+    result = verify(cfg)
+    for w in result.warnings:
+        err.print(styled(("warning:", "yellow"), f" {w}"))
+    split = cfg.batch_split()
+    table = Table(title=f"one step of {split.describe()}, {cfg.train.precision}, vs one process")
+    for col in ("parameter", "max abs diff", "rel diff ‖Δw_ray − Δw_single‖/‖Δw_single‖"):
+        table.add_column(col, justify="right")
+    for d in result.diffs:
+        table.add_row(d.name, f"{d.max_abs:.3e}", f"{d.max_rel:.3e}")
+    console.print(table)
+    verdict = ("PASS", "green") if result.passed else ("FAIL", "red")
+    console.print(
+        styled(
+            verdict,
+            f": largest relative difference {result.worst.max_rel:.3e} "
+            f"({result.worst.name}); tolerance {result.tolerance:g} for {cfg.train.precision}",
+        )
+    )
+    if result.mlflow_run_id:
+        console.print(f"  MLflow run {result.mlflow_run_id} tagged rayacc.verified")
+    return 0 if result.passed else 1
