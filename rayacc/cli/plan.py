@@ -37,16 +37,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _plan_search(args: argparse.Namespace, cfg: TrainConfig) -> int:
-    """`plan --search`: the calibrated search (rayacc/planner), its table, PLAN.yaml and the
-    MLflow record."""
-
-    from rayacc.driver.calibrate import CalibrationGroup, sample_rows
-    from rayacc.driver.fit import ensure_ray
+    """`plan --search`: the search (driver/plan_search.py), then its table and where the plan
+    went."""
     from rayacc.driver.places import PlaceError, check_folder
-    from rayacc.driver.prelaunch import prepare
-    from rayacc.driver.runs import default_storage
-    from rayacc.planner.search import format_table, search
-    from rayacc.tracking.plan_record import record_plan
+    from rayacc.driver.plan_search import plan_search
+    from rayacc.planner.search import format_table
 
     _console_owns_ray_output()
     if args.memory:
@@ -60,29 +55,19 @@ def _plan_search(args: argparse.Namespace, cfg: TrainConfig) -> int:
     problem = check_folder("--out", str(out.absolute().parent))
     if problem:
         raise PlaceError([problem])
-    prep = prepare(cfg)
-    ensure_ray(cfg)
-    print(f"rayacc plan --search {args.config} (time budget {budget_s:g} s, top {top})")
-    group = CalibrationGroup(
+    found = plan_search(
         cfg,
-        prep.info,
-        sample_rows(prep.info, prep.split.global_batch_size),
-        default_storage(cfg.run.storage_path),
+        budget_s=budget_s,
+        top=top,
+        out=out,
+        name=f"plan {Path(args.config).stem}",
+        on_ready=lambda: print(
+            f"rayacc plan --search {args.config} (time budget {budget_s:g} s, top {top})"
+        ),
+        say=lambda line: print(f"  {line}"),
     )
-    try:
-        result = search(
-            cfg,
-            prep,
-            group,
-            budget_s=budget_s,
-            top=top,
-            cluster_holds=_cluster_holds(cfg),
-            say=lambda line: print(f"  {line}"),
-        )
-    finally:
-        group.cleanup()
-    token_items = prep.info.format == "tokens"
-    for line in format_table(result, token_items, limit=10):
+    result = found.result
+    for line in format_table(result, found.token_items, limit=10):
         print(f"  {line}", flush=False)
     mem_err, time_err = result.median_errors()
     if mem_err is not None:
@@ -92,8 +77,6 @@ def _plan_search(args: argparse.Namespace, cfg: TrainConfig) -> int:
         )
     for line in result.skipped:
         print(f"  skipped: {line}")
-    plan = result.plan_file(cfg)
-    plan.write(out)
     chosen = result.chosen
     how = "measured" if chosen.measured_ok else "predicted (none could be measured)"
     print(f"chosen: {chosen.candidate.label}, fastest {how}")
@@ -103,33 +86,12 @@ def _plan_search(args: argparse.Namespace, cfg: TrainConfig) -> int:
         f"  planning took {t['total_s']:.0f} s (profile {t['profile_s']:.0f} s, calibration "
         f"{t['calibrate_s']:.0f} s, {result.groups_started} worker group(s))"
     )
-    table = "\n".join(format_table(result, token_items))
-    run_id, uri = record_plan(
-        cfg,
-        f"plan {Path(args.config).stem}",
-        {
-            "global_batch_size": prep.split.global_batch_size,
-            "chosen": chosen.candidate.label,
-            "candidates": len(result.rows),
-            "measured": len(result.measured),
-            "budget_s": budget_s,
-            "top": top,
-        },
-        table,
-        plan.to_yaml(),
-    )
-    if run_id:
-        print(f"  MLflow run {run_id} in {redact(uri)} (artifacts plan/table.txt, plan/PLAN.yaml)")
+    if found.run_id:
+        print(
+            f"  MLflow run {found.run_id} in {redact(found.tracking_uri)} (artifacts "
+            "plan/table.txt, plan/PLAN.yaml)"
+        )
     return 0
-
-
-def _cluster_holds(cfg: TrainConfig) -> int:
-    import ray
-
-    from rayacc.driver.prelaunch import worker_needs, workers_that_fit
-
-    alive = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive", True)]
-    return workers_that_fit(alive, worker_needs(cfg))
 
 
 def _print_memory(cfg, split) -> None:
