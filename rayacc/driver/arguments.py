@@ -167,17 +167,13 @@ class Storage(Kind):
     malformed = "nope://bucket/runs"
 
     def problem(self, text: str) -> str | None:
-        from rayacc.driver.places import STORAGE_SCHEMES, storage_problem
+        from rayacc.driver.places import storage_problem, storage_scheme_problem
 
         if not text.strip():
             return "is empty. Fix: give the run.storage_path the runs were trained with"
         if "://" in text:
-            scheme = text.split("://", 1)[0].lower()
-            if scheme not in STORAGE_SCHEMES:
-                return (
-                    f"{scheme}:// is not a storage rayacc writes to. Fix: use one of "
-                    f"{', '.join(s + '://' for s in STORAGE_SCHEMES)}, or a local path"
-                )
+            if problem := storage_scheme_problem(text):
+                return f"{problem}, or a local path"
             return storage_problem("--storage", text)
         if not Path(text).expanduser().is_dir():
             return (

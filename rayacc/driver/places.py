@@ -11,7 +11,14 @@ from pathlib import Path
 from rayacc.config import TrainConfig
 from rayacc.redact import redact
 
-__all__ = ["PlaceError", "check_folder", "check_places", "check_tracking_uri", "storage_problem"]
+__all__ = [
+    "PlaceError",
+    "check_folder",
+    "check_places",
+    "check_tracking_uri",
+    "storage_problem",
+    "storage_scheme_problem",
+]
 
 TRACKING_SCHEMES = (
     "sqlite",
@@ -153,6 +160,17 @@ STORAGE_SCHEMES = ("s3", "gs", "gcs", "abfs", "abfss", "hdfs", "viewfs", "file")
 """URI schemes pyarrow's filesystems read and write."""
 
 
+def storage_scheme_problem(uri: str) -> str | None:
+    """Why the scheme of the storage URI `uri` is not one rayacc writes to, None when it is."""
+    scheme = uri.split("://", 1)[0].lower()
+    if scheme in STORAGE_SCHEMES:
+        return None
+    return (
+        f"{scheme}:// is not a storage rayacc writes to. Fix: use one of "
+        f"{', '.join(s + '://' for s in STORAGE_SCHEMES)}"
+    )
+
+
 def check_places(cfg: TrainConfig, here: bool = True) -> None:
     """Raises PlaceError listing every place of `cfg` that cannot be used. `here=False` (a job
     for a cluster, whose paths are the cluster's) checks only what this machine can judge: the
@@ -161,12 +179,8 @@ def check_places(cfg: TrainConfig, here: bool = True) -> None:
     storage = cfg.run.storage_path
     if storage is not None and "://" in storage:
         if not here:
-            scheme = storage.split("://", 1)[0].lower()
-            if scheme not in STORAGE_SCHEMES:
-                problems.append(
-                    f"run.storage_path={redact(storage)!r}: {scheme}:// is not a storage rayacc "
-                    f"writes to. Fix: use one of {', '.join(s + '://' for s in STORAGE_SCHEMES)}"
-                )
+            if problem := storage_scheme_problem(storage):
+                problems.append(f"run.storage_path={redact(storage)!r}: {problem}")
         else:
             problems.append(storage_problem("run.storage_path", storage))
     elif storage is not None and here:

@@ -28,6 +28,7 @@ from rayacc.config import TrainConfig
 from rayacc.config.strings import may_hold_credentials
 from rayacc.config.sweep import SweepConfig
 from rayacc.driver.arguments import Kind, Number
+from rayacc.planner.planfile import _flow
 from tests.support import ROOT
 from tests.support.cli import Ran, rayacc_here
 
@@ -161,15 +162,6 @@ def near_miss(path: str) -> str:
     """The path with its last key misspelt (its last letter dropped, or one added)."""
     *parents, last = path.split(".")
     return ".".join([*parents, last[:-1] if len(last) > 2 else last + "x"])
-
-
-def _flow(value: Any) -> str:
-    return (
-        yaml.safe_dump(value, default_flow_style=True, width=10**6)
-        .strip()
-        .removesuffix("...")
-        .strip()
-    )
 
 
 # ----------------------------------------------------------------------------- running a command
