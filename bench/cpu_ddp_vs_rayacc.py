@@ -32,8 +32,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from rayacc import TrainConfig
+from rayacc.data.bundled import prepare_bundled
 from rayacc.data.order import EpochLayout, epoch_order, split_train_val
-from rayacc.data.sources import prepare_bundled
 from rayacc.models.mlp import MLP
 
 WARMUP_STEPS = 5

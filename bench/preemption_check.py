@@ -36,7 +36,7 @@ def train_loop(config: dict) -> dict:
     cfg = TrainConfig.from_yaml(ROOT / "jobs" / "digits.yaml")
     info = describe_dataset("digits")
     parts = build_rank(cfg, info, torch.device("cpu"), 1e-3)
-    step, loss_fn, count = parts.step, parts.loss_fn, parts.count
+    step, loss_fn, count = parts.accumulate, parts.loss_fn, parts.count
     g = torch.Generator().manual_seed(ray.train.get_context().get_world_rank())
     micro = [
         {

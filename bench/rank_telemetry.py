@@ -41,7 +41,7 @@ from rayacc.checkpoint import StepLog
 from rayacc.config.batch_split import BatchSplit
 from rayacc.engine import AccumulationStep, classification_item_losses
 from rayacc.models.mlp import MLP
-from rayacc.observe.ranks import FIGURES_KEY, rank_report
+from rayacc.observe.ranks import FIGURES_KEY, rank_figures
 from rayacc.worker.metrics import step_record
 from rayacc.worker.progress import Outbox
 from rayacc.worker.system import ResidentMemory
@@ -83,13 +83,13 @@ class Runner:
 
     def __call__(self, mbs) -> None:
         t = time.perf_counter()
-        result = self.step(mbs, classification_item_losses, rank_report=self.report)
+        result = self.step(mbs, classification_item_losses, figures=self.report)
         self.n += 1
         wall_s = time.perf_counter() - t
         # both read the host memory: the loop does for `mem/rss_mb` with or without telemetry
         rss_mb = self.resident.mb()
         if self.telemetry:
-            self.report = rank_report(
+            self.report = rank_figures(
                 step_s=result.step_time_s,
                 sync_s=result.sync_time_s,
                 optimizer_s=result.optimizer_time_s,
@@ -116,8 +116,8 @@ class Runner:
         if self.history is not None:
             self.history.append(record)
         handed = dict(record)
-        if result.rank_figures:
-            handed[FIGURES_KEY] = result.rank_figures
+        if result.group_figures:
+            handed[FIGURES_KEY] = result.group_figures
         self.outbox.send(handed)
 
 

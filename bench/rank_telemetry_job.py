@@ -3,7 +3,7 @@ worker loop: jobs/digits.yaml run by `rayacc`'s driver on a local Ray (2 Ray Tra
 its data read, step, record, lineage and hand-over), lengthened to many windows, with the
 telemetry on in every other block of windows and off in the others.
 
-The telemetry is everything the worker loop does for it (`WorkerRun._rank_telemetry` and the
+The telemetry is everything the worker loop does for it (`worker/telemetry.py` and the
 hand-over): each rank's figures riding the next window's reduction, and rank 0 handing every
 rank's figures over with the step's record; the driver judges them (`observe/relay.py`), off
 the step. A window's report is made at the end of the window before it, so a block's reports
@@ -68,27 +68,22 @@ class AlternatingRun(WorkerRun):
         b = n // self.block
         return (b + b // 2) % 2 == 1
 
-    def telemetry(self, n: int) -> bool:
+    def telemetry_on(self, n: int) -> bool:
         """Whether window n runs with the telemetry (`--same`: no window does)."""
         return self.side(n) and not self.same
 
-    def _rank_telemetry(self, result, data_s, rss_mb) -> None:
-        if self.telemetry(self.n + 1) or result.rank_figures:
-            super()._rank_telemetry(result, data_s, rss_mb)
-        else:
-            self.rank_figures = ()
-        if not self.telemetry(self.n + 1):
-            self.rank_report = []
-
     def _window(self, epoch, layout, s):
         self.started = time.perf_counter(), time.process_time()
-        return super()._window(epoch, layout, s)
+        record = super()._window(epoch, layout, s)
+        if not self.telemetry_on(self.n + 1):
+            self.telemetry.figures = []  # the next window's reduction carries none
+        return record
 
     def _after_window(self, record) -> None:
         super()._after_window(record)
         wall, cpu = time.perf_counter(), time.process_time()
         self.times.append((self.side(self.n), wall - self.started[0], cpu - self.started[1]))
-        self.handed.append(bool(self.rank_figures))
+        self.handed.append(bool(self.telemetry.group_figures))
         self.n += 1
 
     def train(self):

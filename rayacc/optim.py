@@ -6,26 +6,26 @@ from collections.abc import Iterable
 
 import torch
 
-from rayacc.config import TrainConfig
+from rayacc.config import OptimConfig
 from rayacc.engine import SampleSchedule, Strategy
 
 __all__ = ["build_optimizer", "build_schedule", "optimizer_slots"]
 
 
-def optimizer_slots(cfg: TrainConfig) -> int:
+def optimizer_slots(optim: OptimConfig) -> int:
     """Values the optimizer keeps per parameter: AdamW 2 (both moments), SGD 1 with momentum."""
-    return 2 if cfg.optim.name == "adamw" else int(cfg.optim.momentum > 0)
+    return 2 if optim.name == "adamw" else int(optim.momentum > 0)
 
 
 def build_optimizer(
-    cfg: TrainConfig,
+    optim: OptimConfig,
     params: Iterable[torch.nn.Parameter],
     lr: float,
     device: torch.device,
     strategy: Strategy | None = None,
 ) -> torch.optim.Optimizer:
     """`strategy`: the one holding `params` (some fused kernels cannot step its parameters)."""
-    o = cfg.optim
+    o = optim
     # one kernel per parameter instead of several per tensor: PyTorch's fused kernels exist
     # for CPU and CUDA (on a small CPU model AdamW's step takes a third of the per-tensor loop)
     fused = o.fused if o.fused is not None else device.type in ("cpu", "cuda")
@@ -40,7 +40,7 @@ def build_optimizer(
 
 
 def build_schedule(
-    cfg: TrainConfig,
+    optim: OptimConfig,
     optimizer: torch.optim.Optimizer,
     *,
     peak_lr: float,
@@ -54,8 +54,8 @@ def build_schedule(
         optimizer,
         peak_lr=peak_lr,
         reference_batch=reference_batch,
-        warmup_steps=cfg.optim.warmup_steps,
+        warmup_steps=optim.warmup_steps,
         total_steps=total_steps,
-        schedule=cfg.optim.schedule,
-        min_lr_ratio=cfg.optim.min_lr_ratio,
+        schedule=optim.schedule,
+        min_lr_ratio=optim.min_lr_ratio,
     )

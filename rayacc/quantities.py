@@ -21,8 +21,10 @@ from rayacc.redact import redact
 __all__ = [
     "IDENTITY_FIELDS",
     "RunSpec",
+    "WorkerSettings",
     "data_order",
     "derive_run",
+    "elastic_summary",
     "epoch_layout",
     "lr_explanation",
     "order_kind",
@@ -33,6 +35,7 @@ __all__ = [
     "schedule_length",
     "split_at",
     "total_optimizer_steps",
+    "worker_splits",
 ]
 
 
@@ -47,6 +50,43 @@ def split_at(cfg: TrainConfig, num_workers: int) -> BatchSplit:
             cfg.batch.micro_batch_by_workers,
         )
     return cfg.batch_split(num_workers=num_workers)
+
+
+def worker_splits(cfg: TrainConfig) -> dict[int, BatchSplit | BatchSplitError]:
+    """The batch split at each worker count the run may run at, or why it cannot run there."""
+    splits: dict[int, BatchSplit | BatchSplitError] = {}
+    for workers in range(cfg.scaling.min_workers, cfg.scaling.max_workers + 1):
+        try:
+            splits[workers] = split_at(cfg, workers)
+        except BatchSplitError as exc:
+            splits[workers] = exc
+    return splits
+
+
+def elastic_summary(cfg: TrainConfig, splits: dict[int, BatchSplit | BatchSplitError]) -> str:
+    """Which worker counts of an elastic run keep the global batch (or what they do instead),
+    from its `worker_splits`; raises BatchSplitError when none can run."""
+    lo, hi, policy = cfg.scaling.min_workers, cfg.scaling.max_workers, cfg.scaling.on_resize
+    ok = {w: p for w, p in splits.items() if isinstance(p, BatchSplit)}
+    bad = {w: e.problem for w, e in splits.items() if isinstance(e, BatchSplitError)}
+    if not ok:
+        raise BatchSplitError(
+            "scaling.num_workers",
+            f"no worker count in [{lo}, {hi}] can run under {policy}",
+            next(iter(bad.values())),
+        )
+    parts = [
+        f"{w} → micro {p.micro_batch_size} × accum {p.grad_accum_steps}, global "
+        f"{p.global_batch_size}"
+        for w, p in ok.items()
+    ]
+    text = f"elastic run [{lo}, {hi}] ({policy}): " + "; ".join(parts)
+    if bad:
+        text += (
+            f". Not at {', '.join(map(str, bad))} worker(s): {next(iter(bad.values()))};"
+            " a restart at such a size stops with that message"
+        )
+    return text
 
 
 def run_effective_lr(cfg: TrainConfig, split: BatchSplit) -> float:
@@ -177,6 +217,60 @@ def run_identity(cfg: TrainConfig, info: DatasetInfo) -> dict[str, object]:
 
 
 @dataclass(frozen=True)
+class WorkerSettings:
+    """The settings a rank acts on, read from the config once on the driver: each is the config
+    field of its name (the section in its docstring) or, where said, derived from fields."""
+
+    seed: int
+    cpus_per_worker: float
+    """scaling: one intra-op thread per reserved CPU."""
+    precision: str
+    allow_tf32: bool
+    peak_tflops: float | None
+    """train: the device's and precision's peak (None: from the device's name)."""
+    val_every_steps: int | None
+    checkpoint_every_steps: int | None
+    checkpoint_mode: str
+    checkpoint_on_preemption: bool
+    """train."""
+    auto_micro_batch: bool
+    memory_budget: float
+    memory_budget_mb: float | None
+    """batch."""
+    on_resize: str
+    """scaling."""
+    system_metrics: bool
+    """tracking."""
+    read_in_process: bool
+    """Derived: the data is small enough (`data.in_process_read_max_mb`) for each rank to read
+    its rows itself rather than through Ray Data."""
+    optimizer_slots: int
+    """Derived: values the optimizer keeps per parameter (`optim.name`, `optim.momentum`)."""
+
+    @classmethod
+    def of(cls, cfg: TrainConfig, info: DatasetInfo) -> WorkerSettings:
+        t, b = cfg.train, cfg.batch
+        return cls(
+            seed=cfg.seed,
+            cpus_per_worker=cfg.scaling.cpus_per_worker,
+            precision=t.precision,
+            allow_tf32=t.allow_tf32,
+            peak_tflops=t.peak_tflops,
+            val_every_steps=t.val_every_steps,
+            checkpoint_every_steps=t.checkpoint_every_steps,
+            checkpoint_mode=t.checkpoint_mode,
+            checkpoint_on_preemption=t.checkpoint_on_preemption,
+            auto_micro_batch=b.auto_micro_batch,
+            memory_budget=b.memory_budget,
+            memory_budget_mb=b.memory_budget_mb,
+            on_resize=cfg.scaling.on_resize,
+            system_metrics=cfg.tracking.system_metrics,
+            read_in_process=0 < info.data_bytes <= cfg.data.in_process_read_max_mb * 2**20,
+            optimizer_slots=optimizer_slots(cfg.optim),
+        )
+
+
+@dataclass(frozen=True)
 class RunSpec:
     """What a run is, derived once on the driver from the validated config and the data's
     description (`derive_run`). The workers receive it whole and derive none of it again;
@@ -202,6 +296,10 @@ class RunSpec:
     total_steps: int
     identity: dict[str, object]
     """What a checkpoint of the run must match to be resumed (`run_identity`)."""
+    worker: WorkerSettings
+    """What a rank acts on besides the quantities above."""
+    description: dict[str, object]
+    """What every checkpoint describes itself with: the config and the dataset (JSON)."""
 
     @property
     def effective_lr(self) -> float:
@@ -224,20 +322,28 @@ class RunSpec:
         self.split_at(workers)
         return self.lrs[workers]
 
+    def layout_at(self, split: BatchSplit) -> EpochLayout:
+        """An epoch of the run at `split`."""
+        return epoch_layout(self.cfg, self.order.num_train_rows, split)
+
+    def epochs_from(self, state, split: BatchSplit, rank: int) -> list[EpochWindows]:
+        """The windows rank `rank` runs at `split` from `state` on (`remaining_epochs`)."""
+        return remaining_epochs(self.cfg, self.order.num_train_rows, state, split, rank)
+
 
 def derive_run(
-    cfg: TrainConfig, info: DatasetInfo, groups: RowGroups, order: DataOrder | None = None
+    cfg: TrainConfig,
+    info: DatasetInfo,
+    groups: RowGroups,
+    order: DataOrder | None = None,
+    reference: BatchSplit | None = None,
 ) -> RunSpec:
-    """The run's :class:`RunSpec` (`order`: its data order, where the caller has checked it
-    already). Raises BatchSplitError when the config's own batch cannot run (the worker
-    counts of an elastic run that cannot are kept as their errors)."""
-    reference = cfg.batch_split()
-    splits: dict[int, BatchSplit | BatchSplitError] = {}
-    for workers in range(cfg.scaling.min_workers, cfg.scaling.max_workers + 1):
-        try:
-            splits[workers] = split_at(cfg, workers)
-        except BatchSplitError as exc:
-            splits[workers] = exc
+    """The run's :class:`RunSpec` (`order`, `reference`: its data order and its split at the
+    most workers, where the caller has checked them already). Raises BatchSplitError when the
+    config's own batch cannot run (the worker counts of an elastic run that cannot are kept as
+    their errors)."""
+    reference = reference if reference is not None else cfg.batch_split()
+    splits = worker_splits(cfg)
     lrs = {
         w: run_effective_lr(cfg, split)
         for w, split in splits.items()
@@ -257,6 +363,8 @@ def derive_run(
         schedule_length=schedule_length(cfg, layout),
         total_steps=total_optimizer_steps(cfg, layout),
         identity=run_identity(cfg, info),
+        worker=WorkerSettings.of(cfg, info),
+        description={"config": cfg.model_dump(mode="json"), "dataset": info.to_dict()},
     )
 
 
@@ -272,7 +380,7 @@ def memory_per_rank(cfg: TrainConfig, info: DatasetInfo, num_parameters: int, wo
     simple model of the `gpt` and `mlp` models (None for a factory model). Rows:
     (label, params, grads, optimizer, activations)."""
     mib = 4 / 2**20  # fp32 bytes per value, in MiB
-    slots = optimizer_slots(cfg)
+    slots = optimizer_slots(cfg.optim)
     micro = cfg.batch.fixed_micro_batch_size
     acts = _activations_per_sample(cfg, info)
     acts = acts * micro / 2**20 if acts is not None and micro else None

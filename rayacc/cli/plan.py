@@ -17,7 +17,7 @@ from rayacc.redact import redact
 def cmd_plan(args: argparse.Namespace) -> int:
     """Prints the resolved batch split and effective LR of a config, without running anything."""
     from rayacc.driver.prelaunch import check
-    from rayacc.quantities import lr_explanation
+    from rayacc.quantities import elastic_summary, lr_explanation, worker_splits
 
     cfg = _load(args)
     if args.search:
@@ -29,7 +29,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     split = cfg.batch_split()
     print(split.describe())
     if cfg.scaling.elastic:
-        print(cfg.elastic_summary())
+        print(elastic_summary(cfg, worker_splits(cfg)))
     print(lr_explanation(cfg, split))
     if args.memory:
         _print_memory(cfg, split)

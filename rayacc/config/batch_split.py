@@ -10,7 +10,6 @@ from dataclasses import dataclass
 __all__ = [
     "BatchSplit",
     "BatchSplitError",
-    "elastic_sizes",
     "resolve_batch_split",
     "split_for_workers",
 ]
@@ -212,16 +211,3 @@ def split_for_workers(
     if micro is None:
         micro = max(d for d in range(1, base.micro_batch_size + 1) if per_worker % d == 0)
     return BatchSplit(g, micro, per_worker // micro, num_workers)
-
-
-def elastic_sizes(
-    base: BatchSplit, lo: int, hi: int, on_resize: str, planned: dict[int, int] | None = None
-) -> dict[int, BatchSplit | str]:
-    """For each worker count in [lo, hi]: its split, or why the policy cannot run there."""
-    sizes: dict[int, BatchSplit | str] = {}
-    for w in range(lo, hi + 1):
-        try:
-            sizes[w] = split_for_workers(base, w, on_resize, planned)
-        except BatchSplitError as exc:
-            sizes[w] = exc.problem
-    return sizes

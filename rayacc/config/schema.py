@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
-from rayacc.config.batch_split import BatchSplit, BatchSplitError, resolve_batch_split
+from rayacc.config.batch_split import BatchSplit, resolve_batch_split
 from rayacc.config.errors import ConfigError, ConfigIssue, issues_from_validation
 from rayacc.config.loader import read_yaml
 from rayacc.config.overrides import apply_overrides, flatten
@@ -287,6 +287,16 @@ class ScalingConfig(Section):
     def max_workers(self) -> int:
         return self.num_workers if isinstance(self.num_workers, int) else self.num_workers[1]
 
+    def resources_per_worker(self) -> dict[str, float]:
+        """What one training worker asks Ray for besides its GPU (Ray Train's
+        `ScalingConfig(resources_per_worker=..., use_gpu=...)`)."""
+        return {"CPU": self.cpus_per_worker, **self.extra_resources}
+
+    def worker_needs(self) -> dict[str, float]:
+        """Everything one training worker asks Ray for, its GPU included."""
+        gpu = {"GPU": 1.0} if self.use_gpu else {}
+        return {"CPU": self.cpus_per_worker, **gpu, **self.extra_resources}
+
 
 class TrackingConfig(Section):
     enabled: bool = True
@@ -391,34 +401,6 @@ class TrainConfig(Section):
             micro_batch_size=self.batch.fixed_micro_batch_size,
             grad_accum_steps=self.batch.grad_accum_steps,
         )
-
-    def elastic_summary(self) -> str:
-        """Which worker counts of an elastic run keep the global batch (or what they do
-        instead); raises BatchSplitError when none can run."""
-        from rayacc.config.batch_split import elastic_sizes
-
-        lo, hi, policy = self.scaling.min_workers, self.scaling.max_workers, self.scaling.on_resize
-        sizes = elastic_sizes(self.batch_split(), lo, hi, policy, self.batch.micro_batch_by_workers)
-        ok = {w: p for w, p in sizes.items() if isinstance(p, BatchSplit)}
-        bad = {w: why for w, why in sizes.items() if isinstance(why, str)}
-        if not ok:
-            raise BatchSplitError(
-                "scaling.num_workers",
-                f"no worker count in [{lo}, {hi}] can run under {policy}",
-                next(iter(bad.values())),
-            )
-        parts = [
-            f"{w} → micro {p.micro_batch_size} × accum {p.grad_accum_steps}, global "
-            f"{p.global_batch_size}"
-            for w, p in ok.items()
-        ]
-        text = f"elastic run [{lo}, {hi}] ({policy}): " + "; ".join(parts)
-        if bad:
-            text += (
-                f". Not at {', '.join(map(str, bad))} worker(s): {next(iter(bad.values()))};"
-                " a restart at such a size stops with that message"
-            )
-        return text
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)

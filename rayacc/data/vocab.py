@@ -42,13 +42,16 @@ class Vocabulary:
 
     # ------------------------------------------------------------------ where it comes from
     @classmethod
-    def of_data(cls, info: DatasetInfo) -> Vocabulary | None:
-        """The vocabulary of a token source (None for classification data)."""
+    def of_data(
+        cls, info: DatasetInfo, metadata: dict[bytes, bytes] | None = None
+    ) -> Vocabulary | None:
+        """The vocabulary of a token source (None for classification data); `metadata`: its
+        schema's, where the caller read it already."""
         if info.format != "tokens":
             return None
         if info.vocab:
             return cls("chars", len(info.vocab), chars=info.vocab)
-        meta = schema_metadata(info.path)
+        meta = schema_metadata(info.path) if metadata is None else metadata
         tokenizer = meta.get(TOKENIZER_KEY)
         # data prepared before the tokenizer was recorded says so in its origin
         if tokenizer == BYTES or meta.get(ORIGIN_KEY) == b"byte-level":

@@ -84,7 +84,7 @@ def measure_candidate(
     """Probe, then time windows of `c` on this group (every rank calls it)."""
     cc = with_candidate(cfg, c)
     parts = build_rank(cc, info, device, cfg.optim.lr)
-    strategy, step, loss_fn, count = parts.strategy, parts.step, parts.loss_fn, parts.count
+    strategy, step, loss_fn, count = parts.strategy, parts.accumulate, parts.loss_fn, parts.count
     m = c.micro_batch_size
     index = np.resize(np.arange(len(rows)), m * (rank + 1))[rank * m :]
     try:
@@ -93,7 +93,7 @@ def measure_candidate(
             loss_fn,
             to_device(rows.take(index), device),
             autocast_dtype=autocast_dtype(cc.train.precision),
-            optimizer_slots=optimizer_slots(cc),
+            optimizer_slots=optimizer_slots(cc.optim),
             strategy=strategy,
         )
         if used == OUT_OF_MEMORY and strategy.lockstep:
@@ -259,7 +259,7 @@ class CalibrationGroup:
             scaling_config=ScalingConfig(
                 num_workers=workers,
                 use_gpu=s.use_gpu,
-                resources_per_worker={"CPU": s.cpus_per_worker, **s.extra_resources},
+                resources_per_worker=s.resources_per_worker(),
                 placement_strategy=s.placement_strategy,
             ),
             run_config=RunConfig(

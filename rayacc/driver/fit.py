@@ -22,13 +22,13 @@ from rayacc import env
 from rayacc.checkpoint.lease import RunLease
 from rayacc.config import TrainConfig
 from rayacc.config.batch_split import BatchSplit
-from rayacc.data.sources import RowGroups, row_groups
+from rayacc.data.sources import RowGroups
 from rayacc.data.vocab import Vocabulary
 from rayacc.driver.prelaunch import Prepared, check_cluster, locate, prepare
 from rayacc.driver.runs import RunLocation
 from rayacc.observe.events import RunObserver, RunStarted
 from rayacc.observe.goodput import Goodput
-from rayacc.observe.relay import RankRelay
+from rayacc.observe.relay import FiguresRelay
 from rayacc.redact import redact
 
 __all__ = [
@@ -59,6 +59,7 @@ class FitResult:
     split: BatchSplit
     """How the global batch split (micro × accumulation × workers) in the last worker group."""
     effective_lr: float
+    """The peak LR of the last worker group (its global batch's)."""
     run_name: str
     storage_path: str
     tracking_uri: str | None
@@ -179,7 +180,7 @@ def build_trainer(
     from rayacc.worker.loop import WorkerInputs, train_loop
 
     source, groups = _read_source(cfg, prep, loc)
-    vocabulary = Vocabulary.of_data(prep.info)
+    vocabulary = Vocabulary.of_data(prep.info, prep.source_metadata)
     s = cfg.scaling
     inputs = WorkerInputs(
         spec=prep.spec,
@@ -197,7 +198,7 @@ def build_trainer(
             num_workers=tuple(s.num_workers) if s.elastic else s.num_workers,
             elastic_resize_monitor_interval_s=s.resize_interval_s,
             use_gpu=s.use_gpu,
-            resources_per_worker={"CPU": s.cpus_per_worker, **s.extra_resources},
+            resources_per_worker=s.resources_per_worker(),
             placement_strategy=s.placement_strategy,
         ),
         run_config=RunConfig(
@@ -240,7 +241,7 @@ class History(RunObserver):
         return [self.by_step[s] for s in sorted(self.by_step)]
 
 
-def _relay(buffer, ranks: RankRelay, observers: Sequence[RunObserver]) -> None:
+def _relay(buffer, ranks: FiguresRelay, observers: Sequence[RunObserver]) -> None:
     import ray
 
     for handed in ray.get(buffer.drain.remote()):
@@ -257,7 +258,7 @@ class TrainerRun:
     other work while the worker group starts; `relay` then hands the workers' items to the
     observers every half second until the fit ends."""
 
-    def __init__(self, trainer, buffer, ranks: RankRelay, lost=lambda: None):
+    def __init__(self, trainer, buffer, ranks: FiguresRelay, lost=lambda: None):
         self.buffer, self.ranks, self.lost = buffer, ranks, lost
         self.outcome: dict[str, Any] = {}
         self.thread = threading.Thread(target=self._fit, args=(trainer,), name="rayacc-fit")
@@ -287,13 +288,13 @@ class TrainerRun:
 
 def _read_source(cfg: TrainConfig, prep: Prepared, loc: RunLocation) -> tuple[str, RowGroups]:
     """Where the ranks' read tasks read the data, and its row groups there."""
-    from rayacc.data.reads import stage_file
+    from rayacc.data.reads import filesystem_and_path, stage_file
     from rayacc.data.sources import BUNDLED
 
     if cfg.data.source in BUNDLED:
         # prepared in this node's cache, which read tasks on other nodes cannot see
         shared = stage_file(prep.info.path, loc.storage)
-        return shared, row_groups(shared)
+        return shared, prep.groups.moved_to(filesystem_and_path(shared)[1])
     return prep.info.path, prep.groups
 
 
@@ -373,7 +374,7 @@ def _fit_holding(
     refresh_elastic_sizing(cfg)
     phases["ray_started"] = time.time()
     buffer = _progress_buffer()
-    ranks = RankRelay(margin=cfg.train.straggler_margin)
+    ranks = FiguresRelay(margin=cfg.train.straggler_margin)
     trainer = build_trainer(cfg, prep, loc, buffer, lease=lease.token if lease else None)
     running = TrainerRun(trainer, buffer, ranks, lost=lambda: lease.lost if lease else None)
     phases["fit_started"] = time.time()
@@ -431,7 +432,7 @@ def _fit_holding(
         metrics=summary.get("metrics", {}),
         # what the last worker group ran with (an auto micro-batch is known only there)
         split=BatchSplit(**summary["split"]) if summary.get("split") else prep.split,
-        effective_lr=prep.effective_lr,
+        effective_lr=summary.get("effective_lr", prep.effective_lr),
         run_name=loc.name,
         storage_path=loc.storage,
         tracking_uri=tracked.sink.tracking_uri if tracked else None,

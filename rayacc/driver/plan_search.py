@@ -32,10 +32,10 @@ def cluster_holds(cfg: TrainConfig) -> int:
     """How many of the run's workers the live nodes of the joined Ray can hold at once."""
     import ray
 
-    from rayacc.driver.prelaunch import worker_needs, workers_that_fit
+    from rayacc.driver.prelaunch import workers_that_fit
 
     alive = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive", True)]
-    return workers_that_fit(alive, worker_needs(cfg))
+    return workers_that_fit(alive, cfg.scaling.worker_needs())
 
 
 def plan_search(

@@ -20,12 +20,12 @@ from typing import Any
 from rayacc.config import TrainConfig
 from rayacc.config.batch_split import BatchSplit
 from rayacc.data.order import DataOrder, EpochLayout
-from rayacc.data.sources import DataError, DatasetInfo, RowGroups, describe_dataset, row_groups
+from rayacc.data.sources import DataError, DatasetInfo, RowGroups, read_source
 from rayacc.driver.places import check_places
 from rayacc.driver.runs import RunLocation, locate_run
 from rayacc.engine.units import fsdp_blocks
 from rayacc.models import build_on_meta
-from rayacc.quantities import RunSpec, data_order, derive_run
+from rayacc.quantities import RunSpec, data_order, derive_run, elastic_summary
 
 __all__ = [
     "Prepared",
@@ -37,7 +37,6 @@ __all__ = [
     "locate",
     "prepare",
     "read_factor",
-    "worker_needs",
     "workers_that_fit",
 ]
 
@@ -52,6 +51,9 @@ class Prepared:
     num_parameters: int
     warnings: list[str]
     notes: list[str] = field(default_factory=list)
+    source_metadata: dict[bytes, bytes] = field(default_factory=dict)
+    """The source's schema metadata, as the one read of the source found it (its vocabulary's
+    kind and tokenizer)."""
 
     # the run's own quantities, read through (derived once, in `derive_run`)
     @property
@@ -103,10 +105,9 @@ def prepare(cfg: TrainConfig) -> Prepared:
     (all ValueError) for user mistakes, PlaceError for every place it names that cannot be
     used."""
     check_places(cfg)
-    info = describe_dataset(cfg.data.source, cfg.data.cache_dir, cfg.data.seq_len)
+    source = read_source(cfg.data.source, cfg.data.cache_dir, cfg.data.seq_len)
+    info, groups = source.info, source.groups
     model = build_on_meta(cfg, info)
-    groups = row_groups(info.path)
-    split = cfg.batch_split()
     order = data_order(cfg, info, groups)
     if len(order.train_units) == 0:
         raise DataError(
@@ -115,6 +116,7 @@ def prepare(cfg: TrainConfig) -> Prepared:
             "write the data with smaller row groups (`rayacc data prepare`), set "
             "data.order=rows, or lower data.val_fraction"
         )
+    split = cfg.batch_split()
     if order.num_train_rows < split.global_batch_size:
         # no step would see the declared batch, while MLflow would record it
         raise DataError(
@@ -124,14 +126,15 @@ def prepare(cfg: TrainConfig) -> Prepared:
             f"set batch.global_batch_size to at most {order.num_train_rows} (and "
             "batch.micro_batch_size to divide it), lower data.val_fraction, or use more data"
         )
-    spec = derive_run(cfg, info, groups, order)
+    spec = derive_run(cfg, info, groups, order, split)
     layout = spec.layout
     reads = read_factor(order, layout) if order.chunked else None
     return Prepared(
         spec,
         sum(p.numel() for p in model.parameters()),
         _warnings(cfg, layout, model, reads, groups),
-        [_order_note(cfg, info, groups, reads), *_notes(cfg, split)],
+        [_order_note(cfg, info, groups, reads), *_notes(spec)],
+        source.metadata,
     )
 
 
@@ -257,8 +260,9 @@ def local_oversubscription(cfg: TrainConfig) -> str | None:
     )
 
 
-def _notes(cfg: TrainConfig, split: BatchSplit) -> list[str]:
-    notes = [cfg.elastic_summary()] if cfg.scaling.elastic else []
+def _notes(spec: RunSpec) -> list[str]:
+    cfg, split = spec.cfg, spec.reference
+    notes = [elastic_summary(cfg, spec.splits)] if cfg.scaling.elastic else []
     if cfg.batch.auto_micro_batch:
         notes.append(
             f"micro-batch auto: the workers search the largest divisor of {split.micro_batch_size} "
@@ -370,12 +374,6 @@ class ResourceError(ValueError):
     """The request can never be met by the cluster as it is: names what is missing and the fix."""
 
 
-def worker_needs(cfg: TrainConfig) -> dict[str, float]:
-    """What one training worker asks Ray for."""
-    s = cfg.scaling
-    return {"CPU": s.cpus_per_worker, **({"GPU": 1.0} if s.use_gpu else {}), **s.extra_resources}
-
-
 def workers_that_fit(nodes: list[dict[str, float]], need: dict[str, float]) -> int:
     """How many workers the nodes' total resources hold (each worker on one node)."""
     fit = 0
@@ -391,7 +389,7 @@ def check_resources(cfg: TrainConfig, nodes: list[dict[str, Any]], may_grow: boo
     """Raises ResourceError when the alive `nodes` (as `ray.nodes()` lists them) can never hold
     `scaling.num_workers`' minimum; with `may_grow` (a cluster that may add nodes) returns the
     same finding as a warning instead. None when the group fits."""
-    need = worker_needs(cfg)
+    need = cfg.scaling.worker_needs()
     alive = [n.get("Resources", {}) for n in nodes if n.get("Alive", True)]
     placement = cfg.scaling.placement_strategy
     per_node = [workers_that_fit([r], need) for r in alive]

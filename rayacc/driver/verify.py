@@ -85,11 +85,11 @@ def verify(cfg: TrainConfig) -> VerifyResult:
         }
     )
     parts = build_rank(reference, prep.info, torch.device("cpu"), prep.effective_lr)
-    model, step, loss_fn, count = parts.model, parts.step, parts.loss_fn, parts.count
+    model, step, loss_fn, count = parts.model, parts.accumulate, parts.loss_fn, parts.count
     initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
     # the training run's schedule object, laid out for the probe's single step
     build_schedule(
-        cfg,
+        cfg.optim,
         parts.optimizer,
         peak_lr=prep.effective_lr,
         reference_batch=prep.split.global_batch_size,

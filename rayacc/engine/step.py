@@ -18,7 +18,6 @@ import math
 import resource
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -28,79 +27,15 @@ from rayacc.engine.collectives import all_reduce
 from rayacc.engine.losses import Batch, ItemCounter, LossFn, count_rows
 from rayacc.engine.parallel import Strategy, strategy_of
 from rayacc.engine.precision import PRECISIONS, autocast
+from rayacc.engine.result import StepResult
 
-__all__ = ["PRECISIONS", "AccumulationStep", "MicroStepMismatchError", "StepResult"]
+__all__ = ["PRECISIONS", "AccumulationStep", "MicroStepMismatchError"]
 
 
 class MicroStepMismatchError(RuntimeError):
     """Ranks were given different numbers of micro-batches for one window. Raised on every rank
     at once (they all see the same all-reduced counts), instead of the silent DDP hang that one
     extra backward on a single rank would cause."""
-
-
-@dataclass(frozen=True)
-class StepResult:
-    """What one optimizer step did, identical on every rank unless noted."""
-
-    loss: float
-    """Exact mean item loss of the window over all ranks (nan when the loss was not finite)."""
-    items: int
-    """Loss items in the window on all ranks (N_window)."""
-    samples: int
-    """Samples (rows) in the window on all ranks."""
-    micro_steps: int
-    """Micro-steps each rank ran."""
-    grad_norm: float
-    """Global gradient norm after unscaling, before clipping (nan when skipped before it)."""
-    lr: float
-    """Learning rate this step used (of the first param group)."""
-    skipped: bool
-    """True when the optimizer did not step (non-finite loss or gradient, or fp16 overflow)."""
-    skip_reason: str | None
-    allreduce_calls: int
-    """Gradient all-reduce launches (DDP buckets) in the window; 0 without DDP."""
-    reduce_scatter_calls: int
-    """FSDP: gradient reduce-scatter launches (one per FSDP unit and synced backward)."""
-    sync_passes: int
-    """Backward passes that synced gradients (1 with accumulation done right)."""
-    step_time_s: float
-    """Wall time of the whole window."""
-    sync_time_s: float
-    """Wall time from the window's first gradient collective (all-reduce or reduce-scatter)
-    launched to the last one's completion (it overlaps the backward's compute)."""
-    peak_memory_mb: float
-    """This rank: peak allocated device memory in the window on GPU; on CPU the process's peak
-    resident set size so far."""
-    micro_batch_splits: int = 1
-    """Each given micro-batch was cut into this many (doubled by every out-of-memory retry)."""
-    signals: int = 0
-    """Ranks that raised the caller's `signal` for this window: a notice one rank has that
-    every rank learns in the same window, summed with the window's counts (no collective of
-    its own)."""
-    optimizer_time_s: float = 0.0
-    """This rank: unscale, normalise, clip, step and schedule."""
-    rank_figures: tuple[float, ...] = ()
-    """Every rank's `rank_report` given for this window, flat in rank order (the same on
-    every rank; rank r's at [r·k, (r+1)·k) for reports of k figures): each rank's figures
-    summed into its own slots of the window's counts, so they travel with the gradient
-    reduction (no collective of their own)."""
-    rank_width: int = 0
-    """k: figures in each rank's report (0: none given)."""
-
-    @property
-    def rank_reports(self) -> tuple[tuple[float, ...], ...]:
-        """`rank_figures` cut into one report per rank (cut only when asked: the ranks that
-        do not read them pay nothing)."""
-        f, k = self.rank_figures, self.rank_width
-        return tuple(f[i : i + k] for i in range(0, len(f), k)) if k else ()
-
-    @property
-    def compute_time_s(self) -> float:
-        return max(0.0, self.step_time_s - self.sync_time_s)
-
-    @property
-    def sync_time_frac(self) -> float:
-        return self.sync_time_s / self.step_time_s if self.step_time_s > 0 else 0.0
 
 
 class AccumulationStep:
@@ -193,14 +128,14 @@ class AccumulationStep:
         count_items: ItemCounter = count_rows,
         local_items: int | None = None,
         signal: bool = False,
-        rank_report: Sequence[float] = (),
+        figures: Sequence[float] = (),
     ) -> StepResult:
         """`local_items`: this rank's loss items in the window when the caller already knows
         them (counted on the host before the batches moved to the GPU, where counting would
         stall the host once per micro-batch); otherwise `count_items` counts them. `signal`:
         this rank raises a flag every rank sees counted in `StepResult.signals`.
-        `rank_report`: figures of this rank (the same number on every rank) that every rank
-        receives in `StepResult.rank_reports`; known before the window's last backward, so a
+        `figures`: figures of this rank (the same number on every rank) that every rank
+        receives in `StepResult.figures_by_rank`; known before the window's last backward, so a
         caller reports its previous window's times."""
         t_start = time.perf_counter()
         if local_items is None:
@@ -209,7 +144,7 @@ class AccumulationStep:
             given = micro_batches
             if self.micro_batch_splits > 1:
                 given = [p for mb in micro_batches for p in _split(mb, self.micro_batch_splits)]
-            result = self._window(t_start, given, loss_fn, local_items, signal, rank_report)
+            result = self._window(t_start, given, loss_fn, local_items, signal, figures)
             if result is not None:
                 return result
             # some rank ran out of memory: all ranks retry with half the micro-batch
@@ -222,7 +157,7 @@ class AccumulationStep:
         loss_fn: LossFn,
         local_items: int,
         signal: bool = False,
-        rank_report: Sequence[float] = (),
+        figures: Sequence[float] = (),
     ) -> StepResult | None:
         """One attempt at the window; None when an out-of-memory retry is due."""
         if self.device.type == "cuda":
@@ -245,12 +180,12 @@ class AccumulationStep:
         scale = self._scale_before_backward(counts) if self.scaler is not None else None
         self._clear_grads()
         stats = self._micro_steps(
-            micro_batches, loss_fn, [*counts, int(signal)], scale, self._slots(rank_report)
+            micro_batches, loss_fn, [*counts, int(signal)], scale, self._slots(figures)
         )
         if stats is None:
             return None
-        k = len(rank_report)
-        total_loss, items, samples, sum_m, sum_m2, signals, figures = self._reduced(stats, k)
+        k = len(figures)
+        total_loss, items, samples, sum_m, sum_m2, signals, group = self._reduced(stats, k)
         if scale is None:
             self._check_micro_steps(n_micro, sum_m, sum_m2)
         if items == 0 or not math.isfinite(total_loss):
@@ -267,7 +202,7 @@ class AccumulationStep:
                 lr,
                 why,
                 signals,
-                rank_figures=figures,
+                group_figures=group,
                 rank_width=k,
             )
         t_optimizer = time.perf_counter()
@@ -284,21 +219,21 @@ class AccumulationStep:
             lr,
             skip_reason,
             signals,
-            rank_figures=figures,
+            group_figures=group,
             rank_width=k,
             optimizer_time_s=time.perf_counter() - t_optimizer,
         )
 
-    def _slots(self, rank_report: Sequence[float]) -> list[float]:
+    def _slots(self, figures: Sequence[float]) -> list[float]:
         """This rank's figures in its own slots of a vector of every rank's: summed over the
         ranks, the vector holds each rank's figures (an all-gather inside the all-reduce the
         window makes anyway)."""
-        if not rank_report:
+        if not figures:
             return []
-        k = len(rank_report)
+        k = len(figures)
         return [
             *[0.0] * (self._rank * k),
-            *map(float, rank_report),
+            *map(float, figures),
             *[0.0] * ((self.world_size - self._rank - 1) * k),
         ]
 
@@ -461,7 +396,7 @@ class AccumulationStep:
         lr: float,
         skip_reason: str | None,
         signals: int = 0,
-        rank_figures: tuple[float, ...] = (),
+        group_figures: tuple[float, ...] = (),
         rank_width: int = 0,
         optimizer_time_s: float = 0.0,
     ) -> StepResult:
@@ -494,7 +429,7 @@ class AccumulationStep:
             micro_batch_splits=self.micro_batch_splits,
             signals=signals,
             optimizer_time_s=optimizer_time_s,
-            rank_figures=rank_figures,
+            group_figures=group_figures,
             rank_width=rank_width,
         )
 

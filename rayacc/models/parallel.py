@@ -33,7 +33,8 @@ class RankParts:
     """Per-item losses of a batch (engine/losses.py)."""
     count: Callable
     """The batch's count of loss items (rows or target tokens)."""
-    step: AccumulationStep
+    accumulate: AccumulationStep
+    """One optimizer step over a window's micro-batches (engine/step.py)."""
 
 
 def build_rank(
@@ -50,9 +51,9 @@ def build_rank(
     strategy can retry in place (`Strategy.can_retry_out_of_memory`)."""
     strategy = strategy_for(cfg)
     model = strategy.build(model_recipe(cfg, info), device)
-    optimizer = build_optimizer(cfg, model.parameters(), lr, device, strategy)
+    optimizer = build_optimizer(cfg.optim, model.parameters(), lr, device, strategy)
     loss_fn, count = loss_functions(info, cfg.train.loss_chunk_tokens, strategy)
-    step = AccumulationStep(
+    accumulate = AccumulationStep(
         model,
         optimizer,
         precision=cfg.train.precision,
@@ -60,7 +61,7 @@ def build_rank(
         oom_retry=oom_retry and strategy.can_retry_out_of_memory,
         strategy=strategy,
     )
-    return RankParts(strategy, model, optimizer, loss_fn, count, step)
+    return RankParts(strategy, model, optimizer, loss_fn, count, accumulate)
 
 
 def strategy_for(cfg: TrainConfig) -> Strategy:

@@ -4,7 +4,7 @@ In data parallelism the step runs at the pace of the slowest rank: the others wa
 the gradient reduction. So a rank's own time — computing, waiting for its data, stepping its
 optimizer, everything but waiting for its peers — is what tells ranks apart; its window time is
 everyone's. The ranks' figures of a window reach rank 0 inside the window's own reduction
-(`AccumulationStep(rank_report=...)`), one window late, and are judged here over logging
+(`AccumulationStep(figures=...)`), one window late, and are judged here over logging
 intervals of a tenth of the run — on the driver (`observe/relay.py`), off the step: rank 0
 only hands them over with the step's record.
 """
@@ -15,7 +15,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["FIELDS", "FIGURES_KEY", "PARTS", "RankWatch", "Straggler", "rank_report"]
+__all__ = ["FIELDS", "FIGURES_KEY", "PARTS", "Straggler", "StragglerJudge", "rank_figures"]
 
 FIGURES_KEY = "_rank_figures"
 """Where every rank's figures of a window travel in rank 0's hand-over of the step's record
@@ -37,7 +37,7 @@ any ratio between even ranks, and a rank that costs every step under 0.1 s is no
 node's replacement."""
 
 
-def rank_report(
+def rank_figures(
     *,
     step_s: float,
     sync_s: float,
@@ -103,14 +103,14 @@ def _median(values: list[float]) -> float:
 FOLD_EVERY = 256
 
 
-class RankWatch:
+class StragglerJudge:
     """The driver's view of every rank (`observe/relay.py`): per window, the median and the
     slowest rank's own time; per logging interval, each rank's means (memory: its peak) and
     whether a straggler is to be named. `margin`: how far above the others' median a rank's
     own time must stay (0.3 = 30 %), for `patience` consecutive intervals.
 
     A window's figures arrive flat, as the step's reduction leaves them
-    (`StepResult.rank_figures`: rank r's report at [r·k, (r+1)·k)); they are read in place,
+    (`StepResult.group_figures`: rank r's report at [r·k, (r+1)·k)); they are read in place,
     never cut into one sequence per rank between windows."""
 
     def __init__(

@@ -14,24 +14,24 @@ from __future__ import annotations
 from typing import Any
 
 from rayacc.observe.events import Event, RunStarted
-from rayacc.observe.ranks import FIGURES_KEY, RankWatch
+from rayacc.observe.ranks import FIGURES_KEY, StragglerJudge
 
-__all__ = ["RankRelay"]
+__all__ = ["FiguresRelay"]
 
 
-class RankRelay:
-    """One `RankWatch` per worker group, made from its `RunStarted` (its nodes, the run's
+class FiguresRelay:
+    """One `StragglerJudge` per worker group, made from its `RunStarted` (its nodes, the run's
     length, what its reports hold). `margin`: `train.straggler_margin`."""
 
     def __init__(self, margin: float = 0.3):
         self.margin = margin
-        self.watch: RankWatch | None = None
+        self.watch: StragglerJudge | None = None
 
     def admit(self, item: dict[str, Any] | Event) -> list[dict[str, Any] | Event]:
         """What the observers get for `item`, in order."""
         if isinstance(item, RunStarted):
-            self.watch = RankWatch(
-                RankWatch.interval_for(item.total_steps),
+            self.watch = StragglerJudge(
+                StragglerJudge.interval_for(item.total_steps),
                 margin=self.margin,
                 nodes=item.nodes,
                 system=item.node_figures,

@@ -198,7 +198,7 @@ def measure_profile(
     precision = autocast_dtype(cfg.train.precision)
     loss_fn, count = loss_functions(info, cfg.train.loss_chunk_tokens)
     index = np.resize(np.arange(len(rows)), max(sizes) * (rank + 1))[rank * max(sizes) :]
-    slots = optimizer_slots(cfg)
+    slots = optimizer_slots(cfg.optim)
     compute: dict[str, Curve] = {}
     acts: dict[str, Curve] = {}
     failed: dict[str, int] = {}
@@ -251,7 +251,7 @@ def measure_profile(
     model = _plain_model(cfg, info, "none", device)
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
-    optimizer = build_optimizer(cfg, model.parameters(), 1e-6, device)
+    optimizer = build_optimizer(cfg.optim, model.parameters(), 1e-6, device)
     optimizer_s = _median_time(optimizer.step, device)
     del model, optimizer
     per_byte, gather, latency = _collectives(param_bytes)

@@ -12,7 +12,6 @@ import numpy as np
 import ray
 import torch
 
-from rayacc.config import TrainConfig
 from rayacc.config.batch_split import BatchSplit
 from rayacc.data.rows import LocalRows
 from rayacc.engine import (
@@ -24,7 +23,7 @@ from rayacc.engine import (
     to_device,
 )
 from rayacc.observe.events import MicroBatchChanged
-from rayacc.optim import optimizer_slots
+from rayacc.quantities import WorkerSettings
 
 __all__ = ["MicroBatchSizer"]
 
@@ -33,8 +32,8 @@ class MicroBatchSizer:
     """The micro-batch and accumulation running now (an out-of-memory retry cuts the planned
     ones), the search, and the sizes that ran out of memory."""
 
-    def __init__(self, cfg: TrainConfig, split: BatchSplit, device: torch.device, progress):
-        self.cfg, self.device, self.progress = cfg, device, progress
+    def __init__(self, settings: WorkerSettings, split: BatchSplit, device: torch.device, progress):
+        self.settings, self.device, self.progress = settings, device, progress
         self.splits = 1
         self.set_split(split)
 
@@ -64,8 +63,8 @@ class MicroBatchSizer:
                 make_batch,
                 samples_per_worker=share,
                 budget_bytes=self._budget_bytes(),
-                autocast_dtype=autocast_dtype(self.cfg.train.precision),
-                optimizer_slots=optimizer_slots(self.cfg),
+                autocast_dtype=autocast_dtype(self.settings.precision),
+                optimizer_slots=self.settings.optimizer_slots,
                 below=below,
                 strategy=strategy,
             )
@@ -89,10 +88,10 @@ class MicroBatchSizer:
         )
 
     def _budget_bytes(self) -> int:
-        if self.cfg.batch.memory_budget_mb is not None:
-            return int(self.cfg.batch.memory_budget_mb * 2**20)
+        if self.settings.memory_budget_mb is not None:
+            return int(self.settings.memory_budget_mb * 2**20)
         total = torch.cuda.get_device_properties(self.device).total_memory
-        return int(self.cfg.batch.memory_budget * total)
+        return int(self.settings.memory_budget * total)
 
     @contextlib.contextmanager
     def _out_of_memory_recorded(self):
@@ -109,7 +108,7 @@ class MicroBatchSizer:
         micro-step, where peers already wait in the gradient all-reduce, or without retries):
         the group fails and restarts from the checkpoint, and its auto search then stays below
         this size instead of choosing it again."""
-        if self.cfg.batch.auto_micro_batch and self.progress is not None:
+        if self.settings.auto_micro_batch and self.progress is not None:
             # waited for: the process is about to fail
             ray.get(self.progress.remember_out_of_memory.remote(size or self.micro_now), timeout=30)
 

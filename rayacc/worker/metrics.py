@@ -81,12 +81,10 @@ def run_summary(
     device,
     timeline: dict[str, float],
     token_model: bool,
+    worker_nodes: tuple[str, ...],
 ) -> dict[str, Any]:
-    """The fit's summary (rank 0's return value); gathers every rank's node (a collective)."""
-    import ray
+    """The fit's summary (rank 0's return value)."""
     import torch.distributed as dist
-
-    from rayacc.engine import all_gather_objects
 
     return {
         "metrics": metrics,
@@ -98,7 +96,7 @@ def run_summary(
         "resumed_from": resumed_from,
         "train_time_s": train_time_s,
         "log_time_s": log_time_s,
-        "worker_nodes": all_gather_objects(ray.get_runtime_context().get_node_id()),
+        "worker_nodes": list(worker_nodes),
         "pid": os.getpid(),
         "device": str(device),
         "backend": dist.get_backend() if dist.is_initialized() else None,

@@ -12,7 +12,7 @@ non-zero makes every rank call the barrier, so all make the same calls.
 Then: a checkpoint at once (unless a checkpoint takes longer than the time left: the periodic
 one is the fallback, and the notice says so), training goes on, and a last checkpoint is written
 when one more window, what the boundaries on the way run (a validation, a periodic checkpoint:
-`Boundaries`) and a checkpoint would no longer fit before the deadline — that decision travels
+`Cadence`) and a checkpoint would no longer fit before the deadline — that decision travels
 by the same signal, so every rank takes it in the same window. Then rank 0 moves the drain's
 deadline to a second from now (`end_group_now`): Ray Train's watcher sees the earlier deadline,
 its controller ends the group then and restarts it without the node, from that last
@@ -22,12 +22,27 @@ by exiting would count against `run.max_failures`; a drain's end counts as a pre
 
 from __future__ import annotations
 
+import enum
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["DEFAULT_DEADLINE_S", "Boundaries", "Notice", "PreemptionWatch", "ray_notice_sources"]
+from rayacc.engine import all_gather_objects
+from rayacc.observe.events import PreemptionNotice, ReclaimStandby
+from rayacc.worker.cadence import Cadence
+
+__all__ = [
+    "DEFAULT_DEADLINE_S",
+    "CheckpointNow",
+    "Decision",
+    "LastCheckpoint",
+    "Notice",
+    "Phase",
+    "PreemptionWatch",
+    "Reclaim",
+    "ray_notice_sources",
+]
 
 DEFAULT_DEADLINE_S = 120.0
 """Ray Train's own wait when a drain gives no deadline (its DEFAULT_PREEMPTION_DEADLINE_S)."""
@@ -37,26 +52,6 @@ none)."""
 STANDBY_GRACE_S = 60.0
 """How long past the deadline the ranks wait for the restart before they train on (a drain
 can be cancelled; Ray Train then never ends the group)."""
-
-
-@dataclass(frozen=True)
-class Boundaries:
-    """What a window boundary runs besides the step: the worker's one rule for when it
-    validates and writes a periodic checkpoint, which a reclaim's budget counts too."""
-
-    total_steps: int
-    val_every: int | None
-    checkpoint_every: int | None
-    validates: bool
-    """The run holds validation rows."""
-
-    def validates_at(self, step: int) -> bool:
-        last = step >= self.total_steps
-        return self.validates and (last or bool(self.val_every and step % self.val_every == 0))
-
-    def checkpoints_at(self, step: int) -> bool:
-        every = self.checkpoint_every
-        return step >= self.total_steps or bool(every and step % every == 0)
 
 
 @dataclass(frozen=True)
@@ -82,11 +77,45 @@ class Notice:
         )
 
 
+class Phase(enum.Enum):
+    """Where a rank stands with a reclaim."""
+
+    WATCHING = "watching"
+    """No notice yet: a rank signals when its own context holds one."""
+    NOTICED = "noticed"
+    """A notice agreed and answered: training goes on, and a rank signals when one more window
+    and the last checkpoint would no longer fit before the deadline."""
+    ENDING = "ending"
+    """The last checkpoint is written (or the run ended with it): the group ends."""
+    OVER = "over"
+    """This notice is done with: no checkpoint fitted, or the drain was cancelled."""
+
+
+@dataclass(frozen=True)
+class CheckpointNow:
+    """A notice was agreed at this boundary: checkpoint now, unless none fits before the
+    deadline."""
+
+    notice: Notice
+
+
+@dataclass(frozen=True)
+class LastCheckpoint:
+    """The deadline is near: the last checkpoint, then the group ends (or, when the run ends
+    here anyway, nothing more)."""
+
+    notice: Notice
+
+
+Decision = CheckpointNow | LastCheckpoint | None
+"""What a window boundary does about a reclaim, the same on every rank (taken from the
+window's signal count, which every rank receives)."""
+
+
 class PreemptionWatch:
-    """One rank's side of a reclaim. Per window the worker asks `signal()` before the step and
-    hands the step's signal count to `after_window`, which says what to do at this boundary:
-    `"notice"` (a notice was agreed: checkpoint now), `"last"` (write the last checkpoint before
-    the deadline and stand by) or None.
+    """One rank's side of a reclaim, a state machine over `Phase`. Per window the worker asks
+    `signal()` before the step and hands the step's signal count to `after_window`, which moves
+    the phase and returns the boundary's `Decision`.
 
     `local`: this rank's notice or None, read without a collective; `agree`: the notice every
     rank agrees on (a barrier; None while rank 0 has not been told yet); `clock`: time.time."""
@@ -102,7 +131,7 @@ class PreemptionWatch:
         wait for the deadline)."""
         self.local, self.agree, self.clock = local, agree, clock
         self.end_now = end_now
-        self.phase = "watching"
+        self.phase = Phase.WATCHING
         self.notice: Notice | None = None
         self.window_s = 0.0
         """The longest of the last windows (decaying, so one slow window is forgotten)."""
@@ -110,14 +139,14 @@ class PreemptionWatch:
         """The last checkpoint's time on this rank; None before the first."""
         self.validation_s = 0.0
         """The last validation's time on this rank."""
-        self.boundaries: Boundaries | None = None
-        """The run's boundaries, once its length is known (none: windows and checkpoints)."""
+        self.cadence: Cadence | None = None
+        """The group's boundaries, once its length is known (none: windows and checkpoints)."""
 
     def signal(self, step: int = 0) -> bool:
         """Whether this rank raises the signal of the window that makes step `step + 1`."""
-        if self.phase == "watching":
+        if self.phase is Phase.WATCHING:
             return self.local() is not None
-        if self.phase == "noticed":
+        if self.phase is Phase.NOTICED:
             return self.clock() + self.needed_s(step) >= self.notice.deadline
         return False
 
@@ -128,28 +157,28 @@ class PreemptionWatch:
         this window may validate and write a periodic checkpoint, and the next may validate
         (its periodic checkpoint would be the last one)."""
         ckpt = self.checkpoint_s or 0.0
-        b = self.boundaries
+        c = self.cadence
         extra = 0.0
-        if b is not None:
-            extra += self.validation_s * (b.validates_at(step + 1) + b.validates_at(step + 2))
-            extra += ckpt * b.checkpoints_at(step + 1)
+        if c is not None:
+            extra += self.validation_s * (c.should_validate(step + 1) + c.should_validate(step + 2))
+            extra += ckpt * c.should_checkpoint(step + 1)
         work = 2 * self.window_s + ckpt + extra
         return work + max(1.0, 0.25 * (self.window_s + ckpt + extra))
 
-    def after_window(self, signals: int, window_s: float) -> str | None:
+    def after_window(self, signals: int, window_s: float) -> Decision:
         self.window_s = max(window_s, 0.9 * self.window_s)
         if not signals:
             return None
-        if self.phase == "watching":
+        if self.phase is Phase.WATCHING:
             info = self.agree()
             if info is None:
                 return None  # rank 0 has not been told yet: the next window asks again
             self.notice = Notice.of(info, self.clock())
-            self.phase = "noticed"
-            return "notice"
-        if self.phase == "noticed":
-            self.phase = "last"
-            return "last"
+            self.phase = Phase.NOTICED
+            return CheckpointNow(self.notice)
+        if self.phase is Phase.NOTICED:
+            self.phase = Phase.ENDING
+            return LastCheckpoint(self.notice)
         return None
 
     def too_short(self) -> bool:
@@ -158,7 +187,7 @@ class PreemptionWatch:
 
     def give_up(self) -> None:
         """No checkpoint fits before the deadline: no more signals for this notice."""
-        self.phase = "over"
+        self.phase = Phase.OVER
 
     def seconds_left(self) -> float:
         return self.notice.deadline - self.clock() if self.notice else float("inf")
@@ -180,7 +209,70 @@ class PreemptionWatch:
         until = self.notice.deadline + STANDBY_GRACE_S
         while self.clock() < until:
             sleep(min(1.0, max(0.0, until - self.clock())))
-        self.phase = "over"
+        self.phase = Phase.OVER
+
+
+class Reclaim:
+    """Carries out a boundary's `Decision`, in one place: the checkpoints a notice asks for,
+    the events that say what was done, the early end of the group and the wait for it.
+    `checkpoint(reason)` writes this step's checkpoint and returns the seconds training waited;
+    `wait()` returns once a checkpoint in flight is in storage."""
+
+    def __init__(
+        self,
+        watch: PreemptionWatch,
+        *,
+        rank: int,
+        checkpoint: Callable[[str], float],
+        wait: Callable[[], None],
+        outbox: Any,
+    ):
+        self.watch, self.rank, self.outbox = watch, rank, outbox
+        self.checkpoint, self.wait = checkpoint, wait
+
+    def carry_out(
+        self, decision: Decision, step: int, *, checkpointed: bool, is_last: bool, last_saved
+    ) -> None:
+        """`checkpointed`: this boundary wrote a checkpoint already; `last_saved()`: the step of
+        the newest checkpoint this group restored or wrote."""
+        if decision is None:
+            return
+        watch = self.watch
+        # a checkpoint still in flight is in storage before anything a notice asks for
+        self.wait()
+        if isinstance(decision, LastCheckpoint):
+            if not checkpointed:
+                self.checkpoint("before the reclaim")
+            if is_last:
+                return  # the run is done: nothing to wait for
+            # rank 0 alone: one request to Ray for the whole group
+            kept_until_deadline = watch.end_group() if self.rank == 0 else None
+            self.outbox.send(ReclaimStandby(step, watch.seconds_left(), kept_until_deadline))
+            self.outbox.flush()
+            watch.stand_by()
+            return
+        # the ranks' clocks and checkpoint times differ: rank 0's judgement holds for all
+        too_short = all_gather_objects(not checkpointed and watch.too_short())[0]
+        seconds_left = watch.seconds_left()
+        checkpoint_s = None
+        if too_short:
+            watch.give_up()
+        elif not checkpointed:
+            checkpoint_s = self.checkpoint("preemption notice")
+        notice = decision.notice
+        self.outbox.send(
+            PreemptionNotice(
+                step=step,
+                nodes=notice.nodes,
+                ranks=notice.ranks,
+                seconds_left=seconds_left,
+                deadline_given=notice.deadline_given,
+                checkpoint_s=checkpoint_s,
+                checkpoint_step=last_saved(),
+                too_short=too_short,
+            )
+        )
+        self.outbox.flush()
 
 
 def ray_notice_sources() -> tuple[Callable[[], Any], Callable[[], Any], Callable | None]:

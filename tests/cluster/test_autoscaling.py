@@ -12,7 +12,7 @@ import time
 import pyarrow.parquet as pq
 import pytest
 
-from rayacc.data.sources import prepare_bundled
+from rayacc.data.bundled import prepare_bundled
 from tests.support.cluster import (
     final_checkpoint,
     hold,

@@ -151,7 +151,7 @@ def test_window_stats_reach_all_ranks_beside_a_bf16_bucket(ranks):
 def test_every_ranks_figures_reach_every_rank_without_a_collective_of_their_own(ranks):
     """The per-rank telemetry rides the window's reduction, as the counts do."""
     for r in range(WORLD):
-        seen = ranks[r]["rank_reports"]
+        seen = ranks[r]["figures_by_rank"]
         assert seen["reported"] == ((0.5, 0.0, 7.25), (1.5, 100.0, 7.25)), seen
         assert seen["plain"] == ()
         assert seen["reported_calls"] == seen["plain_calls"] >= 1, seen

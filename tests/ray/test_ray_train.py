@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from mlflow.tracking import MlflowClient
 
 from rayacc import TrainConfig, build_model, load_model
-from rayacc.data.sources import prepare_bundled
+from rayacc.data.bundled import prepare_bundled
 from rayacc.observe.console import ProgressPrinter
 from tests.support.fits import (
     config,

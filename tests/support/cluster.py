@@ -15,7 +15,7 @@ import yaml
 from mlflow.tracking import MlflowClient
 
 from rayacc import load_model
-from rayacc.data.sources import prepare_bundled
+from rayacc.data.bundled import prepare_bundled
 from tests.support import ROOT
 from tests.support.counts import count
 

@@ -233,7 +233,7 @@ def scenario_stats_beside_a_bf16_bucket(rank, world, out):
     out["bf16"] = {"result": result, "local_loss_sum": float(mine)}
 
 
-def scenario_rank_reports_ride_the_window(rank, world, out):
+def scenario_rank_figures_ride_the_window(rank, world, out):
     """Every rank's figures reach every rank inside the window's gradient all-reduce: a window
     with them launches as many all-reduces as one without."""
     rows = classification_rows(GLOBAL_ROWS)
@@ -255,15 +255,15 @@ def scenario_rank_reports_ride_the_window(rank, world, out):
         plain = step(batches, classification_item_losses)
         between = len(calls)
         report = [rank + 0.5, 100.0 * rank, 7.25]
-        reported = step(batches, classification_item_losses, rank_report=report)
+        reported = step(batches, classification_item_losses, figures=report)
         after = len(calls)
     finally:
         dist.all_reduce = real
-    out["rank_reports"] = {
+    out["figures_by_rank"] = {
         "plain_calls": between - before,
         "reported_calls": after - between,
-        "plain": plain.rank_reports,
-        "reported": reported.rank_reports,
+        "plain": plain.figures_by_rank,
+        "reported": reported.figures_by_rank,
         "items": reported.items,
         "optimizer_time_s": reported.optimizer_time_s,
     }
@@ -280,7 +280,7 @@ SCENARIOS = [
     scenario_out_of_memory_on_one_rank,
     scenario_out_of_memory_without_retry_raises,
     scenario_stats_beside_a_bf16_bucket,
-    scenario_rank_reports_ride_the_window,
+    scenario_rank_figures_ride_the_window,
 ]
 
 

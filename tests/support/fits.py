@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from rayacc import TrainConfig, build_model, fit
-from rayacc.data.sources import prepare_bundled
+from rayacc.data.bundled import prepare_bundled
 
 FIT_TIMEOUT_S = 300
 

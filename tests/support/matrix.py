@@ -188,7 +188,7 @@ def run_phase(case: Case, rank: int, world: int, folder: Path, phase: str) -> di
     cfg, info = config(case), dataset()
     device = torch.device("cpu")
     parts = build_rank(cfg, info, device, LR)
-    strategy, optimizer, step = parts.strategy, parts.optimizer, parts.step
+    strategy, optimizer, step = parts.strategy, parts.optimizer, parts.accumulate
     loss_fn, count = parts.loss_fn, parts.count
     all_windows = windows(case)
     if phase == "B":
@@ -214,7 +214,7 @@ def run_phase(case: Case, rank: int, world: int, folder: Path, phase: str) -> di
             make_batch,
             samples_per_worker=share_rows,
             budget_bytes=4096 * 2**20,
-            optimizer_slots=optimizer_slots(cfg),
+            optimizer_slots=optimizer_slots(cfg.optim),
             strategy=strategy,
         )
         micro = found.micro_batch_size

@@ -53,7 +53,7 @@ def build(cfg):
     from rayacc.models.parallel import build_rank
 
     parts = build_rank(cfg, dataset(), torch.device("cpu"), 0.5)
-    return parts.strategy, parts.model, parts.step, token_item_losses
+    return parts.strategy, parts.model, parts.accumulate, token_item_losses
 
 
 def fsdp_internal_grads(model: nn.Module) -> int:

@@ -110,9 +110,13 @@ def test_error_is_a_value_error_with_the_fix_in_its_message():
 
 
 def test_elastic_plans_keep_the_global_batch_or_follow_the_workers():
-    from rayacc.config.batch_split import elastic_sizes, split_for_workers
+    from rayacc.config.batch_split import split_for_workers
 
     base = resolve_batch_split(num_workers=3, global_batch_size=96, micro_batch_size=32)
+
+    def elastic_sizes(base, lo, hi, policy):
+        return {w: split_for_workers(base, w, policy) for w in range(lo, hi + 1)}
+
     kept = elastic_sizes(base, 1, 4, "keep_global_batch")
     assert kept[1] == BatchSplit(96, 32, 3, 1)
     assert kept[2] == BatchSplit(96, 24, 2, 2)  # 48 per worker: micro re-derived to 24

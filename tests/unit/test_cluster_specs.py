@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from rayacc.cluster.spec import SpecError, check_kuberay, check_launcher, load_yaml
+from rayacc.cluster.kuberay_spec import check_kuberay
+from rayacc.cluster.launcher_spec import check_launcher
+from rayacc.cluster.spec import SpecError, load_yaml
 from rayacc.config import SweepConfig, TrainConfig
 
 ROOT = Path(__file__).resolve().parents[2]

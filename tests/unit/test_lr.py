@@ -135,7 +135,7 @@ def _last_lr(rows: int, global_batch: int, epochs: int, *, resize_at: int | None
     layout = epoch_layout(cfg, rows, cfg.batch_split())
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.5)
     schedule = build_schedule(
-        cfg,
+        cfg.optim,
         opt,
         peak_lr=0.5,
         reference_batch=global_batch,

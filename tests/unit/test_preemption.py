@@ -10,12 +10,23 @@ import pytest
 
 from rayacc.observe.events import Checkpointed, PreemptionNotice, ReclaimStandby, RunStarted
 from rayacc.observe.goodput import PARTS, Goodput, describe, percent
+from rayacc.worker.cadence import Cadence
 from rayacc.worker.preemption import (
     DEFAULT_DEADLINE_S,
     STANDBY_GRACE_S,
-    Boundaries,
+    CheckpointNow,
+    LastCheckpoint,
+    Phase,
     PreemptionWatch,
+    Reclaim,
 )
+
+
+def kind(decision) -> str | None:
+    """A boundary's decision as the cases write it."""
+    if decision is None:
+        return None
+    return {CheckpointNow: "notice", LastCheckpoint: "last"}[type(decision)]
 
 
 @dataclass
@@ -52,7 +63,7 @@ def run_windows(watch: PreemptionWatch, clock: Clock, n: int, window_s: float, o
     for i in range(n):
         signals = int(watch.signal()) + others
         clock.t += window_s
-        action = watch.after_window(signals, window_s)
+        action = kind(watch.after_window(signals, window_s))
         if action:
             actions.append((i, action))
             if action in ("notice", "last"):
@@ -98,7 +109,7 @@ def test_notice_then_a_last_checkpoint_as_late_as_the_deadline_allows(
         window["i"] = i
         signals = int(watch.signal())
         clock.t += window_s
-        action = watch.after_window(signals, window_s)
+        action = kind(watch.after_window(signals, window_s))
         if action:
             actions.append((i, action))
             clock.t += 0.5  # the checkpoint
@@ -120,7 +131,7 @@ def worker_order(
     deadline_s, window_s, val_every, val_s, ckpt_every, ckpt_s, notice_at, *, budget=True
 ):
     """The worker's order on a moved clock (worker/loop.py): the window's signal, the window,
-    its boundary as `Boundaries` says (validation, then a periodic checkpoint), then the
+    its boundary as the `Cadence` says (validation, then a periodic checkpoint), then the
     watch's action (a notice: a checkpoint now unless one was just written; the last: the
     last checkpoint). Returns (when the last checkpoint ended, relative to the deadline; the
     step it holds). `budget=False`: the watch does not know the boundaries (the old budget)."""
@@ -132,21 +143,21 @@ def worker_order(
         return info if at["window"] >= notice_at else None
 
     watch = PreemptionWatch(told, told, clock)
-    boundaries = Boundaries(10_000, val_every, ckpt_every, validates=True)
-    watch.boundaries = boundaries if budget else None
+    boundaries = Cadence(10_000, val_every, ckpt_every, validates=True)
+    watch.cadence = boundaries if budget else None
     for n in range(10_000):
         at["window"] = n
         signals = int(watch.signal(n))
         clock.t += window_s
         step = n + 1
-        if boundaries.validates_at(step):
+        if boundaries.should_validate(step):
             clock.t += val_s
             watch.validation_s = val_s
-        checkpointed = boundaries.checkpoints_at(step)
+        checkpointed = boundaries.should_checkpoint(step)
         if checkpointed:
             clock.t += ckpt_s
             watch.checkpoint_s = ckpt_s
-        action = watch.after_window(signals, window_s)
+        action = kind(watch.after_window(signals, window_s))
         if action in ("notice", "last") and not checkpointed:
             clock.t += ckpt_s
             watch.checkpoint_s = ckpt_s
@@ -196,10 +207,13 @@ def test_another_ranks_signal_makes_every_rank_ask_and_decide_in_the_same_window
     clock = Clock()
     info = Info(int((clock.t + 100) * 1000))
     watch = PreemptionWatch(lambda: None, lambda: info, clock)
-    assert watch.after_window(1, 1.0) == "notice"
+    assert watch.phase is Phase.WATCHING
+    assert kind(watch.after_window(1, 1.0)) == "notice"
+    assert watch.phase is Phase.NOTICED
     assert not watch.signal()  # 100 s left: not yet
-    assert watch.after_window(1, 1.0) == "last"  # another rank judged it time
-    assert watch.after_window(2, 1.0) is None
+    assert kind(watch.after_window(1, 1.0)) == "last"  # another rank judged it time
+    assert watch.phase is Phase.ENDING
+    assert kind(watch.after_window(2, 1.0)) is None
 
 
 def test_a_notice_shorter_than_a_checkpoint_is_too_short():
@@ -207,13 +221,14 @@ def test_a_notice_shorter_than_a_checkpoint_is_too_short():
     info = Info(int((clock.t + 3) * 1000))
     watch = PreemptionWatch(lambda: info, lambda: info, clock)
     watch.checkpoint_s = 8.0
-    assert watch.after_window(1, 0.1) == "notice"
+    assert kind(watch.after_window(1, 0.1)) == "notice"
     assert watch.too_short()
     watch.give_up()
-    assert not watch.signal() and watch.after_window(2, 0.1) is None
+    assert watch.phase is Phase.OVER
+    assert not watch.signal() and kind(watch.after_window(2, 0.1)) is None
     # a checkpoint never timed in this group: tried
     fresh = PreemptionWatch(lambda: info, lambda: info, clock)
-    fresh.after_window(1, 0.1)
+    kind(fresh.after_window(1, 0.1))
     assert not fresh.too_short()
 
 
@@ -221,11 +236,69 @@ def test_stand_by_returns_only_when_no_restart_came():
     clock = Clock()
     info = Info(int((clock.t + 10) * 1000))
     watch = PreemptionWatch(lambda: info, lambda: info, clock)
-    watch.after_window(1, 1.0)
+    kind(watch.after_window(1, 1.0))
     watch.stand_by(sleep=clock.sleep)
     assert clock.t >= watch.notice.deadline + STANDBY_GRACE_S
     # the notice is done with: the same notice, still in the context, raises nothing
-    assert not watch.signal() and watch.after_window(1, 1.0) is None
+    assert not watch.signal() and kind(watch.after_window(1, 1.0)) is None
+
+
+class Outbox:
+    def __init__(self):
+        self.sent, self.flushes = [], 0
+
+    def send(self, event):
+        self.sent.append(event)
+
+    def flush(self):
+        self.flushes += 1
+
+
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_a_notice_is_answered_with_a_checkpoint_unless_the_boundary_wrote_one(checkpointed):
+    """`Reclaim` carries out a `CheckpointNow`: the checkpoint in flight waited for, a
+    checkpoint now unless this boundary wrote one, the notice's event, handed over at once."""
+    clock = Clock()
+    info = Info(int((clock.t + 60) * 1000))
+    watch = PreemptionWatch(lambda: info, lambda: info, clock)
+    calls, outbox = [], Outbox()
+    reclaim = Reclaim(
+        watch,
+        rank=0,
+        checkpoint=lambda reason: calls.append(reason) or 0.25,
+        wait=lambda: calls.append("wait"),
+        outbox=outbox,
+    )
+    decision = watch.after_window(1, 1.0)
+    reclaim.carry_out(decision, 7, checkpointed=checkpointed, is_last=False, last_saved=lambda: 7)
+    assert calls == ["wait"] + ([] if checkpointed else ["preemption notice"])
+    (event,) = outbox.sent
+    assert isinstance(event, PreemptionNotice) and outbox.flushes == 1
+    assert (event.step, event.checkpoint_step, event.too_short) == (7, 7, False)
+    assert event.checkpoint_s == (None if checkpointed else 0.25)
+    assert watch.phase is Phase.NOTICED
+
+
+def test_the_last_checkpoint_ends_the_group_and_stands_by_unless_the_run_ends_there():
+    clock = Clock()
+    info = Info(int((clock.t + 5) * 1000))
+    asked = []
+    watch = PreemptionWatch(lambda: info, lambda: info, clock, end_now=asked.append)
+    watch.stand_by = lambda: setattr(watch, "phase", Phase.OVER)  # no real wait
+    calls, outbox = [], Outbox()
+    reclaim = Reclaim(watch, rank=0, checkpoint=calls.append, wait=lambda: None, outbox=outbox)
+    watch.after_window(1, 1.0)
+    last = watch.after_window(1, 1.0)
+    assert isinstance(last, LastCheckpoint)
+    reclaim.carry_out(last, 9, checkpointed=False, is_last=True, last_saved=lambda: 9)
+    assert calls == ["before the reclaim"] and outbox.sent == [] and asked == []
+    reclaim.carry_out(last, 9, checkpointed=True, is_last=False, last_saved=lambda: 9)
+    assert calls == ["before the reclaim"] and asked == [("node-b",)]
+    (standby,) = outbox.sent
+    assert isinstance(standby, ReclaimStandby) and standby.kept_until_deadline is None
+    assert watch.phase is Phase.OVER
+    reclaim.carry_out(None, 10, checkpointed=False, is_last=False, last_saved=lambda: 9)
+    assert calls == ["before the reclaim"]
 
 
 def refused(nodes):
@@ -249,7 +322,7 @@ def test_the_group_ends_once_the_last_checkpoint_is_written(end_now, noticed, wh
         end_now = asked.append
     watch = PreemptionWatch(lambda: info, lambda: info, clock, end_now=end_now)
     if noticed:
-        watch.after_window(1, 1.0)
+        kind(watch.after_window(1, 1.0))
     assert watch.end_group() == why
     assert asked == ([watch.notice.nodes] if why is None else [])
 

@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 
 from rayacc.observe.events import RunStarted
-from rayacc.observe.ranks import FIELDS, FIGURES_KEY, RankWatch, Straggler, rank_report
-from rayacc.observe.relay import RankRelay
+from rayacc.observe.ranks import FIELDS, FIGURES_KEY, Straggler, StragglerJudge, rank_figures
+from rayacc.observe.relay import FiguresRelay
 
 
 def figures(compute=0.2, data=0.01, sync=0.05, optimizer=0.01, host=500.0, device=100.0):
-    return rank_report(
+    return rank_figures(
         step_s=compute + sync + optimizer,
         sync_s=sync,
         optimizer_s=optimizer,
@@ -79,7 +79,7 @@ SLOW_DATA = {"r1": {"data": 0.4}}
 def test_a_straggler_is_named_within_two_intervals_and_an_even_run_names_none(
     case, windows, expect
 ):
-    watch = RankWatch(2, nodes=[f"10.0.0.{r}/n{r}" for r in range(4)])
+    watch = StragglerJudge(2, nodes=[f"10.0.0.{r}/n{r}" for r in range(4)])
     named = run(watch, windows)
     assert [(step, s.rank, s.part) for step, s in named] == expect, case
     for _, s in named:
@@ -90,7 +90,7 @@ def test_a_straggler_is_named_within_two_intervals_and_an_even_run_names_none(
 
 
 def test_the_window_and_interval_figures():
-    watch = RankWatch(3, nodes=())
+    watch = StragglerJudge(3, nodes=())
     reports = even(3, r1={"compute": 0.5, "device": 300.0})
     first, _ = watch.window(1, flat(reports))
     own = [0.22, 0.52, 0.22]  # compute + data + optimizer
@@ -113,7 +113,7 @@ def test_the_window_and_interval_figures():
 
 
 def test_no_reports_no_figures_and_a_new_worker_count_starts_over():
-    watch = RankWatch(2)
+    watch = StragglerJudge(2)
     assert watch.window(1, ()) == ({}, None)  # a group's first window: nothing sent yet
     run(watch, [even(4, r1={"compute": 0.6})] * 2)  # one slow interval at 4 workers
     # resized to 2 workers: the streak at 4 does not carry over
@@ -122,11 +122,12 @@ def test_no_reports_no_figures_and_a_new_worker_count_starts_over():
 
 
 def test_a_tenth_of_the_run_is_the_interval():
-    assert [RankWatch.interval_for(n) for n in (1, 9, 10, 14, 100, 1001)] == [1, 1, 1, 2, 10, 101]
+    sizes = (1, 9, 10, 14, 100, 1001)
+    assert [StragglerJudge.interval_for(n) for n in sizes] == [1, 1, 1, 2, 10, 101]
 
 
 def test_a_ranks_report_splits_its_window():
-    report = rank_report(
+    report = rank_figures(
         step_s=1.0, sync_s=0.3, optimizer_s=0.1, data_s=0.2, host_mb=10.0, device_mb=20.0
     )
     assert dict(zip(FIELDS, report, strict=True)) == pytest.approx(
@@ -143,7 +144,7 @@ def test_a_ranks_report_splits_its_window():
 
 
 def test_each_nodes_system_figures_come_from_its_first_rank():
-    watch = RankWatch(
+    watch = StragglerJudge(
         2,
         nodes=["10.0.0.1/aa", "10.0.0.1/aa", "10.0.0.2/bb", "10.0.0.2/bb"],
         system=("cpu_utilization_percentage", "gpu_memory_usage_megabytes"),
@@ -188,7 +189,7 @@ def test_an_intervals_figures_are_those_of_its_windows_however_it_is_folded(inte
 
     monkeypatch.setattr(ranks, "FOLD_EVERY", 3)
     rng = random.Random(interval)
-    watch = RankWatch(interval)
+    watch = StragglerJudge(interval)
     windows = [[[rng.uniform(0, 1) for _ in FIELDS] for _ in range(3)] for _ in range(2 * interval)]
     ends = {}
     for step, reports in enumerate(windows, start=1):
@@ -208,7 +209,7 @@ def test_an_intervals_figures_are_those_of_its_windows_however_it_is_folded(inte
 def test_figures_that_do_not_split_into_reports_are_refused():
     """The watch reads rank r's report at [r·k, (r+1)·k): figures of another width would be
     read as other ranks' figures."""
-    watch = RankWatch(2, system=("cpu_utilization_percentage",))
+    watch = StragglerJudge(2, system=("cpu_utilization_percentage",))
     with pytest.raises(ValueError, match="do not split into reports of 8"):
         watch.window(1, flat(even(2)))  # reports without the system figure
     assert watch.window(1, flat([[*figures(), 50.0]] * 2))[0]["ranks/slowest"] == 0.0
@@ -249,7 +250,7 @@ def handed(step, reports, **metrics):
 
 
 def test_the_driver_judges_the_ranks_figures_rank_0_hands_over():
-    relay = RankRelay(margin=0.3)
+    relay = FiguresRelay(margin=0.3)
     assert relay.admit(started()) == [started()]
     # a record without figures (a group's first window) passes as it is
     assert relay.admit({"step": 1, "train/loss": 1.0}) == [{"step": 1, "train/loss": 1.0}]

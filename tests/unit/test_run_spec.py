@@ -17,7 +17,7 @@ import rayacc
 from rayacc import TrainConfig
 from rayacc.config.batch_split import BatchSplitError
 from rayacc.config.errors import ConfigError, ConfigIssue
-from rayacc.data.sources import prepare_bundled
+from rayacc.data.bundled import prepare_bundled
 from rayacc.driver.prelaunch import prepare
 from rayacc.quantities import (
     epoch_layout,

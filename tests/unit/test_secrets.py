@@ -97,7 +97,8 @@ def test_run_storage_and_checkpoint_files_hold_no_credential(tmp_path):
     """What a run writes beside its checkpoints: the run's info file, the model description,
     the identity in meta.json."""
     from rayacc.checkpoint import write_checkpoint
-    from rayacc.data.sources import describe_dataset, prepare_bundled
+    from rayacc.data.bundled import prepare_bundled
+    from rayacc.data.sources import describe_dataset
     from rayacc.driver.runs import RUN_INFO, RunLocation
     from rayacc.quantities import run_identity
 

@@ -1,0 +1,98 @@
+"""The shape of the package, as docs/design.md states it: no module too long to read, the
+worker loop a conductor, and the workers acting on the run as the driver derived it (RunSpec)
+rather than reaching back into the config."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import rayacc
+
+ROOT = Path(rayacc.__file__).parent
+MAX_LINES = 500
+LOOP_MAX_LINES = 300
+MAX_CONFIG_READS = 8
+"""Functions on the worker's side that take the whole config or read `.cfg`: the build of a
+rank's model and strategy (models/) needs the model's and strategy's sections; everything else
+comes from `RunSpec` (its quantities and `WorkerSettings`)."""
+
+
+def test_no_module_is_longer_than_a_reader_can_hold():
+    long = {
+        str(p.relative_to(ROOT)): n
+        for p in ROOT.rglob("*.py")
+        if (n := len(p.read_text().splitlines())) > MAX_LINES
+    }
+    assert not long, f"over {MAX_LINES} lines: {long}"
+
+
+def test_the_train_loop_conducts():
+    lines = len((ROOT / "worker" / "loop.py").read_text().splitlines())
+    assert lines <= LOOP_MAX_LINES, f"worker/loop.py: {lines} lines"
+
+
+def _module_path(name: str) -> Path | None:
+    path = ROOT.parent.joinpath(*name.split("."))
+    for candidate in (path.with_suffix(".py"), path / "__init__.py"):
+        if candidate.exists():
+            return candidate
+    return None
+
+
+def _rayacc_imports(path: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("rayacc"):
+            names.add(node.module)
+            names.update(f"{node.module}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Import):
+            names.update(a.name for a in node.names if a.name.startswith("rayacc"))
+    return {n for n in names if _module_path(n)}
+
+
+def worker_config_reads() -> list[str]:
+    """Every function in a module the worker loop reaches (by imports) that takes `cfg` or
+    reads an attribute `.cfg`; the config layer and the derivation (quantities.py) are where
+    the config is read by design."""
+    seen: set[str] = set()
+    todo = ["rayacc.worker.loop"]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        todo += _rayacc_imports(_module_path(name))
+    found = []
+    for name in sorted(seen):
+        if name.startswith(("rayacc.config", "rayacc.quantities")):
+            continue
+        for node in ast.walk(ast.parse(_module_path(name).read_text())):
+            if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            params = {a.arg for a in node.args.args + node.args.kwonlyargs}
+            reads = any(isinstance(n, ast.Attribute) and n.attr == "cfg" for n in ast.walk(node))
+            if "cfg" in params or reads:
+                found.append(f"{name}.{node.name}")
+    return found
+
+
+def test_the_workers_act_on_the_run_as_derived():
+    found = worker_config_reads()
+    assert 0 < len(found) <= MAX_CONFIG_READS, found
+    assert not [f for f in found if f.startswith("rayacc.worker.loop")], found
+
+
+def test_the_count_sees_a_read_added_to_the_loop(monkeypatch, tmp_path):
+    """The count above is not blind: a worker module that reads `self.cfg` is found."""
+    text = (ROOT / "worker" / "cadence.py").read_text()
+    planted = text + "\n\ndef _planted(self):\n    return self.cfg.train\n"
+    original = Path.read_text
+
+    def read_text(self, *args, **kwargs):
+        if self == ROOT / "worker" / "cadence.py":
+            return planted
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", read_text)
+    assert "rayacc.worker.cadence._planted" in worker_config_reads()
