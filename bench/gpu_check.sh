@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The first GPU run in one command: on a machine with one GPU it sets up what it needs (Ray and
-# the project's other dependencies from ./.whl, see bench/README.md), runs a short real
+# the project's other dependencies from ./.whl, see bench/results/gpu.md), runs a short real
 # `rayacc train` of jobs/gpu_gpt.yaml on one GPU worker (NCCL, bf16, compile, fused AdamW,
 # validation, checkpoints, auto micro-batch with real CUDA out-of-memory trials) and
 # bench/gpu_step.py against the bare anchor, and prints one table of what passed and the figures.

@@ -4,7 +4,7 @@ against the bare-PyTorch anchor (`bare_gpt2_anchor.py`), same model (124 M param
 8 × 8, eager and compiled, prints tokens/s, TFLOP/s, MFU against the measured bf16 ceiling of
 the H200 (790 TFLOP/s), peak memory, and the ratio rayacc / bare.
 
-On the GPU machine, with Ray carried as a wheelhouse (see bench/README.md):
+On the GPU machine, with Ray carried as a wheelhouse (see bench/results/gpu.md):
     python3 bench/gpu_step.py [--steps 8] [--out DIR]
 A smoke run of the same code path on CPU with a tiny model:
     .venv/bin/python bench/gpu_step.py --tiny

@@ -11,7 +11,7 @@ autograd saved for backward in one micro-step, and the median time of the last 2
 
 On a GPU (one process per GPU, NCCL, bf16), the same script takes `--device cuda` and reports
 `torch.cuda.max_memory_allocated` instead; commands for GPT-2 124M and a 1B model are in
-bench/README.md.
+bench/results/memory_strategies.md.
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ def local(env: dict, *args: str) -> str:
 
 def spec(folder: Path, name: str, handle_notice: bool) -> Path:
     """The elastic test's job (tests/cluster/test_elastic.py) at about 1 s a step on 2 workers."""
-    from tests.support.cluster import job
+    from tests.support.services.cluster import job
 
     return job(
         folder,

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.support import LEAN_RAY_TRAIN, ROOT
-from tests.support.counts import (
+from tests.support.services.counts import (
     COUNTS_ENV,
     KINDS,
     NOTES_ENV,
@@ -49,7 +49,7 @@ def pytest_configure(config):
         folder = tempfile.mkdtemp(prefix="rt", dir="/tmp")
         os.environ[FOLDER_ENV] = folder
         os.environ[NOTES_ENV] = str(Path(folder) / "notes")
-        os.environ["RAY_TRAIN_CALLBACKS"] = "tests.support.group_counter.CountWorkerGroups"
+        os.environ["RAY_TRAIN_CALLBACKS"] = "tests.support.services.group_counter.CountWorkerGroups"
     me = Path(os.environ[FOLDER_ENV]) / getattr(config, "workerinput", {}).get("workerid", "main")
     me.mkdir(exist_ok=True)
     os.environ[COUNTS_ENV] = str(me / "starts")
@@ -223,11 +223,11 @@ def ray_address(ray_local):
 @pytest.fixture(scope="session")
 def mlflow_server(tmp_path_factory):
     """One real `mlflow server` for the session (a start costs about 20 s on 2 cores): its
-    port. A test that needs the server gone puts a `tests.support.mlflow_server.Gate` in
+    port. A test that needs the server gone puts a `tests.support.services.mlflow_server.Gate` in
     front of it and closes that; a test keeps to experiments of its own."""
     import signal
 
-    from tests.support.mlflow_server import free_port, start_server
+    from tests.support.services.mlflow_server import free_port, start_server
 
     port = free_port()
     proc = start_server(port, tmp_path_factory.mktemp("mlflow") / "server.db")

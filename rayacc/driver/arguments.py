@@ -2,7 +2,7 @@
 type: it checks one value when the line is parsed, so a malformed one is refused (exit 2,
 argparse naming the flag, the kind's message saying what is wrong and the fix) before the
 command does any work — no file written, no cluster asked. Every flag that takes a value has
-one (tests/unit/test_boundaries.py walks the parser and feeds each its `malformed` value)."""
+one (tests/unit/cli/test_boundaries.py walks the parser and feeds each its `malformed` value)."""
 
 from __future__ import annotations
 

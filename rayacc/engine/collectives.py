@@ -3,7 +3,7 @@
 Ray Train runs NCCL when `scaling.use_gpu` is set, and NCCL takes CUDA tensors only; gloo takes
 CPU tensors. A count or a metric built on the host is moved to the group's device here, reduced,
 and handed back on the device it came from. Gradient buckets are on the right device by
-construction. `tests/unit/test_collectives.py` fails when a module of the package calls
+construction. `tests/unit/engine/test_collectives.py` fails when a module of the package calls
 torch.distributed's collectives anywhere else.
 """
 

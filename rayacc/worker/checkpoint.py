@@ -83,7 +83,7 @@ class Checkpointer:
                         f"resumes from ({'; '.join(checkpoints.skipped) or 'not there'})"
                     )
             _, folder, (saved, _, meta) = found
-            w.strategy.load(w.optimizer, folder, saved)
+            w.strategy.state.load(w.strategy.model, w.optimizer, folder, saved)
             if w.history is not None:
                 w.history.load(Path(folder) / HISTORY_FILE)
         for name, part in w.stateful.items():
@@ -123,7 +123,9 @@ class Checkpointer:
         staging = staging_folder()
         has_part = w.rank == 0 or w.strategy.writes_shards
         try:
-            whole, written = w.strategy.save(w.optimizer, staging, w.rank, background=background)
+            whole, written = w.strategy.state.save(
+                w.strategy.model, w.optimizer, staging, w.rank, background=background
+            )
             state = None
             if w.rank == 0:
                 stateful = {n: None if p is None else p.state_dict() for n, p in w.stateful.items()}

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.support import LEAN_RAY_TRAIN, ROOT
-from tests.support.cluster import local
+from tests.support.services.cluster import local
 
 # each cluster's ports start here, a node's in a block of 200 above them (cluster/local.sh)
 LOOPBACK_PORT = "29379"

@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from rayacc.data.bundled import prepare_bundled
-from tests.support.cluster import (
+from tests.support.services.cluster import (
     final_checkpoint,
     hold,
     job,

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from tests.support.cli import rayacc_process
-from tests.support.counts import count
+from tests.support.services.cli import rayacc_process
+from tests.support.services.counts import count
 
 pytestmark = [pytest.mark.ray, pytest.mark.cluster]
 ROOT = Path(__file__).resolve().parents[2]

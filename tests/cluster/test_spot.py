@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.support import ROOT
-from tests.support.cluster import (
+from tests.support.services.cluster import (
     add_node,
     final_checkpoint,
     job,

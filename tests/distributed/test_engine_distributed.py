@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.support import dist_workers as W
-from tests.support.engine_helpers import (
+from tests.support.ranks import dist_workers as W
+from tests.support.ranks.engine_helpers import (
     TinyCausalLM,
     TinyClassifier,
     classification_rows,

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.support import fsdp_workers as F
-from tests.support.engine_helpers import params_vector, spawn_ranks, update_rel_err
+from tests.support.ranks import fsdp_workers as F
+from tests.support.ranks.engine_helpers import params_vector, spawn_ranks, update_rel_err
 
 pytestmark = pytest.mark.distributed
 WORLD = 2

@@ -21,9 +21,9 @@ import math
 import pytest
 import torch
 
-from tests.support import matrix as M
-from tests.support.counts import note
-from tests.support.engine_helpers import spawn_ranks, update_rel_err
+from tests.support.ranks import matrix as M
+from tests.support.ranks.engine_helpers import spawn_ranks, update_rel_err
+from tests.support.services.counts import note
 
 pytestmark = pytest.mark.distributed
 

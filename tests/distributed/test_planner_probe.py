@@ -9,21 +9,21 @@ from tests.support import ROOT
 
 
 def test_the_calibration_probe_is_rank_safe(tmp_path):
-    """Rank 1 alone runs out of memory at micro-batch 8 (tests/support/oom_model.py): under DDP both
-    ranks answer "out of memory" and go on; budgets that differ per rank give one verdict;
-    under FSDP the rank that ran out raises, so the group fails instead of diverging."""
+    """Rank 1 alone runs out of memory at micro-batch 8 (tests/support/models/oom_model.py):
+    under DDP both ranks answer "out of memory" and go on; budgets that differ per rank give one
+    verdict; under FSDP the rank that ran out raises, so the group fails instead of diverging."""
     import torch
 
     from rayacc.data.sources import describe_dataset
     from rayacc.driver.calibrate import sample_rows
-    from tests.support import planner_workers
-    from tests.support.engine_helpers import spawn_ranks
+    from tests.support.ranks import planner_workers
+    from tests.support.ranks.engine_helpers import spawn_ranks
 
     job = yaml.safe_load((ROOT / "jobs/digits.yaml").read_text())
     job["data"]["cache_dir"] = str(tmp_path / "cache")
     job["model"] = {
         "name": "factory",
-        "factory": "tests.support.oom_model:build",
+        "factory": "tests.support.models.oom_model:build",
         "kwargs": {"threshold": 8, "always": True, "rank_only": 1},
     }
     cfg = TrainConfig.from_dict(job)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support import spawn_targets
-from tests.support.engine_helpers import spawn_ranks
+from tests.support.ranks import spawn_targets
+from tests.support.ranks.engine_helpers import spawn_ranks
 
 
 def test_a_crash_in_teardown_after_the_work_is_not_a_failure(tmp_path):

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.support import strategy_workers as W
-from tests.support.engine_helpers import spawn_ranks, update_rel_err
+from tests.support.ranks import strategy_workers as W
+from tests.support.ranks.engine_helpers import spawn_ranks, update_rel_err
 
 pytestmark = pytest.mark.distributed
 

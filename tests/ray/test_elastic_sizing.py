@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from rayacc.driver.fit import refresh_elastic_sizing
-from tests.support.fits import config
+from tests.support.services.fits import config
 
 pytestmark = pytest.mark.ray
 

@@ -13,7 +13,7 @@ from rayacc.data.order import DataOrder, EpochLayout
 from rayacc.data.prepare import prepare_corpus
 from rayacc.data.sources import describe_dataset, row_groups
 from rayacc.worker.ingest import RankReader
-from tests.support.corpus import corpus, quiet, rows_of
+from tests.support.data.corpus import corpus, quiet, rows_of
 
 ROWS = 600
 

@@ -2,7 +2,8 @@
 whole stack (real Ray, a real `mlflow server`, the `rayacc` command): the driver (joined to
 the suite's Ray, as on a cluster) SIGKILLed after a checkpoint and two steps beyond it (steps
 no checkpoint keeps, already in MLflow); a resume during which the tracking server is cut off
-and back again (a gate in front of the suite's server, `tests.support.mlflow_server.Gate`: to
+and back again (a gate in front of the suite's server,
+`tests.support.services.mlflow_server.Gate`: to
 a client the same as a killed and restarted server) and a worker process is SIGKILLed (Ray
 Train restarts the group from the latest checkpoint): under DDP rank 0 in the middle of writing
 a checkpoint in the background, which must leave the one before it the run's; under FSDP a rank
@@ -28,8 +29,8 @@ from mlflow.tracking import MlflowClient
 from rayacc import TrainConfig, load_model
 from rayacc.driver.runs import RUN_INFO
 from rayacc.observe.events import RunObserver, RunStarted
-from tests.support.fits import config, digits_subset, fit_or_fail, rel_diff, weights
-from tests.support.mlflow_server import Gate
+from tests.support.services.fits import config, digits_subset, fit_or_fail, rel_diff, weights
+from tests.support.services.mlflow_server import Gate
 
 pytestmark = pytest.mark.ray
 
@@ -40,7 +41,7 @@ FORWARDS_PER_STEP = 4  # per rank: global 32 = micro 4 × accumulation 4 × 2 wo
 COMPUTED = ("train/loss", "train/lr", "train/grad_norm", "train/items", "val/loss")
 
 
-FAULTY_MODEL = "tests.support.faulty_model:build"
+FAULTY_MODEL = "tests.support.models.faulty_model:build"
 PLANTED = "Zq9PlantedPassword"
 
 

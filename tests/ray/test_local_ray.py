@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from tests.support import ROOT
-from tests.support.cli import rayacc_process
+from tests.support.services.cli import rayacc_process
 
 
 def test_the_elastic_job_on_a_local_ray_exits_2_instead_of_waiting(tmp_path):

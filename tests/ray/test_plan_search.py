@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from rayacc.cli import main
-from tests.support.cli import assert_only_rayaccs_lines, rayacc_process
+from tests.support.services.cli import assert_only_rayaccs_lines, rayacc_process
 
 pytestmark = pytest.mark.ray
 

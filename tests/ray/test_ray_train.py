@@ -16,7 +16,7 @@ from mlflow.tracking import MlflowClient
 from rayacc import TrainConfig, build_model, load_model
 from rayacc.data.bundled import prepare_bundled
 from rayacc.observe.console import ProgressPrinter
-from tests.support.fits import (
+from tests.support.services.fits import (
     config,
     digits_subset,
     fit_or_fail,
@@ -165,7 +165,7 @@ def test_two_runs_of_one_config_give_the_same_weights_through_either_read_path(
                 tmp_path / name,
                 model={
                     "name": "factory",
-                    "factory": "tests.support.slow_model:build",
+                    "factory": "tests.support.models.slow_model:build",
                     "kwargs": {"dropout": 0.1, "delay_s": 0.0, **slow},
                 },
                 data={
@@ -194,7 +194,7 @@ def test_two_runs_of_one_config_give_the_same_weights_through_either_read_path(
         assert [r["train/samples"] for r in result.history] == [32] * 6 + [11] + [32] * 6 + [11]
         assert result.summary["train_state"]["samples_seen"] == 2 * 203
         assert result.summary["train_state"]["optimizer_step"] == 14
-    factory = "tests.support.slow_model:build"
+    factory = "tests.support.models.slow_model:build"
     wa, wb = (weights(load_model(r.checkpoint_dir, factory)) for r in (ray_data, in_process))
     assert torch.equal(wa, wb), "two runs of one config must give identical weights"
 
@@ -240,7 +240,7 @@ def test_a_size_that_ran_out_of_memory_in_training_is_not_chosen_again(ray_local
         tmp_path,
         model={
             "name": "factory",
-            "factory": "tests.support.oom_model:build",
+            "factory": "tests.support.models.oom_model:build",
             "kwargs": {"threshold": 16},
         },
         batch={"global_batch_size": 64, "micro_batch_size": "auto", "memory_budget_mb": 4096},
@@ -263,7 +263,7 @@ def test_a_sharded_search_trial_out_of_memory_restarts_the_group_below_it(ray_lo
         tmp_path,
         model={
             "name": "factory",
-            "factory": "tests.support.oom_model:build",
+            "factory": "tests.support.models.oom_model:build",
             "kwargs": {"threshold": 16, "always": True},
         },
         batch={"global_batch_size": 64, "micro_batch_size": "auto", "memory_budget_mb": 4096},

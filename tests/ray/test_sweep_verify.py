@@ -15,7 +15,7 @@ from rayacc.config import SweepConfig
 from rayacc.driver.sweep import run_sweep
 from rayacc.driver.verify import verify
 from rayacc.tracking.report import build_report, write_report
-from tests.support.fits import digits_subset
+from tests.support.services.fits import digits_subset
 
 pytestmark = pytest.mark.ray
 ROOT = Path(__file__).resolve().parents[2]
@@ -155,7 +155,7 @@ def test_verify_fails_on_batchnorm(ray_local, tmp_path):
         ROOT / "jobs" / "digits.yaml",
         overrides=[
             "model.name=factory",
-            "model.factory=tests.support.bn_model:build",
+            "model.factory=tests.support.models.bn_model:build",
             f"tracking.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
             f"run.storage_path={tmp_path / 'runs'}",
             "scaling.cpus_per_worker=0.5",

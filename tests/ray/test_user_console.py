@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.cli import assert_only_rayaccs_lines
+from tests.support.services.cli import assert_only_rayaccs_lines
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -8,7 +8,8 @@ sync), the gradient reduction (a sum over ranks: the step's one multiply by 1 / 
 whole normalisation), the gradient norm, whether forwards are collectives (then the ranks agree
 on every count of forwards first), whether an out-of-memory error can be retried in place,
 dropping every gradient it holds (internal buffers too), its communication accounting, and
-saving / loading the model and optimizer state. One module per strategy (`base`: the interface
+and how its state goes into a checkpoint (composed: `state`, a `StateFormat` of
+`parallel/state.py`). One module per strategy (`base`: the interface
 and what they share; `ddp`; `fsdp`); another strategy (HSDP, say) is one more module.
 """
 
@@ -20,7 +21,8 @@ from torch import nn
 
 from rayacc.engine.parallel.base import CommStats, ModelRecipe, Strategy, host_copy, unwrap
 from rayacc.engine.parallel.ddp import DDP
-from rayacc.engine.parallel.fsdp import FSDP, SHARDS_DIR
+from rayacc.engine.parallel.fsdp import FSDP
+from rayacc.engine.parallel.state import SHARDS_DIR, ShardedState, StateFormat, WholeState
 from rayacc.engine.units import is_fsdp
 
 __all__ = [
@@ -30,7 +32,10 @@ __all__ = [
     "STRATEGIES",
     "CommStats",
     "ModelRecipe",
+    "ShardedState",
+    "StateFormat",
     "Strategy",
+    "WholeState",
     "host_copy",
     "make_strategy",
     "strategy_of",

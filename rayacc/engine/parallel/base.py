@@ -10,8 +10,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -21,6 +20,9 @@ from rayacc.engine.collectives import all_reduce
 from rayacc.engine.recompute import apply_activation_checkpointing
 from rayacc.engine.sync import is_ddp
 from rayacc.engine.units import fsdp_blocks
+
+if TYPE_CHECKING:
+    from rayacc.engine.parallel.state import StateFormat
 
 __all__ = ["CommStats", "ModelRecipe", "Strategy", "host_copy", "unwrap"]
 
@@ -97,8 +99,6 @@ class Strategy(ABC):
     can_retry_out_of_memory: bool = True
     """An out-of-memory error before a window's syncing micro-step can be retried in place
     (nothing is waiting on this rank in a collective)."""
-    writes_shards: bool = False
-    """Every rank writes its part of a checkpoint (else rank 0 writes the whole state)."""
     fused_sgd: bool = True
     """PyTorch's fused SGD kernel can step this strategy's parameters."""
     gathers_in_forward: bool = False
@@ -107,8 +107,16 @@ class Strategy(ABC):
     holds_whole_gradients: bool = False
     """Every rank holds gradients of the whole model across a window (not only its shard's)."""
 
+    state: StateFormat
+    """How its model and optimizer state goes into a checkpoint and back (parallel/state.py)."""
+
     def __init__(self) -> None:
         self.model: nn.Module | None = None
+
+    @property
+    def writes_shards(self) -> bool:
+        """Every rank writes its part of a checkpoint (else rank 0 writes the whole state)."""
+        return self.state.writes_shards
 
     # ------------------------------------------------------------------ build
     def build(self, recipe: ModelRecipe, device: torch.device) -> nn.Module:
@@ -178,26 +186,6 @@ class Strategy(ABC):
     def comm_stats(self, micro_steps: int) -> CommStats:
         return CommStats()
 
-    # ------------------------------------------------------------------ state
-    @abstractmethod
-    def save(
-        self,
-        optimizer: torch.optim.Optimizer,
-        folder: str | Path,
-        rank: int,
-        *,
-        background: bool = False,
-    ) -> tuple[dict[str, Any], Callable[[], None]]:
-        """Writes this rank's part of the model and optimizer state under `folder`; returns
-        what goes whole into the checkpoint's state file (rank 0) and a wait for this rank's
-        files. `background`: the state is copied now (training may change it next) and the
-        files are written meanwhile; the wait blocks until they are (a collective's own
-        group, so training's collectives go on)."""
-
-    @abstractmethod
-    def load(self, optimizer: torch.optim.Optimizer, folder: str | Path, saved: dict) -> None:
-        """Loads what `save` wrote (at any number of ranks)."""
-
     def unwrapped(self) -> nn.Module:
         """The user's module inside the wrappers (its parameters as the strategy holds them)."""
         assert self.model is not None
@@ -225,10 +213,6 @@ def host_copy(state: Any) -> Any:
     if isinstance(state, list | tuple):
         return type(state)(host_copy(v) for v in state)
     return state
-
-
-def _written() -> None:
-    """The wait of a part that is already on disk (or that this rank does not write)."""
 
 
 def _checkpoint_blocks(module: nn.Module, recipe: ModelRecipe) -> None:

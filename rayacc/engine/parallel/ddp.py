@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
-from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
@@ -17,9 +14,8 @@ from rayacc.engine.parallel.base import (
     Strategy,
     _checkpoint_blocks,
     _world,
-    _written,
-    host_copy,
 )
+from rayacc.engine.parallel.state import WholeState
 from rayacc.engine.sync import CommCounter, install_comm_counter, is_ddp
 
 __all__ = ["DDP"]
@@ -33,6 +29,7 @@ class DDP(Strategy):
 
     def __init__(self) -> None:
         super().__init__()
+        self.state = WholeState()
         self.comm: CommCounter | None = None
 
     def _build(self, recipe: ModelRecipe, device: torch.device) -> nn.Module:
@@ -93,26 +90,3 @@ class DDP(Strategy):
             sync_passes=self.comm.passes,
             sync_time_s=self.comm.sync_time_s(),
         )
-
-    def save(
-        self,
-        optimizer: torch.optim.Optimizer,
-        folder: str | Path,
-        rank: int,
-        *,
-        background: bool = False,
-    ) -> tuple[dict[str, Any], Callable[[], None]]:
-        if rank != 0:
-            return {}, _written
-        whole = {"model": self.unwrapped().state_dict(), "optimizer": optimizer.state_dict()}
-        # the state dicts hold the live tensors: a copy, before the next step changes them
-        return (host_copy(whole) if background else whole), _written
-
-    def load(self, optimizer: torch.optim.Optimizer, folder: str | Path, saved: dict) -> None:
-        if "model" not in saved:
-            raise ValueError(
-                f"{folder} holds a sharded checkpoint (written under FSDP): "
-                "this model is replicated"
-            )
-        self.unwrapped().load_state_dict(saved["model"])
-        optimizer.load_state_dict(saved["optimizer"])

@@ -3,12 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
-from pathlib import Path
-from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from rayacc.engine.collectives import all_reduce
@@ -19,13 +15,11 @@ from rayacc.engine.parallel.base import (
     _checkpoint_blocks,
     _Timeline,
     _world,
-    _written,
 )
+from rayacc.engine.parallel.state import ShardedState
 from rayacc.engine.units import GRAD_SYNC_MODES, fsdp_blocks, is_fsdp
 
-__all__ = ["FSDP", "SHARDS_DIR"]
-
-SHARDS_DIR = "shards"
+__all__ = ["FSDP"]
 
 
 class FSDP(Strategy):
@@ -38,7 +32,6 @@ class FSDP(Strategy):
     lockstep = True
     # a peer may be waiting in a gather or reduce-scatter this rank will never join
     can_retry_out_of_memory = False
-    writes_shards = True
     # the fused SGD kernel has no rule for sharded (DTensor) parameters
     fused_sgd = False
     gathers_in_forward = True
@@ -60,7 +53,7 @@ class FSDP(Strategy):
         self._timeline = _Timeline()
         self.counted = False
         self._unit_list: list[nn.Module] | None = None
-        self._checkpoint_group: Any = None
+        self.state = ShardedState()
 
     def _build(self, recipe: ModelRecipe, device: torch.device) -> nn.Module:
         from rayacc.engine.fsdp import materialize_shards, shard_model
@@ -157,38 +150,3 @@ class FSDP(Strategy):
             sync_passes=synced,
             sync_time_s=self._timeline.span_s(),
         )
-
-    def save(
-        self,
-        optimizer: torch.optim.Optimizer,
-        folder: str | Path,
-        rank: int,
-        *,
-        background: bool = False,
-    ) -> tuple[dict[str, Any], Callable[[], None]]:
-        from rayacc.engine.shards import save_sharded
-
-        if not background:
-            save_sharded(Path(folder) / SHARDS_DIR, self.model, optimizer)
-            return {}, _written
-        if self._checkpoint_group is None:
-            # DCP plans and ends a background save with collectives of its own, on the host:
-            # on the training group they would interleave with the next windows' collectives
-            # (every rank reaches this first save at one step, so the group is made in step)
-            self._checkpoint_group = dist.new_group(backend="gloo")
-        future = save_sharded(
-            Path(folder) / SHARDS_DIR, self.model, optimizer, group=self._checkpoint_group
-        )
-        return {}, future.result
-
-    def load(self, optimizer: torch.optim.Optimizer, folder: str | Path, saved: dict) -> None:
-        from rayacc.engine.shards import load_sharded
-
-        shards = Path(folder) / SHARDS_DIR
-        if not shards.is_dir():
-            raise ValueError(
-                f"{folder} holds a whole-model checkpoint (written under DDP): "
-                "this model is sharded"
-            )
-        # each rank reads its rows of every tensor, whatever the size that wrote them
-        load_sharded(shards, self.model, optimizer)

@@ -1,0 +1,105 @@
+"""How a strategy's model and optimizer state goes into a checkpoint and back: composed into a
+strategy (`Strategy.state`), not part of its stepping. `WholeState`: rank 0 writes the
+unwrapped model's and the optimizer's whole state dicts (a replicated model); `ShardedState`:
+every rank writes its shards through `torch.distributed.checkpoint`, which loads at any number
+of ranks (a sharded model). Another format (DeepSpeed's own, say) is one more class."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from rayacc.engine.parallel.base import host_copy, unwrap
+
+__all__ = ["SHARDS_DIR", "ShardedState", "StateFormat", "WholeState"]
+
+SHARDS_DIR = "shards"
+
+
+def _written() -> None:
+    """The wait of a part that is already on disk (or that this rank does not write)."""
+
+
+class StateFormat(ABC):
+    writes_shards: bool = False
+    """Every rank writes its part of a checkpoint (else rank 0 writes the whole state)."""
+
+    @abstractmethod
+    def save(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        folder: str | Path,
+        rank: int,
+        *,
+        background: bool = False,
+    ) -> tuple[dict[str, Any], Callable[[], None]]:
+        """Writes this rank's part of the model and optimizer state under `folder`; returns
+        what goes whole into the checkpoint's state file (rank 0) and a wait for this rank's
+        files. `background`: the state is copied now (training may change it next) and the
+        files are written meanwhile; the wait blocks until they are (a collective's own
+        group, so training's collectives go on)."""
+
+    @abstractmethod
+    def load(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, folder: str | Path, saved: dict
+    ) -> None:
+        """Loads what `save` wrote (at any number of ranks)."""
+
+
+class WholeState(StateFormat):
+    def save(self, model, optimizer, folder, rank, *, background=False):
+        if rank != 0:
+            return {}, _written
+        whole = {"model": unwrap(model).state_dict(), "optimizer": optimizer.state_dict()}
+        # the state dicts hold the live tensors: a copy, before the next step changes them
+        return (host_copy(whole) if background else whole), _written
+
+    def load(self, model, optimizer, folder, saved):
+        if "model" not in saved:
+            raise ValueError(
+                f"{folder} holds a sharded checkpoint (written under FSDP): "
+                "this model is replicated"
+            )
+        unwrap(model).load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+
+
+class ShardedState(StateFormat):
+    writes_shards = True
+
+    def __init__(self) -> None:
+        self._group = None
+        """A gloo group of its own for background saves (made at the first)."""
+
+    def save(self, model, optimizer, folder, rank, *, background=False):
+        from rayacc.engine.shards import save_sharded
+
+        if not background:
+            save_sharded(Path(folder) / SHARDS_DIR, model, optimizer)
+            return {}, _written
+        if self._group is None:
+            # DCP plans and ends a background save with collectives of its own, on the host:
+            # on the training group they would interleave with the next windows' collectives
+            # (every rank reaches this first save at one step, so the group is made in step)
+            self._group = dist.new_group(backend="gloo")
+        future = save_sharded(Path(folder) / SHARDS_DIR, model, optimizer, group=self._group)
+        return {}, future.result
+
+    def load(self, model, optimizer, folder, saved):
+        from rayacc.engine.shards import load_sharded
+
+        shards = Path(folder) / SHARDS_DIR
+        if not shards.is_dir():
+            raise ValueError(
+                f"{folder} holds a whole-model checkpoint (written under DDP): "
+                "this model is sharded"
+            )
+        # each rank reads its rows of every tensor, whatever the size that wrote them
+        load_sharded(shards, model, optimizer)

@@ -1,0 +1,1 @@
+"""Test support: token data, corpora and checkpoints made for tests."""

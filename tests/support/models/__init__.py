@@ -1,0 +1,1 @@
+"""Test support: test models and factories."""

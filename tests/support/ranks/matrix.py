@@ -1,0 +1,299 @@
+"""The combination matrix: every accepted combination of strategy, activation checkpointing,
+micro-batch, workers, precision, loss, last window and resume event, covered pairwise, each case
+run on gloo ranks (no Ray) through the product's own build path (`build_rank`: strategy,
+model, optimizer, losses and the accumulation step), and compared with single-process
+full-batch steps.
+
+A case runs in two phases when it has an event: phase A trains its first window and saves the
+model and optimizer state through the strategy (a sharded checkpoint under FSDP), phase B
+builds a fresh model at the resume size, loads it, runs the auto search again if the case has
+one, and trains the rest. Cases are grouped by the number of ranks of each phase, so a whole
+matrix costs at most six spawns of rank processes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from tests.support.ranks.engine_helpers import full_weights
+
+FACTORS: dict[str, tuple] = {
+    "strategy": ("ddp", "fsdp every_micro_step", "fsdp window_end"),
+    "recompute": ("none", "full"),
+    "micro": ("fixed", "auto"),
+    "workers": (1, 2, 3),
+    "precision": ("fp32", "bf16"),
+    "loss": ("plain", "chunked"),
+    "last": ("full", "short"),
+    "event": ("none", "resume same size", "resume other size"),
+}
+
+VOCAB, BLOCK = 16, 16
+GLOBAL = 12
+"""Sequences per window: 12 rows divide over 1, 2 and 3 ranks."""
+MICRO = 2
+LR, MOMENTUM = 0.5, 0.9
+CHUNK = 5
+"""Positions per chunk of the chunked loss: windows hold 2–16 positions per row, so chunks
+straddle rows and padding."""
+OTHER_SIZE = {1: 2, 2: 3, 3: 2}
+"""The size a case resumes at when its event is a resume at another size."""
+
+
+def pairwise(factors: dict[str, tuple], seed: int = 0) -> list[dict]:
+    """A small set of cases in which every pair of values of every two factors appears at least
+    once (a covering array of strength 2), built greedily: each new case is the candidate that
+    covers the most pairs not yet covered, candidates being every full combination (the
+    space here is 2,592). Deterministic."""
+    names = list(factors)
+    uncovered = {
+        ((a, va), (b, vb))
+        for a, b in itertools.combinations(names, 2)
+        for va in factors[a]
+        for vb in factors[b]
+    }
+    space = [dict(zip(names, combo)) for combo in itertools.product(*factors.values())]
+    cases = []
+    while uncovered:
+
+        def gain(case: dict) -> int:
+            return sum(
+                ((a, case[a]), (b, case[b])) in uncovered
+                for a, b in itertools.combinations(names, 2)
+            )
+
+        best = max(space, key=gain)
+        cases.append(best)
+        for a, b in itertools.combinations(names, 2):
+            uncovered.discard(((a, best[a]), (b, best[b])))
+    return cases
+
+
+def uncovered_pairs(factors: dict[str, tuple], cases: list[dict]) -> list:
+    """The pairs of values no case holds (empty for a pairwise covering)."""
+    names = list(factors)
+    return [
+        ((a, va), (b, vb))
+        for a, b in itertools.combinations(names, 2)
+        for va in factors[a]
+        for vb in factors[b]
+        if not any(c[a] == va and c[b] == vb for c in cases)
+    ]
+
+
+@dataclass(frozen=True)
+class Case:
+    index: int
+    strategy: str
+    recompute: str
+    micro: str
+    workers: int
+    precision: str
+    loss: str
+    last: str
+    event: str
+
+    @property
+    def resume_workers(self) -> int | None:
+        if self.event == "none":
+            return None
+        return self.workers if self.event == "resume same size" else OTHER_SIZE[self.workers]
+
+    def label(self) -> str:
+        return " | ".join(str(v) for k, v in asdict(self).items() if k != "index")
+
+
+def cases() -> list[Case]:
+    return [Case(i, **c) for i, c in enumerate(pairwise(FACTORS))]
+
+
+def windows(case: Case) -> list[list[torch.Tensor]]:
+    """Three windows of variable-length sequences; with a short last window the third holds 7
+    (not a multiple of any worker count or of the micro-batch)."""
+    from tests.support.ranks.engine_helpers import token_sequences
+
+    sizes = [GLOBAL, GLOBAL, 7 if case.last == "short" else GLOBAL]
+    seqs = token_sequences(sum(sizes), seed=31, min_len=2, max_len=BLOCK + 1)
+    seqs = [s.clamp(max=VOCAB - 1) for s in seqs]
+    out, at = [], 0
+    for n in sizes:
+        out.append(seqs[at : at + n])
+        at += n
+    return out
+
+
+def config(case: Case):
+    """The run's config of a case (the product's own validation applies)."""
+    from rayacc.config import TrainConfig
+
+    strategy, _, grad_sync = case.strategy.partition(" ")
+    return TrainConfig.model_validate(
+        {
+            "seed": 5,
+            "model": {"name": "gpt", "n_layer": 2, "n_head": 2, "n_embd": 16, "block_size": BLOCK},
+            "batch": {
+                "global_batch_size": GLOBAL,
+                "micro_batch_size": "auto" if case.micro == "auto" else MICRO,
+                **({"memory_budget_mb": 4096} if case.micro == "auto" else {}),
+            },
+            "scaling": {"num_workers": case.workers},
+            "optim": {"name": "sgd", "lr": LR, "momentum": MOMENTUM, "weight_decay": 0.0},
+            "train": {
+                "strategy": strategy,
+                "precision": case.precision,
+                "activation_checkpointing": case.recompute,
+                "loss_chunk_tokens": CHUNK if case.loss == "chunked" else None,
+            },
+            **({"fsdp": {"grad_sync": grad_sync}} if grad_sync else {}),
+        }
+    )
+
+
+def dataset():
+    from rayacc.data.sources import DatasetInfo
+
+    return DatasetInfo(
+        path="tokens.parquet", format="tokens", num_rows=64, vocab_size=VOCAB, max_tokens=BLOCK + 1
+    )
+
+
+def rank_share(window: list, rank: int, world: int) -> list:
+    """Contiguous share, the first ranks one more when the window does not divide (the data
+    order's rule)."""
+    base, extra = divmod(len(window), world)
+    lo = rank * base + min(rank, extra)
+    return window[lo : lo + base + (1 if rank < extra else 0)]
+
+
+def micro_batches(seqs: list, micro: int, world: int, window_len: int) -> list[dict]:
+    """This rank's share cut into as many micro-batches as every rank runs."""
+    from rayacc.engine import collate_tokens
+
+    steps = math.ceil(math.ceil(window_len / world) / micro)
+    parts = torch.tensor_split(torch.arange(len(seqs)), steps)
+    return [collate_tokens([seqs[int(i)] for i in part]) for part in parts if len(part)]
+
+
+def run_phase(case: Case, rank: int, world: int, folder: Path, phase: str) -> dict | None:
+    """Runs this rank's part of a case's phase; rank 0 returns the full weights at its end."""
+    from rayacc.engine import find_micro_batch_size
+    from rayacc.models.parallel import build_rank
+    from rayacc.optim import optimizer_slots
+
+    cfg, info = config(case), dataset()
+    device = torch.device("cpu")
+    parts = build_rank(cfg, info, device, LR)
+    strategy, optimizer, step = parts.strategy, parts.optimizer, parts.accumulate
+    loss_fn, count = parts.loss_fn, parts.count
+    all_windows = windows(case)
+    if phase == "B":
+        saved = torch.load(folder / "state.pt", weights_only=True) if rank == 0 else {}
+        strategy.state.load(strategy.model, optimizer, folder, _broadcast(saved, rank))
+        todo = all_windows[1:]
+    else:
+        todo = all_windows[:1] if case.event != "none" else all_windows
+
+    micro = MICRO
+    if case.micro == "auto":
+        share = rank_share(todo[0], rank, world)
+        share_rows = math.ceil(GLOBAL / world)
+
+        def make_batch(n: int):
+            from rayacc.engine import collate_tokens
+
+            return collate_tokens([share[i % len(share)] for i in range(n)])
+
+        found = find_micro_batch_size(
+            strategy.unwrapped(),
+            loss_fn,
+            make_batch,
+            samples_per_worker=share_rows,
+            budget_bytes=4096 * 2**20,
+            optimizer_slots=optimizer_slots(cfg.optim),
+            strategy=strategy,
+        )
+        micro = found.micro_batch_size
+    signals = []
+    for i, window in enumerate(todo):
+        mine = rank_share(window, rank, world)
+        # the last rank raises a signal in every other window: every rank must count it there
+        raised = rank == world - 1 and i % 2 == 0
+        result = step(micro_batches(mine, micro, world, len(window)), loss_fn, count, signal=raised)
+        signals.append(result.signals)
+    if phase == "A" and case.event != "none":
+        whole, _ = strategy.state.save(strategy.model, optimizer, folder, rank)
+        if rank == 0:
+            torch.save(whole, folder / "state.pt")
+        return None
+    full = full_weights(strategy.unwrapped())  # a collective under FSDP: every rank gathers
+    return {"params": full, "signals": signals} if rank == 0 else None
+
+
+def _broadcast(saved: dict, rank: int) -> dict:
+    """Rank 0's whole state to every rank (each reads the checkpoint's shared state file)."""
+    import torch.distributed as dist
+
+    box = [saved]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def reference(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
+    """(initial, final) weights of the same SGD steps, each on a whole window in one process,
+    in float32 with the plain loss: the yardstick of every case."""
+    import torch.nn.functional as F
+
+    from rayacc.engine import IGNORE_INDEX, collate_tokens
+    from rayacc.models import build_model
+
+    model = build_model(config(case), dataset())
+    before = full_weights(model)
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    for window in windows(case):
+        batch = collate_tokens(window)
+        logits = model(batch["input"])
+        loss = F.cross_entropy(
+            logits.reshape(-1, VOCAB), batch["target"].reshape(-1), ignore_index=IGNORE_INDEX
+        )
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return before, full_weights(model)
+
+
+def phase_groups(all_cases: list[Case]) -> list[tuple[str, int, list[Case]]]:
+    """(phase, ranks, cases): every phase A first (a phase B loads what its A saved)."""
+    groups = []
+    for phase in ("A", "B"):
+        for world in (1, 2, 3):
+            if phase == "A":
+                chosen = [c for c in all_cases if c.workers == world]
+            else:
+                chosen = [c for c in all_cases if c.resume_workers == world]
+            if chosen:
+                groups.append((phase, world, chosen))
+    return groups
+
+
+def run_group(rank: int, world: int, init_file: str, out_dir: str, phase: str, indices) -> None:
+    """Rank body: every case of one (phase, ranks) group in one gloo group."""
+    from tests.support.ranks.dist_workers import run_scenarios
+
+    by_index = {c.index: c for c in cases()}
+
+    def scenario(case: Case):
+        def run(rank: int, world: int, out: dict) -> None:
+            folder = Path(out_dir).parent / f"case{case.index}"
+            folder.mkdir(exist_ok=True)
+            got = run_phase(case, rank, world, folder, phase)
+            if got is not None:
+                out[case.index] = got
+
+        return run
+
+    run_scenarios(rank, world, init_file, out_dir, [scenario(by_index[i]) for i in indices])

@@ -1,0 +1,2 @@
+"""Test support: whole-stack fits, the `rayacc` command, local clusters, an MLflow server,
+the start counts."""

@@ -1,0 +1,1 @@
+"""Unit tests: the checkpoint layer."""

@@ -1,0 +1,1 @@
+"""Unit tests: the command line, and the boundaries generated from it."""

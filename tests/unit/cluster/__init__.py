@@ -1,0 +1,1 @@
+"""Unit tests: cluster specs, the spot agent, local clusters."""

@@ -1,0 +1,1 @@
+"""Unit tests: config and the derived quantities."""

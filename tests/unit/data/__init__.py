@@ -1,0 +1,1 @@
+"""Unit tests: sources, data order, preparing data."""

@@ -1,0 +1,1 @@
+"""Unit tests: the driver's checks, places, runs, sample, secrets."""

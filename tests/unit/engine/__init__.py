@@ -1,0 +1,1 @@
+"""Unit tests: the engine on one process."""

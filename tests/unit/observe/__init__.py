@@ -1,0 +1,1 @@
+"""Unit tests: what a run tells its observers."""

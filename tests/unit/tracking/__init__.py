@@ -1,0 +1,1 @@
+"""Unit tests: MLflow records and reports."""

@@ -1,0 +1,1 @@
+"""Unit tests: a rank's side of a reclaim."""
