@@ -101,7 +101,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     result = verify(cfg)
     for w in result.warnings:
         err.print(styled(("warning:", "yellow"), f" {w}"))
-    split = cfg.batch_split()
+    split = result.split
     table = Table(title=f"one step of {split.describe()}, {cfg.train.precision}, vs one process")
     for col in ("parameter", "max abs diff", "rel diff ‖Δw_ray − Δw_single‖/‖Δw_single‖"):
         table.add_column(col, justify="right")

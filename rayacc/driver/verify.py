@@ -10,6 +10,7 @@ import torch
 
 from rayacc.checkpoint.reader import load_model
 from rayacc.config import TrainConfig
+from rayacc.config.batch_split import BatchSplit
 from rayacc.data.rows import read_rows
 from rayacc.driver.fit import fit
 from rayacc.driver.prelaunch import Prepared, prepare
@@ -41,6 +42,8 @@ class VerifyResult:
     mlflow_run_id: str | None
     tracking_uri: str | None
     warnings: list[str]
+    split: BatchSplit
+    """The batch split the step ran (the run's reference split)."""
 
     @property
     def worst(self) -> TensorDiff:
@@ -121,4 +124,6 @@ def verify(cfg: TrainConfig) -> VerifyResult:
                 f"could not tag MLflow run {result.mlflow_run_id} rayacc.verified: "
                 f"{redact(str(exc)).splitlines()[0][:200]}"
             )
-    return VerifyResult(passed, tol, diffs, result.mlflow_run_id, result.tracking_uri, warnings)
+    return VerifyResult(
+        passed, tol, diffs, result.mlflow_run_id, result.tracking_uri, warnings, prep.split
+    )
