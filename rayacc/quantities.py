@@ -15,6 +15,7 @@ from rayacc.config.batch_split import BatchSplit, BatchSplitError, split_for_wor
 from rayacc.data.order import DataOrder, EpochLayout
 from rayacc.data.sources import DatasetInfo, RowGroups
 from rayacc.engine.lr import effective_lr
+from rayacc.models.parallel import read_deepspeed_user
 from rayacc.optim import optimizer_slots
 from rayacc.redact import redact
 
@@ -246,6 +247,9 @@ class WorkerSettings:
     its rows itself rather than through Ray Data."""
     optimizer_slots: int
     """Derived: values the optimizer keeps per parameter (`optim.name`, `optim.momentum`)."""
+    deepspeed_user: dict | None = None
+    """The user's DeepSpeed config (`deepspeed.config`), as the driver read it (the workers
+    may not see the file)."""
 
     @classmethod
     def of(cls, cfg: TrainConfig, info: DatasetInfo) -> WorkerSettings:
@@ -267,6 +271,11 @@ class WorkerSettings:
             system_metrics=cfg.tracking.system_metrics,
             read_in_process=0 < info.data_bytes <= cfg.data.in_process_read_max_mb * 2**20,
             optimizer_slots=optimizer_slots(cfg.optim),
+            deepspeed_user=(
+                read_deepspeed_user(cfg.deepspeed.config)
+                if cfg.train.strategy == "deepspeed"
+                else None
+            ),
         )
 
 

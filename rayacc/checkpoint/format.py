@@ -81,9 +81,14 @@ def part_manifest(rank: int) -> str:
     return META_FILE if rank == 0 else f"parts/rank_{rank:05d}.json"
 
 
-def checkpoint_meta(identity, split, state, world: int, sharded: bool) -> dict[str, Any]:
+def checkpoint_meta(
+    identity, split, state, world: int, shards: str | None, state_format: str = "dcp"
+) -> dict[str, Any]:
     """meta.json of a checkpoint written at `state` by a group of `world` ranks; `identity`:
-    the run's (`quantities.run_identity`)."""
+    the run's (`quantities.run_identity`); `shards`: the folder every rank writes its part of
+    the model and optimizer state into (None: rank 0 writes it whole into `state.pt`), in
+    `state_format` (`dcp`: torch.distributed.checkpoint; `deepspeed`: DeepSpeed's own)."""
+    sharded = shards is not None
     return {
         "optimizer_step": state.optimizer_step,
         "global_batch_size": split.global_batch_size,
@@ -92,7 +97,8 @@ def checkpoint_meta(identity, split, state, world: int, sharded: bool) -> dict[s
         "epoch": state.epoch,
         "epoch_sample_offset": state.epoch_sample_offset,
         "identity": identity,
-        "shards": SHARDS_DIR if sharded else None,
+        "shards": shards,
+        "state_format": state_format if sharded else "whole",
         PARTS_KEY: [part_manifest(r) for r in range(1, world)] if sharded else [],
     }
 

@@ -258,7 +258,8 @@ def read_checkpoint(
     state = _load_state(folder / STATE_FILE, map_location)
     description = _section(folder, MODEL_FILE, {"config": dict, "dataset": dict})
     shards = shards_of(folder, meta)
-    if shards is not None:
+    # a DCP folder lists its files in its own index; DeepSpeed's are listed by each rank's part
+    if shards is not None and meta.get("state_format", "dcp") == "dcp":
         from rayacc.engine.shards import ShardError, missing_shard_files
 
         try:
@@ -394,6 +395,13 @@ def load_model(path: str | Path, factory: str | None = None) -> nn.Module:
     checkpoint names is never imported on its word. The factory is called with the
     checkpoint's `model.kwargs`."""
     state, description, meta = read_checkpoint(path)
+    if meta.get("state_format") == "deepspeed":
+        raise CheckpointError(
+            f"{path} is a DeepSpeed checkpoint (train.strategy=deepspeed): its weights are "
+            "read back by a DeepSpeed run only. Fix: continue the run with `rayacc train "
+            "--resume`, or train with train.strategy=ddp or fsdp for a checkpoint "
+            "load_model reads"
+        )
     shards = shards_of(path, meta)
     model = described_model(path, description, factory, _held_shapes(path, state, shards))
     try:

@@ -62,6 +62,7 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
     from rayacc.driver.jobs import SubmitError
     from rayacc.driver.places import PlaceError
     from rayacc.driver.prelaunch import ResourceError
+    from rayacc.engine.parallel import DeepSpeedConfigError
     from rayacc.models import ModelError
     from rayacc.planner.search import NothingFits
     from rayacc.tracking.report import ReportError
@@ -77,6 +78,7 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
         ResourceError,
         PlaceError,
         NothingFits,
+        DeepSpeedConfigError,
     )
 
 

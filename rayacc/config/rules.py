@@ -190,6 +190,63 @@ def _strategy_rules(train: TrainSection) -> list[ConfigIssue]:
     return issues
 
 
+def _deepspeed_rules(sections: dict[str, Any]) -> list[ConfigIssue]:
+    """What `train.strategy: deepspeed` does not run yet, and its section's own rule."""
+    train, ds = sections.get("train"), sections.get("deepspeed")
+    batch, scaling = sections.get("batch"), sections.get("scaling")
+    issues = []
+    if ds is not None and ds.offload_params != "none" and ds.stage != 3:
+        issues.append(
+            ConfigIssue(
+                "deepspeed.offload_params",
+                "parameters are offloaded only under ZeRO stage 3",
+                ds.offload_params,
+                "set deepspeed.stage=3, or deepspeed.offload_params=none",
+            )
+        )
+    if train is None or train.strategy != "deepspeed":
+        return issues
+    fix = "use train.strategy=ddp or fsdp for it"
+    if train.precision != "fp32":
+        issues.append(
+            ConfigIssue(
+                "train.precision",
+                "DeepSpeed runs fp32 here (its fp16/bf16 are not wired to rayacc's step yet)",
+                train.precision,
+                f"set train.precision=fp32 with train.strategy=deepspeed, or {fix}",
+            )
+        )
+    if train.compile:
+        issues.append(
+            ConfigIssue(
+                "train.compile",
+                "torch.compile under DeepSpeed's engine is not supported",
+                True,
+                f"set train.compile=false with train.strategy=deepspeed, or {fix}",
+            )
+        )
+    if batch is not None and batch.auto_micro_batch:
+        issues.append(
+            ConfigIssue(
+                "batch.micro_batch_size",
+                "DeepSpeed's engine is built for one micro-batch: `auto` cannot search",
+                "auto",
+                f"give batch.micro_batch_size a number with train.strategy=deepspeed, or {fix}",
+            )
+        )
+    if scaling is not None and scaling.elastic:
+        issues.append(
+            ConfigIssue(
+                "scaling.num_workers",
+                "a DeepSpeed checkpoint resumes at the worker count that wrote it: an elastic "
+                "range would restart at another",
+                list(scaling.num_workers),
+                f"give one worker count with train.strategy=deepspeed, or {fix}",
+            )
+        )
+    return issues
+
+
 def cross_field_issues(sections: dict[str, Any]) -> list[ConfigIssue]:
     """Every rule whose sections are valid, in a fixed order."""
     model, data = sections.get("model"), sections.get("data")
@@ -205,6 +262,7 @@ def cross_field_issues(sections: dict[str, Any]) -> list[ConfigIssue]:
             scaling = None
     if sections.get("train") is not None:
         issues += _strategy_rules(sections["train"])
+    issues += _deepspeed_rules(sections)
     if batch is not None:
         issues += _auto_micro_batch_rules(batch, scaling)
         if scaling is not None:

@@ -185,6 +185,22 @@ class FSDPConfig(Section):
     """bf16 runs: blocks compute in bf16 and gradients are reduced in float32."""
 
 
+class DeepSpeedConfig(Section):
+    """`train.strategy: deepspeed`: DeepSpeed ZeRO (`pip install rayacc[deepspeed]`;
+    docs/design.md, "Parallel strategies"). rayacc owns the batch, the optimizer, the precision
+    and clipping: it writes those keys of DeepSpeed's config from the job."""
+
+    stage: Literal[1, 2, 3] = 2
+    """ZeRO stage: 1 shards the optimizer state, 2 also the gradients, 3 also the parameters."""
+    offload_optimizer: Literal["none", "cpu"] = "none"
+    """Keep the optimizer state (and its step) in host memory (ZeRO-Offload)."""
+    offload_params: Literal["none", "cpu"] = "none"
+    """Keep the parameters in host memory between uses (ZeRO-Infinity; stage 3 only)."""
+    config: str | None = None
+    """A `deepspeed_config.json` of your own, merged under rayacc's keys; one that sets the
+    batch, precision, optimizer or clipping otherwise than the job is an error naming both."""
+
+
 class TrainSection(Section):
     max_steps: int | None = Field(None, ge=1)
     """Optimizer steps to run; null = run `train.epochs` epochs."""
@@ -220,10 +236,11 @@ class TrainSection(Section):
     """Token models with an output head (`gpt`): compute the vocabulary projection and
     cross-entropy this many positions at a time, so fp32 logits of a whole micro-batch are never
     held; null = all at once."""
-    strategy: Literal["ddp", "fsdp"] = "ddp"
+    strategy: Literal["ddp", "fsdp", "deepspeed"] = "ddp"
     """`ddp`: every rank holds the whole model (DistributedDataParallel). `fsdp`: parameters,
     gradients and optimizer state sharded over the ranks (FSDP2, per transformer block and at
-    the root; see the `fsdp` section), for models that do not fit one device."""
+    the root; see the `fsdp` section), for models that do not fit one device. `deepspeed`:
+    DeepSpeed ZeRO (see the `deepspeed` section)."""
     activation_checkpointing: Literal["none", "full"] | EveryN = "none"
     """Recompute transformer blocks' activations in backward instead of keeping them: `full`
     (every block), `{every_n: k}` (every k-th block) or `none`. Less activation memory for
@@ -339,6 +356,7 @@ class TrainConfig(Section):
     optim: OptimConfig = Field(default_factory=OptimConfig)
     train: TrainSection = Field(default_factory=TrainSection)
     fsdp: FSDPConfig = Field(default_factory=FSDPConfig)
+    deepspeed: DeepSpeedConfig = Field(default_factory=DeepSpeedConfig)
     scaling: ScalingConfig = Field(default_factory=ScalingConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     run: RunConfig = Field(default_factory=RunConfig)

@@ -25,6 +25,7 @@ from rayacc.driver.places import check_places
 from rayacc.driver.runs import RunLocation, locate_run
 from rayacc.engine.units import fsdp_blocks
 from rayacc.models import build_on_meta
+from rayacc.models.parallel import strategy_for
 from rayacc.quantities import RunSpec, data_order, derive_run, elastic_summary
 
 __all__ = [
@@ -127,6 +128,9 @@ def prepare(cfg: TrainConfig) -> Prepared:
             "batch.micro_batch_size to divide it), lower data.val_fraction, or use more data"
         )
     spec = derive_run(cfg, info, groups, order, split)
+    if cfg.train.strategy == "deepspeed":
+        # the user's file against the job, before anything starts (DeepSpeedConfigError)
+        strategy_for(cfg, split, spec.worker.deepspeed_user)
     layout = spec.layout
     reads = read_factor(order, layout) if order.chunked else None
     return Prepared(

@@ -177,7 +177,8 @@ class AccumulationStep:
         # fp16 needs the exact scale before backward (GradScaler's range is tuned to gradients
         # of the mean), which costs an all-reduce before the first micro-step; fp32 and bf16
         # back-propagate item-loss sums and divide once the total is known, after backward
-        scale = self._scale_before_backward(counts) if self.scaler is not None else None
+        scaled_first = self.scaler is not None or self.strategy.scales_before_backward
+        scale = self._scale_before_backward(counts) if scaled_first else None
         self._clear_grads()
         stats = self._micro_steps(
             micro_batches, loss_fn, [*counts, int(signal)], scale, self._slots(figures)
@@ -286,7 +287,7 @@ class AccumulationStep:
                     scaled = micro_sum if scale is None else micro_sum * scale
                     if self.scaler is not None:
                         scaled = self.scaler.scale(scaled)
-                    scaled.backward()
+                    self.strategy.backward(scaled)
             except torch.OutOfMemoryError as exc:
                 # before the last micro-step nothing has synced: the window can be redone
                 if last or not self.oom_retry:
@@ -310,6 +311,12 @@ class AccumulationStep:
     def _normalise_clip_step(self, items: int, divided: bool) -> tuple[float, str | None]:
         """Unscale → normalise → clip → step → schedule; (gradient norm, why skipped or None).
         `divided`: the loss was already scaled by 1 / N before backward (fp16)."""
+        if self.strategy.owns_optimizer_step:
+            # its engine clips (as configured from max_grad_norm) and steps
+            grad_norm, skip_reason = self.strategy.optimizer_step()
+            if skip_reason is None and self.scheduler is not None:
+                self.scheduler.step()
+            return grad_norm, skip_reason
         grads = [
             p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None
         ]

@@ -7,13 +7,25 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.distributed as dist
+import yaml
 from torch import nn
 
 from rayacc.config import TrainConfig
+from rayacc.config.batch_split import BatchSplit
 from rayacc.data.sources import DatasetInfo
-from rayacc.engine.parallel import DDP, FSDP, ModelRecipe, Strategy
+from rayacc.engine.parallel import (
+    DDP,
+    FSDP,
+    DeepSpeed,
+    DeepSpeedConfigError,
+    ModelRecipe,
+    Strategy,
+    deepspeed_config,
+)
 from rayacc.engine.step import AccumulationStep
 from rayacc.models.init import initial_values, seeds_parameters
 from rayacc.models.registry import build_model, build_on_meta, loss_functions
@@ -44,14 +56,19 @@ def build_rank(
     lr: float,
     *,
     oom_retry: bool = False,
+    split: BatchSplit | None = None,
+    deepspeed_user: dict[str, Any] | None = None,
 ) -> RankParts:
     """Strategy → model → optimizer → losses → accumulation step of `cfg` on `device`, at peak
     LR `lr` (the caller lays out a schedule, where it has one, over `parts.optimizer`).
     `oom_retry`: a CUDA out-of-memory error halves the micro-batch on all ranks, where the
-    strategy can retry in place (`Strategy.can_retry_out_of_memory`)."""
-    strategy = strategy_for(cfg)
+    strategy can retry in place (`Strategy.can_retry_out_of_memory`). `split`: the group's batch
+    split (by default the config's at the group's size); `deepspeed_user`: the user's DeepSpeed
+    config as the driver read it (by default read from `deepspeed.config`)."""
+    strategy = strategy_for(cfg, split, deepspeed_user)
     model = strategy.build(model_recipe(cfg, info), device)
     optimizer = build_optimizer(cfg.optim, model.parameters(), lr, device, strategy)
+    model, optimizer = strategy.bind_optimizer(optimizer)
     loss_fn, count = loss_functions(info, cfg.train.loss_chunk_tokens, strategy)
     accumulate = AccumulationStep(
         model,
@@ -64,8 +81,32 @@ def build_rank(
     return RankParts(strategy, model, optimizer, loss_fn, count, accumulate)
 
 
-def strategy_for(cfg: TrainConfig) -> Strategy:
+def strategy_for(
+    cfg: TrainConfig,
+    split: BatchSplit | None = None,
+    deepspeed_user: dict[str, Any] | None = None,
+) -> Strategy:
     """The strategy `train.strategy` names, with its section's options."""
+    if cfg.train.strategy == "deepspeed":
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        split = split or cfg.batch_split(num_workers=world)
+        ds = cfg.deepspeed
+        if deepspeed_user is None:
+            deepspeed_user = read_deepspeed_user(ds.config)
+        return DeepSpeed(
+            deepspeed_config(
+                stage=ds.stage,
+                offload_optimizer=ds.offload_optimizer,
+                offload_params=ds.offload_params,
+                micro_batch_size=split.micro_batch_size,
+                grad_accum_steps=split.grad_accum_steps,
+                num_workers=split.num_workers,
+                max_grad_norm=cfg.optim.max_grad_norm,
+                precision=cfg.train.precision,
+                user=deepspeed_user,
+                source=f"deepspeed.config={ds.config!r}" if ds.config else "deepspeed.config",
+            )
+        )
     if cfg.train.strategy == "fsdp":
         bf16 = cfg.train.precision == "bf16" and cfg.fsdp.mixed_precision
         return FSDP(
@@ -74,6 +115,39 @@ def strategy_for(cfg: TrainConfig) -> Strategy:
             param_dtype=torch.bfloat16 if bf16 else None,
         )
     return DDP()
+
+
+MAX_DEEPSPEED_CONFIG_BYTES = 1 << 20
+"""A DeepSpeed config is a page of JSON: a larger file is not one."""
+
+
+def read_deepspeed_user(path: str | None) -> dict[str, Any] | None:
+    """The user's `deepspeed_config.json` (`deepspeed.config`), read with the one loader (a key
+    written twice, or a file that is not a JSON object, is an error naming the file)."""
+    if path is None:
+        return None
+    from rayacc.config.loader import load_yaml_text
+
+    where = f"deepspeed.config={path!r}"
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_DEEPSPEED_CONFIG_BYTES + 1)
+    except OSError as exc:
+        raise DeepSpeedConfigError(
+            [f"{where}: cannot be read ({exc.strerror}). Fix: give the path of a JSON file"]
+        ) from None
+    if len(raw) > MAX_DEEPSPEED_CONFIG_BYTES:
+        raise DeepSpeedConfigError([f"{where}: over 1 MiB, not a DeepSpeed config"])
+    try:
+        doc = load_yaml_text(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, yaml.YAMLError) as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise DeepSpeedConfigError(
+            [f"{where}: not a JSON object ({first}). Fix: give DeepSpeed's JSON config"]
+        ) from None
+    if not isinstance(doc, dict):
+        raise DeepSpeedConfigError([f"{where}: not a JSON object. Fix: give a JSON object"])
+    return doc
 
 
 def model_recipe(cfg: TrainConfig, info: DatasetInfo) -> ModelRecipe:

@@ -204,6 +204,26 @@ def strategy_line(cfg) -> str:
             f"FSDP2 (parameters, gradients and optimizer state sharded; grad_sync "
             f"{f.grad_sync}, reshard_after_forward {str(f.reshard_after_forward).lower()})"
         )
+    elif t.strategy == "deepspeed":
+        d = cfg.deepspeed
+        sharded = {
+            1: "optimizer state",
+            2: "optimizer state and gradients",
+            3: "parameters, gradients and optimizer state",
+        }[d.stage]
+        offload = [
+            f"{what} offloaded to CPU"
+            for what, where in (
+                ("optimizer", d.offload_optimizer),
+                ("parameters", d.offload_params),
+            )
+            if where != "none"
+        ]
+        strategy = (
+            f"DeepSpeed ZeRO-{d.stage} ({sharded} sharded"
+            + "".join(f"; {o}" for o in offload)
+            + ")"
+        )
     else:
         strategy = "DDP (the whole model on every rank)"
     ac = t.activation_checkpointing

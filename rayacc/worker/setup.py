@@ -100,6 +100,8 @@ def set_up(
         lr,
         # a CUDA out-of-memory error halves the micro-batch on all ranks (auto micro-batch)
         oom_retry=w.auto_micro_batch and device.type == "cuda",
+        split=spec.split_at(world),
+        deepspeed_user=w.deepspeed_user,
     )
     schedule = build_schedule(
         spec.cfg.optim,

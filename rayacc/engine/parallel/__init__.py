@@ -10,7 +10,8 @@ on every count of forwards first), whether an out-of-memory error can be retried
 dropping every gradient it holds (internal buffers too), its communication accounting, and
 and how its state goes into a checkpoint (composed: `state`, a `StateFormat` of
 `parallel/state.py`). One module per strategy (`base`: the interface
-and what they share; `ddp`; `fsdp`); another strategy (HSDP, say) is one more module.
+and what they share; `ddp`; `fsdp`; `deepspeed`, whose engine owns the backward and the step);
+another strategy (HSDP, say) is one more module.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from torch import nn
 
 from rayacc.engine.parallel.base import CommStats, ModelRecipe, Strategy, host_copy, unwrap
 from rayacc.engine.parallel.ddp import DDP
+from rayacc.engine.parallel.deepspeed import DeepSpeed, DeepSpeedConfigError, deepspeed_config
 from rayacc.engine.parallel.fsdp import FSDP
 from rayacc.engine.parallel.state import SHARDS_DIR, ShardedState, StateFormat, WholeState
 from rayacc.engine.units import is_fsdp
@@ -31,18 +33,21 @@ __all__ = [
     "SHARDS_DIR",
     "STRATEGIES",
     "CommStats",
+    "DeepSpeed",
+    "DeepSpeedConfigError",
     "ModelRecipe",
     "ShardedState",
     "StateFormat",
     "Strategy",
     "WholeState",
+    "deepspeed_config",
     "host_copy",
     "make_strategy",
     "strategy_of",
     "unwrap",
 ]
 
-STRATEGIES: dict[str, type[Strategy]] = {"ddp": DDP, "fsdp": FSDP}
+STRATEGIES: dict[str, type[Strategy]] = {"ddp": DDP, "fsdp": FSDP, "deepspeed": DeepSpeed}
 
 
 def make_strategy(name: str, **options: Any) -> Strategy:

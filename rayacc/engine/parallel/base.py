@@ -106,6 +106,11 @@ class Strategy(ABC):
     module's weights (the chunked loss's head) runs inside the model's forward."""
     holds_whole_gradients: bool = False
     """Every rank holds gradients of the whole model across a window (not only its shard's)."""
+    scales_before_backward: bool = False
+    """The loss is divided by N_window before backward (the counts all-reduced first), as
+    for fp16: an engine that owns the backward and the step takes the mean's gradient."""
+    owns_optimizer_step: bool = False
+    """The strategy's engine clips and steps (`optimizer_step`), not the accumulation step."""
 
     state: StateFormat
     """How its model and optimizer state goes into a checkpoint and back (parallel/state.py)."""
@@ -126,6 +131,14 @@ class Strategy(ABC):
 
     @abstractmethod
     def _build(self, recipe: ModelRecipe, device: torch.device) -> nn.Module: ...
+
+    def bind_optimizer(
+        self, optimizer: torch.optim.Optimizer
+    ) -> tuple[nn.Module, torch.optim.Optimizer]:
+        """The model to train and the optimizer to schedule, once the optimizer over the built
+        model's parameters exists (an engine that owns the step wraps both)."""
+        assert self.model is not None
+        return self.model, optimizer
 
     def adopt(self, model: nn.Module) -> Strategy:
         """Binds a model wrapped by the caller (DDP, or sharded with `fully_shard`)."""
@@ -160,6 +173,14 @@ class Strategy(ABC):
     def reduced_window_stats(self, stats: torch.Tensor, group=None) -> torch.Tensor:
         """The window's statistics summed over the ranks."""
         return all_reduce(stats, group=group)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """A micro-step's backward."""
+        loss.backward()
+
+    def optimizer_step(self) -> tuple[float, str | None]:
+        """Clip and step (`owns_optimizer_step`): (gradient norm, why skipped or None)."""
+        raise NotImplementedError(f"{self.name}: the accumulation step steps the optimizer")
 
     @abstractmethod
     def grad_norm(self, grads: list[torch.Tensor], uniform: bool) -> torch.Tensor:

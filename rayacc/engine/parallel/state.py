@@ -27,8 +27,16 @@ def _written() -> None:
 
 
 class StateFormat(ABC):
-    writes_shards: bool = False
-    """Every rank writes its part of a checkpoint (else rank 0 writes the whole state)."""
+    name: str = "whole"
+    """What meta.json calls it (`state_format`)."""
+    folder: str | None = None
+    """The folder of a checkpoint every rank writes its part into (None: rank 0 writes the
+    whole state into the checkpoint's state file)."""
+
+    @property
+    def writes_shards(self) -> bool:
+        """Every rank writes its part of a checkpoint (else rank 0 writes the whole state)."""
+        return self.folder is not None
 
     @abstractmethod
     def save(
@@ -72,7 +80,8 @@ class WholeState(StateFormat):
 
 
 class ShardedState(StateFormat):
-    writes_shards = True
+    name = "dcp"
+    folder = SHARDS_DIR
 
     def __init__(self) -> None:
         self._group = None

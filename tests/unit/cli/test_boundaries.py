@@ -496,6 +496,22 @@ FILE_KINDS: dict[str, tuple[str, Any, dict[str, bytes]]] = {
         lambda p: ["data", "prepare", "corpus.txt", "--out", "out", "--tokenizer", p],
         {"empty": b"", "binary": BINARY, "not a tokenizer": b"{}", "a list": b"[1, 2]"},
     ),
+    "deepspeed config": (
+        ".json",
+        lambda p: ["train", "-c", JOB, "train.strategy=deepspeed", f"deepspeed.config={p}"],
+        {
+            "empty": b"",
+            "binary": BINARY,
+            "a list": b"[1, 2]",
+            "a key written twice": b'{"steps_per_print": 1, "steps_per_print": 2}',
+            "nested 100000 deep": b"[" * 100_000 + b"]" * 100_000,
+            "another global batch": b'{"train_batch_size": 7}',
+            "an optimizer of its own": b'{"optimizer": {"type": "Adam"}}',
+            "another precision": b'{"bf16": {"enabled": true}}',
+            "another stage": b'{"zero_optimization": {"stage": 3}}',
+            "clipping on": b'{"gradient_clipping": 1.0}',
+        },
+    ),
 }
 FILE_CASES = [(kind, form) for kind, (_, _, forms) in FILE_KINDS.items() for form in forms]
 

@@ -81,7 +81,7 @@ BAD = [
     ({**GOOD, "trian": {}}, "trian", "'train'"),
     ({**GOOD, "seed": "abc"}, "seed", "whole number"),
     (with_("train", strategy="fsdp", precision="fp16"), "train.precision", "bf16"),
-    (with_("train", strategy="zero"), "train.strategy", "'ddp' or 'fsdp'"),
+    (with_("train", strategy="zero"), "train.strategy", "'ddp', 'fsdp' or 'deepspeed'"),
 ]
 
 

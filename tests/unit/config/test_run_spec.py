@@ -121,6 +121,7 @@ ERRORS = {
     "BatchSplitError": lambda c: c("batch.global_batch_size", "not divisible", "use 48"),
     "DuplicateKeyError": lambda c: c([("batch", 1, 5)]),
     "PlaceError": lambda c: c(["run.storage_path='/x' is not writable. Fix: another"]),
+    "DeepSpeedConfigError": lambda c: c(["ds.json sets train_batch_size=7, the job 8. Fix: drop"]),
     "TrialOutOfMemory": lambda c: c(16),
     "TrainingError": lambda c: c("rank 1 failed"),
     "SubmitError": lambda c: c("no address"),

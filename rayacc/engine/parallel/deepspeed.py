@@ -1,0 +1,271 @@
+"""DeepSpeed ZeRO (stages 1, 2, 3, with CPU offload): optimizer state, then gradients, then
+parameters sharded over the ranks by DeepSpeed's engine, which owns the backward and the
+optimizer step. `pip install rayacc[deepspeed]`; DeepSpeed is imported only here, inside a run
+that uses it.
+
+The window is rayacc's, not DeepSpeed's: `managed_gradient_accumulation: false` makes every
+`engine.step()` a boundary, and the loss each micro-step back-propagates is the item-loss sum
+already divided by the window's global item count (× the ranks, which DeepSpeed's reduction
+averages over), `engine.backward(..., scale_wrt_gas=False)`: the one normalisation rule, a
+short last window exact, clipping (`gradient_clipping`) set from the job (0 = off; DeepSpeed's
+own default is 1.0). rayacc owns the batch, the optimizer, the precision and clipping: it
+writes those keys, and a user's file that sets them otherwise is an error naming both values.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from rayacc.engine.parallel.base import CommStats, ModelRecipe, Strategy, _checkpoint_blocks
+from rayacc.engine.parallel.state import StateFormat, _written
+
+__all__ = ["DeepSpeed", "DeepSpeedConfigError", "DeepSpeedState", "deepspeed_config"]
+
+TAG = "zero"
+"""The folder DeepSpeed's files of a checkpoint go in (its `tag`)."""
+
+
+class DeepSpeedConfigError(ValueError):
+    """A user's DeepSpeed config that disagrees with the job (or that rayacc cannot run)."""
+
+    def __init__(self, problems: list[str]):
+        super().__init__("\n".join(problems))
+        self.problems = problems
+
+    def __reduce__(self):
+        return (type(self), (self.problems,))
+
+
+def deepspeed_config(
+    *,
+    stage: int,
+    offload_optimizer: str,
+    offload_params: str,
+    micro_batch_size: int,
+    grad_accum_steps: int,
+    num_workers: int,
+    max_grad_norm: float | None,
+    precision: str,
+    user: dict[str, Any] | None = None,
+    source: str = "deepspeed.config",
+) -> dict[str, Any]:
+    """DeepSpeed's config for the job: the user's keys (`user`, read from `source`) with
+    rayacc's over them. Raises DeepSpeedConfigError naming every key the user's file sets
+    otherwise than the job."""
+    zero: dict[str, Any] = {"stage": stage}
+    if stage == 3:
+        # small parameters are sharded too: the strategy's memory is what the stage says
+        zero["stage3_param_persistence_threshold"] = 0
+    if offload_optimizer != "none":
+        zero["offload_optimizer"] = {"device": offload_optimizer}
+    if offload_params != "none":
+        zero["offload_param"] = {"device": offload_params}
+    ours: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": micro_batch_size,
+        "gradient_accumulation_steps": grad_accum_steps,
+        "train_batch_size": micro_batch_size * grad_accum_steps * num_workers,
+        "gradient_clipping": float(max_grad_norm or 0.0),
+        "fp16": {"enabled": precision == "fp16"},
+        "bf16": {"enabled": precision == "bf16"},
+        "zero_optimization": zero,
+        "managed_gradient_accumulation": False,
+        "zero_allow_untested_optimizer": True,
+        # rayacc's optimizer (optim.name) steps offloaded state too: on the CPU it is torch's
+        "zero_force_ds_cpu_optimizer": False,
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
+    user = user or {}
+    if not isinstance(user, dict):
+        raise DeepSpeedConfigError([f"{source}: not a JSON object. Fix: give a JSON object"])
+    why = {
+        "train_micro_batch_size_per_gpu": "batch.micro_batch_size",
+        "gradient_accumulation_steps": "batch.grad_accum_steps (derived)",
+        "train_batch_size": "batch.global_batch_size",
+        "gradient_clipping": "optim.max_grad_norm (null = 0, off)",
+    }
+    problems = []
+    for key, field in why.items():
+        if (
+            key in user
+            and user[key] != ours[key]
+            and not (key == "gradient_clipping" and _same_number(user[key], ours[key]))
+        ):
+            problems.append(
+                f"{source} sets {key}={user[key]!r}, the job {ours[key]!r} ({field}). Fix: "
+                f"drop {key} from the file (rayacc writes it) or set {field} to match"
+            )
+    for key, field in (("optimizer", "optim"), ("scheduler", "optim's schedule")):
+        if key in user:
+            problems.append(
+                f"{source} sets {key!r}: rayacc builds the {key} from the job ({field}). "
+                f"Fix: drop {key!r} from the file and set the job's {field} keys"
+            )
+    for key in ("fp16", "bf16", "amp"):
+        enabled = (user.get(key) or {}).get("enabled") if isinstance(user.get(key), dict) else None
+        wanted = ours.get(key, {"enabled": False})["enabled"]
+        if enabled is not None and bool(enabled) != wanted:
+            problems.append(
+                f"{source} sets {key}.enabled={enabled!r}, the job's train.precision is "
+                f"{precision!r}. Fix: drop {key!r} from the file and set train.precision"
+            )
+    their_zero = user.get("zero_optimization") or {}
+    if isinstance(their_zero, dict):
+        for key in ("stage", "offload_optimizer", "offload_param"):
+            if key in their_zero and their_zero[key] != zero.get(key):
+                field = {
+                    "stage": "deepspeed.stage",
+                    "offload_optimizer": "deepspeed.offload_optimizer",
+                    "offload_param": "deepspeed.offload_params",
+                }[key]
+                problems.append(
+                    f"{source} sets zero_optimization.{key}={their_zero[key]!r}, the job "
+                    f"{zero.get(key)!r} ({field}). Fix: drop it from the file and set {field}"
+                )
+    if problems:
+        raise DeepSpeedConfigError(problems)
+    merged = copy.deepcopy(user)
+    for key, value in ours.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = {**merged[key], **value}
+        else:
+            merged[key] = value
+    return merged
+
+
+def _same_number(a: Any, b: Any) -> bool:
+    return isinstance(a, int | float) and not isinstance(a, bool) and math.isclose(a, b)
+
+
+class DeepSpeed(Strategy):
+    """ZeRO through DeepSpeed's engine. `config`: DeepSpeed's config (`deepspeed_config`)."""
+
+    name = "deepspeed"
+    can_retry_out_of_memory = False
+    fused_sgd = False
+    scales_before_backward = True
+    owns_optimizer_step = True
+
+    def __init__(self, config: dict[str, Any]):
+        super().__init__()
+        self.config = config
+        stage = config["zero_optimization"]["stage"]
+        # ZeRO-3 gathers each module's parameters in its forward: a collective every forward
+        self.lockstep = self.gathers_in_forward = stage == 3
+        self.holds_whole_gradients = stage < 2
+        self.engine: Any = None
+        self.state = DeepSpeedState(self)
+
+    def _build(self, recipe: ModelRecipe, device: torch.device) -> nn.Module:
+        module = recipe.build()
+        _checkpoint_blocks(module, recipe)
+        return module.to(device)
+
+    def bind_optimizer(
+        self, optimizer: torch.optim.Optimizer
+    ) -> tuple[nn.Module, torch.optim.Optimizer]:
+        """DeepSpeed's engine over the built module and `optimizer` (a torch optimizer it
+        shards): the model to train and the optimizer to schedule."""
+        deepspeed = import_deepspeed()
+        assert self.model is not None
+        engine, ds_optimizer, _, _ = deepspeed.initialize(
+            model=self.model, optimizer=optimizer, config=self.config
+        )
+        self.engine = self.model = engine
+        return engine, ds_optimizer
+
+    def setup_reduction(self, count_comm: bool) -> bool:
+        # DeepSpeed's reduction averages over the ranks: the loss carries × W / N_window
+        return False
+
+    def sync_context(self, sync: bool) -> contextlib.AbstractContextManager[None]:
+        # with the window the caller's, every backward reduces (ZeRO-3 reduce-scatters per
+        # micro-step in any mode); the boundary cannot be moved under that mode
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.engine.backward(loss, scale_wrt_gas=False)
+
+    def optimizer_step(self) -> tuple[float, str | None]:
+        """DeepSpeed's step: clipping as configured, then the optimizer; (gradient norm, why
+        skipped or None)."""
+        skipped = self.engine.skipped_steps
+        self.engine.step()
+        norm = self.engine.get_global_grad_norm()
+        grad_norm = float(norm) if norm is not None else math.nan
+        if self.engine.skipped_steps != skipped:
+            return grad_norm, "non-finite gradient"
+        return grad_norm, None
+
+    def grad_norm(self, grads: list[torch.Tensor], uniform: bool) -> torch.Tensor:
+        return torch.tensor(self.engine.get_global_grad_norm() or 0.0)
+
+    def discard_grads(self, optimizer: torch.optim.Optimizer | None = None) -> None:
+        if self.engine is not None:
+            self.engine.zero_grad()
+
+    def comm_stats(self, micro_steps: int) -> CommStats:
+        return CommStats()
+
+    def unwrapped(self) -> nn.Module:
+        assert self.model is not None
+        return self.engine.module if self.engine is not None else self.model
+
+
+class DeepSpeedState(StateFormat):
+    """DeepSpeed's own checkpoint files, written by every rank (`engine.save_checkpoint`) into
+    its part of rayacc's checkpoint (the files of all ranks form DeepSpeed's folder `zero/`),
+    read back at the same number of ranks. Written before training goes on (DeepSpeed's save
+    has no background mode)."""
+
+    name = "deepspeed"
+    folder = TAG
+
+    def __init__(self, strategy: DeepSpeed):
+        self.strategy = strategy
+
+    def save(self, model, optimizer, folder, rank, *, background=False):
+        engine = self.strategy.engine
+        engine.save_checkpoint(str(folder), tag=TAG, save_latest=False)
+        # DeepSpeed copies its conversion scripts beside the files: a checkpoint holds data
+        for script in Path(folder).glob("*.py"):
+            script.unlink()
+        return {}, _written
+
+    def load(self, model, optimizer, folder, saved):
+        if not (Path(folder) / TAG).is_dir():
+            raise ValueError(
+                f"{folder} holds no DeepSpeed checkpoint (written under another strategy)"
+            )
+        path, _ = self.strategy.engine.load_checkpoint(str(folder), tag=TAG)
+        if path is None:
+            raise ValueError(f"DeepSpeed could not load the checkpoint in {folder}")
+
+
+def import_deepspeed():
+    """DeepSpeed, quiet: its log lines below warnings stay off the console
+    (`RAYACC_VERBOSE=1` keeps them), its ops built once under rayacc's cache."""
+    from rayacc.env import cache_dir
+
+    # DeepSpeed builds its small ops with ninja and g++ on first use: once per machine, here
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(cache_dir() / "torch_extensions"))
+    try:
+        import deepspeed
+    except ImportError:
+        raise ImportError(
+            "train.strategy=deepspeed needs DeepSpeed. Fix: pip install 'rayacc[deepspeed]'"
+        ) from None
+    from deepspeed.utils import logger
+
+    if not os.environ.get("RAYACC_VERBOSE"):
+        logger.setLevel(logging.WARNING)
+    return deepspeed

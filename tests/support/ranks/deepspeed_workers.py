@@ -1,0 +1,110 @@
+"""Rank bodies for the DeepSpeed tests (2 gloo processes, no Ray): rayacc's accumulation step
+over DeepSpeed's engine at each ZeRO stage, with and without optimizer offload, over a full
+window and a short last one, built as a worker builds it (`build_rank`)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from tests.support.ranks.engine_helpers import classification_rows, micro_batches, slice_rows
+
+CASES = (
+    (1, "none"),
+    (2, "none"),
+    (3, "none"),
+    (2, "cpu"),
+    (3, "cpu"),
+)
+"""(ZeRO stage, optimizer offload)."""
+LR = 0.5
+WINDOWS = ((0, 24, 6), (24, 28, 2))
+"""(first row, end row, micro-batch per rank) of each window: a full one of 2 micro-steps per
+rank, then a short last one."""
+
+
+def config(stage: int, offload: str, max_grad_norm=None):
+    from rayacc.config import TrainConfig
+
+    return TrainConfig.model_validate(
+        {
+            "seed": 5,
+            "model": {"name": "mlp", "hidden_sizes": [16]},
+            "optim": {
+                "name": "sgd",
+                "lr": LR,
+                "momentum": 0.0,
+                "weight_decay": 0.0,
+                "max_grad_norm": max_grad_norm,
+            },
+            "batch": {"global_batch_size": 24, "micro_batch_size": 6},
+            "scaling": {"num_workers": 2},
+            "train": {"strategy": "deepspeed"},
+            "deepspeed": {"stage": stage, "offload_optimizer": offload},
+        }
+    )
+
+
+def dataset():
+    from rayacc.data.sources import DatasetInfo
+    from tests.support.ranks.engine_helpers import N_CLASSES, N_FEATURES
+
+    return DatasetInfo(
+        path="rows.parquet",
+        format="classification",
+        num_rows=28,
+        num_features=N_FEATURES,
+        num_classes=N_CLASSES,
+    )
+
+
+def whole(strategy) -> torch.Tensor:
+    """Every parameter, gathered whole (ZeRO-3 holds shards), as one float64 vector."""
+    import deepspeed
+
+    module = strategy.unwrapped()
+    params = list(module.parameters())
+    with deepspeed.zero.GatheredParameters(params):
+        return torch.cat([p.detach().reshape(-1).double().clone() for p in params])
+
+
+def run_rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    from rayacc.config.batch_split import BatchSplit
+    from rayacc.engine import classification_item_losses
+    from rayacc.models.parallel import build_rank
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    rows = classification_rows(28, seed=9)
+    out: dict = {}
+    try:
+        for stage, offload in CASES:
+            parts = build_rank(
+                config(stage, offload),
+                dataset(),
+                torch.device("cpu"),
+                LR,
+                split=BatchSplit(24, 6, 2, world),
+            )
+            before = whole(parts.strategy)
+            steps = []
+            for lo, hi, micro in WINDOWS:
+                per = (hi - lo) // world
+                mine = slice_rows(rows, lo + rank * per, lo + (rank + 1) * per)
+                result = parts.accumulate(micro_batches(mine, micro), classification_item_losses)
+                steps.append((result.items, result.skipped, result.micro_steps))
+            out[(stage, offload)] = {
+                "before": before,
+                "after": whole(parts.strategy),
+                "steps": steps,
+                "lockstep": parts.strategy.lockstep,
+            }
+    except Exception as exc:  # the test reads it: a rank's error, not a hang
+        import traceback
+
+        out["error"] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-3000:]}"
+    torch.save(out, f"{out_dir}/rank{rank}.pt")
+    dist.destroy_process_group()

@@ -1,0 +1,62 @@
+"""DeepSpeed's config as rayacc writes it (engine/parallel/deepspeed.py): the job's batch,
+clipping, precision and window over the user's file, whose own keys are kept; a file that sets
+the job's keys otherwise is refused naming both values. Pure: DeepSpeed is not imported."""
+
+from __future__ import annotations
+
+import pytest
+
+from rayacc.engine.parallel import DeepSpeedConfigError, deepspeed_config
+
+JOB = dict(
+    stage=3,
+    offload_optimizer="cpu",
+    offload_params="none",
+    micro_batch_size=4,
+    grad_accum_steps=8,
+    num_workers=2,
+    max_grad_norm=None,
+    precision="fp32",
+)
+
+
+def test_the_job_owns_the_batch_the_window_and_clipping():
+    merged = deepspeed_config(
+        **JOB, user={"zero_optimization": {"overlap_comm": True}, "steps_per_print": 10}
+    )
+    assert merged["train_micro_batch_size_per_gpu"] == 4
+    assert merged["gradient_accumulation_steps"] == 8
+    assert merged["train_batch_size"] == 64
+    # DeepSpeed's default clipping is 1.0: off must be written as 0
+    assert merged["gradient_clipping"] == 0.0
+    assert merged["managed_gradient_accumulation"] is False
+    zero = merged["zero_optimization"]
+    assert zero["stage"] == 3 and zero["offload_optimizer"] == {"device": "cpu"}
+    assert zero["overlap_comm"] is True, "the user's own keys are kept"
+    assert merged["bf16"] == {"enabled": False} and merged["fp16"] == {"enabled": False}
+    assert deepspeed_config(**{**JOB, "max_grad_norm": 0.5})["gradient_clipping"] == 0.5
+
+
+@pytest.mark.parametrize(
+    ("user", "named"),
+    [
+        ({"train_batch_size": 128}, "train_batch_size=128, the job 64"),
+        ({"train_micro_batch_size_per_gpu": 2}, "train_micro_batch_size_per_gpu=2, the job 4"),
+        ({"gradient_accumulation_steps": 1}, "gradient_accumulation_steps=1, the job 8"),
+        ({"gradient_clipping": 1.0}, "gradient_clipping=1.0, the job 0.0"),
+        ({"optimizer": {"type": "AdamW"}}, "sets 'optimizer'"),
+        ({"scheduler": {"type": "WarmupLR"}}, "sets 'scheduler'"),
+        ({"bf16": {"enabled": True}}, "bf16.enabled=True, the job's train.precision is 'fp32'"),
+        ({"zero_optimization": {"stage": 2}}, "zero_optimization.stage=2, the job 3"),
+    ],
+)
+def test_a_file_that_disagrees_with_the_job_is_refused_naming_both(user, named):
+    with pytest.raises(DeepSpeedConfigError) as caught:
+        deepspeed_config(**JOB, user=user, source="deepspeed.config='ds.json'")
+    assert named in str(caught.value) and "ds.json" in str(caught.value)
+    assert "Fix:" in str(caught.value)
+
+
+def test_agreeing_keys_are_not_conflicts():
+    same = {"train_batch_size": 64, "gradient_clipping": 0, "fp16": {"enabled": False}}
+    assert deepspeed_config(**JOB, user=same)["train_batch_size"] == 64
