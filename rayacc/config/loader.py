@@ -87,9 +87,13 @@ def load_yaml_text(text: str) -> Any:
     return yaml.safe_load(text)
 
 
-def read_yaml(path: str | os.PathLike, kind: str, example: str) -> Any:
-    """The parsed contents of the YAML file at `path`; a missing or empty file, bad YAML or a
-    key written twice is a ConfigError naming the file. `kind` and `example` word the fix."""
+def read_yaml(
+    path: str | os.PathLike, kind: str, example: str, max_bytes: int | None = None
+) -> Any:
+    """The parsed contents of the YAML (or JSON) file at `path`; a missing, empty or (over
+    `max_bytes`) oversized file, bad YAML or a key written twice is a ConfigError naming the
+    file. `kind` and `example` (how the file is given, e.g. `-c jobs/digits.yaml`) word the
+    fix."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(
@@ -98,7 +102,19 @@ def read_yaml(path: str | os.PathLike, kind: str, example: str) -> Any:
                     "",
                     f"{kind} file not found",
                     str(p),
-                    f"pass an existing YAML file, e.g. -c {example}",
+                    f"pass an existing YAML file, e.g. {example}",
+                )
+            ],
+            str(p),
+        )
+    if max_bytes is not None and (size := p.stat().st_size) > max_bytes:
+        raise ConfigError(
+            [
+                ConfigIssue(
+                    "",
+                    f"{size} bytes: more than a {kind} file holds ({max_bytes} at most)",
+                    MISSING,
+                    f"pass the {kind} file itself, e.g. {example}",
                 )
             ],
             str(p),
@@ -112,7 +128,7 @@ def read_yaml(path: str | os.PathLike, kind: str, example: str) -> Any:
                     "",
                     f"not a text file (byte {exc.start} is not UTF-8)",
                     MISSING,
-                    f"pass the {kind} YAML file itself, e.g. -c {example}",
+                    f"pass the {kind} YAML file itself, e.g. {example}",
                 )
             ],
             str(p),
@@ -131,7 +147,7 @@ def read_yaml(path: str | os.PathLike, kind: str, example: str) -> Any:
                         "",
                         f"the {kind} file is empty (or holds only comments)",
                         MISSING,
-                        f"pass the {kind} file itself, e.g. -c {example} (`{{}}` alone takes "
+                        f"pass the {kind} file itself, e.g. {example} (`{{}}` alone takes "
                         "every default)",
                     )
                 ],

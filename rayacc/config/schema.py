@@ -401,7 +401,7 @@ class TrainConfig(Section):
     @classmethod
     def from_yaml(cls, path: str | os.PathLike, overrides: list[str] | None = None) -> TrainConfig:
         """Loads a YAML file; each override is `key.path=value`, the value parsed as YAML."""
-        data = read_yaml(path, "config", "jobs/digits.yaml")
+        data = read_yaml(path, "config", "-c jobs/digits.yaml")
         cfg = cls.from_dict(data or {}, overrides, source=str(path))
         cfg._source_file = str(path)
         return cfg

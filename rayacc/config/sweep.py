@@ -59,7 +59,7 @@ class SweepConfig(Section):
     @classmethod
     def from_yaml(cls, path: str | os.PathLike) -> tuple[SweepConfig, dict[str, Any], str]:
         """(sweep, base config as a dict with overrides applied, source label)."""
-        raw = read_yaml(path, "sweep", "jobs/sweep_accum.yaml") or {}
+        raw = read_yaml(path, "sweep", "-c jobs/sweep_accum.yaml") or {}
         p = Path(path)
         try:
             sweep = cls.model_validate(raw)

@@ -11,7 +11,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import yaml
 from torch import nn
 
 from rayacc.config import TrainConfig
@@ -122,31 +121,19 @@ MAX_DEEPSPEED_CONFIG_BYTES = 1 << 20
 
 
 def read_deepspeed_user(path: str | None) -> dict[str, Any] | None:
-    """The user's `deepspeed_config.json` (`deepspeed.config`), read with the one loader (a key
-    written twice, or a file that is not a JSON object, is an error naming the file)."""
+    """The user's `deepspeed_config.json` (`deepspeed.config`), read by the one reader of the
+    files a job names (`config.loader.read_yaml`: JSON is YAML); one that is not a JSON object
+    is refused naming the file."""
     if path is None:
         return None
-    from rayacc.config.loader import load_yaml_text
+    from rayacc.config.loader import read_yaml
 
-    where = f"deepspeed.config={path!r}"
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_DEEPSPEED_CONFIG_BYTES + 1)
-    except OSError as exc:
-        raise DeepSpeedConfigError(
-            [f"{where}: cannot be read ({exc.strerror}). Fix: give the path of a JSON file"]
-        ) from None
-    if len(raw) > MAX_DEEPSPEED_CONFIG_BYTES:
-        raise DeepSpeedConfigError([f"{where}: over 1 MiB, not a DeepSpeed config"])
-    try:
-        doc = load_yaml_text(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, yaml.YAMLError) as exc:
-        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise DeepSpeedConfigError(
-            [f"{where}: not a JSON object ({first}). Fix: give DeepSpeed's JSON config"]
-        ) from None
+    where = "deepspeed.config=ds_config.json"
+    doc = read_yaml(path, "DeepSpeed config", where, MAX_DEEPSPEED_CONFIG_BYTES)
     if not isinstance(doc, dict):
-        raise DeepSpeedConfigError([f"{where}: not a JSON object. Fix: give a JSON object"])
+        raise DeepSpeedConfigError(
+            [f"deepspeed.config={path!r}: not a JSON object. Fix: give DeepSpeed's JSON config"]
+        )
     return doc
 
 

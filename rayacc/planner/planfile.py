@@ -87,7 +87,7 @@ class PlanFile:
     # ------------------------------------------------------------------ reading
     @classmethod
     def read(cls, path: str | os.PathLike) -> PlanFile:
-        raw = read_yaml(path, "plan", "PLAN.yaml from `rayacc plan --search --out PLAN.yaml`")
+        raw = read_yaml(path, "plan", "-c PLAN.yaml from `rayacc plan --search --out PLAN.yaml`")
         fix = "make it again: rayacc plan -c JOB.yaml --search --out PLAN.yaml"
         if not isinstance(raw, dict) or raw.get("rayacc_plan") != PLAN_VERSION:
             raise ConfigError(
