@@ -395,17 +395,24 @@ def load_model(path: str | Path, factory: str | None = None) -> nn.Module:
     checkpoint names is never imported on its word. The factory is called with the
     checkpoint's `model.kwargs`."""
     state, description, meta = read_checkpoint(path)
-    if meta.get("state_format") == "deepspeed":
-        raise CheckpointError(
-            f"{path} is a DeepSpeed checkpoint (train.strategy=deepspeed): its weights are "
-            "read back by a DeepSpeed run only. Fix: continue the run with `rayacc train "
-            "--resume`, or train with train.strategy=ddp or fsdp for a checkpoint "
-            "load_model reads"
-        )
     shards = shards_of(path, meta)
-    model = described_model(path, description, factory, _held_shapes(path, state, shards))
+    zero = None
+    if meta.get("state_format") == "deepspeed":
+        from rayacc.engine.parallel.deepspeed import read_zero_weights
+
+        try:
+            # DeepSpeed's files read as data, its runtime neither started nor imported
+            zero = read_zero_weights(shards)
+        except ValueError as exc:
+            raise CheckpointError(f"{exc}. {EARLIER}") from None
+        held = {k: tuple(v.shape) for k, v in zero.items()}
+    else:
+        held = _held_shapes(path, state, shards)
+    model = described_model(path, description, factory, held)
     try:
-        if shards is None:
+        if zero is not None:
+            model.load_state_dict(zero)
+        elif shards is None:
             if not isinstance(state.get("model"), dict):
                 raise CheckpointError(malformed_message(str(Path(path) / STATE_FILE), "model"))
             model.load_state_dict(state["model"])

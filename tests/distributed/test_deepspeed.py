@@ -24,9 +24,11 @@ deepspeed = pytest.importorskip("deepspeed")
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    out = spawn_ranks(W.run_rank, 2, tmp_path_factory.mktemp("deepspeed"), "DeepSpeed cases")
+    out_dir = tmp_path_factory.mktemp("deepspeed")
+    out = spawn_ranks(W.run_rank, 2, out_dir, "DeepSpeed cases")
     for r in out:
         assert "error" not in r, r.get("error")
+        r["out_dir"] = out_dir
     return out
 
 
@@ -59,3 +61,26 @@ def test_each_stage_equals_the_full_batch_steps(ranks, stage, offload, record_eq
     err = update_rel_err(before, got["after"], after)
     record_equivalence(f"deepspeed zero{stage} offload {offload}", err)
     assert err <= 1e-5, err
+
+
+@pytest.mark.parametrize(
+    "stage, offload", W.CASES, ids=[f"zero{s}-offload_{o}" for s, o in W.CASES]
+)
+def test_the_weights_read_back_from_deepspeeds_files_without_its_runtime(
+    ranks, tmp_path_factory, stage, offload
+):
+    """The checkpoint every rank wrote through DeepSpeed, read whole in this process
+    (read_zero_weights: DeepSpeed's files as data, its partitions put back together), holds
+    exactly the weights the ranks trained."""
+    import sys
+
+    from rayacc.engine.parallel.deepspeed import read_zero_weights
+    from rayacc.models import build_model
+
+    folder = ranks[0]["out_dir"] / f"zero{stage}-{offload}" / "zero"
+    names = [n for n, _ in build_model(W.config(stage, offload), W.dataset()).named_parameters()]
+    modules = set(sys.modules)
+    weights = read_zero_weights(folder)
+    assert not {m for m in set(sys.modules) - modules if m.startswith("deepspeed")}
+    read = torch.cat([weights[n].reshape(-1).double() for n in names])
+    assert torch.equal(read, ranks[0][(stage, offload)]["after"])

@@ -12,6 +12,7 @@ from tests.support.ranks.engine_helpers import classification_rows, micro_batche
 
 CASES = (
     (1, "none"),
+    (1, "cpu"),
     (2, "none"),
     (3, "none"),
     (2, "cpu"),
@@ -96,6 +97,9 @@ def run_rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
                 mine = slice_rows(rows, lo + rank * per, lo + (rank + 1) * per)
                 result = parts.accumulate(micro_batches(mine, micro), classification_item_losses)
                 steps.append((result.items, result.skipped, result.micro_steps))
+            # DeepSpeed's own files, every rank its part, as a checkpoint holds them
+            folder = f"{out_dir}/zero{stage}-{offload}"
+            parts.strategy.state.save(parts.model, parts.optimizer, folder, rank)
             out[(stage, offload)] = {
                 "before": before,
                 "after": whole(parts.strategy),

@@ -76,19 +76,24 @@ def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def sgd_step_errors(cfg: TrainConfig, full_batch_loss, trained_model) -> tuple[float, float]:
     """Distance of the trained weights, and of plain fp32 full-batch SGD (lr 0.1), from the
-    float64 full-batch step, each relative to the size of that step.
+    float64 full-batch step, each relative to the size of that step. `full_batch_loss`: the
+    loss of the whole window, or a list of them, one SGD step each.
 
     fp32 weights round at ~1e-7 of their size, ~1e-6 of a small update: the fair bar for the
     pipeline is plain fp32 full-batch training's own distance from the float64 step.
     """
 
+    windows = full_batch_loss if isinstance(full_batch_loss, list) else [full_batch_loss]
+
     def step(dtype):
         ref = build_model(cfg).to(dtype)
         before = weights(ref)
-        full_batch_loss(ref, dtype).backward()
-        with torch.no_grad():
-            for p in ref.parameters():
-                p -= 0.1 * p.grad
+        for window_loss in windows:
+            ref.zero_grad()
+            window_loss(ref, dtype).backward()
+            with torch.no_grad():
+                for p in ref.parameters():
+                    p -= 0.1 * p.grad
         return before, weights(ref)
 
     before, exact = step(torch.float64)
