@@ -1,5 +1,6 @@
 """Memory strategies on CPU: DDP vs FSDP2 (both gradient-sync modes) × activation
-checkpointing off/on, 2 gloo ranks, a GPT of about 64M parameters.
+checkpointing off/on, and DeepSpeed ZeRO stages 1-3 with optimizer offload off/on, 2 gloo
+ranks, a GPT of about 64M parameters.
 
 For each setting, 2 fresh processes train 3 windows of 2 micro-steps (micro-batch 4 × 256
 tokens per rank) with AdamW through rayacc's accumulation step and print per rank: the peak
@@ -8,6 +9,7 @@ autograd saved for backward in one micro-step, and the median time of the last 2
 
     .venv/bin/python bench/memory_strategies.py
     .venv/bin/python bench/memory_strategies.py --layers 4 --width 256   # a quick look
+    .venv/bin/python bench/memory_strategies.py --strategies deepspeed   # the ZeRO rows only
 
 On a GPU (one process per GPU, NCCL, bf16), the same script takes `--device cuda` and reports
 `torch.cuda.max_memory_allocated` instead; commands for GPT-2 124M and a 1B model are in
@@ -41,7 +43,37 @@ SETTINGS = [
     ("ddp", None, "full"),
     ("fsdp", "every_micro_step", "full"),
     ("fsdp", "window_end", "full"),
+    *(
+        ("deepspeed", f"zero{stage} offload {offload}", "none")
+        for stage in (1, 2, 3)
+        for offload in ("none", "cpu")
+    ),
 ]
+"""(strategy, its mode, activation checkpointing)."""
+
+
+def deepspeed_strategy(mode: str, args: dict, model):
+    """rayacc's DeepSpeed strategy for `mode` ("zero<stage> offload <device>") over `model`."""
+    from rayacc.engine.parallel.deepspeed import DeepSpeed, deepspeed_config
+
+    stage, _, offload = mode.split()
+    config = deepspeed_config(
+        stage=int(stage.removeprefix("zero")),
+        offload_optimizer=offload,
+        offload_params="none",
+        micro_batch_size=args["micro"],
+        grad_accum_steps=args["accum"],
+        num_workers=args["world"],
+        max_grad_norm=None,
+        precision="fp32",
+    )
+    return DeepSpeed(config).adopt(model)
+
+
+def held_params(model) -> list[torch.Tensor]:
+    """The parameter tensors this rank holds: ZeRO-3's partitions (`ds_tensor`), DTensor
+    shards, or the whole tensors."""
+    return [getattr(p, "ds_tensor", p) for p in model.parameters()]
 
 
 def local_bytes(tensors) -> int:
@@ -55,6 +87,7 @@ def local_bytes(tensors) -> int:
 def rank_body(rank: int, world: int, init: str, out: str, args: dict) -> None:
     if args["device"] == "cuda":
         torch.cuda.set_device(rank)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     dist.init_process_group(
         "gloo" if args["device"] == "cpu" else "nccl",
         init_method=f"file://{init}",
@@ -77,16 +110,21 @@ def rank_body(rank: int, world: int, init: str, out: str, args: dict) -> None:
     n_params = sum(p.numel() for p in model.parameters())
     if args["recompute"] == "full":
         apply_activation_checkpointing(model.blocks)
-    if args["strategy"] == "fsdp":
-        model = shard_model(model, device=device)
+    if args["strategy"] == "deepspeed":
+        strategy = deepspeed_strategy(args["grad_sync"], args, model)
+        model, opt = strategy.bind_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-4))
+        held_optimizer = opt.optimizer
     else:
-        model = DistributedDataParallel(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=False)
-    strategy = (
-        FSDP(args["grad_sync"] or "every_micro_step").adopt(model)
-        if args["strategy"] == "fsdp"
-        else DDP().adopt(model)
-    )
+        if args["strategy"] == "fsdp":
+            model = shard_model(model, device=device)
+        else:
+            model = DistributedDataParallel(model)
+        opt = held_optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=False)
+        strategy = (
+            FSDP(args["grad_sync"] or "every_micro_step").adopt(model)
+            if args["strategy"] == "fsdp"
+            else DDP().adopt(model)
+        )
     step = AccumulationStep(model, opt, strategy=strategy)
     gen = torch.Generator().manual_seed(rank)
 
@@ -98,9 +136,8 @@ def rank_body(rank: int, world: int, init: str, out: str, args: dict) -> None:
     with torch.autograd.graph.saved_tensors_hooks(
         lambda t: (saved.append(t.numel() * t.element_size()), t)[1], lambda t: t
     ):
-        token_item_losses(model, micro()).sum().backward()
-    for p in model.parameters():
-        p.grad = None
+        strategy.backward(token_item_losses(model, micro()).sum())
+    strategy.discard_grads(opt)
     times = []
     for _ in range(3):
         batches = [micro() for _ in range(args["accum"])]
@@ -111,11 +148,11 @@ def rank_body(rank: int, world: int, init: str, out: str, args: dict) -> None:
         peak = torch.cuda.max_memory_allocated(device) / 2**20
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    state = [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
+    state = [v for s in held_optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
     result = {
         "rank": rank,
         "params_total": n_params,
-        "param_mb": local_bytes(model.parameters()) / 2**20,
+        "param_mb": local_bytes(held_params(model)) / 2**20,
         "optimizer_mb": local_bytes(state) / 2**20,
         "saved_activations_mb": sum(saved) / 2**20,
         "peak_mb": peak,
@@ -123,6 +160,9 @@ def rank_body(rank: int, world: int, init: str, out: str, args: dict) -> None:
     }
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
+    # DeepSpeed's threads can abort the interpreter's teardown ("terminate called without an
+    # active exception") after the work is saved: leave without it
+    os._exit(0)
 
 
 def main() -> None:
@@ -136,16 +176,21 @@ def main() -> None:
     parser.add_argument("--accum", type=int, default=2)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--world", type=int, default=2)
+    parser.add_argument(
+        "--strategies", default="ddp,fsdp,deepspeed", help="which rows (comma-separated)"
+    )
     args = parser.parse_args()
     print(
         f"GPT {args.layers} layers × {args.width} wide, vocab {args.vocab}, seq {args.seq}; "
         f"{args.world} ranks ({args.device}), micro {args.micro} × accum {args.accum}"
     )
     print(
-        f"{'strategy':8} {'grad_sync':17} {'recompute':9} {'params M':>8} {'param MB':>9} "
+        f"{'strategy':9} {'mode':18} {'recompute':9} {'params M':>8} {'param MB':>9} "
         f"{'optim MB':>9} {'saved MB':>9} {'peak MB':>8} {'window s':>9}"
     )
     for strategy, grad_sync, recompute in SETTINGS:
+        if strategy not in args.strategies.split(","):
+            continue
         with tempfile.TemporaryDirectory() as tmp:
             spec = dict(vars(args), strategy=strategy, grad_sync=grad_sync, recompute=recompute)
             mp.start_processes(
@@ -157,7 +202,7 @@ def main() -> None:
             ranks = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(args.world)]
         r = max(ranks, key=lambda x: x["peak_mb"])
         print(
-            f"{strategy:8} {grad_sync or '-':17} {recompute:9} {r['params_total'] / 1e6:8.1f} "
+            f"{strategy:9} {grad_sync or '-':18} {recompute:9} {r['params_total'] / 1e6:8.1f} "
             f"{r['param_mb']:9.1f} {r['optimizer_mb']:9.1f} {r['saved_activations_mb']:9.1f} "
             f"{r['peak_mb']:8.0f} {statistics.median(x['window_s'] for x in ranks):9.2f}",
             flush=True,

@@ -398,7 +398,7 @@ def load_model(path: str | Path, factory: str | None = None) -> nn.Module:
     shards = shards_of(path, meta)
     zero = None
     if meta.get("state_format") == "deepspeed":
-        from rayacc.engine.parallel.deepspeed import read_zero_weights
+        from rayacc.engine.zero_files import read_zero_weights
 
         try:
             # DeepSpeed's files read as data, its runtime neither started nor imported

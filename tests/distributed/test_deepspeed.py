@@ -5,6 +5,10 @@ user's DeepSpeed config is merged under the job's keys or refused naming both va
 
 from __future__ import annotations
 
+import random
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -74,7 +78,7 @@ def test_the_weights_read_back_from_deepspeeds_files_without_its_runtime(
     exactly the weights the ranks trained."""
     import sys
 
-    from rayacc.engine.parallel.deepspeed import read_zero_weights
+    from rayacc.engine.zero_files import read_zero_weights
     from rayacc.models import build_model
 
     folder = ranks[0]["out_dir"] / f"zero{stage}-{offload}" / "zero"
@@ -84,3 +88,67 @@ def test_the_weights_read_back_from_deepspeeds_files_without_its_runtime(
     assert not {m for m in set(sys.modules) - modules if m.startswith("deepspeed")}
     read = torch.cat([weights[n].reshape(-1).double() for n in names])
     assert torch.equal(read, ranks[0][(stage, offload)]["after"])
+
+
+def test_a_resume_refuses_a_deepspeed_file_that_would_run_code(ranks):
+    """DeepSpeed's loader unpickles its files whole: a rank's optimizer file replaced by a
+    pickle that runs a command is refused by every rank before DeepSpeed reads it, naming the
+    file, and the command never runs."""
+    for r in ranks:
+        assert "zero_pp_rank_1_mp_rank_00_optim_states.pt" in r["planted"], r["planted"]
+        assert "could run code" in r["planted"], r["planted"]
+    assert not (ranks[0]["out_dir"] / "payload-ran").exists()
+
+
+def _damaged(path: Path, how: str, rng: random.Random, marker: Path) -> None:
+    data = path.read_bytes()
+    if how == "flip":
+        buf = bytearray(data)
+        for _ in range(rng.randint(1, 8)):
+            buf[rng.randrange(len(buf))] ^= 1 << rng.randrange(8)
+        path.write_bytes(bytes(buf))
+    elif how == "truncate":
+        path.write_bytes(data[: rng.randrange(len(data))])
+    elif how == "empty":
+        path.write_bytes(b"")
+    elif how == "code":
+        torch.save({"module": {}, "optimizer_state_dict": W.Payload(str(marker))}, path)
+    elif how == "other shape":
+        torch.save(rng.choice([[1, 2], {"module": 3}, {"optimizer_state_dict": {"x": 1}}]), path)
+    elif how == "missing":
+        path.unlink()
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_damaged_deepspeed_files_are_refused_naming_them_and_run_no_code(ranks, tmp_path, stage):
+    """Seeded damage to one file of a real DeepSpeed checkpoint (bytes flipped, cut short,
+    emptied, a pickle that runs code, another structure, a rank's file gone): the reader of
+    DeepSpeed's files (the one resume vets them with, and load_model's) raises ValueError
+    naming a file or the folder, or reads weights of the right shapes; never another exception,
+    never the payload run."""
+    from rayacc.engine.zero_files import read_zero_weights, vet_zero_files
+
+    original = ranks[0]["out_dir"] / f"zero{stage}-none" / "zero"
+    shapes = {k: v.shape for k, v in read_zero_weights(original).items()}
+    outcomes: dict[str, int] = {}
+    for seed in range(40):
+        rng = random.Random(f"{stage}-{seed}")
+        folder = tmp_path / f"case{seed}"
+        shutil.copytree(original, folder)
+        target = rng.choice(sorted(folder.iterdir()))
+        how = rng.choice(["flip", "truncate", "empty", "code", "other shape", "missing"])
+        marker = tmp_path / f"ran{seed}"
+        _damaged(target, how, rng, marker)
+        for read in (vet_zero_files, read_zero_weights):
+            try:
+                value = read(folder)
+            except ValueError as exc:
+                assert target.name in str(exc) or str(folder) in str(exc), (how, exc)
+                outcomes[f"{how}: refused"] = outcomes.get(f"{how}: refused", 0) + 1
+                continue
+            if read is read_zero_weights:
+                assert {k: v.shape for k, v in value.items()} == shapes, how
+            outcomes[f"{how}: read"] = outcomes.get(f"{how}: read", 0) + 1
+        assert not marker.exists(), f"case {seed}: the payload ran"
+    for how in ("truncate", "empty", "code", "missing"):
+        assert outcomes.get(f"{how}: refused"), outcomes

@@ -70,6 +70,40 @@ def whole(strategy) -> torch.Tensor:
         return torch.cat([p.detach().reshape(-1).double().clone() for p in params])
 
 
+class Payload:
+    """A pickle that runs a command when it is unpickled."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def resume_planted(parts, out_dir: str, rank: int) -> str:
+    """The last case's checkpoint with rank 1's optimizer file replaced by a pickle that runs a
+    command, resumed by every rank: what the load raised (the test also checks the command
+    never ran)."""
+    import shutil
+
+    import torch.distributed as dist
+
+    stage, offload = CASES[-1]
+    planted = f"{out_dir}/planted"
+    if rank == 0:
+        shutil.copytree(f"{out_dir}/zero{stage}-{offload}", planted)
+        torch.save(
+            {"optimizer_state_dict": Payload(f"{out_dir}/payload-ran")},
+            f"{planted}/zero/zero_pp_rank_1_mp_rank_00_optim_states.pt",
+        )
+    dist.barrier()
+    try:
+        parts.strategy.state.load(parts.model, parts.optimizer, planted, {})
+    except ValueError as exc:
+        return str(exc)
+    return "loaded"
+
+
 def run_rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
     import torch.distributed as dist
 
@@ -106,6 +140,7 @@ def run_rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
                 "steps": steps,
                 "lockstep": parts.strategy.lockstep,
             }
+        out["planted"] = resume_planted(parts, out_dir, rank)
     except Exception as exc:  # the test reads it: a rank's error, not a hang
         import traceback
 

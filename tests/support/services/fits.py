@@ -74,10 +74,13 @@ def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 
 
-def sgd_step_errors(cfg: TrainConfig, full_batch_loss, trained_model) -> tuple[float, float]:
+def sgd_step_errors(
+    cfg: TrainConfig, full_batch_loss, trained_model, momentum: float = 0.0
+) -> tuple[float, float]:
     """Distance of the trained weights, and of plain fp32 full-batch SGD (lr 0.1), from the
     float64 full-batch step, each relative to the size of that step. `full_batch_loss`: the
-    loss of the whole window, or a list of them, one SGD step each.
+    loss of the whole window, or a list of them, one SGD step each (torch's SGD with
+    `momentum`).
 
     fp32 weights round at ~1e-7 of their size, ~1e-6 of a small update: the fair bar for the
     pipeline is plain fp32 full-batch training's own distance from the float64 step.
@@ -88,12 +91,15 @@ def sgd_step_errors(cfg: TrainConfig, full_batch_loss, trained_model) -> tuple[f
     def step(dtype):
         ref = build_model(cfg).to(dtype)
         before = weights(ref)
+        velocity: dict[torch.nn.Parameter, torch.Tensor] = {}
         for window_loss in windows:
             ref.zero_grad()
             window_loss(ref, dtype).backward()
             with torch.no_grad():
                 for p in ref.parameters():
-                    p -= 0.1 * p.grad
+                    v = velocity.get(p)
+                    velocity[p] = p.grad.clone() if v is None else momentum * v + p.grad
+                    p -= 0.1 * velocity[p]
         return before, weights(ref)
 
     before, exact = step(torch.float64)
