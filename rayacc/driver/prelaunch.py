@@ -334,6 +334,7 @@ def check_resume(cfg: TrainConfig, identity: dict[str, object], loc: RunLocation
         if saved.get(key) != now.get(key)
     ]
     diffs += _global_batch_change(cfg, meta)
+    diffs += _deepspeed_resize(cfg, meta)
     if diffs:
         raise DataError(
             f"--resume of run {loc.name!r}: the checkpoint at step {meta.get('optimizer_step')} "
@@ -343,6 +344,25 @@ def check_resume(cfg: TrainConfig, identity: dict[str, object], loc: RunLocation
             + "\nFix: resume with the run's values of these fields (and its data), or start a "
             "new run (drop --resume, or another run.name)"
         )
+
+
+def _deepspeed_resize(cfg: TrainConfig, meta: dict[str, Any]) -> list[str]:
+    """A DeepSpeed checkpoint goes to another worker count through DeepSpeed's universal
+    checkpoint, which carries Adam's state only (its converter and its ZeRO-3 loader read
+    `exp_avg` and `exp_avg_sq`): under another optimizer it would fail inside the workers."""
+    saved = meta.get("num_workers")
+    if (
+        meta.get("state_format") != "deepspeed"
+        or cfg.optim.name == "adamw"
+        or saved in (None, cfg.scaling.min_workers)
+    ):
+        return []
+    return [
+        f"scaling.num_workers: the run's DeepSpeed checkpoint was written by {saved} workers, "
+        f"this config starts {cfg.scaling.min_workers}; DeepSpeed moves a checkpoint to "
+        f"another worker count (its universal checkpoint) with Adam's state only, and "
+        f"optim.name is {cfg.optim.name!r} (set scaling.num_workers: {saved})"
+    ]
 
 
 def _global_batch_change(cfg: TrainConfig, meta: dict[str, Any]) -> list[str]:

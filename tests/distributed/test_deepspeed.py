@@ -90,6 +90,24 @@ def test_the_weights_read_back_from_deepspeeds_files_without_its_runtime(
     assert torch.equal(read, ranks[0][(stage, offload)]["after"])
 
 
+@pytest.mark.parametrize("world", [1, 2])
+def test_zero3_resumes_at_the_same_or_another_number_of_ranks(ranks, tmp_path, world):
+    """2 ranks take a window under ZeRO-3 and AdamW, save, and take the short last window;
+    `world` ranks resume their checkpoint (at 2, DeepSpeed's own load; at 1, its universal
+    checkpoint: the weights and AdamW's moments resharded) and take the same window: the same
+    weights."""
+    folder = tmp_path / "resumed"
+    folder.mkdir()
+    shutil.copytree(ranks[0]["out_dir"] / "adamw", folder / "adamw")
+    resumed = spawn_ranks(W.resize_rank, world, folder, "resumed DeepSpeed ranks")
+    want = ranks[0]["adamw"]
+    assert torch.equal(ranks[1]["adamw"], want)
+    for r in resumed:
+        assert "error" not in r, r.get("error")
+        err = float((r["adamw"] - want).norm() / want.norm())
+        assert err <= 1e-6, err
+
+
 def test_a_resume_refuses_a_deepspeed_file_that_would_run_code(ranks):
     """DeepSpeed's loader unpickles its files whole: a rank's optimizer file replaced by a
     pickle that runs a command is refused by every rank before DeepSpeed reads it, naming the

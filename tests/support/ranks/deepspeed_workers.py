@@ -25,7 +25,7 @@ WINDOWS = ((0, 24, 6), (24, 28, 2))
 rank, then a short last one."""
 
 
-def config(stage: int, offload: str, max_grad_norm=None):
+def config(stage: int, offload: str, max_grad_norm=None, optimizer: str = "sgd"):
     from rayacc.config import TrainConfig
 
     return TrainConfig.model_validate(
@@ -33,7 +33,7 @@ def config(stage: int, offload: str, max_grad_norm=None):
             "seed": 5,
             "model": {"name": "mlp", "hidden_sizes": [16]},
             "optim": {
-                "name": "sgd",
+                "name": optimizer,
                 "lr": LR,
                 "momentum": 0.0,
                 "weight_decay": 0.0,
@@ -104,6 +104,46 @@ def resume_planted(parts, out_dir: str, rank: int) -> str:
     return "loaded"
 
 
+def adamw_windows(rank: int, world: int, rows, out_dir: str, resume: bool = False):
+    """ZeRO-3 under AdamW: the first window, a checkpoint, the second window; or (`resume`)
+    the checkpoint another number of ranks wrote, then the second window. The weights after."""
+    from rayacc.config.batch_split import BatchSplit
+    from rayacc.engine import classification_item_losses
+    from rayacc.models.parallel import build_rank
+
+    cfg = config(3, "none", optimizer="adamw")
+    parts = build_rank(
+        cfg, dataset(), torch.device("cpu"), LR / 50, split=BatchSplit(24, 6, 4 // world, world)
+    )
+    windows = WINDOWS[1:] if resume else WINDOWS
+    if resume:
+        parts.strategy.state.load(parts.model, parts.optimizer, f"{out_dir}/adamw", {})
+    for i, (lo, hi, micro) in enumerate(windows):
+        per = (hi - lo) // world
+        mine = slice_rows(rows, lo + rank * per, lo + (rank + 1) * per)
+        parts.accumulate(micro_batches(mine, micro), classification_item_losses)
+        if i == 0 and not resume:
+            parts.strategy.state.save(parts.model, parts.optimizer, f"{out_dir}/adamw", rank)
+    return whole(parts.strategy)
+
+
+def resize_rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    """A rank of `world` resuming the 2 ranks' AdamW checkpoint."""
+    import torch.distributed as dist
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    out: dict = {}
+    try:
+        out["adamw"] = adamw_windows(rank, world, classification_rows(28, seed=9), out_dir, True)
+    except Exception as exc:  # the test reads it: a rank's error, not a hang
+        import traceback
+
+        out["error"] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-3000:]}"
+    torch.save(out, f"{out_dir}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
 def run_rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
     import torch.distributed as dist
 
@@ -141,6 +181,7 @@ def run_rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
                 "lockstep": parts.strategy.lockstep,
             }
         out["planted"] = resume_planted(parts, out_dir, rank)
+        out["adamw"] = adamw_windows(rank, world, rows, out_dir)
     except Exception as exc:  # the test reads it: a rank's error, not a hang
         import traceback
 
