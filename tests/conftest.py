@@ -46,6 +46,11 @@ def pytest_configure(config):
     # per test process (this one, or each worker of a parallel run) the starts counted and the
     # session folders of the local Rays it starts, apart from any other Ray on the machine.
     if not hasattr(config, "workerinput"):
+        # DeepSpeed's op, built once per machine where a run builds it (the user's rayacc
+        # cache), not once per test session's temporary cache (about 30 s of 2 cores each)
+        from rayacc.env import cache_dir
+
+        os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(cache_dir() / "torch_extensions"))
         folder = tempfile.mkdtemp(prefix="rt", dir="/tmp")
         os.environ[FOLDER_ENV] = folder
         os.environ[NOTES_ENV] = str(Path(folder) / "notes")

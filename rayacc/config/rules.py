@@ -207,13 +207,14 @@ def _deepspeed_rules(sections: dict[str, Any]) -> list[ConfigIssue]:
     if train is None or train.strategy != "deepspeed":
         return issues
     fix = "use train.strategy=ddp or fsdp for it"
-    if train.precision != "fp32":
+    if train.precision == "fp16" and scaling is not None and not scaling.use_gpu:
         issues.append(
             ConfigIssue(
                 "train.precision",
-                "DeepSpeed runs fp32 here (its fp16/bf16 are not wired to rayacc's step yet)",
+                "DeepSpeed's fp16 (its loss scaler and fp16 kernels) needs a GPU: its CPU "
+                "accelerator has none",
                 train.precision,
-                f"set train.precision=fp32 with train.strategy=deepspeed, or {fix}",
+                "set train.precision=bf16 (or fp32) for CPU workers, or scaling.use_gpu=true",
             )
         )
     if train.compile:

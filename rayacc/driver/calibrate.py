@@ -25,7 +25,7 @@ from rayacc.engine import TrialOutOfMemory, autocast_dtype, to_device
 from rayacc.engine.autobatch import OUT_OF_MEMORY, measure_step_bytes
 from rayacc.models.parallel import build_rank
 from rayacc.optim import optimizer_slots
-from rayacc.planner.candidates import STRATEGIES, Candidate
+from rayacc.planner.candidates import Candidate, strategy_modes
 from rayacc.planner.prior import predict
 from rayacc.planner.profile import Profile, largest_over_ranks, measure_profile, time_windows
 
@@ -149,12 +149,12 @@ def measure_overheads(
     ac = int(setting) if setting.isdigit() else setting
     m = profile.compute_s[setting].sizes[0]
     out: dict[str, list[float]] = {}
-    for strategy, grad_sync in STRATEGIES:
-        if strategy == "fsdp" and world == 1:
+    for mode in strategy_modes(cfg.train.strategy == "deepspeed"):
+        if mode["strategy"] != "ddp" and world == 1:
             continue
         residual = []
         for a in (1, ACCUM_LEVER):
-            c = Candidate(world, m, a, strategy, grad_sync, ac)
+            c = Candidate(world, m, a, checkpointing=ac, **mode)
             got = measure_candidate(
                 cfg, info, rows, c, rank=rank, device=device, budget=0, min_timed_s=0.5
             )

@@ -31,7 +31,8 @@ class StepResult:
     allreduce_calls: int
     """Gradient all-reduce launches (DDP buckets) in the window; 0 without DDP."""
     reduce_scatter_calls: int
-    """FSDP: gradient reduce-scatter launches (one per FSDP unit and synced backward)."""
+    """FSDP: gradient reduce-scatter launches (one per FSDP unit and synced backward); DeepSpeed
+    ZeRO-2/3: its gradient reduce-scatters."""
     sync_passes: int
     """Backward passes that synced gradients (1 with accumulation done right)."""
     step_time_s: float
@@ -57,6 +58,8 @@ class StepResult:
     reduction (no collective of their own)."""
     rank_width: int = 0
     """k: figures in each rank's report (0: none given)."""
+    all_gather_calls: int = 0
+    """ZeRO-3: parameter all-gathers in the window (its forwards and backwards)."""
 
     @property
     def figures_by_rank(self) -> tuple[tuple[float, ...], ...]:

@@ -73,7 +73,7 @@ class AccumulationStep:
             self.strategy.adopt(model)
         if self.strategy.model is not model:
             raise ValueError("the strategy serves another model than the one given")
-        if precision == "fp16" and self.strategy.lockstep:
+        if precision == "fp16" and self.strategy.lockstep and not self.strategy.owns_optimizer_step:
             # GradScaler's unscale and inf checks are per rank: sharded gradients would need
             # them agreed over the ranks, which the engine does not do
             raise ValueError(f"fp16 with a GradScaler under {self.strategy.name}: not supported")
@@ -89,11 +89,12 @@ class AccumulationStep:
         distributed = dist.is_available() and dist.is_initialized()
         self.world_size = dist.get_world_size(self.group) if distributed else 1
         self._rank = dist.get_rank(self.group) if distributed else 0
-        if precision == "fp16":
+        if precision == "fp16" and not self.strategy.owns_optimizer_step:
             self.scaler = scaler or torch.amp.GradScaler(self.device.type)
         else:
+            # an engine that owns the step owns fp16's loss scale too (DeepSpeed's own scaler)
             if scaler is not None:
-                raise ValueError("a GradScaler is only used with fp16")
+                raise ValueError("a GradScaler is only used with fp16, where the step is ours")
             self.scaler = None
         # a reduction that sums over ranks leaves the one multiply below to divide by N; DDP's
         # default hook (count_comm=False) has averaged them already
@@ -429,6 +430,7 @@ class AccumulationStep:
             skip_reason=skip_reason,
             allreduce_calls=comm.allreduce_calls,
             reduce_scatter_calls=comm.reduce_scatter_calls,
+            all_gather_calls=comm.all_gather_calls,
             sync_passes=comm.sync_passes,
             step_time_s=time.perf_counter() - t_start,
             sync_time_s=comm.sync_time_s,

@@ -59,7 +59,8 @@ def _read(path: Path, what: str) -> dict[str, Any]:
 
 
 def _rank_of(path: Path) -> int:
-    found = re.fullmatch(r"zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt", path.name)
+    # DeepSpeed prefixes the optimizer files of a bf16 run with `bf16_`
+    found = re.fullmatch(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt", path.name)
     return int(found.group(1)) if found else -1
 
 
@@ -84,7 +85,7 @@ def read_zero_weights(folder: str | Path) -> dict[str, torch.Tensor]:
     ValueError naming the file for anything that is not such a checkpoint."""
     folder = Path(folder)
     models = sorted(folder.glob("*model_states.pt"))
-    optims = sorted(folder.glob("zero_pp_rank_*_mp_rank_00_optim_states.pt"), key=_rank_of)
+    optims = sorted((p for p in folder.glob("*.pt") if _rank_of(p) >= 0), key=_rank_of)
     if not models or not optims:
         raise ValueError(f"{folder} holds no DeepSpeed model and optimizer state files")
     model_state = _read(models[0], "module")

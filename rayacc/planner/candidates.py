@@ -1,5 +1,7 @@
 """The planner's candidates: every combination of workers, micro-batch (accumulation derived),
-strategy and activation checkpointing that keeps the job's global batch exactly."""
+strategy and activation checkpointing that keeps the job's global batch exactly. DeepSpeed's
+ZeRO stages (with and without optimizer offload) are candidates of a job that runs DeepSpeed
+(`train.strategy: deepspeed`: the extra is there)."""
 
 from __future__ import annotations
 
@@ -8,10 +10,19 @@ from typing import Any
 
 from rayacc.engine.autobatch import candidate_micro_sizes
 
-__all__ = ["STRATEGIES", "Candidate", "checkpointing_choices", "enumerate_candidates"]
+__all__ = [
+    "STRATEGIES",
+    "ZERO_MODES",
+    "Candidate",
+    "checkpointing_choices",
+    "enumerate_candidates",
+    "strategy_modes",
+]
 
 STRATEGIES = (("ddp", None), ("fsdp", "every_micro_step"), ("fsdp", "window_end"))
 """(train.strategy, fsdp.grad_sync) pairs the planner tries."""
+ZERO_MODES = ((1, False), (2, False), (3, False), (2, True), (3, True))
+"""(deepspeed.stage, optimizer offloaded) pairs the planner tries for a DeepSpeed job."""
 
 
 @dataclass(frozen=True)
@@ -27,6 +38,10 @@ class Candidate:
     """fsdp.grad_sync under fsdp; None under ddp."""
     checkpointing: str | int = "none"
     """`none`, `full`, or k: every k-th transformer block."""
+    zero_stage: int | None = None
+    """deepspeed.stage under deepspeed; None otherwise."""
+    offload: bool = False
+    """deepspeed.offload_optimizer: cpu (under deepspeed)."""
 
     @property
     def global_batch_size(self) -> int:
@@ -34,6 +49,8 @@ class Candidate:
 
     @property
     def strategy_label(self) -> str:
+        if self.zero_stage is not None:
+            return f"{self.strategy} zero{self.zero_stage}" + (" offload" if self.offload else "")
         return self.strategy if self.grad_sync is None else f"{self.strategy} {self.grad_sync}"
 
     @property
@@ -60,6 +77,9 @@ class Candidate:
         out["train.strategy"] = self.strategy
         if self.grad_sync is not None:
             out["fsdp.grad_sync"] = self.grad_sync
+        if self.zero_stage is not None:
+            out["deepspeed.stage"] = self.zero_stage
+            out["deepspeed.offload_optimizer"] = "cpu" if self.offload else "none"
         out["train.activation_checkpointing"] = ac if isinstance(ac, str) else {"every_n": ac}
         return out
 
@@ -80,17 +100,30 @@ def checkpointing_choices(num_blocks: int) -> list[str | int]:
     return ["none", *([2] if num_blocks >= 3 else []), "full"]
 
 
+def strategy_modes(deepspeed: bool = False) -> list[dict[str, Any]]:
+    """Each way to spread the model the planner tries, as Candidate fields: DDP, FSDP in each
+    sync mode and, with `deepspeed`, each ZeRO mode."""
+    modes: list[dict[str, Any]] = [{"strategy": s, "grad_sync": g} for s, g in STRATEGIES]
+    if deepspeed:
+        modes += [
+            {"strategy": "deepspeed", "zero_stage": stage, "offload": offload}
+            for stage, offload in ZERO_MODES
+        ]
+    return modes
+
+
 def enumerate_candidates(
     global_batch_size: int,
     worker_counts: list[int],
     num_blocks: int,
     *,
     micro_sizes: list[int] | None = None,
-    strategies: tuple[tuple[str, str | None], ...] = STRATEGIES,
+    deepspeed: bool = False,
 ) -> tuple[list[Candidate], list[str]]:
     """Every candidate, and a line for each worker count that cannot keep the global batch.
     `micro_sizes` limits the micro-batches tried (a benchmark's small grid); a single worker
-    has nothing to shard, so FSDP is tried from two workers on."""
+    has nothing to shard, so FSDP and ZeRO are tried from two workers on; `deepspeed`: the
+    ZeRO modes too."""
     out: list[Candidate] = []
     skipped: list[str] = []
     for n in worker_counts:
@@ -103,11 +136,11 @@ def enumerate_candidates(
         micros = [
             m for m in candidate_micro_sizes(share) if micro_sizes is None or m in micro_sizes
         ]
-        for strategy, grad_sync in strategies:
-            if strategy == "fsdp" and n == 1:
+        for mode in strategy_modes(deepspeed):
+            if mode["strategy"] != "ddp" and n == 1:
                 continue
             for ac in checkpointing_choices(num_blocks):
                 out.extend(
-                    Candidate(n, m, share // m, strategy, grad_sync, ac) for m in sorted(micros)
+                    Candidate(n, m, share // m, checkpointing=ac, **mode) for m in sorted(micros)
                 )
     return out, skipped

@@ -199,7 +199,9 @@ def search(
     g = prep.split.global_batch_size
     counts = worker_counts(cfg, cluster_holds)
     blocks = len(fsdp_blocks(build_on_meta(cfg, prep.info)))
-    candidates, skipped = enumerate_candidates(g, counts, blocks, micro_sizes=micro_sizes)
+    candidates, skipped = enumerate_candidates(
+        g, counts, blocks, micro_sizes=micro_sizes, deepspeed=cfg.train.strategy == "deepspeed"
+    )
     if not candidates:
         raise ValueError(
             "no candidate keeps the global batch at "

@@ -48,6 +48,7 @@ def step_record(
         "scaling/global_batch_size": split.global_batch_size,
         "comm/allreduce_calls": result.allreduce_calls,
         "comm/reduce_scatter_calls": result.reduce_scatter_calls,
+        "comm/all_gather_calls": result.all_gather_calls,
         "data/rows_read": rows_read,
         "comm/sync_time_frac": result.sync_time_frac,
         "mem/peak_mb": result.peak_memory_mb,

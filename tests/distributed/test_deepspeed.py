@@ -5,6 +5,7 @@ user's DeepSpeed config is merged under the job's keys or refused naming both va
 
 from __future__ import annotations
 
+import math
 import random
 import shutil
 from pathlib import Path
@@ -62,9 +63,51 @@ def test_each_stage_equals_the_full_batch_steps(ranks, stage, offload, record_eq
     # a full window of 2 micro-steps per rank, then a short one of 4 rows
     assert got["steps"] == [(24, False, 2), (4, False, 1)]
     assert got["lockstep"] == (stage == 3)
+    # DeepSpeed's collectives per window (all-reduce, reduce-scatter, all-gather, backward
+    # passes that reduced), measured under the caller's window: ZeRO-1 all-reduces the
+    # gradients once, in the step; ZeRO-2 in every backward; ZeRO-3 reduce-scatters in every
+    # backward and gathers parameters; each also all-reduces the gradient norm once
+    for (_, _, micro), (allreduce, reduce_scatter, all_gather, passes) in zip(
+        got["steps"], got["comm"], strict=True
+    ):
+        if stage == 1:
+            assert (allreduce, reduce_scatter, passes) == (2, 0, 1), got["comm"]
+        elif stage == 2:
+            assert (allreduce, reduce_scatter, passes) == (micro + 1, 0, micro), got["comm"]
+        else:
+            assert (allreduce, reduce_scatter, passes) == (1, micro, micro), got["comm"]
+        assert all_gather >= 1, got["comm"]
     err = update_rel_err(before, got["after"], after)
     record_equivalence(f"deepspeed zero{stage} offload {offload}", err)
     assert err <= 1e-5, err
+
+
+BF16_BOUND = 3 * math.sqrt(12) * 2.0**-8
+"""tests/distributed/test_matrix.py's bound for the MLP's 2 linear layers: 6 bf16 roundings
+each, errors of independent sign, three standard deviations (a wrong normalisation is ≥ 0.3)."""
+
+
+@pytest.mark.parametrize(
+    "stage, offload", W.BF16_CASES, ids=[f"zero{s}-offload_{o}" for s, o in W.BF16_CASES]
+)
+def test_each_stage_in_bf16_is_the_full_batch_steps_within_bf16_rounding(
+    ranks, stage, offload, record_equivalence
+):
+    """DeepSpeed's bf16 (the module in bf16, the optimizer's fp32 master weights, which the
+    checkpoint holds): the two steps' update within bf16's rounding of the fp32 full-batch
+    steps."""
+    from rayacc.engine.zero_files import read_zero_weights
+    from rayacc.models import build_model
+
+    got = ranks[0][(stage, offload, "bf16")]
+    assert got["steps"] == [(24, False, 2), (4, False, 1)]
+    before, after = reference(stage, offload)
+    names = [n for n, _ in build_model(W.config(stage, offload), W.dataset()).named_parameters()]
+    weights = read_zero_weights(ranks[0]["out_dir"] / f"zero{stage}-{offload}-bf16" / "zero")
+    trained = torch.cat([weights[n].reshape(-1).double() for n in names])
+    err = update_rel_err(before, trained, after)
+    record_equivalence(f"deepspeed zero{stage} offload {offload} bf16", err)
+    assert err <= BF16_BOUND, err
 
 
 @pytest.mark.parametrize(
@@ -170,3 +213,12 @@ def test_damaged_deepspeed_files_are_refused_naming_them_and_run_no_code(ranks, 
         assert not marker.exists(), f"case {seed}: the payload ran"
     for how in ("truncate", "empty", "code", "missing"):
         assert outcomes.get(f"{how}: refused"), outcomes
+
+
+def test_no_compiler_for_deepspeeds_op_is_said_with_the_fix(tmp_path):
+    """DeepSpeed builds a small op at its first start on a machine: where no C++ compiler runs,
+    the error says what failed, where the build is cached and how to fix it."""
+    (one,) = spawn_ranks(W.no_compiler_rank, 1, tmp_path, "DeepSpeed rank without a compiler")
+    raised = one["raised"] or ""
+    assert raised.startswith("RuntimeError: DeepSpeed builds a small op"), raised
+    assert "Fix: install g++ and ninja" in raised and str(tmp_path) in raised, raised

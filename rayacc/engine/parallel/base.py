@@ -52,6 +52,9 @@ class CommStats:
 
     allreduce_calls: int = 0
     reduce_scatter_calls: int = 0
+    all_gather_calls: int = 0
+    """Parameter all-gathers (ZeRO-3 gathers each module's parameters in its forward and
+    backward)."""
     sync_passes: int = 0
     """Backward passes that synced gradients (1 when accumulation skips the others)."""
     sync_time_s: float = 0.0

@@ -32,6 +32,7 @@ from rayacc.engine.parallel.base import (
     ModelRecipe,
     Strategy,
     _checkpoint_blocks,
+    _Timeline,
     _world,
 )
 from rayacc.engine.parallel.state import StateFormat, _written
@@ -177,8 +178,10 @@ class DeepSpeed(Strategy):
         # ZeRO-3 gathers each module's parameters in its forward: a collective every forward
         self.lockstep = self.gathers_in_forward = stage == 3
         self.holds_whole_gradients = stage < 2
+        self.reduces_per_micro_step = stage >= 2
         self.engine: Any = None
         self.state = DeepSpeedState(self)
+        self.counter: _CommCounter | None = None
 
     def _build(self, recipe: ModelRecipe, device: torch.device) -> nn.Module:
         module = recipe.build()
@@ -192,19 +195,33 @@ class DeepSpeed(Strategy):
         shards): the model to train and the optimizer to schedule."""
         deepspeed = import_deepspeed()
         assert self.model is not None
-        engine, ds_optimizer, _, _ = deepspeed.initialize(
-            model=self.model, optimizer=optimizer, config=self.config
-        )
+        try:
+            engine, ds_optimizer, _, _ = deepspeed.initialize(
+                model=self.model, optimizer=optimizer, config=self.config
+            )
+        except RuntimeError as exc:
+            if "Error building extension" not in str(exc):
+                raise
+            raise RuntimeError(
+                "DeepSpeed builds a small op of its own with ninja and a C++ compiler at its "
+                "first start on a machine (cached in TORCH_EXTENSIONS_DIR, here "
+                f"{os.environ.get('TORCH_EXTENSIONS_DIR')}), and the build failed: "
+                f"{str(exc).splitlines()[0][:200]}. Fix: install g++ and ninja on every worker "
+                "node (`apt-get install g++`, `pip install ninja`), or use train.strategy=ddp "
+                "or fsdp"
+            ) from None
         self.engine = self.model = engine
         return engine, ds_optimizer
 
     def setup_reduction(self, count_comm: bool) -> bool:
+        if count_comm and _world() > 1:
+            self.counter = _CommCounter()
         # DeepSpeed's reduction averages over the ranks: the loss carries × W / N_window
         return False
 
     def sync_context(self, sync: bool) -> contextlib.AbstractContextManager[None]:
-        # with the window the caller's, every backward reduces (ZeRO-3 reduce-scatters per
-        # micro-step in any mode); the boundary cannot be moved under that mode
+        # with the window the caller's, ZeRO-2 and -3 reduce in every backward (the boundary
+        # cannot be moved under that mode), ZeRO-1 in the step
         return contextlib.nullcontext()
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -218,7 +235,9 @@ class DeepSpeed(Strategy):
         norm = self.engine.get_global_grad_norm()
         grad_norm = float(norm) if norm is not None else math.nan
         if self.engine.skipped_steps != skipped:
-            return grad_norm, "non-finite gradient"
+            # fp16: DeepSpeed's loss scaler found an overflow, skipped and backed the scale off
+            fp16 = self.config["fp16"]["enabled"]
+            return grad_norm, "fp16 gradient overflow" if fp16 else "non-finite gradient"
         return grad_norm, None
 
     def grad_norm(self, grads: list[torch.Tensor], uniform: bool) -> torch.Tensor:
@@ -228,12 +247,83 @@ class DeepSpeed(Strategy):
         if self.engine is not None:
             self.engine.zero_grad()
 
+    def begin_window(self) -> None:
+        if self.counter is not None:
+            self.counter.begin_window()
+
     def comm_stats(self, micro_steps: int) -> CommStats:
-        return CommStats()
+        # with the window the caller's, ZeRO-2 and -3 reduce in every backward; ZeRO-1 reduces
+        # once, in the step (measured: tests/distributed/test_deepspeed.py)
+        synced = 0 if _world() == 1 else micro_steps if self.reduces_per_micro_step else 1
+        if self.counter is None:
+            return CommStats(sync_passes=synced)
+        c = self.counter
+        return CommStats(
+            allreduce_calls=c.calls["allreduce"],
+            reduce_scatter_calls=c.calls["reduce_scatter"],
+            all_gather_calls=c.calls["all_gather"],
+            sync_passes=synced,
+            sync_time_s=c.timeline.span_s(),
+        )
 
     def unwrapped(self) -> nn.Module:
         assert self.model is not None
         return self.engine.module if self.engine is not None else self.model
+
+
+class _CommCounter:
+    """DeepSpeed's collectives of a window, counted by kind: every one goes through its comm
+    backend (`deepspeed.comm`'s `cdb`), whose methods are wrapped on that instance (its own
+    comms logger would synchronise the device around each one). rayacc's own collectives go
+    through torch.distributed and are not counted. The time is from the first launch to the
+    last return (an asynchronous one returns at launch)."""
+
+    def __init__(self) -> None:
+        from deepspeed import comm
+
+        self.timeline = _Timeline()
+        self.begin_window()
+        backend = comm.comm.cdb
+        if getattr(backend, "_rayacc_counter", None) is None:
+            # wrapped once per process; the strategy built last counts
+            for name, kind in _COLLECTIVES.items():
+                method = getattr(backend, name, None)
+                if method is not None:
+                    setattr(backend, name, _counting(backend, method, kind))
+        backend._rayacc_counter = self
+
+    def begin_window(self) -> None:
+        self.calls = dict.fromkeys(("allreduce", "reduce_scatter", "all_gather"), 0)
+        self.timeline.begin_window()
+
+
+_COLLECTIVES = {
+    "all_reduce": "allreduce",
+    "all_reduce_coalesced": "allreduce",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter": "reduce_scatter",
+    "all_gather_into_tensor": "all_gather",
+    "all_gather": "all_gather",
+    "all_gather_coalesced": "all_gather",
+    "all_gather_base": "all_gather",
+}
+"""DeepSpeed's comm backend methods counted, by kind."""
+
+
+def _counting(backend, method, kind: str):
+    def counted(*args, **kwargs):
+        counter = backend._rayacc_counter
+        counter.calls[kind] += 1
+        gradient = kind != "all_gather"
+        if gradient:
+            counter.timeline.launched()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            if gradient:
+                counter.timeline.done()
+
+    return counted
 
 
 class DeepSpeedState(StateFormat):

@@ -19,13 +19,18 @@ CASES = (
     (3, "cpu"),
 )
 """(ZeRO stage, optimizer offload)."""
+BF16_CASES = ((1, "none"), (2, "cpu"), (3, "none"))
+"""The same under train.precision=bf16 (DeepSpeed's bf16: the module in bf16, fp32 master
+weights in the optimizer)."""
 LR = 0.5
 WINDOWS = ((0, 24, 6), (24, 28, 2))
 """(first row, end row, micro-batch per rank) of each window: a full one of 2 micro-steps per
 rank, then a short last one."""
 
 
-def config(stage: int, offload: str, max_grad_norm=None, optimizer: str = "sgd"):
+def config(
+    stage: int, offload: str, max_grad_norm=None, optimizer: str = "sgd", precision: str = "fp32"
+):
     from rayacc.config import TrainConfig
 
     return TrainConfig.model_validate(
@@ -41,7 +46,7 @@ def config(stage: int, offload: str, max_grad_norm=None, optimizer: str = "sgd")
             },
             "batch": {"global_batch_size": 24, "micro_batch_size": 6},
             "scaling": {"num_workers": 2},
-            "train": {"strategy": "deepspeed"},
+            "train": {"strategy": "deepspeed", "precision": precision},
             "deepspeed": {"stage": stage, "offload_optimizer": offload},
         }
     )
@@ -156,28 +161,41 @@ def run_rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
     rows = classification_rows(28, seed=9)
     out: dict = {}
     try:
-        for stage, offload in CASES:
+        cases = [(s, o, "fp32") for s, o in CASES] + [(s, o, "bf16") for s, o in BF16_CASES]
+        for stage, offload, precision in cases:
             parts = build_rank(
-                config(stage, offload),
+                config(stage, offload, precision=precision),
                 dataset(),
                 torch.device("cpu"),
                 LR,
                 split=BatchSplit(24, 6, 2, world),
             )
             before = whole(parts.strategy)
-            steps = []
+            steps, comm = [], []
             for lo, hi, micro in WINDOWS:
                 per = (hi - lo) // world
                 mine = slice_rows(rows, lo + rank * per, lo + (rank + 1) * per)
                 result = parts.accumulate(micro_batches(mine, micro), classification_item_losses)
                 steps.append((result.items, result.skipped, result.micro_steps))
+                comm.append(
+                    (
+                        result.allreduce_calls,
+                        result.reduce_scatter_calls,
+                        result.all_gather_calls,
+                        result.sync_passes,
+                    )
+                )
             # DeepSpeed's own files, every rank its part, as a checkpoint holds them
-            folder = f"{out_dir}/zero{stage}-{offload}"
-            parts.strategy.state.save(parts.model, parts.optimizer, folder, rank)
+            name = f"zero{stage}-{offload}" + ("" if precision == "fp32" else f"-{precision}")
+            parts.strategy.state.save(parts.model, parts.optimizer, f"{out_dir}/{name}", rank)
+            if precision != "fp32":
+                out[(stage, offload, precision)] = {"steps": steps, "comm": comm}
+                continue
             out[(stage, offload)] = {
                 "before": before,
                 "after": whole(parts.strategy),
                 "steps": steps,
+                "comm": comm,
                 "lockstep": parts.strategy.lockstep,
             }
         out["planted"] = resume_planted(parts, out_dir, rank)
@@ -186,5 +204,33 @@ def run_rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
         import traceback
 
         out["error"] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-3000:]}"
+    torch.save(out, f"{out_dir}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def no_compiler_rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    """A rank on a machine where DeepSpeed's op has not been built and no C++ compiler runs:
+    what building the strategy raised."""
+    import torch.distributed as dist
+
+    from rayacc.config.batch_split import BatchSplit
+    from rayacc.models.parallel import build_rank
+
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        CXX="/nonexistent/c++",
+        TORCH_EXTENSIONS_DIR=f"{out_dir}/torch_extensions",
+    )
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    out: dict = {}
+    try:
+        build_rank(
+            config(2, "none"), dataset(), torch.device("cpu"), LR, split=BatchSplit(24, 6, 4, 1)
+        )
+        out["raised"] = None
+    except Exception as exc:
+        out["raised"] = f"{type(exc).__name__}: {exc}"
     torch.save(out, f"{out_dir}/rank{rank}.pt")
     dist.destroy_process_group()

@@ -38,6 +38,18 @@ def test_fsdp_takes_compile_and_auto_micro_batch():
     assert cfg.train.compile and cfg.batch.auto_micro_batch
 
 
+def test_deepspeed_takes_bf16_and_fp16_on_gpus():
+    for precision, gpu in (("bf16", False), ("fp16", True)):
+        cfg = load(
+            {
+                **with_("train", strategy="deepspeed", precision=precision),
+                "scaling": {"num_workers": 2, "use_gpu": gpu},
+                "deepspeed": {"stage": 3},
+            }
+        )
+        assert cfg.train.precision == precision
+
+
 def test_good_config_and_defaults():
     cfg = load(GOOD)
     assert cfg.batch.global_batch_size == 256
@@ -82,6 +94,31 @@ BAD = [
     ({**GOOD, "seed": "abc"}, "seed", "whole number"),
     (with_("train", strategy="fsdp", precision="fp16"), "train.precision", "bf16"),
     (with_("train", strategy="zero"), "train.strategy", "'ddp', 'fsdp' or 'deepspeed'"),
+    # what DeepSpeed does not run (each with the fix)
+    (
+        {**with_("train", strategy="deepspeed", precision="fp16")},
+        "train.precision",
+        "train.precision=bf16",
+    ),
+    (
+        {**with_("train", strategy="deepspeed"), "deepspeed": {"offload_params": "cpu"}},
+        "deepspeed.offload_params",
+        "deepspeed.stage=3",
+    ),
+    ({**with_("train", strategy="deepspeed", compile=True)}, "train.compile", "compile=false"),
+    (
+        {
+            **with_("train", strategy="deepspeed"),
+            "batch": {"global_batch_size": 256, "micro_batch_size": "auto"},
+        },
+        "batch.micro_batch_size",
+        "a number",
+    ),
+    (
+        {**with_("train", strategy="deepspeed"), "scaling": {"num_workers": [1, 2]}},
+        "scaling.num_workers",
+        "one worker count",
+    ),
 ]
 
 

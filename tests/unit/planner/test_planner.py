@@ -564,3 +564,55 @@ def test_a_time_budget_that_runs_out_before_the_top_candidates_is_said(tmp_path,
     else:
         (line,) = late
         assert said in line and "(30 s)" in line and "raise --budget-s" in line, line
+
+
+def test_a_deepspeed_job_plans_each_zero_mode_from_two_workers():
+    """The ZeRO modes are candidates of a DeepSpeed job only; each candidate's overrides make a
+    valid config of the job (the one validator)."""
+    plain, _ = enumerate_candidates(64, [1, 2], 0)
+    cands, _ = enumerate_candidates(64, [1, 2], 0, deepspeed=True)
+    zero = [c for c in cands if c.strategy == "deepspeed"]
+    assert not any(c.strategy == "deepspeed" for c in plain)
+    assert len(zero) == 5 * 6 and all(c.workers == 2 for c in zero)  # 5 modes × micro 1..32
+    assert {c.strategy_label for c in zero} == {
+        "deepspeed zero1",
+        "deepspeed zero2",
+        "deepspeed zero3",
+        "deepspeed zero2 offload",
+        "deepspeed zero3 offload",
+    }
+    job = {
+        "batch": {"global_batch_size": 64, "micro_batch_size": 32},
+        "scaling": {"num_workers": 2},
+        "train": {"strategy": "deepspeed"},
+    }
+    for c in zero:
+        cfg = TrainConfig.from_dict(job, [f"{k}={v}" for k, v in c.overrides().items()])
+        assert cfg.deepspeed.stage == c.zero_stage
+        assert cfg.deepspeed.offload_optimizer == ("cpu" if c.offload else "none")
+        assert Candidate.from_dict(c.to_dict()) == c
+
+
+def test_the_prior_counts_each_zero_stages_memory_and_communication():
+    """1 MiB of parameters, AdamW's 2 slots, 2 ranks: ZeRO-1 holds the parameters and
+    gradients whole and a half of the fp32 master and state; ZeRO-2 half of the gradients;
+    ZeRO-3 half of everything and the gathered weights; offload spares a GPU the master and
+    state. ZeRO-1 all-reduces once per window, ZeRO-2 reduces every micro-step, ZeRO-3 gathers
+    and reduce-scatters every micro-step."""
+    p = _profile()
+    acts = 1.6
+
+    def zero(stage, offload=False, profile=p):
+        return predict(Candidate(2, 16, 2, "deepspeed", zero_stage=stage, offload=offload), profile)
+
+    assert zero(1).memory_bytes / MIB == pytest.approx(1 + 1 + 3 / 2 + acts)
+    assert zero(2).memory_bytes / MIB == pytest.approx(1 + 1 / 2 + 3 / 2 + acts)
+    assert zero(3).memory_bytes / MIB == pytest.approx(1 / 2 + 1 / 2 + 3 / 2 + 1 + acts)
+    gpu = _profile(device="cuda")
+    assert zero(3, True, gpu).memory_bytes / MIB == pytest.approx(1 / 2 + 1 / 2 + 0.5 + acts)
+    assert zero(2, True, gpu).memory_bytes < zero(2, False, gpu).memory_bytes
+    assert zero(2, True).memory_bytes == zero(2).memory_bytes, "on a CPU the host is the device"
+    gather = MIB * 0.5e-8 + 4 * 1e-4
+    assert zero(1).comm_s == pytest.approx(1e-4 + MIB * 1e-8)
+    assert zero(2).comm_s == pytest.approx(3 * (MIB * 0.5e-8 + 1e-4))
+    assert zero(3).comm_s == pytest.approx(2 * (2 * gather + gather))
