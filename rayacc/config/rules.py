@@ -239,8 +239,8 @@ def _deepspeed_rules(sections: dict[str, Any]) -> list[ConfigIssue]:
         issues.append(
             ConfigIssue(
                 "scaling.num_workers",
-                "a DeepSpeed checkpoint resumes at the worker count that wrote it: an elastic "
-                "range would restart at another",
+                "an elastic group under DeepSpeed is not supported yet (each resize would "
+                "restart from DeepSpeed's universal checkpoint, which carries Adam's state only)",
                 list(scaling.num_workers),
                 f"give one worker count with train.strategy=deepspeed, or {fix}",
             )

@@ -20,6 +20,7 @@ import ray
 import torch
 
 from rayacc.config import TrainConfig
+from rayacc.config.batch_split import BatchSplit
 from rayacc.data.sources import DatasetInfo
 from rayacc.engine import TrialOutOfMemory, autocast_dtype, to_device
 from rayacc.engine.autobatch import OUT_OF_MEMORY, measure_step_bytes
@@ -83,7 +84,10 @@ def measure_candidate(
 ) -> dict[str, Any]:
     """Probe, then time windows of `c` on this group (every rank calls it)."""
     cc = with_candidate(cfg, c)
-    parts = build_rank(cc, info, device, cfg.optim.lr)
+    # the candidate's own split: the fixed costs' windows of 1 and 4 micro-steps are not the
+    # job's global batch (DeepSpeed's engine is configured with the split it runs)
+    split = BatchSplit(c.global_batch_size, c.micro_batch_size, c.grad_accum_steps, c.workers)
+    parts = build_rank(cc, info, device, cfg.optim.lr, split=split)
     strategy, step, loss_fn, count = parts.strategy, parts.accumulate, parts.loss_fn, parts.count
     m = c.micro_batch_size
     index = np.resize(np.arange(len(rows)), m * (rank + 1))[rank * m :]

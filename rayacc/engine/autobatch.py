@@ -126,7 +126,8 @@ def measure_step_bytes(
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
             with strategy.sync_context(False), ctx:
-                loss_fn(model, batch).float().sum().backward()
+                # through the strategy: an engine that owns the backward (DeepSpeed) must see it
+                strategy.backward(loss_fn(model, batch).float().sum())
             torch.cuda.synchronize(device)
             return torch.cuda.max_memory_allocated(device) + optimizer_bytes
         saved: dict[int, int] = {}
@@ -142,7 +143,7 @@ def measure_step_bytes(
         with strategy.sync_context(False), ctx:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 losses = loss_fn(model, batch)
-            losses.float().sum().backward()
+            strategy.backward(losses.float().sum())
         params = _param_bytes(model)
         # FSDP window_end holds every rank's whole gradients across the window, not its shard
         grads = params * (_world() if strategy.holds_whole_gradients else 1)

@@ -292,6 +292,9 @@ def format_table(result: SearchResult, token_items: bool, limit: int | None = No
         f"{'candidate':34} {'mem MiB pred':>12} {'meas':>9} {'err':>5} "
         f"{'step s pred':>11} {'meas':>9} {'err':>5} {unit:>10}  note"
     )
+    # the widest label sets the first column (a ZeRO mode with offload is the longest)
+    width = max([34, *(len(r.candidate.label) for r in result.rows)])
+    head = f"{'candidate':{width}}" + head[34:]
     lines = [head]
     items = result.profile.items_per_sample
     quota = {"fits": limit, "pruned": None if limit is None else 3}
@@ -303,7 +306,7 @@ def format_table(result: SearchResult, token_items: bool, limit: int | None = No
                 hidden[kind] += 1
                 continue
             quota[kind] -= 1
-        lines.append(_table_row(result, r, items))
+        lines.append(_table_row(result, r, items, width))
     if hidden["fits"]:
         lines.append(f"… and {hidden['fits']} more not measured (all in PLAN.yaml)")
     if hidden["pruned"]:
@@ -311,7 +314,7 @@ def format_table(result: SearchResult, token_items: bool, limit: int | None = No
     return lines
 
 
-def _table_row(result: SearchResult, r: PlanRow, items: float) -> str:
+def _table_row(result: SearchResult, r: PlanRow, items: float, width: int = 34) -> str:
     p, m = r.prediction, r.measured or {}
     meas_mem = f"{m['memory_bytes'] / 2**20:9.1f}" if "memory_bytes" in m else f"{'':>9}"
     meas_t = f"{m['step_s']:9.4f}" if r.measured_ok else f"{'':>9}"
@@ -332,6 +335,6 @@ def _table_row(result: SearchResult, r: PlanRow, items: float) -> str:
     pred_mem = f"{p.memory_bytes / 2**20:12.1f}" if p.memory_bytes != inf else f"{'-':>12}"
     pred_t = f"{p.step_s:11.4f}" if p.step_s != inf else f"{'-':>11}"
     return (
-        f"{r.candidate.label:34} {pred_mem} {meas_mem} {_pct(r.memory_error):>5} "
+        f"{r.candidate.label:{width}} {pred_mem} {meas_mem} {_pct(r.memory_error):>5} "
         f"{pred_t} {meas_t} {_pct(r.time_error):>5} {rate}  {note}"
     ).rstrip()

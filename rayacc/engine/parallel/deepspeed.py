@@ -244,8 +244,31 @@ class DeepSpeed(Strategy):
         return torch.tensor(self.engine.get_global_grad_norm() or 0.0)
 
     def discard_grads(self, optimizer: torch.optim.Optimizer | None = None) -> None:
-        if self.engine is not None:
-            self.engine.zero_grad()
+        if self.engine is None:
+            return
+        self.engine.zero_grad()
+        # the gradients already reduced into this rank's partition survive zero_grad: they are
+        # cleared as DeepSpeed's own step clears a window it skips (its overflow path). Under
+        # ZeRO-2 some outlive this (measured: tests/distributed/test_deepspeed.py leaves the
+        # probe out there): a window rayacc skips after its backward (a non-finite loss) leaves
+        # its gradients to the next, whose step DeepSpeed then skips as an overflow
+        zero = self.engine.optimizer
+        if hasattr(zero, "_overflow_clean_up"):  # ZeRO-3
+            zero._overflow_clean_up(getattr(zero, "loss_scale", 1.0))
+        elif hasattr(zero, "averaged_gradients"):  # ZeRO-1 and -2
+            # a window's first backward starts the partition's gradients anew (not added to
+            # those reduced before), as after a step
+            zero.micro_step_id = -1
+            zero.zero_grad(set_to_none=True)
+            release = getattr(zero, "_release_preflattened_grad_buffers", None)
+            if release is not None:
+                release()
+            if getattr(zero, "cpu_offload", False):
+                zero.reset_cpu_buffers()
+            else:
+                for k in zero.averaged_gradients:
+                    zero.averaged_gradients[k] = None
+                    zero.all_grad_tensors[k] = None
 
     def begin_window(self) -> None:
         if self.counter is not None:

@@ -154,6 +154,7 @@ def run_rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
 
     from rayacc.config.batch_split import BatchSplit
     from rayacc.engine import classification_item_losses
+    from rayacc.engine.autobatch import measure_step_bytes
     from rayacc.models.parallel import build_rank
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
@@ -171,6 +172,17 @@ def run_rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
                 split=BatchSplit(24, 6, 2, world),
             )
             before = whole(parts.strategy)
+            # the planner's memory probe first (a forward and backward through the engine,
+            # then its gradients discarded): it must leave no trace on the steps after it.
+            # Not under ZeRO-2, whose reduced gradients outlive the discard (docs/design.md)
+            if stage != 2:
+                measure_step_bytes(
+                    parts.strategy.unwrapped(),
+                    classification_item_losses,
+                    slice_rows(rows, rank * 6, (rank + 1) * 6),
+                    autocast_dtype=torch.bfloat16 if precision == "bf16" else None,
+                    strategy=parts.strategy,
+                )
             steps, comm = [], []
             for lo, hi, micro in WINDOWS:
                 per = (hi - lo) // world
