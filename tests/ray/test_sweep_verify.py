@@ -133,13 +133,20 @@ def test_a_sweep_over_the_strategy_with_auto_micro_batch_then_report(ray_local, 
     }
 
 
-def test_verify_passes_on_the_default_job(ray_local, tmp_path):
+@pytest.mark.parametrize(
+    "strategy",
+    [[], ["train.strategy=deepspeed", "deepspeed.stage=3"]],
+    ids=["ddp", "deepspeed-zero3"],
+)
+def test_verify_passes_on_the_default_job(ray_local, tmp_path, strategy):
+    """Under DDP, and under ZeRO-3, whose weights verify reads back from DeepSpeed's files."""
     cfg = TrainConfig.from_yaml(
         ROOT / "jobs" / "digits.yaml",
         overrides=[
             f"tracking.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
             f"run.storage_path={tmp_path / 'runs'}",
             "scaling.cpus_per_worker=0.5",
+            *strategy,
         ],
     )
     result = verify(cfg)
