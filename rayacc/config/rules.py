@@ -235,14 +235,18 @@ def _deepspeed_rules(sections: dict[str, Any]) -> list[ConfigIssue]:
                 f"give batch.micro_batch_size a number with train.strategy=deepspeed, or {fix}",
             )
         )
-    if scaling is not None and scaling.elastic:
+    optim = sections.get("optim")
+    if scaling is not None and scaling.elastic and optim is not None and optim.name != "adamw":
+        # each resize restarts from DeepSpeed's universal checkpoint, whose converter and
+        # ZeRO-3 loader read Adam's state (`exp_avg`, `exp_avg_sq`) and fail on any other
         issues.append(
             ConfigIssue(
                 "scaling.num_workers",
-                "an elastic group under DeepSpeed is not supported yet (each resize would "
-                "restart from DeepSpeed's universal checkpoint, which carries Adam's state only)",
+                "an elastic group under DeepSpeed resizes through DeepSpeed's universal "
+                f"checkpoint, which carries Adam's state only, and optim.name is {optim.name!r}",
                 list(scaling.num_workers),
-                f"give one worker count with train.strategy=deepspeed, or {fix}",
+                "set optim.name=adamw, or give one worker count with train.strategy=deepspeed, "
+                f"or {fix}",
             )
         )
     return issues

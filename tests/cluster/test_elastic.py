@@ -71,17 +71,23 @@ def test_node_leaves_and_joins_with_global_batch_and_lr_kept(
     record_equivalence("elastic: 2 → 1 → 2 workers at steps 4, 8 vs one process, full batch", err)
     assert err <= 1e-5, err
 
-    # keep_micro_batch: accumulation stays 4, the global batch follows the workers (32 → 16)
-    # and the LR follows the linear rule (0.05 → 0.025) over a 5-step re-warmup
+    # keep_micro_batch under DeepSpeed ZeRO-2 and AdamW: accumulation stays 4, the global batch
+    # follows the workers (32 → 16) and the LR follows the linear rule (0.05 → 0.025) over a
+    # 5-step re-warmup; the group of 1 resumes the 2 ranks' ZeRO partitions through DeepSpeed's
+    # universal checkpoint (DeepSpeed's batch keys re-derived: 32 → 16)
     wait_for_slots(cluster, 2)
+    spec = job(
+        tmp_path,
+        "micro",
+        [1, 2],
+        model=hold(tmp_path, "micro", w2=16),
+        scaling={"resize_interval_s": 2, "on_resize": "keep_micro_batch"},
+        train={"strategy": "deepspeed"},
+        deepspeed={"stage": 2},
+        optim={"name": "adamw", "momentum": 0.0, "lr": 0.005},
+    )
     out = train(
-        job(
-            tmp_path,
-            "micro",
-            [1, 2],
-            model=hold(tmp_path, "micro", w2=16),
-            scaling={"resize_interval_s": 2, "on_resize": "keep_micro_batch"},
-        ),
+        spec,
         cluster,
         env_file,
         during=wait_then(
@@ -94,6 +100,13 @@ def test_node_leaves_and_joins_with_global_batch_and_lr_kept(
     assert series("scaling/grad_accum_steps") == [4] * 16
     assert series("scaling/global_batch_size") == [32] * 4 + [16] * 12
     assert series("train/samples") == [32] * 4 + [16] * 12
-    expected_lr = [0.05] * 4 + [0.05 - 0.025 * min(k, 5) / 5 for k in range(12)]
+    expected_lr = [0.005] * 4 + [0.005 - 0.0025 * min(k, 5) / 5 for k in range(12)]
     assert series("train/lr") == pytest.approx(expected_lr, rel=1e-9), series("train/lr")
     assert "step 4: workers 2→1, accum 4→4, global 32→16" in run.data.tags["rayacc.resizes"]
+    # 4 windows of 32 rows, then 12 of 16 from row 128 (the epoch's end at row 256, then the
+    # second epoch from row 0), at the LRs logged
+    windows = [(32 * s, 32, 0.005) for s in range(4)]
+    windows += [((128 + 16 * k) % 256, 16, lr) for k, lr in enumerate(expected_lr[4:])]
+    err = rel_diff(weights(final_checkpoint(tmp_path, "micro")), reference_weights(spec, windows))
+    record_equivalence("elastic deepspeed zero2 adamw: 2 → 1 workers at step 4, keep micro", err)
+    assert err <= 1e-5, err

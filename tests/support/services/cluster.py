@@ -72,7 +72,7 @@ def job(tmp_path: Path, name: str, num_workers, **extra) -> Path:
         "run": {"storage_path": str(tmp_path / name), "max_failures": 3},
     }
     for section, values in extra.items():
-        spec[section].update(values)
+        spec.setdefault(section, {}).update(values)
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(spec))
     return path
@@ -190,10 +190,11 @@ def wait_then(tmp_path: Path, name: str, *actions) -> callable:
     return during
 
 
-def reference_weights(spec: Path) -> torch.Tensor:
-    """The job's 16 optimizer steps in one process, each on its whole window of 32 rows (no
-    shuffle, no validation split: window s of an epoch is rows 32s..32s+31): the weights every
-    elastic run of it must end with."""
+def reference_weights(spec: Path, windows=None) -> torch.Tensor:
+    """The job's optimizer steps in one process, each on its whole window (no shuffle, no
+    validation split): the weights every elastic run of it must end with. `windows`: each
+    step's (first row, rows, LR); by default `max_steps` windows of the global batch at
+    `optim.lr` (window s of an epoch is rows 32s..32s+31)."""
     import numpy as np
     import torch.nn.functional as F
 
@@ -205,13 +206,20 @@ def reference_weights(spec: Path) -> torch.Tensor:
     table = pq.read_table(cfg.data.source)
     x = torch.tensor(np.stack(table["features"].to_numpy(zero_copy_only=False)))
     y = torch.tensor(table["label"].to_numpy())
-    o = cfg.optim
-    optimizer = torch.optim.SGD(model.parameters(), lr=o.lr, momentum=o.momentum)
-    g = cfg.batch.global_batch_size
-    for step in range(cfg.train.max_steps):
-        lo = step * g % len(y)
+    o, g = cfg.optim, cfg.batch.global_batch_size
+    if windows is None:
+        windows = [(step * g % len(y), g, o.lr) for step in range(cfg.train.max_steps)]
+    if o.name == "adamw":
+        optimizer = torch.optim.AdamW(
+            model.parameters(), lr=o.lr, betas=o.betas, weight_decay=o.weight_decay
+        )
+    else:
+        optimizer = torch.optim.SGD(model.parameters(), lr=o.lr, momentum=o.momentum)
+    for lo, rows, lr in windows:
+        for group in optimizer.param_groups:
+            group["lr"] = lr
         optimizer.zero_grad()
-        F.cross_entropy(model(x[lo : lo + g]), y[lo : lo + g]).backward()
+        F.cross_entropy(model(x[lo : lo + rows]), y[lo : lo + rows]).backward()
         optimizer.step()
     return torch.cat([v.reshape(-1).double() for v in model.state_dict().values()])
 

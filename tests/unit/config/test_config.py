@@ -50,6 +50,12 @@ def test_deepspeed_takes_bf16_and_fp16_on_gpus():
         assert cfg.train.precision == precision
 
 
+def test_an_elastic_deepspeed_group_under_adamw():
+    # a resize goes through DeepSpeed's universal checkpoint, which carries Adam's state
+    cfg = load({**with_("train", strategy="deepspeed"), "scaling": {"num_workers": [1, 2]}})
+    assert cfg.scaling.elastic and cfg.optim.name == "adamw"
+
+
 def test_good_config_and_defaults():
     cfg = load(GOOD)
     assert cfg.batch.global_batch_size == 256
@@ -115,9 +121,13 @@ BAD = [
         "a number",
     ),
     (
-        {**with_("train", strategy="deepspeed"), "scaling": {"num_workers": [1, 2]}},
+        {
+            **with_("train", strategy="deepspeed"),
+            "optim": {"name": "sgd"},
+            "scaling": {"num_workers": [1, 2]},
+        },
         "scaling.num_workers",
-        "one worker count",
+        "optim.name=adamw",
     ),
 ]
 
