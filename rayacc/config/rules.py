@@ -10,7 +10,7 @@ from rayacc.config.errors import MISSING, ConfigIssue
 
 # the sections (config/schema.py) arrive as arguments: this module imports nothing of the schema,
 # which calls it, so the two never import each other
-ModelConfig = DataConfig = BatchConfig = ScalingConfig = TrainSection = Any
+ModelConfig = DataConfig = BatchConfig = ScalingConfig = TrainSection = FSDPConfig = Any
 
 __all__ = ["cross_field_issues"]
 
@@ -174,10 +174,12 @@ def _planned_micro_batch_rules(
     return issues
 
 
-def _strategy_rules(train: TrainSection) -> list[ConfigIssue]:
+def _strategy_rules(
+    train: TrainSection, fsdp: FSDPConfig | None, scaling: ScalingConfig | None
+) -> list[ConfigIssue]:
+    issues = _fsdp_mesh_rules(train, fsdp, scaling) if fsdp is not None else []
     if train.strategy != "fsdp":
-        return []
-    issues = []
+        return issues
     if train.precision == "fp16":
         issues.append(
             ConfigIssue(
@@ -188,6 +190,51 @@ def _strategy_rules(train: TrainSection) -> list[ConfigIssue]:
             )
         )
     return issues
+
+
+def _fsdp_mesh_rules(
+    train: TrainSection, fsdp: FSDPConfig, scaling: ScalingConfig | None
+) -> list[ConfigIssue]:
+    """HSDP's replica groups and FSDP's offload: FSDP's alone, and a number of replica groups
+    that divides every worker count the run may have."""
+    set_ = [
+        name
+        for name in ("replicate", "offload")
+        if getattr(fsdp, name) != type(fsdp).model_fields[name].default
+    ]
+    if train.strategy != "fsdp":
+        return [
+            ConfigIssue(
+                f"fsdp.{name}",
+                f"applies to train.strategy=fsdp, and the strategy is {train.strategy!r}",
+                getattr(fsdp, name),
+                f"set train.strategy=fsdp, or remove fsdp.{name}",
+            )
+            for name in set_
+        ]
+    r = fsdp.replicate
+    if r == "auto" or r == 1 or scaling is None:
+        return []
+    if scaling.elastic:
+        return [
+            ConfigIssue(
+                "fsdp.replicate",
+                "a number of replica groups cannot follow an elastic group's size",
+                r,
+                "set fsdp.replicate=auto (one per node, re-derived at every size), or give one "
+                "worker count",
+            )
+        ]
+    if scaling.min_workers % r:
+        return [
+            ConfigIssue(
+                "fsdp.replicate",
+                f"does not divide scaling.num_workers={scaling.min_workers}",
+                r,
+                "give a divisor of the worker count, or fsdp.replicate=auto",
+            )
+        ]
+    return []
 
 
 def _deepspeed_rules(sections: dict[str, Any]) -> list[ConfigIssue]:
@@ -266,7 +313,7 @@ def cross_field_issues(sections: dict[str, Any]) -> list[ConfigIssue]:
             # a worker count that makes no sense would only add noise below
             scaling = None
     if sections.get("train") is not None:
-        issues += _strategy_rules(sections["train"])
+        issues += _strategy_rules(sections["train"], sections.get("fsdp"), scaling)
     issues += _deepspeed_rules(sections)
     if batch is not None:
         issues += _auto_micro_batch_rules(batch, scaling)

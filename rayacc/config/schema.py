@@ -183,6 +183,17 @@ class FSDPConfig(Section):
     less memory, one more all-gather per block and micro-step."""
     mixed_precision: bool = True
     """bf16 runs: blocks compute in bf16 and gradients are reduced in float32."""
+    replicate: Count | Literal["auto"] = 1
+    """Replica groups (HSDP): the parameters are sharded inside each group of
+    workers / replicate ranks and replicated across the groups, whose sharded gradients are
+    all-reduced once per window. 1 = shard over every rank; `auto` = one group per node of the
+    placement the worker group got (each shard group inside a node, its gathers and
+    reduce-scatters on the node's fast links), 1 where the nodes hold unequal numbers of
+    workers. A number must divide the worker count."""
+    offload: Literal["none", "cpu"] = "none"
+    """`cpu`: the sharded parameters, their gradients and the optimizer state live in host
+    memory and the optimizer steps there (FSDP2's `CPUOffloadPolicy`): device memory for what
+    does not fit sharded, paid for with host↔device copies every micro-step."""
 
 
 class DeepSpeedConfig(Section):

@@ -14,12 +14,14 @@ engine's single multiply by 1 / N_window is the whole normalisation (docs/design
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 from rayacc.engine.units import GRAD_SYNC_MODES, fsdp_blocks, is_fsdp
@@ -27,12 +29,71 @@ from rayacc.engine.units import GRAD_SYNC_MODES, fsdp_blocks, is_fsdp
 __all__ = [
     "GRAD_SYNC_MODES",
     "CountingReduceScatter",
+    "MeshShape",
+    "build_mesh",
     "drop_unsynced_grads",
     "fsdp_blocks",
     "is_fsdp",
     "materialize_shards",
+    "mesh_shape",
     "shard_model",
 ]
+
+
+@dataclass(frozen=True)
+class MeshShape:
+    """The FSDP mesh of a group: `replicate` replica groups of `shard` ranks each (1 × W: the
+    parameters sharded over every rank; R × S with R > 1: HSDP)."""
+
+    replicate: int
+    shard: int
+    why: str = ""
+    """How `replicate` was chosen, where the setting was `auto`."""
+
+    def __str__(self) -> str:
+        return f"{self.replicate} × {self.shard}"
+
+
+def mesh_shape(replicate: int | str, nodes: Sequence[str]) -> MeshShape:
+    """The mesh of a group whose rank r runs on node `nodes[r]`. `replicate`: a number of
+    replica groups (it divides the group), or `auto`: one per node where every node holds the
+    same number of ranks (each shard group then stays inside a node), else 1."""
+    world = len(nodes)
+    if replicate != "auto":
+        if world % int(replicate):
+            raise ValueError(
+                f"fsdp.replicate={replicate} does not divide the group's {world} workers"
+            )
+        return MeshShape(int(replicate), world // int(replicate))
+    per_node = Counter(nodes)
+    counts = set(per_node.values())
+    if len(per_node) > 1 and len(counts) == 1:
+        return MeshShape(len(per_node), world // len(per_node), f"{len(per_node)} nodes")
+    if len(per_node) == 1:
+        return MeshShape(1, world, "one node")
+    held = ", ".join(str(n) for n in per_node.values())
+    return MeshShape(1, world, f"nodes hold unequal numbers of workers ({held})")
+
+
+def build_mesh(device_type: str, shape: MeshShape, nodes: Sequence[str] | None = None):
+    """The device mesh of `shape`: ranks ordered by node (nodes in the order of their first
+    rank), so each run of `shard` ranks (a shard group: its all-gathers and reduce-scatters
+    every micro-step) shares a node where the placement allows; the replicate dimension (one
+    all-reduce per window) crosses the nodes."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    world = dist.get_world_size()
+    if shape.replicate * shape.shard != world:
+        raise ValueError(f"a {shape} mesh does not cover {world} ranks")
+    if shape.replicate == 1:
+        return init_device_mesh(device_type, (world,))
+    nodes = list(nodes) if nodes else [str(r) for r in range(world)]
+    first: dict[str, int] = {}
+    for rank, node in enumerate(nodes):
+        first.setdefault(node, rank)
+    order = sorted(range(world), key=lambda r: (first[nodes[r]], r))
+    ranks = torch.tensor(order, dtype=torch.int).reshape(shape.replicate, shape.shard)
+    return DeviceMesh(device_type, ranks, mesh_dim_names=("replicate", "shard"))
 
 
 def shard_model(
@@ -42,16 +103,24 @@ def shard_model(
     reshard_after_forward: bool = True,
     param_dtype: torch.dtype | None = None,
     blocks: Sequence[nn.Module] | None = None,
+    mesh=None,
+    offload: bool = False,
 ) -> nn.Module:
-    """`fully_shard` on each block, then on the root, over a 1-D mesh of all ranks on
-    `device`'s type. `param_dtype` (bf16) computes in that dtype and reduces gradients in
-    float32. The model's parameters may be on the meta device (each rank then materialises
-    only its shards) or on `device`."""
+    """`fully_shard` on each block, then on the root, over `mesh` (by default a 1-D mesh of
+    all ranks on `device`'s type; a 2-D one, `build_mesh`, is HSDP). `param_dtype` (bf16)
+    computes in that dtype and reduces gradients in float32. `offload`: the sharded
+    parameters, their gradients and so the optimizer's state and step live in host memory
+    (`CPUOffloadPolicy`; pinned only where a device is there to copy to). The model's
+    parameters may be on the meta device (each rank then materialises only its shards) or on
+    `device`."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    if mesh is None:
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     kwargs = {"mesh": mesh, "reshard_after_forward": reshard_after_forward, "mp_policy": policy}
+    if offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type != "cpu")
     for block in fsdp_blocks(model) if blocks is None else blocks:
         fully_shard(block, **kwargs)
     # the reduction is made a sum by AccumulationStep, which owns the normalisation
@@ -87,10 +156,11 @@ def materialize_shards(
         full = values(name, param.shape)
         if isinstance(param, DTensor):
             local = param.to_local()
-            # FSDP2 shards dim 0 as torch.chunk does: ceil(rows / W) rows per rank, the last
-            # ranks fewer or none
-            world = param.device_mesh.size()
-            rank = param.device_mesh.get_local_rank()
+            # FSDP2 shards dim 0 as torch.chunk does: ceil(rows / W) rows per rank of the shard
+            # dimension (the last ranks fewer or none), whole on each replica (HSDP)
+            dim = next(i for i, p in enumerate(param.placements) if p.is_shard())
+            world = param.device_mesh.size(dim)
+            rank = param.device_mesh.get_local_rank(dim)
             rows = -(-full.shape[0] // world)
             start = min(rank * rows, full.shape[0])
             part = full[start : start + local.shape[0]]
@@ -114,6 +184,9 @@ def drop_unsynced_grads(units: Iterable[nn.Module]) -> None:
     # tests/distributed/test_strategy.py fails if that moves
     for module in units:
         group = module._get_fsdp_state()._fsdp_param_group
+        if group is not None:
+            # HSDP: what the window's micro-steps reduce-scattered without all-reducing
+            group._partial_reduce_output = None
         for fsdp_param in group.fsdp_params if group is not None else ():
             fsdp_param.unsharded_accumulated_grad = None
             unsharded = getattr(fsdp_param, "_unsharded_param", None)

@@ -57,14 +57,16 @@ def build_rank(
     oom_retry: bool = False,
     split: BatchSplit | None = None,
     deepspeed_user: dict[str, Any] | None = None,
+    node: str | None = None,
 ) -> RankParts:
     """Strategy → model → optimizer → losses → accumulation step of `cfg` on `device`, at peak
     LR `lr` (the caller lays out a schedule, where it has one, over `parts.optimizer`).
     `oom_retry`: a CUDA out-of-memory error halves the micro-batch on all ranks, where the
     strategy can retry in place (`Strategy.can_retry_out_of_memory`). `split`: the group's batch
     split (by default the config's at the group's size); `deepspeed_user`: the user's DeepSpeed
-    config as the driver read it (by default read from `deepspeed.config`)."""
-    strategy = strategy_for(cfg, split, deepspeed_user)
+    config as the driver read it (by default read from `deepspeed.config`); `node`: the node
+    this rank runs on (HSDP's `fsdp.replicate: auto` lays its mesh by the group's nodes)."""
+    strategy = strategy_for(cfg, split, deepspeed_user, node)
     model = strategy.build(model_recipe(cfg, info), device)
     optimizer = build_optimizer(cfg.optim, model.parameters(), lr, device, strategy)
     model, optimizer = strategy.bind_optimizer(optimizer)
@@ -84,6 +86,7 @@ def strategy_for(
     cfg: TrainConfig,
     split: BatchSplit | None = None,
     deepspeed_user: dict[str, Any] | None = None,
+    node: str | None = None,
 ) -> Strategy:
     """The strategy `train.strategy` names, with its section's options."""
     if cfg.train.strategy == "deepspeed":
@@ -112,6 +115,9 @@ def strategy_for(
             cfg.fsdp.grad_sync,
             reshard_after_forward=cfg.fsdp.reshard_after_forward,
             param_dtype=torch.bfloat16 if bf16 else None,
+            replicate=cfg.fsdp.replicate,
+            node=node,
+            offload=cfg.fsdp.offload == "cpu",
         )
     return DDP()
 

@@ -200,8 +200,11 @@ def strategy_line(cfg) -> str:
     t = cfg.train
     if t.strategy == "fsdp":
         f = cfg.fsdp
+        where = {1: "sharded", "auto": "sharded inside each node, replicated across nodes"}
+        sharded = where.get(f.replicate, f"sharded inside {f.replicate} replica groups (HSDP)")
+        offload = "; in host memory (offload cpu)" if f.offload == "cpu" else ""
         strategy = (
-            f"FSDP2 (parameters, gradients and optimizer state sharded; grad_sync "
+            f"FSDP2 (parameters, gradients and optimizer state {sharded}{offload}; grad_sync "
             f"{f.grad_sync}, reshard_after_forward {str(f.reshard_after_forward).lower()})"
         )
     elif t.strategy == "deepspeed":

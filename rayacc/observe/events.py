@@ -49,19 +49,23 @@ class RunStarted:
     node_figures: tuple[str, ...] = ()
     """Names of the node figures (MLflow's system metrics) that follow `ranks.FIELDS` in
     every rank's report."""
+    mesh: str = ""
+    """The strategy's mesh where this group decided it (`Strategy.describe_mesh`: HSDP's)."""
 
     def describe(self, before: RunStarted | None = None) -> str | None:
         """The console's line; `before`: the fit's previous group, if any. A group that
         follows another without a checkpoint to start from redoes every step before it,
         which is said (with the change of size that caused it, on an elastic run)."""
+        lines = [self.mesh] if self.mesh else []
         if self.resumed_from is not None:
-            return f"resumed from the checkpoint at step {self.resumed_from}"
-        if before is None:
-            return None
-        was, now = before.split.get("num_workers"), self.split.get("num_workers")
-        return "restarted from the beginning (no checkpoint yet)" + (
-            f": workers {was} → {now}" if was != now else ""
-        )
+            lines.append(f"resumed from the checkpoint at step {self.resumed_from}")
+        elif before is not None:
+            was, now = before.split.get("num_workers"), self.split.get("num_workers")
+            lines.append(
+                "restarted from the beginning (no checkpoint yet)"
+                + (f": workers {was} → {now}" if was != now else "")
+            )
+        return "\n  ".join(lines) or None
 
 
 @dataclass(frozen=True)

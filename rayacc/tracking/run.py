@@ -107,6 +107,8 @@ class TrackedRun(RunObserver):
             self.sink.set_tags({"rayacc.schedule_changes": "; ".join(self.schedule_changes)})
         elif isinstance(event, RunStarted):
             self._rewind(event.step)
+            if event.mesh:
+                self.sink.set_tags({"rayacc.mesh": event.mesh})
             if event.resumed_from is not None:
                 self.resumed_at.append(str(event.resumed_from))
                 self.sink.set_tags({"rayacc.resumed_at_steps": ",".join(self.resumed_at)})

@@ -152,7 +152,6 @@ class WorkerRun:
     # ------------------------------------------------------------------ one window
     def _announce(self, restored, events: list[Event]) -> None:
         layout = self.epochs[0].layout if self.epochs else self.spec.layout_at(self.split)
-        sampled = self.telemetry.node_sampler is not None
         self.outbox.send(
             RunStarted(
                 step=self.state.optimizer_step,
@@ -164,7 +163,8 @@ class WorkerRun:
                 restore_s=restored.seconds,
                 entered_at=self.timeline["entered"],
                 nodes=self.telemetry.nodes,
-                node_figures=SYSTEM_NAMES if sampled else (),
+                node_figures=SYSTEM_NAMES if self.telemetry.node_sampler is not None else (),
+                mesh=self.strategy.describe_mesh(),
             )
         )
         for event in events:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import ray
 import torch
 from ray.train.torch import get_device
 
@@ -102,6 +103,7 @@ def set_up(
         oom_retry=w.auto_micro_batch and device.type == "cuda",
         split=spec.split_at(world),
         deepspeed_user=w.deepspeed_user,
+        node=ray.get_runtime_context().get_node_id(),
     )
     schedule = build_schedule(
         spec.cfg.optim,

@@ -210,6 +210,11 @@ class Strategy(ABC):
     def comm_stats(self, micro_steps: int) -> CommStats:
         return CommStats()
 
+    def describe_mesh(self) -> str:
+        """How the built model is laid over the group's ranks where the group decided it
+        (FSDP's mesh), for the run's record; "" where the config alone says it."""
+        return ""
+
     def unwrapped(self) -> nn.Module:
         """The user's module inside the wrappers (its parameters as the strategy holds them)."""
         assert self.model is not None

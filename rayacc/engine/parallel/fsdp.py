@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from rayacc.engine.collectives import all_reduce
+from rayacc.engine.collectives import all_gather_objects, all_reduce
 from rayacc.engine.parallel.base import (
     CommStats,
     ModelRecipe,
@@ -19,6 +20,9 @@ from rayacc.engine.parallel.base import (
 from rayacc.engine.parallel.state import ShardedState
 from rayacc.engine.units import GRAD_SYNC_MODES, fsdp_blocks, is_fsdp
 
+if TYPE_CHECKING:
+    from rayacc.engine.fsdp import MeshShape
+
 __all__ = ["FSDP"]
 
 
@@ -26,7 +30,15 @@ class FSDP(Strategy):
     """Parameters, gradients and optimizer state sharded over the ranks (FSDP2 `fully_shard`
     per block, then at the root). `grad_sync`: `every_micro_step` reduce-scatters after every
     micro-step (least memory); `window_end` holds the unsharded gradients across the window and
-    reduce-scatters once."""
+    reduce-scatters once.
+
+    `replicate` > 1 (or `auto`: one replica group per node) is HSDP: a 2-D mesh, the
+    parameters sharded inside each replica group and replicated across them. The sharded
+    gradients are all-reduced across the replica groups once per window in either mode (the
+    window's other micro-steps reduce-scatter only, `set_requires_all_reduce(False)`, or not at
+    all under `window_end`). `node`: this rank's node (the group's placement, gathered at build,
+    lays the shard groups inside nodes). `offload`: parameters, gradients and optimizer state
+    in host memory (`CPUOffloadPolicy`), the optimizer step on the CPU."""
 
     name = "fsdp"
     lockstep = True
@@ -42,8 +54,17 @@ class FSDP(Strategy):
         *,
         reshard_after_forward: bool = True,
         param_dtype: torch.dtype | None = None,
+        replicate: int | str = 1,
+        node: str | None = None,
+        offload: bool = False,
     ) -> None:
         super().__init__()
+        self.replicate = replicate
+        self.node = node
+        self.offload = offload
+        self.mesh: MeshShape | None = None
+        """The mesh the group got (set at build)."""
+        self._all_reduces = 0
         if grad_sync not in GRAD_SYNC_MODES:
             raise ValueError(f"grad_sync={grad_sync!r} is not one of {', '.join(GRAD_SYNC_MODES)}")
         self.grad_sync = grad_sync
@@ -56,7 +77,7 @@ class FSDP(Strategy):
         self.state = ShardedState()
 
     def _build(self, recipe: ModelRecipe, device: torch.device) -> nn.Module:
-        from rayacc.engine.fsdp import materialize_shards, shard_model
+        from rayacc.engine.fsdp import build_mesh, materialize_shards, mesh_shape, shard_model
 
         module = recipe.build_on_meta() if recipe.build_on_meta else recipe.build()
         values = None
@@ -73,15 +94,39 @@ class FSDP(Strategy):
                 block.compile()
         if values is None:
             module = module.to(device)
+        nodes = self._placement()
+        self.mesh = mesh_shape(self.replicate, nodes)
         shard_model(
             module,
             device=device,
             reshard_after_forward=self.reshard_after_forward,
             param_dtype=self.param_dtype,
+            mesh=build_mesh(device.type, self.mesh, nodes),
+            offload=self.offload,
         )
         if values is not None:
-            materialize_shards(module, device, values)
+            # offloaded shards live in host memory from the start
+            materialize_shards(module, torch.device("cpu") if self.offload else device, values)
         return module
+
+    def _placement(self) -> list[str]:
+        """Each rank's node, gathered (a collective at build: every rank builds)."""
+        world = _world()
+        if self.replicate == 1 or world == 1:
+            return [self.node or ""] * world
+        import socket
+
+        return [str(n) for n in all_gather_objects(self.node or socket.gethostname())]
+
+    def describe_mesh(self) -> str:
+        if self.mesh is None or self.replicate == 1:
+            return ""
+        why = f"; replicate auto: {self.mesh.why}" if self.mesh.why else ""
+        return f"FSDP mesh {self.mesh} (replica groups × ranks sharding each{why})"
+
+    @property
+    def hsdp(self) -> bool:
+        return self.mesh is not None and self.mesh.replicate > 1
 
     def adopt(self, model: nn.Module) -> Strategy:
         if not is_fsdp(model):
@@ -106,13 +151,25 @@ class FSDP(Strategy):
             reduce_scatter = CountingReduceScatter(self._timeline)
             for unit in self._units():
                 unit.set_custom_reduce_scatter(reduce_scatter)
+                if self.hsdp:
+                    # under HSDP FSDP2 calls it after each all-reduce across the replica groups
+                    # (a reduce-scatter that did not all-reduce returns before it)
+                    unit.set_all_reduce_hook(self._all_reduced)
         return True
+
+    def _all_reduced(self, _: torch.Tensor) -> None:
+        self._all_reduces += 1
+        self._timeline.done()
 
     def sync_context(self, sync: bool) -> contextlib.AbstractContextManager[None]:
         # FSDP2's forward gathers and its backward reduce-scatters per unit; a DDP-style
-        # `no_sync` would do nothing. With `every_micro_step` every backward syncs.
+        # `no_sync` would do nothing. With `every_micro_step` every backward reduce-scatters;
+        # under HSDP only the window's last all-reduces across the replica groups (the others'
+        # reduce-scattered shards are summed inside FSDP until it does)
         if self.grad_sync == "window_end":
             self.model.set_requires_gradient_sync(sync)
+        elif self.hsdp:
+            self.model.set_requires_all_reduce(sync)
         return contextlib.nullcontext()
 
     def agree_forwards(self, n: int, group=None) -> int:
@@ -135,9 +192,11 @@ class FSDP(Strategy):
 
     def restore_sync(self) -> None:
         self.model.set_requires_gradient_sync(True)
+        self.model.set_requires_all_reduce(True)
 
     def begin_window(self) -> None:
         self._timeline.begin_window()
+        self._all_reduces = 0
 
     def comm_stats(self, micro_steps: int) -> CommStats:
         synced = 0
@@ -146,6 +205,7 @@ class FSDP(Strategy):
         if not self.counted:
             return CommStats(sync_passes=synced)
         return CommStats(
+            allreduce_calls=self._all_reduces,
             reduce_scatter_calls=self._timeline.launches,
             sync_passes=synced,
             sync_time_s=self._timeline.span_s(),

@@ -41,10 +41,10 @@ SLOW_MODEL = "tests.support.models.slow_model:build"
 """The whole-stack cluster jobs' model (its forwards can be held at a step)."""
 
 
-def job(tmp_path: Path, name: str, num_workers, **extra) -> Path:
-    data = tmp_path / "d256.parquet"
+def job(tmp_path: Path, name: str, num_workers, rows: int = 256, **extra) -> Path:
+    data = tmp_path / f"d{rows}.parquet"
     if not data.exists():
-        pq.write_table(pq.read_table(prepare_bundled("digits")).slice(0, 256), data)
+        pq.write_table(pq.read_table(prepare_bundled("digits")).slice(0, rows), data)
     spec = {
         "seed": 1,
         "model": {

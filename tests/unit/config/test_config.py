@@ -50,6 +50,20 @@ def test_deepspeed_takes_bf16_and_fp16_on_gpus():
         assert cfg.train.precision == precision
 
 
+def test_hsdp_and_offload_under_fsdp():
+    for replicate in (1, 2, "auto"):
+        cfg = load(
+            {
+                **with_("train", strategy="fsdp"),
+                "fsdp": {"replicate": replicate, "offload": "cpu"},
+            }
+        )
+        assert (cfg.fsdp.replicate, cfg.fsdp.offload) == (replicate, "cpu")
+    elastic = {"fsdp": {"replicate": "auto"}, "scaling": {"num_workers": [2, 4]}}
+    cfg = load({**with_("train", strategy="fsdp"), **elastic})
+    assert cfg.fsdp.replicate == "auto"
+
+
 def test_an_elastic_deepspeed_group_under_adamw():
     # a resize goes through DeepSpeed's universal checkpoint, which carries Adam's state
     cfg = load({**with_("train", strategy="deepspeed"), "scaling": {"num_workers": [1, 2]}})
@@ -119,6 +133,24 @@ BAD = [
         },
         "batch.micro_batch_size",
         "a number",
+    ),
+    # HSDP's replica groups and FSDP's offload
+    ({"fsdp": {"replicate": 2}}, "fsdp.replicate", "train.strategy=fsdp"),
+    (
+        {**with_("train", strategy="deepspeed"), "fsdp": {"offload": "cpu"}},
+        "fsdp.offload",
+        "train.strategy=fsdp",
+    ),
+    ({**with_("train", strategy="fsdp"), "fsdp": {"replicate": 3}}, "fsdp.replicate", "divisor"),
+    ({**with_("train", strategy="fsdp"), "fsdp": {"replicate": 0}}, "fsdp.replicate", ">= 1"),
+    (
+        {
+            **with_("train", strategy="fsdp"),
+            "fsdp": {"replicate": 2},
+            "scaling": {"num_workers": [2, 4]},
+        },
+        "fsdp.replicate",
+        "fsdp.replicate=auto",
     ),
     (
         {
