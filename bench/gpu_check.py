@@ -71,6 +71,10 @@ FSDP_OVERRIDES = [
     "train.strategy=fsdp",
     "train.compile=false",
     "train.activation_checkpointing=full",
+    # the shards in pinned host memory (offload's device path) and HSDP's mesh from the
+    # placement (one GPU: 1 × 1; HSDP proper needs two nodes' devices)
+    "fsdp.offload=cpu",
+    "fsdp.replicate=auto",
     "run.max_failures=3",
 ]
 
@@ -92,8 +96,9 @@ def train(out_dir: Path, dry: bool, name: str, extra: list[str]) -> tuple[int, s
 
 
 def check_fsdp_train(out_dir: Path, dry: bool) -> list[tuple[str, bool, str]]:
-    """The job under FSDP on one worker (the sharded code paths; sharding itself needs two
-    devices): it trains, and its final checkpoint is sharded."""
+    """The job under FSDP on one worker (the sharded code paths, its shards offloaded to host
+    memory; sharding itself needs two devices): it trains, its final checkpoint is sharded, and
+    the group says the mesh it laid from its placement."""
     code, out, wall, timings = train(out_dir, dry, "train_fsdp", FSDP_OVERRIDES)
     checks = [("fsdp: rayacc train exits 0", code == 0, f"exit {code}, {wall:.0f} s")]
     if code != 0:
@@ -105,7 +110,9 @@ def check_fsdp_train(out_dir: Path, dry: bool) -> list[tuple[str, bool, str]]:
     search = re.search(r"micro-batch (\d+) × accumulation (\d+) from step 1 \([^)]*\)", out)
     perf = re.search(r"per step \(median[^:]*\): (.*)", out)
     figures = (search.group(0) + "; " if search else "") + (perf.group(1) if perf else "")
-    checks.append(("fsdp: bf16 + activation checkpointing steps", bool(perf), figures))
+    checks.append(("fsdp: bf16 + activation checkpointing + offload steps", bool(perf), figures))
+    mesh = re.search(r"FSDP mesh [^\n]*", out)
+    checks.append(("fsdp: mesh from the placement", bool(mesh), mesh.group(0) if mesh else ""))
     return checks
 
 

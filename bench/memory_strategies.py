@@ -1,15 +1,18 @@
 """Memory strategies on CPU: DDP vs FSDP2 (both gradient-sync modes) × activation
-checkpointing off/on, and DeepSpeed ZeRO stages 1-3 with optimizer offload off/on, 2 gloo
-ranks, a GPT of about 64M parameters.
+checkpointing off/on, DeepSpeed ZeRO stages 1-3 with optimizer offload off/on, FSDP with
+offload, and HSDP (2 replica groups, at 4 ranks or more); 2 gloo ranks by default, a GPT of
+about 64M parameters.
 
 For each setting, 2 fresh processes train 3 windows of 2 micro-steps (micro-batch 4 × 256
 tokens per rank) with AdamW through rayacc's accumulation step and print per rank: the peak
 resident memory (ru_maxrss), the parameter and optimizer-state bytes the rank holds, the bytes
-autograd saved for backward in one micro-step, and the median time of the last 2 windows.
+autograd saved for backward in one micro-step, the median time of the last 2 windows and the
+window's gradient collectives (reduce-scatters, all-reduces) as the strategy counted them.
 
     .venv/bin/python bench/memory_strategies.py
     .venv/bin/python bench/memory_strategies.py --layers 4 --width 256   # a quick look
     .venv/bin/python bench/memory_strategies.py --strategies deepspeed   # the ZeRO rows only
+    .venv/bin/python bench/memory_strategies.py --world 4 --strategies ddp,fsdp,hsdp
 
 On a GPU (one process per GPU, NCCL, bf16), the same script takes `--device cuda` and reports
 `torch.cuda.max_memory_allocated` instead; commands for GPT-2 124M and a 1B model are in
@@ -48,8 +51,12 @@ SETTINGS = [
         for stage in (1, 2, 3)
         for offload in ("none", "cpu")
     ),
+    ("fsdp", "every_micro_step offload", "none"),
+    ("hsdp", "every_micro_step", "none"),
+    ("hsdp", "window_end", "none"),
 ]
-"""(strategy, its mode, activation checkpointing)."""
+"""(strategy, its mode, activation checkpointing). `hsdp`: FSDP with 2 replica groups (ranks
+0..W/2-1 playing one node, the rest another); needs an even --world of 4 or more."""
 
 
 def deepspeed_strategy(mode: str, args: dict, model):
@@ -100,7 +107,7 @@ def rank_body(rank: int, world: int, init: str, out: str, args: dict) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     from rayacc.engine import DDP, FSDP, AccumulationStep, count_target_tokens, token_item_losses
-    from rayacc.engine.fsdp import shard_model
+    from rayacc.engine.parallel import ModelRecipe
     from rayacc.engine.recompute import apply_activation_checkpointing
     from rayacc.models.gpt import GPT
 
@@ -114,17 +121,21 @@ def rank_body(rank: int, world: int, init: str, out: str, args: dict) -> None:
         strategy = deepspeed_strategy(args["grad_sync"], args, model)
         model, opt = strategy.bind_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-4))
         held_optimizer = opt.optimizer
-    else:
-        if args["strategy"] == "fsdp":
-            model = shard_model(model, device=device)
-        else:
-            model = DistributedDataParallel(model)
-        opt = held_optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=False)
-        strategy = (
-            FSDP(args["grad_sync"] or "every_micro_step").adopt(model)
-            if args["strategy"] == "fsdp"
-            else DDP().adopt(model)
+    elif args["strategy"] in ("fsdp", "hsdp"):
+        sync, _, offload = args["grad_sync"].partition(" ")
+        built = model
+        strategy = FSDP(
+            sync,
+            replicate=2 if args["strategy"] == "hsdp" else 1,
+            node=f"node{rank // (world // 2)}",
+            offload=offload == "offload",
         )
+        model = strategy.build(ModelRecipe(build=lambda: built), device)
+        opt = held_optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=False)
+    else:
+        model = DistributedDataParallel(model)
+        opt = held_optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=False)
+        strategy = DDP().adopt(model)
     step = AccumulationStep(model, opt, strategy=strategy)
     gen = torch.Generator().manual_seed(rank)
 
@@ -142,7 +153,7 @@ def rank_body(rank: int, world: int, init: str, out: str, args: dict) -> None:
     for _ in range(3):
         batches = [micro() for _ in range(args["accum"])]
         t = time.perf_counter()
-        step(batches, token_item_losses, count_target_tokens)
+        last = step(batches, token_item_losses, count_target_tokens)
         times.append(time.perf_counter() - t)
     if args["device"] == "cuda":
         peak = torch.cuda.max_memory_allocated(device) / 2**20
@@ -157,6 +168,8 @@ def rank_body(rank: int, world: int, init: str, out: str, args: dict) -> None:
         "saved_activations_mb": sum(saved) / 2**20,
         "peak_mb": peak,
         "window_s": statistics.median(times[1:]),
+        # a window's gradient collectives on this rank (counted by the strategy)
+        "comm": f"{last.reduce_scatter_calls} rs, {last.allreduce_calls} ar",
     }
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
@@ -186,10 +199,12 @@ def main() -> None:
     )
     print(
         f"{'strategy':9} {'mode':18} {'recompute':9} {'params M':>8} {'param MB':>9} "
-        f"{'optim MB':>9} {'saved MB':>9} {'peak MB':>8} {'window s':>9}"
+        f"{'optim MB':>9} {'saved MB':>9} {'peak MB':>8} {'window s':>9}  collectives"
     )
     for strategy, grad_sync, recompute in SETTINGS:
         if strategy not in args.strategies.split(","):
+            continue
+        if strategy == "hsdp" and (args.world < 4 or args.world % 2):
             continue
         with tempfile.TemporaryDirectory() as tmp:
             spec = dict(vars(args), strategy=strategy, grad_sync=grad_sync, recompute=recompute)
@@ -204,7 +219,8 @@ def main() -> None:
         print(
             f"{strategy:9} {grad_sync or '-':18} {recompute:9} {r['params_total'] / 1e6:8.1f} "
             f"{r['param_mb']:9.1f} {r['optimizer_mb']:9.1f} {r['saved_activations_mb']:9.1f} "
-            f"{r['peak_mb']:8.0f} {statistics.median(x['window_s'] for x in ranks):9.2f}",
+            f"{r['peak_mb']:8.0f} {statistics.median(x['window_s'] for x in ranks):9.2f}  "
+            f"{r['comm']}",
             flush=True,
         )
 

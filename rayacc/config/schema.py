@@ -289,6 +289,15 @@ class ScalingConfig(Section):
     """How Ray places the workers on nodes: PACK fills few nodes, SPREAD spreads when it can,
     STRICT_SPREAD puts every worker on its own node."""
 
+    workers_per_node: Count | None = None
+    """`rayacc plan --search`: how many workers one node holds (the workers fill nodes in
+    turn, as Ray's PACK places them), so the planner knows which collectives cross nodes and
+    offers HSDP where the workers span several; null: as the joined cluster's nodes hold
+    them."""
+    inter_node_gbps: float = Field(25.0, gt=0)
+    """`rayacc plan --search`: the bandwidth between nodes, in Gbit/s, that a collective
+    crossing nodes runs at no faster than (25: a common cloud instance's network; set what
+    an all-reduce between two of your nodes measures)."""
     start_timeout_s: float | None = Field(None, gt=0)
     """How long Ray Train waits to place a worker group at a size before it gives up on that
     size (`RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S`, sent to its controller with the run). After

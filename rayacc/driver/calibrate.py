@@ -171,7 +171,7 @@ def measure_overheads(
         if len(residual) == 2:
             each = (residual[1] - residual[0]) / (ACCUM_LEVER - 1)
             once = residual[0] - each
-            out[c.strategy_label] = [max(once, 0.0), max(each, 0.0)]
+            out[c.overhead_label] = [max(once, 0.0), max(each, 0.0)]
     return out
 
 

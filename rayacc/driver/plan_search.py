@@ -38,6 +38,21 @@ def cluster_holds(cfg: TrainConfig) -> int:
     return workers_that_fit(alive, cfg.scaling.worker_needs())
 
 
+def node_holds(cfg: TrainConfig) -> int | None:
+    """The most of the run's workers one live node of the joined Ray holds (None: no node
+    holds one)."""
+    import ray
+
+    from rayacc.driver.prelaunch import workers_that_fit
+
+    holds = [
+        workers_that_fit([n.get("Resources", {})], cfg.scaling.worker_needs())
+        for n in ray.nodes()
+        if n.get("Alive", True)
+    ]
+    return max(holds, default=0) or None
+
+
 def plan_search(
     cfg: TrainConfig,
     *,
@@ -75,6 +90,7 @@ def plan_search(
             budget_s=budget_s,
             top=top,
             cluster_holds=cluster_holds(cfg),
+            node_holds=node_holds(cfg),
             say=say,
         )
     finally:

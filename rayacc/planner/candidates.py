@@ -1,5 +1,7 @@
 """The planner's candidates: every combination of workers, micro-batch (accumulation derived),
-strategy and activation checkpointing that keeps the job's global batch exactly. DeepSpeed's
+strategy and activation checkpointing that keeps the job's global batch exactly. FSDP's
+variants are candidates too: its shards offloaded to host memory, and HSDP (one replica group
+per node) where the workers span several nodes. DeepSpeed's
 ZeRO stages (with and without optimizer offload) are candidates of a job that runs DeepSpeed
 (`train.strategy: deepspeed`: the extra is there)."""
 
@@ -16,6 +18,8 @@ __all__ = [
     "Candidate",
     "checkpointing_choices",
     "enumerate_candidates",
+    "nodes_spanned",
+    "sharding_variants",
     "strategy_modes",
 ]
 
@@ -41,17 +45,35 @@ class Candidate:
     zero_stage: int | None = None
     """deepspeed.stage under deepspeed; None otherwise."""
     offload: bool = False
-    """deepspeed.offload_optimizer: cpu (under deepspeed)."""
+    """deepspeed.offload_optimizer: cpu under deepspeed; fsdp.offload: cpu under fsdp."""
+    replicate: int = 1
+    """fsdp.replicate under fsdp: HSDP's replica groups (1: sharded over every worker)."""
 
     @property
     def global_batch_size(self) -> int:
         return self.workers * self.micro_batch_size * self.grad_accum_steps
 
     @property
-    def strategy_label(self) -> str:
+    def shard_ranks(self) -> int:
+        """The ranks each parameter is sharded over (FSDP's shard group)."""
+        return self.workers // self.replicate
+
+    @property
+    def overhead_label(self) -> str:
+        """The mode whose measured fixed costs this candidate pays (HSDP and FSDP's offload
+        pay FSDP's in the same sync mode; their collectives and copies the prior counts)."""
         if self.zero_stage is not None:
             return f"{self.strategy} zero{self.zero_stage}" + (" offload" if self.offload else "")
         return self.strategy if self.grad_sync is None else f"{self.strategy} {self.grad_sync}"
+
+    @property
+    def strategy_label(self) -> str:
+        label = self.overhead_label
+        if self.replicate > 1:
+            label += f" hsdp {self.replicate}×{self.shard_ranks}"
+        if self.offload and self.zero_stage is None:
+            label += " offload"
+        return label
 
     @property
     def checkpointing_label(self) -> str:
@@ -77,6 +99,8 @@ class Candidate:
         out["train.strategy"] = self.strategy
         if self.grad_sync is not None:
             out["fsdp.grad_sync"] = self.grad_sync
+            out["fsdp.replicate"] = self.replicate
+            out["fsdp.offload"] = "cpu" if self.offload else "none"
         if self.zero_stage is not None:
             out["deepspeed.stage"] = self.zero_stage
             out["deepspeed.offload_optimizer"] = "cpu" if self.offload else "none"
@@ -112,6 +136,26 @@ def strategy_modes(deepspeed: bool = False) -> list[dict[str, Any]]:
     return modes
 
 
+def sharding_variants(mode: dict[str, Any], nodes: int, workers: int) -> list[dict[str, Any]]:
+    """A mode and its variants at `workers` spread over `nodes`: under FSDP, the shards in host
+    memory (offload) and, where the workers span nodes evenly, HSDP with one replica group
+    per node (each shard group on one node's links)."""
+    if mode["strategy"] != "fsdp":
+        return [mode]
+    out = [mode]
+    if mode["grad_sync"] == "every_micro_step":
+        out.append({**mode, "offload": True})
+    if nodes > 1 and workers % nodes == 0:
+        out.append({**mode, "replicate": nodes})
+    return out
+
+
+def nodes_spanned(workers: int, workers_per_node: int | None) -> int:
+    """The nodes `workers` fill one after another (Ray's PACK), `workers_per_node` each (None:
+    one node)."""
+    return 1 if workers_per_node is None else -(-workers // workers_per_node)
+
+
 def enumerate_candidates(
     global_batch_size: int,
     worker_counts: list[int],
@@ -119,11 +163,13 @@ def enumerate_candidates(
     *,
     micro_sizes: list[int] | None = None,
     deepspeed: bool = False,
+    workers_per_node: int | None = None,
 ) -> tuple[list[Candidate], list[str]]:
     """Every candidate, and a line for each worker count that cannot keep the global batch.
     `micro_sizes` limits the micro-batches tried (a benchmark's small grid); a single worker
     has nothing to shard, so FSDP and ZeRO are tried from two workers on; `deepspeed`: the
-    ZeRO modes too."""
+    ZeRO modes too; `workers_per_node`: how the workers spread over nodes (HSDP's
+    candidates where they span several)."""
     out: list[Candidate] = []
     skipped: list[str] = []
     for n in worker_counts:
@@ -136,11 +182,14 @@ def enumerate_candidates(
         micros = [
             m for m in candidate_micro_sizes(share) if micro_sizes is None or m in micro_sizes
         ]
-        for mode in strategy_modes(deepspeed):
-            if mode["strategy"] != "ddp" and n == 1:
+        nodes = nodes_spanned(n, workers_per_node)
+        for base in strategy_modes(deepspeed):
+            if base["strategy"] != "ddp" and n == 1:
                 continue
-            for ac in checkpointing_choices(num_blocks):
-                out.extend(
-                    Candidate(n, m, share // m, checkpointing=ac, **mode) for m in sorted(micros)
-                )
+            for mode in sharding_variants(base, nodes, n):
+                for ac in checkpointing_choices(num_blocks):
+                    out.extend(
+                        Candidate(n, m, share // m, checkpointing=ac, **mode)
+                        for m in sorted(micros)
+                    )
     return out, skipped

@@ -1,8 +1,9 @@
 """The analytic prior: memory per rank and step time of a candidate, from a measured profile.
 
 Memory per rank (what the auto search's probe counts, engine/autobatch.py):
-- parameters, gradients and optimizer state: whole under DDP; sharded over n under FSDP,
-  except `window_end`'s gradients, held whole across the window; under DeepSpeed ZeRO the
+- parameters, gradients and optimizer state: whole under DDP; sharded over n under FSDP
+  (over the shard group, n / replicate ranks, under HSDP; in host memory with FSDP's offload on
+  a GPU), except `window_end`'s gradients, held whole across the window; under DeepSpeed ZeRO the
   optimizer's fp32 master partition and its state sharded (stage 1), the gradients too
   (stage 2), the parameters too (stage 3, gathered as FSDP's are); with the optimizer
   offloaded its partition and state live in host memory (spared on a GPU; on a CPU worker
@@ -22,19 +23,24 @@ Step time of a window of a micro-steps of m:
   (`window_end`); ZeRO-1 one all-reduce per window, ZeRO-2 a reduce per micro-step and the
   gather of the updated parameters, ZeRO-3 FSDP's `every_micro_step` (as measured under
   rayacc's window, docs/design.md); each costs its bytes at the measured rate, scaled from the
-  profile's ranks to n by the ring's (n-1)/n, plus a launch per unit;
-- the optimizer step (1/n of it under FSDP), and the strategy's fixed costs per window and
-  per micro-step, measured on real windows.
+  profile's ranks to n by the ring's (n-1)/n, plus a launch per unit, and no faster than
+  `scaling.inter_node_gbps` where its ring crosses nodes (the workers fill nodes of
+  `scaling.workers_per_node` in turn). HSDP's gathers and reduce-scatters run inside a node
+  over n / replicate ranks, and its all-reduce of the gradient shards across the nodes once
+  per window; FSDP's offload (on a GPU) copies each micro-step's parameter shards in and
+  gradient shards out over the host link (`HOST_LINK_BYTES_PER_S`);
+- the optimizer step (1/n of it under FSDP, per shard group under HSDP), and the strategy's
+  fixed costs per window and per micro-step, measured on real windows.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rayacc.planner.candidates import Candidate
+from rayacc.planner.candidates import Candidate, nodes_spanned
 from rayacc.planner.profile import Profile, checkpointing_every
 
-__all__ = ["Prediction", "predict"]
+__all__ = ["HOST_LINK_BYTES_PER_S", "Placement", "Prediction", "predict"]
 
 
 @dataclass(frozen=True)
@@ -64,16 +70,48 @@ def _scaled(per_byte: float, profile: Profile, n: int) -> float:
     return per_byte * _ring(n) / _ring(profile.world)
 
 
+HOST_LINK_BYTES_PER_S = 16e9
+"""Host↔device copies of an offloaded model (PCIe 4.0 ×16 as measured in practice)."""
+
+
+@dataclass(frozen=True)
+class Placement:
+    """How the candidates' workers sit on nodes (`scaling.workers_per_node`, or the joined
+    cluster's nodes) and the links between the nodes (`scaling.inter_node_gbps`)."""
+
+    workers_per_node: int | None = None
+    """None: every worker on one node."""
+    inter_node_gbps: float = 25.0
+
+    def nodes(self, workers: int) -> int:
+        return nodes_spanned(workers, self.workers_per_node)
+
+    def per_byte(self, measured: float, profile: Profile, ranks: int, crosses: bool) -> float:
+        """A ring collective's time per byte over `ranks`: the profile's rate scaled to them,
+        and no faster than the link between nodes when the ring crosses one."""
+        t = _scaled(measured, profile, ranks)
+        if crosses and ranks > 1:
+            t = max(t, _ring(ranks) * 8 / (self.inter_node_gbps * 1e9))
+        return t
+
+
 def predict(
     c: Candidate,
     profile: Profile,
     *,
     reshard_after_forward: bool = True,
     bf16_gathers: bool = False,
+    placement: Placement = Placement(),
 ) -> Prediction:
     """The prior of `c` (the profile was measured at the most workers any candidate has)."""
     key = str(c.checkpointing)
     P, n, m, a = profile.param_bytes, c.workers, c.micro_batch_size, c.grad_accum_steps
+    # FSDP shards over its shard group (all n but under HSDP), which crosses nodes unless
+    # HSDP keeps it inside one
+    s = c.shard_ranks if c.strategy == "fsdp" else n
+    crosses = placement.nodes(n) > 1
+    shard_crosses = crosses and c.replicate == 1
+    on_host = c.offload and c.strategy == "fsdp" and profile.device == "cuda"
     slots = profile.optimizer_slots
     failed = profile.failed.get(key)
     if key not in profile.compute_s:
@@ -92,12 +130,15 @@ def predict(
     elif zero in (1, 2):
         states = P + (P if zero == 1 else P / n) + master
     else:
-        shard = P / n
+        shard = P / (n if zero == 3 else s)
         if zero == 3:
             states = 2 * shard + master  # parameter and gradient shards
         else:
-            grads = P if c.grad_sync == "window_end" else shard
-            states = (1 + slots) * shard + grads
+            # offloaded: the shards, their gradients and the optimizer's state in host memory
+            # (`window_end`'s unsharded gradients stay on the device across the window)
+            held = 0.0 if on_host else shard
+            grads = P if c.grad_sync == "window_end" else held
+            states = (0.0 if on_host else (1 + slots) * shard) + grads
         if profile.device == "cuda" and reshard_after_forward:
             gathered = min(P, 2 * profile.largest_unit_bytes)
         else:
@@ -110,8 +151,8 @@ def predict(
     # ------------------------------------------------------------------ time
     compute = a * profile.compute_s[key].at(m)
     latency = profile.latency_s
-    scaled_ar = _scaled(profile.allreduce_s_per_byte, profile, n)
-    scaled_g = _scaled(profile.gather_s_per_byte, profile, n)
+    scaled_ar = placement.per_byte(profile.allreduce_s_per_byte, profile, n, crosses)
+    scaled_g = placement.per_byte(profile.gather_s_per_byte, profile, s, shard_crosses)
     if n == 1:
         comm = 0.0
     elif c.strategy == "ddp" or zero == 1:
@@ -126,8 +167,20 @@ def predict(
         reduce_scatter = P * scaled_g + profile.units * latency
         syncs = 1 if c.grad_sync == "window_end" else a
         comm = a * gathers + syncs * reduce_scatter
-    optimizer = profile.optimizer_s / (1 if c.strategy == "ddp" else n)
-    fixed, per_micro = profile.overheads.get(c.strategy_label, (0.0, 0.0))
+        if c.replicate > 1:
+            # HSDP: the sharded gradients all-reduced across the replica groups (the nodes)
+            # once per window
+            per_byte = placement.per_byte(
+                profile.allreduce_s_per_byte, profile, c.replicate, crosses
+            )
+            comm += (P / s) * per_byte + profile.units * latency
+        if on_host:
+            # each micro-step's parameter shards in (twice with resharding) and gradient
+            # shards out
+            moves = (2 if reshard_after_forward else 1) + 1
+            comm += a * moves * (P / s) / HOST_LINK_BYTES_PER_S
+    optimizer = profile.optimizer_s / (1 if c.strategy == "ddp" else s)
+    fixed, per_micro = profile.overheads.get(c.overhead_label, (0.0, 0.0))
     step = compute + comm + optimizer + fixed + a * per_micro
     # ------------------------------------------------------------------ fits?
     why = None

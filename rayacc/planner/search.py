@@ -12,7 +12,7 @@ from typing import Any
 from rayacc.config import TrainConfig
 from rayacc.planner.candidates import Candidate, checkpointing_choices, enumerate_candidates
 from rayacc.planner.planfile import PlanFile, made_for
-from rayacc.planner.prior import Prediction, predict
+from rayacc.planner.prior import Placement, Prediction, predict
 from rayacc.planner.profile import Profile
 
 __all__ = ["PlanRow", "SearchResult", "format_table", "pick", "profile_sizes", "search"]
@@ -186,12 +186,15 @@ def search(
     budget_s: float,
     top: int,
     cluster_holds: int | None = None,
+    node_holds: int | None = None,
     micro_sizes: list[int] | None = None,
     measure_all: bool = False,
     say: Callable[[str], None] = print,
 ) -> SearchResult:
     """The search on calibration `group` (calibrate.CalibrationGroup). `measure_all`: calibrate
-    every candidate that fits (the benchmark's exhaustive sweep), without a time budget."""
+    every candidate that fits (the benchmark's exhaustive sweep), without a time budget.
+    `node_holds`: the workers one node of the cluster holds (`scaling.workers_per_node` wins
+    when set; neither: one node)."""
     from rayacc.engine.units import fsdp_blocks
     from rayacc.models.registry import build_on_meta
 
@@ -199,8 +202,14 @@ def search(
     g = prep.split.global_batch_size
     counts = worker_counts(cfg, cluster_holds)
     blocks = len(fsdp_blocks(build_on_meta(cfg, prep.info)))
+    placement = Placement(cfg.scaling.workers_per_node or node_holds, cfg.scaling.inter_node_gbps)
     candidates, skipped = enumerate_candidates(
-        g, counts, blocks, micro_sizes=micro_sizes, deepspeed=cfg.train.strategy == "deepspeed"
+        g,
+        counts,
+        blocks,
+        micro_sizes=micro_sizes,
+        deepspeed=cfg.train.strategy == "deepspeed",
+        workers_per_node=placement.workers_per_node,
     )
     if not candidates:
         raise ValueError(
@@ -232,6 +241,7 @@ def search(
                 profile_for(profiles, c.workers),
                 reshard_after_forward=cfg.fsdp.reshard_after_forward,
                 bf16_gathers=bf16,
+                placement=placement,
             ),
         )
         for c in candidates

@@ -37,7 +37,8 @@ def test_gpu_check_dry_run_passes_every_step(tmp_path, ray_address):
         "bench/gpu_step.py exits 0",
         "fsdp: rayacc train exits 0",
         "fsdp: final checkpoint sharded",
-        "fsdp: bf16 + activation checkpointing steps",
+        "fsdp: bf16 + activation checkpointing + offload steps",
+        "fsdp: mesh from the placement",
         "bench/planner.py ran",
         "planner: pick / best measured",
     ):

@@ -29,6 +29,8 @@ def test_plan_search_then_train_with_the_plan(ray_address, tmp_path, monkeypatch
         [
             "plan", "-c", job, "--search", "--top", "2", "--budget-s", "1200",
             "--out", "plans/P.yaml", "batch.memory_budget_mb=0.55",
+            # one worker a node: 2 workers span 2 nodes, where HSDP is a candidate
+            "scaling.workers_per_node=1",
         ]
     )  # fmt: skip
     out = capsys.readouterr().out
@@ -40,6 +42,12 @@ def test_plan_search_then_train_with_the_plan(ray_address, tmp_path, monkeypatch
     assert "median error of the prior over 2 measured" in out
     plan = yaml.safe_load((tmp_path / "plans/P.yaml").read_text())
     chosen = plan["chosen"]
+    labels = {c["label"].split(" ac=")[0].split(" ", 2)[-1] for c in plan["candidates"]}
+    assert {
+        "fsdp every_micro_step hsdp 2×1",
+        "fsdp window_end hsdp 2×1",
+        "fsdp every_micro_step offload",
+    } <= labels, labels
     measured = [c for c in plan["candidates"] if c.get("status") == "measured"]
     assert len(measured) == 2
     assert all(c["measured_memory_mb"] <= 0.55 for c in measured)

@@ -11,7 +11,7 @@ import yaml
 from rayacc.config import ConfigError, TrainConfig
 from rayacc.planner.candidates import Candidate, checkpointing_choices, enumerate_candidates
 from rayacc.planner.planfile import PlanFile, made_for
-from rayacc.planner.prior import predict
+from rayacc.planner.prior import Placement, predict
 from rayacc.planner.profile import Curve, Profile
 from rayacc.planner.search import PlanRow, pick, profile_for, profile_sizes, worker_counts
 from rayacc.quantities import split_at
@@ -24,9 +24,10 @@ MIB = 2**20
 @pytest.mark.parametrize(
     "global_batch, counts, blocks, expect_n, skipped",
     [
-        (256, [1, 2], 0, 9 + 8 * 3, 0),  # mlp: no checkpointing choices, fsdp from 2 workers
-        (64, [1, 2], 4, (7 + 6 * 3) * 3, 0),  # gpt with 4 blocks: none, every 2nd, full
-        (64, [1, 2, 3], 2, (7 + 6 * 3) * 2, 1),  # 3 does not divide 64
+        # mlp: no checkpointing choices; from 2 workers fsdp in each sync mode and offloaded
+        (256, [1, 2], 0, 9 + 8 * 4, 0),
+        (64, [1, 2], 4, (7 + 6 * 4) * 3, 0),  # gpt with 4 blocks: none, every 2nd, full
+        (64, [1, 2, 3], 2, (7 + 6 * 4) * 2, 1),  # 3 does not divide 64
         (6, [4], 1, 0, 1),
     ],
 )
@@ -38,6 +39,33 @@ def test_every_candidate_keeps_the_global_batch(global_batch, counts, blocks, ex
     assert len({c.label for c in cands}) == len(cands), "labels name candidates uniquely"
     if skipped:
         assert "does not split evenly" in why[0]
+
+
+def test_hsdp_is_a_candidate_where_the_workers_span_nodes():
+    """2 workers a node: 4 workers span 2 nodes (HSDP 2×2 in both sync modes), 3 span 2
+    unevenly (none), 2 fit on one (none)."""
+    cands, _ = enumerate_candidates(24, [2, 3, 4], 0, workers_per_node=2)
+    hsdp = {(c.workers, c.strategy_label) for c in cands if c.replicate > 1}
+    assert hsdp == {(4, "fsdp every_micro_step hsdp 2×2"), (4, "fsdp window_end hsdp 2×2")}
+    offload = {c.strategy_label for c in cands if c.offload}
+    assert offload == {"fsdp every_micro_step offload"}
+    (c,) = [
+        c
+        for c in cands
+        if c.replicate > 1 and c.micro_batch_size == 6 and c.grad_sync == "window_end"
+    ]
+    over = c.overrides()
+    assert (over["fsdp.replicate"], over["fsdp.offload"], over["train.strategy"]) == (
+        2,
+        "none",
+        "fsdp",
+    )
+    # HSDP pays FSDP's measured fixed costs in its sync mode
+    assert c.overhead_label == f"fsdp {c.grad_sync}"
+    # what the candidate sets, the config takes
+    TrainConfig.from_dict(
+        {"batch": {"global_batch_size": 24}}, [f"{k}={v}" for k, v in over.items()]
+    )
 
 
 def test_checkpointing_is_only_tried_where_there_are_blocks():
@@ -72,6 +100,42 @@ def _profile(**kw) -> Profile:
     )
     base.update(kw)
     return Profile(**base)
+
+
+def test_the_prior_knows_which_collectives_cross_nodes():
+    """4 workers on 2 nodes over a slow link: FSDP's every-micro-step gathers and
+    reduce-scatters cross it, HSDP's stay inside a node (only its one all-reduce per window
+    crosses), so HSDP is the faster, at the memory of shards over 2 ranks instead of 4."""
+    p = _profile(world=4)
+    slow = Placement(workers_per_node=2, inter_node_gbps=0.1)
+    fsdp = Candidate(4, 2, 4, "fsdp", "every_micro_step")
+    hsdp = Candidate(4, 2, 4, "fsdp", "every_micro_step", replicate=2)
+    f, h = predict(fsdp, p, placement=slow), predict(hsdp, p, placement=slow)
+    assert h.comm_s < f.comm_s / 3, (h.comm_s, f.comm_s)
+    # 1 MiB over 0.1 Gbit/s: 4 micro-steps × (2 gathers + a reduce-scatter) × 3/4 of it
+    assert f.comm_s == pytest.approx(4 * 3 * MIB * 0.75 * 8 / 0.1e9, rel=0.01)
+    # HSDP: its shard (1/2 MiB) all-reduced across the 2 nodes once, at the link's rate
+    # instead of the profile's (1e-8 s a byte at 4 ranks, scaled to a ring of 2)
+    link, measured = 0.5 * 8 / 0.1e9, 1e-8 * 0.5 / 0.75
+    assert h.comm_s - predict(hsdp, p).comm_s == pytest.approx(0.5 * MIB * (link - measured))
+    assert h.memory_bytes - f.memory_bytes == pytest.approx(4 * MIB / 2 - 4 * MIB / 4)
+    # on one node nothing crosses: the link is no one's bound
+    assert predict(fsdp, p, placement=Placement(4, 0.1)).comm_s == predict(fsdp, p).comm_s
+
+
+def test_fsdp_offload_spares_device_memory_for_host_copies_on_a_gpu():
+    p = _profile(device="cuda")
+    on, off = (
+        predict(Candidate(2, 16, 2, "fsdp", "every_micro_step", offload=o), p) for o in (1, 0)
+    )
+    # the shards of parameters, gradients and 2 AdamW slots (4 × 1/2 MiB) in host memory
+    assert off.memory_bytes - on.memory_bytes == pytest.approx(4 * MIB / 2)
+    assert on.comm_s > off.comm_s
+    # on a CPU worker the host is the device: nothing spared, nothing copied
+    cpu = _profile()
+    assert predict(Candidate(2, 16, 2, "fsdp", "every_micro_step", offload=True), cpu) == predict(
+        Candidate(2, 16, 2, "fsdp", "every_micro_step"), cpu
+    )
 
 
 def test_the_prior_counts_each_strategys_memory():
