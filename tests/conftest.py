@@ -55,6 +55,10 @@ def pytest_configure(config):
         os.environ[FOLDER_ENV] = folder
         os.environ[NOTES_ENV] = str(Path(folder) / "notes")
         os.environ["RAY_TRAIN_CALLBACKS"] = "tests.support.services.group_counter.CountWorkerGroups"
+    # MLflow's own variables choose the store of a run whose config says null: one set in
+    # the shell that runs the suite would send the tests' runs there
+    for name in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME"):
+        os.environ.pop(name, None)
     me = Path(os.environ[FOLDER_ENV]) / getattr(config, "workerinput", {}).get("workerid", "main")
     me.mkdir(exist_ok=True)
     os.environ[COUNTS_ENV] = str(me / "starts")

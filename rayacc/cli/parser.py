@@ -27,7 +27,10 @@ def build_parser() -> argparse.ArgumentParser:
         TrackingUri,
     )
 
+    from rayacc import __version__
+
     parser = argparse.ArgumentParser(prog="rayacc", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"rayacc {__version__}")
     job_file = ExistingFile("the job's YAML file, e.g. jobs/digits.yaml")
     sub = parser.add_subparsers(dest="command", required=True)
 

@@ -48,6 +48,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         console.print(f"  settings from the plan {args.plan}")
     for line in run_header(cfg, prep, redact(prep.info.path)):
         console.print(f"  {line}")
+    if cfg.tracking.enabled:
+        from rayacc.tracking import tracking_target
+
+        target = tracking_target(cfg.tracking.tracking_uri, cfg.tracking.experiment)
+        console.print(f"  {redact(target.describe())}")
     for w in [*prep.warnings, *location.notes]:
         err.print(styled(("warning:", "yellow"), f" {w}"))
 

@@ -87,6 +87,23 @@ def load_yaml_text(text: str) -> Any:
     return yaml.safe_load(text)
 
 
+YAML_SUFFIXES = (".yaml", ".yml", ".json")
+NOT_YAML = {
+    ".py": "Python",
+    ".toml": "TOML",
+    ".ini": "INI",
+    ".cfg": "INI",
+    ".sh": "shell",
+    ".ipynb": "notebook",
+    ".parquet": "Parquet",
+    ".txt": "text",
+    ".md": "Markdown",
+    ".pt": "PyTorch",
+    ".csv": "CSV",
+}
+"""Suffixes of files people pass where YAML belongs (a file without a suffix is read)."""
+
+
 def read_yaml(
     path: str | os.PathLike, kind: str, example: str, max_bytes: int | None = None
 ) -> Any:
@@ -103,6 +120,21 @@ def read_yaml(
                     f"{kind} file not found",
                     str(p),
                     f"pass an existing YAML file, e.g. {example}",
+                )
+            ],
+            str(p),
+        )
+    if p.suffix.lower() not in YAML_SUFFIXES and p.suffix.lower() in NOT_YAML:
+        # a job written in Python (or another format) would parse as YAML into nonsense, or
+        # fail deep in the parser: named for what it is
+        raise ConfigError(
+            [
+                ConfigIssue(
+                    "",
+                    f"a {NOT_YAML[p.suffix.lower()]} file, not YAML: a {kind} file is YAML "
+                    "(or JSON); rayacc runs no code from it",
+                    MISSING,
+                    f"write the {kind} as YAML, e.g. {example}",
                 )
             ],
             str(p),

@@ -339,9 +339,10 @@ class TrackingConfig(Section):
     enabled: bool = True
     """Record the run in MLflow."""
     tracking_uri: str | None = Field(None, json_schema_extra=PLACE)
-    """MLflow tracking URI; null = sqlite:///<cwd>/mlflow.db."""
-    experiment: str = "rayacc"
-    """MLflow experiment name."""
+    """MLflow tracking URI; null = `MLFLOW_TRACKING_URI` where set, else
+    sqlite:///<cwd>/mlflow.db."""
+    experiment: str | None = None
+    """MLflow experiment name; null = `MLFLOW_EXPERIMENT_NAME` where set, else `rayacc`."""
     run_name: str | None = None
     """MLflow run name; null = generated."""
     system_metrics: bool = False

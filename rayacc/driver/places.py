@@ -185,10 +185,13 @@ def check_places(cfg: TrainConfig, here: bool = True) -> None:
             problems.append(storage_problem("run.storage_path", storage))
     elif storage is not None and here:
         problems.append(check_folder("run.storage_path", storage))
-    uri = cfg.tracking.tracking_uri
+    uri, field = cfg.tracking.tracking_uri, "tracking.tracking_uri"
+    if uri is None and here and os.environ.get("MLFLOW_TRACKING_URI"):
+        # MLflow's variable stands in for the field: the same checks, named as it
+        uri, field = os.environ["MLFLOW_TRACKING_URI"], "MLFLOW_TRACKING_URI"
     # a sqlite file of a submitted job is on the cluster: its scheme is all there is to judge
     if cfg.tracking.enabled and uri is not None and (here or not uri.startswith("sqlite:")):
-        problems.append(check_tracking_uri("tracking.tracking_uri", uri))
+        problems.append(check_tracking_uri(field, uri))
     if cfg.data.cache_dir is not None and here:
         problems.append(check_folder("data.cache_dir", cfg.data.cache_dir))
     found = [p for p in problems if p]

@@ -157,16 +157,17 @@ def run_sweep(
     from ray import tune
 
     from rayacc.driver.fit import ensure_ray
-    from rayacc.tracking import default_tracking_uri
+    from rayacc.tracking import tracking_target
 
     t0 = time.perf_counter()
     trials = expand_trials(sweep, base)
     valid = [t for t in trials if t.config is not None]
     base_cfg = TrainConfig.model_validate(base)
-    uri = base_cfg.tracking.tracking_uri or default_tracking_uri()
+    target = tracking_target(base_cfg.tracking.tracking_uri, base_cfg.tracking.experiment)
+    uri = target.uri
     name = sweep.name or f"sweep-{time.strftime('%Y%m%d-%H%M%S')}"
-    parent = _open_parent(sweep, trials, uri, base_cfg.tracking.experiment, name, sweep_text)
-    result = SweepResult(parent.run_id, uri, base_cfg.tracking.experiment, trials)
+    parent = _open_parent(sweep, trials, uri, target.experiment, name, sweep_text)
+    result = SweepResult(parent.run_id, uri, target.experiment, trials)
     for t in trials:
         if t.skip_reason and on_event:
             on_event("skipped", t, {"reason": t.skip_reason})

@@ -10,20 +10,64 @@ import sys
 import threading
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from rayacc.redact import redact
 
-__all__ = ["MlflowSink", "default_tracking_uri"]
+__all__ = ["MlflowSink", "TrackingTarget", "default_tracking_uri", "tracking_target"]
 
 _MAX_PARAMS_PER_CALL = 100
 _MAX_METRICS_PER_CALL = 1000
 
 
+URI_ENV, EXPERIMENT_ENV = "MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME"
+"""MLflow's own variables: what a user of MLflow has set, used where the config says null."""
+DEFAULT_EXPERIMENT = "rayacc"
+
+
 def default_tracking_uri() -> str:
+    """`MLFLOW_TRACKING_URI` where it is set, else a SQLite file in the working directory."""
+    import os
+
     # absolute: Ray workers and tools started elsewhere must find the same file
-    return f"sqlite:///{Path.cwd().resolve() / 'mlflow.db'}"
+    return os.environ.get(URI_ENV) or f"sqlite:///{Path.cwd().resolve() / 'mlflow.db'}"
+
+
+@dataclass(frozen=True)
+class TrackingTarget:
+    """Where a run is recorded, and what chose each part (the config's field, MLflow's
+    variable, or rayacc's default)."""
+
+    uri: str
+    experiment: str
+    uri_from: str
+    experiment_from: str
+
+    def describe(self) -> str:
+        """The header's line (the URI redacted by the caller's stream)."""
+        return (
+            f"tracking: MLflow {self.uri} ({self.uri_from}), experiment {self.experiment!r} "
+            f"({self.experiment_from})"
+        )
+
+
+def tracking_target(uri: str | None, experiment: str | None) -> TrackingTarget:
+    """The config's `tracking.tracking_uri` and `tracking.experiment` where set; else
+    `MLFLOW_TRACKING_URI` and `MLFLOW_EXPERIMENT_NAME`; else rayacc's defaults."""
+    import os
+
+    def pick(value: str | None, field: str, env: str, default: str) -> tuple[str, str]:
+        if value:
+            return value, field
+        if os.environ.get(env):
+            return os.environ[env], env
+        return default, "default"
+
+    u, u_from = pick(uri, "tracking.tracking_uri", URI_ENV, default_tracking_uri())
+    e, e_from = pick(experiment, "tracking.experiment", EXPERIMENT_ENV, DEFAULT_EXPERIMENT)
+    return TrackingTarget(u, e, u_from, e_from)
 
 
 def _server_reachable(uri: str, timeout_s: float = 10.0) -> str | None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from rayacc.config import TrainConfig
-from rayacc.tracking.mlflow_sink import MlflowSink, default_tracking_uri
+from rayacc.tracking.mlflow_sink import MlflowSink, tracking_target
 
 __all__ = ["record_plan"]
 
@@ -15,10 +15,11 @@ def record_plan(
     cfg: TrainConfig, run_name: str, params: dict[str, Any], table: str, plan_yaml: str
 ) -> tuple[str | None, str]:
     """(MLflow run id or None when tracking is off or the store is away, tracking URI)."""
-    uri = cfg.tracking.tracking_uri or default_tracking_uri()
+    target = tracking_target(cfg.tracking.tracking_uri, cfg.tracking.experiment)
+    uri = target.uri
     if not cfg.tracking.enabled:
         return None, uri
-    sink = MlflowSink(uri, cfg.tracking.experiment, run_name)
+    sink = MlflowSink(uri, target.experiment, run_name)
     if not sink.active:
         return None, uri
     sink.log_params(params)

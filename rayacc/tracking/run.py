@@ -21,7 +21,7 @@ from rayacc.observe.events import (
     ScheduleChanged,
     Straggler,
 )
-from rayacc.tracking.mlflow_sink import MlflowSink, default_tracking_uri
+from rayacc.tracking.mlflow_sink import MlflowSink, tracking_target
 from rayacc.tracking.params import contract_params
 from rayacc.tracking.plots import loss_curve_png
 
@@ -169,10 +169,10 @@ def open_tracking(
     params, the resolved config and the run's tags. An unreachable store turns tracking off
     with one message (the sink's rule); training goes on. `lineage` reads the records a
     checkpoint holds; `on_forked(old, new)` hears of a replaced run (`TrackedRun`)."""
-    uri = cfg.tracking.tracking_uri or default_tracking_uri()
+    target = tracking_target(cfg.tracking.tracking_uri, cfg.tracking.experiment)
     sink = MlflowSink(
-        uri,
-        cfg.tracking.experiment,
+        target.uri,
+        target.experiment,
         cfg.tracking.run_name or run.name,
         run_id=run.previous_run_id,
         parent_run_id=run.parent_run_id,

@@ -31,10 +31,14 @@ from tests.support.services.fits import (
 pytestmark = pytest.mark.ray
 
 
-def test_end_to_end_fit_records_contract_params_and_every_step(ray_local, tmp_path):
+def test_end_to_end_fit_records_contract_params_and_every_step(ray_local, tmp_path, monkeypatch):
     # data.in_process_read_max_mb=0: the ranks' Ray Data read tasks (even for small data) run
     # on any node, so the bundled dataset (prepared in the driver node's cache) is staged under
-    # run.storage_path first
+    # run.storage_path first. The store and experiment as MLflow's users name them: its
+    # variables, the config's fields null
+    store = f"sqlite:///{tmp_path / 'env-mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "from-the-environment")
     cfg = config(
         tmp_path,
         data={"val_fraction": 0.2, "in_process_read_max_mb": 0},
@@ -48,12 +52,14 @@ def test_end_to_end_fit_records_contract_params_and_every_step(ray_local, tmp_pa
             "schedule": "cosine",
         },
         train={"max_steps": 8, "val_every_steps": 4, "checkpoint_every_steps": 4},
-        tracking={"system_metrics": True},
+        tracking={"system_metrics": True, "tracking_uri": None, "experiment": None},
     )
     result = fit_or_fail(cfg)
 
-    client = MlflowClient(cfg.tracking.tracking_uri)
+    assert result.tracking_uri == store
+    client = MlflowClient(store)
     run = client.get_run(result.mlflow_run_id)
+    assert client.get_experiment(run.info.experiment_id).name == "from-the-environment"
     p = run.data.params
     micro, accum, workers, glob = (
         int(p[k])

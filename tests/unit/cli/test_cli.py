@@ -190,3 +190,11 @@ def test_a_yaml_file_that_is_not_a_config_is_named_with_the_fix(tmp_path, rayacc
     assert ran.code == 2, ran.out + ran.err
     assert "given.yaml" in ran.err and "Fix:" in ran.err, ran.err
     assert "Traceback" not in ran.err, ran.err
+
+
+def test_version_is_the_packages(rayacc):
+    import tomllib
+
+    ran = rayacc("--version")
+    want = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    assert ran.code == 0 and ran.out.strip() == f"rayacc {want}", ran

@@ -1,6 +1,7 @@
 import pytest
 
 from rayacc.config import ConfigError, TrainConfig
+from rayacc.config.loader import NOT_YAML
 
 GOOD = {
     "batch": {"global_batch_size": 256, "micro_batch_size": 32},
@@ -298,3 +299,14 @@ TIMEOUT = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
 def test_the_placement_timeout_the_run_hands_ray_train(scaling, timeout):
     cfg = load({**GOOD, "scaling": scaling})
     assert cfg.scaling.ray_train_env() == ({TIMEOUT: timeout} if timeout else {})
+
+
+@pytest.mark.parametrize("suffix", sorted(NOT_YAML))
+def test_a_job_file_of_another_format_is_named_as_such(tmp_path, suffix):
+    # valid YAML inside: the format is judged by what the file says it is
+    path = tmp_path / f"job{suffix}"
+    path.write_text("batch: {global_batch_size: 32}\n")
+    with pytest.raises(ConfigError) as info:
+        TrainConfig.from_yaml(path)
+    assert f"a {NOT_YAML[suffix]} file, not YAML" in str(info.value), str(info.value)
+    assert str(path) in str(info.value)

@@ -18,33 +18,50 @@ def cfg(**sections) -> TrainConfig:
     )
 
 
-@pytest.mark.parametrize(
-    ("sections", "field", "says"),
-    [
-        ({"run": {"storage_path": "{file}"}}, "run.storage_path", "is a file"),
-        ({"run": {"storage_path": "{file}/runs"}}, "run.storage_path", "cannot be created"),
-        ({"run": {"storage_path": "nosuch://bucket/x"}}, "run.storage_path", "cannot be reached"),
-        ({"tracking": {"tracking_uri": "{tmp}/mlruns"}}, "tracking.tracking_uri", "file store"),
-        ({"tracking": {"tracking_uri": "file://{tmp}/mlruns"}}, "tracking.tracking_uri", "3.13"),
-        ({"tracking": {"tracking_uri": "ftp://host/x"}}, "tracking.tracking_uri", "sqlite:///"),
-        ({"tracking": {"tracking_uri": "sqlite:///{tmp}"}}, "tracking.tracking_uri", "a folder"),
-        ({"tracking": {"tracking_uri": "sqlite:///{file}/m.db"}}, "tracking.tracking_uri", "file"),
-        ({"data": {"cache_dir": "{file}"}}, "data.cache_dir", "is a file"),
-    ],
-)
-def test_a_place_that_cannot_be_used_is_named_with_its_fix(tmp_path, sections, field, says):
+BAD_PLACES = [
+    ({"run": {"storage_path": "{file}"}}, "run.storage_path", "is a file"),
+    ({"run": {"storage_path": "{file}/runs"}}, "run.storage_path", "cannot be created"),
+    ({"run": {"storage_path": "nosuch://bucket/x"}}, "run.storage_path", "cannot be reached"),
+    ({"tracking": {"tracking_uri": "{tmp}/mlruns"}}, "tracking.tracking_uri", "file store"),
+    ({"tracking": {"tracking_uri": "file://{tmp}/mlruns"}}, "tracking.tracking_uri", "3.13"),
+    ({"tracking": {"tracking_uri": "ftp://host/x"}}, "tracking.tracking_uri", "sqlite:///"),
+    ({"tracking": {"tracking_uri": "sqlite:///{tmp}"}}, "tracking.tracking_uri", "a folder"),
+    ({"tracking": {"tracking_uri": "sqlite:///{file}/m.db"}}, "tracking.tracking_uri", "file"),
+    ({"data": {"cache_dir": "{file}"}}, "data.cache_dir", "is a file"),
+]
+
+
+def fill(value, tmp_path: Path):
     afile = tmp_path / "a-file"
     afile.write_text("x")
+    if isinstance(value, dict):
+        return {k: fill(v, tmp_path) for k, v in value.items()}
+    return value.format(tmp=tmp_path, file=afile)
 
-    def fill(value):
-        if isinstance(value, dict):
-            return {k: fill(v) for k, v in value.items()}
-        return value.format(tmp=tmp_path, file=afile)
 
+@pytest.mark.parametrize(("sections", "field", "says"), BAD_PLACES)
+def test_a_place_that_cannot_be_used_is_named_with_its_fix(tmp_path, sections, field, says):
     with pytest.raises(PlaceError) as err:
-        check_places(cfg(**fill(sections)))
+        check_places(cfg(**fill(sections, tmp_path)))
     message = str(err.value)
     assert field in message and says in message and "Fix:" in message, message
+
+
+@pytest.mark.parametrize(
+    ("uri", "says"),
+    [
+        (s["tracking"]["tracking_uri"], says)
+        for s, f, says in BAD_PLACES
+        if f.startswith("tracking")
+    ],
+)
+def test_mlflows_variable_goes_through_the_same_checks(tmp_path, monkeypatch, uri, says):
+    """MLFLOW_TRACKING_URI stands in for a null tracking.tracking_uri, and is named so."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", fill(uri, tmp_path))
+    with pytest.raises(PlaceError) as err:
+        check_places(cfg())
+    message = str(err.value)
+    assert "MLFLOW_TRACKING_URI" in message and says in message and "Fix:" in message, message
 
 
 def test_every_place_is_named_at_once_and_good_ones_pass(tmp_path):
