@@ -14,22 +14,32 @@ from rayacc.config import ConfigError, TrainConfig
 EXIT_USER_ERROR = 2
 
 
-def _load(args: argparse.Namespace) -> TrainConfig:
-    """The job file with the command line's overrides, and those a submitted job received in
-    its environment (`jobs.SECRET_OVERRIDES`: the ones that carry credentials)."""
+def _load(args: argparse.Namespace, given: list[str] | None = None) -> TrainConfig:
+    """The job file with the command line's overrides (`given`: these instead, e.g. a
+    resume's), and those a submitted job received in its environment
+    (`jobs.SECRET_OVERRIDES`: the ones that carry credentials)."""
+    return TrainConfig.from_yaml(args.config, overrides=[*(given or _given(args)), *_hidden()])
+
+
+def _hidden() -> list[str]:
     import json
 
     from rayacc.driver.jobs import SECRET_OVERRIDES
 
-    hidden = json.loads(os.environ.get(SECRET_OVERRIDES) or "[]")
-    overrides = [*args.overrides, *hidden]
+    return json.loads(os.environ.get(SECRET_OVERRIDES) or "[]")
+
+
+def _given(args: argparse.Namespace) -> list[str]:
+    """The overrides the command gives: the plan's settings (`--plan`), then the command
+    line's (which win)."""
+    overrides = list(args.overrides)
     if getattr(args, "plan", None):
         from rayacc.planner.planfile import PlanFile
 
         plan = PlanFile.read(args.plan)
-        job = TrainConfig.from_yaml(args.config, overrides=overrides)
+        job = TrainConfig.from_yaml(args.config, overrides=[*overrides, *_hidden()])
         overrides = [*plan.overrides_for(job, str(args.config)), *overrides]
-    return TrainConfig.from_yaml(args.config, overrides=overrides)
+    return overrides
 
 
 def _console_owns_ray_output() -> None:
@@ -47,6 +57,9 @@ def _console_owns_ray_output() -> None:
     # retrying each call for minutes would only delay the line that says the server is away
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+    # MLflow prints "🏃 View run … / 🧪 View experiment …" when a run on a server ends (in a
+    # submitted job's output too); the run's summary says where it is, in rayacc's words
+    os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
     if not env.verbose():
         # a sweep's console is rayacc's trial lines: Tune's own reporter (a config table,
         # where its results are, a TensorBoard hint) stays quiet at verbose=0 only in its

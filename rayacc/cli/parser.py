@@ -13,6 +13,7 @@ from rayacc.cli.train import cmd_train, cmd_verify
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from rayacc import __version__
     from rayacc.driver.arguments import (
         Address,
         ExistingFile,
@@ -26,8 +27,6 @@ def build_parser() -> argparse.ArgumentParser:
         Text,
         TrackingUri,
     )
-
-    from rayacc import __version__
 
     parser = argparse.ArgumentParser(prog="rayacc", description=__doc__)
     parser.add_argument("--version", action="version", version=f"rayacc {__version__}")

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from rayacc.cli.common import (
     _console_owns_ray_output,
+    _given,
     _load,
 )
 from rayacc.redact import redact
@@ -20,6 +21,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     t_main = time.time()
     from rayacc.driver.fit import TrainingError, ensure_ray, fit
     from rayacc.driver.prelaunch import locate, prepare
+    from rayacc.driver.resume import RECORDED, resumed_overrides
+    from rayacc.driver.runs import locate_run
     from rayacc.observe.console import (
         ProgressPrinter,
         make_console,
@@ -32,10 +35,32 @@ def cmd_train(args: argparse.Namespace) -> int:
     # paths and URIs stay on one line, copyable
     console, err = make_console(), make_console(stderr=True)
     _console_owns_ray_output()
-    cfg = _load(args)
+    given = _given(args)
+    cfg = _load(args, given)
     # every user mistake surfaces here, before Ray starts
     prep = prepare(cfg)
+    resumed = None
+    if args.resume:
+        started = locate_run(cfg, True, prep.spec.identity).previous.get(RECORDED)
+        if started is not None:
+            # the run as it was started, with only what is given now changed
+            resumed = resumed_overrides(started, given)
+            given = resumed.overrides
+            if resumed.kept or resumed.dropped:
+                cfg = _load(args, given)
+                prep = prepare(cfg)
     location = locate(cfg, args.resume, prep.spec.identity)
+    location.overrides = given
+    if args.resume and (location.resume_step or 0) >= prep.total_steps:
+        for line in resumed.lines() if resumed else ():
+            console.print(redact(line))
+        console.print(
+            f"run {location.name!r} is finished: its checkpoint at step {location.resume_step} "
+            f"is the last of its {prep.total_steps} steps; nothing to resume. To train it "
+            f"longer: rayacc train -c {args.config} --resume run.name={location.name} "
+            "train.max_steps=MORE"
+        )
+        return 0
     t_checked = time.time()
     with ThreadPoolExecutor(1, thread_name_prefix="rayacc-imports") as pool:
         # Ray's start is mostly other processes' work: the modules the fit needs next load
@@ -53,6 +78,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
         target = tracking_target(cfg.tracking.tracking_uri, cfg.tracking.experiment)
         console.print(f"  {redact(target.describe())}")
+    for line in resumed.lines() if resumed else ():
+        console.print(f"  {redact(line)}")
     for w in [*prep.warnings, *location.notes]:
         err.print(styled(("warning:", "yellow"), f" {w}"))
 
@@ -64,6 +91,19 @@ def cmd_train(args: argparse.Namespace) -> int:
     except TrainingError as exc:
         err.print(styled((f"rayacc: {exc}", "red")))
         return 1
+    except KeyboardInterrupt:
+        # what the interruption kept, and the command that goes on from it
+        latest = location.checkpoints.latest()
+        kept = (
+            f"the last complete checkpoint is step {latest.step} ({redact(latest.uri)})"
+            if latest is not None
+            else "no checkpoint was complete yet (a resume starts from the beginning)"
+        )
+        err.print(
+            f"rayacc: interrupted; {kept}. Resume: rayacc train -c {args.config} --resume "
+            f"run.name={location.name}"
+        )
+        return 130
     heading, *lines = summary_lines(cfg, result)
     console.print(heading)
     for line in lines:

@@ -390,6 +390,7 @@ def _fit_holding(
         identity=prep.spec.identity,
         total_steps=prep.total_steps,
         status="running",
+        overrides=loc.overrides,
     )
     history = History(lineage)
     goodput = Goodput(started=phases["called"], checked=phases["checked"])

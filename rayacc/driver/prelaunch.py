@@ -316,6 +316,7 @@ def check_resume(cfg: TrainConfig, identity: dict[str, object], loc: RunLocation
         latest = checkpoints.latest()  # the workers check every digest when they load it
         meta = latest.meta() if latest is not None else {}
     loc.notes += [f"passed over {note}" for note in checkpoints.skipped]
+    loc.resume_step = meta.get("optimizer_step")
     if not meta and checkpoints.skipped:
         raise CheckpointError(
             f"--resume of run {loc.name!r}: none of its checkpoints can be used:\n  "

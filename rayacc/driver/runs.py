@@ -88,6 +88,11 @@ class RunLocation:
     """What an earlier attempt of this run recorded in its folder (on a resume)."""
     notes: list[str] = field(default_factory=list)
     """What the choice of the run should tell the user (a live run passed over)."""
+    resume_step: int | None = None
+    """On a resume: the optimizer step of the checkpoint it continues from (None: none)."""
+    overrides: list[str] | None = None
+    """The command line's overrides this run goes on with (recorded: a resume starts from
+    them, `driver/resume.py`)."""
 
     @property
     def local(self) -> bool:

@@ -226,6 +226,26 @@ def single_run(client, target: str):
     return latest[0] if latest else None
 
 
+def _sweeps(client) -> list:
+    """Every sweep's parent run in the store, newest first."""
+    ids = [e.experiment_id for e in client.search_experiments()]
+    if not ids:
+        return []
+    return client.search_runs(
+        ids,
+        filter_string="tags.`rayacc.sweep` = 'true'",
+        order_by=["attributes.start_time DESC"],
+        max_results=1000,
+    )
+
+
+def _what_exists(client, sweeps: list) -> str:
+    """The store's experiments and its newest sweeps, for a name that matched nothing."""
+    experiments = [e.name for e in client.search_experiments()][:10]
+    names = list(dict.fromkeys(r.info.run_name for r in sweeps))[:10]
+    return f"experiments: {', '.join(experiments) or 'none'}; sweeps: {', '.join(names) or 'none'}"
+
+
 def _resolve_parent(client, target: str) -> str:
     from mlflow.exceptions import MlflowException
 
@@ -235,9 +255,14 @@ def _resolve_parent(client, target: str) -> str:
         pass
     exp = client.get_experiment_by_name(target)
     if exp is None:
+        sweeps = _sweeps(client)
+        named = [r for r in sweeps if r.info.run_name == target]
+        if named:
+            return max(named, key=lambda r: r.info.start_time).info.run_id
         raise ReportError(
-            f"{target!r} is neither an MLflow run id nor an experiment name in this "
-            "tracking store. Fix: pass the sweep's parent run id or its experiment"
+            f"{target!r} is neither an MLflow run id, an experiment nor a sweep's name in this "
+            f"tracking store ({_what_exists(client, sweeps)}). Fix: pass a sweep's name (its "
+            "sweep file's `name:`), its parent run id or its experiment"
         )
     runs = client.search_runs(
         [exp.experiment_id],

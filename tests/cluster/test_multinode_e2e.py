@@ -95,6 +95,8 @@ def test_submit_to_local_multinode_cluster(tmp_path):
         assert submit.returncode == 0, submit.stdout[-4000:] + submit.stderr[-4000:]
         assert "SUCCEEDED" in submit.stdout
         assert "tracking off" not in submit.stdout + submit.stderr
+        # MLflow's own run links stay off the job's output (the summary says where the run is)
+        assert "View run" not in submit.stdout and "View experiment" not in submit.stdout
 
         client = MlflowClient(cluster["MLFLOW_TRACKING_URI"])
         (run,) = client.search_runs([client.get_experiment_by_name("e2e").experiment_id])

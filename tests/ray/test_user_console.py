@@ -72,6 +72,14 @@ def test_train_the_shakespeare_job_watch_it_and_sample_it(tmp_path):
     assert "start-up" in goodput.group(3) and "restarts" not in goodput.group(3)
     assert goodput.group(4) == "0"
 
+    # the finished run resumed as it was started (its overrides recorded): nothing to do,
+    # said at once (no Ray started); the job file alone would have trained it on to 300 steps
+    resumed = rayacc(tmp_path, "train", "-c", str(ROOT / "jobs/shakespeare.yaml"), "--resume",
+                     "run.name=bard")  # fmt: skip
+    assert "kept from the run's start: train.max_steps=12" in resumed.stdout, resumed.stdout
+    assert "is finished: its checkpoint at step 12 is the last of its 12 steps" in resumed.stdout
+    assert "step 1/" not in resumed.stdout
+
     sampled = rayacc(
         tmp_path, "sample", "bard", "--prompt", "The ", "--tokens", "40", "--seed", "7"
     )

@@ -99,3 +99,24 @@ def test_the_ranks_and_the_straggler_read_back(tmp_path):
     report = build_run_report(client, client.get_run(rid))
     assert report.ranks == {0: [(2, 0.2), (4, 0.2), (6, 0.2)], 1: [(2, 0.5), (4, 0.5), (6, 0.5)]}
     assert report.stragglers == [1]
+
+
+def test_a_sweep_is_found_by_its_name_and_an_unknown_name_lists_what_exists(tmp_path):
+    import pytest
+
+    from rayacc.tracking.report import ReportError, build_report
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    exp = client.create_experiment("sweeps-here")
+    parent = client.create_run(exp, tags={"rayacc.sweep": "true"}, run_name="accum-sweep")
+    child = client.create_run(
+        exp, tags={"mlflow.parentRunId": parent.info.run_id, "rayacc.trial": "0"}
+    )
+    client.log_batch(child.info.run_id, metrics=[Metric("train/loss", 1.0, 0, 1)])
+    # the sweep file's `name:` (neither a run id nor an experiment)
+    assert build_report(uri, "accum-sweep").parent_run_id == parent.info.run_id
+    with pytest.raises(ReportError) as info:
+        build_report(uri, "acum-sweep")
+    message = str(info.value)
+    assert "sweeps: accum-sweep" in message and "sweeps-here" in message and "Fix:" in message

@@ -1,0 +1,66 @@
+"""A resume continues the run as it was started: the job file with the overrides the run was
+started with (recorded in its folder), and over them only the overrides given now — each one
+that changes a started value said. A finished run's resume ends at once, saying so."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from rayacc.redact import MASK
+
+__all__ = ["ResumedOverrides", "override_key", "resumed_overrides"]
+
+RECORDED = "overrides"
+"""The run info's key for the overrides the run was started with."""
+
+
+def override_key(override: str) -> str:
+    return override.split("=", 1)[0].strip()
+
+
+@dataclass
+class ResumedOverrides:
+    """The overrides a resume runs with, and what it should say of them."""
+
+    overrides: list[str]
+    kept: list[str] = field(default_factory=list)
+    """Started with, not given now: applied again."""
+    changed: list[str] = field(default_factory=list)
+    """Started with one value, given another now: `key: was → now`."""
+    dropped: list[str] = field(default_factory=list)
+    """Started with, but not recorded whole (a credential is masked): given again or not at
+    all."""
+
+    def lines(self) -> list[str]:
+        out = []
+        if self.kept:
+            out.append("kept from the run's start: " + ", ".join(self.kept))
+        out += [f"changed on resume: {line}" for line in self.changed]
+        out += [
+            f"not applied again (it carried a credential, recorded masked): {key}; give it "
+            "again to keep it"
+            for key in self.dropped
+        ]
+        return out
+
+
+def resumed_overrides(started: Sequence[str], now: Sequence[str]) -> ResumedOverrides:
+    """The started overrides, each replaced by one given now for the same key."""
+    given = {override_key(o): o for o in now}
+    out = ResumedOverrides([])
+    for o in started:
+        key = override_key(o)
+        if MASK in o:
+            if key not in given:
+                out.dropped.append(key)
+            continue
+        if key in given:
+            if given[key] != o:
+                was, is_ = o.split("=", 1)[-1], given[key].split("=", 1)[-1]
+                out.changed.append(f"{key}: {was} → {is_}")
+            continue
+        out.overrides.append(o)
+        out.kept.append(o)
+    out.overrides += list(now)
+    return out
