@@ -261,6 +261,12 @@ class RedactingStream:
             self._emit(pending[:cut])
         return len(text)
 
+    def write_data(self, text: str) -> int:
+        """Writes what a command was asked to show (a job's logs: Ray's records in them
+        included), masked like any line; a console stream that drops Ray's records keeps
+        this."""
+        return RedactingStream.write(self, text)
+
     def _emit(self, lines: str) -> None:
         self._stream.write(redact(lines))
 

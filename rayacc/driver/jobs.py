@@ -153,12 +153,19 @@ def submit(job_file: str, overrides: list[str], address: str | None, follow: boo
     return follow_logs(client, job_id)
 
 
+def show(logs: str) -> None:
+    """A job's logs on stdout as they are: they begin with Ray's own records (its job
+    manager's), which the console drops from rayacc's own output, so the whole text would go
+    with them."""
+    getattr(sys.stdout, "write_data", sys.stdout.write)(logs)
+
+
 def follow_logs(client, job_id: str) -> int:
     import asyncio
 
     async def tail() -> None:
         async for chunk in client.tail_job_logs(job_id):
-            sys.stdout.write(chunk)
+            show(chunk)
             sys.stdout.flush()
 
     asyncio.run(tail())
@@ -194,7 +201,7 @@ def jobs_command(action: str, job_id: str | None, address: str | None, follow: b
         if action == "logs":
             if follow:
                 return follow_logs(client, job_id)
-            print(client.get_job_logs(job_id), end="")
+            show(client.get_job_logs(job_id))
             return 0
         stopped = client.stop_job(job_id)
     except RuntimeError as exc:  # the Jobs API's reply to an unknown id (HTTP 404)

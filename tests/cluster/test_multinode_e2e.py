@@ -7,6 +7,7 @@ job's record on the cluster, the run's storage, the MLflow store, the cluster's 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -128,6 +129,14 @@ def test_submit_to_local_multinode_cluster(tmp_path):
         listed = rayacc_process(
             ["jobs", "list", "--address", cluster["RAY_ADDRESS"]], timeout=120, **job_env
         )
+        # a finished job's logs, without --follow: whole (they begin with Ray's own record,
+        # which the console once dropped with everything after it)
+        job_id = re.search(r"rayacc jobs logs (\S+)", submit.stdout).group(1)
+        logs = rayacc_process(
+            ["jobs", "logs", job_id, "--address", cluster["RAY_ADDRESS"]], timeout=120, **job_env
+        )
+        assert logs.returncode == 0 and "Running entrypoint for job" in logs.stdout, logs.stdout
+        assert "rayacc" in logs.stdout and SECRET not in logs.stdout
         # a job id the cluster does not know: named, exit 2, no traceback
         unknown = rayacc_process(
             ["jobs", "status", "raysubmit_nosuchjob", "--address", cluster["RAY_ADDRESS"]],

@@ -210,6 +210,19 @@ def test_the_console_keeps_rays_records_below_error_out(text, shown):
     assert (out.getvalue() == text) is shown
 
 
+def test_a_jobs_logs_are_shown_whole_though_they_begin_with_a_ray_record():
+    """`rayacc jobs logs ID`: the log text Ray keeps starts with its job manager's INFO record;
+    the quiet console dropped the whole text with it (the command printed nothing)."""
+    logs = (
+        "2026-12-04 11:05:38,175\tINFO job_manager.py:581 -- Runtime env is setting up.\n"
+        "Running entrypoint for job raysubmit_x: rayacc train\n"
+        "tracking at http://alice:s3cr3t@host:5000\n"
+    )
+    out = io.StringIO()
+    QuietRayStream(out).write_data(logs)
+    assert out.getvalue() == logs.replace("alice:s3cr3t", "***")
+
+
 def test_the_quiet_console_still_masks_credentials():
     out = io.StringIO()
     QuietRayStream(out).write("tracking at http://alice:s3cr3t@host:5000\n")
