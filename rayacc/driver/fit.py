@@ -63,6 +63,7 @@ class FitResult:
     run_name: str
     storage_path: str
     tracking_uri: str | None
+    mlflow_experiment_id: str | None = None
     summary: dict[str, Any] = field(default_factory=dict)
     history: list[dict[str, Any]] = field(default_factory=list)
     wall_time_s: float = 0.0
@@ -437,6 +438,7 @@ def _fit_holding(
         run_name=loc.name,
         storage_path=loc.storage,
         tracking_uri=tracked.sink.tracking_uri if tracked else None,
+        mlflow_experiment_id=tracked.sink.experiment_id if tracked else None,
         summary=summary,
         history=records,
         wall_time_s=wall_time_s,

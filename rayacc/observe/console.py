@@ -320,10 +320,15 @@ def summary_lines(cfg, result) -> list[str]:
     if result.mlflow_run_id:
         uri = redact(result.tracking_uri)
         lines.append(f"MLflow run {result.mlflow_run_id} in {uri}")
+        # the run's page (its experiment opens in MLflow's model-training view)
+        page = f"#/experiments/{result.mlflow_experiment_id}/runs/{result.mlflow_run_id}"
         if uri and uri.startswith(("http://", "https://")):
-            lines.append(f"  open the UI: {uri}")
+            lines.append(f"  open the UI: {uri.rstrip('/')}/{page}")
         else:
-            lines.append(f"  open the UI: mlflow ui --backend-store-uri {uri}")
+            lines.append(
+                f"  open the UI: mlflow ui --backend-store-uri {uri}, then "
+                f"http://127.0.0.1:5000/{page}"
+            )
     lines.append(f"checkpoint: {result.checkpoint_dir}")
     if result.checkpoint_dir and result.summary.get("token_model"):
         lines.append(f"  sample it: rayacc sample {result.checkpoint_dir}")

@@ -25,6 +25,8 @@ _MAX_METRICS_PER_CALL = 1000
 URI_ENV, EXPERIMENT_ENV = "MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME"
 """MLflow's own variables: what a user of MLflow has set, used where the config says null."""
 DEFAULT_EXPERIMENT = "rayacc"
+EXPERIMENT_KIND, MODEL_TRAINING = "mlflow.experimentKind", "custom_model_development"
+"""The experiment tag MLflow 3's UI chooses its view by, and its model-training value."""
 
 
 def default_tracking_uri() -> str:
@@ -58,15 +60,16 @@ def tracking_target(uri: str | None, experiment: str | None) -> TrackingTarget:
     `MLFLOW_TRACKING_URI` and `MLFLOW_EXPERIMENT_NAME`; else rayacc's defaults."""
     import os
 
-    def pick(value: str | None, field: str, env: str, default: str) -> tuple[str, str]:
+    def pick(value: str | None, field: str, env: str, default) -> tuple[str, str]:
         if value:
             return value, field
         if os.environ.get(env):
             return os.environ[env], env
-        return default, "default"
+        # the default asked for only when used (it reads the working directory)
+        return default(), "default"
 
-    u, u_from = pick(uri, "tracking.tracking_uri", URI_ENV, default_tracking_uri())
-    e, e_from = pick(experiment, "tracking.experiment", EXPERIMENT_ENV, DEFAULT_EXPERIMENT)
+    u, u_from = pick(uri, "tracking.tracking_uri", URI_ENV, default_tracking_uri)
+    e, e_from = pick(experiment, "tracking.experiment", EXPERIMENT_ENV, lambda: DEFAULT_EXPERIMENT)
     return TrackingTarget(u, e, u_from, e_from)
 
 
@@ -124,6 +127,7 @@ class MlflowSink:
         # the config refuses credentials in names; a name from elsewhere is masked all the same
         experiment, run_name = redact(experiment), redact(run_name)
         self.run_id: str | None = None
+        self.experiment_id: str | None = None
         self.client: Any = None
         self.disabled_reason: str | None = None
         self._logged_steps: set[tuple[str, int]] = set()
@@ -150,7 +154,9 @@ class MlflowSink:
             if run_id is not None:
                 self.client.update_run(run_id, status="RUNNING")
                 self.run_id = run_id
-                data = self.client.get_run(run_id).data
+                reopened = self.client.get_run(run_id)
+                self.experiment_id = reopened.info.experiment_id
+                data = reopened.data
                 self.existing_tags = dict(data.tags)
                 # steps the interrupted attempt already recorded are not recorded again
                 for key in data.metrics:
@@ -159,6 +165,12 @@ class MlflowSink:
                 return
             exp = self.client.get_experiment_by_name(experiment)
             exp_id = exp.experiment_id if exp else self.client.create_experiment(experiment)
+            if exp is None or EXPERIMENT_KIND not in exp.tags:
+                # MLflow 3's UI opens an experiment of unknown kind in its GenAI view (traces,
+                # judges); a training run's is the model-training one. A kind already set
+                # (by the user, in the UI) stays.
+                self.client.set_experiment_tag(exp_id, EXPERIMENT_KIND, MODEL_TRAINING)
+            self.experiment_id = exp_id
             tags = {"mlflow.parentRunId": parent_run_id} if parent_run_id else None
             self.run_id = self.client.create_run(exp_id, run_name=run_name, tags=tags).info.run_id
         except Exception as exc:

@@ -78,8 +78,12 @@ def test_every_command_shown_parses(where, line, tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     "uri, hint",
     [
-        ("http://127.0.0.1:5000", "open the UI: http://127.0.0.1:5000"),
-        ("sqlite:////tmp/m.db", "open the UI: mlflow ui --backend-store-uri sqlite:////tmp/m.db"),
+        ("http://127.0.0.1:5000", "open the UI: http://127.0.0.1:5000/#/experiments/7/runs/abc"),
+        (
+            "sqlite:////tmp/m.db",
+            "open the UI: mlflow ui --backend-store-uri sqlite:////tmp/m.db, then "
+            "http://127.0.0.1:5000/#/experiments/7/runs/abc",
+        ),
     ],
 )
 def test_the_summary_says_how_to_open_the_ui(uri, hint):
@@ -100,6 +104,7 @@ def test_the_summary_says_how_to_open_the_ui(uri, hint):
         run_name="r",
         storage_path="/tmp",
         tracking_uri=uri,
+        mlflow_experiment_id="7",
         wall_time_s=1.0,
     )
     console = Console(record=True, width=200)

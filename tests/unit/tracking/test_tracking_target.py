@@ -36,3 +36,21 @@ def test_the_config_wins_where_set(no_mlflow_env):
     t = tracking_target("sqlite:////tmp/x.db", "mine")
     assert (t.uri, t.experiment) == ("sqlite:////tmp/x.db", "mine")
     assert (t.uri_from, t.experiment_from) == ("tracking.tracking_uri", "tracking.experiment")
+
+
+def test_a_training_experiment_opens_in_mlflows_model_training_view(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    from rayacc.tracking import MlflowSink
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    sink = MlflowSink(uri, "fresh", "r")
+    client = MlflowClient(uri)
+    assert client.get_experiment(sink.experiment_id).tags["mlflow.experimentKind"] == (
+        "custom_model_development"
+    )
+    # a kind the user chose stays
+    mine = client.create_experiment("mine", tags={"mlflow.experimentKind": "genai_development"})
+    MlflowSink(uri, "mine", "r")
+    assert client.get_experiment(mine).tags["mlflow.experimentKind"] == "genai_development"
+    sink.finish()
