@@ -351,6 +351,15 @@ def derive_run(
     most workers, where the caller has checked them already). Raises BatchSplitError when the
     config's own batch cannot run (the worker counts of an elastic run that cannot are kept as
     their errors)."""
+    if cfg.model.name == "hf" and not isinstance(cfg.model.hf.config, dict):
+        # read here, on the driver, once: the workers (and a checkpoint's description) carry
+        # the config itself, not a path their node may not have
+        from rayacc.models.hf import resolve_hf_config
+
+        hf = cfg.model.hf.model_copy(
+            update={"config": resolve_hf_config(cfg.model.hf.config, cfg.model.hf.weights)}
+        )
+        cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"hf": hf})})
     reference = reference if reference is not None else cfg.batch_split()
     splits = worker_splits(cfg)
     lrs = {

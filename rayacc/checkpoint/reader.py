@@ -311,6 +311,16 @@ def described_model(
             f"{source} holds no config rayacc can build a model from ({exc.error_count()} "
             f"problems, first at {'.'.join(map(str, exc.errors()[0]['loc']))}). {EARLIER}"
         ) from None
+    if cfg.model.name == "hf":
+        # the model is its config and the checkpoint's weights: a path a checkpoint names
+        # (its config's file, its starting weights) is outside the folder, and never read
+        if not isinstance(cfg.model.hf.config, dict):
+            raise CheckpointError(
+                f"{source} names its transformers config by a path, not the config itself "
+                f"(rayacc writes the config). {EARLIER}"
+            )
+        hf = cfg.model.hf.model_copy(update={"weights": None})
+        cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"hf": hf})})
     if cfg.model.name == "factory":
         if factory is None:
             raise CheckpointError(

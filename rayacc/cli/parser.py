@@ -7,9 +7,10 @@ import argparse
 from rayacc.cli.data import OWN_TEXT_FLAGS, SEQ_LEN, cmd_data_prepare
 from rayacc.cli.jobs import cmd_jobs, cmd_submit
 from rayacc.cli.plan import cmd_plan
-from rayacc.cli.runs import cmd_runs, cmd_sample
+from rayacc.cli.runs import cmd_export, cmd_runs, cmd_sample
 from rayacc.cli.sweep import cmd_report, cmd_sweep
 from rayacc.cli.train import cmd_train, cmd_verify
+from rayacc.driver.export import EXPORT_FORMATS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -181,6 +182,41 @@ def build_parser() -> argparse.ArgumentParser:
         "never names code to run on its own word)",
     )
     p.set_defaults(func=cmd_sample)
+
+    p = sub.add_parser(
+        "export",
+        help="write a checkpoint's weights for transformers (from_pretrained) or as safetensors",
+    )
+    p.add_argument(
+        "target",
+        metavar="RUN_OR_CHECKPOINT",
+        type=Name("a checkpoint folder, a run's folder or a run name"),
+        help="a checkpoint folder, a run's folder (its latest checkpoint) or a run name",
+    )
+    p.add_argument(
+        "--out", required=True, type=Folder("--out"), help="a new (or empty) folder to write"
+    )
+    p.add_argument(
+        "--format",
+        choices=EXPORT_FORMATS,
+        default="hf",
+        help="hf: a folder transformers loads with from_pretrained (hf and gpt models); "
+        "safetensors: the weights under rayacc's names (any model)",
+    )
+    p.add_argument(
+        "--storage",
+        type=Storage(),
+        default=None,
+        help="run.storage_path of a run name (default: ./rayacc_runs)",
+    )
+    p.add_argument(
+        "--factory",
+        type=Factory(),
+        default=None,
+        metavar="MODULE:FUNCTION",
+        help="the model factory a user factory model's checkpoint is rebuilt with",
+    )
+    p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("verify", help="check one accumulated step against one process")
     with_config(p)

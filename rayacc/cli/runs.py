@@ -76,3 +76,17 @@ def cmd_sample(args: argparse.Namespace) -> int:
     )
     sys.stdout.write(result.whole + "\n")
     return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from rayacc.driver.export import export_model
+
+    done = export_model(
+        args.target, args.out, fmt=args.format, storage=args.storage, factory=args.factory
+    )
+    for note in done.passed_over:
+        print(f"rayacc: passed over {redact(note)}", file=sys.stderr)
+    print(f"wrote {done.out}: {done.what}, from {redact(done.checkpoint)}")
+    if args.format == "hf":
+        print(f"  load it: transformers.AutoModelForCausalLM.from_pretrained({str(done.out)!r})")
+    return 0

@@ -35,6 +35,35 @@ def _model_rules(model: ModelConfig, data: DataConfig | None) -> list[ConfigIssu
                 "set model.name=factory, or remove model.factory",
             )
         )
+    hf_set = model.hf.config is not None or model.hf.weights is not None
+    if model.name == "hf" and not hf_set:
+        issues.append(
+            ConfigIssue(
+                "model.hf.config",
+                "is empty while model.name is 'hf' (and no model.hf.weights folder holds one)",
+                None,
+                "set model.hf.config to a local config.json or folder, or a mapping with "
+                "model_type (e.g. {model_type: llama, ...}), or model.hf.weights to a folder",
+            )
+        )
+    if hf_set and model.name != "hf":
+        issues.append(
+            ConfigIssue(
+                "model.hf",
+                f"is set but model.name is {model.name!r}, so it would be ignored",
+                MISSING,
+                "set model.name=hf, or remove model.hf",
+            )
+        )
+    if isinstance(model.hf.config, dict) and "model_type" not in model.hf.config:
+        issues.append(
+            ConfigIssue(
+                "model.hf.config",
+                "a mapping without model_type (transformers builds a config by its type)",
+                MISSING,
+                "add model_type, e.g. model_type: llama",
+            )
+        )
     if model.factory and model.factory.count(":") != 1:
         issues.append(
             ConfigIssue(

@@ -41,10 +41,24 @@ class Section(BaseModel):
     )
 
 
+class HFModelConfig(Section):
+    """`model.name: hf`: a Hugging Face `transformers` causal LM (`pip install 'rayacc[hf]'`);
+    nothing is fetched from the Hub, and no code a config or folder names is run."""
+
+    config: str | dict[str, Any] | None = None
+    """The model's `transformers` config: a local `config.json` or a folder holding one, or a
+    mapping with `model_type` (e.g. {model_type: llama, hidden_size: 256, ...}); null: the
+    config.json of `model.hf.weights`. Read once, on the driver."""
+    weights: str | None = None
+    """A local folder of weights (`save_pretrained`'s: safetensors) to start from, readable on
+    every node; null: initialised from `seed`."""
+
+
 class ModelConfig(Section):
-    name: Literal["mlp", "gpt", "factory"] = "mlp"
-    """Model family: `mlp` (classification on feature vectors), `gpt` (causal LM on tokens), or
-    `factory` to build the model with `model.factory`."""
+    name: Literal["mlp", "gpt", "factory", "hf"] = "mlp"
+    """Model family: `mlp` (classification on feature vectors), `gpt` (causal LM on tokens),
+    `factory` to build the model with `model.factory`, or `hf` (a `transformers` causal LM,
+    `model.hf`)."""
     factory: str | None = None
     """User model factory as "package.module:function"; called with `model.kwargs` and the dataset
     info; used only when `model.name` is `factory`."""
@@ -62,6 +76,8 @@ class ModelConfig(Section):
     """gpt: longest sequence the model accepts (positions)."""
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
     """Dropout probability (0 keeps accumulation exactly equivalent to the big batch)."""
+    hf: HFModelConfig = Field(default_factory=HFModelConfig)
+    """`model.name: hf`: the `transformers` model's config and weights."""
 
 
 class DataConfig(Section):

@@ -61,6 +61,13 @@ def _input_files(inputs: list[str]) -> list[tuple[object, str, str]]:
         info = filesystem.get_file_info(path)
         if info.type == fs.FileType.NotFound:
             raise DataError(f"{item}: no such file or folder. Fix: give text or JSONL files")
+        if info.type == fs.FileType.Directory and "://" not in item:
+            from rayacc.data.saved_dataset import saved_dataset
+
+            # a Hugging Face `datasets` folder: its rows' text, not its files as text
+            if (saved := saved_dataset(Path(path))) is not None:
+                files.append((SAVED, str(saved), item))
+                continue
         if info.type == fs.FileType.Directory:
             found = filesystem.get_file_info(fs.FileSelector(path, recursive=True))
             inner = sorted(i.path for i in found if i.type == fs.FileType.File)
@@ -79,10 +86,36 @@ def _input_files(inputs: list[str]) -> list[tuple[object, str, str]]:
     return files
 
 
+SAVED = "saved dataset"
+"""The input kind of a `datasets.save_to_disk` folder (in place of a filesystem)."""
+
+
+def _saved_texts(path: str, shown: str, text_field: str) -> Iterator[tuple[str, bool]]:
+    from rayacc.data.saved_dataset import read_saved
+
+    table = read_saved(Path(path))
+    if text_field not in table.column_names:
+        raise DataError(
+            f"{shown}: a saved dataset without a {text_field!r} column (it has "
+            f"{', '.join(table.column_names)}). Fix: --text-field COLUMN; a dataset of token ids "
+            "(tokens or input_ids) is data.source as it is"
+        )
+    for i, text in enumerate(table[text_field].to_pylist()):
+        if not isinstance(text, str):
+            raise DataError(
+                f"{shown}: row {i}'s {text_field!r} is {type(text).__name__}, not text. Fix: "
+                "--text-field naming the column of text"
+            )
+        yield text, True
+
+
 def _texts(filesystem, path: str, shown: str, text_field: str) -> Iterator[tuple[str, bool]]:
     """(piece of text, whether a document ends with it) for one file: a text file is one
-    document (in pieces), a JSONL file one per line; DataError naming the file (and line) with
-    the fix."""
+    document (in pieces), a JSONL file one per line, a saved dataset one per row; DataError
+    naming the file (and line) with the fix."""
+    if filesystem == SAVED:
+        yield from _saved_texts(path, shown, text_field)
+        return
     jsonl = path.endswith((".jsonl", ".json", ".ndjson"))
     decoder = codecs.getincrementaldecoder("utf-8")()
     done = 0

@@ -181,6 +181,14 @@ def _resolve(source: str, cache_dir: str | None, seq_len: int) -> str:
             f"data.source={source!r}: no such file or folder. Fix: give an existing Parquet "
             f"path or URI, or a bundled name ({', '.join(BUNDLED)})"
         )
+    if p.is_dir():
+        from rayacc.data.saved_dataset import as_parquet, saved_dataset
+
+        # a Hugging Face `datasets` folder (Arrow): its token rows as Parquet, once
+        if (saved := saved_dataset(p)) is not None:
+            from rayacc import env
+
+            return str(as_parquet(saved, Path(cache_dir) if cache_dir else env.cache_dir()))
     return str(p.resolve())
 
 

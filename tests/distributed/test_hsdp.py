@@ -89,3 +89,25 @@ def test_a_2x2_checkpoint_loads_at_another_mesh_exactly(ranks, shape):
     update = got["after"] - got["saved"]
     err = float((got[f"{shape} after"] - got["after"]).norm() / update.norm())
     assert err <= 1e-5, err
+
+
+def test_a_transformers_model_under_hsdp_with_recomputed_layers_equals_the_full_batch(
+    ranks, record_equivalence
+):
+    """The Llama's decoder layers (its `_no_split_modules`) are FSDP's units and activation
+    checkpointing's blocks; the steps equal the single-process ones."""
+    pytest.importorskip("transformers")
+    model = H.hf_llama()
+    opt = torch.optim.SGD(model.parameters(), lr=H.LR, momentum=H.MOMENTUM)
+    ref = [torch.cat([p.detach().reshape(-1).double() for p in model.parameters()])]
+    for window in F.windows():
+        opt.zero_grad()
+        full_batch_loss(model, window).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), H.CLIP)
+        opt.step()
+        ref.append(torch.cat([p.detach().reshape(-1).double() for p in model.parameters()]))
+    got = ranks[0]["hf"]
+    assert got["blocks"] == 2 and got["recomputed"] == 2 and got["units"] == 3
+    err = update_rel_err(ref[2], got["weights"][2], ref[3])
+    record_equivalence("transformers Llama, HSDP 2 × 2, layers recomputed, SGD, 4 ranks", err)
+    assert err <= 1e-5, err

@@ -25,6 +25,25 @@ from tests.support.services.fits import (
 pytestmark = pytest.mark.ray
 pytest.importorskip("deepspeed")
 
+LLAMA = {
+    "model_type": "llama",
+    "vocab_size": 32,
+    "hidden_size": 16,
+    "intermediate_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "max_position_embeddings": 64,
+    "tie_word_embeddings": True,
+}
+"""A tiny `transformers` Llama (its embedding and head one tied weight), built from this
+config in the test (nothing fetched)."""
+MODEL = {
+    1: {"name": "gpt", "n_layer": 2, "n_head": 2, "n_embd": 16, "block_size": 32},
+    2: {"name": "gpt", "n_layer": 2, "n_head": 2, "n_embd": 16, "block_size": 32},
+    # ZeRO-3 with a Hugging Face model: the tuning guides' own case
+    3: {"name": "hf", "hf": {"config": LLAMA}},
+}
 ALL_CASES = [(1, "none"), (1, "cpu"), (2, "none"), (2, "cpu"), (3, "none"), (3, "cpu")]
 """(ZeRO stage, optimizer offload)."""
 CASES = ALL_CASES if os.environ.get("RAYACC_TEST_ALL_STAGES") else [(3, "cpu")]
@@ -40,10 +59,11 @@ def test_each_stage_through_the_whole_stack_equals_the_full_batch_steps(
 ):
     """22 token rows of 2 to 20 tokens (shortest first), global batch 16 on 2 workers × micro
     2: a full window (4 micro-steps per rank), then a short last one of 6 rows (2 per rank,
-    the second of one row); the GPT's embedding and head are one tied weight; SGD with
-    momentum. Under ZeRO-3 a resume of the run on 1 worker is then refused before anything
-    starts: DeepSpeed's universal checkpoint, its way to another worker count, carries Adam's
-    state only."""
+    the second of one row); the model's embedding and head are one tied weight (rayacc's GPT,
+    or under ZeRO-3 a `transformers` Llama, whose export then loads in transformers with
+    equal logits); SGD with momentum. Under ZeRO-3 a resume of the run on 1 worker is then
+    refused before anything starts: DeepSpeed's universal checkpoint, its way to another worker
+    count, carries Adam's state only."""
     rng = np.random.default_rng(stage)
     seqs = sorted((rng.integers(0, 17, rng.integers(2, 21)).tolist() for _ in range(22)), key=len)
     path = tmp_path / "tokens.parquet"
@@ -52,7 +72,7 @@ def test_each_stage_through_the_whole_stack_equals_the_full_batch_steps(
     def cfg_for(workers: int, steps: int):
         return config(
             tmp_path,
-            model={"name": "gpt", "n_layer": 2, "n_head": 2, "n_embd": 16, "block_size": 32},
+            model=MODEL[stage],
             data={"source": str(path), "shuffle": False, "seq_len": 32},
             batch={"global_batch_size": 16, "micro_batch_size": 2},
             optim={"momentum": 0.5},
@@ -80,8 +100,22 @@ def test_each_stage_through_the_whole_stack_equals_the_full_batch_steps(
         momentum=0.5,
     )
     record_equivalence(
-        f"Ray Train, DeepSpeed ZeRO-{stage}, optimizer offload {offload}, GPT, padded tokens, "
-        f"a full and a short window, 2 workers (vs float64; fp32 full batch: {floor:.3e})",
+        f"Ray Train, DeepSpeed ZeRO-{stage}, optimizer offload {offload}, "
+        f"{'transformers Llama' if stage == 3 else 'GPT'}, padded tokens, a full and a short "
+        f"window, 2 workers (vs float64; fp32 full batch: {floor:.3e})",
         err,
     )
     assert err <= max(2 * floor, 1e-5), (err, floor)
+    if stage == 3:
+        # the trained weights out to transformers: its logits are load_model's
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from rayacc.driver.export import export_model
+
+        export_model(result.checkpoint_dir, str(tmp_path / "exported"))
+        theirs = AutoModelForCausalLM.from_pretrained(str(tmp_path / "exported")).eval()
+        x = torch.tensor([seqs[-1]])
+        with torch.no_grad():
+            ours = load_model(result.checkpoint_dir)(x)
+            assert torch.allclose(theirs(input_ids=x).logits, ours, atol=1e-6)

@@ -33,14 +33,36 @@ CASES = {
 }
 
 
+HF_LLAMA = {
+    "model_type": "llama",
+    "vocab_size": 16,
+    "hidden_size": 16,
+    "intermediate_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "max_position_embeddings": 32,
+    "tie_word_embeddings": True,
+}
+"""A tiny `transformers` Llama (built here: nothing fetched), for HSDP with its decoder layers
+as the blocks sharded and recomputed."""
+
+
+def hf_llama():
+    from rayacc.models.hf import build_hf
+
+    torch.manual_seed(0)
+    return build_hf(HF_LLAMA, None, 16, 17)
+
+
 def node(rank: int) -> str:
     # the nodes interleaved in rank order: each shard group must be gathered across the ranks
     return f"node{rank % 2}"
 
 
-def build(grad_sync: str, replicate, offload: bool, rank: int):
+def build(grad_sync: str, replicate, offload: bool, rank: int, recipe=None):
     strategy = FSDP(grad_sync, replicate=replicate, node=node(rank), offload=offload)
-    model = strategy.build(ModelRecipe(build=gpt), torch.device("cpu"))
+    model = strategy.build(recipe or ModelRecipe(build=gpt), torch.device("cpu"))
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     step = AccumulationStep(model, opt, max_grad_norm=CLIP, strategy=strategy)
     return strategy, model, opt, step
@@ -62,6 +84,19 @@ def case(rank: int, world: int, out: dict, name: str) -> None:
     param = next(model.parameters())
     out[name]["param_device"] = str(param.to_local().device)
     out[name]["mesh_ranks"] = param.device_mesh.mesh.tolist()
+
+
+def hf_case(rank: int, world: int, out: dict) -> None:
+    """HSDP 2 × 2 of the transformers Llama, every decoder layer a unit and recomputed."""
+    recipe = ModelRecipe(build=hf_llama, activation_checkpointing=1)
+    strategy, model, _, step = build("every_micro_step", "auto", False, rank, recipe)
+    weights = []
+    for window in windows():
+        train(step, window, rank, world)
+        weights.append(full_weights(model))
+    blocks = strategy.unwrapped().fsdp_blocks()
+    out["hf"] = {"weights": weights, "units": len(strategy._units()), "blocks": len(blocks)}
+    out["hf"]["recomputed"] = sum(bool(getattr(b, "recomputed", False)) for b in blocks)
 
 
 def reshard(rank: int, world: int, out: dict, folder: str) -> None:
@@ -110,7 +145,7 @@ def run_rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
 
     folder = f"{out_dir}/ckpt"
     scenarios = [functools.partial(case, name=name) for name in CASES]
-    scenarios.append(functools.partial(reshard, folder=folder))
+    scenarios += [hf_case, functools.partial(reshard, folder=folder)]
     run_scenarios(rank, world, init_file, out_dir, scenarios)
     if rank < 2:
         reshard_to_two(rank, out_dir, folder)

@@ -1,0 +1,105 @@
+"""`rayacc export RUN_OR_CHECKPOINT --out DIR`: a checkpoint's weights for the Hugging Face
+ecosystem. `--format hf` (default): a folder `transformers` loads with `from_pretrained(DIR)`
+(config.json and model.safetensors) — an `hf` model as itself, rayacc's `gpt` as the GPT-2 it is
+layer for layer; `--format safetensors`: the model's weights under rayacc's names, for any
+model. The checkpoint is read by the one reader (`load_model`: data only, nothing outside its
+folder); the folder appears whole or not at all."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["EXPORT_FORMATS", "Exported", "export_model"]
+
+EXPORT_FORMATS = ("hf", "safetensors")
+
+
+@dataclass
+class Exported:
+    checkpoint: str
+    out: Path
+    what: str
+    """What was written, in a phrase."""
+    passed_over: list[str]
+
+
+def export_model(
+    target: str,
+    out: str,
+    *,
+    fmt: str = "hf",
+    storage: str | None = None,
+    factory: str | None = None,
+) -> Exported:
+    """Writes the weights of RUN_OR_CHECKPOINT `target` to the new folder `out`."""
+    from rayacc.checkpoint.reader import load_model
+    from rayacc.data.sources import DataError
+    from rayacc.driver.sample import _local, find_checkpoint
+
+    if fmt not in EXPORT_FORMATS:
+        raise DataError(f"--format {fmt!r} is not one of {', '.join(EXPORT_FORMATS)}")
+    dest = Path(out).expanduser()
+    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+        raise DataError(
+            f"--out {out}: exists and is not an empty folder. Fix: name a new folder (the "
+            "export never writes into one that holds files)"
+        )
+    passed_over: list[str] = []
+    checkpoint = find_checkpoint(target, storage, passed_over)
+    with tempfile.TemporaryDirectory(prefix="rayacc-export-") as scratch:
+        model = load_model(_local(checkpoint, scratch), factory=factory)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    # written beside the destination, then renamed into place: whole or not at all
+    staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+    try:
+        what = _write(model, staging, fmt)
+        if dest.exists():
+            dest.rmdir()
+        os.replace(staging, dest)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return Exported(checkpoint, dest, what, passed_over)
+
+
+def _write(model, folder: Path, fmt: str) -> str:
+    from rayacc.checkpoint.reader import CheckpointError
+    from rayacc.data.sources import DataError
+    from rayacc.models.gpt import GPT
+    from rayacc.models.hf import HFCausalLM
+
+    if fmt == "safetensors":
+        from safetensors.torch import save_model
+
+        # shared (tied) weights are written once, as safetensors requires
+        save_model(model, str(folder / "model.safetensors"))
+        return "model.safetensors (rayacc's parameter names)"
+    if isinstance(model, HFCausalLM):
+        model.hf.save_pretrained(str(folder), safe_serialization=True)
+        return f"a transformers {type(model.hf).__name__} (from_pretrained)"
+    if isinstance(model, GPT):
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        from rayacc.models.hf import gpt2_config, gpt2_state
+
+        values = gpt2_config(model)
+        values.pop("model_type")
+        gpt2 = GPT2LMHeadModel(GPT2Config(**values))
+        missing, unexpected = gpt2.load_state_dict(gpt2_state(model), strict=False)
+        # the head is tied to the embedding (not a state of its own)
+        if [k for k in missing if k != "lm_head.weight"] or unexpected:
+            raise CheckpointError(
+                f"the gpt model does not map onto GPT-2 (missing {missing[:3]}, unexpected "
+                f"{unexpected[:3]}). Fix: --format safetensors"
+            )
+        gpt2.tie_weights()
+        gpt2.save_pretrained(str(folder), safe_serialization=True)
+        return "a transformers GPT2LMHeadModel (from_pretrained), the same layers as rayacc's gpt"
+    raise DataError(
+        f"a {type(model).__name__} has no transformers counterpart (only model.name hf and gpt "
+        "export as one). Fix: --format safetensors"
+    )

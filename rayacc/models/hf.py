@@ -1,0 +1,210 @@
+"""Hugging Face causal LMs in and out (`pip install 'rayacc[hf]'`; `transformers` is imported
+only here, and only when a run or a command uses it).
+
+In: `model.name: hf` builds a `transformers` causal LM from its config (a local `config.json` or
+folder, or a mapping with `model_type`), initialised from the run's seed or from a local
+weights folder (`from_pretrained(..., local_files_only=True)`): nothing is fetched, and no code
+a config or folder names is run (`trust_remote_code` is never set; a config of a type
+`transformers` does not ship is refused). The model is trained through rayacc's one
+normalisation rule on its logits (`HFCausalLM.forward`), never its own `loss`; its decoder
+layers (the model's `_no_split_modules`) are the blocks FSDP shards and activation
+checkpointing recomputes.
+
+Out: `export` writes what a `transformers` user loads with `from_pretrained(DIR)`: an `hf`
+model as itself, rayacc's `gpt` as the GPT-2 it is layer for layer (`gpt2_state`), any model
+as a safetensors file of its weights.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = [
+    "HFCausalLM",
+    "HFError",
+    "build_hf",
+    "gpt2_config",
+    "gpt2_state",
+    "resolve_hf_config",
+]
+
+
+class HFError(ValueError):
+    """A `model.hf` setting that cannot be used: names the field and the fix."""
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError:
+        raise HFError(
+            "model.name=hf needs Hugging Face transformers. Fix: pip install 'rayacc[hf]'"
+        ) from None
+    return transformers
+
+
+class HFCausalLM(nn.Module):
+    """A `transformers` causal LM as rayacc trains it: token ids in, logits out (the loss is
+    rayacc's over them). Right padding needs no attention mask: a causal model's real positions
+    never attend to the padding that follows them, and padded targets are ignored."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.hf = model
+        config = model.config
+        self.block_size = getattr(config, "max_position_embeddings", None) or getattr(
+            config, "n_positions", None
+        )
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.hf(input_ids=idx, use_cache=False).logits
+
+    def fsdp_blocks(self) -> list[nn.Module]:
+        """The decoder layers: the classes the model names as never to be split."""
+        names = set(getattr(self.hf, "_no_split_modules", None) or ())
+        # by class lineage: once sharded, FSDP2 makes each a subclass of its own
+        return [m for m in self.hf.modules() if any(c.__name__ in names for c in type(m).__mro__)]
+
+
+def resolve_hf_config(config: str | dict[str, Any] | None, weights: str | None) -> dict[str, Any]:
+    """The model's config as a mapping (`model_type` included), read from the file or folder
+    named (`model.hf.config`, else `model.hf.weights`' config.json), on this machine."""
+    t = _transformers()
+    if isinstance(config, dict):
+        return dict(config)
+    where, field = (
+        (config, "model.hf.config") if config is not None else (weights, "model.hf.weights")
+    )
+    path = Path(str(where)).expanduser()
+    folder = path.parent if path.is_file() else path
+    file = path if path.is_file() else path / "config.json"
+    if not file.is_file():
+        raise HFError(
+            f"{field}={where!r}: no config.json there. Fix: give a transformers config.json, a "
+            "folder holding one (save_pretrained's), or a mapping with model_type"
+        )
+    try:
+        loaded = t.AutoConfig.from_pretrained(
+            str(folder if file.name == "config.json" else file),
+            local_files_only=True,
+            trust_remote_code=False,
+        )
+    except Exception as exc:  # transformers' own errors name what is wrong with the file
+        raise HFError(
+            f"{field}={where!r}: transformers cannot read it ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0][:300]}). Fix: give the config.json of a model type "
+            "transformers ships"
+        ) from None
+    return loaded.to_dict()
+
+
+def _config(mapping: dict[str, Any]):
+    t = _transformers()
+    values = dict(mapping)
+    model_type = values.pop("model_type", None)
+    # a config that names code to run (its own classes) is not built: built-in types only
+    values.pop("auto_map", None)
+    try:
+        return t.AutoConfig.for_model(model_type, **values)
+    except (ValueError, KeyError) as exc:
+        raise HFError(
+            f"model.hf.config: model_type={model_type!r} is not a type transformers ships "
+            f"({str(exc).splitlines()[0][:200]}). Fix: use one of transformers' model types "
+            "(llama, gpt2, mistral, qwen2, ...)"
+        ) from None
+
+
+def build_hf(
+    config: dict[str, Any], weights: str | None, vocab_size: int, max_tokens: int
+) -> HFCausalLM:
+    """The causal LM of `config` (a resolved mapping), from `weights` (a local folder) or
+    initialised from the global RNG (the caller seeds it), in float32."""
+    t = _transformers()
+    cfg = _config(config)
+    if getattr(cfg, "vocab_size", vocab_size) < vocab_size:
+        raise HFError(
+            f"model.hf.config: vocab_size={cfg.vocab_size} is smaller than the data's token ids "
+            f"(up to {vocab_size - 1}). Fix: a config with vocab_size >= {vocab_size}, or data "
+            "tokenized with the model's tokenizer"
+        )
+    positions = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
+    if positions is not None and max_tokens - 1 > positions:
+        raise HFError(
+            f"model.hf.config: max_position_embeddings={positions} is shorter than the data's "
+            f"longest sequence ({max_tokens - 1} input tokens). Fix: data.seq_len <= {positions}"
+        )
+    if weights is None:
+        model = t.AutoModelForCausalLM.from_config(
+            cfg, trust_remote_code=False, dtype=torch.float32
+        )
+    else:
+        folder = Path(weights).expanduser()
+        if not folder.is_dir():
+            raise HFError(
+                f"model.hf.weights={weights!r} is not a folder. Fix: give the folder "
+                "save_pretrained wrote (config.json and model.safetensors), readable on every node"
+            )
+        model = t.AutoModelForCausalLM.from_pretrained(
+            str(folder),
+            config=cfg,
+            local_files_only=True,
+            trust_remote_code=False,
+            use_safetensors=True,
+            dtype=torch.float32,
+        )
+    model.train()
+    return HFCausalLM(model)
+
+
+# ----------------------------------------------------------------------------- rayacc's gpt out
+def gpt2_config(model: nn.Module) -> dict[str, Any]:
+    """The GPT-2 config of rayacc's `gpt` model: the same layers (GELU exact, LayerNorm eps
+    1e-5, learned positions, a tied head), so `GPT2LMHeadModel` computes the same logits."""
+    attn = model.blocks[0].attn
+    n_embd = attn.qkv.in_features
+    return {
+        "model_type": "gpt2",
+        "vocab_size": model.tok.num_embeddings,
+        "n_positions": model.pos.num_embeddings,
+        "n_embd": n_embd,
+        "n_layer": len(model.blocks),
+        "n_head": attn.n_head,
+        "n_inner": model.blocks[0].mlp[0].out_features,
+        "activation_function": "gelu",
+        "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+        "attn_pdrop": 0.0,
+        "layer_norm_epsilon": model.ln_f.eps,
+        "tie_word_embeddings": True,
+        "architectures": ["GPT2LMHeadModel"],
+    }
+
+
+def gpt2_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """rayacc's `gpt` weights under GPT-2's names (its Conv1D layers hold the transposes)."""
+    state = {"transformer.wte.weight": model.tok.weight, "transformer.wpe.weight": model.pos.weight}
+    for i, block in enumerate(model.blocks):
+        h = f"transformer.h.{i}."
+        state |= {
+            h + "ln_1.weight": block.ln1.weight,
+            h + "ln_1.bias": block.ln1.bias,
+            h + "attn.c_attn.weight": block.attn.qkv.weight.t(),
+            h + "attn.c_attn.bias": block.attn.qkv.bias,
+            h + "attn.c_proj.weight": block.attn.proj.weight.t(),
+            h + "attn.c_proj.bias": block.attn.proj.bias,
+            h + "ln_2.weight": block.ln2.weight,
+            h + "ln_2.bias": block.ln2.bias,
+            h + "mlp.c_fc.weight": block.mlp[0].weight.t(),
+            h + "mlp.c_fc.bias": block.mlp[0].bias,
+            h + "mlp.c_proj.weight": block.mlp[2].weight.t(),
+            h + "mlp.c_proj.bias": block.mlp[2].bias,
+        }
+    state |= {
+        "transformer.ln_f.weight": model.ln_f.weight,
+        "transformer.ln_f.bias": model.ln_f.bias,
+    }
+    return {k: v.detach().contiguous().clone() for k, v in state.items()}

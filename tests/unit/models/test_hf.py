@@ -1,0 +1,141 @@
+"""Hugging Face models in and out, with a tiny config built here (nothing fetched): an `hf`
+model builds from a config mapping or file, deterministic from the seed, its decoder layers its
+blocks; a checkpoint of an `hf` or `gpt` model exports to a folder `transformers` loads with
+`from_pretrained`, whose logits equal `rayacc.load_model`'s; what cannot export says so."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from rayacc import load_model
+from rayacc.checkpoint import write_checkpoint
+from rayacc.config import TrainConfig
+from rayacc.data.vocab import VOCAB_FILE, Vocabulary
+from rayacc.models import build_model
+from tests.support.data.tokens import gpt_checkpoint, token_data
+from tests.support.services.cli import rayacc_here
+
+LLAMA = {
+    "model_type": "llama",
+    "vocab_size": 300,
+    "hidden_size": 16,
+    "intermediate_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "max_position_embeddings": 32,
+    "tie_word_embeddings": True,
+}
+
+
+def hf_cfg(config) -> TrainConfig:
+    return TrainConfig.model_validate(
+        {"seed": 4, "model": {"name": "hf", "hf": {"config": config}}, "data": {"seq_len": 8}}
+    )
+
+
+def hf_checkpoint(folder, info):
+    cfg = hf_cfg(LLAMA)
+    model = build_model(cfg, info)
+    write_checkpoint(
+        folder,
+        state={"train_state": {}, "model": model.state_dict()},
+        description={"config": cfg.model_dump(mode="json"), "dataset": info.to_dict()},
+        meta={"optimizer_step": 3, "shards": None},
+        files={VOCAB_FILE: Vocabulary.of_data(info).to_json()},
+    )
+    return model
+
+
+@pytest.fixture
+def info(tmp_path):
+    return token_data(tmp_path, "ids")
+
+
+def test_an_hf_model_from_a_mapping_or_its_file_is_the_same_and_seeded(tmp_path, info):
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "config.json").write_text(json.dumps(LLAMA))
+    a = build_model(hf_cfg(LLAMA), info)
+    b = build_model(hf_cfg(str(tmp_path / "cfg")), info)
+    c = build_model(hf_cfg(str(tmp_path / "cfg" / "config.json")), info)
+    for other in (b, c):
+        assert all(
+            torch.equal(x, y) for x, y in zip(a.state_dict().values(), other.state_dict().values())
+        )
+    assert [type(m).__name__ for m in a.fsdp_blocks()] == ["LlamaDecoderLayer"] * 2
+    x = torch.tensor([[1, 2, 3, 4]])
+    assert a(x).shape == (1, 4, LLAMA["vocab_size"])
+
+
+def test_what_an_hf_config_cannot_be_is_named(tmp_path, info):
+    from rayacc.models.registry import ModelError
+
+    with pytest.raises(ModelError, match="vocab_size=8 is smaller"):
+        build_model(hf_cfg({**LLAMA, "vocab_size": 8}), info)
+    with pytest.raises(ModelError, match="not a type transformers ships"):
+        build_model(hf_cfg({**LLAMA, "model_type": "my-own"}), info)
+    with pytest.raises(ModelError, match="no config.json there"):
+        build_model(hf_cfg(str(tmp_path / "nowhere")), info)
+
+
+@pytest.mark.parametrize("kind", ["hf", "gpt"])
+def test_an_export_loads_in_transformers_with_equal_logits(
+    tmp_path, info, capsys, monkeypatch, kind
+):
+    from transformers import AutoModelForCausalLM
+
+    ckpt = tmp_path / "ckpt"
+    (hf_checkpoint if kind == "hf" else lambda f, i: gpt_checkpoint(f, i, sharded=False))(
+        ckpt, info
+    )
+    out = tmp_path / "out"
+    ran = rayacc_here(["export", str(ckpt), "--out", str(out)], capsys, monkeypatch)
+    assert ran.code == 0, ran
+    assert "from_pretrained" in ran.out
+    theirs = AutoModelForCausalLM.from_pretrained(str(out), local_files_only=True).eval()
+    ours = load_model(ckpt)
+    x = torch.tensor([[1, 5, 2, 7, 3, 0, 4]])
+    with torch.no_grad():
+        assert torch.allclose(theirs(input_ids=x).logits, ours(x), atol=1e-5)
+
+
+def test_safetensors_for_any_model_and_hf_refused_where_there_is_no_counterpart(
+    tmp_path, capsys, monkeypatch
+):
+    from safetensors.torch import load_file
+
+    from rayacc.data.sources import DatasetInfo
+
+    ckpt = tmp_path / "ckpt"
+    info = DatasetInfo(str(tmp_path / "d.parquet"), "classification", 10, 4, 3)
+    cfg = TrainConfig.model_validate({"model": {"name": "mlp", "hidden_sizes": [8]}})
+    model = build_model(cfg, info)
+    write_checkpoint(
+        ckpt,
+        state={"train_state": {}, "model": model.state_dict()},
+        description={"config": cfg.model_dump(mode="json"), "dataset": info.to_dict()},
+        meta={"optimizer_step": 1, "shards": None},
+    )
+    refused = rayacc_here(["export", str(ckpt), "--out", str(tmp_path / "a")], capsys, monkeypatch)
+    assert refused.code == 2 and "--format safetensors" in refused.err, refused
+    assert not (tmp_path / "a").exists(), "nothing half-written"
+    ran = rayacc_here(
+        ["export", str(ckpt), "--out", str(tmp_path / "b"), "--format", "safetensors"],
+        capsys,
+        monkeypatch,
+    )
+    assert ran.code == 0, ran
+    saved = load_file(str(tmp_path / "b" / "model.safetensors"))
+    assert all(torch.equal(saved[k], v) for k, v in model.state_dict().items())
+    # an existing folder with files is never written into
+    again = rayacc_here(
+        ["export", str(ckpt), "--out", str(tmp_path / "b"), "--format", "safetensors"],
+        capsys,
+        monkeypatch,
+    )
+    assert again.code == 2 and "not an empty folder" in again.err
