@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from importlib.metadata import version
 
 from rayacc.cli.data import OWN_TEXT_FLAGS, SEQ_LEN, cmd_data_prepare
 from rayacc.cli.jobs import cmd_jobs, cmd_submit
@@ -14,7 +15,6 @@ from rayacc.driver.export import EXPORT_FORMATS
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from rayacc import __version__
     from rayacc.driver.arguments import (
         Address,
         ExistingFile,
@@ -30,7 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     parser = argparse.ArgumentParser(prog="rayacc", description=__doc__)
-    parser.add_argument("--version", action="version", version=f"rayacc {__version__}")
+    # the installed package's (pyproject.toml's) version
+    parser.add_argument("--version", action="version", version=f"rayacc {version('rayacc')}")
     job_file = ExistingFile("the job's YAML file, e.g. jobs/digits.yaml")
     sub = parser.add_subparsers(dest="command", required=True)
 

@@ -98,7 +98,7 @@ def cmd_report(args: argparse.Namespace) -> int:
         raise PlaceError([p for p in problems if p])
     from mlflow.tracking import MlflowClient
 
-    from rayacc.tracking.report import single_run
+    from rayacc.tracking.lookup import single_run
 
     client = MlflowClient(uri)
     run = single_run(client, args.target)

@@ -48,7 +48,7 @@ def _not_saved(folder: Path):
 def _json(path: Path) -> dict:
     try:
         doc = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise DataError(f"{path}: not JSON ({type(exc).__name__}). Fix: {_FIX}") from None
     if not isinstance(doc, dict):
         raise DataError(f"{path}: not a JSON object. Fix: {_FIX}")

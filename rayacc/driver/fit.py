@@ -29,7 +29,6 @@ from rayacc.driver.runs import RunLocation
 from rayacc.observe.events import RunObserver, RunStarted
 from rayacc.observe.goodput import Goodput
 from rayacc.observe.relay import FiguresRelay
-from rayacc.redact import redact
 
 __all__ = [
     "FitResult",
@@ -447,23 +446,6 @@ def _fit_holding(
     )
 
 
-def continued_run(recorded: dict[str, Any], tracking_uri: str | None) -> tuple[str | None, str]:
-    """(the MLflow run a resume reopens, or None; what a new run continues, or ''). The run
-    recorded in the run's folder is reopened in the store it lives in; a resume that names
-    another store starts a run there, tagged with the one it continues (that run's id means
-    nothing in another store). The recorded store is masked, as the folder keeps it."""
-    previous = recorded.get("mlflow_run_id")
-    was = recorded.get("tracking_uri")
-    if previous is None or was is None:
-        return previous, ""
-    from rayacc.tracking.mlflow_sink import default_tracking_uri
-
-    now = redact(tracking_uri or default_tracking_uri())
-    if now == was:
-        return previous, ""
-    return None, f"{previous} of {was}"
-
-
 def _open_tracking(
     cfg, prep: Prepared, loc: RunLocation, resume, parent_run_id, tags, phases, lineage
 ):
@@ -471,6 +453,7 @@ def _open_tracking(
         return None
     phases["tracking_started"] = time.time()
     # imported only when tracking is on: a machine without MLflow can still train
+    from rayacc.driver.resume import continued_run
     from rayacc.tracking import RunIdentity, open_tracking
 
     previous, continues = continued_run(loc.previous if resume else {}, cfg.tracking.tracking_uri)

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
-from rayacc.redact import MASK
+from rayacc.redact import MASK, redact
 
-__all__ = ["ResumedOverrides", "override_key", "resumed_overrides"]
+__all__ = ["ResumedOverrides", "continued_run", "override_key", "resumed_overrides"]
 
 RECORDED = "overrides"
 """The run info's key for the overrides the run was started with."""
@@ -64,3 +65,20 @@ def resumed_overrides(started: Sequence[str], now: Sequence[str]) -> ResumedOver
         out.kept.append(o)
     out.overrides += list(now)
     return out
+
+
+def continued_run(recorded: dict[str, Any], tracking_uri: str | None) -> tuple[str | None, str]:
+    """(the MLflow run a resume reopens, or None; what a new run continues, or ''). The run
+    recorded in the run's folder is reopened in the store it lives in; a resume that names
+    another store starts a run there, tagged with the one it continues (that run's id means
+    nothing in another store). The recorded store is masked, as the folder keeps it."""
+    previous = recorded.get("mlflow_run_id")
+    was = recorded.get("tracking_uri")
+    if previous is None or was is None:
+        return previous, ""
+    from rayacc.tracking.mlflow_sink import default_tracking_uri
+
+    now = redact(tracking_uri or default_tracking_uri())
+    if now == was:
+        return previous, ""
+    return None, f"{previous} of {was}"

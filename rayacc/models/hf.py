@@ -23,9 +23,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from rayacc.models.registry import ModelError
+
 __all__ = [
     "HFCausalLM",
-    "HFError",
     "build_hf",
     "gpt2_config",
     "gpt2_state",
@@ -33,15 +34,11 @@ __all__ = [
 ]
 
 
-class HFError(ValueError):
-    """A `model.hf` setting that cannot be used: names the field and the fix."""
-
-
 def _transformers():
     try:
         import transformers
     except ImportError:
-        raise HFError(
+        raise ModelError(
             "model.name=hf needs Hugging Face transformers. Fix: pip install 'rayacc[hf]'"
         ) from None
     return transformers
@@ -83,7 +80,7 @@ def resolve_hf_config(config: str | dict[str, Any] | None, weights: str | None) 
     folder = path.parent if path.is_file() else path
     file = path if path.is_file() else path / "config.json"
     if not file.is_file():
-        raise HFError(
+        raise ModelError(
             f"{field}={where!r}: no config.json there. Fix: give a transformers config.json, a "
             "folder holding one (save_pretrained's), or a mapping with model_type"
         )
@@ -94,7 +91,7 @@ def resolve_hf_config(config: str | dict[str, Any] | None, weights: str | None) 
             trust_remote_code=False,
         )
     except Exception as exc:  # transformers' own errors name what is wrong with the file
-        raise HFError(
+        raise ModelError(
             f"{field}={where!r}: transformers cannot read it ({type(exc).__name__}: "
             f"{str(exc).splitlines()[0][:300]}). Fix: give the config.json of a model type "
             "transformers ships"
@@ -111,7 +108,7 @@ def _config(mapping: dict[str, Any]):
     try:
         return t.AutoConfig.for_model(model_type, **values)
     except (ValueError, KeyError) as exc:
-        raise HFError(
+        raise ModelError(
             f"model.hf.config: model_type={model_type!r} is not a type transformers ships "
             f"({str(exc).splitlines()[0][:200]}). Fix: use one of transformers' model types "
             "(llama, gpt2, mistral, qwen2, ...)"
@@ -126,14 +123,14 @@ def build_hf(
     t = _transformers()
     cfg = _config(config)
     if getattr(cfg, "vocab_size", vocab_size) < vocab_size:
-        raise HFError(
+        raise ModelError(
             f"model.hf.config: vocab_size={cfg.vocab_size} is smaller than the data's token ids "
             f"(up to {vocab_size - 1}). Fix: a config with vocab_size >= {vocab_size}, or data "
             "tokenized with the model's tokenizer"
         )
     positions = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
     if positions is not None and max_tokens - 1 > positions:
-        raise HFError(
+        raise ModelError(
             f"model.hf.config: max_position_embeddings={positions} is shorter than the data's "
             f"longest sequence ({max_tokens - 1} input tokens). Fix: data.seq_len <= {positions}"
         )
@@ -144,7 +141,7 @@ def build_hf(
     else:
         folder = Path(weights).expanduser()
         if not folder.is_dir():
-            raise HFError(
+            raise ModelError(
                 f"model.hf.weights={weights!r} is not a folder. Fix: give the folder "
                 "save_pretrained wrote (config.json and model.safetensors), readable on every node"
             )

@@ -108,13 +108,10 @@ def build_model(cfg: TrainConfig, info: DatasetInfo | None = None) -> nn.Module:
                 f"{info.format}. Fix: use model.name=mlp"
             )
         if m.name == "hf":
-            from rayacc.models.hf import HFError, build_hf, resolve_hf_config
+            from rayacc.models.hf import build_hf, resolve_hf_config
 
-            try:
-                config = resolve_hf_config(m.hf.config, m.hf.weights)
-                return build_hf(config, m.hf.weights, info.vocab_size, info.max_tokens)
-            except HFError as exc:
-                raise ModelError(str(exc)) from None
+            config = resolve_hf_config(m.hf.config, m.hf.weights)
+            return build_hf(config, m.hf.weights, info.vocab_size, info.max_tokens)
         if info.max_tokens - 1 > m.block_size:
             raise ModelError(
                 f"model.block_size={m.block_size} is shorter than the longest sequence of "

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from rayacc.redact import redact
+from rayacc.tracking.lookup import ReportError, resolve_parent
 
 __all__ = ["Report", "ReportError", "TrialRow", "build_report", "write_report"]
 
@@ -33,10 +34,6 @@ SMOOTH_STEPS = 5
 """Train losses are compared as trailing means over this many steps (one step is noisy)."""
 SAME_LOSS_RTOL = 1e-3
 """Final losses within this relative spread are the same result (rounding, not learning)."""
-
-
-class ReportError(ValueError):
-    pass
 
 
 @dataclass
@@ -201,87 +198,13 @@ def _history(client, run_id: str, key: str) -> list[tuple[int, float]]:
     return sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
 
 
-def single_run(client, target: str):
-    """The MLflow run `target` names when it is not a sweep's parent, or the latest run of the
-    experiment `target` when that experiment holds no sweep; None for a sweep."""
-    from mlflow.exceptions import MlflowException
-
-    try:
-        run = client.get_run(target)
-    except MlflowException:
-        run = None
-    if run is not None:
-        return None if run.data.tags.get("rayacc.sweep") == "true" else run
-    exp = client.get_experiment_by_name(target)
-    if exp is None:
-        return None
-    sweeps = client.search_runs(
-        [exp.experiment_id], filter_string="tags.`rayacc.sweep` = 'true'", max_results=1
-    )
-    if sweeps:
-        return None
-    latest = client.search_runs(
-        [exp.experiment_id], order_by=["attributes.start_time DESC"], max_results=1
-    )
-    return latest[0] if latest else None
-
-
-def _sweeps(client) -> list:
-    """Every sweep's parent run in the store, newest first."""
-    ids = [e.experiment_id for e in client.search_experiments()]
-    if not ids:
-        return []
-    return client.search_runs(
-        ids,
-        filter_string="tags.`rayacc.sweep` = 'true'",
-        order_by=["attributes.start_time DESC"],
-        max_results=1000,
-    )
-
-
-def _what_exists(client, sweeps: list) -> str:
-    """The store's experiments and its newest sweeps, for a name that matched nothing."""
-    experiments = [e.name for e in client.search_experiments()][:10]
-    names = list(dict.fromkeys(r.info.run_name for r in sweeps))[:10]
-    return f"experiments: {', '.join(experiments) or 'none'}; sweeps: {', '.join(names) or 'none'}"
-
-
-def _resolve_parent(client, target: str) -> str:
-    from mlflow.exceptions import MlflowException
-
-    try:
-        return client.get_run(target).info.run_id
-    except MlflowException:
-        pass
-    exp = client.get_experiment_by_name(target)
-    if exp is None:
-        sweeps = _sweeps(client)
-        named = [r for r in sweeps if r.info.run_name == target]
-        if named:
-            return max(named, key=lambda r: r.info.start_time).info.run_id
-        raise ReportError(
-            f"{target!r} is neither an MLflow run id, an experiment nor a sweep's name in this "
-            f"tracking store ({_what_exists(client, sweeps)}). Fix: pass a sweep's name (its "
-            "sweep file's `name:`), its parent run id or its experiment"
-        )
-    runs = client.search_runs(
-        [exp.experiment_id],
-        filter_string="tags.`rayacc.sweep` = 'true'",
-        order_by=["attributes.start_time DESC"],
-        max_results=1,
-    )
-    if not runs:
-        raise ReportError(f"experiment {target!r} holds no sweep. Fix: run `rayacc sweep` first")
-    return runs[0].info.run_id
-
-
 def build_report(tracking_uri: str, target: str) -> Report:
     """Collects every child run of the sweep `target` (a parent run id, or an experiment: its
     latest sweep)."""
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri)
-    parent_id = _resolve_parent(client, target)
+    parent_id = resolve_parent(client, target)
     parent = client.get_run(parent_id)
     children = client.search_runs(
         [parent.info.experiment_id],

@@ -9,6 +9,7 @@ the field, flag or file, no traceback, no Ray started, no cluster asked, nothing
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import types
 import typing
@@ -315,6 +316,7 @@ BASE = {
     "report": {"target": ["no-such-experiment"]},
     "runs": {},
     "sample": {"target": ["no-such-run"]},
+    "export": {"target": ["no-such-run"], "out": ["--out", "exported"]},
     "verify": {"config": ["-c", JOB]},
     "submit": {"job": [JOB]},
     "jobs": {"action": ["status"], "job_id": ["raysubmit_x"]},
@@ -511,6 +513,52 @@ FILE_KINDS: dict[str, tuple[str, Any, dict[str, bytes]]] = {
             "another stage": b'{"zero_optimization": {"stage": 3}}',
             "clipping on": b'{"gradient_clipping": 1.0}',
         },
+    ),
+}
+SHAKESPEARE = ROOT / "jobs" / "shakespeare.yaml"
+
+
+def _arrow_listed(p: Path) -> list[Any]:
+    """A saved dataset whose one Arrow file (`p`) its state.json lists."""
+    (p.parent / "state.json").write_text(json.dumps({"_data_files": [{"filename": p.name}]}))
+    return ["train", "-c", SHAKESPEARE, f"data.source={p.parent}"]
+
+
+DEEP = b"[" * 100_000 + b"]" * 100_000
+FILE_KINDS |= {
+    "transformers config": (
+        ".json",
+        lambda p: ["train", "-c", SHAKESPEARE, "model.name=hf", f"model.hf.config={p}"],
+        {
+            "empty": b"",
+            "binary": BINARY,
+            "a list": b"[1, 2]",
+            "no model_type": b"{}",
+            "a type transformers does not ship": b'{"model_type": "my-own"}',
+            "nested 100000 deep": DEEP,
+        },
+    ),
+    "saved dataset listing": (
+        "damaged/state.json",
+        lambda p: ["train", "-c", SHAKESPEARE, f"data.source={p.parent}"],
+        {
+            "empty": b"",
+            "binary": BINARY,
+            "a list": b"[1, 2]",
+            "nested 100000 deep": DEEP,
+            "a file elsewhere": b'{"_data_files": [{"filename": "../x.arrow"}]}',
+            "a listed file missing": b'{"_data_files": [{"filename": "data.arrow"}]}',
+        },
+    ),
+    "saved dataset split listing": (
+        "damaged/dataset_dict.json",
+        lambda p: ["train", "-c", SHAKESPEARE, f"data.source={p.parent}"],
+        {"empty": b"", "binary": BINARY, "no train split": b'{"splits": ["test"]}'},
+    ),
+    "saved dataset arrow": (
+        "damaged/data-00000-of-00001.arrow",
+        _arrow_listed,
+        {"empty": b"", "binary": BINARY, "parquet, not arrow": _parquet(TOKENS)},
     ),
 }
 FILE_CASES = [(kind, form) for kind, (_, _, forms) in FILE_KINDS.items() for form in forms]

@@ -54,7 +54,7 @@ CASES = [
     ),
     (
         lambda tmp: ["train", "-c", DIGITS_JOB, "model.name=transformer"],
-        ["model.name", "'mlp', 'gpt' or 'factory'"],
+        ["model.name", "'mlp', 'gpt', 'factory' or 'hf'"],
     ),
     (
         lambda tmp: [

@@ -194,6 +194,6 @@ def test_a_new_sqlite_store_is_a_copy_of_the_cached_empty_one(tmp_path, monkeypa
 def test_a_resume_into_another_store_starts_a_run_there_that_says_what_it_continues(
     recorded, now, reopens, continues
 ):
-    from rayacc.driver.fit import continued_run
+    from rayacc.driver.resume import continued_run
 
     assert continued_run(recorded, now) == (reopens, continues)
