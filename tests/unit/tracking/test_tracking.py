@@ -46,9 +46,40 @@ def test_contract_params_are_the_resolved_values(tmp_path):
         "sqrt",
     )
     assert params["effective_lr"] == 0.02
-    assert (
-        params["batch.grad_accum_steps"] is None
-    )  # the config as given, beside the resolved value
+    # what the config left to derivation, as derived (not null beside the resolved value)
+    assert params["batch.grad_accum_steps"] == 4 and params["batch.micro_batch_size"] == 16
+
+
+@pytest.mark.parametrize(
+    ("model", "strategy"),
+    [("mlp", "ddp"), ("gpt", "fsdp"), ("hf", "deepspeed"), ("factory", "ddp")],
+)
+def test_only_the_sections_that_apply_to_the_run_are_recorded(model, strategy):
+    from rayacc.tracking.params import MODEL_KEYS
+
+    section = {
+        "mlp": {},
+        "gpt": {},
+        "hf": {"hf": {"config": {"model_type": "llama"}}},
+        "factory": {"factory": "m:f"},
+    }[model]
+    cfg = TrainConfig.from_dict(
+        {
+            "model": {"name": model, **section},
+            "batch": {"global_batch_size": 32, "micro_batch_size": 4},
+            "train": {"strategy": strategy},
+        }
+    )
+    keys = set(contract_params(cfg, cfg.batch_split(), 0.1))
+    # each key of the schema's model section is there exactly when its kind reads it
+    for field in type(cfg.model).model_fields:
+        if field == "name":
+            continue
+        recorded = any(k == f"model.{field}" or k.startswith(f"model.{field}.") for k in keys)
+        assert recorded == (field in MODEL_KEYS[model]), (field, model)
+    for other in ("fsdp", "deepspeed"):
+        assert any(k.startswith(f"{other}.") for k in keys) == (other == strategy), other
+    assert "model.name" in keys and "optim.lr" in keys
 
 
 def test_unreachable_server_disables_tracking_with_one_message(capsys):
