@@ -443,9 +443,10 @@ case "${1:-}" in
   reclaim) reclaim "${2:-}" "${3:-}" ;;
   autoscale) autoscale "${2:-}" ;;
   nodes) alive_nodes "${2:-}" ;;
+  node-id) node_id "${2:?usage: local.sh node-id I}" ;;
   slots) free_slots "${2:-}" ;;
   down) down ;;
   status) status ;;
   prune) prune ;;
-  *) echo "usage: cluster/local.sh up N | autoscale MAX | add | remove I | reclaim I SECONDS | nodes [quick] | slots [quick] | status | down | prune" >&2; exit 2 ;;
+  *) echo "usage: cluster/local.sh up N | autoscale MAX | add | remove I | reclaim I SECONDS | node-id I | nodes [quick] | slots [quick] | status | down | prune" >&2; exit 2 ;;
 esac

@@ -21,8 +21,9 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
+from pathlib import Path
 
-__all__ = ["GCP_NOTICE_S", "aws_notice", "drain_this_node", "gcp_notice", "watch"]
+__all__ = ["GCP_NOTICE_S", "STATE", "aws_notice", "drain_this_node", "gcp_notice", "watch"]
 
 GCP_NOTICE_S = 30
 """Compute Engine stops a preempted spot VM about 30 s after the notice."""
@@ -64,8 +65,8 @@ def gcp_notice(base: str = GCP_METADATA) -> float | None:
         return float(GCP_NOTICE_S) if r.read().decode().strip().upper() == "TRUE" else None
 
 
-def drain_this_node(seconds: float) -> None:
-    """Drains the Ray node of this machine for preemption (its node id is the default)."""
+def drain_this_node(seconds: float, node_id: str | None = None, address: str | None = None) -> None:
+    """Drains this machine's Ray node (or `node_id`) for preemption."""
     subprocess.run(
         [
             "ray",
@@ -73,9 +74,37 @@ def drain_this_node(seconds: float) -> None:
             "--reason=DRAIN_NODE_REASON_PREEMPTION",
             "--reason-message=spot reclaim",
             f"--deadline-remaining-seconds={max(1, int(seconds))}",
+            *([f"--node-id={node_id}"] if node_id else []),
+            *([f"--address={address}"] if address else []),
         ],
         check=True,
     )
+
+
+STATE = "/tmp/rayacc-spot.json"
+"""Where the agent records the notice it handled: the specs restart it every few seconds while
+it runs (and whenever it exits), and each new `ray drain-node` would replace the deadline the
+run set since (rayacc's early end of the group: `worker/preemption.py::end_group_now`)."""
+STALE_S = 600.0
+"""A recorded notice older than its deadline by this much is not this VM's (a reused /tmp)."""
+
+
+def _recorded(state: Path | None) -> dict:
+    if state is None:
+        return {}
+    try:
+        doc = json.loads(state.read_text())
+    except (OSError, ValueError, RecursionError):
+        return {}
+    return doc if isinstance(doc, dict) and isinstance(doc.get("deadline"), (int, float)) else {}
+
+
+def _record(state: Path | None, **fields) -> None:
+    if state is None:
+        return
+    partial = state.with_name(state.name + ".partial")
+    partial.write_text(json.dumps(fields))
+    partial.replace(state)
 
 
 def watch(
@@ -84,12 +113,19 @@ def watch(
     interval_s: float = 2.0,
     sleep: Callable[[float], None] = time.sleep,
     log: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
+    state: Path | None = None,
+    now: Callable[[], float] = time.time,
 ) -> float:
     """Polls `notice` until it announces a reclaim, drains this node once with the seconds
     left, and returns them. Nothing one poll or one drain does ends the watch: a poll that
     fails (a server away, an error reply, a reply of another shape) is said and retried after a
     back-off of at most 4 intervals (a 30 s notice still leaves most of it); a drain that fails
-    is said and retried with the seconds then left, until it succeeds or the time is up."""
+    is said and retried with the seconds then left, until it succeeds or the time is up.
+
+    `state`: the notice is recorded there when first seen (its deadline) and once drained.
+    An agent started again meanwhile never drains later than the deadline first seen (GCP's
+    notice says "30 s" to whoever asks, whenever), and one started after the drain stays out of
+    the way until the deadline is long past: one drain per notice."""
     failures = 0
     said: set[str] = set()
     while True:
@@ -107,11 +143,30 @@ def watch(
         if left is None:
             sleep(interval_s)
             continue
+        t = now()
+        seen = _recorded(state)
+        if seen and t < seen["deadline"] + STALE_S:
+            # drained, or its deadline past (a drain now could only move it): this notice's
+            # work is done
+            if seen.get("drained") or t >= seen["deadline"]:
+                if "handled" not in said:
+                    log(
+                        "rayacc.cluster.spot: this notice is handled (deadline "
+                        f"{seen['deadline'] - t:+.0f} s): staying out of the way"
+                    )
+                    said.add("handled")
+                sleep(interval_s)
+                continue
+            left = min(left, seen["deadline"] - t)  # never later than the deadline first seen
+        else:
+            _record(state, deadline=t + left, drained=False)
         log(f"rayacc.cluster.spot: reclaim announced, {left:.0f} s left: draining this Ray node")
         deadline = time.monotonic() + left
+        wall_deadline = t + left
         while True:
             try:
                 drain(left)
+                _record(state, deadline=wall_deadline, drained=True)
                 return left
             except Exception as exc:
                 left = deadline - time.monotonic()
@@ -129,6 +184,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cloud", choices=("aws", "gcp"), required=True)
     parser.add_argument("--interval-s", type=float, default=2.0)
     parser.add_argument("--metadata-url", default=None, help="the metadata server (tests)")
+    parser.add_argument(
+        "--state", default=STATE, help="where the notice handled is recorded (one drain each)"
+    )
+    parser.add_argument("--node-id", default=None, help="the Ray node (default: this machine's)")
+    parser.add_argument("--address", default=None, help="the Ray cluster (default: this one's)")
     args = parser.parse_args(argv)
     if args.cloud == "aws":
         base = args.metadata_url or AWS_METADATA
@@ -136,8 +196,15 @@ def main(argv: list[str] | None = None) -> int:
     else:
         base = args.metadata_url or GCP_METADATA
         notice = lambda: gcp_notice(base)  # noqa: E731
-    watch(notice, interval_s=args.interval_s)
-    return 0
+
+    def drain(seconds: float) -> None:
+        drain_this_node(seconds, args.node_id, args.address)
+
+    state = Path(args.state)
+    while True:
+        # after the drain the agent stays: one started again (the specs restart it) reads the
+        # record and leaves the node's deadline as it is
+        watch(notice, drain=drain, interval_s=args.interval_s, state=state)
 
 
 if __name__ == "__main__":

@@ -160,7 +160,7 @@ class Checkpointer:
             self.complete_s = time.perf_counter() - started
             return
         storage = ray.train.get_context().get_storage()
-        flight = _InFlight(step)
+        flight = _InFlight(step, started)
 
         def put(_: ray.train.Checkpoint, dir_name: str) -> ray.train.Checkpoint:
             # Ray Train calls this again when the error's text reads as a store's throttle:
@@ -172,6 +172,8 @@ class Checkpointer:
                 raise
             finally:
                 flight.seconds = time.perf_counter() - started
+                # known the moment the write ends, not at the next checkpoint's wait
+                self.complete_s = flight.seconds
                 flight.done.set()
             return ray.train.Checkpoint(
                 storage.build_checkpoint_path_from_name(dir_name), storage.storage_filesystem
@@ -199,6 +201,17 @@ class Checkpointer:
             checkpoint_upload_fn=put,
         )
 
+    def cost_s(self) -> float | None:
+        """What a checkpoint costs on this rank, whole, as last measured: the last one's
+        blocking part and completion; while one is in flight and slower than that, at least
+        the time since it began. None before the first."""
+        flight = self._in_flight
+        running = None
+        if flight is not None and not flight.done.is_set():
+            running = time.perf_counter() - flight.started
+        known = [s for s in (self.complete_s, running) if s is not None]
+        return max(known) if known else None
+
     def wait(self) -> None:
         """Until the checkpoint in flight, if any, is in storage (its time: `complete_s`); one
         that could not be written ends the group (a restart resumes from the one before)."""
@@ -219,6 +232,8 @@ class _InFlight:
     """A checkpoint being written and put into storage in the background."""
 
     step: int
+    started: float = 0.0
+    """time.perf_counter() when the checkpoint began (its blocking part included)."""
     done: threading.Event = field(default_factory=threading.Event)
     seconds: float = 0.0
     error: BaseException | None = None

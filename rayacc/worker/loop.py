@@ -89,7 +89,8 @@ class WorkerRun:
         """The step of the newest checkpoint this group restored or wrote."""
         quiet = (lambda: None), (lambda: None), None
         local, agree, end_now = ray_notice_sources() if settings.checkpoint_on_preemption else quiet
-        self.watch = PreemptionWatch(local, agree, end_now=end_now)
+        cost = self.checkpoints.cost_s
+        self.watch = PreemptionWatch(local, agree, end_now=end_now, checkpoint_cost=cost)
         self.reclaim = Reclaim(
             self.watch,
             rank=self.rank,
@@ -276,8 +277,7 @@ class WorkerRun:
             self.checkpoints.wait()
         seconds = time.perf_counter() - t
         self.checkpoint_step = step
-        # what a checkpoint the ranks must wait for costs: the whole write, not the blocking part
-        self.watch.checkpoint_s = max(seconds, self.checkpoints.complete_s or 0.0)
+        self.watch.blocking_s = seconds
         self.outbox.send(Checkpointed(step, seconds, reason))
         return seconds
 

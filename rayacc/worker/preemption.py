@@ -126,17 +126,20 @@ class PreemptionWatch:
         agree: Callable[[], Any],
         clock: Callable[[], float] = time.time,
         end_now: Callable[[Sequence[str]], None] | None = None,
+        checkpoint_cost: Callable[[], float | None] = lambda: None,
     ):
         """`end_now(nodes)`: brings the reclaim of these nodes forward to now (None: the ranks
-        wait for the deadline)."""
+        wait for the deadline). `checkpoint_cost()`: a whole checkpoint's time as last measured
+        (an asynchronous one's completion included: `Checkpointer.cost_s`)."""
         self.local, self.agree, self.clock = local, agree, clock
         self.end_now = end_now
+        self.checkpoint_cost = checkpoint_cost
         self.phase = Phase.WATCHING
         self.notice: Notice | None = None
         self.window_s = 0.0
         """The longest of the last windows (decaying, so one slow window is forgotten)."""
-        self.checkpoint_s: float | None = None
-        """The last checkpoint's time on this rank; None before the first."""
+        self.blocking_s: float | None = None
+        """The last checkpoint's blocking part on this rank; None before the first."""
         self.validation_s = 0.0
         """The last validation's time on this rank."""
         self.cadence: Cadence | None = None
@@ -149,6 +152,13 @@ class PreemptionWatch:
         if self.phase is Phase.NOTICED:
             return self.clock() + self.needed_s(step) >= self.notice.deadline
         return False
+
+    @property
+    def checkpoint_s(self) -> float | None:
+        """A checkpoint's time on this rank, whole: its blocking part, and an asynchronous
+        write's completion as last measured; None before the first."""
+        known = [s for s in (self.blocking_s, self.checkpoint_cost()) if s is not None]
+        return max(known) if known else None
 
     def needed_s(self, step: int = 0) -> float:
         """What this window, the next, their boundaries and the checkpoint after the next need

@@ -5,60 +5,17 @@ seconds the cloud gave."""
 from __future__ import annotations
 
 import datetime as dt
-import http.server
-import json
-import threading
-from typing import ClassVar
 
 import pytest
 
 from rayacc.cluster.spot import GCP_NOTICE_S, aws_notice, gcp_notice, watch
-
-
-class Metadata(http.server.BaseHTTPRequestHandler):
-    """AWS: a token first, then 404 until `state["reclaim_at"]`; GCP: FALSE, then TRUE."""
-
-    state: ClassVar[dict] = {}
-
-    def log_message(self, *args):  # quiet
-        pass
-
-    def do_PUT(self):
-        assert self.path == "/latest/api/token"
-        assert self.headers["X-aws-ec2-metadata-token-ttl-seconds"]
-        self._send(200, b"tok")
-
-    def do_GET(self):
-        script = self.state.get("script") or []
-        if script:  # replies of a server in trouble, served first
-            code, body = script.pop(0)
-            return self._send(code, body)
-        self.state["polls"] = self.state.get("polls", 0) + 1
-        announced = self.state["polls"] > self.state["quiet_polls"]
-        if self.path == "/latest/meta-data/spot/instance-action":
-            assert self.headers["X-aws-ec2-metadata-token"] == "tok"
-            if not announced:
-                return self._send(404, b"")
-            body = {"action": "terminate", "time": self.state["reclaim_at"]}
-            return self._send(200, json.dumps(body).encode())
-        if self.path == "/computeMetadata/v1/instance/preempted":
-            assert self.headers["Metadata-Flavor"] == "Google"
-            return self._send(200, b"TRUE" if announced else b"FALSE")
-        self._send(404, b"")
-
-    def _send(self, code, body):
-        self.send_response(code)
-        self.end_headers()
-        self.wfile.write(body)
+from tests.support.services.metadata import serve
 
 
 @pytest.fixture
 def metadata():
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Metadata)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    Metadata.state = {"quiet_polls": 3}
-    yield f"http://127.0.0.1:{server.server_address[1]}", Metadata.state
-    server.shutdown()
+    with serve({"quiet_polls": 3}) as (url, state):
+        yield url, state
 
 
 @pytest.mark.parametrize("cloud", ["aws", "gcp"])
@@ -127,3 +84,52 @@ def test_the_agent_outlives_bad_replies_and_failed_drains_then_drains(metadata, 
     assert sum("drain failed" in line for line in lines) == 2
     failed = [line for line in lines if "poll failed" in line]
     assert failed and len(failed) == len({line.split("(")[1].split(":")[0] for line in failed})
+
+
+class Stop(BaseException):
+    """Ends an agent that stays out of the way (it would watch on forever)."""
+
+
+@pytest.mark.parametrize("cloud", ["aws", "gcp"])
+def test_an_agent_started_again_drains_once_per_notice_never_later(metadata, cloud, tmp_path):
+    """The specs restart the agent every few seconds: a restart before the drain drains with
+    no more than the deadline first seen (GCP's notice says 30 s to whoever asks), and every
+    restart after it leaves the node's deadline as it is (the run may have moved it closer)."""
+    base, state = metadata
+    clock = [1_800_000_000.0]
+    state["reclaim_at"] = dt.datetime.fromtimestamp(clock[0] + 118, dt.UTC).strftime(
+        "%Y-%m-%dT%H:%M:%SZ"
+    )
+    state["quiet_polls"] = 0
+    notice = (
+        (lambda: aws_notice(base, now=lambda: clock[0]))
+        if cloud == "aws"
+        else (lambda: gcp_notice(base))
+    )
+    record = tmp_path / "spot.json"
+    first_left = 118.0 if cloud == "aws" else float(GCP_NOTICE_S)
+
+    # the first agent sees the notice, records it, and dies before its drain succeeds
+    def dies(seconds):
+        raise Stop
+
+    with pytest.raises(Stop):
+        watch(notice, drain=dies, state=record, now=lambda: clock[0], log=lambda line: None)
+    clock[0] += 10  # restarted 10 s later
+    drained = []
+    watch(notice, drain=drained.append, state=record, now=lambda: clock[0], log=lambda _: None)
+    assert drained == [pytest.approx(first_left - 10)]
+
+    # restarted again (many times) after the drain: no more drains
+    lines = []
+
+    def sleep(_):
+        if len(lines) >= 1:
+            raise Stop
+
+    for _ in range(3):
+        clock[0] += 5
+        with pytest.raises(Stop):
+            watch(notice, drain=drained.append, state=record, now=lambda: clock[0],
+                  sleep=sleep, log=lines.append)  # fmt: skip
+    assert len(drained) == 1 and all("staying out of the way" in line for line in lines)

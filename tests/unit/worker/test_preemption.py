@@ -68,7 +68,7 @@ def run_windows(watch: PreemptionWatch, clock: Clock, n: int, window_s: float, o
             actions.append((i, action))
             if action in ("notice", "last"):
                 clock.t += 0.5  # the checkpoint
-                watch.checkpoint_s = 0.5
+                watch.blocking_s = 0.5
     return actions
 
 
@@ -113,7 +113,7 @@ def test_notice_then_a_last_checkpoint_as_late_as_the_deadline_allows(
         if action:
             actions.append((i, action))
             clock.t += 0.5  # the checkpoint
-            watch.checkpoint_s = 0.5
+            watch.blocking_s = 0.5
         if action == "last":
             left = watch.seconds_left()
             # what is left covers a window and a checkpoint, and not much more
@@ -156,11 +156,11 @@ def worker_order(
         checkpointed = boundaries.should_checkpoint(step)
         if checkpointed:
             clock.t += ckpt_s
-            watch.checkpoint_s = ckpt_s
+            watch.blocking_s = ckpt_s
         action = kind(watch.after_window(signals, window_s))
         if action in ("notice", "last") and not checkpointed:
             clock.t += ckpt_s
-            watch.checkpoint_s = ckpt_s
+            watch.blocking_s = ckpt_s
         if action == "last":
             return clock.t - watch.notice.deadline, step
     raise AssertionError("no last checkpoint")
@@ -220,7 +220,7 @@ def test_a_notice_shorter_than_a_checkpoint_is_too_short():
     clock = Clock()
     info = Info(int((clock.t + 3) * 1000))
     watch = PreemptionWatch(lambda: info, lambda: info, clock)
-    watch.checkpoint_s = 8.0
+    watch.blocking_s = 8.0
     assert kind(watch.after_window(1, 0.1)) == "notice"
     assert watch.too_short()
     watch.give_up()
@@ -508,3 +508,28 @@ def test_a_run_on_spot_nodes_is_warned_of_what_a_reclaim_would_cost(scaling, tra
     assert len(warnings) == len(expected), warnings
     for warning, words in zip(warnings, expected, strict=True):
         assert words in warning and "Fix:" in warning, warning
+
+
+def test_the_budget_counts_an_asynchronous_checkpoint_whole():
+    """After the group's first periodic async checkpoint only its blocking part was known: a
+    notice then budgeted too little. The budget reads the whole write as last measured, and
+    while one is in flight at least the time since it began."""
+    import time as time_module
+    from types import SimpleNamespace
+
+    from rayacc.worker.checkpoint import Checkpointer, _InFlight
+
+    clock = Clock()
+    info = Info(int((clock.t + 100) * 1000))
+    whole: list[float | None] = [None]
+    watch = PreemptionWatch(lambda: info, lambda: info, clock, checkpoint_cost=lambda: whole[0])
+    watch.blocking_s = 0.5
+    blocking_only = watch.needed_s()
+    whole[0] = 6.0  # the background write ended: 6 s in all
+    assert watch.checkpoint_s == 6.0 and watch.needed_s() > blocking_only + 5
+
+    flight = _InFlight(3, started=time_module.perf_counter() - 4.0)
+    writing = SimpleNamespace(_in_flight=flight, complete_s=1.0)
+    assert Checkpointer.cost_s(writing) >= 4.0  # still writing: at least its 4 s so far
+    flight.done.set()
+    assert Checkpointer.cost_s(writing) == 1.0
