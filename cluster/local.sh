@@ -181,6 +181,30 @@ else:  # has worker node I joined: its resource node_I is in the totals
 
 head_ready() { cluster_status >/dev/null; }
 
+wait_for_head() {  # as wait_for, but a head whose `ray start` exited is said at once, with why
+  local deadline=$((SECONDS + 120))
+  until head_ready >/dev/null 2>&1; do
+    if [ -z "$(recorded_pid "$STATE/head.pid")" ]; then
+      echo "local.sh: the Ray head's ray start exited; the end of its log ($STATE/head.log):" >&2
+      tail -n 3 "$STATE/head.log" >&2
+      return 1
+    fi
+    if [ $SECONDS -ge $deadline ]; then echo "local.sh: Ray head not ready after 120 s" >&2; return 1; fi
+    sleep 1
+  done
+}
+
+ensure_token() {  # token authentication needs a token before the head starts, in Ray's place
+  [ "$RAY_AUTH_MODE" = token ] && [ -z "$(ray_token)" ] || return 0
+  if [ -n "${RAY_AUTH_TOKEN_PATH:-}" ]; then
+    echo "local.sh: RAY_AUTH_TOKEN_PATH names $RAY_AUTH_TOKEN_PATH, which holds no token: put" \
+      "the cluster's token there, or unset it for a token of this machine's own" >&2
+    exit 1
+  fi
+  # a machine where Ray never ran has none, and `ray start --head` does not make one
+  "$RAY" get-auth-token --generate >/dev/null
+}
+
 node_joined() {  # has worker node $1 joined the cluster
   cluster_status | from_status joined "$1"
 }
@@ -240,13 +264,14 @@ up() {
   prune
   if [ -f "$STATE/env" ]; then echo "local.sh: a cluster is already up ($STATE); run down first" >&2; exit 1; fi
   mkdir -p "$STATE" "$TEMP"
+  ensure_token
   # shellcheck disable=SC2046
   start_bg head "$RAY" start --head --block --node-ip-address=$HOST --port=$GCS_PORT \
     --dashboard-host=$HOST --dashboard-port=$DASH_PORT --include-dashboard=true \
     --ray-client-server-port=$((BASE + 3)) --temp-dir="$TEMP" --num-cpus="$CPUS" --num-gpus=0 \
     --object-store-memory=$((512 * 1024 * 1024)) --resources='{"node_head": 1, "worker_slot": 1}' \
     $(node_ports 0)
-  wait_for 120 "Ray head" head_ready
+  wait_for_head || exit 1
   for i in $(seq 1 "$n"); do start_worker "$i"; done
   local with_mlflow=${RAYACC_LOCAL_MLFLOW:-1}
   if [ "$with_mlflow" != 0 ]; then
@@ -276,6 +301,7 @@ autoscale() {  # a Ray head whose autoscaler starts worker nodes on this machine
   prune
   if [ -f "$STATE/env" ]; then echo "local.sh: a cluster is already up ($STATE); run down first" >&2; exit 1; fi
   mkdir -p "$STATE" "$TEMP"
+  ensure_token
   # Ray's fake multi-node provider: the autoscaler "launches" a node as Ray processes here,
   # and terminates it after it has been idle for idle_timeout_minutes
   cat >"$STATE/autoscaling.yaml" <<YAML
@@ -321,7 +347,7 @@ YAML
     --ray-client-server-port=$((BASE + 3)) --temp-dir="$TEMP" --num-cpus="$CPUS" --num-gpus=0 \
     --object-store-memory=$((512 * 1024 * 1024)) --resources='{"node_head": 1, "worker_slot": 1}' \
     $(node_ports 0)
-  wait_for 120 "Ray head" head_ready
+  wait_for_head || exit 1
   cat >"$STATE/env" <<ENV
 export RAY_ADDRESS=http://$HOST:$DASH_PORT
 export RAYACC_GCS_ADDRESS=$HOST:$GCS_PORT

@@ -54,13 +54,17 @@ def alive(pid: int) -> bool:
 
 def test_submit_to_local_multinode_cluster(tmp_path):
     state = tmp_path / "cluster"
+    # a user's first cluster: a home where Ray never ran (no token for its authentication yet)
+    home = tmp_path / "home"
     env = dict(
         os.environ,
+        HOME=str(home),
         RAYACC_LOCAL_DIR=str(state),
         RAYACC_LOCAL_PORT=str(PORT),
         PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}",
     )
-    env.pop("RAY_ADDRESS", None)
+    for name in ("RAY_ADDRESS", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        env.pop(name, None)
     count("clusters")
     count("MLflow servers")
     up = subprocess.run(
@@ -74,6 +78,7 @@ def test_submit_to_local_multinode_cluster(tmp_path):
     started = pids_of(state)
     try:
         assert up.returncode == 0, up.stdout + up.stderr
+        assert (home / ".ray" / "auth_token").stat().st_size > 0
         cluster = read_env(state / "env")
         job_env = dict(env, **cluster)
         tracking = cluster["MLFLOW_TRACKING_URI"].replace("http://", f"http://alice:{SECRET}@")
