@@ -20,6 +20,8 @@ from typing import Any
 
 from rayacc import env
 from rayacc.checkpoint.lease import RunLease
+from rayacc.cluster import capacity
+from rayacc.cluster.capacity import NodeWatch
 from rayacc.config import TrainConfig
 from rayacc.config.batch_split import BatchSplit
 from rayacc.data.sources import RowGroups
@@ -146,19 +148,8 @@ def refresh_elastic_sizing(cfg: TrainConfig) -> None:
 
     if not (cfg.scaling.elastic and os.environ.get("RAY_ADDRESS")):
         return
-    import ray
-
     try:
-        # the coordinator Ray Train's elastic policy asks (its own module, Ray 2.60)
-        from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
-            get_or_create_autoscaling_coordinator,
-        )
-
-        coordinator = get_or_create_autoscaling_coordinator()
-        ray.get(
-            coordinator.get_reserved_resources.remote("rayacc-driver", recompute=True),
-            timeout=10,
-        )
+        capacity.recount()
     except Exception as e:  # the group then starts at the size of the coordinator's last look
         log.warning(
             "rayacc: could not have Ray's autoscaling coordinator read the cluster's nodes "
@@ -258,8 +249,10 @@ class TrainerRun:
     other work while the worker group starts; `relay` then hands the workers' items to the
     observers every half second until the fit ends."""
 
-    def __init__(self, trainer, buffer, ranks: FiguresRelay, lost=lambda: None):
-        self.buffer, self.ranks, self.lost = buffer, ranks, lost
+    def __init__(self, trainer, buffer, ranks: FiguresRelay, lost=lambda: None, nodes=None):
+        """`nodes`: an elastic run's NodeWatch, polled as items are relayed (a lost node is
+        counted out of the next group's size at once)."""
+        self.buffer, self.ranks, self.lost, self.nodes = buffer, ranks, lost, nodes
         self.outcome: dict[str, Any] = {}
         self.thread = threading.Thread(target=self._fit, args=(trainer,), name="rayacc-fit")
         self.thread.daemon = True
@@ -276,6 +269,8 @@ class TrainerRun:
         while self.thread.is_alive():
             self.thread.join(0.5)
             _relay(self.buffer, self.ranks, observers)
+            if self.nodes is not None:
+                self.nodes.poll()
             if self.lost() is not None:
                 # its workers commit nothing more (their lease check fails): end the fit here
                 raise TrainingError(self.lost())
@@ -376,7 +371,10 @@ def _fit_holding(
     buffer = _progress_buffer()
     ranks = FiguresRelay(margin=cfg.train.straggler_margin)
     trainer = build_trainer(cfg, prep, loc, buffer, lease=lease.token if lease else None)
-    running = TrainerRun(trainer, buffer, ranks, lost=lambda: lease.lost if lease else None)
+    nodes = NodeWatch(warn=lambda m: log.warning("rayacc: %s", m)) if cfg.scaling.elastic else None
+    running = TrainerRun(
+        trainer, buffer, ranks, lost=lambda: lease.lost if lease else None, nodes=nodes
+    )
     phases["fit_started"] = time.time()
     lineage = functools.lru_cache(maxsize=4)(loc.checkpoints.lineage)
     # the MLflow store opens (seconds for a new sqlite file) while the worker group starts

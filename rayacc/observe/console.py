@@ -152,6 +152,7 @@ class ProgressPrinter(RunObserver):
         self.task = None
         self.group: RunStarted | None = None
         """The fit's latest worker group."""
+        self.recoveries = goodput.Recoveries()
 
     def __enter__(self):
         if self.bar:
@@ -169,6 +170,7 @@ class ProgressPrinter(RunObserver):
             self.progress.__exit__(*exc)
 
     def on_event(self, event: Event) -> None:
+        self.recoveries.on_event(event)
         if isinstance(event, RunStarted):
             self.total = event.total_steps
             self.eta.restart(event.step, time.monotonic())
@@ -180,6 +182,9 @@ class ProgressPrinter(RunObserver):
             self.console.print(f"  {line}")
 
     def on_step(self, record: dict[str, Any]) -> None:
+        recovery = self.recoveries.on_step(record)
+        if recovery is not None:
+            self.console.print(f"  {recovery.console_line()}")
         now = time.monotonic()
         step = record["step"]
         total = self.total or step

@@ -13,6 +13,7 @@ from typing import Any
 from rayacc.observe.ranks import Straggler
 
 __all__ = [
+    "CheckpointWaited",
     "Checkpointed",
     "Event",
     "MicroBatchChanged",
@@ -51,6 +52,9 @@ class RunStarted:
     every rank's report."""
     mesh: str = ""
     """The strategy's mesh where this group decided it (`Strategy.describe_mesh`: HSDP's)."""
+    process_started_at: float | None = None
+    """When rank 0's worker process was created (time.time()): the group's start begins no
+    earlier."""
 
     def describe(self, before: RunStarted | None = None) -> str | None:
         """The console's line; `before`: the fit's previous group, if any. A group that
@@ -168,9 +172,24 @@ class Checkpointed:
     seconds: float
     reason: str
     """`periodic`, `last` (the run's end), `preemption notice` or `before the reclaim`."""
+    waited_s: float = 0.0
+    """Of `seconds`, the wait for the checkpoint before, still being written (asynchronous
+    checkpoints: at most one is in flight)."""
 
     def console_line(self) -> None:
         """Checkpoints are not announced one by one (the summary says what they cost)."""
+        return None
+
+
+@dataclass(frozen=True)
+class CheckpointWaited:
+    """Training waited for the checkpoint in flight to be in storage without writing one after
+    it (a reclaim's notice wants the newest checkpoint kept before anything else)."""
+
+    step: int
+    seconds: float
+
+    def console_line(self) -> None:
         return None
 
 
@@ -191,6 +210,8 @@ class PreemptionNotice:
     """The checkpoint a restart resumes from as things stand."""
     too_short: bool = False
     """The notice left less time than a checkpoint takes: none was written."""
+    deadline_at: float | None = None
+    """The reclaim's deadline (time.time())."""
 
     def describe(self) -> str:
         """The entry kept in the run's `rayacc.preemptions` tag."""
@@ -244,6 +265,12 @@ class ReclaimStandby:
     """From the checkpoint's end to the deadline."""
     kept_until_deadline: str | None = None
     """Why the group could not end at once and waits for the deadline; None: it ends now."""
+    deadline_at: float | None = None
+    """When the group ends (time.time()): the drain's deadline as it now stands, brought
+    forward when the group ends at once."""
+    sizing_note: str | None = None
+    """Why Ray's elastic sizing may still count the reclaimed node for a while; None: it was
+    told."""
 
     def describe(self) -> str:
         return f"step {self.step}: last checkpoint, {self.seconds_left:.1f} s before the deadline"
@@ -253,11 +280,16 @@ class ReclaimStandby:
             f"last checkpoint before the reclaim at step {self.step}, {self.seconds_left:.0f} s "
             "before the deadline; "
         )
+        sizing = f" ({self.sizing_note})" if self.sizing_note else ""
         if self.kept_until_deadline is None:
-            return head + "the group ends now and restarts without the reclaimed node"
-        return head + (
-            f"the workers wait for the restart without the reclaimed node at the deadline "
-            f"(the group could not end at once: {self.kept_until_deadline})"
+            return head + "the group ends now and restarts without the reclaimed node" + sizing
+        return (
+            head
+            + (
+                f"the workers wait for the restart without the reclaimed node at the deadline "
+                f"(the group could not end at once: {self.kept_until_deadline})"
+            )
+            + sizing
         )
 
 
@@ -271,6 +303,7 @@ Event = (
     | MicroBatchChanged
     | ScheduleChanged
     | Checkpointed
+    | CheckpointWaited
     | PreemptionNotice
     | ReclaimStandby
     | Straggler

@@ -13,8 +13,10 @@ to those of Google's goodput measurement:
 - validation: the validations' time (`val/time_s` of a step record);
 - checkpoints: what the ranks waited for their checkpoints (`Checkpointed`; with asynchronous
   checkpoints, the blocking part);
-- recomputed: the step time of steps done again after a restart (an attempt no checkpoint
-  kept): progress wasted by a disruption;
+- checkpoint waits: what training waited for an asynchronous checkpoint still being written
+  (before the next one, or before a reclaim's checkpoint);
+- recomputed: the step time and validations of steps done again after a restart (an attempt
+  no checkpoint kept): progress wasted by a disruption;
 - restarts and resizes: from the last item of a group to the next group's `RunStarted`, less
   its restore (the failure or the resize, waiting for the reclaim after the last checkpoint,
   the new group): recovery;
@@ -25,11 +27,20 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-from rayacc.observe.events import Checkpointed, Event, RunObserver, RunStarted
+from rayacc.observe.events import (
+    Checkpointed,
+    CheckpointWaited,
+    Event,
+    PreemptionNotice,
+    ReclaimStandby,
+    RunObserver,
+    RunStarted,
+)
 
-__all__ = ["PARTS", "Goodput", "describe"]
+__all__ = ["PARTS", "Goodput", "Recoveries", "Recovery", "describe"]
 
 PARTS = {
     "training_s": "training",
@@ -39,6 +50,7 @@ PARTS = {
     "data_s": "data waits",
     "validation_s": "validation",
     "checkpoint_s": "checkpoints",
+    "checkpoint_wait_s": "checkpoint waits",
     "recomputed_s": "recomputed",
     "restarts_s": "restarts and resizes",
     "other_s": "other",
@@ -66,6 +78,7 @@ class Goodput(RunObserver):
         self.restore_s = 0.0
         self.restarts_s = 0.0
         self.checkpoint_s = 0.0
+        self.checkpoint_wait_s = 0.0
         self.recomputed_s = 0.0
         self.recomputed_steps = 0
         self.groups = 0
@@ -88,10 +101,15 @@ class Goodput(RunObserver):
             self.groups += 1
             # steps after the checkpoint this group starts from are done again
             for step in [s for s in self.steps if s > event.step]:
-                self.recomputed_s += self.steps.pop(step)[0]
+                step_s, _, validation_s = self.steps.pop(step)
+                self.recomputed_s += step_s + validation_s
                 self.recomputed_steps += 1
         elif isinstance(event, Checkpointed):
-            self.checkpoint_s += event.seconds
+            waited = min(max(0.0, event.waited_s), event.seconds)
+            self.checkpoint_s += event.seconds - waited
+            self.checkpoint_wait_s += waited
+        elif isinstance(event, CheckpointWaited):
+            self.checkpoint_wait_s += event.seconds
         self.last_seen = now
 
     def on_step(self, record: dict[str, Any]) -> None:
@@ -113,6 +131,7 @@ class Goodput(RunObserver):
             "data_s": data,
             "validation_s": sum(v for _, _, v in self.steps.values()),
             "checkpoint_s": self.checkpoint_s,
+            "checkpoint_wait_s": self.checkpoint_wait_s,
             "recomputed_s": self.recomputed_s,
             "restarts_s": self.restarts_s,
         }
@@ -124,6 +143,89 @@ class Goodput(RunObserver):
             "restarts": float(max(0, self.groups - 1)),
             "steps_recomputed": float(self.recomputed_steps),
         }
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """A worker group that followed another: from the end of the one before to training
+    again. Times are time.time() seconds; the group before ended at the reclaim's deadline (as
+    the run brought it forward) when a notice came, else with its last item."""
+
+    step: int
+    """The step the new group started from."""
+    ended_at: float
+    training_at: float
+    """The new group's first step (as the driver received it)."""
+    group_start_s: float
+    """From the new group's processes starting (no earlier than the end of the one before) to
+    its first step: what a start costs, the rest of the recovery is waiting for it."""
+    recomputed: int
+    notice_to_deadline_s: float | None = None
+
+    @property
+    def back_s(self) -> float:
+        return self.training_at - self.ended_at
+
+    def console_line(self) -> str:
+        tail = (
+            f"training again {self.back_s:.1f} s (group start {self.group_start_s:.1f} s), "
+            f"steps recomputed {self.recomputed}"
+        )
+        if self.notice_to_deadline_s is None:
+            return f"back to training at step {self.step + 1}: group end → {tail}"
+        return f"reclaim: notice → deadline {self.notice_to_deadline_s:.1f} s, deadline → {tail}"
+
+
+class Recoveries(RunObserver):
+    """Each recovery of a fit, known at the new group's first step: `on_step` returns it (the
+    console prints it there), `done` keeps them."""
+
+    def __init__(self, clock: Callable[[], float] = time.time):
+        self.clock = clock
+        self.groups = 0
+        self.last_seen: float | None = None
+        self.top_step = 0
+        self.noticed: tuple[float, float] | None = None
+        """(when the notice arrived, the deadline as it stands)."""
+        self.pending: tuple[RunStarted, float, float | None] | None = None
+        self.done: list[Recovery] = []
+
+    def on_event(self, event: Event) -> Recovery | None:
+        now = self.clock()
+        if isinstance(event, PreemptionNotice):
+            deadline = event.deadline_at or now + event.seconds_left
+            self.noticed = (now, deadline)
+        elif isinstance(event, ReclaimStandby) and self.noticed and event.deadline_at:
+            self.noticed = (self.noticed[0], event.deadline_at)
+        elif isinstance(event, RunStarted):
+            if self.groups and self.last_seen is not None:
+                ended = self.noticed[1] if self.noticed else self.last_seen
+                notice_s = self.noticed[1] - self.noticed[0] if self.noticed else None
+                self.pending = (event, ended, notice_s)
+            self.groups += 1
+            self.noticed = None
+        self.last_seen = now
+        return None
+
+    def on_step(self, record: dict[str, Any]) -> Recovery | None:
+        now = self.clock()
+        self.last_seen = now
+        recovery = None
+        if self.pending is not None:
+            started, ended, notice_s = self.pending
+            began = max(started.process_started_at or ended, ended)
+            recovery = Recovery(
+                step=started.step,
+                ended_at=ended,
+                training_at=now,
+                group_start_s=max(0.0, now - began),
+                recomputed=max(0, self.top_step - started.step),
+                notice_to_deadline_s=notice_s,
+            )
+            self.done.append(recovery)
+            self.pending = None
+        self.top_step = max(self.top_step, record["step"])
+        return recovery
 
 
 def percent(fraction: float) -> str:

@@ -102,7 +102,7 @@ class Checkpointer:
         meta: dict,
         files: dict[str, str] | None = None,
         background: bool = False,
-    ) -> None:
+    ) -> float:
         """Every rank reports (a barrier). Rank 0 stages its part (the state, every rank's
         random state, the lineage); a strategy that shards has every rank stage its shards
         too; each part is put into the checkpoint's folder in storage, its manifest last.
@@ -110,13 +110,14 @@ class Checkpointer:
         `background`: training waits only for the copy of the state (and, sharded, its
         staging); the files are written and put into storage on Ray Train's upload thread,
         and Ray Train registers the checkpoint only once that is done. At most one is in
-        flight: a save first waits for the one before (`wait`)."""
+        flight: a save first waits for the one before (`wait`). Returns the seconds of that
+        wait."""
         import ray.train
 
         from rayacc.engine import all_gather_objects
         from rayacc.engine.parallel import host_copy
 
-        self.wait()
+        waited = self.wait()
         w = self.parts
         started = time.perf_counter()
         rng = all_gather_objects(w.rng_state())
@@ -158,7 +159,7 @@ class Checkpointer:
             upload.discard()
             ray.train.report(metrics, checkpoint=None, checkpoint_dir_name=name)
             self.complete_s = time.perf_counter() - started
-            return
+            return waited
         storage = ray.train.get_context().get_storage()
         flight = _InFlight(step, started)
 
@@ -191,7 +192,7 @@ class Checkpointer:
             finally:
                 upload.discard()
             self.complete_s = time.perf_counter() - started
-            return
+            return waited
         self._in_flight = flight
         ray.train.report(
             metrics,
@@ -200,6 +201,7 @@ class Checkpointer:
             checkpoint_upload_mode=ray.train.CheckpointUploadMode.ASYNC,
             checkpoint_upload_fn=put,
         )
+        return waited
 
     def cost_s(self) -> float | None:
         """What a checkpoint costs on this rank, whole, as last measured: the last one's
@@ -212,19 +214,23 @@ class Checkpointer:
         known = [s for s in (self.complete_s, running) if s is not None]
         return max(known) if known else None
 
-    def wait(self) -> None:
+    def wait(self) -> float:
         """Until the checkpoint in flight, if any, is in storage (its time: `complete_s`); one
-        that could not be written ends the group (a restart resumes from the one before)."""
+        that could not be written ends the group (a restart resumes from the one before).
+        Returns the seconds waited."""
         flight, self._in_flight = self._in_flight, None
         if flight is None:
-            return
+            return 0.0
+        t = time.perf_counter()
         flight.done.wait()
+        waited = time.perf_counter() - t
         self.complete_s = flight.seconds
         if flight.error is not None:
             raise RuntimeError(
                 f"the checkpoint of step {flight.step} could not be written "
                 f"({type(flight.error).__name__}: {redact(str(flight.error))[:300]})"
             ) from flight.error
+        return waited
 
 
 @dataclass

@@ -163,6 +163,7 @@ class WorkerRun:
                 effective_lr=self.lr,
                 restore_s=restored.seconds,
                 entered_at=self.timeline["entered"],
+                process_started_at=self.timeline["process_started"],
                 nodes=self.telemetry.nodes,
                 node_figures=SYSTEM_NAMES if self.telemetry.node_sampler is not None else (),
                 mesh=self.strategy.describe_mesh(),
@@ -258,7 +259,7 @@ class WorkerRun:
         # records up to a checkpoint are never replayed after a restart: hand them over
         self.outbox.flush()
         step = self.state.optimizer_step
-        self.checkpoints.save(
+        waited = self.checkpoints.save(
             dict(self.last),
             step=step,
             description=self.spec.description,
@@ -276,9 +277,8 @@ class WorkerRun:
         if reason != "periodic":
             self.checkpoints.wait()
         seconds = time.perf_counter() - t
-        self.checkpoint_step = step
-        self.watch.blocking_s = seconds
-        self.outbox.send(Checkpointed(step, seconds, reason))
+        self.checkpoint_step, self.watch.blocking_s = step, seconds
+        self.outbox.send(Checkpointed(step, seconds, reason, waited_s=waited))
         return seconds
 
     def _summary(self, restored) -> dict[str, Any]:

@@ -28,8 +28,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from rayacc.cluster import capacity
 from rayacc.engine import all_gather_objects
-from rayacc.observe.events import PreemptionNotice, ReclaimStandby
+from rayacc.observe.events import CheckpointWaited, PreemptionNotice, ReclaimStandby
 from rayacc.worker.cadence import Cadence
 
 __all__ = [
@@ -144,6 +145,10 @@ class PreemptionWatch:
         """The last validation's time on this rank."""
         self.cadence: Cadence | None = None
         """The group's boundaries, once its length is known (none: windows and checkpoints)."""
+        self.ends_at: float | None = None
+        """When the group ends, once rank 0 brought the deadline forward."""
+        self.sizing_note: str | None = None
+        """What `end_now` could not do besides ending the group (Ray's sizing not told)."""
 
     def signal(self, step: int = 0) -> bool:
         """Whether this rank raises the signal of the window that makes step `step + 1`."""
@@ -208,9 +213,10 @@ class PreemptionWatch:
         if self.end_now is None or self.notice is None:
             return "no way to end it here"
         try:
-            self.end_now(self.notice.nodes)
+            self.sizing_note = self.end_now(self.notice.nodes)
         except Exception as exc:  # the wait for the deadline still ends the group
             return f"{type(exc).__name__}: {exc}"[:300]
+        self.ends_at = self.clock() + END_AFTER_S
         return None
 
     def stand_by(self, sleep: Callable[[float], None] = time.sleep) -> None:
@@ -226,7 +232,7 @@ class Reclaim:
     """Carries out a boundary's `Decision`, in one place: the checkpoints a notice asks for,
     the events that say what was done, the early end of the group and the wait for it.
     `checkpoint(reason)` writes this step's checkpoint and returns the seconds training waited;
-    `wait()` returns once a checkpoint in flight is in storage."""
+    `wait()` returns once a checkpoint in flight is in storage, with the seconds it waited."""
 
     def __init__(
         self,
@@ -234,7 +240,7 @@ class Reclaim:
         *,
         rank: int,
         checkpoint: Callable[[str], float],
-        wait: Callable[[], None],
+        wait: Callable[[], float],
         outbox: Any,
     ):
         self.watch, self.rank, self.outbox = watch, rank, outbox
@@ -249,7 +255,9 @@ class Reclaim:
             return
         watch = self.watch
         # a checkpoint still in flight is in storage before anything a notice asks for
-        self.wait()
+        waited = self.wait()
+        if waited:
+            self.outbox.send(CheckpointWaited(step, waited))
         if isinstance(decision, LastCheckpoint):
             if not checkpointed:
                 self.checkpoint("before the reclaim")
@@ -257,7 +265,15 @@ class Reclaim:
                 return  # the run is done: nothing to wait for
             # rank 0 alone: one request to Ray for the whole group
             kept_until_deadline = watch.end_group() if self.rank == 0 else None
-            self.outbox.send(ReclaimStandby(step, watch.seconds_left(), kept_until_deadline))
+            self.outbox.send(
+                ReclaimStandby(
+                    step,
+                    watch.seconds_left(),
+                    kept_until_deadline,
+                    deadline_at=watch.ends_at or watch.notice.deadline,
+                    sizing_note=watch.sizing_note,
+                )
+            )
             self.outbox.flush()
             watch.stand_by()
             return
@@ -280,6 +296,7 @@ class Reclaim:
                 checkpoint_s=checkpoint_s,
                 checkpoint_step=last_saved(),
                 too_short=too_short,
+                deadline_at=notice.deadline,
             )
         )
         self.outbox.flush()
@@ -300,11 +317,13 @@ def ray_notice_sources() -> tuple[Callable[[], Any], Callable[[], Any], Callable
     return (lambda: context.preemption_info), ray.train.get_preemption_info, end_group_now
 
 
-def end_group_now(nodes: Sequence[str]) -> None:
+def end_group_now(nodes: Sequence[str]) -> str | None:
     """Drains `nodes` for preemption again, with a deadline `END_AFTER_S` away: Ray Core keeps
     the newer request, Ray Train's watcher passes the earlier deadline on and its controller
-    ends the group then (a preemption, not a failure) and places the next one without them.
-    The node is leaving anyway; whatever else runs there sees the earlier deadline too."""
+    ends the group then (a preemption, not a failure) and places the next one without them —
+    at once, Ray's elastic sizing having been told to count them out (`capacity.count_out`).
+    The node is leaving anyway; whatever else runs there sees the earlier deadline too.
+    Returns what could not be done besides (None: nothing)."""
     import ray
     from ray.core.generated import autoscaler_pb2
 
@@ -317,3 +336,11 @@ def end_group_now(nodes: Sequence[str]) -> None:
         )
         if not accepted:
             raise RuntimeError(f"Ray refused the drain of node {node}: {why}")
+    try:
+        capacity.count_out(nodes)
+    except Exception as exc:  # the group still ends; its successor may be tried at the old size
+        return (
+            "Ray's elastic sizing counts the node until its own next look: "
+            f"{type(exc).__name__}: {exc}"
+        )[:300]
+    return None

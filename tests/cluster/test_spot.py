@@ -131,6 +131,17 @@ def test_spot_reclaim_with_notice_is_preempted_without_losing_a_step(
     # the first group had both nodes (one that grew before its first checkpoint redoes steps)
     assert "restarted from the beginning" not in out, out[-4000:]
     assert "0 steps recomputed" in out, out[-3000:]
+    # ... at once: the next group is sized without the draining node (Ray's elastic sizing
+    # counted it out when the group ended), not tried at the old size first — what is left of
+    # the recovery beyond the new group's own start is the controller's reaction
+    recovery = re.search(
+        r"reclaim: notice → deadline ([\d.]+) s, deadline → training again ([\d.]+) s "
+        r"\(group start ([\d.]+) s\), steps recomputed (\d+)",
+        out,
+    )
+    assert recovery, out[-4000:]
+    back_s, start_s = float(recovery.group(2)), float(recovery.group(3))
+    assert recovery.group(4) == "0" and back_s <= start_s + 5, recovery.group(0)
 
     run, series = run_record(tmp_path, "spot")
     assert series("scaling/num_workers") == [2] * last_at + [1] * (STEPS - last_at)

@@ -69,3 +69,21 @@ def test_the_coordinator_reads_the_nodes_before_an_elastic_group_starts(
     finally:
         ray.get(actor.get_reserved_resources.remote("tests", recompute=True))
     assert nodes_seen(actor) == alive
+
+
+def test_a_node_counted_out_is_counted_while_no_drain_of_it_is_in_effect(ray_local):
+    """`count_out` runs its listing inside Ray's coordinator (its process imports nothing of
+    rayacc): the filter is installed there, and a node that is not being drained (a drain
+    cancelled) stays counted. The drained case is the multi-node spot test's."""
+    import ray
+
+    from rayacc.cluster.capacity import count_out, live_nodes
+
+    actor = coordinator()
+    alive = sum(node["Alive"] for node in ray.nodes())
+    (head,) = live_nodes()
+    count_out([head])
+    assert ray.get(actor.__ray_call__.remote(lambda self: sorted(self._rayacc_leaving))) == [head]
+    forget_the_nodes(actor)
+    ray.get(actor.get_reserved_resources.remote("tests", recompute=True))
+    assert nodes_seen(actor) == alive

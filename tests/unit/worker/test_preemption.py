@@ -533,3 +533,32 @@ def test_the_budget_counts_an_asynchronous_checkpoint_whole():
     assert Checkpointer.cost_s(writing) >= 4.0  # still writing: at least its 4 s so far
     flight.done.set()
     assert Checkpointer.cost_s(writing) == 1.0
+
+
+def test_a_notice_says_the_wait_for_the_checkpoint_in_flight_and_when_the_group_ends():
+    """The wait for an asynchronous checkpoint before a notice's checkpoint is reported (it
+    was nobody's time: goodput's "other"); the standby carries the deadline as rank 0 set it."""
+    from rayacc.observe.events import CheckpointWaited
+    from rayacc.worker.preemption import END_AFTER_S
+
+    clock = Clock()
+    info = Info(int((clock.t + 30) * 1000))
+    watch = PreemptionWatch(lambda: info, lambda: info, clock, end_now=lambda nodes: None)
+    watch.stand_by = lambda: setattr(watch, "phase", Phase.OVER)
+    waits, outbox = [2.5, 0.0], Outbox()
+    reclaim = Reclaim(
+        watch, rank=0, checkpoint=lambda r: 0.1, wait=lambda: waits.pop(0), outbox=outbox
+    )
+    reclaim.carry_out(
+        watch.after_window(1, 1.0), 3, checkpointed=False, is_last=False, last_saved=lambda: 3
+    )
+    waited, noticed = outbox.sent
+    assert waited == CheckpointWaited(3, 2.5)
+    assert noticed.deadline_at == pytest.approx(clock.t + 30, abs=1e-3)
+    clock.t += 20.0
+    reclaim.carry_out(
+        watch.after_window(1, 1.0), 9, checkpointed=False, is_last=False, last_saved=lambda: 9
+    )
+    (standby,) = outbox.sent[2:]  # nothing was in flight: no wait reported
+    assert standby.kept_until_deadline is None and standby.sizing_note is None
+    assert standby.deadline_at == pytest.approx(clock.t + END_AFTER_S)

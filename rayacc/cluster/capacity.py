@@ -1,0 +1,149 @@
+"""What Ray Train's elastic sizing counts, told when it changes.
+
+An elastic group starts (and restarts) at the size Ray's autoscaling coordinator reserves for
+it: Ray Train's elastic policy asks that detached actor, which reads the cluster's nodes every
+20 s and counts every node that is alive — a node being drained for preemption included. So
+after a reclaim the next group was first placed at the old size (the draining node takes no
+new worker), waited out its start timeout there and only then went smaller; after a node was
+lost without notice the same, until the coordinator's next look.
+
+Here the coordinator is told instead: `count_out(nodes)` once a drained node's group ends
+(rank 0 after the last checkpoint before a reclaim, the driver's `NodeWatch` once a drain's
+deadline has passed); from then on it counts those nodes out while they drain; `recount()`
+whenever the cluster's live nodes change. Not before: a draining node counted out while its
+group still runs would have Ray Train resize the group before the ranks wrote their last
+checkpoint.
+
+The coordinator is Ray's own module (Ray 2.60, `ray.data._internal.cluster_autoscaler`); what
+runs inside it goes through `__ray_call__`, Ray's developer API for a closure on an actor. A
+Ray without either leaves the sizing as it was (the callers say so once).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+__all__ = ["NodeWatch", "count_out", "draining_nodes", "live_nodes", "recount"]
+
+TIMEOUT_S = 10.0
+REQUESTER = "rayacc"
+"""The name the coordinator's recount is asked under (it reserves nothing for it)."""
+
+
+def _coordinator():
+    from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
+        get_or_create_autoscaling_coordinator,
+    )
+
+    return get_or_create_autoscaling_coordinator()
+
+
+def recount() -> None:
+    """Has the coordinator read the cluster's nodes now (rather than at its next look)."""
+    import ray
+
+    coordinator = _coordinator()
+    ray.get(coordinator.get_reserved_resources.remote(REQUESTER, recompute=True), timeout=TIMEOUT_S)
+
+
+def count_out(nodes: Sequence[str]) -> None:
+    """Has the coordinator count `nodes` (hex ids) out while they are drained, from now on,
+    and read the cluster at once. A drain that is cancelled counts the node in again."""
+    import ray
+
+    def install(coordinator, leaving: tuple[str, ...], requester: str) -> None:
+        # runs inside the coordinator: its own node listing, filtered (pickled by value, so
+        # the coordinator's process imports nothing of rayacc)
+        import ray as ray_in_actor
+
+        held = getattr(coordinator, "_rayacc_leaving", None)
+        if held is None:
+            held = coordinator._rayacc_leaving = set()
+            listed = coordinator._get_cluster_nodes
+
+            def in_service():
+                draining = ray_in_actor._private.state.state.get_draining_nodes()
+                gone = held.intersection(draining)
+                return [n for n in listed() if n["NodeID"] not in gone]
+
+            coordinator._get_cluster_nodes = in_service
+        held.update(leaving)
+        coordinator.get_reserved_resources(requester, recompute=True)
+
+    call = _coordinator().__ray_call__.remote(install, tuple(nodes), REQUESTER)
+    ray.get(call, timeout=TIMEOUT_S)
+
+
+def live_nodes() -> frozenset[str]:
+    """The ids of the cluster's live nodes."""
+    import ray
+
+    return frozenset(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
+
+
+def draining_nodes() -> dict[str, int]:
+    """Nodes being drained → their deadline (epoch ms; 0: none), as Ray Train's watcher reads
+    them."""
+    import ray
+
+    return ray._private.state.state.get_draining_nodes()
+
+
+class NodeWatch:
+    """The driver's look at the cluster for an elastic run, `poll()`ed as the run's items are
+    relayed, at most once per `every_s`: a drained node whose deadline has passed (the group
+    there is ending, whoever ends it: rank 0 after its last checkpoint, or Ray Train at the
+    provider's deadline) is counted out; otherwise, when the live nodes changed since the last
+    look (a node lost without notice, one that joined), the coordinator recounts. A failure to
+    tell it is handed to `warn` once, and the watch stops."""
+
+    def __init__(
+        self,
+        warn: Callable[[str], None],
+        every_s: float = 1.0,
+        nodes: Callable[[], frozenset[str]] = live_nodes,
+        draining: Callable[[], dict[str, int]] = draining_nodes,
+        tell: Callable[[], None] = recount,
+        leave: Callable[[Sequence[str]], None] = count_out,
+        clock: Callable[[], float] | None = None,
+        wall: Callable[[], float] | None = None,
+    ):
+        import time
+
+        self.warn, self.every_s, self.nodes, self.draining = warn, every_s, nodes, draining
+        self.tell, self.leave = tell, leave
+        self.clock = clock or time.monotonic
+        self.wall = wall or time.time
+        self.seen: frozenset[str] | None = None
+        self.counted_out: set[str] = set()
+        self.next_at = float("-inf")
+        self.recounts = 0
+        self.stopped = False
+
+    def poll(self) -> None:
+        now = self.clock()
+        if self.stopped or now < self.next_at:
+            return
+        self.next_at = now + self.every_s
+        try:
+            nodes = self.nodes()
+            now_ms = self.wall() * 1000
+            due = {
+                node
+                for node, deadline_ms in self.draining().items()
+                if node in nodes and 0 < deadline_ms <= now_ms
+            } - self.counted_out
+            if due:
+                self.leave(sorted(due))
+                self.counted_out |= due
+                self.recounts += 1
+            elif self.seen is not None and nodes != self.seen:
+                self.tell()
+                self.recounts += 1
+            self.seen = nodes
+        except Exception as exc:  # the coordinator's own look, every 20 s, remains
+            self.stopped = True
+            self.warn(
+                "could not have Ray's autoscaling coordinator recount the cluster's nodes "
+                f"({type(exc).__name__}: {exc}); a lost node may be counted until its next look"
+            )

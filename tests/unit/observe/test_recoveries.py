@@ -1,0 +1,201 @@
+"""After a group ends: where the wait went (goodput's checkpoint waits and recomputed
+validations), how long until training again (`Recoveries`), and the cluster's live nodes
+recounted for Ray's elastic sizing when they change (`NodeWatch`). The whole stack — a reclaim
+on a multi-node cluster — is tests/cluster/test_spot.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from rayacc.cluster.capacity import NodeWatch
+from rayacc.observe.events import (
+    Checkpointed,
+    CheckpointWaited,
+    PreemptionNotice,
+    ReclaimStandby,
+    RunStarted,
+)
+from rayacc.observe.goodput import Goodput, Recoveries, describe
+
+
+class Clock:
+    def __init__(self, t: float = 1000.0):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def started(step: int, process_at: float | None = None) -> RunStarted:
+    return RunStarted(step, 40, step or None, "", {}, 0.1, process_started_at=process_at)
+
+
+def notice(step: int, seconds_left: float, deadline_at: float | None = None) -> PreemptionNotice:
+    return PreemptionNotice(step, ("n",), (1,), seconds_left, True, 0.5, step, False, deadline_at)
+
+
+def test_checkpoint_waits_and_recomputed_validations_are_named_not_other():
+    """Known seconds on a clock that moves with them: a checkpoint whose 2.5 s began with 2 s
+    of waiting for the one before, a 4 s validation after a step the next group does again, a
+    3 s wait for the checkpoint in flight at a reclaim. Nothing is left for `other`."""
+    clock = Clock(100.0)
+    g = Goodput(started=100.0, clock=clock)
+    g.on_event(started(0))
+    for step in (1, 2, 3):
+        clock.t += 1.0
+        g.on_step({"step": step, "perf/step_time_s": 1.0})
+    clock.t += 2.5
+    g.on_event(Checkpointed(3, 2.5, "periodic", waited_s=2.0))
+    clock.t += 1.0 + 4.0
+    g.on_step({"step": 4, "perf/step_time_s": 1.0, "val/time_s": 4.0})
+    clock.t += 3.0
+    g.on_event(CheckpointWaited(4, 3.0))
+    clock.t += 1.0
+    g.on_event(started(2))  # the group before kept step 2 only: 3 and 4 are done again
+    split = g.split(wall_s=clock.t - 100.0)
+    assert split["checkpoint_s"] == pytest.approx(0.5)
+    assert split["checkpoint_wait_s"] == pytest.approx(2.0 + 3.0)
+    assert split["recomputed_s"] == pytest.approx(1.0 + 1.0 + 4.0)
+    assert split["validation_s"] == 0.0  # the one validation was of a step done again
+    assert split["restarts_s"] == pytest.approx(1.0)
+    assert split["other_s"] == pytest.approx(0.0, abs=1e-9)
+    assert "checkpoint waits 5.0 s" in describe(split)
+
+
+def trained(steps: int) -> tuple[Clock, Recoveries]:
+    """A first group's `steps` steps, a second each from t = 1000."""
+    clock = Clock(1000.0)
+    r = Recoveries(clock)
+    r.on_event(started(0))
+    for step in range(1, steps + 1):
+        clock.t += 1.0
+        r.on_step({"step": step})
+    return clock, r
+
+
+def test_a_reclaim_ended_early_is_measured_from_the_deadline_it_set():
+    clock, r = trained(5)
+    r.on_event(notice(5, 30.0, deadline_at=1035.0))  # arrives at 1005: the deadline 30 s on
+    clock.t = 1012.0
+    r.on_step({"step": 6})
+    r.on_event(ReclaimStandby(6, 22.0, None, deadline_at=1013.0))  # ended: a second from now
+    clock.t = 1013.5
+    r.on_event(started(6, process_at=1015.0))
+    clock.t = 1022.0
+    recovery = r.on_step({"step": 7})
+    assert recovery is not None
+    assert recovery.notice_to_deadline_s == pytest.approx(8.0)
+    assert recovery.back_s == pytest.approx(9.0)
+    assert recovery.group_start_s == pytest.approx(7.0)
+    assert recovery.recomputed == 0
+    assert recovery.console_line() == (
+        "reclaim: notice → deadline 8.0 s, deadline → training again 9.0 s (group start 7.0 s), "
+        "steps recomputed 0"
+    )
+    assert r.on_step({"step": 8}) is None  # one line per recovery
+    assert r.done == [recovery]
+
+
+def test_a_loss_without_notice_counts_from_the_last_item_and_the_steps_done_again():
+    clock, r = trained(7)
+    clock.t = 1030.0
+    # a worker process older than the end of the group before (a pooled one): the group's
+    # start is counted from that end, never from before it
+    r.on_event(started(4, process_at=990.0))
+    clock.t = 1040.0
+    recovery = r.on_step({"step": 5})
+    assert recovery is not None and recovery.notice_to_deadline_s is None
+    assert recovery.back_s == pytest.approx(33.0) and recovery.group_start_s == pytest.approx(33.0)
+    assert recovery.recomputed == 3
+    assert recovery.console_line().startswith("back to training at step 5: group end → training")
+
+
+def test_the_first_group_is_no_recovery():
+    clock = Clock()
+    r = Recoveries(clock)
+    r.on_event(started(0, process_at=clock.t))
+    assert r.on_step({"step": 1}) is None and r.done == []
+
+
+class Nodes:
+    def __init__(self, *ids: str):
+        self.ids = frozenset(ids)
+        self.fail = False
+
+    def __call__(self) -> frozenset[str]:
+        if self.fail:
+            raise ConnectionError("the GCS did not answer")
+        return self.ids
+
+
+def watch_of(nodes, clock, draining=dict):
+    told, left, warned = [], [], []
+    watch = NodeWatch(
+        warned.append,
+        every_s=1.0,
+        nodes=nodes,
+        draining=draining,
+        tell=lambda: told.append(1),
+        leave=left.append,
+        clock=clock,
+        wall=clock,
+    )
+    return watch, told, left, warned
+
+
+def test_the_node_watch_recounts_when_the_live_nodes_change_and_only_then():
+    clock, nodes = Clock(), Nodes("a", "b")
+    watch, told, left, warned = watch_of(nodes, clock)
+    watch.poll()
+    clock.t += 1.0
+    watch.poll()
+    assert told == []  # the first look sets what is known; nothing changed since
+    nodes.ids = frozenset({"a"})  # b is lost
+    watch.poll()
+    assert told == []  # polled within the second: not looked at yet
+    clock.t += 1.0
+    watch.poll()
+    assert told == [1] and watch.recounts == 1
+    clock.t += 1.0
+    watch.poll()
+    assert told == [1]
+    nodes.ids = frozenset({"a", "c"})  # c joins
+    clock.t += 1.0
+    watch.poll()
+    assert told == [1, 1] and left == []
+    nodes.fail = True
+    clock.t += 1.0
+    watch.poll()
+    clock.t += 1.0
+    watch.poll()
+    assert len(warned) == 1 and "ConnectionError" in warned[0] and watch.stopped
+
+
+def test_a_drained_node_is_counted_out_once_its_deadline_has_passed_and_not_before():
+    """Before its deadline the group there still runs (counted out then, Ray Train would
+    resize it before the last checkpoint); after it, the group ends and the next one is sized
+    without the node at once."""
+    clock, nodes = Clock(1000.0), Nodes("a", "b")
+    drains = {"b": int(1010.0 * 1000), "elsewhere": int(990.0 * 1000)}
+    watch, told, left, _ = watch_of(nodes, clock, draining=lambda: drains)
+    for _ in range(9):
+        clock.t += 1.0
+        watch.poll()
+    assert left == [] and told == []  # not ours ("elsewhere" is no live node of the cluster)
+    clock.t += 1.0
+    watch.poll()
+    assert left == [["b"]]
+    clock.t += 1.0
+    watch.poll()
+    assert left == [["b"]]  # once
+    nodes.ids = frozenset({"a"})  # then the node goes: the coordinator recounts as well
+    clock.t += 1.0
+    watch.poll()
+    assert told == [1]
+
+
+def test_a_standby_says_when_rays_sizing_was_not_told():
+    standby = ReclaimStandby(9, 4.2, None, deadline_at=1.0, sizing_note="Ray's elastic sizing …")
+    assert standby.console_line().endswith(
+        "the group ends now and restarts without the reclaimed node (Ray's elastic sizing …)"
+    )
