@@ -89,13 +89,24 @@ def draining_nodes() -> dict[str, int]:
     return ray._private.state.state.get_draining_nodes()
 
 
+LEAD_S = 3.0
+"""A drained node is counted out this long before its deadline: Ray Train's controller ends
+the group at the deadline and sizes the next one at once, so counting out at the deadline
+raced it (and lost: the old size was tried first)."""
+KNOWN_S = 6.0
+"""... but not before the drain has been seen this long: by then Ray Train's watcher (it polls
+every 5 s) has told the controller, which makes no resize decision for a group being
+preempted; counted out earlier, the running group could be resized under the ranks."""
+
+
 class NodeWatch:
     """The driver's look at the cluster for an elastic run, `poll()`ed as the run's items are
-    relayed, at most once per `every_s`: a drained node whose deadline has passed (the group
-    there is ending, whoever ends it: rank 0 after its last checkpoint, or Ray Train at the
-    provider's deadline) is counted out; otherwise, when the live nodes changed since the last
-    look (a node lost without notice, one that joined), the coordinator recounts. A failure to
-    tell it is handed to `warn` once, and the watch stops."""
+    relayed, at most once per `every_s`: a drained node whose deadline is near (`LEAD_S`, the
+    drain known for `KNOWN_S`) or past is counted out — the group there ends by then, whoever
+    ends it: rank 0 after its last checkpoint, or Ray Train at the deadline; otherwise, when
+    the live nodes changed since the last look (a node lost without notice, one that joined),
+    the coordinator recounts. A failure to tell it is handed to `warn` once, and the watch
+    stops."""
 
     def __init__(
         self,
@@ -116,6 +127,8 @@ class NodeWatch:
         self.wall = wall or time.time
         self.seen: frozenset[str] | None = None
         self.counted_out: set[str] = set()
+        self.drains_seen: dict[str, float] = {}
+        """Drained node → when this watch first saw the drain (its clock)."""
         self.next_at = float("-inf")
         self.recounts = 0
         self.stopped = False
@@ -127,12 +140,15 @@ class NodeWatch:
         self.next_at = now + self.every_s
         try:
             nodes = self.nodes()
-            now_ms = self.wall() * 1000
-            due = {
-                node
-                for node, deadline_ms in self.draining().items()
-                if node in nodes and 0 < deadline_ms <= now_ms
-            } - self.counted_out
+            wall = self.wall()
+            due = set()
+            for node, deadline_ms in self.draining().items():
+                seen = self.drains_seen.setdefault(node, now)
+                left_s = deadline_ms / 1000 - wall
+                near = deadline_ms > 0 and left_s <= LEAD_S
+                if node in nodes and near and (left_s <= 0 or now - seen >= KNOWN_S):
+                    due.add(node)
+            due -= self.counted_out
             if due:
                 self.leave(sorted(due))
                 self.counted_out |= due

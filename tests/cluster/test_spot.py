@@ -7,14 +7,9 @@ single-process run."""
 
 from __future__ import annotations
 
-import datetime as dt
-import json
-import os
 import re
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -24,7 +19,6 @@ from tests.support.services.cluster import (
     add_node,
     final_checkpoint,
     job,
-    local,
     notice_outcomes,
     reference_weights,
     rel_diff,
@@ -34,55 +28,11 @@ from tests.support.services.cluster import (
     wait_for_slots,
     weights,
 )
-from tests.support.services.metadata import serve
+from tests.support.services.spot import reclaim_with_the_agent
 
 pytestmark = [pytest.mark.ray, pytest.mark.cluster]
 STEPS = 32
 NOTICE_S = 15
-
-
-def reclaim_with_the_agent(cluster: dict, node: int, tmp_path: Path, log: Path) -> None:
-    """A reclaim as a cloud makes it: the instance metadata announces it (AWS's protocol,
-    NOTICE_S ahead), the spot agent runs as the cluster specs run it (a shell loop that starts
-    it again whenever it exits) and is killed every 3 s besides (never in the middle of its
-    drain), then the node goes at the deadline."""
-    addresses = dict(
-        line.removeprefix("export ").split("=", 1)
-        for line in Path(cluster["RAYACC_CLUSTER_ENV"]).read_text().splitlines()
-        if line.strip()
-    )
-    node_id = local("node-id", str(node), env=cluster).stdout.strip()
-    assert node_id, f"worker node {node} is not in the cluster"
-    record = tmp_path / "spot.json"
-    reclaim_at = dt.datetime.fromtimestamp(time.time() + NOTICE_S, dt.UTC)
-    with serve({"announced": True, "reclaim_at": reclaim_at.strftime("%Y-%m-%dT%H:%M:%SZ")}) as (
-        url,
-        _,
-    ):
-        agent = (
-            f"{sys.executable} -m rayacc.cluster.spot --cloud aws --metadata-url {url} "
-            f"--node-id {node_id} --address {addresses['RAYACC_GCS_ADDRESS']} "
-            f"--state {record} --interval-s 0.5"
-        )
-        loop = subprocess.Popen(
-            ["sh", "-c", f"while true; do {agent}; sleep 1; done"],
-            stdout=log.open("w"),
-            stderr=subprocess.STDOUT,
-            env=dict(cluster, RAY_AUTH_MODE="token"),
-            start_new_session=True,
-        )
-        try:
-            while dt.datetime.now(dt.UTC) < reclaim_at:
-                time.sleep(3)
-                state = json.loads(record.read_text()) if record.exists() else {}
-                if not state or state.get("drained"):
-                    # the agent, not the loop that starts it (its command line names it too)
-                    agent_only = f"^{re.escape(sys.executable)} -m rayacc[.]cluster[.]spot .*{url}"
-                    subprocess.run(["pkill", "-f", agent_only])
-        finally:
-            os.killpg(loop.pid, signal.SIGKILL)
-            loop.wait()
-    local("remove", str(node), env=cluster)
 
 
 def test_spot_reclaim_with_notice_is_preempted_without_losing_a_step(
@@ -104,7 +54,7 @@ def test_spot_reclaim_with_notice_is_preempted_without_losing_a_step(
 
     def during():
         wait_for_checkpoint(tmp_path / "spot", 4)
-        reclaim_with_the_agent(cluster, node, tmp_path, agent_log)
+        reclaim_with_the_agent(cluster, node, tmp_path, agent_log, NOTICE_S)
 
     out = train(spec, cluster, Path(cluster["RAYACC_CLUSTER_ENV"]), during=during).stdout
     said = agent_log.read_text()

@@ -171,20 +171,20 @@ def test_the_node_watch_recounts_when_the_live_nodes_change_and_only_then():
     assert len(warned) == 1 and "ConnectionError" in warned[0] and watch.stopped
 
 
-def test_a_drained_node_is_counted_out_once_its_deadline_has_passed_and_not_before():
-    """Before its deadline the group there still runs (counted out then, Ray Train would
-    resize it before the last checkpoint); after it, the group ends and the next one is sized
-    without the node at once."""
+def test_a_drained_node_is_counted_out_just_before_its_deadline_and_not_sooner():
+    """Not while the group there may still run unaware (Ray Train's watcher looks every 5 s:
+    counted out then, the group could be resized under the ranks), but ahead of the deadline
+    (Ray Train sizes the next group the moment it ends this one)."""
     clock, nodes = Clock(1000.0), Nodes("a", "b")
     drains = {"b": int(1010.0 * 1000), "elsewhere": int(990.0 * 1000)}
     watch, told, left, _ = watch_of(nodes, clock, draining=lambda: drains)
-    for _ in range(9):
+    for _ in range(6):  # the drain first seen at 1001; its deadline is 3 s away at 1007
         clock.t += 1.0
         watch.poll()
-    assert left == [] and told == []  # not ours ("elsewhere" is no live node of the cluster)
+    assert left == [] and told == []  # "elsewhere" is no live node of the cluster
     clock.t += 1.0
     watch.poll()
-    assert left == [["b"]]
+    assert left == [["b"]] and clock.t == 1007.0
     clock.t += 1.0
     watch.poll()
     assert left == [["b"]]  # once
@@ -192,6 +192,19 @@ def test_a_drained_node_is_counted_out_once_its_deadline_has_passed_and_not_befo
     clock.t += 1.0
     watch.poll()
     assert told == [1]
+
+
+def test_a_drain_first_seen_close_to_its_deadline_waits_for_rays_watcher_or_the_deadline():
+    clock, nodes = Clock(1000.0), Nodes("a", "b")
+    drains = {"b": int(1004.0 * 1000)}
+    watch, _, left, _ = watch_of(nodes, clock, draining=lambda: drains)
+    for _ in range(3):  # seen at 1001, 3 s before its deadline: too soon to be known
+        clock.t += 1.0
+        watch.poll()
+    assert left == []
+    clock.t += 1.0  # 1004: the deadline
+    watch.poll()
+    assert left == [["b"]]
 
 
 def test_a_standby_says_when_rays_sizing_was_not_told():
