@@ -90,9 +90,11 @@ def draining_nodes() -> dict[str, int]:
 
 
 LEAD_S = 3.0
-"""A drained node is counted out this long before its deadline: Ray Train's controller ends
-the group at the deadline and sizes the next one at once, so counting out at the deadline
-raced it (and lost: the old size was tried first)."""
+"""A drained node whose group nobody ends early is counted out this long before its deadline:
+Ray Train's controller ends the group at the deadline and sizes the next one at once, so
+counting out at the deadline raced it (and lost: the old size was tried first). Where the
+ranks handle the notice, rank 0 counts the node out itself once its last checkpoint is
+written, and the watch only at the deadline (their last windows run until just before it)."""
 KNOWN_S = 6.0
 """... but not before the drain has been seen this long: by then Ray Train's watcher (it polls
 every 5 s) has told the controller, which makes no resize decision for a group being
@@ -101,7 +103,7 @@ preempted; counted out earlier, the running group could be resized under the ran
 
 class NodeWatch:
     """The driver's look at the cluster for an elastic run, `poll()`ed as the run's items are
-    relayed, at most once per `every_s`: a drained node whose deadline is near (`LEAD_S`, the
+    relayed, at most once per `every_s`: a drained node whose deadline is `lead_s` away (the
     drain known for `KNOWN_S`) or past is counted out — the group there ends by then, whoever
     ends it: rank 0 after its last checkpoint, or Ray Train at the deadline; otherwise, when
     the live nodes changed since the last look (a node lost without notice, one that joined),
@@ -112,6 +114,7 @@ class NodeWatch:
         self,
         warn: Callable[[str], None],
         every_s: float = 1.0,
+        lead_s: float = LEAD_S,
         nodes: Callable[[], frozenset[str]] = live_nodes,
         draining: Callable[[], dict[str, int]] = draining_nodes,
         tell: Callable[[], None] = recount,
@@ -122,7 +125,7 @@ class NodeWatch:
         import time
 
         self.warn, self.every_s, self.nodes, self.draining = warn, every_s, nodes, draining
-        self.tell, self.leave = tell, leave
+        self.tell, self.leave, self.lead_s = tell, leave, lead_s
         self.clock = clock or time.monotonic
         self.wall = wall or time.time
         self.seen: frozenset[str] | None = None
@@ -145,7 +148,7 @@ class NodeWatch:
             for node, deadline_ms in self.draining().items():
                 seen = self.drains_seen.setdefault(node, now)
                 left_s = deadline_ms / 1000 - wall
-                near = deadline_ms > 0 and left_s <= LEAD_S
+                near = deadline_ms > 0 and left_s <= self.lead_s
                 if node in nodes and near and (left_s <= 0 or now - seen >= KNOWN_S):
                     due.add(node)
             due -= self.counted_out

@@ -371,7 +371,12 @@ def _fit_holding(
     buffer = _progress_buffer()
     ranks = FiguresRelay(margin=cfg.train.straggler_margin)
     trainer = build_trainer(cfg, prep, loc, buffer, lease=lease.token if lease else None)
-    nodes = NodeWatch(warn=lambda m: log.warning("rayacc: %s", m)) if cfg.scaling.elastic else None
+    nodes = None
+    if cfg.scaling.elastic:
+        # the ranks' own handling of a notice ends their group once its last checkpoint is
+        # written, just before the deadline: the watch waits for the deadline then
+        lead = 0.0 if cfg.train.checkpoint_on_preemption else capacity.LEAD_S
+        nodes = NodeWatch(warn=lambda m: log.warning("rayacc: %s", m), lead_s=lead)
     running = TrainerRun(
         trainer, buffer, ranks, lost=lambda: lease.lost if lease else None, nodes=nodes
     )

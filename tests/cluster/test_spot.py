@@ -31,8 +31,11 @@ from tests.support.services.cluster import (
 from tests.support.services.spot import reclaim_with_the_agent
 
 pytestmark = [pytest.mark.ray, pytest.mark.cluster]
-STEPS = 32
-NOTICE_S = 15
+STEPS = 40
+# the ranks learn of a notice after the agent's start, its `ray drain-node` (each a Python
+# start: seconds on a loaded machine), Ray Train's watcher (every 5 s) and a window: 15 s left
+# a loaded CI machine too little for the last checkpoint
+NOTICE_S = 25
 
 
 def test_spot_reclaim_with_notice_is_preempted_without_losing_a_step(
@@ -47,7 +50,7 @@ def test_spot_reclaim_with_notice_is_preempted_without_losing_a_step(
         [1, 2],
         # about 1 s a step on 2 workers (4 forwards each), 2 s on 1
         model={"kwargs": {"delay_s": 0.25}},
-        train={"max_steps": STEPS, "epochs": 4, "checkpoint_every_steps": 4},
+        train={"max_steps": STEPS, "epochs": 5, "checkpoint_every_steps": 4},
         scaling={"resize_interval_s": 2},
     )
     agent_log = tmp_path / "agent.log"
@@ -57,6 +60,8 @@ def test_spot_reclaim_with_notice_is_preempted_without_losing_a_step(
         reclaim_with_the_agent(cluster, node, tmp_path, agent_log, NOTICE_S)
 
     out = train(spec, cluster, Path(cluster["RAYACC_CLUSTER_ENV"]), during=during).stdout
+    # Ray's own reports (a dead worker's raylet log) would fill the failure messages below
+    out = "\n".join(line for line in out.splitlines() if "[state-dump]" not in line)
     said = agent_log.read_text()
     # one drain for the notice, however often the agent was started again
     assert said.count("draining this Ray node") == 1, said

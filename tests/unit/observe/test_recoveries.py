@@ -128,11 +128,12 @@ class Nodes:
         return self.ids
 
 
-def watch_of(nodes, clock, draining=dict):
+def watch_of(nodes, clock, draining=dict, **options):
     told, left, warned = [], [], []
     watch = NodeWatch(
         warned.append,
         every_s=1.0,
+        **options,
         nodes=nodes,
         draining=draining,
         tell=lambda: told.append(1),
@@ -212,3 +213,18 @@ def test_a_standby_says_when_rays_sizing_was_not_told():
     assert standby.console_line().endswith(
         "the group ends now and restarts without the reclaimed node (Ray's elastic sizing …)"
     )
+
+
+def test_where_the_ranks_handle_the_notice_the_watch_counts_out_at_the_deadline_only():
+    """Their last windows and checkpoint run until just before the deadline (rank 0 counts the
+    node out itself once they are done); the watch is the fallback at the deadline."""
+    clock, nodes = Clock(1000.0), Nodes("a", "b")
+    drains = {"b": int(1010.0 * 1000)}
+    watch, _, left, _ = watch_of(nodes, clock, draining=lambda: drains, lead_s=0.0)
+    for _ in range(9):
+        clock.t += 1.0
+        watch.poll()
+    assert left == []
+    clock.t += 1.0
+    watch.poll()
+    assert left == [["b"]] and clock.t == 1010.0
