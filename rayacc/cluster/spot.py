@@ -1,9 +1,9 @@
 """The reclaim warning of a spot VM, passed on to Ray: `python -m rayacc.cluster.spot --cloud
 aws|gcp` runs beside `ray start` on each spot worker node (cluster/aws.yaml,
 cluster/gcp.yaml) and polls the instance metadata; when the cloud announces the reclaim it
-drains this Ray node for preemption with the deadline the cloud gave (`ray drain-node --reason
-DRAIN_NODE_REASON_PREEMPTION`), which is what Ray Train's preemption watcher — and so rayacc's
-just-in-time checkpoint — reacts to.
+drains this Ray node for preemption with the deadline the cloud gave (what `ray drain-node
+--reason DRAIN_NODE_REASON_PREEMPTION` does, the deadline an instant), which is what Ray Train's
+preemption watcher — and so rayacc's just-in-time checkpoint — reacts to.
 
 - AWS: `spot/instance-action` (IMDSv2) answers 404 until the two-minute warning, then the time
   the instance goes.
@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import subprocess
 import sys
 import time
 import urllib.error
@@ -66,19 +65,28 @@ def gcp_notice(base: str = GCP_METADATA) -> float | None:
 
 
 def drain_this_node(seconds: float, node_id: str | None = None, address: str | None = None) -> None:
-    """Drains this machine's Ray node (or `node_id`) for preemption."""
-    subprocess.run(
-        [
-            "ray",
-            "drain-node",
-            "--reason=DRAIN_NODE_REASON_PREEMPTION",
-            "--reason-message=spot reclaim",
-            f"--deadline-remaining-seconds={max(1, int(seconds))}",
-            *([f"--node-id={node_id}"] if node_id else []),
-            *([f"--address={address}"] if address else []),
-        ],
-        check=True,
+    """Drains this machine's Ray node (or `node_id`) for preemption, with its deadline
+    `seconds` from this call: the deadline is fixed before Ray is imported and the cluster
+    reached (`ray drain-node` counted its `--deadline-remaining-seconds` from after its own
+    start, seconds later on a loaded machine: the drain's deadline fell after the provider's,
+    and the run planned its last checkpoint for a node already gone)."""
+    deadline_ms = int((time.time() + max(seconds, 0.0)) * 1000)
+    import ray
+    from ray._private import services
+    from ray.core.generated import autoscaler_pb2
+
+    # as `ray drain-node` does it (Ray 2.60), with the deadline as an instant
+    address = services.canonicalize_bootstrap_address_or_die(address)
+    if node_id is None:
+        node_id = ray.get_runtime_context().get_node_id()
+    accepted, why = ray._raylet.GcsClient(address=address).drain_node(
+        node_id,
+        autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
+        "spot reclaim",
+        deadline_ms,
     )
+    if not accepted:
+        raise RuntimeError(f"Ray refused the drain of node {node_id}: {why}")
 
 
 STATE = "/tmp/rayacc-spot.json"

@@ -133,3 +133,56 @@ def test_an_agent_started_again_drains_once_per_notice_never_later(metadata, clo
             watch(notice, drain=drained.append, state=record, now=lambda: clock[0],
                   sleep=sleep, log=lines.append)  # fmt: skip
     assert len(drained) == 1 and all("staying out of the way" in line for line in lines)
+
+
+def test_the_drains_deadline_is_fixed_when_the_agent_drains_not_after_rays_start(monkeypatch):
+    """`ray drain-node` counted its seconds from after its own start (seconds on a loaded CI
+    machine): the drain's deadline fell after the provider's, the node went before the run's
+    last checkpoint. The deadline is the instant of the call, however slow reaching Ray is."""
+    import time
+
+    import ray
+    from ray._private import services
+
+    from rayacc.cluster.spot import drain_this_node
+
+    asked = []
+
+    class Gcs:
+        def __init__(self, address):
+            self.address = address
+
+        def drain_node(self, node_id, reason, message, deadline_ms):
+            asked.append((self.address, node_id, deadline_ms))
+            return True, ""
+
+    def slow(address):
+        time.sleep(1.5)  # a loaded machine reaching the cluster
+        return address
+
+    monkeypatch.setattr(services, "canonicalize_bootstrap_address_or_die", slow)
+    monkeypatch.setattr(ray._raylet, "GcsClient", Gcs)
+    called = time.time()
+    drain_this_node(30.0, "ab" * 28, "127.0.0.1:6379")
+    ((address, node, deadline_ms),) = asked
+    assert (address, node) == ("127.0.0.1:6379", "ab" * 28)
+    assert called + 29.99 <= deadline_ms / 1000 < called + 30.5  # (milliseconds)
+
+
+def test_a_refused_drain_is_an_error_the_agent_retries(monkeypatch):
+    import ray
+    from ray._private import services
+
+    from rayacc.cluster.spot import drain_this_node
+
+    class Refusing:
+        def __init__(self, address):
+            pass
+
+        def drain_node(self, *args):
+            return False, "the node is not alive"
+
+    monkeypatch.setattr(services, "canonicalize_bootstrap_address_or_die", lambda a: a)
+    monkeypatch.setattr(ray._raylet, "GcsClient", Refusing)
+    with pytest.raises(RuntimeError, match="the node is not alive"):
+        drain_this_node(30.0, "ab" * 28, "127.0.0.1:6379")
