@@ -12,7 +12,7 @@ from rayacc.config.errors import MISSING, ConfigIssue
 # which calls it, so the two never import each other
 ModelConfig = DataConfig = BatchConfig = ScalingConfig = TrainSection = FSDPConfig = Any
 
-__all__ = ["cross_field_issues"]
+__all__ = ["STRATEGY_SECTIONS", "cross_field_issues", "strategy_resets"]
 
 
 def _model_rules(model: ModelConfig, data: DataConfig | None) -> list[ConfigIssue]:
@@ -203,12 +203,55 @@ def _planned_micro_batch_rules(
     return issues
 
 
+STRATEGY_SECTIONS = ("fsdp", "deepspeed")
+"""The config's sections that belong to one strategy each, named as it."""
+
+
+def _foreign_settings(sections: dict[str, Any], strategy: str) -> list[tuple[str, Any, Any]]:
+    """(dotted key, value, default) of every field of another strategy's section that is not
+    its default: today's fields and tomorrow's, read from the schema."""
+    found = []
+    for name in STRATEGY_SECTIONS:
+        section = sections.get(name)
+        if section is None or name == strategy:
+            continue
+        for field, info in type(section).model_fields.items():
+            value, default = getattr(section, field), info.get_default(call_default_factory=True)
+            if value != default:
+                found.append((f"{name}.{field}", value, default))
+    return found
+
+
+def _other_strategys_settings(train: TrainSection, sections: dict[str, Any]) -> list[ConfigIssue]:
+    """Another strategy's setting is refused rather than ignored: `deepspeed.stage=3` alone
+    would train under DDP."""
+    return [
+        ConfigIssue(
+            key,
+            f"applies to train.strategy={key.split('.')[0]}, and the strategy is "
+            f"{train.strategy!r}",
+            value,
+            f"set train.strategy={key.split('.')[0]}, or remove {key}",
+        )
+        for key, value, _ in _foreign_settings(sections, train.strategy)
+    ]
+
+
+def strategy_resets(cfg, strategy: str) -> dict[str, Any]:
+    """The dotted keys that put `cfg`'s settings of strategies other than `strategy` back to
+    their defaults: what a derived config that switches the strategy (a planner candidate, a
+    sweep trial, a plan applied to a job) sets with it, so the job's settings for its own
+    strategy do not stand in the other's way."""
+    sections = {name: getattr(cfg, name) for name in STRATEGY_SECTIONS}
+    return {key: default for key, _, default in _foreign_settings(sections, strategy)}
+
+
 def _strategy_rules(
     train: TrainSection, fsdp: FSDPConfig | None, scaling: ScalingConfig | None
 ) -> list[ConfigIssue]:
-    issues = _fsdp_mesh_rules(train, fsdp, scaling) if fsdp is not None else []
     if train.strategy != "fsdp":
-        return issues
+        return []
+    issues = _fsdp_mesh_rules(fsdp, scaling) if fsdp is not None else []
     if train.precision == "fp16":
         issues.append(
             ConfigIssue(
@@ -221,26 +264,8 @@ def _strategy_rules(
     return issues
 
 
-def _fsdp_mesh_rules(
-    train: TrainSection, fsdp: FSDPConfig, scaling: ScalingConfig | None
-) -> list[ConfigIssue]:
-    """HSDP's replica groups and FSDP's offload: FSDP's alone, and a number of replica groups
-    that divides every worker count the run may have."""
-    set_ = [
-        name
-        for name in ("replicate", "offload")
-        if getattr(fsdp, name) != type(fsdp).model_fields[name].default
-    ]
-    if train.strategy != "fsdp":
-        return [
-            ConfigIssue(
-                f"fsdp.{name}",
-                f"applies to train.strategy=fsdp, and the strategy is {train.strategy!r}",
-                getattr(fsdp, name),
-                f"set train.strategy=fsdp, or remove fsdp.{name}",
-            )
-            for name in set_
-        ]
+def _fsdp_mesh_rules(fsdp: FSDPConfig, scaling: ScalingConfig | None) -> list[ConfigIssue]:
+    """HSDP's replica groups: a number that divides every worker count the run may have."""
     r = fsdp.replicate
     if r == "auto" or r == 1 or scaling is None:
         return []
@@ -270,6 +295,8 @@ def _deepspeed_rules(sections: dict[str, Any]) -> list[ConfigIssue]:
     """What `train.strategy: deepspeed` does not run yet, and its section's own rule."""
     train, ds = sections.get("train"), sections.get("deepspeed")
     batch, scaling = sections.get("batch"), sections.get("scaling")
+    if train is None or train.strategy != "deepspeed":
+        return []  # its section's settings are refused then (`_other_strategys_settings`)
     issues = []
     if ds is not None and ds.offload_params != "none" and ds.stage != 3:
         issues.append(
@@ -280,8 +307,6 @@ def _deepspeed_rules(sections: dict[str, Any]) -> list[ConfigIssue]:
                 "set deepspeed.stage=3, or deepspeed.offload_params=none",
             )
         )
-    if train is None or train.strategy != "deepspeed":
-        return issues
     fix = "use train.strategy=ddp or fsdp for it"
     if train.precision == "fp16" and scaling is not None and not scaling.use_gpu:
         issues.append(
@@ -342,6 +367,7 @@ def cross_field_issues(sections: dict[str, Any]) -> list[ConfigIssue]:
             # a worker count that makes no sense would only add noise below
             scaling = None
     if sections.get("train") is not None:
+        issues += _other_strategys_settings(sections["train"], sections)
         issues += _strategy_rules(sections["train"], sections.get("fsdp"), scaling)
     issues += _deepspeed_rules(sections)
     if batch is not None:

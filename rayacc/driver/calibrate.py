@@ -21,6 +21,7 @@ import torch
 
 from rayacc.config import TrainConfig
 from rayacc.config.batch_split import BatchSplit
+from rayacc.config.rules import strategy_resets
 from rayacc.data.sources import DatasetInfo
 from rayacc.engine import TrialOutOfMemory, autocast_dtype, to_device
 from rayacc.engine.autobatch import OUT_OF_MEMORY, measure_step_bytes
@@ -36,7 +37,7 @@ __all__ = ["CalibrationGroup", "Ledger", "calibration_loop", "sample_rows", "wit
 def with_candidate(cfg: TrainConfig, c: Candidate) -> TrainConfig:
     """`cfg` running candidate `c`."""
     data = cfg.model_dump(mode="json")
-    for key, value in c.overrides().items():
+    for key, value in {**strategy_resets(cfg, c.strategy), **c.overrides()}.items():
         section, name = key.split(".")
         data[section][name] = value
     return TrainConfig.model_validate(data)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rayacc.config import ConfigError, SweepConfig, TrainConfig
+from rayacc.config.rules import strategy_resets
 from rayacc.redact import redact
 
 __all__ = ["SweepResult", "Trial", "expand_trials", "run_sweep"]
@@ -89,7 +90,9 @@ def expand_trials(sweep: SweepConfig, base: dict[str, Any]) -> list[Trial]:
     trials = []
     for i, s in enumerate(settings):
         data = copy.deepcopy(base)
-        for path, value in s.items():
+        # a trial of another strategy leaves the base's settings for the base's strategy
+        switched = s.get("train.strategy", base_cfg.train.strategy)
+        for path, value in {**strategy_resets(base_cfg, switched), **s}.items():
             _set_path(data, path, value)
         if base.get("run", {}).get("name") and "run.name" not in s:
             # a run name means one run: each trial its own folder

@@ -18,6 +18,7 @@ import yaml
 from rayacc.config import ConfigError, TrainConfig
 from rayacc.config.errors import ConfigIssue
 from rayacc.config.loader import read_yaml
+from rayacc.config.rules import strategy_resets
 from rayacc.planner.candidates import Candidate
 from rayacc.redact import redact
 
@@ -119,12 +120,13 @@ class PlanFile:
         when the plan was made for another job."""
         self.check_job(job, source)
         c = self.chosen
+        resets = strategy_resets(job, c.strategy)  # the job's settings for another strategy
         if not job.scaling.elastic:
-            return [f"{k}={_flow(v)}" for k, v in c.overrides().items()]
+            return [f"{k}={_flow(v)}" for k, v in {**resets, **c.overrides()}.items()]
         lo, hi = job.scaling.min_workers, job.scaling.max_workers
         sizes = {n: p.micro_batch_size for n, p in self.by_workers.items() if lo <= n <= hi}
         top = self.by_workers.get(hi, c)
-        out = {
+        out = resets | {
             k: v
             for k, v in top.overrides(with_workers=False).items()
             if k != "batch.grad_accum_steps"  # derived at each size

@@ -290,6 +290,18 @@ def test_a_plan_file_round_trips_into_the_config_it_chose(tmp_path, chosen):
     assert [p.name for p in path.parent.iterdir()] == ["PLAN.yaml"]
 
 
+def test_a_plan_of_another_strategy_puts_the_jobs_strategy_settings_back(tmp_path):
+    """An FSDP job's `fsdp.grad_sync` stands in a DDP plan's way (another strategy's setting is
+    refused): the plan's overrides put it back to its default."""
+    job = _job(**{"train.strategy": "fsdp"})
+    job["fsdp"] = {"grad_sync": "window_end"}
+    path = _plan(job, Candidate(1, 128, 2)).write(tmp_path / "PLAN.yaml")
+    overrides = PlanFile.read(path).overrides_for(TrainConfig.from_dict(job))
+    assert "fsdp.grad_sync=every_micro_step" in overrides
+    cfg = TrainConfig.from_dict(job, overrides)
+    assert cfg.train.strategy == "ddp" and cfg.fsdp.grad_sync == "every_micro_step"
+
+
 @pytest.mark.parametrize(
     "change, field",
     [
