@@ -15,6 +15,7 @@ import pytest
 from rayacc import load_model
 from rayacc.data.sources import DataError
 from rayacc.driver.fit import fit
+from tests.support.models.hf_configs import tiny_llama
 from tests.support.services.fits import (
     config,
     fit_or_fail,
@@ -25,17 +26,7 @@ from tests.support.services.fits import (
 pytestmark = pytest.mark.ray
 pytest.importorskip("deepspeed")
 
-LLAMA = {
-    "model_type": "llama",
-    "vocab_size": 32,
-    "hidden_size": 16,
-    "intermediate_size": 32,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 1,
-    "max_position_embeddings": 64,
-    "tie_word_embeddings": True,
-}
+LLAMA = tiny_llama(vocab_size=32, max_positions=64)
 """A tiny `transformers` Llama (its embedding and head one tied weight), built from this
 config in the test (nothing fetched)."""
 MODEL = {

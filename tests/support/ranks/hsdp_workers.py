@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from rayacc.engine import FSDP, AccumulationStep, count_target_tokens, token_item_losses
 from rayacc.engine.parallel import ModelRecipe
+from tests.support.models.hf_configs import tiny_llama
 from tests.support.ranks.engine_helpers import full_weights
 from tests.support.ranks.fsdp_workers import gpt, micro_split, rank_share, windows
 
@@ -33,17 +34,7 @@ CASES = {
 }
 
 
-HF_LLAMA = {
-    "model_type": "llama",
-    "vocab_size": 16,
-    "hidden_size": 16,
-    "intermediate_size": 32,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 1,
-    "max_position_embeddings": 32,
-    "tie_word_embeddings": True,
-}
+HF_LLAMA = tiny_llama(vocab_size=16)
 """A tiny `transformers` Llama (built here: nothing fetched), for HSDP with its decoder layers
 as the blocks sharded and recomputed."""
 

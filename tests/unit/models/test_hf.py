@@ -18,19 +18,10 @@ from rayacc.config import TrainConfig
 from rayacc.data.vocab import VOCAB_FILE, Vocabulary
 from rayacc.models import build_model
 from tests.support.data.tokens import gpt_checkpoint, token_data
+from tests.support.models.hf_configs import tiny_llama
 from tests.support.services.cli import rayacc_here
 
-LLAMA = {
-    "model_type": "llama",
-    "vocab_size": 300,
-    "hidden_size": 16,
-    "intermediate_size": 32,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 1,
-    "max_position_embeddings": 32,
-    "tie_word_embeddings": True,
-}
+LLAMA = tiny_llama(vocab_size=300)
 
 
 def hf_cfg(config) -> TrainConfig:
