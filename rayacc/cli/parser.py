@@ -51,6 +51,30 @@ def build_parser() -> argparse.ArgumentParser:
             help="config overrides, values parsed as YAML",
         )
 
+    def checkpoint_to_read(p: argparse.ArgumentParser) -> None:
+        """What a command that reads a run's weights (sample, export) is given: the checkpoint,
+        where a run name is found, and the factory a user's model is rebuilt with."""
+        p.add_argument(
+            "target",
+            metavar="RUN_OR_CHECKPOINT",
+            type=Name("a checkpoint folder, a run's folder or a run name"),
+            help="a checkpoint folder, a run's folder (its latest checkpoint) or a run name",
+        )
+        p.add_argument(
+            "--storage",
+            type=Storage(),
+            default=None,
+            help="run.storage_path of a run name (default: ./rayacc_runs)",
+        )
+        p.add_argument(
+            "--factory",
+            type=Factory(),
+            default=None,
+            metavar="MODULE:FUNCTION",
+            help="the model factory a user factory model's checkpoint is rebuilt with (a "
+            "checkpoint never names code to run on its own word)",
+        )
+
     p = sub.add_parser(
         "train", help="run a training job on Ray (local Ray unless RAY_ADDRESS is set)"
     )
@@ -153,12 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_runs)
 
     p = sub.add_parser("sample", help="generate text from a token model's checkpoint")
-    p.add_argument(
-        "target",
-        metavar="RUN_OR_CHECKPOINT",
-        type=Name("a checkpoint folder, a run's folder or a run name"),
-        help="a checkpoint folder, a run's folder (its latest checkpoint) or a run name",
-    )
+    checkpoint_to_read(p)
     p.add_argument(
         "--prompt", type=Text(), default=None, help="text to continue (default: a line break)"
     )
@@ -168,32 +187,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--top-k", type=Number(int, 1), default=50, help="sample among the k likeliest")
     p.add_argument("--seed", type=Number(int, 0), default=0)
-    p.add_argument(
-        "--storage",
-        type=Storage(),
-        default=None,
-        help="run.storage_path of a run name (default: ./rayacc_runs)",
-    )
-    p.add_argument(
-        "--factory",
-        type=Factory(),
-        default=None,
-        metavar="MODULE:FUNCTION",
-        help="the model factory a user factory model's checkpoint is rebuilt with (a checkpoint "
-        "never names code to run on its own word)",
-    )
     p.set_defaults(func=cmd_sample)
 
     p = sub.add_parser(
         "export",
         help="write a checkpoint's weights for transformers (from_pretrained) or as safetensors",
     )
-    p.add_argument(
-        "target",
-        metavar="RUN_OR_CHECKPOINT",
-        type=Name("a checkpoint folder, a run's folder or a run name"),
-        help="a checkpoint folder, a run's folder (its latest checkpoint) or a run name",
-    )
+    checkpoint_to_read(p)
     p.add_argument(
         "--out", required=True, type=Folder("--out"), help="a new (or empty) folder to write"
     )
@@ -203,19 +203,6 @@ def build_parser() -> argparse.ArgumentParser:
         default="hf",
         help="hf: a folder transformers loads with from_pretrained (hf and gpt models); "
         "safetensors: the weights under rayacc's names (any model)",
-    )
-    p.add_argument(
-        "--storage",
-        type=Storage(),
-        default=None,
-        help="run.storage_path of a run name (default: ./rayacc_runs)",
-    )
-    p.add_argument(
-        "--factory",
-        type=Factory(),
-        default=None,
-        metavar="MODULE:FUNCTION",
-        help="the model factory a user factory model's checkpoint is rebuilt with",
     )
     p.set_defaults(func=cmd_export)
 
