@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-__all__ = ["NodeWatch", "count_out", "draining_nodes", "live_nodes", "recount"]
+__all__ = ["NodeWatch", "count_out", "drain", "draining_nodes", "live_nodes", "recount"]
 
 TIMEOUT_S = 10.0
 REQUESTER = "rayacc"
@@ -36,6 +36,18 @@ def _coordinator():
     )
 
     return get_or_create_autoscaling_coordinator()
+
+
+def drain(gcs, node_id: str, message: str, deadline: float) -> None:
+    """Drains a node for preemption until `deadline` (time.time(), an instant) through a GCS
+    client, as `ray drain-node` does; Ray keeps the newest request of a node. A refusal is an
+    error naming the node."""
+    from ray.core.generated import autoscaler_pb2
+
+    reason = autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION")
+    accepted, why = gcs.drain_node(node_id, reason, message, int(deadline * 1000))
+    if not accepted:
+        raise RuntimeError(f"Ray refused the drain of node {node_id}: {why}")
 
 
 def recount() -> None:

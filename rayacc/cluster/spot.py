@@ -70,23 +70,17 @@ def drain_this_node(seconds: float, node_id: str | None = None, address: str | N
     reached (`ray drain-node` counted its `--deadline-remaining-seconds` from after its own
     start, seconds later on a loaded machine: the drain's deadline fell after the provider's,
     and the run planned its last checkpoint for a node already gone)."""
-    deadline_ms = int((time.time() + max(seconds, 0.0)) * 1000)
+    deadline = time.time() + max(seconds, 0.0)
     import ray
     from ray._private import services
-    from ray.core.generated import autoscaler_pb2
 
-    # as `ray drain-node` does it (Ray 2.60), with the deadline as an instant
+    from rayacc.cluster.capacity import drain
+
+    # as `ray drain-node` finds the cluster and the node (Ray 2.60)
     address = services.canonicalize_bootstrap_address_or_die(address)
     if node_id is None:
         node_id = ray.get_runtime_context().get_node_id()
-    accepted, why = ray._raylet.GcsClient(address=address).drain_node(
-        node_id,
-        autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
-        "spot reclaim",
-        deadline_ms,
-    )
-    if not accepted:
-        raise RuntimeError(f"Ray refused the drain of node {node_id}: {why}")
+    drain(ray._raylet.GcsClient(address=address), node_id, "spot reclaim", deadline)
 
 
 STATE = "/tmp/rayacc-spot.json"

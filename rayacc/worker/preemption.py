@@ -325,17 +325,13 @@ def end_group_now(nodes: Sequence[str]) -> str | None:
     The node is leaving anyway; whatever else runs there sees the earlier deadline too.
     Returns what could not be done besides (None: nothing)."""
     import ray
-    from ray.core.generated import autoscaler_pb2
 
     gcs = ray._private.worker.global_worker.gcs_client
-    reason = autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION")
-    deadline_ms = int((time.time() + END_AFTER_S) * 1000)
+    deadline = time.time() + END_AFTER_S
     for node in nodes:
-        accepted, why = gcs.drain_node(
-            node, reason, "rayacc: the last checkpoint before the reclaim is written", deadline_ms
+        capacity.drain(
+            gcs, node, "rayacc: the last checkpoint before the reclaim is written", deadline
         )
-        if not accepted:
-            raise RuntimeError(f"Ray refused the drain of node {node}: {why}")
     try:
         capacity.count_out(nodes)
     except Exception as exc:  # the group still ends; its successor may be tried at the old size
