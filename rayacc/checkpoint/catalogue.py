@@ -12,8 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rayacc.checkpoint.format import HISTORY_FILE, META_FILE, folder_name, step_of
+from rayacc.checkpoint.format import HISTORY_FILE, META_FILE, attempt_of, folder_name, step_of
 from rayacc.checkpoint.reader import (
+    EARLIER,
     CheckpointError,
     malformed_message,
     manifests,
@@ -35,10 +36,16 @@ class Checkpoint:
     storage: Storage
     """The checkpoint's folder."""
     step: int
+    attempt: int = 1
+    """Which attempt at the step wrote it (`format.folder_name`)."""
 
     @property
     def uri(self) -> str:
         return self.storage.uri()
+
+    @property
+    def name(self) -> str:
+        return folder_name(self.step, self.attempt)
 
     def meta(self) -> dict[str, Any]:
         return read_meta(self.storage)
@@ -71,7 +78,11 @@ class Checkpoint:
 
     def fetch(self, into: Path) -> Path:
         """The checkpoint as a local folder: itself on a local disk, else a copy in `into` of
-        every file it lists (links and other things are not copied, so the reader refuses)."""
+        every file it lists (links and other things are not copied, so the reader refuses;
+        nothing unlisted is copied, so it is refused here, as the folder's look refuses it)."""
+        problems = self.missing()
+        if problems:
+            raise CheckpointError(f"{not_whole(self.uri, problems)}. {EARLIER}")
         if "://" not in self.uri:
             return Path(self.uri)
         files, _ = manifests(self.storage, self.meta())
@@ -112,8 +123,8 @@ class RunCheckpoints:
                 continue
             folder = self.run.child(entry.name)
             if folder.stat(META_FILE) is not None:
-                found.append(Checkpoint(folder, step))
-        return sorted(found, key=lambda c: c.step)
+                found.append(Checkpoint(folder, step, attempt_of(entry.name)))
+        return sorted(found, key=lambda c: (c.step, c.attempt))
 
     def latest(self) -> Checkpoint | None:
         """The newest whole checkpoint; newer ones not whole or not readable are passed over
@@ -134,21 +145,48 @@ class RunCheckpoints:
         return []
 
     def load_latest(
-        self, scratch: Path, map_location: Any = "cpu", at_most: int | None = None
+        self,
+        scratch: Path,
+        map_location: Any = "cpu",
+        at_most: int | None = None,
+        excluding: Iterable[str] = (),
     ) -> tuple[Checkpoint, Path, tuple[dict, dict, dict]] | None:
         """The newest checkpoint that reads (whole, every digest as listed, its state plain
-        data), its local folder (itself, or a copy under `scratch`) and what
+        data, its strategy's files vetted), not named in `excluding`; its view (under
+        `scratch`: its manifests' files only, what the strategy's loader is handed) and what
         `read_checkpoint` returns; newer ones refused are passed over and said."""
-        from rayacc.checkpoint.reader import read_checkpoint
-
-        candidates = [c for c in self.list() if at_most is None or c.step <= at_most]
+        excluded = set(excluding)
+        candidates = [
+            c
+            for c in self.list()
+            if (at_most is None or c.step <= at_most) and c.name not in excluded
+        ]
         for checkpoint in self._whole(reversed(candidates)):
             try:
-                folder = checkpoint.fetch(scratch / folder_name(checkpoint.step))
-                return checkpoint, folder, read_checkpoint(folder, map_location)
+                return checkpoint, *self.read(checkpoint, scratch, map_location)
             except (CheckpointError, OSError) as exc:
                 self._say(str(exc))
         return None
+
+    def named(self, name: str) -> Checkpoint | None:
+        """The checkpoint folder `name` of the run (with a meta.json), or None."""
+        return next((c for c in self.list() if c.name == name), None)
+
+    @staticmethod
+    def read(
+        checkpoint: Checkpoint, scratch: Path, map_location: Any = "cpu"
+    ) -> tuple[Path, tuple[dict, dict, dict]]:
+        """One checkpoint's view under `scratch` and what `read_checkpoint` returns (raises
+        CheckpointError or OSError)."""
+        from rayacc.checkpoint.reader import read_checkpoint
+
+        local = checkpoint.fetch(scratch / f"{checkpoint.name}.copy")
+        view = scratch / checkpoint.name
+        if view.exists():
+            import shutil
+
+            shutil.rmtree(view)
+        return view, read_checkpoint(local, map_location, into=view)
 
     def _first_whole(self, checkpoints: Iterable[Checkpoint]) -> Checkpoint | None:
         return next(self._whole(checkpoints), None)

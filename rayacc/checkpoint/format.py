@@ -1,7 +1,8 @@
 """What a checkpoint is on storage: its folder's name, its files, and the manifests that say
 when it is whole.
 
-A checkpoint is the folder `checkpoint_step{step:08d}` in the run's folder `storage/name`:
+A checkpoint is the folder `checkpoint_step{step:08d}` in the run's folder `storage/name`
+(`..._attemptN` when an earlier group left a folder of that step: a folder is written once):
 
 - `state.pt`: the model and optimizer state (whole), the schedule, scaler and train state, and
   every rank's random state; a sharded (FSDP) run keeps model and optimizer as every rank's
@@ -17,9 +18,10 @@ A checkpoint is the folder `checkpoint_step{step:08d}` in the run's folder `stor
   a resume must match), whether it is sharded, every file of rank 0's part with its size and
   SHA-256 (`files`), and the manifests of the other ranks' parts (`parts`).
 
-A checkpoint is whole when meta.json is there and every file of every rank's manifest is there
-as listed (the sizes, when listed; `reader.read_checkpoint` also checks every digest). Anything
-else is passed over by every listing and refused by every reader.
+A checkpoint is whole when meta.json is there, every file of every rank's manifest is there
+as listed (the sizes, when listed; `reader.read_checkpoint` also checks every digest) and nothing
+else is (a file no manifest lists is a stranger). Anything else is passed over by every listing
+and refused by every reader.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ __all__ = [
     "PARTS_KEY",
     "SHARDS_DIR",
     "STATE_FILE",
+    "attempt_of",
     "checkpoint_meta",
     "file_entry",
     "folder_name",
@@ -64,16 +67,27 @@ FILES_KEY = "files"
 size, or none at all)."""
 PARTS_KEY = "parts"
 """meta.json's list of the other ranks' part manifests (a sharded run's)."""
-_NAME = re.compile(r"^checkpoint_step(\d+)$")
+_NAME = re.compile(r"^checkpoint_step(\d+)(?:_attempt(\d+))?$")
 
 
-def folder_name(step: int) -> str:
-    return f"checkpoint_step{step:08d}"
+def folder_name(step: int, attempt: int = 1) -> str:
+    """The folder of the checkpoint of `step`; a later attempt at the same step (a group that
+    resumed from before a checkpoint that did not become whole, or did not load) writes a
+    folder of its own, `_attemptN`: a folder is written once, by one group, so nothing an
+    earlier attempt or another world size left is read as part of it, and Ray Train's record
+    of the run's checkpoints never names one folder for two."""
+    return f"checkpoint_step{step:08d}" + (f"_attempt{attempt}" if attempt > 1 else "")
 
 
 def step_of(name: str) -> int | None:
     m = _NAME.match(name)
     return int(m.group(1)) if m else None
+
+
+def attempt_of(name: str) -> int:
+    """The attempt a checkpoint folder's name says (1 for the plain name)."""
+    m = _NAME.match(name)
+    return int(m.group(2) or 1) if m else 0
 
 
 def part_manifest(rank: int) -> str:

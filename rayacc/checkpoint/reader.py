@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import shutil
 import stat
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from torch import nn
 
 from rayacc.checkpoint.format import (
     FILES_KEY,
+    HISTORY_FILE,
     META_FILE,
     MODEL_FILE,
     PARTS_KEY,
@@ -158,8 +160,11 @@ def manifests(
 
 
 def whole_problems(storage: Storage, meta: dict[str, Any]) -> list[str]:
-    """The files of the checkpoint `storage` its manifests list that are not there as listed
-    (a look at each, no read), each as `name (why)`; empty when whole."""
+    """The files of the checkpoint `storage` its manifests list that are not there as listed,
+    and whatever else the folder holds (a look at each, no read), each as `name (why)`; empty
+    when whole. A manifest says what must be there and, by what it leaves out, what must not:
+    a foreign library that reads the folder by its own rules (DeepSpeed's converter walks it
+    for names it knows) never meets a file no manifest vouches for."""
     files, problems = manifests(storage, meta)
     for name, (size, _) in files.items():
         try:
@@ -173,7 +178,40 @@ def whole_problems(storage: Storage, meta: dict[str, Any]) -> list[str]:
             problems.append(f"{name} (a {entry.kind}, not a file)")
         elif entry.size != size:
             problems.append(f"{name} ({entry.size} of {size} bytes)")
+    if FILES_KEY in meta:
+        problems += unlisted(storage, {META_FILE, *meta.get(PARTS_KEY, []), *files})
     return problems
+
+
+PASSED_OVER_FILE = "PASSED_OVER.json"
+"""Written into a checkpoint folder whose load failed at a restore: a file no manifest lists,
+so every reader passes the folder over from then on (the reason inside)."""
+
+
+def unlisted(storage: Storage, listed: set[str], under: str = "") -> list[str]:
+    """Everything in the folder `storage` (walked through the seam, links not followed) that is
+    neither a name in `listed` nor a folder on the way to one, each as `name (why)`."""
+    out = []
+    for entry in storage.list(under):
+        if entry.kind == "dir":
+            out += unlisted(storage, listed, entry.name)
+        elif entry.name not in listed:
+            if entry.name == PASSED_OVER_FILE:
+                why = _passed_over_reason(storage)
+            elif entry.kind == "file":
+                why = "not listed by any manifest: left by another attempt, or planted"
+            else:
+                why = f"a {entry.kind}, listed by no manifest"
+            out.append(f"{entry.name} ({why})")
+    return out
+
+
+def _passed_over_reason(storage: Storage) -> str:
+    try:
+        said = json.loads(storage.read(PASSED_OVER_FILE) or b"{}").get("reason")
+    except (ValueError, AttributeError, OSError):
+        said = None
+    return f"a restore could not load it: {str(said)[:300]}" if said else "a restore refused it"
 
 
 def _no_links(folder: Path) -> None:
@@ -192,21 +230,60 @@ def _no_links(folder: Path) -> None:
                 )
 
 
-def verify(folder: Path) -> dict[str, Any]:
+def verify(folder: Path, into: Path | None = None) -> dict[str, Any]:
     """The meta of a local checkpoint folder that is whole, every file as its manifest lists
-    it (size and digest); a CheckpointError naming what is not."""
+    it (size and digest) and nothing else in it; a CheckpointError naming what is not.
+
+    `into`: the folder's *view* is laid there — meta.json, the parts' manifests and every file
+    they list, each a second name for the checked file (a copy across disks), its digest
+    checked there — and nothing else: what a foreign reader (DCP, DeepSpeed) is handed, never
+    the checkpoint folder itself."""
     _no_links(folder)
     storage = open_storage(str(folder))
     meta = read_meta(storage)
     problems = whole_problems(storage, meta)
+    if not problems and FILES_KEY not in meta and meta.get("shards"):
+        problems.append(
+            f"{META_FILE} (it lists no files: a sharded checkpoint's shards are handed to their "
+            "reader only as a manifest lists them)"
+        )
     if not problems:
         files, _ = manifests(storage, meta)
-        for name, (_, digest) in files.items():
-            if digest is not None and sha256_of(folder / name) != digest:
+        names = dict.fromkeys([META_FILE, *meta.get(PARTS_KEY, [])], None)
+        if FILES_KEY not in meta:  # an earlier rayacc's whole checkpoint: its known files
+            names |= {n: None for n in _UNLISTED_KNOWN if (folder / n).is_file()}
+        names |= {name: digest for name, (_, digest) in files.items()}
+        for name, digest in names.items():
+            checked = folder / name
+            if into is not None:
+                checked = _lay(folder / name, into / name)
+            if digest is not None and sha256_of(checked) != digest:
                 problems.append(f"{name} (its content changed: another SHA-256)")
     if problems:
         raise CheckpointError(f"{not_whole(str(folder), problems)}. {EARLIER}")
     return meta
+
+
+_UNLISTED_KNOWN = (STATE_FILE, MODEL_FILE, HISTORY_FILE, "vocab.json")
+"""The files of a whole checkpoint written before manifests listed them."""
+
+
+def _lay(source: Path, target: Path) -> Path:
+    """`target` as a second name for the regular file `source` (a copy where the disks differ),
+    never following a link."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(source, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise CheckpointError(f"{source} is not a regular file, so it is not read. {EARLIER}")
+        try:
+            os.link(source, target, follow_symlinks=False)
+        except OSError:
+            with os.fdopen(os.dup(fd), "rb") as src, open(target, "wb") as out:
+                shutil.copyfileobj(src, out, 8 << 20)
+    finally:
+        os.close(fd)
+    return target
 
 
 # ----------------------------------------------------------------------------- one folder
@@ -250,29 +327,52 @@ def _load_state(path: Path, map_location) -> dict[str, Any]:
 
 
 def read_checkpoint(
-    folder: str | Path, map_location: str | torch.device = "cpu"
+    folder: str | Path, map_location: str | torch.device = "cpu", into: Path | None = None
 ) -> tuple[dict, dict, dict]:
-    """(state, model description, meta) of a whole checkpoint folder on this machine."""
+    """(state, model description, meta) of a whole checkpoint folder on this machine, its
+    strategy's files vetted for their reader (DCP's index, DeepSpeed's files read as data at
+    the world size meta.json names). `into`: lay the checkpoint's view there (`verify`) and
+    read from it; hand the view, never `folder`, to the strategy's loader."""
     folder = Path(folder)
-    meta = verify(folder)
+    meta = verify(folder, into)
+    if into is not None:
+        folder = into
     state = _load_state(folder / STATE_FILE, map_location)
     description = _section(folder, MODEL_FILE, {"config": dict, "dataset": dict})
-    shards = shards_of(folder, meta)
-    # a DCP folder lists its files in its own index; DeepSpeed's are listed by each rank's part
-    if shards is not None and meta.get("state_format", "dcp") == "dcp":
-        from rayacc.engine.shards import ShardError, missing_shard_files
-
-        try:
-            missing = missing_shard_files(shards)
-        except ShardError as exc:
-            raise CheckpointError(str(exc)) from None
-        if missing:
-            raise CheckpointError(
-                f"{shards} lacks {', '.join(missing[:4])}: a rank's part of this sharded "
-                "checkpoint never arrived, so it is not loaded. Fix: resume from an earlier "
-                "checkpoint_* folder of the run"
-            )
+    vet_shards(folder, meta)
     return state, description, meta
+
+
+def vet_shards(folder: Path, meta: dict[str, Any]) -> None:
+    """A sharded checkpoint's files as their foreign reader will meet them: DCP's index read
+    safely and every file it names there; DeepSpeed's files, every one read as data, exactly
+    the ranks meta.json says wrote them. A CheckpointError naming what is not."""
+    shards = shards_of(folder, meta)
+    if shards is None:
+        return
+    if meta.get("state_format", "dcp") == "deepspeed":
+        from rayacc.engine.zero_files import vet_zero_files
+
+        world = meta.get("num_workers")
+        if type(world) is not int or world < 1:
+            raise CheckpointError(malformed_message(str(folder / META_FILE), "num_workers"))
+        try:
+            vet_zero_files(shards, world)
+        except ValueError as exc:
+            raise CheckpointError(f"{exc}. {EARLIER}") from None
+        return
+    from rayacc.engine.shards import ShardError, missing_shard_files
+
+    try:
+        missing = missing_shard_files(shards)
+    except ShardError as exc:
+        raise CheckpointError(str(exc)) from None
+    if missing:
+        raise CheckpointError(
+            f"{shards} lacks {', '.join(missing[:4])}: a rank's part of this sharded "
+            "checkpoint never arrived, so it is not loaded. Fix: resume from an earlier "
+            "checkpoint_* folder of the run"
+        )
 
 
 def shards_of(folder: str | Path, meta: dict[str, Any]) -> Path | None:
@@ -404,15 +504,22 @@ def load_model(path: str | Path, factory: str | None = None) -> nn.Module:
     the factory (`factory="package.module:function"`, which the caller trusts): the one the
     checkpoint names is never imported on its word. The factory is called with the
     checkpoint's `model.kwargs`."""
-    state, description, meta = read_checkpoint(path)
-    shards = shards_of(path, meta)
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="rayacc-view-") as view:
+        return _load_model(Path(path), Path(view), factory)
+
+
+def _load_model(path: Path, view: Path, factory: str | None) -> nn.Module:
+    state, description, meta = read_checkpoint(path, into=view)
+    shards = shards_of(view, meta)
     zero = None
     if meta.get("state_format") == "deepspeed":
         from rayacc.engine.zero_files import read_zero_weights
 
         try:
             # DeepSpeed's files read as data, its runtime neither started nor imported
-            zero = read_zero_weights(shards)
+            zero = read_zero_weights(shards, meta["num_workers"])
         except ValueError as exc:
             raise CheckpointError(f"{exc}. {EARLIER}") from None
         held = {k: tuple(v.shape) for k, v in zero.items()}

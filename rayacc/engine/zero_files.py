@@ -64,37 +64,70 @@ def _rank_of(path: Path) -> int:
     return int(found.group(1)) if found else -1
 
 
-def vet_zero_files(folder: Path) -> int:
-    """Reads every file of DeepSpeed's checkpoint in `folder` as data (ValueError naming the
-    one that is not); returns the number of ranks that wrote it."""
-    files = sorted(folder.glob("*.pt"))
-    optims = [p for p in files if _rank_of(p) >= 0]
-    if not optims or len(optims) == len(files):
-        raise ValueError(f"{folder} holds no DeepSpeed model and optimizer state files")
-    for path in files:
-        _read(path, "optimizer_state_dict" if path in optims else "module")
-    return len(optims)
+def _layout(folder: Path, world: int) -> tuple[list[Path], list[Path]]:
+    """(model files, optimizer files by rank) of DeepSpeed's checkpoint of `world` ranks in
+    `folder`: exactly the names DeepSpeed writes for that world size, nothing else anywhere
+    under it (ValueError naming the first that is not). The ranks are meta.json's, never a
+    glob's: a file another attempt or world size left is a stranger, not one more rank."""
+    found = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if not p.is_dir())
+    optims, models = [], []
+    for r in range(world):
+        names = [f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt"]
+        names.append("bf16_" + names[0])
+        have = [n for n in names if n in found]
+        if len(have) != 1:
+            raise ValueError(
+                f"{folder} holds {'no' if not have else 'two'} optimizer state file(s) of rank "
+                f"{r} of the {world} ranks its checkpoint names"
+            )
+        optims.append(folder / have[0])
+    per_rank = [f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(world)]
+    if "mp_rank_00_model_states.pt" in found:
+        models = [folder / "mp_rank_00_model_states.pt"]
+    elif all(n in found for n in per_rank):
+        models = [folder / n for n in per_rank]  # ZeRO-3: every rank's
+    else:
+        raise ValueError(f"{folder} holds no DeepSpeed model state file of its {world} ranks")
+    expected = {p.relative_to(folder).as_posix() for p in [*models, *optims]}
+    strangers = [n for n in found if n not in expected]
+    if strangers:
+        raise ValueError(
+            f"{folder / strangers[0]} is not a file DeepSpeed writes for a checkpoint of {world} "
+            f"ranks{f' (and {len(strangers) - 1} more)' if len(strangers) > 1 else ''}: "
+            "DeepSpeed's loader and converter would read it by its name, so it is refused"
+        )
+    return models, optims
 
 
-def read_zero_weights(folder: str | Path) -> dict[str, torch.Tensor]:
-    """The whole model's fp32 weights (and buffers) from DeepSpeed's checkpoint files in
-    `folder` (the `zero/` folder of a rayacc checkpoint), in one process, DeepSpeed neither
-    started nor imported: each rank's fp32 partition of the optimizer's flat groups put back
-    together as DeepSpeed's `zero_to_fp32` does (stages 1-2: the ranks' partitions end to end,
-    stage 3: each parameter's slices from every rank). Files are read as data only.
-    ValueError naming the file for anything that is not such a checkpoint."""
+def vet_zero_files(folder: Path, world: int) -> int:
+    """Reads every file of DeepSpeed's checkpoint of `world` ranks in `folder` as data
+    (ValueError naming the one that is not, or a file that does not belong); returns
+    `world`."""
+    models, optims = _layout(folder, world)
+    for path in models:
+        _read(path, "module")
+    for path in optims:
+        _read(path, "optimizer_state_dict")
+    return world
+
+
+def read_zero_weights(folder: str | Path, world: int) -> dict[str, torch.Tensor]:
+    """The whole model's fp32 weights (and buffers) from DeepSpeed's checkpoint files of
+    `world` ranks in `folder` (the `zero/` folder of a rayacc checkpoint's view), in one
+    process, DeepSpeed neither started nor imported: each rank's fp32 partition of the
+    optimizer's flat groups put back together as DeepSpeed's `zero_to_fp32` does (stages 1-2:
+    the ranks' partitions end to end, stage 3: each parameter's slices from every rank). Files
+    are read as data only. ValueError naming the file for anything that is not such a
+    checkpoint."""
     folder = Path(folder)
-    models = sorted(folder.glob("*model_states.pt"))
-    optims = sorted((p for p in folder.glob("*.pt") if _rank_of(p) >= 0), key=_rank_of)
-    if not models or not optims:
-        raise ValueError(f"{folder} holds no DeepSpeed model and optimizer state files")
+    models, optims = _layout(folder, world)
     model_state = _read(models[0], "module")
     parts = [_read(path, "optimizer_state_dict")["optimizer_state_dict"] for path in optims]
     first = optims[0]
     try:
         stage = int(parts[0]["zero_stage"])
-        world = parts[0]["partition_count"]
-        world = max(world) if isinstance(world, list) else int(world)
+        written = parts[0]["partition_count"]
+        written = max(written) if isinstance(written, list) else int(written)
         shapes: list[dict[str, Any]] = list(model_state["param_shapes"])
         buffers = model_state.get("buffer_names") or []
         frozen = model_state.get("frozen_param_shapes") or {}
@@ -104,10 +137,9 @@ def read_zero_weights(folder: str | Path) -> dict[str, torch.Tensor]:
         paddings = parts[0].get("param_alignment_paddings")
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"{first} is not DeepSpeed's ZeRO optimizer state ({exc!r})") from None
-    if len(optims) != world or [_rank_of(p) for p in optims] != list(range(world)):
+    if written != world:
         raise ValueError(
-            f"{folder} holds the optimizer state of ranks {[_rank_of(p) for p in optims]}, "
-            f"written by {world}: a rank's part is missing"
+            f"{first} was written by a group of {written} ranks, its checkpoint says {world}"
         )
     if frozen:
         raise ValueError(f"{models[0]} holds frozen parameters, which rayacc does not train")

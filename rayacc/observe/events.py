@@ -13,6 +13,7 @@ from typing import Any
 from rayacc.observe.ranks import Straggler
 
 __all__ = [
+    "CheckpointPassedOver",
     "CheckpointWaited",
     "Checkpointed",
     "Event",
@@ -182,6 +183,29 @@ class Checkpointed:
 
 
 @dataclass(frozen=True)
+class CheckpointPassedOver:
+    """A restore chose a checkpoint that did not load and went on from the one before it (or
+    from the beginning); the folder is marked, so no later group chooses it again."""
+
+    note: str
+    """Which checkpoint, and every rank's reason."""
+    resumed_from: int | None
+    """The step of the checkpoint the group loaded instead (None: none)."""
+
+    def describe(self) -> str:
+        """The line kept in the run's `rayacc.passed_over` tag."""
+        return f"{self.note} → {self._instead()}"
+
+    def console_line(self) -> str:
+        return f"checkpoint passed over: {self.note}; the group goes on {self._instead()}"
+
+    def _instead(self) -> str:
+        if self.resumed_from is None:
+            return "from the beginning"
+        return f"from the checkpoint at step {self.resumed_from}"
+
+
+@dataclass(frozen=True)
 class CheckpointWaited:
     """Training waited for the checkpoint in flight to be in storage without writing one after
     it (a reclaim's notice wants the newest checkpoint kept before anything else)."""
@@ -303,6 +327,7 @@ Event = (
     | MicroBatchChanged
     | ScheduleChanged
     | Checkpointed
+    | CheckpointPassedOver
     | CheckpointWaited
     | PreemptionNotice
     | ReclaimStandby

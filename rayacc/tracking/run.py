@@ -11,6 +11,7 @@ from typing import Any
 from rayacc.config import TrainConfig
 from rayacc.config.batch_split import BatchSplit
 from rayacc.observe.events import (
+    CheckpointPassedOver,
     Event,
     MicroBatchChanged,
     PreemptionNotice,
@@ -76,6 +77,7 @@ class TrackedRun(RunObserver):
         self.schedule_changes = _entries(tags.get("rayacc.schedule_changes"), "; ")
         self.preemptions = _entries(tags.get("rayacc.preemptions"), "; ")
         self.stragglers = _entries(tags.get("rayacc.stragglers"), "; ")
+        self.passed_over = _entries(tags.get("rayacc.passed_over"), "; ")
 
     @property
     def run_id(self) -> str | None:
@@ -102,6 +104,10 @@ class TrackedRun(RunObserver):
         elif isinstance(event, Straggler):
             self.stragglers.append(event.describe())
             self.sink.set_tags({"rayacc.stragglers": "; ".join(self.stragglers)})
+        elif isinstance(event, CheckpointPassedOver):
+            self.passed_over.append(event.describe())
+            # a tag's value is at most 8,000 characters: the newest kept
+            self.sink.set_tags({"rayacc.passed_over": "; ".join(self.passed_over)[-7000:]})
         elif isinstance(event, ScheduleChanged):
             self.schedule_changes.append(event.describe())
             self.sink.set_tags({"rayacc.schedule_changes": "; ".join(self.schedule_changes)})

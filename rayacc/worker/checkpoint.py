@@ -7,6 +7,7 @@ What a checkpoint is on storage is the checkpoint layer's (`rayacc/checkpoint/fo
 
 from __future__ import annotations
 
+import json
 import shutil
 import tempfile
 import threading
@@ -26,12 +27,17 @@ from rayacc.checkpoint.format import (
 )
 from rayacc.checkpoint.lease import check_lease
 from rayacc.checkpoint.lineage import StepLog
-from rayacc.checkpoint.reader import CheckpointError
+from rayacc.checkpoint.reader import PASSED_OVER_FILE, CheckpointError
 from rayacc.checkpoint.storage import open_storage
 from rayacc.checkpoint.upload import PartUpload, staging_folder, sweep_stale_staging
 from rayacc.redact import redact
 
-__all__ = ["Checkpointer", "WorkerParts"]
+__all__ = ["Checkpointer", "RestoreFailed", "WorkerParts"]
+
+
+class RestoreFailed(RuntimeError):
+    """A restore that passed over every checkpoint after a load changed the group's state: the
+    group ends, and the next starts from the beginning (the checkpoints stay marked)."""
 
 
 class Checkpointer:
@@ -43,8 +49,8 @@ class Checkpointer:
         self.storage, self.name, self.parts, self.lease = storage, name, parts, lease
         self.run = open_storage(storage).child(name)
         self._in_flight: _InFlight | None = None
-        self.skipped: list[str] = []
-        """Checkpoints the restore passed over (not whole, or refused by the reader)."""
+        self.passed_over: list[str] = []
+        """Checkpoints the last restore chose and could not load, each with why."""
         self.complete_s: float | None = None
         """The seconds the latest complete checkpoint took, from the save to its files in
         storage (what a checkpoint the ranks must wait for costs)."""
@@ -58,39 +64,88 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ restore
     def restore(self) -> dict[str, Any] | None:
-        """Loads the newest checkpoint of the run that reads, if any, into the worker's parts
+        """Loads the newest checkpoint of the run that loads, if any, into the worker's parts
         and returns its meta. Rank 0 chooses it (passing over ones not whole or refused) and
-        every rank loads the same one."""
+        every rank loads the same one, from its view (`RunCheckpoints.read`). One that any
+        rank cannot read or load is passed over to the newest before it, on every rank, and
+        marked in storage (`PASSED_OVER_FILE`), so no later group meets the same failure;
+        `passed_over` says each. A load that failed after the strategy began to load leaves
+        its state changed: with no checkpoint before it, the group ends (RestoreFailed) and
+        the next one starts fresh."""
         from rayacc.engine import all_gather_objects
 
         self._commit()  # a group of a driver that lost its run does not start training
         w = self.parts
+        refused: list[str] = []
+        touched = False
         with tempfile.TemporaryDirectory(prefix="rayacc-restore-") as scratch:
-            found = None
-            if w.rank == 0:
-                found = RunCheckpoints(self.storage, self.name).load_latest(
-                    Path(scratch), map_location=w.device
-                )
-            step = all_gather_objects(found[0].step if found else None)[0]
-            if step is None:
-                return None
-            if found is None:
-                checkpoints = RunCheckpoints(self.storage, self.name)
-                found = checkpoints.load_latest(Path(scratch), w.device, at_most=step)
-                if found is None or found[0].step != step:
-                    raise CheckpointError(
-                        f"rank {w.rank} cannot read the checkpoint of step {step} that rank 0 "
-                        f"resumes from ({'; '.join(checkpoints.skipped) or 'not there'})"
+            checkpoints = RunCheckpoints(self.storage, self.name)
+            while True:
+                found = None
+                if w.rank == 0:
+                    found = checkpoints.load_latest(
+                        Path(scratch), map_location=w.device, excluding=refused
                     )
-            _, folder, (saved, _, meta) = found
-            w.strategy.state.load(w.strategy.model, w.optimizer, folder, saved)
-            if w.history is not None:
-                w.history.load(Path(folder) / HISTORY_FILE)
+                name = all_gather_objects(found[0].name if found else None)[0]
+                if name is None:
+                    if touched:
+                        raise RestoreFailed(
+                            "no checkpoint of the run before the ones passed over loads, and "
+                            "the failed load changed this group's state: the next group "
+                            f"starts from the beginning ({'; '.join(self.passed_over)})"
+                        )
+                    return None
+                error = None
+                try:
+                    if found is None:
+                        found = self._read_named(checkpoints, name, Path(scratch))
+                except CheckpointError as exc:
+                    error = str(exc)
+                if self._pass_over(name, all_gather_objects(error), refused):
+                    continue
+                _, view, (saved, _, meta) = found
+                try:
+                    w.strategy.state.load(
+                        w.strategy.model, w.optimizer, view, saved, meta["num_workers"]
+                    )
+                except OSError:
+                    raise  # the storage or the disk, not the checkpoint: a restart tries again
+                except Exception as exc:
+                    error = f"{type(exc).__name__}: {str(exc)[:400]}"
+                if self._pass_over(name, all_gather_objects(error), refused):
+                    touched = True
+                    continue
+                if w.history is not None:
+                    w.history.load(Path(view) / HISTORY_FILE)
+                break
         for name, part in w.stateful.items():
             if part is not None and saved.get(name) is not None:
                 part.load_state_dict(saved[name])
         w.restore_rng(saved.get("rng"), meta["optimizer_step"])
         return meta
+
+    def _read_named(self, checkpoints: RunCheckpoints, name: str, scratch: Path):
+        checkpoint = checkpoints.named(name)
+        if checkpoint is None:
+            raise CheckpointError(f"{self.run.uri(name)} is not there on rank {self.parts.rank}")
+        # an OSError (the storage, not the checkpoint) ends the group: a restart tries again
+        return (checkpoint, *checkpoints.read(checkpoint, scratch, self.parts.device))
+
+    def _pass_over(self, name: str, errors: list[str | None], refused: list[str]) -> bool:
+        """Whether any rank's error passes the checkpoint `name` over (every rank sees every
+        rank's): then it is said, and rank 0 marks it in storage."""
+        said = [f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None]
+        if not said:
+            return False
+        refused.append(name)
+        reason = "; ".join(said)[:1500]
+        self.passed_over.append(f"{self.run.uri(name)} did not load ({redact(reason)})")
+        if self.parts.rank == 0:
+            self._commit()
+            self.run.child(name).put(
+                PASSED_OVER_FILE, json.dumps({"reason": redact(reason)}).encode()
+            )
+        return True
 
     # ------------------------------------------------------------------ save
     def save(
@@ -120,7 +175,12 @@ class Checkpointer:
         waited = self.wait()
         w = self.parts
         started = time.perf_counter()
-        rng = all_gather_objects(w.rng_state())
+        # rank 0 names the folder (one no earlier attempt wrote into), said with the random state
+        gathered = all_gather_objects(
+            (w.rng_state(), self._fresh_folder(step) if w.rank == 0 else None)
+        )
+        rng = [r for r, _ in gathered]
+        name = gathered[0][1]
         staging = staging_folder()
         has_part = w.rank == 0 or w.strategy.writes_shards
         try:
@@ -146,7 +206,6 @@ class Checkpointer:
             else:
                 write_part(staging, rank=w.rank, step=step)
 
-        name = folder_name(step)
         upload = PartUpload(
             staging,
             self.run.child(name),
@@ -202,6 +261,15 @@ class Checkpointer:
             checkpoint_upload_fn=put,
         )
         return waited
+
+    def _fresh_folder(self, step: int) -> str:
+        """The name of the checkpoint folder of `step` that nothing is in yet: a group that
+        resumed from before a folder another group left (its checkpoint not whole, passed over,
+        or written at another world size) writes the step again beside it, never into it."""
+        attempt = 1
+        while self.run.stat(folder_name(step, attempt)) is not None:
+            attempt += 1
+        return folder_name(step, attempt)
 
     def cost_s(self) -> float | None:
         """What a checkpoint costs on this rank, whole, as last measured: the last one's

@@ -20,7 +20,7 @@ from rayacc.data.sources import RowGroups
 from rayacc.data.vocab import VOCAB_FILE
 from rayacc.engine import SampleSchedule, TrainState, device_peak_tflops
 from rayacc.models.parallel import RankParts, build_rank
-from rayacc.observe.events import Event, Resized, ScheduleChanged
+from rayacc.observe.events import CheckpointPassedOver, Event, Resized, ScheduleChanged
 from rayacc.optim import build_schedule
 from rayacc.quantities import EpochWindows, RunSpec, WorkerSettings
 from rayacc.worker.checkpoint import Checkpointer, WorkerParts
@@ -159,10 +159,14 @@ def restore(
     checked before launch.)"""
     t = time.perf_counter()
     meta: dict[str, Any] | None = setup.checkpoints.restore()
+    passed = [
+        CheckpointPassedOver(note, meta and meta["optimizer_step"])
+        for note in setup.checkpoints.passed_over
+    ]
     if meta is None:
-        return Restored()
+        return Restored(events=passed)
     step = setup.state.optimizer_step
-    restored = Restored(step=step, seconds=time.perf_counter() - t)
+    restored = Restored(step=step, seconds=time.perf_counter() - t, events=passed)
     # a new global batch (keep_micro_batch) moves to its LR over a short re-warmup
     setup.schedule.set_peak(lr, rewarm_steps=REWARM_STEPS)
     if setup.schedule.replanned is not None:

@@ -103,7 +103,7 @@ def test_each_stage_in_bf16_is_the_full_batch_steps_within_bf16_rounding(
     assert got["steps"] == [(24, False, 2), (4, False, 1)]
     before, after = reference(stage, offload)
     names = [n for n, _ in build_model(W.config(stage, offload), W.dataset()).named_parameters()]
-    weights = read_zero_weights(ranks[0]["out_dir"] / f"zero{stage}-{offload}-bf16" / "zero")
+    weights = read_zero_weights(ranks[0]["out_dir"] / f"zero{stage}-{offload}-bf16" / "zero", 2)
     trained = torch.cat([weights[n].reshape(-1).double() for n in names])
     err = update_rel_err(before, trained, after)
     record_equivalence(f"deepspeed zero{stage} offload {offload} bf16", err)
@@ -127,7 +127,7 @@ def test_the_weights_read_back_from_deepspeeds_files_without_its_runtime(
     folder = ranks[0]["out_dir"] / f"zero{stage}-{offload}" / "zero"
     names = [n for n, _ in build_model(W.config(stage, offload), W.dataset()).named_parameters()]
     modules = set(sys.modules)
-    weights = read_zero_weights(folder)
+    weights = read_zero_weights(folder, 2)
     assert not {m for m in set(sys.modules) - modules if m.startswith("deepspeed")}
     read = torch.cat([weights[n].reshape(-1).double() for n in names])
     assert torch.equal(read, ranks[0][(stage, offload)]["after"])
@@ -190,7 +190,7 @@ def test_damaged_deepspeed_files_are_refused_naming_them_and_run_no_code(ranks, 
     from rayacc.engine.zero_files import read_zero_weights, vet_zero_files
 
     original = ranks[0]["out_dir"] / f"zero{stage}-none" / "zero"
-    shapes = {k: v.shape for k, v in read_zero_weights(original).items()}
+    shapes = {k: v.shape for k, v in read_zero_weights(original, 2).items()}
     outcomes: dict[str, int] = {}
     for seed in range(40):
         rng = random.Random(f"{stage}-{seed}")
@@ -202,7 +202,7 @@ def test_damaged_deepspeed_files_are_refused_naming_them_and_run_no_code(ranks, 
         _damaged(target, how, rng, marker)
         for read in (vet_zero_files, read_zero_weights):
             try:
-                value = read(folder)
+                value = read(folder, 2)
             except ValueError as exc:
                 assert target.name in str(exc) or str(folder) in str(exc), (how, exc)
                 outcomes[f"{how}: refused"] = outcomes.get(f"{how}: refused", 0) + 1

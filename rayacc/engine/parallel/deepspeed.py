@@ -371,16 +371,19 @@ class DeepSpeedState(StateFormat):
                 (Path(folder) / script).unlink(missing_ok=True)
         return {}, _written
 
-    def load(self, model, optimizer, folder, saved):
+    def load(self, model, optimizer, folder, saved, written_by=None):
         zero = Path(folder) / TAG
         if not zero.is_dir():
             raise ValueError(
                 f"{folder} holds no DeepSpeed checkpoint (written under another strategy)"
             )
-        # DeepSpeed unpickles its files whole (weights_only=False): each is read as data first,
-        # so one that names anything but tensors, plain values and DeepSpeed's three record
-        # classes is refused before DeepSpeed's loader meets it
-        written_by = vet_zero_files(zero)
+        if written_by is None:
+            raise ValueError(f"{folder}: the number of ranks that wrote it is not known")
+        # DeepSpeed unpickles its files whole (weights_only=False), and its converter walks the
+        # folder for names it knows: `folder` is the checkpoint's view (its manifests' files
+        # only), and each file there is read as data first, exactly the names DeepSpeed writes
+        # for `written_by` ranks, so nothing else reaches DeepSpeed's loader
+        vet_zero_files(zero, written_by)
         engine = self.strategy.engine
         if written_by == _world():
             path, _ = engine.load_checkpoint(str(folder), tag=TAG)

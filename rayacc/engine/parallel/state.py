@@ -56,9 +56,16 @@ class StateFormat(ABC):
 
     @abstractmethod
     def load(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer, folder: str | Path, saved: dict
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        folder: str | Path,
+        saved: dict,
+        written_by: int | None = None,
     ) -> None:
-        """Loads what `save` wrote (at any number of ranks)."""
+        """Loads what `save` wrote (at any number of ranks: `written_by` of them). `folder`:
+        the checkpoint's vetted view (its manifests' files only), never the checkpoint's own
+        folder."""
 
 
 class WholeState(StateFormat):
@@ -69,7 +76,7 @@ class WholeState(StateFormat):
         # the state dicts hold the live tensors: a copy, before the next step changes them
         return (host_copy(whole) if background else whole), _written
 
-    def load(self, model, optimizer, folder, saved):
+    def load(self, model, optimizer, folder, saved, written_by=None):
         if "model" not in saved:
             raise ValueError(
                 f"{folder} holds a sharded checkpoint (written under FSDP): "
@@ -101,7 +108,7 @@ class ShardedState(StateFormat):
         future = save_sharded(Path(folder) / SHARDS_DIR, model, optimizer, group=self._group)
         return {}, future.result
 
-    def load(self, model, optimizer, folder, saved):
+    def load(self, model, optimizer, folder, saved, written_by=None):
         from rayacc.engine.shards import load_sharded
 
         shards = Path(folder) / SHARDS_DIR

@@ -18,3 +18,24 @@ def minimal_checkpoint(folder: Path, meta: dict[str, Any]) -> Path:
         description={"config": {}, "dataset": {}},
         meta=meta,
     )
+
+
+def reseal(folder: Path) -> Path:
+    """Writes rank 0's part of the checkpoint in `folder` again (as a run writes it), so that
+    meta.json lists every file now in the folder: one a test put in after it was written (a
+    lineage) included."""
+    import json
+
+    import torch
+
+    from rayacc.checkpoint import MODEL_FILE, STATE_FILE
+    from rayacc.checkpoint.format import FILES_KEY, META_FILE
+
+    meta = json.loads((folder / META_FILE).read_text())
+    meta.pop(FILES_KEY, None)
+    return write_checkpoint(
+        folder,
+        state=torch.load(folder / STATE_FILE, weights_only=True),
+        description=json.loads((folder / MODEL_FILE).read_text()),
+        meta=meta,
+    )

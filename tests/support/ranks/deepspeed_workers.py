@@ -103,7 +103,7 @@ def resume_planted(parts, out_dir: str, rank: int) -> str:
         )
     dist.barrier()
     try:
-        parts.strategy.state.load(parts.model, parts.optimizer, planted, {})
+        parts.strategy.state.load(parts.model, parts.optimizer, planted, {}, 2)
     except ValueError as exc:
         return str(exc)
     return "loaded"
@@ -122,7 +122,7 @@ def adamw_windows(rank: int, world: int, rows, out_dir: str, resume: bool = Fals
     )
     windows = WINDOWS[1:] if resume else WINDOWS
     if resume:
-        parts.strategy.state.load(parts.model, parts.optimizer, f"{out_dir}/adamw", {})
+        parts.strategy.state.load(parts.model, parts.optimizer, f"{out_dir}/adamw", {}, 2)
     for i, (lo, hi, micro) in enumerate(windows):
         per = (hi - lo) // world
         mine = slice_rows(rows, lo + rank * per, lo + (rank + 1) * per)

@@ -65,10 +65,18 @@ def sharded_checkpoint(folder: Path) -> tuple[Path, dict[str, torch.Tensor]]:
 
 
 def listing_only(folder: Path, *kept: str) -> None:
-    """meta.json made to list only `kept` of the folder's files, as it is where the others
-    are another rank's part (rank 0 lists its own) or the folder was crafted to match."""
+    """meta.json made to list only `kept` of the folder's files, the others as another rank's
+    part lists them (rank 0 lists its own), as a crafted folder would."""
     meta = json.loads((folder / "meta.json").read_text())
-    meta["files"] = {n: size for n, size in meta["files"].items() if n in kept}
+    from rayacc.checkpoint.format import file_entry
+
+    others = {
+        n: file_entry(folder / n) for n in meta["files"] if n not in kept and (folder / n).exists()
+    }
+    meta["files"] = {n: e for n, e in meta["files"].items() if n in kept}
+    meta["parts"] = ["parts/rank_00001.json"]
+    (folder / "parts").mkdir(exist_ok=True)
+    (folder / "parts" / "rank_00001.json").write_text(json.dumps({"rank": 1, "files": others}))
     (folder / "meta.json").write_text(json.dumps(meta))
 
 
@@ -262,6 +270,7 @@ def test_a_damaged_file_of_a_checkpoint_is_named_with_the_fix(tmp_path, capsys, 
     naming the file, never a traceback."""
     from rayacc.checkpoint import RunCheckpoints
     from rayacc.cli import main
+    from tests.support.data.checkpoints import reseal
     from tests.support.data.tokens import gpt_checkpoint, token_data
 
     storage = tmp_path / "runs"
@@ -270,14 +279,13 @@ def test_a_damaged_file_of_a_checkpoint_is_named_with_the_fix(tmp_path, capsys, 
     sharded = file.startswith("shards/")
     gpt_checkpoint(checkpoint, token_data(tmp_path, "chars"), sharded=sharded)
     (checkpoint / "history.jsonl").write_text('{"step": 1}\n{"step": 2}\n{"step": 3}\n')
+    reseal(checkpoint)
     target = checkpoint / file
     target.write_bytes(DAMAGE[how](target.read_bytes()))
     if file == "history.jsonl":
-        if how == "empty":
-            assert run.latest().history() == []  # a checkpoint without a lineage
-            return
+        (listed,) = run.list()
         with pytest.raises(CheckpointError, match="history.jsonl") as refused:
-            run.latest().history()
+            listed.history()
         assert "Fix:" in str(refused.value)
         return
     capsys.readouterr()
@@ -329,8 +337,9 @@ def test_a_checkpoint_whose_copy_was_cut_short_is_passed_over_and_said(tmp_path,
     """meta.json lists every other file of the folder and its size: a folder whose copy into
     storage was cut short (meta.json there, another file missing or short) is not the run's
     latest, not its lineage, not loaded, and each command that passes it over says so."""
-    from rayacc.checkpoint import RunCheckpoints, write_checkpoint
+    from rayacc.checkpoint import RunCheckpoints
     from rayacc.cli import main
+    from tests.support.data.checkpoints import reseal
     from tests.support.data.tokens import gpt_checkpoint, token_data
 
     sharded, damage, named = CUT_SHORT[case]
@@ -342,9 +351,7 @@ def test_a_checkpoint_whose_copy_was_cut_short_is_passed_over_and_said(tmp_path,
         gpt_checkpoint(folder, info, sharded=sharded)
         lines = "".join(json.dumps({"step": s}) + "\n" for s in range(1, step + 1))
         (folder / "history.jsonl").write_text(lines)
-        # written again, as a run writes it: the lineage among the files meta.json lists
-        state, description, meta = read_checkpoint(folder)
-        write_checkpoint(folder, state=state, description=description, meta=meta)
+        reseal(folder)  # as a run writes it: the lineage among the files meta.json lists
     newer = storage / "r" / run.folder_name(6)
     assert run.latest().step == 6 and run.latest().missing() == []
     damage(newer)
