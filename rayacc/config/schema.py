@@ -10,6 +10,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from rayacc.config.batch_split import BatchSplit, resolve_batch_split
+from rayacc.config.environment import environment_issues
 from rayacc.config.errors import ConfigError, ConfigIssue, issues_from_validation
 from rayacc.config.loader import read_yaml
 from rayacc.config.overrides import apply_overrides, flatten
@@ -429,7 +430,7 @@ class TrainConfig(Section):
             issues += issues_from_validation(exc, cls)
         issues += cross_field_issues(_valid_sections(cfg, data))
         if cfg is not None:
-            issues += string_issues(cfg)
+            issues += string_issues(cfg) + environment_issues(cfg)
         if issues:
             raise ConfigError(issues, source)
         assert cfg is not None

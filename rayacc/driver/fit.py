@@ -31,6 +31,7 @@ from rayacc.driver.runs import RunLocation
 from rayacc.observe.events import RunObserver, RunStarted
 from rayacc.observe.goodput import Goodput
 from rayacc.observe.relay import FiguresRelay
+from rayacc.redact import redact
 
 __all__ = [
     "FitResult",
@@ -111,7 +112,13 @@ def ensure_ray(cfg: TrainConfig) -> None:
 
     if ray.is_initialized():
         return
-    if os.environ.get("RAY_ADDRESS"):
+    if address := os.environ.get("RAY_ADDRESS"):
+        from rayacc.driver.arguments import address_problem
+        from rayacc.driver.places import PlaceError
+
+        # the variable stands for --address (env.FLAG_VARIABLES): checked as the flag is
+        if problem := address_problem(address):
+            raise PlaceError([f"$RAY_ADDRESS (it stands for --address): {redact(problem)}"])
         # the workers' and Ray Train's log lines stay in the cluster's logs, as on a local Ray
         ray.init(
             logging_level=logging.WARNING,

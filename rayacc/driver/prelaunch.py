@@ -304,7 +304,11 @@ def check_resume(cfg: TrainConfig, identity: dict[str, object], loc: RunLocation
     import tempfile
 
     from rayacc.checkpoint.reader import CheckpointError, malformed_message
+    from rayacc.checkpoint.storage import open_storage
+    from rayacc.driver.ray_record import reconcile_record
 
+    # Ray Train refuses to start on a record naming a folder that is gone: the two agree first
+    loc.notes += reconcile_record(open_storage(loc.storage).child(loc.name))
     checkpoints = loc.checkpoints
     if loc.local:
         # what the workers will do: the newest checkpoint that reads (whole, every digest as

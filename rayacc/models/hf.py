@@ -139,22 +139,117 @@ def build_hf(
             cfg, trust_remote_code=False, dtype=torch.float32
         )
     else:
-        folder = Path(weights).expanduser()
-        if not folder.is_dir():
-            raise ModelError(
-                f"model.hf.weights={weights!r} is not a folder. Fix: give the folder "
-                "save_pretrained wrote (config.json and model.safetensors), readable on every node"
-            )
-        model = t.AutoModelForCausalLM.from_pretrained(
-            str(folder),
-            config=cfg,
-            local_files_only=True,
-            trust_remote_code=False,
-            use_safetensors=True,
-            dtype=torch.float32,
-        )
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="rayacc-weights-") as view:
+            shown = weights_view(weights, Path(view))
+            try:
+                model = t.AutoModelForCausalLM.from_pretrained(
+                    str(shown),
+                    config=cfg,
+                    local_files_only=True,
+                    trust_remote_code=False,
+                    use_safetensors=True,
+                    dtype=torch.float32,
+                )
+            except Exception as exc:  # transformers' and safetensors' own errors, made ours
+                raise ModelError(
+                    f"model.hf.weights={weights!r}: transformers cannot load the weights there "
+                    f"({type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+                    "). Fix: give the folder save_pretrained (or `rayacc export --format hf`) "
+                    "wrote for this model.hf.config"
+                ) from None
     model.train()
     return HFCausalLM(model)
+
+
+SAFETENSORS, SAFETENSORS_INDEX = "model.safetensors", "model.safetensors.index.json"
+
+
+def weights_view(weights: str, into: Path) -> Path:
+    """`into`, holding what transformers is to read of the folder `model.hf.weights` names —
+    its safetensors weights (one file, or the index and every shard it names) and nothing
+    else, each a regular file whose header is safetensors' — as links to the checked files.
+    A pickle (`pytorch_model.bin`, or one named `.safetensors`) is never handed on. ModelError
+    naming the field and the file otherwise."""
+    import json
+
+    field = f"model.hf.weights={weights!r}"
+    folder = Path(weights).expanduser()
+    if not folder.is_dir():
+        raise ModelError(
+            f"{field} is not a folder. Fix: give the folder save_pretrained wrote (config.json "
+            "and model.safetensors), readable on every node"
+        )
+    if (folder / SAFETENSORS).exists():
+        names = [SAFETENSORS]
+    elif (folder / SAFETENSORS_INDEX).exists():
+        index = _regular(folder / SAFETENSORS_INDEX, field)
+        try:
+            shards = json.loads(index.read_text())["weight_map"].values()
+            names = [SAFETENSORS_INDEX, *sorted({str(n) for n in shards})]
+        except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
+            raise ModelError(
+                f"{field}: {folder / SAFETENSORS_INDEX} is not a safetensors index (JSON with a "
+                "weight_map). Fix: write the weights again with save_pretrained"
+            ) from None
+    else:
+        pickled = [p.name for p in folder.glob("*.bin")]
+        raise ModelError(
+            f"{field}: no {SAFETENSORS} (or {SAFETENSORS_INDEX}) there"
+            + (
+                f"; {', '.join(pickled[:3])} is a pickle, which is not read (it could run code)"
+                if pickled
+                else ""
+            )
+            + ". Fix: save the weights as safetensors (save_pretrained's default; "
+            "`model.save_pretrained(DIR, safe_serialization=True)`)"
+        )
+    for name in names:
+        if "/" in name or name in ("", ".", ".."):
+            raise ModelError(f"{field}: the index names {name!r}, outside the folder")
+        source = _regular(folder / name, field)
+        if name != SAFETENSORS_INDEX:
+            _safetensors_header(source, field)
+        (into / name).symlink_to(source)
+    return into
+
+
+def _regular(path: Path, field: str) -> Path:
+    """The regular file `path` is (an HF cache's link resolved), or ModelError."""
+    import stat
+
+    resolved = path.resolve()
+    try:
+        mode = resolved.stat().st_mode
+    except OSError:
+        raise ModelError(f"{field}: {path} is not there. Fix: write the weights again") from None
+    if not stat.S_ISREG(mode):
+        raise ModelError(f"{field}: {path} is not a regular file. Fix: give the weights' files")
+    return resolved
+
+
+def _safetensors_header(path: Path, field: str) -> None:
+    """Refuses a file that does not open as safetensors does: an 8-byte length, then that
+    many bytes of a JSON object (what `safe_open` reads first)."""
+    import json
+
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        length = int.from_bytes(head, "little") if len(head) == 8 else -1
+        ok = 2 <= length <= min(size - 8, 100 << 20)
+        if ok:
+            try:
+                ok = isinstance(json.loads(f.read(length)), dict)
+            except (ValueError, UnicodeDecodeError):
+                ok = False
+    if not ok:
+        pickled = "; it reads as a pickle, which is not loaded" if head[:1] == b"\x80" else ""
+        raise ModelError(
+            f"{field}: {path} is not a safetensors file (its header is not one{pickled}). "
+            "Fix: save the weights as safetensors with save_pretrained"
+        )
 
 
 # ----------------------------------------------------------------------------- rayacc's gpt out
