@@ -15,6 +15,9 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import math
+import os
+import stat
 import sys
 import time
 import urllib.error
@@ -22,7 +25,15 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["GCP_NOTICE_S", "STATE", "aws_notice", "drain_this_node", "gcp_notice", "watch"]
+__all__ = [
+    "GCP_NOTICE_S",
+    "STATE",
+    "aws_notice",
+    "default_state",
+    "drain_this_node",
+    "gcp_notice",
+    "watch",
+]
 
 GCP_NOTICE_S = 30
 """Compute Engine stops a preempted spot VM about 30 s after the notice."""
@@ -83,30 +94,97 @@ def drain_this_node(seconds: float, node_id: str | None = None, address: str | N
     drain(ray._raylet.GcsClient(address=address), node_id, "spot reclaim", deadline)
 
 
-STATE = "/tmp/rayacc-spot.json"
-"""Where the agent records the notice it handled: the specs restart it every few seconds while
-it runs (and whenever it exits), and each new `ray drain-node` would replace the deadline the
-run set since (rayacc's early end of the group: `worker/preemption.py::end_group_now`)."""
+def default_state() -> Path:
+    """Where the agent records the notice it handled: the specs restart it every few seconds
+    while it runs (and whenever it exits), and each new drain would replace the deadline the
+    run set since (rayacc's early end of the group: `worker/preemption.py::end_group_now`). A
+    folder of its own that only its user writes: root's under /run (gone at a reboot), another
+    user's in its home."""
+    if os.geteuid() == 0:
+        return Path("/run/rayacc-spot/state.json")
+    return Path.home() / ".cache" / "rayacc" / "spot" / "state.json"
+
+
+STATE = str(default_state())
 STALE_S = 600.0
-"""A recorded notice older than its deadline by this much is not this VM's (a reused /tmp)."""
+"""A recorded notice older than its deadline by this much is not this VM's."""
+MAX_NOTICE_S = 150.0
+"""The longest notice a cloud gives (AWS: two minutes), with a margin: a recorded deadline
+further from this notice's is another notice's (or nobody's), and ignored."""
+SLACK_S = 5.0
+"""A recorded deadline may be this much later than this notice's (clocks, rounding)."""
+_MAX_STATE_BYTES = 4096
 
 
-def _recorded(state: Path | None) -> dict:
+def _own_folder(folder: Path, log: Callable[[str], None]) -> bool:
+    """Whether `folder` is one only this user writes (made so where missing): a folder, not
+    a link, owned by this user, writable by nobody else. Said where it is not."""
+    try:
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = os.lstat(folder)
+    except OSError as exc:
+        log(f"rayacc.cluster.spot: cannot keep its state in {folder} ({exc}); going without it")
+        return False
+    if (
+        not stat.S_ISDIR(st.st_mode)
+        or st.st_uid != os.geteuid()
+        or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+    ):
+        log(
+            f"rayacc.cluster.spot: {folder} is not a folder only this user writes (a link, "
+            "another owner, or writable by others): its state is not kept there; every notice "
+            "is drained as new. Fix: give --state a file in a folder of its own"
+        )
+        return False
+    return True
+
+
+def _recorded(state: Path | None, log: Callable[[str], None] = lambda _: None) -> dict:
+    """The record the agent wrote, or {}: read without following a link, and only a regular
+    file of this user's, small, of the agent's shape (anything else is said and ignored)."""
     if state is None:
         return {}
     try:
-        doc = json.loads(state.read_text())
-    except (OSError, ValueError, RecursionError):
+        fd = os.open(state, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
         return {}
-    return doc if isinstance(doc, dict) and isinstance(doc.get("deadline"), (int, float)) else {}
+    except OSError as exc:
+        log(f"rayacc.cluster.spot: {state} is not read ({exc}): ignored")
+        return {}
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            log(f"rayacc.cluster.spot: {state} is not this agent's record (owner, kind): ignored")
+            return {}
+        data = f.read(_MAX_STATE_BYTES + 1)
+    try:
+        doc = json.loads(data) if len(data) <= _MAX_STATE_BYTES else None
+    except (ValueError, RecursionError):
+        doc = None
+    deadline = doc.get("deadline") if isinstance(doc, dict) else None
+    if (
+        not isinstance(deadline, int | float)
+        or isinstance(deadline, bool)
+        or not math.isfinite(deadline)
+        or not isinstance(doc.get("drained"), bool)
+    ):
+        log(f"rayacc.cluster.spot: {state} is not a record the agent writes: ignored")
+        return {}
+    return doc
 
 
 def _record(state: Path | None, **fields) -> None:
     if state is None:
         return
-    partial = state.with_name(state.name + ".partial")
-    partial.write_text(json.dumps(fields))
-    partial.replace(state)
+    # a name of its own in a folder only this user writes, never through a link
+    partial = state.with_name(f"{state.name}.{os.getpid()}.partial")
+    try:
+        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(fields))
+        os.replace(partial, state)
+    except OSError as exc:  # the drain matters, not its record
+        print(f"rayacc.cluster.spot: could not record {state} ({exc})", file=sys.stderr)
 
 
 def watch(
@@ -146,7 +224,19 @@ def watch(
             sleep(interval_s)
             continue
         t = now()
-        seen = _recorded(state)
+        if state is not None and "state" not in said:
+            said.add("state")
+            if not _own_folder(state.parent, log):
+                state = None
+        seen = _recorded(state, log)
+        if seen and not t + left - MAX_NOTICE_S <= seen["deadline"] <= t + left + SLACK_S:
+            # not this notice's: a real notice always drains
+            log(
+                f"rayacc.cluster.spot: the record in {state} names a deadline "
+                f"{seen['deadline'] - t:+.0f} s from now, this notice {left:+.0f} s: not this "
+                "notice's, ignored"
+            )
+            seen = {}
         if seen and t < seen["deadline"] + STALE_S:
             # drained, or its deadline past (a drain now could only move it): this notice's
             # work is done
@@ -187,7 +277,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--interval-s", type=float, default=2.0)
     parser.add_argument("--metadata-url", default=None, help="the metadata server (tests)")
     parser.add_argument(
-        "--state", default=STATE, help="where the notice handled is recorded (one drain each)"
+        "--state",
+        default=STATE,
+        help="where the notice handled is recorded (one drain each), in a folder only this "
+        "user writes",
     )
     parser.add_argument("--node-id", default=None, help="the Ray node (default: this machine's)")
     parser.add_argument("--address", default=None, help="the Ray cluster (default: this one's)")

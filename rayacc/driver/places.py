@@ -10,6 +10,7 @@ from pathlib import Path
 
 from rayacc.config import TrainConfig
 from rayacc.redact import redact
+from rayacc.tracking.mlflow_sink import URI_ENV
 
 __all__ = [
     "PlaceError",
@@ -186,9 +187,9 @@ def check_places(cfg: TrainConfig, here: bool = True) -> None:
     elif storage is not None and here:
         problems.append(check_folder("run.storage_path", storage))
     uri, field = cfg.tracking.tracking_uri, "tracking.tracking_uri"
-    if uri is None and here and os.environ.get("MLFLOW_TRACKING_URI"):
+    if uri is None and here and os.environ.get(URI_ENV):
         # MLflow's variable stands in for the field: the same checks, named as it
-        uri, field = os.environ["MLFLOW_TRACKING_URI"], "MLFLOW_TRACKING_URI"
+        uri, field = os.environ[URI_ENV], URI_ENV
     # a sqlite file of a submitted job is on the cluster: its scheme is all there is to judge
     if cfg.tracking.enabled and uri is not None and (here or not uri.startswith("sqlite:")):
         problems.append(check_tracking_uri(field, uri))

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rayacc.env import FIELD_VARIABLES
 from rayacc.redact import redact
 
 __all__ = ["MlflowSink", "TrackingTarget", "default_tracking_uri", "tracking_target"]
@@ -22,8 +23,12 @@ _MAX_PARAMS_PER_CALL = 100
 _MAX_METRICS_PER_CALL = 1000
 
 
-URI_ENV, EXPERIMENT_ENV = "MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME"
-"""MLflow's own variables: what a user of MLflow has set, used where the config says null."""
+URI_ENV, EXPERIMENT_ENV = (
+    next(v for v, f in FIELD_VARIABLES.items() if f == field)
+    for field in ("tracking.tracking_uri", "tracking.experiment")
+)
+"""MLflow's own variables: what a user of MLflow has set, used where the config says null
+(checked as those fields: `env.FIELD_VARIABLES`)."""
 DEFAULT_EXPERIMENT = "rayacc"
 EXPERIMENT_KIND, MODEL_TRAINING = "mlflow.experimentKind", "custom_model_development"
 """The experiment tag MLflow 3's UI chooses its view by, and its model-training value."""

@@ -5,6 +5,7 @@ user's DeepSpeed config is merged under the job's keys or refused naming both va
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import shutil
@@ -222,3 +223,70 @@ def test_no_compiler_for_deepspeeds_op_is_said_with_the_fix(tmp_path):
     raised = one["raised"] or ""
     assert raised.startswith("RuntimeError: DeepSpeed builds a small op"), raised
     assert "Fix: install g++ and ninja" in raised and str(tmp_path) in raised, raised
+
+
+def _rayacc_checkpoint(ranks, stage: int, offload: str, folder: Path) -> Path:
+    """The case's DeepSpeed files in a rayacc checkpoint folder, rank 0's manifest listing
+    them all (as every rank's parts together do)."""
+    from rayacc.checkpoint import write_checkpoint
+
+    shutil.copytree(ranks[0]["out_dir"] / f"zero{stage}-{offload}" / "zero", folder / "zero")
+    cfg = W.config(stage, offload)
+    return write_checkpoint(
+        folder,
+        state={"train_state": {}},
+        description={"config": cfg.model_dump(mode="json"), "dataset": W.dataset().to_dict()},
+        meta={
+            "optimizer_step": 2,
+            "num_workers": 2,
+            "shards": "zero",
+            "state_format": "deepspeed",
+            "parts": [],
+        },
+    )
+
+
+@pytest.mark.parametrize("stage, offload", [c for c in W.CASES if c[1] == "none"])
+def test_deepspeeds_readers_see_only_the_manifests_files_of_the_ranks_it_names(
+    ranks, tmp_path, stage, offload
+):
+    """Every ZeRO stage's checkpoint: a file no manifest lists, named as DeepSpeed's loader
+    and converter match names (read from its own constants), in the checkpoint or its `zero/`
+    folder, is refused by the reader naming it; crafted into the manifest, one in `zero/` is
+    still refused before DeepSpeed could read it (its names are the written world size's, from
+    meta.json); the files of another world size are strangers, not one more rank. Nothing is
+    unpickled."""
+    from rayacc.checkpoint import CheckpointError, load_model, read_checkpoint
+    from rayacc.checkpoint.format import META_FILE, file_entry
+    from rayacc.engine.zero_files import read_zero_weights
+    from tests.support.data.strangers import foreign_names, plant
+
+    original = _rayacc_checkpoint(ranks, stage, offload, tmp_path / "original")
+    want = read_zero_weights(original / "zero", 2)
+    loaded = load_model(original).state_dict()
+    assert all(torch.equal(loaded[k], v) for k, v in want.items())
+    for i, name in enumerate(foreign_names(world=2)):
+        for inside in ("", "zero"):
+            folder = tmp_path / f"case{i}{inside}"
+            shutil.copytree(original, folder)
+            marker = tmp_path / f"ran{i}{inside}"
+            stranger = plant(folder / inside, name, marker)
+            relative = stranger.relative_to(folder).as_posix()
+            with pytest.raises(CheckpointError, match="not listed by any manifest") as refused:
+                read_checkpoint(folder)
+            assert relative in str(refused.value)
+            meta = json.loads((folder / META_FILE).read_text())
+            meta["files"][relative] = file_entry(stranger)  # crafted to match
+            (folder / META_FILE).write_text(json.dumps(meta))
+            if inside:
+                with pytest.raises(CheckpointError, match="not a file DeepSpeed writes"):
+                    load_model(folder)
+            else:
+                assert load_model(folder) is not None
+            assert not marker.exists(), f"{relative} was unpickled"
+            shutil.rmtree(folder)
+    # 2 ranks' files under a meta.json that says 1 wrote them: leftovers of another world size
+    meta = json.loads((original / META_FILE).read_text())
+    (original / META_FILE).write_text(json.dumps({**meta, "num_workers": 1}))
+    with pytest.raises(CheckpointError, match="not a file DeepSpeed writes for a checkpoint of 1"):
+        read_checkpoint(original)

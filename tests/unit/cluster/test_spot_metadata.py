@@ -5,6 +5,9 @@ seconds the cloud gave."""
 from __future__ import annotations
 
 import datetime as dt
+import json
+import os
+from pathlib import Path
 
 import pytest
 
@@ -186,3 +189,64 @@ def test_a_refused_drain_is_an_error_the_agent_retries(monkeypatch):
     monkeypatch.setattr(ray._raylet, "GcsClient", Refusing)
     with pytest.raises(RuntimeError, match="the node is not alive"):
         drain_this_node(30.0, "ab" * 28, "127.0.0.1:6379")
+
+
+def _announced(state, clock):
+    state["reclaim_at"] = dt.datetime.fromtimestamp(clock + 118, dt.UTC).strftime(
+        "%Y-%m-%dT%H:%M:%SZ"
+    )
+    state["quiet_polls"] = 0
+
+
+def _planted_ignoring(folder: Path, record: Path):
+    """What a state the agent did not write looks like, by way of planting it: a far deadline
+    marked drained (it would keep the agent from ever draining), garbage, another owner's."""
+    far = json.dumps({"deadline": 1e18, "drained": True})
+    yield "a far deadline", lambda: record.write_text(far)
+    yield "garbage", lambda: record.write_bytes(b"\x00{not json")
+    yield "a link", lambda: (record.unlink(missing_ok=True), record.symlink_to(folder / "x"))
+
+    def other_owner():
+        record.write_text(far)
+        os.chown(record, 65534, 65534)
+
+    yield "another owner", other_owner
+
+
+def test_a_real_notice_always_drains_whatever_state_was_planted(metadata, tmp_path):
+    """The agent trusts only a record it wrote, in a folder only its user writes: a planted
+    record (a far deadline marked drained, garbage, a link, another owner's) or a folder others
+    write is ignored with a warning, and the notice is drained."""
+    base, state = metadata
+    clock = 1_800_000_000.0
+    _announced(state, clock)
+    folder = tmp_path / "own"
+    folder.mkdir(mode=0o700)
+    (folder / "x").write_text(json.dumps({"deadline": 1e18, "drained": True}))
+    record = folder / "state.json"
+    for how, plant in _planted_ignoring(folder, record):
+        record.unlink(missing_ok=True)
+        plant()
+        drained, lines = [], []
+        watch(lambda: aws_notice(base, now=lambda: clock), drain=drained.append, state=record,
+              now=lambda: clock, log=lines.append)  # fmt: skip
+        assert drained == [pytest.approx(118.0)], (how, lines)
+        assert any("ignored" in line or "not read" in line for line in lines), (how, lines)
+        assert json.loads((folder / "x").read_text())["deadline"] == 1e18, "a link was followed"
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    (shared / "state.json").write_text(json.dumps({"deadline": 1e18, "drained": True}))
+    drained, lines = [], []
+    watch(lambda: aws_notice(base, now=lambda: clock), drain=drained.append,
+          state=shared / "state.json", now=lambda: clock, log=lines.append)  # fmt: skip
+    assert drained == [pytest.approx(118.0)], lines
+    assert any("not a folder only this user writes" in line for line in lines), lines
+
+
+def test_the_default_state_is_in_a_folder_of_its_own():
+    from rayacc.cluster.spot import default_state
+
+    where = default_state()
+    assert where.parent.name == "spot" or where.parent == Path("/run/rayacc-spot")
+    assert not str(where).startswith("/tmp")
