@@ -143,6 +143,9 @@ def build_hf(
 
         with tempfile.TemporaryDirectory(prefix="rayacc-weights-") as view:
             shown = weights_view(weights, Path(view))
+            if not (shown / GENERATION_CONFIG).exists():
+                # transformers 5 fails on a folder without one (a None path)
+                t.GenerationConfig.from_model_config(cfg).to_json_file(shown / GENERATION_CONFIG)
             try:
                 model = t.AutoModelForCausalLM.from_pretrained(
                     str(shown),
@@ -164,6 +167,7 @@ def build_hf(
 
 
 SAFETENSORS, SAFETENSORS_INDEX = "model.safetensors", "model.safetensors.index.json"
+GENERATION_CONFIG = "generation_config.json"
 
 
 def weights_view(weights: str, into: Path) -> Path:
@@ -205,11 +209,13 @@ def weights_view(weights: str, into: Path) -> Path:
             + ". Fix: save the weights as safetensors (save_pretrained's default; "
             "`model.save_pretrained(DIR, safe_serialization=True)`)"
         )
+    # the configs beside the weights, as JSON (transformers reads the generation config there)
+    names += [n for n in ("config.json", GENERATION_CONFIG) if (folder / n).exists()]
     for name in names:
         if "/" in name or name in ("", ".", ".."):
             raise ModelError(f"{field}: the index names {name!r}, outside the folder")
         source = _regular(folder / name, field)
-        if name != SAFETENSORS_INDEX:
+        if name.endswith(".safetensors"):
             _safetensors_header(source, field)
         (into / name).symlink_to(source)
     return into

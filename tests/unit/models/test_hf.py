@@ -130,3 +130,75 @@ def test_safetensors_for_any_model_and_hf_refused_where_there_is_no_counterpart(
         monkeypatch,
     )
     assert again.code == 2 and "not an empty folder" in again.err
+
+
+def _weights_cfg(weights) -> TrainConfig:
+    return TrainConfig.model_validate(
+        {
+            "seed": 4,
+            "model": {"name": "hf", "hf": {"config": LLAMA, "weights": str(weights)}},
+            "data": {"seq_len": 8},
+        }
+    )
+
+
+def test_weights_from_a_save_pretrained_folder_are_those_weights_on_the_driver_and_ranks(
+    tmp_path, info
+):
+    """`model.hf.weights` builds the model from exactly those weights, and the driver's
+    shapes-only build of it (parameters on the meta device) builds too."""
+    from rayacc.models import build_on_meta
+
+    source = build_model(hf_cfg(LLAMA), info)
+    with torch.no_grad():
+        for p in source.parameters():
+            p.add_(0.5)
+    source.hf.save_pretrained(str(tmp_path / "saved"))
+    built = build_model(_weights_cfg(tmp_path / "saved"), info)
+    assert all(torch.equal(a, b) for a, b in zip(source.state_dict().values(),
+                                                 built.state_dict().values()))  # fmt: skip
+    (tmp_path / "saved" / "generation_config.json").unlink()  # a folder written without one
+    again = build_model(_weights_cfg(tmp_path / "saved"), info)
+    assert all(torch.equal(a, b) for a, b in zip(built.state_dict().values(),
+                                                 again.state_dict().values()))  # fmt: skip
+    shapes = build_on_meta(_weights_cfg(tmp_path / "saved"), info)
+    assert {k: v.shape for k, v in shapes.state_dict().items()} == {
+        k: v.shape for k, v in source.state_dict().items()
+    }
+
+
+def test_weights_transformers_cannot_or_must_not_read_are_refused_naming_field_and_file(
+    tmp_path, info
+):
+    """A folder with only a pickle (`pytorch_model.bin`), a `model.safetensors` that is really a
+    pickle (never unpickled), a header cut short: the one error, naming model.hf.weights and
+    the file, before transformers meets it."""
+    import pickle
+
+    from rayacc.models.registry import ModelError
+    from tests.support.data.strangers import Payload
+
+    marker = tmp_path / "ran"
+    source = build_model(hf_cfg(LLAMA), info)
+    source.hf.save_pretrained(str(tmp_path / "good"))
+    cases = {}
+    only_bin = tmp_path / "only-bin"
+    only_bin.mkdir()
+    (only_bin / "pytorch_model.bin").write_bytes(pickle.dumps(Payload(str(marker))))
+    cases["pytorch_model.bin"] = only_bin
+    fake = tmp_path / "fake"
+    fake.mkdir()
+    (fake / "model.safetensors").write_bytes(pickle.dumps(Payload(str(marker))))
+    cases["model.safetensors"] = fake
+    cut = tmp_path / "cut"
+    cut.mkdir()
+    data = (tmp_path / "good" / "model.safetensors").read_bytes()
+    (cut / "model.safetensors").write_bytes(data[:200])
+    cases["cut"] = cut
+    for named, folder in cases.items():
+        with pytest.raises(ModelError) as refused:
+            build_model(_weights_cfg(folder), info)
+        said = str(refused.value)
+        assert "model.hf.weights" in said and "Fix:" in said, said
+        assert named in said or "model.safetensors" in said, said
+    assert not marker.exists(), "a pickle was unpickled"
