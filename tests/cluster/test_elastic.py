@@ -3,6 +3,7 @@ joins mid-run; the global batch, the effective LR and the data order carry on.""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -71,10 +72,13 @@ def test_node_leaves_and_joins_with_global_batch_and_lr_kept(
     record_equivalence("elastic: 2 → 1 → 2 workers at steps 4, 8 vs one process, full batch", err)
     assert err <= 1e-5, err
 
-    # keep_micro_batch under DeepSpeed ZeRO-2 and AdamW: accumulation stays 4, the global batch
-    # follows the workers (32 → 16) and the LR follows the linear rule (0.05 → 0.025) over a
-    # 5-step re-warmup; the group of 1 resumes the 2 ranks' ZeRO partitions through DeepSpeed's
-    # universal checkpoint (DeepSpeed's batch keys re-derived: 32 → 16)
+    # keep_micro_batch under DeepSpeed ZeRO-2 and AdamW, and a checkpoint that never became
+    # whole: node 1 goes after rank 1's DeepSpeed files of checkpoint 4 are in storage, before
+    # its part manifest (taken away here). The group of 1 passes checkpoint 4 over (rank 1's
+    # files in it are strangers), resumes checkpoint 2's ZeRO partitions through DeepSpeed's
+    # universal checkpoint, and writes step 4 again in a folder of its own; accumulation stays
+    # 4, the global batch follows the workers (32 → 16) and the LR the linear rule (0.005 →
+    # 0.0025) over a 5-step re-warmup
     wait_for_slots(cluster, 2)
     spec = job(
         tmp_path,
@@ -86,27 +90,47 @@ def test_node_leaves_and_joins_with_global_batch_and_lr_kept(
         deepspeed={"stage": 2},
         optim={"name": "adamw", "momentum": 0.0, "lr": 0.005},
     )
+
+    def rank_1_goes_before_its_manifest():
+        (torn,) = (tmp_path / "micro").glob("*/checkpoint_step00000004")
+        manifest = torn / "parts" / "rank_00001.json"
+        deadline = time.monotonic() + 60
+        while not manifest.is_file():
+            assert time.monotonic() < deadline, "rank 1's part of checkpoint 4 never arrived"
+            time.sleep(0.2)
+        assert (torn / "zero" / "zero_pp_rank_1_mp_rank_00_optim_states.pt").is_file()
+        manifest.unlink()
+        local("remove", str(nodes[1]), env=cluster)
+        # the group of 1 writes step 4 again beside the torn folder, never into it (both
+        # are gone by the run's end: Ray Train's retention keeps the newest two)
+        again = torn.parent / "checkpoint_step00000004_attempt2" / "meta.json"
+        while not again.is_file():
+            assert time.monotonic() < deadline + 300, "step 4 was not written again"
+            time.sleep(0.2)
+        assert (torn / "meta.json").is_file(), "the torn folder was written into"
+
     out = train(
         spec,
         cluster,
         env_file,
-        during=wait_then(
-            tmp_path, "micro", (4, lambda: local("remove", str(nodes[1]), env=cluster))
-        ),
+        during=wait_then(tmp_path, "micro", (4, rank_1_goes_before_its_manifest)),
     ).stdout
-    assert "resize at step 4" in out and "workers 2 → 1" in out, out[-3000:]
+    assert "resize at step 2" in out and "workers 2 → 1" in out, out[-3000:]
     run, series = run_record(tmp_path, "micro")
-    assert series("scaling/num_workers") == [2] * 4 + [1] * 12
+    assert series("scaling/num_workers") == [2] * 2 + [1] * 14
     assert series("scaling/grad_accum_steps") == [4] * 16
-    assert series("scaling/global_batch_size") == [32] * 4 + [16] * 12
-    assert series("train/samples") == [32] * 4 + [16] * 12
-    expected_lr = [0.005] * 4 + [0.005 - 0.0025 * min(k, 5) / 5 for k in range(12)]
+    assert series("scaling/global_batch_size") == [32] * 2 + [16] * 14
+    assert series("train/samples") == [32] * 2 + [16] * 14
+    expected_lr = [0.005] * 2 + [0.005 - 0.0025 * min(k, 5) / 5 for k in range(14)]
     assert series("train/lr") == pytest.approx(expected_lr, rel=1e-9), series("train/lr")
-    assert "step 4: workers 2→1, accum 4→4, global 32→16" in run.data.tags["rayacc.resizes"]
-    # 4 windows of 32 rows, then 12 of 16 from row 128 (the epoch's end at row 256, then the
+    assert "step 2: workers 2→1, accum 4→4, global 32→16" in run.data.tags["rayacc.resizes"]
+    # 2 windows of 32 rows, then 14 of 16 from row 64 (the epoch's end at row 256, then the
     # second epoch from row 0), at the LRs logged
-    windows = [(32 * s, 32, 0.005) for s in range(4)]
-    windows += [((128 + 16 * k) % 256, 16, lr) for k, lr in enumerate(expected_lr[4:])]
+    windows = [(32 * s, 32, 0.005) for s in range(2)]
+    windows += [((64 + 16 * k) % 256, 16, lr) for k, lr in enumerate(expected_lr[2:])]
     err = rel_diff(weights(final_checkpoint(tmp_path, "micro")), reference_weights(spec, windows))
-    record_equivalence("elastic deepspeed zero2 adamw: 2 → 1 workers at step 4, keep micro", err)
+    record_equivalence(
+        "elastic deepspeed zero2 adamw: checkpoint 4 torn, 2 → 1 workers from step 2, keep micro",
+        err,
+    )
     assert err <= 1e-5, err

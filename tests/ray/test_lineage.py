@@ -339,3 +339,50 @@ def test_a_resume_that_lengthens_a_cosine_run_goes_on_from_its_lr_with_the_whole
         4,
         8,
     ]
+
+
+def test_a_run_whose_checkpoint_was_passed_over_resumes_again_and_again_at_other_sizes(
+    ray_local, tmp_path, capfd
+):
+    """An FSDP run on 2 workers writes checkpoints 2 and 4; checkpoint 4 loses rank 1's part
+    manifest (its shards stay, as when rank 1's node goes between its files and its manifest).
+    A --resume on 1 worker passes it over (said), goes on from 2 and writes step 4 again in a
+    folder of its own; two more resumes (1 worker, then 2) go on from the newest checkpoint:
+    Ray Train's record of the run and rayacc's catalogue never disagree, and the lineage is
+    steps 1..10 once each."""
+    from rayacc.checkpoint import RunCheckpoints
+    from rayacc.checkpoint.format import folder_name
+    from rayacc.driver.ray_record import RECORD_FILE
+
+    def cfg(workers, steps):
+        return config(
+            tmp_path,
+            train={"strategy": "fsdp", "max_steps": steps, "checkpoint_every_steps": 2},
+            scaling={"num_workers": workers, "cpus_per_worker": 0.5},
+            run={"storage_path": str(tmp_path / "runs"), "name": "passed", "keep_checkpoints": 2},
+            tracking={"enabled": False},
+        )
+
+    starts: list = []
+
+    class Starts(RunObserver):
+        def on_event(self, event):
+            if isinstance(event, RunStarted):
+                starts.append(event.resumed_from)
+
+    fit_or_fail(cfg(2, 4))
+    run = tmp_path / "runs" / "passed"
+    (run / folder_name(4) / "parts" / "rank_00001.json").unlink()
+    capfd.readouterr()
+    for workers, steps in ((1, 6), (1, 8), (2, 10)):
+        result = fit_or_fail(cfg(workers, steps), resume=True, observers=[Starts()])
+        assert [r["step"] for r in result.history] == list(range(1, steps + 1))
+        record = json.loads((run / RECORD_FILE).read_text())
+        named = [r["checkpoint_dir_name"] for r in record["checkpoint_results"]]
+        assert named and all((run / name / "meta.json").is_file() for name in named), named
+    assert starts == [2, 6, 8], starts
+    err = capfd.readouterr().err
+    assert f"passed over {run / folder_name(4)}" in err and "parts/rank_00001.json" in err, err
+    kept = [c.name for c in RunCheckpoints(str(tmp_path / "runs"), "passed").list()]
+    assert kept[-1] == folder_name(10), kept
+    assert load_model(result.checkpoint_dir) is not None
