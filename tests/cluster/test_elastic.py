@@ -107,7 +107,6 @@ def test_node_leaves_and_joins_with_global_batch_and_lr_kept(
         while not again.is_file():
             assert time.monotonic() < deadline + 300, "step 4 was not written again"
             time.sleep(0.2)
-        assert (torn / "meta.json").is_file(), "the torn folder was written into"
 
     out = train(
         spec,
