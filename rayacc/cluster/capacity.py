@@ -30,7 +30,22 @@ REQUESTER = "rayacc"
 """The name the coordinator's recount is asked under (it reserves nothing for it)."""
 
 
-def _coordinator():
+COORDINATOR = ("AutoscalingCoordinator", "AutoscalingCoordinator")
+"""The coordinator actor's name and namespace (Ray's)."""
+
+
+def _coordinator(create: bool = True):
+    """The coordinator actor; `create`: made if there is none. Ray makes it pinned (hard) to
+    the node of whoever asks first, for good (it is detached, restarted in place): only the
+    driver creates it, on its node, never a rank on a node that may be reclaimed. None where
+    there is none and `create` is off."""
+    if not create:
+        import ray
+
+        try:
+            return ray.get_actor(COORDINATOR[0], namespace=COORDINATOR[1])
+        except ValueError:
+            return None
     from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
         get_or_create_autoscaling_coordinator,
     )
@@ -58,10 +73,17 @@ def recount() -> None:
     ray.get(coordinator.get_reserved_resources.remote(REQUESTER, recompute=True), timeout=TIMEOUT_S)
 
 
-def count_out(nodes: Sequence[str]) -> None:
+def count_out(nodes: Sequence[str], create: bool = True) -> bool:
     """Has the coordinator count `nodes` (hex ids) out while they are drained, from now on,
-    and read the cluster at once. A drain that is cancelled counts the node in again."""
+    and read the cluster at once. A drain that is cancelled counts the node in again. Said
+    again, it is said again inside the coordinator (a restarted coordinator has forgotten).
+    `create`: make the coordinator where there is none (the driver only); returns whether
+    one was told."""
     import ray
+
+    coordinator = _coordinator(create)
+    if coordinator is None:
+        return False  # nothing sizes an elastic group on this cluster
 
     def install(coordinator, leaving: tuple[str, ...], requester: str) -> None:
         # runs inside the coordinator: its own node listing, filtered (pickled by value, so
@@ -82,8 +104,9 @@ def count_out(nodes: Sequence[str]) -> None:
         held.update(leaving)
         coordinator.get_reserved_resources(requester, recompute=True)
 
-    call = _coordinator().__ray_call__.remote(install, tuple(nodes), REQUESTER)
+    call = coordinator.__ray_call__.remote(install, tuple(nodes), REQUESTER)
     ray.get(call, timeout=TIMEOUT_S)
+    return True
 
 
 def live_nodes() -> frozenset[str]:
@@ -145,6 +168,7 @@ class NodeWatch:
         self.drains_seen: dict[str, float] = {}
         """Drained node → when this watch first saw the drain (its clock)."""
         self.next_at = float("-inf")
+        self.draining_now: dict[str, int] = {}
         self.recounts = 0
         self.stopped = False
 
@@ -157,17 +181,21 @@ class NodeWatch:
             nodes = self.nodes()
             wall = self.wall()
             due = set()
-            for node, deadline_ms in self.draining().items():
+            self.draining_now = self.draining()
+            for node, deadline_ms in self.draining_now.items():
                 seen = self.drains_seen.setdefault(node, now)
                 left_s = deadline_ms / 1000 - wall
                 near = deadline_ms > 0 and left_s <= self.lead_s
                 if node in nodes and near and (left_s <= 0 or now - seen >= KNOWN_S):
                     due.add(node)
+            # told again while they drain: a coordinator restarted meanwhile (it is Ray's
+            # detached actor, restarted in place) has forgotten what it was told
+            again = self.counted_out & set(self.draining_now)
             due -= self.counted_out
-            if due:
-                self.leave(sorted(due))
+            if due or again:
+                self.leave(sorted(due | again))
                 self.counted_out |= due
-                self.recounts += 1
+                self.recounts += bool(due)
             elif self.seen is not None and nodes != self.seen:
                 self.tell()
                 self.recounts += 1

@@ -333,7 +333,8 @@ def end_group_now(nodes: Sequence[str]) -> str | None:
             gcs, node, "rayacc: the last checkpoint before the reclaim is written", deadline
         )
     try:
-        capacity.count_out(nodes)
+        # never made here (a rank may be on a node that goes): the driver made it, if any
+        capacity.count_out(nodes, create=False)
     except Exception as exc:  # the group still ends; its successor may be tried at the old size
         return (
             "Ray's elastic sizing counts the node until its own next look: "

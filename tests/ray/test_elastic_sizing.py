@@ -9,6 +9,8 @@ looked at yet, and the driver must bring it back."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from rayacc.driver.fit import refresh_elastic_sizing
@@ -87,3 +89,52 @@ def test_a_node_counted_out_is_counted_while_no_drain_of_it_is_in_effect(ray_loc
     forget_the_nodes(actor)
     ray.get(actor.get_reserved_resources.remote("tests", recompute=True))
     assert nodes_seen(actor) == alive
+
+
+def test_the_count_out_is_told_again_after_the_coordinator_restarts_and_no_rank_creates_it(
+    ray_local,
+):
+    """Ray restarts its detached coordinator in place (max_restarts=-1), forgetting what it
+    was told: the driver's watch tells it again at its next look while the node drains. A rank
+    (which may sit on the node that goes: Ray pins the actor, for good, to whoever asks first)
+    never creates it; the driver does, on its own node."""
+    import ray
+
+    from rayacc.cluster.capacity import COORDINATOR, NodeWatch, count_out, live_nodes
+
+    def leaving(actor):
+        return ray.get(
+            actor.__ray_call__.remote(lambda self: sorted(getattr(self, "_rayacc_leaving", ())))
+        )
+
+    ray.kill(coordinator(), no_restart=True)
+    with pytest.raises(ValueError):
+        ray.get_actor(COORDINATOR[0], namespace=COORDINATOR[1])
+    (head,) = live_nodes()
+    assert count_out([head], create=False) is False  # a rank's call: nothing made
+    with pytest.raises(ValueError):
+        ray.get_actor(COORDINATOR[0], namespace=COORDINATOR[1])
+
+    drains = {head: int((time.time() + 1.0) * 1000)}
+    watch = NodeWatch(lambda line: None, every_s=0.0, lead_s=5.0, draining=lambda: drains)
+    watch.drains_seen[head] = float("-inf")  # known long enough
+    watch.poll()
+    actor = ray.get_actor(COORDINATOR[0], namespace=COORDINATOR[1])
+    assert leaving(actor) == [head]
+    where = ray.get(actor.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id()))
+    assert where == ray.get_runtime_context().get_node_id(), "made on the driver's node"
+    ray.kill(actor, no_restart=False)  # Ray restarts it: what it was told is gone
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            if leaving(actor) == []:
+                break
+        except ray.exceptions.RayActorError:
+            pass
+        assert time.monotonic() < deadline, "the coordinator did not restart"
+    watch.poll()
+    assert leaving(actor) == [head], "told again after the restart"
+    drains.clear()
+    forget_the_nodes(actor)
+    ray.get(actor.get_reserved_resources.remote("tests", recompute=True))
+    assert nodes_seen(actor) == sum(node["Alive"] for node in ray.nodes())

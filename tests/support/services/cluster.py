@@ -152,7 +152,9 @@ def weights(checkpoint: Path) -> torch.Tensor:
 
 def run_record(tmp_path: Path, name: str):
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
-    (run,) = client.search_runs([client.get_experiment_by_name(name).experiment_id])
+    # the run itself: an attempt whose steps no checkpoint kept is a run apart, marked
+    runs = client.search_runs([client.get_experiment_by_name(name).experiment_id])
+    (run,) = [r for r in runs if "rayacc.discarded_after_step" not in r.data.tags]
 
     def series(key):
         return [
