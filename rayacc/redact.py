@@ -1,222 +1,450 @@
 """Credentials out of everything rayacc writes or prints: the one matcher every boundary uses
 (console streams, files in run storage and checkpoints, PLAN.yaml and reports, MLflow, job
-entrypoints, messages).
+entrypoints, messages). What it masks is `CATALOGUE` (the README's security section is made
+from it).
 
-The shapes a credential takes, each masked to `***`:
-- a URI's userinfo, `scheme://user:password@host` or `scheme://token@host`, masked to
-  `scheme://***@host` (a user part alone may be the secret). The userinfo runs from `://` to the
-  last `@` before the line ends or the next `://` begins, so a password holding `@`, `/`,
-  quotes, `<`, `>` or spaces goes whole; an `@` later on the line (in a path, an address)
-  masks more than it must: never less.
-- a token in a query string or fragment (`?`, `&`, `;` or `#` then a known key, `=`, the
-  value): presigned URLs (S3, GCS, Azure SAS), OAuth, API keys; the value runs to the next
-  `&`, `;`, `#`, quote, `<`, `>` or space.
-- a keyed value: a key whose last word is a secret's (`password`, `token`, `secret`,
-  `api_key`, `access_key`, `authorization`, …), then `=` or `:` (only `=` after a `.`: a
-  dotted path then `:` is a message about a config field), then the value — a libpq
-  string (`host=db password=pw`), an environment line (`AWS_SECRET_ACCESS_KEY=…`,
-  `MLFLOW_TRACKING_PASSWORD=…`), JSON or a Python mapping (`"api_key": "…"`), YAML, an HTTP
-  header (`Authorization: Bearer …`, the scheme word kept). A quoted value goes to its
-  closing quote; a bare one to a space, quote, `&`, `;`, `,` or a bracket.
-- a command line's secret flag: `--password VALUE`, `--db-password=VALUE`, `--api-key VALUE`.
-- a bearer token on its own (`Bearer eyJ…`: 16 characters or more, a digit among them; prose
-  and identifiers have neither).
-- the well-known token formats, wherever they stand: GitHub (`ghp_…`, `gho_…`, `ghu_…`,
-  `ghs_…`, `ghr_…`, `github_pat_…`), Hugging Face (`hf_…`), GitLab (`glpat-…`), OpenAI and
-  Anthropic (`sk-…`), Slack (`xox…-`), and an AWS key id (`AKIA…`, `ASIA…`) with the
-  40-character secret that follows it.
-
-The matcher takes time linear in its input: every pattern starts at a boundary it checks with
-one look behind, and what follows is bounded by the next boundary (bench/redact_speed.py; it
-uses no possessive quantifier). Every console
-line and MLflow tag goes through it.
+Linear by construction. Text is read once in a few passes, each a scan that never returns:
+a URI's userinfo and a PEM block are found with `str.find`; every other shape starts at a
+*run* (`[A-Za-z0-9_.-]+`, maximal: runs are disjoint) or at a literal prefix after a character
+that cannot be part of what follows. A run is classified by its words (split at `_`, `-`, `.`
+and case changes: `secretAccessKey` is secret, access, key), and what follows it is read with
+patterns anchored where they start, each one character class repeated: nothing in the module
+can match one character two ways (`tests/unit/package/test_redact_linear.py` reads every
+pattern compiled here and times inputs generated from it).
 """
 
 from __future__ import annotations
 
+import functools
 import re
+from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["MASK", "RedactingStream", "contains_secret", "redact"]
+__all__ = ["CATALOGUE", "MASK", "RedactingStream", "Shape", "contains_secret", "redact"]
 
 MASK = "***"
 
-_QUERY_KEYS = (
-    "sig",
-    "signature",
-    "x-amz-signature",
-    "x-amz-security-token",
-    "x-amz-credential",
-    "x-goog-signature",
-    "x-goog-credential",
-    "awsaccesskeyid",
-    "aws_access_key_id",
-    "aws_secret_access_key",
-    "aws_session_token",
-    "access_key",
-    "secret_key",
-    "token",
-    "access_token",
-    "refresh_token",
-    "id_token",
-    "private_token",
-    "auth",
-    "auth_token",
-    "authorization",
-    "credential",
-    "credentials",
-    "api_key",
-    "api-key",
-    "apikey",
-    "key",
-    "password",
-    "passwd",
-    "pwd",
-    "secret",
-    "client_secret",
+
+@dataclass(frozen=True)
+class Shape:
+    """One shape the matcher masks: its name, an example (what is masked in brackets)."""
+
+    name: str
+    example: str
+
+
+# ----------------------------------------------------------------------------- words
+SECRET_WORDS = frozenset(
+    {
+        "password",
+        "passwd",
+        "passphrase",
+        "pwd",
+        "secret",
+        "token",
+        "credential",
+        "credentials",
+        "signature",
+        "auth",
+        "authorization",
+        "apikey",
+        "accesskey",
+        "secretkey",
+        "privatekey",
+        "accountkey",
+    }
 )
-
-_KEY_WORDS = (
-    "password",
-    "passwd",
-    "passphrase",
-    "pwd",
-    "secret",
-    "token",
-    "apikey",
-    "api_key",
-    "api-key",
-    "access_key",
-    "access-key",
-    "accesskey",
-    "private_key",
-    "private-key",
-    "credential",
-    "credentials",
-    "signature",
-    "auth",
-    "authorization",
+"""A key whose last word is one of these holds a secret (`AWS_SECRET_ACCESS_KEY`,
+`sessionToken`, `db_password`)."""
+KEY_QUALIFIERS = frozenset(
+    {"api", "access", "secret", "private", "account", "shared", "signing", "master", "client"}
 )
-"""The last word of a key whose value is a secret (`AWS_SECRET_ACCESS_KEY` ends in
-`access_key`, `MLFLOW_TRACKING_TOKEN` in `token`): the word must start the key or follow a
-character that is not a letter or digit."""
-
-_FLAG_WORDS = (
-    "password",
-    "passwd",
-    "passphrase",
-    "secret",
-    "token",
-    "api-key",
-    "apikey",
-    "access-key",
-    "secret-key",
-    "private-key",
-    "credential",
-    "credentials",
-    "auth",
+"""... or whose last word is `key` after one of these (`api_key`, `AccountKey`,
+`SharedAccessKey`, `X-Api-Key`)."""
+WEAK_WORDS = frozenset({"key", "pass", "pw"})
+"""... or one of these (alone or after another word) with a value of at least 16 characters
+(`cloudant_key=<64 hex>`): a short value is a dictionary key's, a count's, a name's."""
+WEAK_MIN = 16
+SCHEME_WORDS = frozenset({"bearer", "basic", "token", "digest", "negotiate"})
+"""An HTTP authorization scheme, kept before the masked value."""
+QUERY_KEYS = frozenset(
+    {
+        "sig",
+        "signature",
+        "x-amz-signature",
+        "x-amz-security-token",
+        "x-amz-credential",
+        "x-goog-signature",
+        "x-goog-credential",
+        "awsaccesskeyid",
+        "aws_access_key_id",
+        "aws_secret_access_key",
+        "aws_session_token",
+        "access_key",
+        "secret_key",
+        "token",
+        "access_token",
+        "refresh_token",
+        "id_token",
+        "private_token",
+        "auth",
+        "auth_token",
+        "authorization",
+        "credential",
+        "credentials",
+        "api_key",
+        "api-key",
+        "apikey",
+        "key",
+        "password",
+        "passwd",
+        "pwd",
+        "secret",
+        "client_secret",
+    }
 )
+"""A query or fragment key whose value is a secret (presigned URLs, OAuth, API keys)."""
+
+_STEMS = ("pass", "pwd", "pw", "secret", "token", "key", "credential", "auth", "sig")
+"""Every secret word holds one of these (lower case): a line without any has no keyed value."""
 
 
-def _trie(words) -> str:
-    """One alternation of `words` as a trie (common prefixes once): the engine tries a
-    character at each branch instead of every word in turn."""
-    root: dict = {}
-    for word in words:
-        node = root
-        for ch in word.lower():
-            node = node.setdefault(ch, {})
-        node[""] = {}
+def _last_words(key: str, n: int = 2) -> list[str]:
+    """The last `n` words of `key`, lower case (split at `_ - .`, a lower-to-upper change and
+    the last capital of a run of capitals before a lower-case letter: `HTTPPassword` is HTTP,
+    Password). Reads from the end: the cost is the words read, never the whole key twice."""
+    words: list[str] = []
+    end = len(key)
+    i = end - 1
+    while i >= 0 and len(words) < n:
+        ch = key[i]
+        if ch in "_-.":
+            if end > i + 1:
+                words.append(key[i + 1 : end].lower())
+            end = i
+        elif i > 0 and ch.isupper() and _camel_start(key, i, end):
+            words.append(key[i:end].lower())
+            end = i
+        i -= 1
+    if len(words) < n and end > 0:
+        words.append(key[:end].lower())
+    return words[::-1]
 
-    def build(node: dict) -> str:
-        branches = [re.escape(ch) + build(node[ch]) for ch in sorted(k for k in node if k)]
-        if not branches:
-            return ""
-        body = branches[0] if len(branches) == 1 and "" not in node else f"(?:{'|'.join(branches)})"
-        return body + ("?" if "" in node else "")
 
-    return build(root)
+def _camel_start(key: str, i: int, end: int) -> bool:
+    """Whether the capital at `i` starts a word: after a lower-case letter or a digit
+    (`accessKey`), or the last of a run of capitals before a lower-case one (`HTTPPassword`)."""
+    before = key[i - 1]
+    if before.islower() or before.isdigit():
+        return True
+    return before.isupper() and end > i + 1 and key[i + 1].islower()
 
 
-# A scheme starts at the first letter of a run of scheme characters that nothing of the kind
-# precedes (so each run is tried once; inside it nothing but `://` can end the scheme). The
-# userinfo then runs to the last `@` before the line's end or the next `://`.
-_USERINFO = re.compile(
-    r"(?<![a-zA-Z0-9+.\-])(?P<scheme>[0-9+.\-]*[a-zA-Z][a-zA-Z0-9+.\-]*://)"
-    r"(?:(?!://)[^\n\r])*@"
-)
-_QUERY = re.compile(
-    r"(?P<key>[?&;#](?=[a-zA-Z])" + _trie(_QUERY_KEYS) + r"=)[^&;#\s'\"<>]+", re.IGNORECASE
-)
-# a value: quoted to its closing quote (JSON's escapes inside), or bare to a delimiter
-_VALUE = r"(?P<value>\"(?:[^\"\\\n]|\\.)*\"|'[^'\n]*'|[^\s&;,'\"<>(){}\[\]]+)"
-# the key: an identifier (a dotted path's last part) whose last word is a secret's; after a
-# dotted path only `=` is keyed (an override, `model.kwargs.token=…`): a dotted path then
-# `:` is a message about a config field (`train.loss_chunk_token: unknown key`)
-_KEYED = re.compile(
-    r"(?P<key>(?<![\w.\-])(?P<dots>(?:[\w\-]+\.)+)?(?:[\w\-]*[_\-])?"
-    + _trie(_KEY_WORDS)
-    + r"[\"']?[ \t]*(?(dots)=|[:=])[ \t]*(?:(?:bearer|basic|token|digest|negotiate)[ \t]+)?)"
-    + _VALUE,
-    re.IGNORECASE,
-)
-_FLAG = re.compile(
-    r"(?P<key>(?<![a-zA-Z0-9-])--?(?:[a-zA-Z0-9_]+[-_])*"
-    + _trie(_FLAG_WORDS)
-    + r"(?:=|[ \t]+))"
-    + _VALUE,
-    re.IGNORECASE,
-)
+@functools.lru_cache(maxsize=4096)
+def _secret_key(key: str) -> str:
+    """'': not a secret's key; 'strong': its value is masked; 'weak': masked when long."""
+    low = key.lower()
+    if not any(stem in low for stem in _STEMS):
+        return ""
+    words = _last_words(key)
+    if not words:
+        return ""
+    last = words[-1]
+    if last in SECRET_WORDS:
+        return "strong"
+    if last == "key" and len(words) == 2 and words[0] in KEY_QUALIFIERS:
+        return "strong"
+    return "weak" if last in WEAK_WORDS else ""
+
+
+# ----------------------------------------------------------------------------- patterns
+_RUN = re.compile(r"[A-Za-z0-9_.\-]+")
+# where a key, a flag or a query key may stand: each consumes its key possessively and stops
+# at its separator, so the value is read by `_value` for a secret's key only and the search
+# goes on inside it (`x=password=…`)
+_KEYED = re.compile(r"(?<![\w.\-])([A-Za-z0-9_.\-]++)[\"']?+[ \t]*+([=:])")
+_FLAG = re.compile(r"(?<![\w\-])--?([A-Za-z0-9_.][A-Za-z0-9_.\-]*+)(=|[ \t]++)")
+_QUERY_KEY = re.compile(r"(?<=[?&;#])([A-Za-z0-9_.\-]++)=")
 _BEARER = re.compile(
-    r"(?P<key>(?<![a-zA-Z0-9])bearer[ \t]+)(?=[a-zA-Z\-._~+/]*[0-9])"
-    r"(?P<value>[a-zA-Z0-9\-._~+/]{16,}=*)",
-    re.IGNORECASE,
+    r"(?<![A-Za-z0-9])[Bb][Ee][Aa][Rr][Ee][Rr][ \t]++([A-Za-z0-9\-._~+/]{16,}+=*+)"
 )
-_TOKEN = re.compile(
-    r"(?<![a-zA-Z0-9])(?:"
-    r"gh[pousr]_[a-zA-Z0-9]{30,}"
-    r"|github_pat_[a-zA-Z0-9_]{20,}"
-    r"|hf_[a-zA-Z0-9]{30,}"
-    r"|glpat-[a-zA-Z0-9_\-]{20,}"
-    r"|sk-[a-zA-Z0-9_\-]{20,}"
-    r"|xox[abposr]-[a-zA-Z0-9\-]{10,}"
-    r"|(?:AKIA|ASIA)[A-Z0-9]{16}(?![a-zA-Z0-9])"
-    r"(?:[ \t,:;=|'\"]{1,4}[a-zA-Z0-9/+]{40}(?![a-zA-Z0-9+=]))?"
-    r")"
+_QUOTED = {
+    '"': re.compile(r'"(?:[^"\\\n]|\\.)*"'),
+    "'": re.compile(r"'[^'\n]*'"),
+}
+_BARE = re.compile(r"[^\s&;,'\"<>(){}\[\]]+")
+_QUERY_VALUE = re.compile(r"[^&;#\s'\"<>]+")
+_BLANKS = re.compile(r"[ \t]*")
+_AWS_SECRET = re.compile(r"[ \t,:;=|'\"]{1,4}([A-Za-z0-9/+]{40})(?![A-Za-z0-9+=])")
+_AWS_QUOTED = re.compile(r"[\"']([A-Za-z0-9/+]{40})[\"']")
+
+TOKENS: tuple[tuple[Shape, re.Pattern], ...] = tuple(
+    (Shape(name, example), re.compile(pattern))
+    for name, example, pattern in (
+        ("GitHub token", "[ghp_…36]", r"gh[pousr]_[A-Za-z0-9_]{30,}"),
+        ("GitHub fine-grained token", "[github_pat_…]", r"github_pat_[A-Za-z0-9_]{20,}"),
+        ("Hugging Face token", "[hf_…]", r"hf_[A-Za-z0-9]{30,}"),
+        ("GitLab token", "[glpat-…]", r"gl(?:pat|dt|ft|soat|rt|cbt)-[A-Za-z0-9_\-]{20,}"),
+        ("GitLab runner token", "[GR1348941…]", r"GR1348941[A-Za-z0-9_\-]{20,}"),
+        ("OpenAI or Anthropic key", "[sk-…]", r"sk-[A-Za-z0-9_\-]{20,}"),
+        ("Stripe key", "[sk_live_…]", r"[rs]k_(?:live|test)_[A-Za-z0-9]{16,}"),
+        ("Slack token", "[xoxb-…]", r"xox[abposr]-[A-Za-z0-9\-]{10,}"),
+        ("Databricks token", "[dapi…32 hex]", r"dapi[a-f0-9]{32}"),
+        ("npm token", "[npm_…36]", r"npm_[A-Za-z0-9]{36}"),
+        ("PyPI token", "[pypi-AgEI…]", r"pypi-Ag[A-Za-z0-9_\-]{70,}"),
+        ("SendGrid key", "[SG.….…]", r"SG\.[A-Za-z0-9_\-]{22}\.[A-Za-z0-9_\-]{43}"),
+        ("Square OAuth secret", "[sq0csp-…]", r"sq0csp-[0-9A-Za-z\\\-_]{43}"),
+        ("Twilio key or account", "[SK…32]", r"(?:AC|SK)[a-z0-9]{32}(?![A-Za-z0-9])"),
+        ("Artifactory key", "[AKC…]", r"AKC[A-Za-z0-9]{10,}(?![A-Za-z0-9])"),
+        ("Artifactory password", "[AP…]", r"AP[0-9A-F][A-Za-z0-9]{8,}(?=[\s\"]|$)"),
+        (
+            "JSON Web Token",
+            "[eyJ….eyJ….…]",
+            r"eyJ[A-Za-z0-9_\-]+\.[A-Za-z0-9_\-]+(?:\.[A-Za-z0-9_\-+/=]*)?",
+        ),
+        (
+            "Discord bot token",
+            "[M….….…]",
+            r"[MNO][A-Za-z0-9_\-]{23,25}\.[A-Za-z0-9_\-]{6}\.[A-Za-z0-9_\-]{27}",
+        ),
+        (
+            "AWS key id and its secret",
+            "[AKIA…16] [40 characters]",
+            r"(?:A3T[A-Z0-9]|ABIA|ACCA|AKIA|ASIA)[0-9A-Z]{16}(?![A-Za-z0-9])",
+        ),
+    )
+)
+"""Token formats, masked wherever they stand after a character that is not a letter or digit:
+each is a literal prefix and then character classes, repeated (one of them without bound)."""
+_TOKEN_START = re.compile(
+    r"(?<![A-Za-z0-9_\-.\\])(?:gh[pousr]_|github_pat_|hf_|gl(?:pat|dt|ft|soat|rt|cbt)-|GR1348941"
+    r"|sk-|[rs]k_|xox|dapi|npm_|pypi-|SG\.|sq0csp-|AC|SK|AKC|AP|eyJ|[MNO]|A3T|ABIA|ACCA"
+    r"|AKIA|ASIA)"
+)
+_TELEGRAM = re.compile(r"(?<![0-9])[0-9]{8,10}:[0-9A-Za-z_\-]{35}(?![0-9A-Za-z_\-])")
+_MAILCHIMP = re.compile(r"(?<![0-9a-z])[0-9a-z]{32}-us[0-9]{1,2}(?![0-9])")
+_SLACK_HOOK = "hooks.slack.com/services/"
+_PEM_BEGIN, _PEM_END, _PEM_KIND = "-----BEGIN ", "-----END ", "PRIVATE KEY-----"
+
+CATALOGUE: tuple[Shape, ...] = (
+    Shape("a URI's userinfo", "scheme://[user:password]@host"),
+    Shape("a query or fragment token", "https://h/x?X-Amz-Signature=[…]&a=1"),
+    Shape(
+        "a keyed value, any casing (snake, kebab, camel, Pascal, upper, dotted =)",
+        "password=[…] · secretAccessKey: […] · 'SessionToken': '[…]' · AccountKey=[…]",
+    ),
+    Shape("an HTTP authorization header", "Authorization: Bearer […]"),
+    Shape("a command line's secret flag", "--db-password=[…] · --api-key […]"),
+    Shape("a bearer token on its own", "Bearer [16+ characters, a digit among them]"),
+    Shape("a PEM private key block, over several writes too", "-----BEGIN … PRIVATE KEY-----[…]"),
+    Shape("a Slack webhook", "https://hooks.slack.com/services/[…]"),
+    Shape("a Telegram bot token", "[123456789:35 characters]"),
+    Shape("a Mailchimp key", "[32 characters-us12]"),
+    Shape("an AWS secret in quotes on a line that names AWS", "aws … '[40 characters]'"),
+    *(shape for shape, _ in TOKENS),
 )
 
 
-def _keep_quotes(match: re.Match) -> str:
-    value = match["value"]
-    quote = value[0] if value[0] in "\"'" else ""
-    return f"{match['key']}{quote}{MASK}{quote}"
+# ----------------------------------------------------------------------------- the passes
+def _userinfo(text: str, spans: list[tuple[int, int]]) -> None:
+    """`scheme://user:password@host` → the userinfo: from `://` to the last `@` before the
+    line ends or the next `://`; the scheme is a run of scheme characters with a letter."""
+    at = text.find("://")
+    line_end = -1
+    while at != -1:
+        nxt = text.find("://", at + 3)
+        if line_end < at:  # each line's end found once, as `at` moves on
+            ends = [p for p in (text.find("\n", at), text.find("\r", at)) if p != -1]
+            line_end = min(ends, default=len(text))
+        stop = min(line_end, nxt if nxt != -1 else len(text))
+        start = at
+        while start > 0 and text[start - 1] in _SCHEME_CHARS:
+            start -= 1
+        last_at = text.rfind("@", at + 3, stop)
+        if last_at != -1 and any(c.isalpha() for c in text[start:at]):
+            spans.append((at + 3, last_at))
+        at = nxt
 
 
-_KEY_STEMS = ("pass", "pwd", "secret", "token", "key", "credential", "auth", "signature")
-_TOKEN_PREFIXES = ("gh", "github_pat_", "hf_", "glpat-", "sk-", "xox", "AKIA", "ASIA")
+_SCHEME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789+.-")
 
 
-def _shapes_in(text: str) -> list[tuple[re.Pattern, Any]]:
-    """The patterns worth trying on `text`, each with its replacement: a pattern is tried only
-    where a substring it needs is present, so a plain log line (most of what passes) costs a
-    few substring searches. Masking only removes text, so what `text` rules out stays out."""
+def _pem(text: str, spans: list[tuple[int, int]]) -> None:
+    """A PEM private key's body (to its END line, or to the end of the text)."""
+    at = text.find(_PEM_BEGIN)
+    while at != -1:
+        head_end = text.find("-----", at + len(_PEM_BEGIN))
+        if head_end != -1 and text.startswith(_PEM_KIND, head_end - len(_PEM_KIND) + 5):
+            body = head_end + 5
+            if text.startswith("\n", body) or text.startswith("\r", body):
+                body += 1  # the header line kept whole
+            end = text.find(_PEM_END, body)
+            spans.append((body, len(text) if end == -1 else end))
+            if end == -1:
+                return
+            at = text.find(_PEM_BEGIN, end)
+        else:
+            at = text.find(_PEM_BEGIN, at + 1)
+
+
+def _value(text: str, pos: int) -> tuple[int, int] | None:
+    """The value at `pos`: quoted (the span inside its quotes), or bare."""
+    if pos >= len(text):
+        return None
+    quote = _QUOTED.get(text[pos])
+    if quote is not None:
+        m = quote.match(text, pos)
+        if m is None:  # never closed on its line: the rest of the line
+            end = len(text)
+            for stop in ("\n", "\r"):
+                found = text.find(stop, pos)
+                end = min(end, found) if found != -1 else end
+            return (pos + 1, end) if end > pos + 1 else None
+        return (pos + 1, m.end() - 1) if m.end() - 1 > pos + 1 else None
+    m = _BARE.match(text, pos)
+    return (pos, m.end()) if m else None
+
+
+def _runs(text: str, spans: list[tuple[int, int]]) -> None:
+    """Keyed values, secret flags, query tokens and bearer tokens."""
     low = text.lower()
-    keyed = any(stem in low for stem in _KEY_STEMS)
-    wanted = [
-        ("://" in text, _USERINFO, rf"\g<scheme>{MASK}@"),
-        ("=" in text, _QUERY, rf"\g<key>{MASK}"),
-        (keyed and ("=" in text or ":" in text), _KEYED, _keep_quotes),
-        (keyed and "-" in text, _FLAG, _keep_quotes),
-        ("bearer" in low, _BEARER, _keep_quotes),
-        (any(prefix in text for prefix in _TOKEN_PREFIXES), _TOKEN, MASK),
-    ]
-    return [(pattern, replace) for needed, pattern, replace in wanted if needed]
+    if "sig" in low or any(stem in low for stem in _STEMS):
+        done = 0
+        for m in _QUERY_KEY.finditer(text):
+            if m.start() >= done and m.group(1).lower() in QUERY_KEYS:
+                v = _QUERY_VALUE.match(text, m.end())
+                if v:
+                    spans.append(v.span())
+                    done = v.end()
+        done = 0
+        for m in _KEYED.finditer(text):
+            if m.start() < done:
+                continue  # inside a value masked already
+            key, sep = m.group(1), m.group(2)
+            kind = _secret_key(key)
+            if not kind or (sep == ":" and ("." in key or text.startswith("//", m.end()))):
+                continue
+            at = _BLANKS.match(text, m.end()).end()
+            word = _RUN.match(text, at)
+            if word and word.group().lower() in SCHEME_WORDS:
+                after = _BLANKS.match(text, word.end()).end()
+                at = after if after > word.end() else at
+            done = _take(text, at, kind, spans) or done
+        done = 0
+        for m in _FLAG.finditer(text):
+            if m.start() < done:
+                continue
+            kind = _secret_key(m.group(1))
+            if kind:
+                done = _take(text, m.end(), kind, spans) or done
+    if "bearer" in low:
+        for m in _BEARER.finditer(text):
+            if any(c.isdigit() for c in m.group(1)):
+                spans.append(m.span(1))
+
+
+def _take(text: str, at: int, kind: str, spans: list[tuple[int, int]]) -> int:
+    """Masks the value at `at` for a key of `kind`; returns where it ends (0: none)."""
+    value = _value(text, at)
+    if value and (kind == "strong" or value[1] - value[0] >= WEAK_MIN):
+        spans.append(value)
+        return value[1]
+    return 0
+
+
+def _first_chars(parsed) -> set[str]:
+    """The characters a parsed pattern can start with (a literal, a class, a group, a
+    choice): which token patterns a prefix hit is worth trying."""
+    from re import _constants as c
+
+    op, av = next(iter(parsed))
+    if op is c.LITERAL:
+        return {chr(av)}
+    if op is c.IN:
+        found: set[str] = set()
+        for kind, value in av:
+            if kind is c.LITERAL:
+                found.add(chr(value))
+            elif kind is c.RANGE:
+                found.update(chr(x) for x in range(value[0], value[1] + 1))
+        return found
+    if op is c.SUBPATTERN:
+        return _first_chars(av[3])
+    if op is c.BRANCH:
+        return set().union(*(_first_chars(branch) for branch in av[1]))
+    raise ValueError(f"a token pattern starts with {op}: give it a literal prefix")
+
+
+def _by_first() -> dict[str, list[tuple[Shape, re.Pattern]]]:
+    from re import _parser
+
+    table: dict[str, list[tuple[Shape, re.Pattern]]] = {}
+    for shape, pattern in TOKENS:
+        for first in _first_chars(_parser.parse(pattern.pattern)):
+            table.setdefault(first, []).append((shape, pattern))
+    return table
+
+
+_BY_FIRST = _by_first()
+
+
+def _tokens(text: str, spans: list[tuple[int, int]]) -> None:
+    done = 0
+    for m in _TOKEN_START.finditer(text):
+        pos = m.start()
+        if pos < done:
+            continue
+        for shape, pattern in _BY_FIRST.get(text[pos], ()):
+            t = pattern.match(text, pos)
+            if t is None:
+                continue
+            spans.append(t.span())
+            done = t.end()
+            if shape.name.startswith("AWS"):
+                secret = _AWS_SECRET.match(text, t.end())
+                if secret:
+                    spans.append((t.end(), secret.end()))
+                    done = secret.end()
+            break
+    for pattern in (_TELEGRAM, _MAILCHIMP):
+        spans.extend(t.span() for t in pattern.finditer(text))
+    at = text.find(_SLACK_HOOK)
+    while at != -1:
+        v = _QUERY_VALUE.match(text, at + len(_SLACK_HOOK))
+        if v:
+            spans.append(v.span())
+        at = text.find(_SLACK_HOOK, v.end() if v else at + 1)
+    if "aws" in text.lower():
+        spans.extend(s.span(1) for s in _AWS_QUOTED.finditer(text))
+
+
+def _spans(text: str) -> list[tuple[int, int]]:
+    spans: list[tuple[int, int]] = []
+    _pem(text, spans)
+    if "://" in text:
+        _userinfo(text, spans)
+    _runs(text, spans)
+    _tokens(text, spans)
+    return spans
 
 
 def _mask_str(text: str) -> str:
-    for pattern, replace in _shapes_in(text):
-        text = pattern.sub(replace, text)
-    return text
+    spans = _spans(text)
+    if not spans:
+        return text
+    out, at = [], 0
+    merged: list[list[int]] = []
+    for start, end in sorted(spans):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    for start, end in merged:
+        out.append(text[at:start])
+        out.append(MASK)
+        at = end
+    out.append(text[at:])
+    return "".join(out)
 
 
 def redact(value: Any) -> Any:
@@ -233,7 +461,7 @@ def redact(value: Any) -> Any:
 
 def contains_secret(text: str) -> bool:
     """Whether the matcher finds a credential in `text` (masked already or not)."""
-    return any(pattern.search(text) is not None for pattern, _ in _shapes_in(text))
+    return bool(_spans(text))
 
 
 class RedactingStream:
@@ -241,21 +469,43 @@ class RedactingStream:
     console's boundary, for rayacc's own lines and for any library's. It masks whole lines
     (ended by a line feed or a carriage return): a URI written in pieces is masked as one.
     A partial line waits for its end, or for `release()` (the CLI calls it when the command
-    ends); one longer than `MAX_LINE` characters is masked and written as it stands."""
+    ends); one longer than `MAX_LINE` characters is masked and written as it stands. A PEM
+    private key block is held from its BEGIN line to its END line, so a key written over
+    several writes is masked whole."""
 
     MAX_LINE = 1 << 20
+    MAX_KEY = 1 << 16
+    """A key block held longer than this is not a key's: what was held is masked (the whole of
+    it, from the BEGIN line) and the rest of the block dropped up to its END line."""
 
     def __init__(self, stream):
         self._stream = stream
         self._partial = ""
+        self._dropping = False
 
     def write(self, text: str) -> int:
         if not text:
             return 0
         pending = self._partial + text
+        if self._dropping:
+            end = pending.find(_PEM_END)
+            if end == -1:  # keep a tail: the END line may come in two writes
+                self._partial = pending[-len(_PEM_END) :]
+                return len(text)
+            self._dropping = False
+            pending = pending[end:]
         cut = max(pending.rfind("\n"), pending.rfind("\r")) + 1
         if cut == 0 and len(pending) > self.MAX_LINE:
             cut = len(pending)
+        begin = pending.rfind(_PEM_BEGIN, 0, cut or len(pending))
+        if begin != -1 and pending.find(_PEM_END, begin) == -1:
+            # a key block still open: held from its BEGIN line until its END line
+            if len(pending) - begin <= self.MAX_KEY:
+                cut = begin
+            else:
+                self._emit(pending)  # masked from its BEGIN line on
+                self._partial, self._dropping = "", True
+                return len(text)
         self._partial = pending[cut:]
         if cut:
             self._emit(pending[:cut])
