@@ -20,7 +20,15 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["CATALOGUE", "MASK", "RedactingStream", "Shape", "contains_secret", "redact"]
+__all__ = [
+    "CATALOGUE",
+    "MASK",
+    "RedactingStream",
+    "Shape",
+    "catalogue_table",
+    "contains_secret",
+    "redact",
+]
 
 MASK = "***"
 
@@ -54,17 +62,19 @@ SECRET_WORDS = frozenset(
         "accountkey",
     }
 )
-"""A key whose last word is one of these holds a secret (`AWS_SECRET_ACCESS_KEY`,
-`sessionToken`, `db_password`)."""
+"""A key that ends in one of these holds a secret (`AWS_SECRET_ACCESS_KEY`, `sessionToken`,
+`db_password`)."""
 KEY_QUALIFIERS = frozenset(
     {"api", "access", "secret", "private", "account", "shared", "signing", "master", "client"}
 )
-"""... or whose last word is `key` after one of these (`api_key`, `AccountKey`,
-`SharedAccessKey`, `X-Api-Key`)."""
+"""... or that ends in `key` after one of these (`api_key`, `AccountKey`, `SharedAccessKey`,
+`X-Api-Key`)."""
 WEAK_WORDS = frozenset({"key", "pass", "pw"})
 """... or one of these (alone or after another word) with a value of at least 16 characters
 (`cloudant_key=<64 hex>`): a short value is a dictionary key's, a count's, a name's."""
 WEAK_MIN = 16
+_STRONG_ENDS = tuple(SECRET_WORDS) + tuple(f"{q}key" for q in sorted(KEY_QUALIFIERS))
+_WEAK_ENDS = tuple(WEAK_WORDS)
 SCHEME_WORDS = frozenset({"bearer", "basic", "token", "digest", "negotiate"})
 """An HTTP authorization scheme, kept before the masked value."""
 QUERY_KEYS = frozenset(
@@ -109,52 +119,20 @@ _STEMS = ("pass", "pwd", "pw", "secret", "token", "key", "credential", "auth", "
 """Every secret word holds one of these (lower case): a line without any has no keyed value."""
 
 
-def _last_words(key: str, n: int = 2) -> list[str]:
-    """The last `n` words of `key`, lower case (split at `_ - .`, a lower-to-upper change and
-    the last capital of a run of capitals before a lower-case letter: `HTTPPassword` is HTTP,
-    Password). Reads from the end: the cost is the words read, never the whole key twice."""
-    words: list[str] = []
-    end = len(key)
-    i = end - 1
-    while i >= 0 and len(words) < n:
-        ch = key[i]
-        if ch in "_-.":
-            if end > i + 1:
-                words.append(key[i + 1 : end].lower())
-            end = i
-        elif i > 0 and ch.isupper() and _camel_start(key, i, end):
-            words.append(key[i:end].lower())
-            end = i
-        i -= 1
-    if len(words) < n and end > 0:
-        words.append(key[:end].lower())
-    return words[::-1]
-
-
-def _camel_start(key: str, i: int, end: int) -> bool:
-    """Whether the capital at `i` starts a word: after a lower-case letter or a digit
-    (`accessKey`), or the last of a run of capitals before a lower-case one (`HTTPPassword`)."""
-    before = key[i - 1]
-    if before.islower() or before.isdigit():
-        return True
-    return before.isupper() and end > i + 1 and key[i + 1].islower()
-
-
 @functools.lru_cache(maxsize=4096)
 def _secret_key(key: str) -> str:
-    """'': not a secret's key; 'strong': its value is masked; 'weak': masked when long."""
-    low = key.lower()
+    """'': not a secret's key; 'strong': its value is masked; 'weak': masked when long. The
+    key's last dotted part, its `_` and `-` dropped, in lower case, ends with a secret word:
+    every casing reads the same (`secretAccessKey`, `SECRET_ACCESS_KEY`, `secret-access-key`
+    all end in `accesskey`), and a word inside another (`tokenizer`, `keyboard`, `author`)
+    ends the key otherwise."""
+    low = key.rsplit(".", 1)[-1].lower()
     if not any(stem in low for stem in _STEMS):
         return ""
-    words = _last_words(key)
-    if not words:
-        return ""
-    last = words[-1]
-    if last in SECRET_WORDS:
+    flat = low.replace("_", "").replace("-", "")
+    if flat.endswith(_STRONG_ENDS):
         return "strong"
-    if last == "key" and len(words) == 2 and words[0] in KEY_QUALIFIERS:
-        return "strong"
-    return "weak" if last in WEAK_WORDS else ""
+    return "weak" if flat.endswith(_WEAK_ENDS) else ""
 
 
 # ----------------------------------------------------------------------------- patterns
@@ -162,7 +140,10 @@ _RUN = re.compile(r"[A-Za-z0-9_.\-]+")
 # where a key, a flag or a query key may stand: each consumes its key possessively and stops
 # at its separator, so the value is read by `_value` for a secret's key only and the search
 # goes on inside it (`x=password=…`)
-_KEYED = re.compile(r"(?<![\w.\-])([A-Za-z0-9_.\-]++)[\"']?+[ \t]*+([=:])")
+_KEYED = re.compile(
+    r"(?<![\w.\-])([A-Za-z0-9_.\-]++)"
+    r"(?:[\"']\]?+[ \t]*+(=>|:=|::|=|:|(?=[\"']))|\]?+[ \t]*+(=>|:=|::|=|:))"
+)
 _FLAG = re.compile(r"(?<![\w\-])--?([A-Za-z0-9_.][A-Za-z0-9_.\-]*+)(=|[ \t]++)")
 _QUERY_KEY = re.compile(r"(?<=[?&;#])([A-Za-z0-9_.\-]++)=")
 _BEARER = re.compile(
@@ -184,11 +165,15 @@ TOKENS: tuple[tuple[Shape, re.Pattern], ...] = tuple(
         ("GitHub token", "[ghp_…36]", r"gh[pousr]_[A-Za-z0-9_]{30,}"),
         ("GitHub fine-grained token", "[github_pat_…]", r"github_pat_[A-Za-z0-9_]{20,}"),
         ("Hugging Face token", "[hf_…]", r"hf_[A-Za-z0-9]{30,}"),
-        ("GitLab token", "[glpat-…]", r"gl(?:pat|dt|ft|soat|rt|cbt)-[A-Za-z0-9_\-]{20,}"),
+        (
+            "GitLab token",
+            "[glpat-…]",
+            r"gl(?:pat|dt|ft|soat|rt|cbt|imt|ptt|agent|oas)-[A-Za-z0-9_\-]{20,}",
+        ),
         ("GitLab runner token", "[GR1348941…]", r"GR1348941[A-Za-z0-9_\-]{20,}"),
         ("OpenAI or Anthropic key", "[sk-…]", r"sk-[A-Za-z0-9_\-]{20,}"),
         ("Stripe key", "[sk_live_…]", r"[rs]k_(?:live|test)_[A-Za-z0-9]{16,}"),
-        ("Slack token", "[xoxb-…]", r"xox[abposr]-[A-Za-z0-9\-]{10,}"),
+        ("Slack token", "[xoxb-…]", r"[xX][oO][xX][abposrABPOSR]-[0-9]+-[A-Za-z0-9\-]+"),
         ("Databricks token", "[dapi…32 hex]", r"dapi[a-f0-9]{32}"),
         ("npm token", "[npm_…36]", r"npm_[A-Za-z0-9]{36}"),
         ("PyPI token", "[pypi-AgEI…]", r"pypi-Ag[A-Za-z0-9_\-]{70,}"),
@@ -217,8 +202,8 @@ TOKENS: tuple[tuple[Shape, re.Pattern], ...] = tuple(
 """Token formats, masked wherever they stand after a character that is not a letter or digit:
 each is a literal prefix and then character classes, repeated (one of them without bound)."""
 _TOKEN_START = re.compile(
-    r"(?<![A-Za-z0-9_\-.\\])(?:gh[pousr]_|github_pat_|hf_|gl(?:pat|dt|ft|soat|rt|cbt)-|GR1348941"
-    r"|sk-|[rs]k_|xox|dapi|npm_|pypi-|SG\.|sq0csp-|AC|SK|AKC|AP|eyJ|[MNO]|A3T|ABIA|ACCA"
+    r"(?<![A-Za-z0-9_\-.\\])(?:gh[pousr]_|github_pat_|hf_|gl(?:pat|dt|ft|soat|rt|cbt|imt|ptt|agent|oas)-|GR1348941"
+    r"|sk-|[rs]k_|[xX][oO][xX]|dapi|npm_|pypi-|SG\.|sq0csp-|AC|SK|AKC|AP|eyJ|[MNO]|A3T|ABIA|ACCA"
     r"|AKIA|ASIA)"
 )
 _TELEGRAM = re.compile(r"(?<![0-9])[0-9]{8,10}:[0-9A-Za-z_\-]{35}(?![0-9A-Za-z_\-])")
@@ -248,7 +233,7 @@ CATALOGUE: tuple[Shape, ...] = (
 # ----------------------------------------------------------------------------- the passes
 def _userinfo(text: str, spans: list[tuple[int, int]]) -> None:
     """`scheme://user:password@host` → the userinfo: from `://` to the last `@` before the
-    line ends or the next `://`; the scheme is a run of scheme characters with a letter."""
+    line ends or the next `://`."""
     at = text.find("://")
     line_end = -1
     while at != -1:
@@ -257,34 +242,38 @@ def _userinfo(text: str, spans: list[tuple[int, int]]) -> None:
             ends = [p for p in (text.find("\n", at), text.find("\r", at)) if p != -1]
             line_end = min(ends, default=len(text))
         stop = min(line_end, nxt if nxt != -1 else len(text))
-        start = at
-        while start > 0 and text[start - 1] in _SCHEME_CHARS:
-            start -= 1
         last_at = text.rfind("@", at + 3, stop)
-        if last_at != -1 and any(c.isalpha() for c in text[start:at]):
+        if last_at != -1:
             spans.append((at + 3, last_at))
         at = nxt
 
 
-_SCHEME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789+.-")
-
-
 def _pem(text: str, spans: list[tuple[int, int]]) -> None:
-    """A PEM private key's body (to its END line, or to the end of the text)."""
-    at = text.find(_PEM_BEGIN)
+    """A private key block's body: after a `BEGIN … PRIVATE KEY` header (PEM's, PGP's
+    `… PRIVATE KEY BLOCK`) to its END line or the end of the text; a PuTTY key file's from
+    its first line on."""
+    at = text.find("BEGIN ")
     while at != -1:
-        head_end = text.find("-----", at + len(_PEM_BEGIN))
-        if head_end != -1 and text.startswith(_PEM_KIND, head_end - len(_PEM_KIND) + 5):
-            body = head_end + 5
-            if text.startswith("\n", body) or text.startswith("\r", body):
-                body += 1  # the header line kept whole
-            end = text.find(_PEM_END, body)
-            spans.append((body, len(text) if end == -1 else end))
-            if end == -1:
-                return
-            at = text.find(_PEM_BEGIN, end)
-        else:
-            at = text.find(_PEM_BEGIN, at + 1)
+        kind = text.find("PRIVATE KEY", at, at + 40)
+        if kind == -1 or "\n" in text[at:kind]:
+            at = text.find("BEGIN ", at + 6)
+            continue
+        body = kind + len("PRIVATE KEY")
+        for tail in (" BLOCK", "-----", "\r", "\n"):
+            if text.startswith(tail, body):
+                body += len(tail)
+        end = text.find("END ", body)
+        if end == -1:
+            spans.append((body, len(text)))
+            return
+        stop = end
+        while stop > body and text[stop - 1] == "-":  # the END line's dashes kept
+            stop -= 1
+        spans.append((body, stop))
+        at = text.find("BEGIN ", end)
+    putty = text.find("PuTTY-User-Key-File-")
+    if putty != -1:
+        spans.append((putty + len("PuTTY-User-Key-File-"), len(text)))
 
 
 def _value(text: str, pos: int) -> tuple[int, int] | None:
@@ -320,9 +309,9 @@ def _runs(text: str, spans: list[tuple[int, int]]) -> None:
         for m in _KEYED.finditer(text):
             if m.start() < done:
                 continue  # inside a value masked already
-            key, sep = m.group(1), m.group(2)
+            key, sep = m.group(1), m.group(2) if m.group(2) is not None else m.group(3)
             kind = _secret_key(key)
-            if not kind or (sep == ":" and ("." in key or text.startswith("//", m.end()))):
+            if not kind or (sep != "=" and ("." in key or text.startswith("//", m.end()))):
                 continue
             at = _BLANKS.match(text, m.end()).end()
             word = _RUN.match(text, at)
@@ -408,13 +397,14 @@ def _tokens(text: str, spans: list[tuple[int, int]]) -> None:
             break
     for pattern in (_TELEGRAM, _MAILCHIMP):
         spans.extend(t.span() for t in pattern.finditer(text))
-    at = text.find(_SLACK_HOOK)
+    low = text.lower()
+    at = low.find(_SLACK_HOOK)
     while at != -1:
         v = _QUERY_VALUE.match(text, at + len(_SLACK_HOOK))
         if v:
             spans.append(v.span())
-        at = text.find(_SLACK_HOOK, v.end() if v else at + 1)
-    if "aws" in text.lower():
+        at = low.find(_SLACK_HOOK, v.end() if v else at + 1)
+    if "aws" in low:
         spans.extend(s.span(1) for s in _AWS_QUOTED.finditer(text))
 
 
@@ -533,3 +523,9 @@ class RedactingStream:
 
     def __getattr__(self, name: str):
         return getattr(self._stream, name)
+
+
+def catalogue_table() -> str:
+    """`CATALOGUE` as the README's Markdown table."""
+    rows = [f"| {shape.name} | `{shape.example}` |" for shape in CATALOGUE]
+    return "\n".join(["| shape | masked (in brackets) |", "|---|---|", *rows])
