@@ -43,24 +43,10 @@ class Shape:
 
 # ----------------------------------------------------------------------------- words
 SECRET_WORDS = frozenset(
-    {
-        "password",
-        "passwd",
-        "passphrase",
-        "pwd",
-        "secret",
-        "token",
-        "credential",
-        "credentials",
-        "signature",
-        "auth",
-        "authorization",
-        "apikey",
-        "accesskey",
-        "secretkey",
-        "privatekey",
-        "accountkey",
-    }
+    (  # noqa: SIM905 (a list of words, read as one)
+        "password passwd passphrase pwd secret token credential credentials signature auth "
+        "authorization apikey accesskey secretkey privatekey accountkey "
+    ).split()
 )
 """A key that ends in one of these holds a secret (`AWS_SECRET_ACCESS_KEY`, `sessionToken`,
 `db_password`)."""
@@ -78,40 +64,13 @@ _WEAK_ENDS = tuple(WEAK_WORDS)
 SCHEME_WORDS = frozenset({"bearer", "basic", "token", "digest", "negotiate"})
 """An HTTP authorization scheme, kept before the masked value."""
 QUERY_KEYS = frozenset(
-    {
-        "sig",
-        "signature",
-        "x-amz-signature",
-        "x-amz-security-token",
-        "x-amz-credential",
-        "x-goog-signature",
-        "x-goog-credential",
-        "awsaccesskeyid",
-        "aws_access_key_id",
-        "aws_secret_access_key",
-        "aws_session_token",
-        "access_key",
-        "secret_key",
-        "token",
-        "access_token",
-        "refresh_token",
-        "id_token",
-        "private_token",
-        "auth",
-        "auth_token",
-        "authorization",
-        "credential",
-        "credentials",
-        "api_key",
-        "api-key",
-        "apikey",
-        "key",
-        "password",
-        "passwd",
-        "pwd",
-        "secret",
-        "client_secret",
-    }
+    (  # noqa: SIM905
+        "sig signature x-amz-signature x-amz-security-token x-amz-credential x-goog-signature "
+        "x-goog-credential awsaccesskeyid aws_access_key_id aws_secret_access_key "
+        "aws_session_token access_key secret_key token access_token refresh_token id_token "
+        "private_token auth auth_token authorization credential credentials api_key api-key "
+        "apikey key password passwd pwd secret client_secret "
+    ).split()
 )
 """A query or fragment key whose value is a secret (presigned URLs, OAuth, API keys)."""
 
@@ -143,6 +102,7 @@ _RUN = re.compile(r"[A-Za-z0-9_.\-]+")
 _KEYED = re.compile(
     r"(?<![\w.\-])([A-Za-z0-9_.\-]++)"
     r"(?:[\"']\]?+[ \t]*+(=>|:=|::|=|:|(?=[\"']))|\]?+[ \t]*+(=>|:=|::|=|:))"
+    r"[ \t]*+(?:(?i:" + "|".join(sorted(SCHEME_WORDS)) + r")[ \t]++)?+"
 )
 _FLAG = re.compile(r"(?<![\w\-])--?([A-Za-z0-9_.][A-Za-z0-9_.\-]*+)(=|[ \t]++)")
 _QUERY_KEY = re.compile(r"(?<=[?&;#])([A-Za-z0-9_.\-]++)=")
@@ -309,16 +269,16 @@ def _runs(text: str, spans: list[tuple[int, int]]) -> None:
         for m in _KEYED.finditer(text):
             if m.start() < done:
                 continue  # inside a value masked already
-            key, sep = m.group(1), m.group(2) if m.group(2) is not None else m.group(3)
+            key = m.group(1)
             kind = _secret_key(key)
-            if not kind or (sep != "=" and ("." in key or text.startswith("//", m.end()))):
+            if not kind:
                 continue
-            at = _BLANKS.match(text, m.end()).end()
-            word = _RUN.match(text, at)
-            if word and word.group().lower() in SCHEME_WORDS:
-                after = _BLANKS.match(text, word.end()).end()
-                at = after if after > word.end() else at
-            done = _take(text, at, kind, spans) or done
+            sep = m.group(2) if m.group(2) is not None else m.group(3)
+            if sep != "=" and (
+                "." in key or text.startswith("//", m.end(2 if m.group(2) is not None else 3))
+            ):
+                continue
+            done = _take(text, m.end(), kind, spans) or done
         done = 0
         for m in _FLAG.finditer(text):
             if m.start() < done:
