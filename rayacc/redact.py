@@ -195,13 +195,14 @@ def _userinfo(text: str, spans: list[tuple[int, int]]) -> None:
     """`scheme://user:password@host` → the userinfo: from `://` to the last `@` before the
     line ends or the next `://`."""
     at = text.find("://")
-    line_end = -1
+    ends = {"\n": -1, "\r": -1}
     while at != -1:
         nxt = text.find("://", at + 3)
-        if line_end < at:  # each line's end found once, as `at` moves on
-            ends = [p for p in (text.find("\n", at), text.find("\r", at)) if p != -1]
-            line_end = min(ends, default=len(text))
-        stop = min(line_end, nxt if nxt != -1 else len(text))
+        for stop_char, found in ends.items():
+            if found < at:  # each line end found once, as `at` moves on (none: the text's end)
+                found = text.find(stop_char, at)
+                ends[stop_char] = len(text) if found == -1 else found
+        stop = min(*ends.values(), nxt if nxt != -1 else len(text))
         last_at = text.rfind("@", at + 3, stop)
         if last_at != -1:
             spans.append((at + 3, last_at))

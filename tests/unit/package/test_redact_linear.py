@@ -181,7 +181,7 @@ def adversarial() -> dict[str, str]:
 
     for lit in sorted(literals()):
         add(f"{lit!r}*", lit)
-        for sep in ("_", "="):
+        for sep in ("_", "=", "\n"):
             add(f"({lit!r}+{sep!r})*", lit + sep)
     for word in WORDS:
         for unit in (f"-x_{word}", f"--{word} ", f"{word}: ", f"?{word}=", f'x{word.title()}="'):
