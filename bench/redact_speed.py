@@ -56,10 +56,10 @@ def generated(top: int = 8) -> dict[str, str]:
     from tests.unit.package import test_redact_linear as T
 
     timed = sorted(
-        ((seconds(redact, text[: MB // 4], 1), name) for name, text in T.INPUTS.items()),
+        ((seconds(redact, text[: MB // 4], 1), name) for name, text in T.inputs().items()),
         reverse=True,
     )
-    return {f"generated {name}": T.INPUTS[name] for _, name in timed[:top]}
+    return {f"generated {name}": T.inputs()[name] for _, name in timed[:top]}
 
 
 MIXED = [

@@ -342,7 +342,7 @@ def test_a_resume_that_lengthens_a_cosine_run_goes_on_from_its_lr_with_the_whole
 
 
 def test_a_run_whose_checkpoint_was_passed_over_resumes_again_and_again_at_other_sizes(
-    ray_local, tmp_path, capfd
+    ray_local, tmp_path, capfd, caplog
 ):
     """An FSDP run on 2 workers writes checkpoints 2 and 4; checkpoint 4 loses rank 1's part
     manifest (its shards stay, as when rank 1's node goes between its files and its manifest).
@@ -381,7 +381,8 @@ def test_a_run_whose_checkpoint_was_passed_over_resumes_again_and_again_at_other
         named = [r["checkpoint_dir_name"] for r in record["checkpoint_results"]]
         assert named and all((run / name / "meta.json").is_file() for name in named), named
     assert starts == [2, 6, 8], starts
-    err = capfd.readouterr().err
+    # the resume's notes: the header on the console, a log record where logging is captured
+    err = capfd.readouterr().err + caplog.text
     assert f"passed over {run / folder_name(4)}" in err and "parts/rank_00001.json" in err, err
     kept = [c.name for c in RunCheckpoints(str(tmp_path / "runs"), "passed").list()]
     assert kept[-1] == folder_name(10), kept
