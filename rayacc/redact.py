@@ -163,8 +163,11 @@ TOKENS: tuple[tuple[Shape, re.Pattern], ...] = tuple(
 each is a literal prefix and then character classes, repeated (one of them without bound)."""
 _TOKEN_START = re.compile(
     r"(?<![A-Za-z0-9_\-.\\])(?:gh[pousr]_|github_pat_|hf_|gl(?:pat|dt|ft|soat|rt|cbt|imt|ptt|agent|oas)-|GR1348941"
-    r"|sk-|[rs]k_|[xX][oO][xX]|dapi|npm_|pypi-|SG\.|sq0csp-|AC|SK|AKC|AP|eyJ|[MNO]|A3T|ABIA|ACCA"
+    r"|sk-|[rs]k_|[xX][oO][xX]|dapi|npm_|pypi-|SG\.|sq0csp-|AC|SK|AKC|AP|eyJ|A3T|ABIA|ACCA"
     r"|AKIA|ASIA)"
+)
+_DISCORD = re.compile(
+    r"(?<![A-Za-z0-9_\-.\\])[MNO][A-Za-z0-9_\-]{23,25}\.[A-Za-z0-9_\-]{6}\.[A-Za-z0-9_\-]{27}"
 )
 _TELEGRAM = re.compile(r"(?<![0-9])[0-9]{8,10}:[0-9A-Za-z_\-]{35}(?![0-9A-Za-z_\-])")
 _MAILCHIMP = re.compile(r"(?<![0-9a-z])[0-9a-z]{32}-us[0-9]{1,2}(?![0-9])")
@@ -213,7 +216,7 @@ def _pem(text: str, spans: list[tuple[int, int]]) -> None:
     """A private key block's body: after a `BEGIN … PRIVATE KEY` header (PEM's, PGP's
     `… PRIVATE KEY BLOCK`) to its END line or the end of the text; a PuTTY key file's from
     its first line on."""
-    at = text.find("BEGIN ")
+    at = text.find("BEGIN ") if "PRIVATE KEY" in text else -1
     while at != -1:
         kind = text.find("PRIVATE KEY", at, at + 40)
         if kind == -1 or "\n" in text[at:kind]:
@@ -232,7 +235,7 @@ def _pem(text: str, spans: list[tuple[int, int]]) -> None:
             stop -= 1
         spans.append((body, stop))
         at = text.find("BEGIN ", end)
-    putty = text.find("PuTTY-User-Key-File-")
+    putty = text.find("PuTTY-User-Key-File-") if "PuTTY" in text else -1
     if putty != -1:
         spans.append((putty + len("PuTTY-User-Key-File-"), len(text)))
 
@@ -260,14 +263,15 @@ def _runs(text: str, spans: list[tuple[int, int]]) -> None:
     low = text.lower()
     if "sig" in low or any(stem in low for stem in _STEMS):
         done = 0
-        for m in _QUERY_KEY.finditer(text):
+        queried = "=" in text and any(c in text for c in "?&;#")
+        for m in _QUERY_KEY.finditer(text) if queried else ():
             if m.start() >= done and m.group(1).lower() in QUERY_KEYS:
                 v = _QUERY_VALUE.match(text, m.end())
                 if v:
                     spans.append(v.span())
                     done = v.end()
         done = 0
-        for m in _KEYED.finditer(text):
+        for m in _KEYED.finditer(text) if ("=" in text or ":" in text) else ():
             if m.start() < done:
                 continue  # inside a value masked already
             key = m.group(1)
@@ -281,7 +285,7 @@ def _runs(text: str, spans: list[tuple[int, int]]) -> None:
                 continue
             done = _take(text, m.end(), kind, spans) or done
         done = 0
-        for m in _FLAG.finditer(text):
+        for m in _FLAG.finditer(text) if "-" in text else ():
             if m.start() < done:
                 continue
             kind = _secret_key(m.group(1))
@@ -356,8 +360,12 @@ def _tokens(text: str, spans: list[tuple[int, int]]) -> None:
                     spans.append((t.end(), secret.end()))
                     done = secret.end()
             break
-    for pattern in (_TELEGRAM, _MAILCHIMP):
-        spans.extend(t.span() for t in pattern.finditer(text))
+    if len(text) >= 59 and text.count(".") >= 2:  # Discord's: not tried at every capital
+        spans.extend(t.span() for t in _DISCORD.finditer(text))
+    if ":" in text:
+        spans.extend(t.span() for t in _TELEGRAM.finditer(text))
+    if "-us" in text:
+        spans.extend(t.span() for t in _MAILCHIMP.finditer(text))
     low = text.lower()
     at = low.find(_SLACK_HOOK)
     while at != -1:
