@@ -80,11 +80,11 @@ class Checkpoint:
         """The checkpoint as a local folder: itself on a local disk, else a copy in `into` of
         every file it lists (links and other things are not copied, so the reader refuses;
         nothing unlisted is copied, so it is refused here, as the folder's look refuses it)."""
+        if "://" not in self.uri:
+            return Path(self.uri)  # the reader checks it whole (`manifest.verify`)
         problems = self.missing()
         if problems:
             raise CheckpointError(f"{not_whole(self.uri, problems)}. {EARLIER}")
-        if "://" not in self.uri:
-            return Path(self.uri)
         files, _ = manifests(self.storage, self.meta())
         for name in [META_FILE, *self.meta().get("parts", []), *files]:
             data = self.storage.read(name)

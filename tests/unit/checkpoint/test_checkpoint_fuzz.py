@@ -23,6 +23,7 @@ import torch
 from rayacc.checkpoint import CheckpointError, RunCheckpoints, load_model, read_checkpoint
 from rayacc.checkpoint.format import META_FILE, folder_name
 from rayacc.driver.sample import sample
+from tests.support.data.strangers import Payload
 from tests.support.data.tokens import gpt_checkpoint, token_data
 
 CASES = 240
@@ -38,14 +39,6 @@ def _audit(event: str, args) -> None:
 
 
 sys.addaudithook(_audit)
-
-
-class _Payload:
-    def __init__(self, marker: str):
-        self.marker = marker
-
-    def __reduce__(self):
-        return (os.system, (f"touch {self.marker}",))
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +127,7 @@ def _damage(path: Path, how: str, rng: random.Random, outside: Path, marker: Pat
     elif how == "json types":
         path.write_bytes(_wrong_types(data, rng))
     elif how == "code":
-        path.write_bytes(pickle.dumps({"model": _Payload(str(marker))}))
+        path.write_bytes(pickle.dumps({"model": Payload(str(marker))}))
 
 
 HOW = ["flip", "truncate", "extend", "empty", "link", "folder", "json types", "code"]
