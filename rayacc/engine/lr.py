@@ -48,9 +48,11 @@ def lr_multiplier(
 
     Linear warmup reaches 1 at step `warmup_steps - 1`; cosine then decays to `min_lr_ratio` at the
     last step (`total_steps - 1`); constant stays at 1. Without `total_steps` cosine is constant.
+    A fractional step (a short window's sample position) between the two holds at 1: the peak
+    is never passed.
     """
     if step < warmup_steps:
-        return (step + 1) / warmup_steps
+        return min(1.0, (step + 1) / warmup_steps)
     if schedule == "constant" or total_steps is None:
         return 1.0
     if schedule != "cosine":

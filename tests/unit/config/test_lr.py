@@ -3,8 +3,10 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from rayacc.engine import build_scheduler, effective_lr, lr_multiplier
+from rayacc.engine import SampleSchedule, build_scheduler, effective_lr, lr_multiplier
 
 
 @pytest.mark.parametrize(
@@ -221,3 +223,50 @@ def test_a_resume_that_changes_the_length_goes_on_from_the_lr_it_had(
     again = _schedule(new_total, schedule)
     again.load_state_dict(resumed.state_dict())
     assert again.replanned is None and again.lr() == resumed.lr()
+
+
+def test_a_short_window_inside_the_warmups_last_step_stays_at_the_peak():
+    """A ZeRO-3 run printed lr 0.00353 against its peak 0.003: its position 5.6 of a warmup of
+    6 gave (5.6 + 1) / 6."""
+    assert lr_multiplier(5.6, warmup_steps=6, total_steps=40) == 1.0
+    assert lr_multiplier(4.5, warmup_steps=6, total_steps=40) == pytest.approx(5.5 / 6)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    warmup=st.integers(0, 12),
+    reference=st.integers(1, 16),
+    windows=st.lists(st.integers(1, 24), min_size=1, max_size=40),
+    schedule=st.sampled_from(["cosine", "constant"]),
+    min_ratio=st.sampled_from([0.0, 0.1]),
+    peak=st.floats(1e-5, 1.0),
+)
+def test_the_lr_never_passes_its_peak_and_is_the_schedules_value_at_every_step(
+    warmup, reference, windows, schedule, min_ratio, peak
+):
+    """Any global batches per step (short windows, a resize), any warmup: at each optimizer
+    step the LR is peak × the schedule at the step's sample position, never above the peak,
+    and the multiplier moves no faster than its steepest part allows (continuous: no jump at
+    the end of the warmup)."""
+    total = sum(windows) / reference + 1
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=peak)
+    sched = SampleSchedule(
+        optimizer, peak_lr=peak, reference_batch=reference, warmup_steps=warmup,
+        total_steps=total, schedule=schedule, min_lr_ratio=min_ratio,
+    )  # fmt: skip
+    slope = max(1 / warmup if warmup else 0.0, math.pi / 2 / max(total - 1 - warmup, 1e-9))
+    position, before = 0.0, None
+    for samples in windows:
+        lr = optimizer.param_groups[0]["lr"]
+        expected = lr_multiplier(
+            position, warmup_steps=warmup, total_steps=total, schedule=schedule,
+            min_lr_ratio=min_ratio,
+        )  # fmt: skip
+        assert lr <= peak * (1 + 1e-12)
+        assert lr == pytest.approx(peak * expected, rel=1e-12)
+        if before is not None and position >= 0:
+            moved = abs(expected - before[1])
+            assert moved <= slope * (position - before[0]) + 1e-9
+        before = (position, expected)
+        sched.step(samples)
+        position += samples / reference
