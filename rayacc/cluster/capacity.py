@@ -142,7 +142,8 @@ class NodeWatch:
     drain known for `KNOWN_S`) or past is counted out — the group there ends by then, whoever
     ends it: rank 0 after its last checkpoint, or Ray Train at the deadline; otherwise, when
     the live nodes changed since the last look (a node lost without notice, one that joined),
-    the coordinator recounts. A failure to tell it is handed to `warn` once, and the watch
+    the coordinator recounts. A failure to tell it is handed to `warn` once; after one of Ray's
+    errors (the coordinator restarting) the next look tries again, after any other the watch
     stops."""
 
     def __init__(
@@ -171,6 +172,7 @@ class NodeWatch:
         self.draining_now: dict[str, int] = {}
         self.recounts = 0
         self.stopped = False
+        self.warned = False
 
     def poll(self) -> None:
         now = self.clock()
@@ -201,8 +203,25 @@ class NodeWatch:
                 self.recounts += 1
             self.seen = nodes
         except Exception as exc:  # the coordinator's own look, every 20 s, remains
-            self.stopped = True
-            self.warn(
-                "could not have Ray's autoscaling coordinator recount the cluster's nodes "
-                f"({type(exc).__name__}: {exc}); a lost node may be counted until its next look"
-            )
+            # a coordinator being restarted (or slow to answer on a loaded head) is asked
+            # again at the next look: what was not told is still due then
+            passing = _passing(exc)
+            self.stopped = not passing
+            if not self.warned:
+                self.warned = True
+                again = "it is asked again at the next look" if passing else "the watch stops"
+                self.warn(
+                    "could not have Ray's autoscaling coordinator recount the cluster's nodes "
+                    f"({type(exc).__name__}: {exc}); {again}, and a lost node may be counted "
+                    "until the coordinator's own next look"
+                )
+
+
+def _passing(exc: BaseException) -> bool:
+    """Whether a failure to reach the coordinator may pass: Ray's own errors (an actor being
+    restarted, a call timed out), not a missing API or a GCS that does not answer."""
+    try:
+        from ray.exceptions import RayError
+    except ImportError:
+        return False
+    return isinstance(exc, RayError)

@@ -231,3 +231,32 @@ def test_where_the_ranks_handle_the_notice_the_watch_counts_out_at_the_deadline_
     clock.t += 1.0
     watch.poll()
     assert left == [["b"]] and clock.t == 1010.0
+
+
+def test_a_coordinator_being_restarted_is_told_at_the_next_look_and_the_watch_goes_on():
+    """Ray restarts its coordinator in place; a call to it meanwhile fails with one of Ray's
+    errors (or times out on a loaded head). The node is still due at the next look: the watch
+    warns once and keeps looking, where any other failure stops it."""
+    from ray.exceptions import GetTimeoutError
+
+    clock, nodes = Clock(1000.0), Nodes("a", "b")
+    drains = {"b": int(1002.0 * 1000)}
+    left, warned, failing = [], [], [GetTimeoutError("the coordinator did not answer")] * 2
+
+    def leave(names):
+        if failing:
+            raise failing.pop()
+        left.append(names)
+
+    watch = NodeWatch(
+        warned.append, every_s=1.0, nodes=nodes, draining=lambda: drains, tell=lambda: None,
+        leave=leave, clock=clock, wall=clock,
+    )  # fmt: skip
+    for _ in range(3):  # 1001 (3 s lead: due once known, or at the deadline at 1002), ...
+        clock.t += 1.0
+        watch.poll()
+    assert left == [] and not watch.stopped and len(warned) == 1
+    assert "GetTimeoutError" in warned[0] and "asked again" in warned[0]
+    clock.t += 1.0
+    watch.poll()
+    assert left == [["b"]] and watch.recounts == 1 and len(warned) == 1
