@@ -76,6 +76,8 @@ QUERY_KEYS = frozenset(
 
 _STEMS = ("pass", "pwd", "pw", "secret", "token", "key", "credential", "auth", "sig")
 """Every secret word holds one of these (lower case): a line without any has no keyed value."""
+_STEM_GATE = re.compile("|".join(_STEMS))
+_QUERY_MARKS = re.compile(r"[?&;#]")
 
 
 @functools.lru_cache(maxsize=4096)
@@ -258,12 +260,12 @@ def _value(text: str, pos: int) -> tuple[int, int] | None:
     return (pos, m.end()) if m else None
 
 
-def _runs(text: str, spans: list[tuple[int, int]]) -> None:
-    """Keyed values, secret flags, query tokens and bearer tokens."""
-    low = text.lower()
-    if "sig" in low or any(stem in low for stem in _STEMS):
+def _runs(text: str, low: str, spans: list[tuple[int, int]]) -> None:
+    """Keyed values, secret flags, query tokens and bearer tokens (`low`: the text in lower
+    case)."""
+    if _STEM_GATE.search(low):
         done = 0
-        queried = "=" in text and any(c in text for c in "?&;#")
+        queried = "=" in text and _QUERY_MARKS.search(text) is not None
         for m in _QUERY_KEY.finditer(text) if queried else ():
             if m.start() >= done and m.group(1).lower() in QUERY_KEYS:
                 v = _QUERY_VALUE.match(text, m.end())
@@ -342,7 +344,7 @@ def _by_first() -> dict[str, list[tuple[Shape, re.Pattern]]]:
 _BY_FIRST = _by_first()
 
 
-def _tokens(text: str, spans: list[tuple[int, int]]) -> None:
+def _tokens(text: str, low: str, spans: list[tuple[int, int]]) -> None:
     done = 0
     for m in _TOKEN_START.finditer(text):
         pos = m.start()
@@ -366,7 +368,6 @@ def _tokens(text: str, spans: list[tuple[int, int]]) -> None:
         spans.extend(t.span() for t in _TELEGRAM.finditer(text))
     if "-us" in text:
         spans.extend(t.span() for t in _MAILCHIMP.finditer(text))
-    low = text.lower()
     at = low.find(_SLACK_HOOK)
     while at != -1:
         v = _QUERY_VALUE.match(text, at + len(_SLACK_HOOK))
@@ -382,8 +383,9 @@ def _spans(text: str) -> list[tuple[int, int]]:
     _pem(text, spans)
     if "://" in text:
         _userinfo(text, spans)
-    _runs(text, spans)
-    _tokens(text, spans)
+    low = text.lower()
+    _runs(text, low, spans)
+    _tokens(text, low, spans)
     return spans
 
 
@@ -445,6 +447,9 @@ class RedactingStream:
     def write(self, text: str) -> int:
         if not text:
             return 0
+        if not self._partial and not self._dropping and text[-1] == "\n" and _PEM_BEGIN not in text:
+            self._stream.write(_mask_str(text))  # whole lines, no key block: the common write
+            return len(text)
         pending = self._partial + text
         if self._dropping:
             end = pending.find(_PEM_END)
@@ -477,7 +482,7 @@ class RedactingStream:
         return RedactingStream.write(self, text)
 
     def _emit(self, lines: str) -> None:
-        self._stream.write(redact(lines))
+        self._stream.write(_mask_str(lines))
 
     def writelines(self, lines) -> None:
         for line in lines:
