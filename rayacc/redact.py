@@ -53,8 +53,7 @@ SECRET_WORDS = frozenset(
 KEY_QUALIFIERS = frozenset(
     {"api", "access", "secret", "private", "account", "shared", "signing", "master", "client"}
 )
-"""... or that ends in `key` after one of these (`api_key`, `AccountKey`, `SharedAccessKey`,
-`X-Api-Key`)."""
+"""... or that ends in `key` after one of these (`api_key`, `AccountKey`, `X-Api-Key`)."""
 WEAK_WORDS = frozenset({"key", "pass", "pw"})
 """... or one of these (alone or after another word) with a value of at least 16 characters
 (`cloudant_key=<64 hex>`): a short value is a dictionary key's, a count's, a name's."""
@@ -261,8 +260,7 @@ def _value(text: str, pos: int) -> tuple[int, int] | None:
 
 
 def _runs(text: str, low: str, spans: list[tuple[int, int]]) -> None:
-    """Keyed values, secret flags, query tokens and bearer tokens (`low`: the text in lower
-    case)."""
+    """Keyed values, secret flags, query tokens and bearer tokens (`low`: `text.lower()`)."""
     if _STEM_GATE.search(low):
         done = 0
         queried = "=" in text and _QUERY_MARKS.search(text) is not None
@@ -309,8 +307,7 @@ def _take(text: str, at: int, kind: str, spans: list[tuple[int, int]]) -> int:
 
 
 def _first_chars(parsed) -> set[str]:
-    """The characters a parsed pattern can start with (a literal, a class, a group, a
-    choice): which token patterns a prefix hit is worth trying."""
+    """The characters a parsed pattern can start with: which patterns a prefix hit tries."""
     from re import _constants as c
 
     op, av = next(iter(parsed))
@@ -409,8 +406,7 @@ def _mask_str(text: str) -> str:
 
 
 def redact(value: Any) -> Any:
-    """`value` with every credential in it masked (strings; containers recursively; anything
-    else as it is)."""
+    """`value` with every credential in it masked (strings; containers recursively)."""
     if isinstance(value, str):
         return _mask_str(value)
     if isinstance(value, dict):
@@ -476,9 +472,8 @@ class RedactingStream:
         return len(text)
 
     def write_data(self, text: str) -> int:
-        """Writes what a command was asked to show (a job's logs: Ray's records in them
-        included), masked like any line; a console stream that drops Ray's records keeps
-        this."""
+        """Writes what a command was asked to show (a job's logs, Ray's records included),
+        masked like any line; a console stream that drops Ray's records keeps this."""
         return RedactingStream.write(self, text)
 
     def _emit(self, lines: str) -> None:
