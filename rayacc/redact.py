@@ -3,14 +3,7 @@
 entrypoints, messages). What it masks is `CATALOGUE` (the README's security section is made
 from it).
 
-Linear by construction. Text is read once in a few passes, each a scan that never returns:
-a URI's userinfo and a PEM block are found with `str.find`; every other shape starts at a
-*run* (`[A-Za-z0-9_.-]+`, maximal: runs are disjoint) or at a literal prefix after a character
-that cannot be part of what follows. A run is classified by its words (split at `_`, `-`, `.`
-and case changes: `secretAccessKey` is secret, access, key), and what follows it is read with
-patterns anchored where they start, each one character class repeated: nothing in the module
-can match one character two ways (`tests/unit/package/test_redact_linear.py` reads every
-pattern compiled here and times inputs generated from it).
+More: docs/design.md, "Notes from the code" (redact.py).
 """
 
 from __future__ import annotations

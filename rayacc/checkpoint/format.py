@@ -4,24 +4,7 @@ when it is whole.
 A checkpoint is the folder `checkpoint_step{step:08d}` in the run's folder `storage/name`
 (`..._attemptN` when an earlier group left a folder of that step: a folder is written once):
 
-- `state.pt`: the model and optimizer state (whole), the schedule, scaler and train state, and
-  every rank's random state; a sharded (FSDP) run keeps model and optimizer as every rank's
-  shards under `shards/` (engine/shards.py) instead;
-- `model.json`: the config and dataset description (`load_model` rebuilds the model from it);
-- `history.jsonl`: the run's lineage, every step record from step 1 to this step, one JSON
-  object a line: the record a resume replays into MLflow, and the whole run's loss curve;
-- `vocab.json` (token runs): the vocabulary `rayacc sample` decodes with;
-- `parts/rank_NNNNN.json`: the manifest of rank N's part (a sharded run's other ranks): every
-  file that rank wrote, with its size and SHA-256, put into storage after them;
-- `meta.json`, rank 0's manifest, put into storage after rank 0's other files: the step, the
-  batch split and worker count it was written at, the epoch position, the run's identity (what
-  a resume must match), whether it is sharded, every file of rank 0's part with its size and
-  SHA-256 (`files`), and the manifests of the other ranks' parts (`parts`).
-
-A checkpoint is whole when meta.json is there, every file of every rank's manifest is there
-as listed (the sizes, when listed; `reader.read_checkpoint` also checks every digest) and nothing
-else is (a file no manifest lists is a stranger). Anything else is passed over by every listing
-and refused by every reader.
+More: docs/design.md, "Notes from the code" (checkpoint/format.py).
 """
 
 from __future__ import annotations

@@ -7,16 +7,7 @@ after a reclaim the next group was first placed at the old size (the draining no
 new worker), waited out its start timeout there and only then went smaller; after a node was
 lost without notice the same, until the coordinator's next look.
 
-Here the coordinator is told instead: `count_out(nodes)` as a drained node's group ends (rank
-0 after the last checkpoint before a reclaim; the driver's `NodeWatch` at the deadline, or just
-before it where the ranks do not handle the notice); from then on it counts those nodes out
-while they drain; `recount()` whenever the cluster's live nodes change. Never before Ray
-Train's controller knows of the preemption: a draining node counted out while the controller
-takes its group for a running one would have it resize the group under the ranks.
-
-The coordinator is Ray's own module (Ray 2.60, `ray.data._internal.cluster_autoscaler`); what
-runs inside it goes through `__ray_call__`, Ray's developer API for a closure on an actor. A
-Ray without either leaves the sizing as it was (the callers say so once).
+More: docs/design.md, "Notes from the code" (cluster/capacity.py).
 """
 
 from __future__ import annotations

@@ -108,15 +108,8 @@ def measure_step_bytes(
     buffers per parameter the optimizer will hold (AdamW: 2), which do not exist yet before
     the first step.
 
-    GPU: the allocator's peak while it runs (parameters and gradients are in it). CPU, where no
-    allocator keeps a peak: parameters + gradients (whole ones under FSDP `window_end`) + the
-    bytes autograd saves for backward during forward (activations, and the weights a sharded
-    model gathered; not the parameters themselves again), an estimate that leaves out
-    short-lived temporaries. An
-    out-of-memory error counts as too large (a huge value).
-
-    Leaves no trace: every gradient it made is dropped (the strategy's unsynced buffers too)
-    and gradient sync is left on."""
+    More: docs/design.md, "Notes from the code" (engine/autobatch.py: measure_step_bytes).
+    """
     strategy = strategy or strategy_of(model)
     device = next(model.parameters()).device
     ctx = torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None)

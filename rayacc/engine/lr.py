@@ -96,9 +96,7 @@ class SampleSchedule:
     same units: the sample position of the last step / `reference_batch`, plus one (fractional
     when a short window ends an epoch), so the schedule ends exactly at the last step.
 
-    A state saved under another `total_steps` (a resume that lengthens or shortens the run)
-    continues from the multiplier it had: no warmup again, and the rest of the decay is
-    re-planned from there to `min_lr_ratio` at the new last step (`replanned` says so).
+    More: docs/design.md, "Notes from the code" (engine/lr.py: SampleSchedule).
     """
 
     def __init__(

@@ -34,9 +34,8 @@ class CommCounter:
     separate all-reduce before or after the backward would add a point where every rank waits
     for the slowest (measured on 2 CPU ranks: +2.2 ms before, +0.7 ms after, on an 8 ms step).
 
-    `average=False` sums the gradients over the ranks instead of averaging them (DDP's default):
-    a caller that rescales the gradients anyway (the accumulation step) saves DDP's pass that
-    divides every bucket by the world size."""
+    More: docs/design.md, "Notes from the code" (engine/sync.py: CommCounter).
+    """
 
     average: bool = True
     world_size: int = 1

@@ -1,18 +1,7 @@
 """Hugging Face causal LMs in and out (`pip install 'rayacc[hf]'`; `transformers` is imported
 only here, and only when a run or a command uses it).
 
-In: `model.name: hf` builds a `transformers` causal LM from its config (a local `config.json` or
-folder, or a mapping with `model_type`), initialised from the run's seed or from a local
-weights folder (`from_pretrained(..., local_files_only=True)`): nothing is fetched, and no code
-a config or folder names is run (`trust_remote_code` is never set; a config of a type
-`transformers` does not ship is refused). The model is trained through rayacc's one
-normalisation rule on its logits (`HFCausalLM.forward`), never its own `loss`; its decoder
-layers (the model's `_no_split_modules`) are the blocks FSDP shards and activation
-checkpointing recomputes.
-
-Out: `export` writes what a `transformers` user loads with `from_pretrained(DIR)`: an `hf`
-model as itself, rayacc's `gpt` as the GPT-2 it is layer for layer (`gpt2_state`), any model
-as a safetensors file of its weights.
+More: docs/design.md, "Notes from the code" (models/hf.py).
 """
 
 from __future__ import annotations

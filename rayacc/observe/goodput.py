@@ -2,25 +2,7 @@
 the driver (so each boundary is known to about the outbox's half second), in categories close
 to those of Google's goodput measurement:
 
-- training: the productive part of the kept steps' time (`perf/step_time_s` less the data the
-  step waited for);
-- start-up: the driver's checks before Ray, and each rank's own set-up once its group started
-  (building the model, opening its data, the micro-batch search);
-- Ray and worker-group start: from the checks to the first group's train function (Ray's start
-  or join, the controller, placement, the worker processes and their imports);
-- checkpoint restore: loading the checkpoint a group starts from (`RunStarted.restore_s`);
-- data waits: the part of the kept steps' time spent waiting for data;
-- validation: the validations' time (`val/time_s` of a step record);
-- checkpoints: what the ranks waited for their checkpoints (`Checkpointed`; with asynchronous
-  checkpoints, the blocking part);
-- checkpoint waits: what training waited for an asynchronous checkpoint still being written
-  (before the next one, or before a reclaim's checkpoint);
-- recomputed: the step time and validations of steps done again after a restart (an attempt
-  no checkpoint kept): progress wasted by a disruption;
-- restarts and resizes: from the last item of a group to the next group's `RunStarted`, less
-  its restore (the failure or the resize, waiting for the reclaim after the last checkpoint,
-  the new group): recovery;
-- other: the rest (the gaps between epochs, handing records over, the end).
+More: docs/design.md, "Notes from the code" (observe/goodput.py).
 """
 
 from __future__ import annotations

@@ -1,36 +1,6 @@
 """The analytic prior: memory per rank and step time of a candidate, from a measured profile.
 
-Memory per rank (what the auto search's probe counts, engine/autobatch.py):
-- parameters, gradients and optimizer state: whole under DDP; sharded over n under FSDP
-  (over the shard group, n / replicate ranks, under HSDP; in host memory with FSDP's offload on
-  a GPU), except `window_end`'s gradients, held whole across the window; under DeepSpeed ZeRO the
-  optimizer's fp32 master partition and its state sharded (stage 1), the gradients too
-  (stage 2), the parameters too (stage 3, gathered as FSDP's are); with the optimizer
-  offloaded its partition and state live in host memory (spared on a GPU; on a CPU worker
-  the host is the device);
-- FSDP's gathered weights: every unit's once in the CPU count (each is saved for backward,
-  except by the blocks activation checkpointing recomputes),
-  the two largest units on a GPU with `reshard_after_forward` (one in use, one prefetched);
-  half of it under bf16 mixed precision;
-- DDP's gradient buckets on a GPU (a copy of the gradients the all-reduce reads);
-- the activations of one micro-batch, measured on the plain model at a few sizes.
-
-Step time of a window of a micro-steps of m:
-- compute: a × (one forward + backward at m), measured per checkpointing setting (so the
-  recomputation is measured, not modelled);
-- communication: DDP one all-reduce of the gradients; FSDP every micro-step's gathers (twice
-  with `reshard_after_forward`) and reduce-scatters (`every_micro_step`) or one reduce-scatter
-  (`window_end`); ZeRO-1 one all-reduce per window, ZeRO-2 a reduce per micro-step and the
-  gather of the updated parameters, ZeRO-3 FSDP's `every_micro_step` (as measured under
-  rayacc's window, docs/design.md); each costs its bytes at the measured rate, scaled from the
-  profile's ranks to n by the ring's (n-1)/n, plus a launch per unit, and no faster than
-  `scaling.inter_node_gbps` where its ring crosses nodes (the workers fill nodes of
-  `scaling.workers_per_node` in turn). HSDP's gathers and reduce-scatters run inside a node
-  over n / replicate ranks, and its all-reduce of the gradient shards across the nodes once
-  per window; FSDP's offload (on a GPU) copies each micro-step's parameter shards in and
-  gradient shards out over the host link (`HOST_LINK_BYTES_PER_S`);
-- the optimizer step (1/n of it under FSDP, per shard group under HSDP), and the strategy's
-  fixed costs per window and per micro-step, measured on real windows.
+More: docs/design.md, "Notes from the code" (planner/prior.py).
 """
 
 from __future__ import annotations

@@ -9,15 +9,7 @@ when it holds a notice, and the signal reaches every rank with the window's coun
 (`AccumulationStep(signal=...)`, no collective of its own). Only a window whose signal count is
 non-zero makes every rank call the barrier, so all make the same calls.
 
-Then: a checkpoint at once (unless a checkpoint takes longer than the time left: the periodic
-one is the fallback, and the notice says so), training goes on, and a last checkpoint is written
-when one more window, what the boundaries on the way run (a validation, a periodic checkpoint:
-`Cadence`) and a checkpoint would no longer fit before the deadline — that decision travels
-by the same signal, so every rank takes it in the same window. Then rank 0 moves the drain's
-deadline to a second from now (`end_group_now`): Ray Train's watcher sees the earlier deadline,
-its controller ends the group then and restarts it without the node, from that last
-checkpoint — no step recomputed and no idling until the deadline. (A rank that ended the group
-by exiting would count against `run.max_failures`; a drain's end counts as a preemption.)
+More: docs/design.md, "Notes from the code" (worker/preemption.py).
 """
 
 from __future__ import annotations

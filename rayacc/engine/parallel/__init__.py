@@ -2,16 +2,7 @@
 it (FSDP2), behind one interface, so that the accumulation step, the micro-batch search and the
 worker never ask which one runs.
 
-A strategy owns: building and wrapping the model (materialising a meta-device model's shards,
-buffers included), the context a micro-step's forward and backward run in (when gradients
-sync), the gradient reduction (a sum over ranks: the step's one multiply by 1 / N_window is the
-whole normalisation), the gradient norm, whether forwards are collectives (then the ranks agree
-on every count of forwards first), whether an out-of-memory error can be retried in place,
-dropping every gradient it holds (internal buffers too), its communication accounting, and
-and how its state goes into a checkpoint (composed: `state`, a `StateFormat` of
-`parallel/state.py`). One module per strategy (`base`: the interface
-and what they share; `ddp`; `fsdp`; `deepspeed`, whose engine owns the backward and the step);
-another strategy (HSDP, say) is one more module.
+More: docs/design.md, "Notes from the code" (engine/parallel/__init__.py).
 """
 
 from __future__ import annotations

@@ -27,6 +27,30 @@ def test_no_module_is_longer_than_a_reader_can_hold():
     assert not long, f"over {MAX_LINES} lines: {long}"
 
 
+README_MAX_LINES = 450
+DOCSTRING_MAX_LINES = 12
+"""A docstring says why in a few lines; measurements and long explanations go to docs/ and
+bench/results/ (a config field's docstring, the fix its errors print, is no function's)."""
+
+
+def test_the_readme_reads_in_one_sitting():
+    lines = len((ROOT.parent / "README.md").read_text().splitlines())
+    assert lines <= README_MAX_LINES, f"README.md: {lines} lines (details go to docs/guide.md)"
+
+
+def test_no_docstring_is_longer_than_a_few_lines():
+    long = []
+    for path in sorted(ROOT.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            kinds = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+            doc = ast.get_docstring(node, clean=False) if isinstance(node, kinds) else None
+            if doc and len(doc.splitlines()) > DOCSTRING_MAX_LINES:
+                name = getattr(node, "name", "(module)")
+                long.append(f"{path.relative_to(ROOT)}:{name} {len(doc.splitlines())}")
+    assert not long, f"over {DOCSTRING_MAX_LINES} lines (move the details to docs/): {long}"
+
+
 def test_the_train_loop_conducts():
     lines = len((ROOT / "worker" / "loop.py").read_text().splitlines())
     assert lines <= LOOP_MAX_LINES, f"worker/loop.py: {lines} lines"
