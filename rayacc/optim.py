@@ -30,7 +30,7 @@ def build_optimizer(
     # for CPU and CUDA (on a small CPU model AdamW's step takes a third of the per-tensor loop)
     fused = o.fused if o.fused is not None else device.type in ("cpu", "cuda")
     if o.name == "sgd":
-        fused = fused and (strategy is None or strategy.fused_sgd)
+        fused = fused and (strategy is None or strategy.contract.fused_sgd)
         return torch.optim.SGD(
             params, lr=lr, momentum=o.momentum, weight_decay=o.weight_decay, fused=fused or None
         )

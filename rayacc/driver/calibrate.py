@@ -101,7 +101,7 @@ def measure_candidate(
             optimizer_slots=optimizer_slots(cc.optim),
             strategy=strategy,
         )
-        if used == OUT_OF_MEMORY and strategy.lockstep:
+        if used == OUT_OF_MEMORY and strategy.contract.lockstep:
             # not agreed on: a peer may wait in this probe's gathers
             raise TrialOutOfMemory(m)
         # one verdict for all: the largest use, and over budget if any rank's budget is

@@ -139,7 +139,7 @@ def measure_step_bytes(
             strategy.backward(losses.float().sum())
         params = _param_bytes(model)
         # FSDP window_end holds every rank's whole gradients across the window, not its shard
-        grads = params * (_world() if strategy.holds_whole_gradients else 1)
+        grads = params * (_world() if strategy.contract.holds_whole_gradients else 1)
         return params + grads + sum(saved.values()) + optimizer_bytes
     except RuntimeError as exc:  # torch.OutOfMemoryError is one
         # only running out of memory means "too large"; anything else is a real error
@@ -218,7 +218,7 @@ def find_micro_batch_size(
     strategy = strategy or strategy_of(model)
     device = next(model.parameters()).device
     out_of_memory: list[int] = []
-    lockstep = strategy.lockstep
+    lockstep = strategy.contract.lockstep
 
     def fits(size: int) -> bool:
         used = measure_step_bytes(

@@ -73,11 +73,14 @@ class AccumulationStep:
             self.strategy.adopt(model)
         if self.strategy.model is not model:
             raise ValueError("the strategy serves another model than the one given")
-        if precision == "fp16" and self.strategy.lockstep and not self.strategy.owns_optimizer_step:
+        # what the strategy promises, read once: the window rule and who steps are chosen here
+        contract = self.strategy.contract
+        engine_steps = contract.steps == "engine"
+        if precision == "fp16" and contract.lockstep and not engine_steps:
             # GradScaler's unscale and inf checks are per rank: sharded gradients would need
             # them agreed over the ranks, which the engine does not do
             raise ValueError(f"fp16 with a GradScaler under {self.strategy.name}: not supported")
-        if oom_retry and not self.strategy.can_retry_out_of_memory:
+        if oom_retry and not contract.retries_out_of_memory:
             raise ValueError(f"out-of-memory retries under {self.strategy.name}: not supported")
         self.model = model
         self.optimizer = optimizer
@@ -89,7 +92,7 @@ class AccumulationStep:
         distributed = dist.is_available() and dist.is_initialized()
         self.world_size = dist.get_world_size(self.group) if distributed else 1
         self._rank = dist.get_rank(self.group) if distributed else 0
-        if precision == "fp16" and not self.strategy.owns_optimizer_step:
+        if precision == "fp16" and not engine_steps:
             self.scaler = scaler or torch.amp.GradScaler(self.device.type)
         else:
             # an engine that owns the step owns fp16's loss scale too (DeepSpeed's own scaler)
@@ -101,6 +104,9 @@ class AccumulationStep:
         sums = self.strategy.setup_reduction(count_comm)
         self._rank_factor = 1.0 if sums else float(self.world_size)
         self.oom_retry = oom_retry
+        self._agree_forwards = contract.lockstep and self.world_size > 1
+        self._count_first = self.scaler is not None or contract.window_rule == "count_first"
+        self._normalise_clip_step = self._engine_step if engine_steps else self._own_step
         # all parameters (those the optimizer holds now) on one device in one dtype: the
         # gradient norm skips the grouping by device and dtype
         self._uniform_params = (
@@ -167,7 +173,7 @@ class AccumulationStep:
         n_micro = len(micro_batches)
         if n_micro == 0:
             raise ValueError("empty window: no micro-batches on this rank")
-        if self.strategy.lockstep and self.world_size > 1:
+        if self._agree_forwards:
             # every forward is a collective: a rank with one micro-step more would wait in it
             # forever, so the ranks agree on the count first (a small all-reduce per window)
             _, sum_m, sum_m2 = self._all_reduce_sum([0.0, n_micro, n_micro**2])
@@ -178,8 +184,7 @@ class AccumulationStep:
         # fp16 needs the exact scale before backward (GradScaler's range is tuned to gradients
         # of the mean), which costs an all-reduce before the first micro-step; fp32 and bf16
         # back-propagate item-loss sums and divide once the total is known, after backward
-        scaled_first = self.scaler is not None or self.strategy.scales_before_backward
-        scale = self._scale_before_backward(counts) if scaled_first else None
+        scale = self._scale_before_backward(counts) if self._count_first else None
         self._clear_grads()
         stats = self._micro_steps(
             micro_batches, loss_fn, [*counts, int(signal)], scale, self._slots(figures)
@@ -309,15 +314,17 @@ class AccumulationStep:
         figures = tuple(values[6:]) if k else ()
         return total_loss, int(items), int(samples), sum_m, sum_m2, int(signals), figures
 
-    def _normalise_clip_step(self, items: int, divided: bool) -> tuple[float, str | None]:
+    def _engine_step(self, items: int, divided: bool) -> tuple[float, str | None]:
+        """The strategy's engine clips (as configured from max_grad_norm) and steps; then the
+        schedule."""
+        grad_norm, skip_reason = self.strategy.optimizer_step()
+        if skip_reason is None and self.scheduler is not None:
+            self.scheduler.step()
+        return grad_norm, skip_reason
+
+    def _own_step(self, items: int, divided: bool) -> tuple[float, str | None]:
         """Unscale → normalise → clip → step → schedule; (gradient norm, why skipped or None).
         `divided`: the loss was already scaled by 1 / N before backward (fp16)."""
-        if self.strategy.owns_optimizer_step:
-            # its engine clips (as configured from max_grad_norm) and steps
-            grad_norm, skip_reason = self.strategy.optimizer_step()
-            if skip_reason is None and self.scheduler is not None:
-                self.scheduler.step()
-            return grad_norm, skip_reason
         grads = [
             p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None
         ]

@@ -62,7 +62,7 @@ def build_rank(
     """Strategy → model → optimizer → losses → accumulation step of `cfg` on `device`, at peak
     LR `lr` (the caller lays out a schedule, where it has one, over `parts.optimizer`).
     `oom_retry`: a CUDA out-of-memory error halves the micro-batch on all ranks, where the
-    strategy can retry in place (`Strategy.can_retry_out_of_memory`). `split`: the group's batch
+    strategy can retry in place (`Contract.retries_out_of_memory`). `split`: the group's batch
     split (by default the config's at the group's size); `deepspeed_user`: the user's DeepSpeed
     config as the driver read it (by default read from `deepspeed.config`); `node`: the node
     this rank runs on (HSDP's `fsdp.replicate: auto` lays its mesh by the group's nodes)."""
@@ -76,7 +76,7 @@ def build_rank(
         optimizer,
         precision=cfg.train.precision,
         max_grad_norm=cfg.optim.max_grad_norm,
-        oom_retry=oom_retry and strategy.can_retry_out_of_memory,
+        oom_retry=oom_retry and strategy.contract.retries_out_of_memory,
         strategy=strategy,
     )
     return RankParts(strategy, model, optimizer, loss_fn, count, accumulate)

@@ -173,11 +173,11 @@ def supports_chunked_loss(model: nn.Module, inside_forward: bool) -> bool:
 def loss_functions(info: DatasetInfo, chunk: int | None = None, strategy: Strategy | None = None):
     """(per-item loss, item counter) for a dataset format. Token models that support it (see
     `supports_chunked_loss`) get the chunked cross-entropy when `chunk` is set; where it runs
-    is the strategy's word (`Strategy.gathers_in_forward`: a sharded head is whole only inside
+    is the strategy's word (`Contract.gathers_in_forward`: a sharded head is whole only inside
     the forward that gathered it)."""
     if info.format == "classification":
         return classification_item_losses, count_rows
-    inside = strategy is not None and strategy.gathers_in_forward
+    inside = strategy is not None and strategy.contract.gathers_in_forward
     if chunk is None or strategy is None or not supports_chunked_loss(strategy.model, inside):
         return token_item_losses, count_target_tokens
 

@@ -11,7 +11,14 @@ from typing import Any
 
 from torch import nn
 
-from rayacc.engine.parallel.base import CommStats, ModelRecipe, Strategy, host_copy, unwrap
+from rayacc.engine.parallel.base import (
+    CommStats,
+    Contract,
+    ModelRecipe,
+    Strategy,
+    host_copy,
+    unwrap,
+)
 from rayacc.engine.parallel.ddp import DDP
 from rayacc.engine.parallel.deepspeed import DeepSpeed, DeepSpeedConfigError, deepspeed_config
 from rayacc.engine.parallel.fsdp import FSDP
@@ -24,6 +31,7 @@ __all__ = [
     "SHARDS_DIR",
     "STRATEGIES",
     "CommStats",
+    "Contract",
     "DeepSpeed",
     "DeepSpeedConfigError",
     "ModelRecipe",

@@ -10,7 +10,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -24,7 +24,7 @@ from rayacc.engine.units import fsdp_blocks
 if TYPE_CHECKING:
     from rayacc.engine.parallel.state import StateFormat
 
-__all__ = ["CommStats", "ModelRecipe", "Strategy", "host_copy", "unwrap"]
+__all__ = ["CommStats", "Contract", "ModelRecipe", "Strategy", "host_copy", "unwrap"]
 
 InitialValues = Callable[[str, torch.Size], torch.Tensor]
 
@@ -44,6 +44,35 @@ class ModelRecipe:
     activation_checkpointing: int | None = None
     """Recompute every n-th block in backward (1: all); None: off."""
     compile: bool = False
+
+
+@dataclass(frozen=True)
+class Contract:
+    """What a strategy promises the accumulation step, the micro-batch search and the optimizer
+    builder: declared once by the strategy, read once where they are built (the step picks its
+    window rule and who steps at construction; no flag is asked per window)."""
+
+    window_rule: Literal["count_after", "count_first"] = "count_after"
+    """count_after: item-loss sums are back-propagated and divided once the window's count is
+    known (one all-reduce after backward); count_first: the counts are all-reduced first and
+    the loss divided by N before backward (an engine that owns backward takes the mean's
+    gradient)."""
+    steps: Literal["accumulation", "engine"] = "accumulation"
+    """Who unscales, clips and steps: the accumulation step, or the strategy's own engine
+    (`Strategy.optimizer_step`)."""
+    lockstep: bool = False
+    """Every forward is a collective (parameters are gathered): the ranks agree on the count
+    of forwards first, or one with a forward more would wait forever."""
+    retries_out_of_memory: bool = True
+    """An out-of-memory error before a window's syncing micro-step can be retried in place
+    (no peer is waiting on this rank in a collective)."""
+    fused_sgd: bool = True
+    """PyTorch's fused SGD kernel can step the parameters."""
+    gathers_in_forward: bool = False
+    """Parameters are whole only inside the forward that gathered them: a loss that uses a
+    module's weights (the chunked loss's head) runs inside the model's forward."""
+    holds_whole_gradients: bool = False
+    """Every rank holds gradients of the whole model across a window (not only its shard)."""
 
 
 @dataclass(frozen=True)
@@ -96,24 +125,8 @@ class Strategy(ABC):
     `adopt`, for a model wrapped elsewhere) binds it."""
 
     name: str = ""
-    lockstep: bool = False
-    """Every forward is a collective (parameters are gathered): a rank with one forward more
-    than the others would wait forever, so counts of forwards are agreed first."""
-    can_retry_out_of_memory: bool = True
-    """An out-of-memory error before a window's syncing micro-step can be retried in place
-    (nothing is waiting on this rank in a collective)."""
-    fused_sgd: bool = True
-    """PyTorch's fused SGD kernel can step this strategy's parameters."""
-    gathers_in_forward: bool = False
-    """Parameters are whole only inside the forward that gathered them: a loss that uses a
-    module's weights (the chunked loss's head) runs inside the model's forward."""
-    holds_whole_gradients: bool = False
-    """Every rank holds gradients of the whole model across a window (not only its shard's)."""
-    scales_before_backward: bool = False
-    """The loss is divided by N_window before backward (the counts all-reduced first), as
-    for fp16: an engine that owns the backward and the step takes the mean's gradient."""
-    owns_optimizer_step: bool = False
-    """The strategy's engine clips and steps (`optimizer_step`), not the accumulation step."""
+    contract: Contract = Contract()
+    """What it promises the step (set by a strategy whose promises depend on its settings)."""
 
     state: StateFormat
     """How its model and optimizer state goes into a checkpoint and back (parallel/state.py)."""
@@ -182,7 +195,7 @@ class Strategy(ABC):
         loss.backward()
 
     def optimizer_step(self) -> tuple[float, str | None]:
-        """Clip and step (`owns_optimizer_step`): (gradient norm, why skipped or None)."""
+        """Clip and step where `contract.steps` is the engine: (grad norm, why skipped or None)."""
         raise NotImplementedError(f"{self.name}: the accumulation step steps the optimizer")
 
     @abstractmethod

@@ -29,6 +29,7 @@ from torch import nn
 
 from rayacc.engine.parallel.base import (
     CommStats,
+    Contract,
     ModelRecipe,
     Strategy,
     _checkpoint_blocks,
@@ -166,18 +167,22 @@ class DeepSpeed(Strategy):
     """ZeRO through DeepSpeed's engine. `config`: DeepSpeed's config (`deepspeed_config`)."""
 
     name = "deepspeed"
-    can_retry_out_of_memory = False
-    fused_sgd = False
-    scales_before_backward = True
-    owns_optimizer_step = True
 
     def __init__(self, config: dict[str, Any]):
         super().__init__()
         self.config = config
         stage = config["zero_optimization"]["stage"]
-        # ZeRO-3 gathers each module's parameters in its forward: a collective every forward
-        self.lockstep = self.gathers_in_forward = stage == 3
-        self.holds_whole_gradients = stage < 2
+        self.contract = Contract(
+            # its engine owns backward and the step: it takes the mean's gradient
+            window_rule="count_first",
+            steps="engine",
+            # ZeRO-3 gathers each module's parameters in its forward: a collective every forward
+            lockstep=stage == 3,
+            gathers_in_forward=stage == 3,
+            retries_out_of_memory=False,
+            fused_sgd=False,
+            holds_whole_gradients=stage < 2,
+        )
         self.reduces_per_micro_step = stage >= 2
         self.engine: Any = None
         self.state = DeepSpeedState(self)

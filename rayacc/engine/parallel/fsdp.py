@@ -11,6 +11,7 @@ from torch import nn
 from rayacc.engine.collectives import all_gather_objects, all_reduce
 from rayacc.engine.parallel.base import (
     CommStats,
+    Contract,
     ModelRecipe,
     Strategy,
     _checkpoint_blocks,
@@ -41,12 +42,6 @@ class FSDP(Strategy):
     in host memory (`CPUOffloadPolicy`), the optimizer step on the CPU."""
 
     name = "fsdp"
-    lockstep = True
-    # a peer may be waiting in a gather or reduce-scatter this rank will never join
-    can_retry_out_of_memory = False
-    # the fused SGD kernel has no rule for sharded (DTensor) parameters
-    fused_sgd = False
-    gathers_in_forward = True
 
     def __init__(
         self,
@@ -68,7 +63,15 @@ class FSDP(Strategy):
         if grad_sync not in GRAD_SYNC_MODES:
             raise ValueError(f"grad_sync={grad_sync!r} is not one of {', '.join(GRAD_SYNC_MODES)}")
         self.grad_sync = grad_sync
-        self.holds_whole_gradients = grad_sync == "window_end"
+        self.contract = Contract(
+            lockstep=True,
+            # a peer may be waiting in a gather or reduce-scatter this rank will never join
+            retries_out_of_memory=False,
+            # the fused SGD kernel has no rule for sharded (DTensor) parameters
+            fused_sgd=False,
+            gathers_in_forward=True,
+            holds_whole_gradients=grad_sync == "window_end",
+        )
         self.reshard_after_forward = reshard_after_forward
         self.param_dtype = param_dtype
         self._timeline = _Timeline()

@@ -208,7 +208,7 @@ def run_rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
                 "after": whole(parts.strategy),
                 "steps": steps,
                 "comm": comm,
-                "lockstep": parts.strategy.lockstep,
+                "lockstep": parts.strategy.contract.lockstep,
             }
         out["planted"] = resume_planted(parts, out_dir, rank)
         out["adamw"] = adamw_windows(rank, world, rows, out_dir)
