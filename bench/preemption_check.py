@@ -29,7 +29,7 @@ def train_loop(config: dict) -> dict:
 
     from rayacc import TrainConfig
     from rayacc.data.sources import describe_dataset
-    from rayacc.models.parallel import build_rank
+    from rayacc.rank.build import build_rank
     from rayacc.worker.preemption import PreemptionWatch, ray_notice_sources
 
     torch.set_num_threads(1)

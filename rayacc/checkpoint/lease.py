@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from rayacc.checkpoint.storage import open_storage
-from rayacc.data.sources import DataError
+from rayacc.data.common import DataError
 
 __all__ = [
     "COMMIT_FRESH_S",

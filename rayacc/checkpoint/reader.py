@@ -111,7 +111,7 @@ def vet_shards(folder: Path, meta: dict[str, Any]) -> None:
     if shards is None:
         return
     if meta.get("state_format", "dcp") == "deepspeed":
-        from rayacc.engine.zero_files import vet_zero_files
+        from rayacc.engine.parallel.zero_files import vet_zero_files
 
         world = meta.get("num_workers")
         if type(world) is not int or world < 1:
@@ -121,7 +121,7 @@ def vet_shards(folder: Path, meta: dict[str, Any]) -> None:
         except ValueError as exc:
             raise CheckpointError(f"{exc}. {EARLIER}") from None
         return
-    from rayacc.engine.shards import ShardError, missing_shard_files
+    from rayacc.engine.parallel.shards import ShardError, missing_shard_files
 
     try:
         missing = missing_shard_files(shards)
@@ -140,7 +140,7 @@ def shards_of(folder: str | Path, meta: dict[str, Any]) -> Path | None:
     folder, or refused); None when the model is whole in `state.pt`."""
     if not meta.get("shards"):
         return None
-    from rayacc.engine.shards import ShardError, contained
+    from rayacc.engine.parallel.shards import ShardError, contained
 
     try:
         return contained(Path(folder), str(meta["shards"]), Path(folder) / META_FILE)
@@ -243,7 +243,7 @@ def _held_shapes(path, state: dict, shards: Path | None) -> dict[str, tuple[int,
         return {k: tuple(v.shape) for k, v in weights.items() if isinstance(v, torch.Tensor)}
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from rayacc.engine.shards import ShardError, read_index
+    from rayacc.engine.parallel.shards import ShardError, read_index
 
     try:
         index = read_index(shards)
@@ -275,7 +275,7 @@ def _load_model(path: Path, view: Path, factory: str | None) -> nn.Module:
     shards = shards_of(view, meta)
     zero = None
     if meta.get("state_format") == "deepspeed":
-        from rayacc.engine.zero_files import read_zero_weights
+        from rayacc.engine.parallel.zero_files import read_zero_weights
 
         try:
             # DeepSpeed's files read as data, its runtime neither started nor imported
@@ -294,13 +294,13 @@ def _load_model(path: Path, view: Path, factory: str | None) -> nn.Module:
                 raise CheckpointError(malformed_message(str(Path(path) / STATE_FILE), "model"))
             model.load_state_dict(state["model"])
         else:
-            from rayacc.engine.shards import load_model_shards
+            from rayacc.engine.parallel.shards import load_model_shards
 
             load_model_shards(shards, model)
     except CheckpointError:
         raise
     except Exception as exc:  # weights of another shape, a shard that decodes to nonsense
-        from rayacc.engine.shards import ShardError
+        from rayacc.engine.parallel.shards import ShardError
 
         if isinstance(exc, ShardError):
             raise CheckpointError(str(exc)) from None

@@ -71,7 +71,7 @@ def _console_owns_ray_output() -> None:
 def _user_error_types() -> tuple[type[BaseException], ...]:
     from rayacc.checkpoint.reader import CheckpointError
     from rayacc.config.batch_split import BatchSplitError
-    from rayacc.data.sources import DataError
+    from rayacc.data.common import DataError
     from rayacc.driver.jobs import SubmitError
     from rayacc.driver.places import PlaceError
     from rayacc.driver.prelaunch import ResourceError

@@ -19,7 +19,8 @@ SEQ_LEN = 128
 
 def cmd_data_prepare(args: argparse.Namespace) -> int:
     """A bundled dataset (cached), or the user's text/JSONL files → token Parquet in --out."""
-    from rayacc.data.sources import BUNDLED, DataError, describe_dataset
+    from rayacc.data.common import BUNDLED, DataError
+    from rayacc.data.sources import describe_dataset
 
     if len(args.inputs) == 1 and args.inputs[0] in BUNDLED and args.out is None:
         name = args.inputs[0]

@@ -17,7 +17,7 @@ from rayacc.redact import redact
 def cmd_plan(args: argparse.Namespace) -> int:
     """Prints the resolved batch split and effective LR of a config, without running anything."""
     from rayacc.driver.prelaunch import check
-    from rayacc.quantities import elastic_summary, lr_explanation, worker_splits
+    from rayacc.run.quantities import elastic_summary, lr_explanation, worker_splits
 
     cfg = _load(args)
     if args.search:
@@ -98,7 +98,7 @@ def _print_memory(cfg, split) -> None:
     """Estimated memory per rank for each strategy (reads the data's description and builds
     the model on the meta device: no weights are allocated)."""
     from rayacc.driver.prelaunch import prepare
-    from rayacc.quantities import memory_per_rank
+    from rayacc.run.quantities import memory_per_rank
 
     prep = prepare(cfg)
     micro = cfg.batch.fixed_micro_batch_size

@@ -16,7 +16,7 @@ def cmd_runs(args: argparse.Namespace) -> int:
     """Lists the runs of a storage path, oldest first."""
     from rich.table import Table
 
-    from rayacc.data.sources import DataError
+    from rayacc.data.common import DataError
     from rayacc.driver.runs import default_storage, list_runs, storage_exists
 
     console = _console()

@@ -2,6 +2,7 @@
 order that every rank follows."""
 
 from rayacc.data.bundled import prepare_bundled
-from rayacc.data.sources import BUNDLED, DataError, DatasetInfo, describe_dataset
+from rayacc.data.common import BUNDLED, DataError
+from rayacc.data.sources import DatasetInfo, describe_dataset
 
 __all__ = ["BUNDLED", "DataError", "DatasetInfo", "describe_dataset", "prepare_bundled"]

@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from rayacc import env
-from rayacc.data.sources import BUNDLED, ORIGIN_KEY, VOCAB_KEY, DataError
+from rayacc.data.common import BUNDLED, ORIGIN_KEY, VOCAB_KEY, DataError
 
 __all__ = ["prepare_bundled"]
 

@@ -26,8 +26,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from rayacc.data.common import ORIGIN_KEY, TOKENIZER_KEY, VOCAB_SIZE_KEY, DataError
 from rayacc.data.reads import filesystem_and_path
-from rayacc.data.sources import ORIGIN_KEY, TOKENIZER_KEY, VOCAB_SIZE_KEY, DataError
 
 __all__ = ["PrepareResult", "prepare_corpus"]
 

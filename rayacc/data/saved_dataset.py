@@ -13,7 +13,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from rayacc.data.sources import DataError
+from rayacc.data.common import DataError
 
 __all__ = ["TOKEN_COLUMNS", "as_parquet", "read_saved", "saved_dataset"]
 

@@ -18,11 +18,14 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from rayacc.data.common import (
+    BUNDLED,
+    VOCAB_KEY,
+    VOCAB_SIZE_KEY,
+    DataError,
+)
+
 __all__ = [
-    "BUNDLED",
-    "ORIGIN_KEY",
-    "TOKENIZER_KEY",
-    "DataError",
     "DatasetInfo",
     "RowGroups",
     "Source",
@@ -31,19 +34,6 @@ __all__ = [
     "row_groups",
     "schema_metadata",
 ]
-
-BUNDLED = ("digits", "shakespeare")
-VOCAB_KEY = b"rayacc.vocab"
-VOCAB_SIZE_KEY = b"rayacc.vocab_size"
-"""Token files: the tokenizer's vocabulary size (ids may stop short of it)."""
-TOKENIZER_KEY = b"rayacc.tokenizer"
-"""Token files of `rayacc data prepare`: `bytes`, or the tokenizer.json it used (data/vocab.py)."""
-ORIGIN_KEY = b"rayacc.origin"
-"""Where the rows came from (a corpus, a tokenizer), in words."""
-
-
-class DataError(ValueError):
-    """A data source that cannot be used: names the file or field and the fix."""
 
 
 @dataclass(frozen=True)

@@ -13,14 +13,8 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 
-from rayacc.data.sources import (
-    ORIGIN_KEY,
-    TOKENIZER_KEY,
-    VOCAB_SIZE_KEY,
-    DataError,
-    DatasetInfo,
-    schema_metadata,
-)
+from rayacc.data.common import ORIGIN_KEY, TOKENIZER_KEY, VOCAB_SIZE_KEY, DataError
+from rayacc.data.sources import DatasetInfo, schema_metadata
 
 __all__ = ["BYTES", "BYTE_EOD", "VOCAB_FILE", "Vocabulary"]
 

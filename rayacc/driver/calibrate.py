@@ -25,11 +25,11 @@ from rayacc.config.rules import strategy_resets
 from rayacc.data.sources import DatasetInfo
 from rayacc.engine import TrialOutOfMemory, autocast_dtype, to_device
 from rayacc.engine.autobatch import OUT_OF_MEMORY, measure_step_bytes
-from rayacc.models.parallel import build_rank
 from rayacc.optim import optimizer_slots
 from rayacc.planner.candidates import Candidate, strategy_modes
 from rayacc.planner.prior import predict
 from rayacc.planner.profile import Profile, largest_over_ranks, measure_profile, time_windows
+from rayacc.rank.build import build_rank
 
 __all__ = ["CalibrationGroup", "Ledger", "calibration_loop", "sample_rows", "with_candidate"]
 

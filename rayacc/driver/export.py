@@ -37,7 +37,7 @@ def export_model(
 ) -> Exported:
     """Writes the weights of RUN_OR_CHECKPOINT `target` to the new folder `out`."""
     from rayacc.checkpoint.reader import load_model
-    from rayacc.data.sources import DataError
+    from rayacc.data.common import DataError
     from rayacc.driver.sample import _local, find_checkpoint
 
     if fmt not in EXPORT_FORMATS:
@@ -68,7 +68,7 @@ def export_model(
 
 def _write(model, folder: Path, fmt: str) -> str:
     from rayacc.checkpoint.reader import CheckpointError
-    from rayacc.data.sources import DataError
+    from rayacc.data.common import DataError
     from rayacc.models.gpt import GPT
     from rayacc.models.hf import HFCausalLM
 

@@ -290,8 +290,8 @@ class TrainerRun:
 
 def _read_source(cfg: TrainConfig, prep: Prepared, loc: RunLocation) -> tuple[str, RowGroups]:
     """Where the ranks' read tasks read the data, and its row groups there."""
+    from rayacc.data.common import BUNDLED
     from rayacc.data.reads import filesystem_and_path, stage_file
-    from rayacc.data.sources import BUNDLED
 
     if cfg.data.source in BUNDLED:
         # prepared in this node's cache, which read tasks on other nodes cannot see

@@ -19,14 +19,16 @@ from typing import Any
 
 from rayacc.config import TrainConfig
 from rayacc.config.batch_split import BatchSplit
+from rayacc.data.common import DataError
 from rayacc.data.order import DataOrder, EpochLayout
-from rayacc.data.sources import DataError, DatasetInfo, RowGroups, read_source
+from rayacc.data.sources import DatasetInfo, RowGroups, read_source
 from rayacc.driver.places import check_places
 from rayacc.driver.runs import RunLocation, locate_run
 from rayacc.engine.units import fsdp_blocks
 from rayacc.models import build_on_meta
-from rayacc.models.parallel import strategy_for
-from rayacc.quantities import RunSpec, data_order, derive_run, elastic_summary
+from rayacc.rank.build import strategy_for
+from rayacc.run.quantities import data_order, elastic_summary
+from rayacc.run.spec import RunSpec, derive_run
 
 __all__ = [
     "Prepared",

@@ -18,7 +18,7 @@ from rayacc.checkpoint.lease import Lease, held_message, read_lease
 from rayacc.checkpoint.reader import CheckpointError
 from rayacc.checkpoint.storage import open_storage
 from rayacc.config import TrainConfig
-from rayacc.data.sources import DataError
+from rayacc.data.common import DataError
 from rayacc.redact import redact
 
 __all__ = [

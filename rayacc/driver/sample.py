@@ -130,7 +130,7 @@ def _fits_the_model(vocabulary: Vocabulary, dataset: dict, source: str) -> None:
         try:
             vocabulary._tokenizer()
         except Exception as exc:  # the tokenizers library's own errors on a damaged file
-            from rayacc.data.sources import DataError
+            from rayacc.data.common import DataError
 
             if isinstance(exc, DataError):
                 raise
@@ -163,7 +163,7 @@ def sample(
     RUN_OR_CHECKPOINT `target`, sharded checkpoints included. `factory`: the model factory a
     user factory's checkpoint is rebuilt with (`load_model`)."""
     from rayacc.checkpoint.reader import load_model
-    from rayacc.data.sources import DataError
+    from rayacc.data.common import DataError
     from rayacc.models.generate import generate
 
     if tokens < 0:

@@ -14,8 +14,8 @@ from rayacc.config.batch_split import BatchSplit
 from rayacc.data.rows import read_rows
 from rayacc.driver.fit import fit
 from rayacc.driver.prelaunch import Prepared, prepare
-from rayacc.models.parallel import build_rank
 from rayacc.optim import build_schedule
+from rayacc.rank.build import build_rank
 from rayacc.redact import redact
 
 __all__ = ["TOLERANCE", "TensorDiff", "VerifyResult", "verify"]

@@ -25,8 +25,8 @@ from rayacc.engine.perf import (
     recompute_flops_per_item,
 )
 from rayacc.engine.precision import autocast, autocast_dtype
+from rayacc.engine.progress import TrainState
 from rayacc.engine.result import StepResult
-from rayacc.engine.state import TrainState
 from rayacc.engine.step import PRECISIONS, AccumulationStep, MicroStepMismatchError
 from rayacc.engine.sync import CommCounter, install_comm_counter
 

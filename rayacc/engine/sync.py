@@ -10,16 +10,13 @@ import torch.distributed as dist
 from torch import nn
 
 from rayacc.engine.collectives import all_reduce_async
+from rayacc.engine.units import is_ddp
 
 __all__ = [
     "CommCounter",
     "install_comm_counter",
     "is_ddp",
 ]
-
-
-def is_ddp(model: nn.Module) -> bool:
-    return isinstance(model, nn.parallel.DistributedDataParallel)
 
 
 @dataclass

@@ -8,7 +8,7 @@ import sys
 
 from torch import nn
 
-__all__ = ["GRAD_SYNC_MODES", "fsdp_blocks", "is_fsdp"]
+__all__ = ["GRAD_SYNC_MODES", "fsdp_blocks", "is_ddp", "is_fsdp", "unwrap"]
 
 GRAD_SYNC_MODES = ("every_micro_step", "window_end")
 
@@ -29,3 +29,18 @@ def fsdp_blocks(model: nn.Module) -> list[nn.Module]:
         return list(named())
     blocks = getattr(model, "blocks", None)
     return list(blocks) if isinstance(blocks, nn.ModuleList) else []
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's module inside DistributedDataParallel and torch.compile wrappers."""
+    while True:
+        if is_ddp(model):
+            model = model.module
+        elif type(model).__name__ == "OptimizedModule":  # torch.compile's wrapper
+            model = model._orig_mod
+        else:
+            return model
+
+
+def is_ddp(model: nn.Module) -> bool:
+    return isinstance(model, nn.parallel.DistributedDataParallel)

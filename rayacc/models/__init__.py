@@ -1,7 +1,7 @@
 """Model registry: `mlp`, `gpt`, and user factories "package.module:function"."""
 
+from rayacc.models.errors import ModelError
 from rayacc.models.registry import (
-    ModelError,
     build_model,
     build_on_meta,
     loss_functions,

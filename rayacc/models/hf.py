@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from rayacc.models.registry import ModelError
+from rayacc.models.errors import ModelError
 
 __all__ = [
     "HFCausalLM",

@@ -4,7 +4,8 @@ A model that defines `initial_value(name, shape, generator) -> Tensor` (the buil
 user factories may) is initialised parameter by parameter, each from a generator of its own
 seeded by (seed, name). The weights then do not depend on the order modules are built in, on
 the device, or on how many ranks hold them: a sharded run materialises each rank's rows of a
-parameter from the same full value (engine/fsdp.py::materialize_shards), one parameter at a time.
+parameter from the same full value (engine/parallel/fsdp_mesh.py::materialize_shards), one
+parameter at a time.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ from rayacc.engine import (
 from rayacc.engine.chunked_loss import chunked_cross_entropy_sum
 from rayacc.engine.parallel import Strategy
 from rayacc.engine.parallel import unwrap as unwrap_model
+from rayacc.models.errors import ModelError
 from rayacc.models.init import init_parameters, seeds_parameters
 
 __all__ = [
@@ -32,10 +33,6 @@ __all__ = [
     "supports_chunked_loss",
     "unwrap_model",
 ]
-
-
-class ModelError(ValueError):
-    """A model that cannot be built from the config: names the field and the fix."""
 
 
 _FACTORY_FIX = (

@@ -247,7 +247,7 @@ def strategy_line(cfg) -> str:
 def run_header(cfg, prep, data_path: str) -> list[str]:
     """The lines a run starts with: the batch arithmetic, the LR, how it computes, the data and
     the model (`prep`: the driver's Prepared)."""
-    from rayacc.quantities import lr_explanation
+    from rayacc.run.quantities import lr_explanation
 
     return [
         prep.split.describe(),
@@ -290,8 +290,8 @@ def perf_summary(history: list[dict]) -> str:
 
 def summary_lines(cfg, result) -> list[str]:
     """What the console says of a finished fit (the first line is the heading)."""
-    from rayacc.quantities import lr_explanation
     from rayacc.redact import redact
+    from rayacc.run.quantities import lr_explanation
 
     split = result.split
     m = result.metrics

@@ -23,7 +23,7 @@ from rayacc.engine import (
     to_device,
 )
 from rayacc.observe.events import MicroBatchChanged
-from rayacc.quantities import WorkerSettings
+from rayacc.run.spec import WorkerSettings
 
 __all__ = ["MicroBatchSizer"]
 

@@ -340,7 +340,7 @@ class WorkerParts:
         """This rank's random state as the checkpoint left it, so a resumed run draws what an
         uninterrupted one would; after a resize (other ranks) a fresh stream of its own,
         seeded by the step."""
-        from rayacc.quantities import rank_seed
+        from rayacc.run.quantities import rank_seed
 
         if saved is None or len(saved) != self.world:
             torch.manual_seed(rank_seed(self.seed, self.rank, step))

@@ -23,7 +23,7 @@ from rayacc.checkpoint.format import checkpoint_meta
 from rayacc.data.order import EpochLayout
 from rayacc.engine import StepClock, to_device
 from rayacc.observe.events import Checkpointed, Event, RunStarted
-from rayacc.quantities import rank_seed
+from rayacc.run.quantities import rank_seed
 from rayacc.worker.autosize import MicroBatchSizer
 from rayacc.worker.cadence import Cadence
 from rayacc.worker.ingest import warm_up

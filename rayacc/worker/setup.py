@@ -19,10 +19,11 @@ from rayacc.data.rows import LocalRows
 from rayacc.data.sources import RowGroups
 from rayacc.data.vocab import VOCAB_FILE
 from rayacc.engine import SampleSchedule, TrainState, device_peak_tflops
-from rayacc.models.parallel import RankParts, build_rank
 from rayacc.observe.events import CheckpointPassedOver, Event, Resized, ScheduleChanged
 from rayacc.optim import build_schedule
-from rayacc.quantities import EpochWindows, RunSpec, WorkerSettings
+from rayacc.rank.build import RankParts, build_rank
+from rayacc.run.quantities import EpochWindows
+from rayacc.run.spec import RunSpec, WorkerSettings
 from rayacc.worker.checkpoint import Checkpointer, WorkerParts
 from rayacc.worker.ingest import RankReader
 from rayacc.worker.validation import Validator

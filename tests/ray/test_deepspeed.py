@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from rayacc import load_model
-from rayacc.data.sources import DataError
+from rayacc.data.common import DataError
 from rayacc.driver.fit import fit
 from tests.support.models.hf_configs import tiny_llama
 from tests.support.services.fits import (

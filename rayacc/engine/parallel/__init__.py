@@ -11,19 +11,18 @@ from typing import Any
 
 from torch import nn
 
-from rayacc.engine.parallel.base import (
-    CommStats,
-    Contract,
-    ModelRecipe,
-    Strategy,
-    host_copy,
-    unwrap,
-)
+from rayacc.engine.parallel.base import CommStats, Contract, ModelRecipe, Strategy
 from rayacc.engine.parallel.ddp import DDP
 from rayacc.engine.parallel.deepspeed import DeepSpeed, DeepSpeedConfigError, deepspeed_config
 from rayacc.engine.parallel.fsdp import FSDP
-from rayacc.engine.parallel.state import SHARDS_DIR, ShardedState, StateFormat, WholeState
-from rayacc.engine.units import is_fsdp
+from rayacc.engine.parallel.state import (
+    SHARDS_DIR,
+    ShardedState,
+    StateFormat,
+    WholeState,
+    host_copy,
+)
+from rayacc.engine.units import is_fsdp, unwrap
 
 __all__ = [
     "DDP",

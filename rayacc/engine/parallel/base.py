@@ -18,13 +18,12 @@ from torch import nn
 
 from rayacc.engine.collectives import all_reduce
 from rayacc.engine.recompute import apply_activation_checkpointing
-from rayacc.engine.sync import is_ddp
-from rayacc.engine.units import fsdp_blocks
+from rayacc.engine.units import fsdp_blocks, is_ddp, unwrap
 
 if TYPE_CHECKING:
     from rayacc.engine.parallel.state import StateFormat
 
-__all__ = ["CommStats", "Contract", "ModelRecipe", "Strategy", "host_copy", "unwrap"]
+__all__ = ["CommStats", "Contract", "ModelRecipe", "Strategy"]
 
 InitialValues = Callable[[str, torch.Size], torch.Tensor]
 
@@ -232,29 +231,6 @@ class Strategy(ABC):
         """The user's module inside the wrappers (its parameters as the strategy holds them)."""
         assert self.model is not None
         return unwrap(self.model)
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The user's module inside DistributedDataParallel and torch.compile wrappers."""
-    while True:
-        if is_ddp(model):
-            model = model.module
-        elif type(model).__name__ == "OptimizedModule":  # torch.compile's wrapper
-            model = model._orig_mod
-        else:
-            return model
-
-
-def host_copy(state: Any) -> Any:
-    """A copy of a state dict's tensors in host memory (off the device: a checkpoint written
-    meanwhile holds this moment's state whatever the next steps do); other values as they are."""
-    if isinstance(state, torch.Tensor):
-        return state.detach().to("cpu", copy=True)
-    if isinstance(state, dict):
-        return {k: host_copy(v) for k, v in state.items()}
-    if isinstance(state, list | tuple):
-        return type(state)(host_copy(v) for v in state)
-    return state
 
 
 def _checkpoint_blocks(module: nn.Module, recipe: ModelRecipe) -> None:

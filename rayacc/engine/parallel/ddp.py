@@ -16,7 +16,8 @@ from rayacc.engine.parallel.base import (
     _world,
 )
 from rayacc.engine.parallel.state import WholeState
-from rayacc.engine.sync import CommCounter, install_comm_counter, is_ddp
+from rayacc.engine.sync import CommCounter, install_comm_counter
+from rayacc.engine.units import is_ddp
 
 __all__ = ["DDP"]
 

@@ -37,7 +37,7 @@ from rayacc.engine.parallel.base import (
     _world,
 )
 from rayacc.engine.parallel.state import StateFormat, _written
-from rayacc.engine.zero_files import vet_zero_files
+from rayacc.engine.parallel.zero_files import vet_zero_files
 
 __all__ = [
     "DeepSpeed",

@@ -22,7 +22,7 @@ from rayacc.engine.parallel.state import ShardedState
 from rayacc.engine.units import GRAD_SYNC_MODES, fsdp_blocks, is_fsdp
 
 if TYPE_CHECKING:
-    from rayacc.engine.fsdp import MeshShape
+    from rayacc.engine.parallel.fsdp_mesh import MeshShape
 
 __all__ = ["FSDP"]
 
@@ -80,7 +80,12 @@ class FSDP(Strategy):
         self.state = ShardedState()
 
     def _build(self, recipe: ModelRecipe, device: torch.device) -> nn.Module:
-        from rayacc.engine.fsdp import build_mesh, materialize_shards, mesh_shape, shard_model
+        from rayacc.engine.parallel.fsdp_mesh import (
+            build_mesh,
+            materialize_shards,
+            mesh_shape,
+            shard_model,
+        )
 
         module = recipe.build_on_meta() if recipe.build_on_meta else recipe.build()
         values = None
@@ -142,7 +147,7 @@ class FSDP(Strategy):
         return self._unit_list
 
     def setup_reduction(self, count_comm: bool) -> bool:
-        from rayacc.engine.fsdp import CountingReduceScatter
+        from rayacc.engine.parallel.fsdp_mesh import CountingReduceScatter
 
         for unit in self._units():
             # a sum over ranks: the step's multiply by 1 / N is the whole normalisation
@@ -187,7 +192,7 @@ class FSDP(Strategy):
 
     def discard_grads(self, optimizer: torch.optim.Optimizer | None = None) -> None:
         super().discard_grads(optimizer)
-        from rayacc.engine.fsdp import drop_unsynced_grads
+        from rayacc.engine.parallel.fsdp_mesh import drop_unsynced_grads
 
         # a backward that did not reduce-scatter leaves unsharded gradients inside FSDP, which
         # the next synced backward would add to its own

@@ -15,15 +15,27 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from rayacc.engine.parallel.base import host_copy, unwrap
+from rayacc.engine.units import unwrap
 
-__all__ = ["SHARDS_DIR", "ShardedState", "StateFormat", "WholeState"]
+__all__ = ["SHARDS_DIR", "ShardedState", "StateFormat", "WholeState", "host_copy"]
 
 SHARDS_DIR = "shards"
 
 
 def _written() -> None:
     """The wait of a part that is already on disk (or that this rank does not write)."""
+
+
+def host_copy(state: Any) -> Any:
+    """A copy of a state dict's tensors in host memory (off the device: a checkpoint written
+    meanwhile holds this moment's state whatever the next steps do); other values as they are."""
+    if isinstance(state, torch.Tensor):
+        return state.detach().to("cpu", copy=True)
+    if isinstance(state, dict):
+        return {k: host_copy(v) for k, v in state.items()}
+    if isinstance(state, list | tuple):
+        return type(state)(host_copy(v) for v in state)
+    return state
 
 
 class StateFormat(ABC):
@@ -95,7 +107,7 @@ class ShardedState(StateFormat):
         """A gloo group of its own for background saves (made at the first)."""
 
     def save(self, model, optimizer, folder, rank, *, background=False):
-        from rayacc.engine.shards import save_sharded
+        from rayacc.engine.parallel.shards import save_sharded
 
         if not background:
             save_sharded(Path(folder) / SHARDS_DIR, model, optimizer)
@@ -109,7 +121,7 @@ class ShardedState(StateFormat):
         return {}, future.result
 
     def load(self, model, optimizer, folder, saved, written_by=None):
-        from rayacc.engine.shards import load_sharded
+        from rayacc.engine.parallel.shards import load_sharded
 
         shards = Path(folder) / SHARDS_DIR
         if not shards.is_dir():

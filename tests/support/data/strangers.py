@@ -28,7 +28,7 @@ def foreign_names(world: int = 2) -> list[str]:
     from deepspeed.checkpoint import constants as ds
     from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
 
-    from rayacc.engine.shards import INDEX_FILE
+    from rayacc.engine.parallel.shards import INDEX_FILE
 
     zero_prefixes = [v for k, v in vars(ds).items() if k.endswith("ZERO_FILE_PREFIX")]
     names = []

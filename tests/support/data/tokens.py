@@ -63,7 +63,7 @@ def token_data(tmp_path: Path, kind: str) -> DatasetInfo:
 def gpt_checkpoint(folder: Path, info: DatasetInfo, *, sharded: bool) -> torch.nn.Module:
     """A checkpoint folder of a small GPT on `info`, as a run writes it (vocab.json included)."""
     from rayacc.config import TrainConfig
-    from rayacc.engine.shards import save_sharded
+    from rayacc.engine.parallel.shards import save_sharded
 
     cfg = TrainConfig.model_validate(
         {"model": {"name": "gpt", "n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": 8}}

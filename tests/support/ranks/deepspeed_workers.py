@@ -114,7 +114,7 @@ def adamw_windows(rank: int, world: int, rows, out_dir: str, resume: bool = Fals
     the checkpoint another number of ranks wrote, then the second window. The weights after."""
     from rayacc.config.batch_split import BatchSplit
     from rayacc.engine import classification_item_losses
-    from rayacc.models.parallel import build_rank
+    from rayacc.rank.build import build_rank
 
     cfg = config(3, "none", optimizer="adamw")
     parts = build_rank(
@@ -155,7 +155,7 @@ def run_rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
     from rayacc.config.batch_split import BatchSplit
     from rayacc.engine import classification_item_losses
     from rayacc.engine.autobatch import measure_step_bytes
-    from rayacc.models.parallel import build_rank
+    from rayacc.rank.build import build_rank
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -226,7 +226,7 @@ def no_compiler_rank(rank: int, world: int, init_file: str, out_dir: str) -> Non
     import torch.distributed as dist
 
     from rayacc.config.batch_split import BatchSplit
-    from rayacc.models.parallel import build_rank
+    from rayacc.rank.build import build_rank
 
     os.environ.update(
         RANK=str(rank),

@@ -12,7 +12,7 @@ import functools
 import torch
 
 from rayacc.engine import DDP, FSDP, AccumulationStep, count_target_tokens, token_item_losses
-from rayacc.engine.fsdp import shard_model
+from rayacc.engine.parallel.fsdp_mesh import shard_model
 from rayacc.models.gpt import GPT
 from tests.support.ranks.engine_helpers import full_weights, token_micro_batches, token_sequences
 
@@ -91,7 +91,7 @@ def background_save(rank: int, world: int, out: dict, folder: str) -> None:
     the training group while the save's run on its own), then the write is waited for and
     loaded into a fresh sharded model and optimizer. DDP's copy, the same way."""
     from rayacc.engine.parallel import SHARDS_DIR
-    from rayacc.engine.shards import load_sharded
+    from rayacc.engine.parallel.shards import load_sharded
 
     model = shard_model(gpt(), device=torch.device("cpu"))
     opt = torch.optim.AdamW(model.parameters(), lr=0.02, weight_decay=0.1)
@@ -178,7 +178,7 @@ def materialise(rank: int, world: int, init_file: str, out_dir: str) -> None:
     def scenario(rank: int, world: int, out: dict) -> None:
         from torch.distributed.tensor import DTensor
 
-        import rayacc.models.parallel as parallel
+        import rayacc.rank.build as parallel
 
         def whole(*args, **kwargs):
             raise AssertionError("a rank built the whole model")

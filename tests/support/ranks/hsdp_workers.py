@@ -91,7 +91,7 @@ def hf_case(rank: int, world: int, out: dict) -> None:
 
 
 def reshard(rank: int, world: int, out: dict, folder: str) -> None:
-    from rayacc.engine.shards import load_sharded, save_sharded
+    from rayacc.engine.parallel.shards import load_sharded, save_sharded
 
     first, second, _ = windows()
     _, model, opt, step = build("every_micro_step", 2, False, rank)
@@ -110,7 +110,7 @@ def reshard(rank: int, world: int, out: dict, folder: str) -> None:
 
 def reshard_to_two(rank: int, out_dir: str, folder: str) -> None:
     """Ranks 0–1 alone, in a group of 2 (1 × 2), load the 2 × 2 checkpoint and train window 2."""
-    from rayacc.engine.shards import load_sharded
+    from rayacc.engine.parallel.shards import load_sharded
 
     dist.init_process_group(
         "gloo",

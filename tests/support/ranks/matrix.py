@@ -182,8 +182,8 @@ def micro_batches(seqs: list, micro: int, world: int, window_len: int) -> list[d
 def run_phase(case: Case, rank: int, world: int, folder: Path, phase: str) -> dict | None:
     """Runs this rank's part of a case's phase; rank 0 returns the full weights at its end."""
     from rayacc.engine import find_micro_batch_size
-    from rayacc.models.parallel import build_rank
     from rayacc.optim import optimizer_slots
+    from rayacc.rank.build import build_rank
 
     cfg, info = config(case), dataset()
     device = torch.device("cpu")

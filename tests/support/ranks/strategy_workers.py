@@ -50,7 +50,7 @@ def window(rank: int) -> list[torch.Tensor]:
 
 def build(cfg):
     from rayacc.engine import token_item_losses
-    from rayacc.models.parallel import build_rank
+    from rayacc.rank.build import build_rank
 
     parts = build_rank(cfg, dataset(), torch.device("cpu"), 0.5)
     return parts.strategy, parts.model, parts.accumulate, token_item_losses

@@ -45,7 +45,7 @@ def sharded_checkpoint(folder: Path) -> tuple[Path, dict[str, torch.Tensor]]:
     then `state.pt`, `model.json`, `meta.json`), of a GPT moved off its initial weights;
     returns the folder and the weights it holds."""
     from rayacc.checkpoint import SHARDS_DIR, write_checkpoint
-    from rayacc.engine.shards import save_sharded
+    from rayacc.engine.parallel.shards import save_sharded
     from rayacc.models import build_model
     from tests.support.ranks.fsdp_workers import seeded_config
 
@@ -122,7 +122,7 @@ class _WithExtraState(torch.nn.Linear):
 
 
 def test_a_sharded_value_holding_code_is_refused_without_running_it(tmp_path):
-    from rayacc.engine.shards import ShardError, load_model_shards, save_sharded
+    from rayacc.engine.parallel.shards import ShardError, load_model_shards, save_sharded
 
     marker = tmp_path / "code-ran"
     written = _WithExtraState(2, 2)
@@ -143,7 +143,7 @@ def test_a_sharded_checkpoint_naming_a_file_outside_its_folder_is_refused(tmp_pa
     import json
     import pickle
 
-    from rayacc.engine.shards import _IndexUnpickler
+    from rayacc.engine.parallel.shards import _IndexUnpickler
 
     folder, _ = sharded_checkpoint(tmp_path / "ckpt")
     (tmp_path / "outside.distcp").write_bytes(b"not yours")

@@ -124,7 +124,7 @@ def _last_lr(rows: int, global_batch: int, epochs: int, *, resize_at: int | None
     keep_micro_batch halves its global batch from that step on (a new peak, re-warmed)."""
     from rayacc.config import TrainConfig
     from rayacc.optim import build_schedule
-    from rayacc.quantities import epoch_layout, schedule_length
+    from rayacc.run.quantities import epoch_layout, schedule_length
 
     cfg = TrainConfig.from_dict(
         {

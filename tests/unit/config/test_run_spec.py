@@ -19,7 +19,7 @@ from rayacc.config.batch_split import BatchSplitError
 from rayacc.config.errors import ConfigError, ConfigIssue
 from rayacc.data.bundled import prepare_bundled
 from rayacc.driver.prelaunch import prepare
-from rayacc.quantities import (
+from rayacc.run.quantities import (
     epoch_layout,
     run_effective_lr,
     run_identity,

@@ -10,7 +10,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from rayacc.config import ConfigError, TrainConfig
-from rayacc.data.sources import VOCAB_KEY, DataError, describe_dataset
+from rayacc.data.common import VOCAB_KEY, DataError
+from rayacc.data.sources import describe_dataset
 
 
 def classification(path: Path, features, labels) -> str:

@@ -238,7 +238,7 @@ def test_remaining_epochs_leave_out_an_epoch_without_a_window(workers, state, ex
     from rayacc.config import TrainConfig
     from rayacc.config.batch_split import BatchSplit
     from rayacc.engine import TrainState
-    from rayacc.quantities import remaining_epochs
+    from rayacc.run.quantities import remaining_epochs
 
     cfg = TrainConfig.from_dict(
         {

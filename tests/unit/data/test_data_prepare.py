@@ -8,8 +8,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from rayacc.cli import main
+from rayacc.data.common import DataError
 from rayacc.data.prepare import prepare_corpus
-from rayacc.data.sources import DataError, describe_dataset
+from rayacc.data.sources import describe_dataset
 from tests.support.data.corpus import corpus, quiet, rows_of
 
 

@@ -12,8 +12,9 @@ import pytest
 
 datasets = pytest.importorskip("datasets")
 
+from rayacc.data.common import DataError  # noqa: E402
 from rayacc.data.prepare import prepare_corpus  # noqa: E402
-from rayacc.data.sources import DataError, describe_dataset  # noqa: E402
+from rayacc.data.sources import describe_dataset  # noqa: E402
 
 ROWS = [[1, 2, 3, 4, 5], [6, 7, 8], [9, 10, 11, 12]]
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from rayacc.config import TrainConfig
-from rayacc.data.sources import DataError
+from rayacc.data.common import DataError
 from rayacc.driver.prelaunch import locate
 from rayacc.driver.runs import locate_run
 from tests.support.data.checkpoints import minimal_checkpoint
@@ -50,7 +50,7 @@ def test_resume_refuses_another_seed_order_or_dataset_listing_every_difference(t
     import pyarrow.parquet as pq
 
     from rayacc.data.sources import describe_dataset
-    from rayacc.quantities import run_identity
+    from rayacc.run.quantities import run_identity
 
     def table(n):
         return pa.table(
@@ -157,7 +157,7 @@ def test_resume_with_another_global_batch_is_refused_before_launch(tmp_path, cha
     original = TrainConfig.from_dict(
         {**base, "batch": {"global_batch_size": 32, "micro_batch_size": 4}}
     )
-    from rayacc.quantities import run_identity
+    from rayacc.run.quantities import run_identity
 
     ckpt = tmp_path / "runs" / "exp" / "checkpoint_step00000004"
     info = describe_dataset(str(data))
@@ -321,7 +321,7 @@ def test_a_live_driver_holds_its_run_and_a_killed_ones_lease_expires(tmp_path, m
 
     from rayacc.checkpoint import lease as leases
     from rayacc.checkpoint.lease import LEASE, RunLease
-    from rayacc.data.sources import DataError
+    from rayacc.data.common import DataError
     from rayacc.driver.runs import list_runs, locate_run
 
     storage = str(tmp_path / "runs")
@@ -381,7 +381,7 @@ def test_a_live_driver_holds_its_run_and_a_killed_ones_lease_expires(tmp_path, m
 def test_a_damaged_run_info_is_named_on_resume_and_marked_in_the_listing(tmp_path, damage):
 
     from rayacc.checkpoint.lease import LEASE
-    from rayacc.data.sources import DataError
+    from rayacc.data.common import DataError
     from rayacc.driver.runs import RUN_INFO, list_runs, locate_run
 
     storage = tmp_path / "runs"

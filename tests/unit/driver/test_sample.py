@@ -13,7 +13,8 @@ import torch
 
 from rayacc.checkpoint import RunCheckpoints, write_checkpoint
 from rayacc.cli import main
-from rayacc.data.sources import DataError, DatasetInfo, describe_dataset
+from rayacc.data.common import DataError
+from rayacc.data.sources import DatasetInfo, describe_dataset
 from rayacc.data.vocab import VOCAB_FILE, Vocabulary
 from rayacc.driver.sample import find_checkpoint, sample
 from tests.support.data.tokens import gpt_checkpoint, token_data

@@ -100,7 +100,7 @@ def test_run_storage_and_checkpoint_files_hold_no_credential(tmp_path):
     from rayacc.data.bundled import prepare_bundled
     from rayacc.data.sources import describe_dataset
     from rayacc.driver.runs import RUN_INFO, RunLocation
-    from rayacc.quantities import run_identity
+    from rayacc.run.quantities import run_identity
 
     cfg = TrainConfig.from_dict(
         {

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rayacc.engine.fsdp import MeshShape, mesh_shape
+from rayacc.engine.parallel.fsdp_mesh import MeshShape, mesh_shape
 
 
 @pytest.mark.parametrize(

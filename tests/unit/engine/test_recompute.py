@@ -55,7 +55,7 @@ def test_plan_estimates_activations_near_what_autograd_saves():
     counts the block recomputed during backward)."""
     from rayacc import TrainConfig
     from rayacc.data.sources import DatasetInfo
-    from rayacc.quantities import _activations_per_sample
+    from rayacc.run.quantities import _activations_per_sample
 
     info = DatasetInfo("x", "tokens", 100, vocab_size=64, max_tokens=33)
 

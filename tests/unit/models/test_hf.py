@@ -64,7 +64,7 @@ def test_an_hf_model_from_a_mapping_or_its_file_is_the_same_and_seeded(tmp_path,
 
 
 def test_what_an_hf_config_cannot_be_is_named(tmp_path, info):
-    from rayacc.models.registry import ModelError
+    from rayacc.models.errors import ModelError
 
     with pytest.raises(ModelError, match="vocab_size=8 is smaller"):
         build_model(hf_cfg({**LLAMA, "vocab_size": 8}), info)
@@ -175,7 +175,7 @@ def test_weights_transformers_cannot_or_must_not_read_are_refused_naming_field_a
     the file, before transformers meets it."""
     import pickle
 
-    from rayacc.models.registry import ModelError
+    from rayacc.models.errors import ModelError
     from tests.support.data.strangers import Payload
 
     marker = tmp_path / "ran"

@@ -14,7 +14,7 @@ from rayacc.planner.planfile import PlanFile, made_for
 from rayacc.planner.prior import Placement, predict
 from rayacc.planner.profile import Curve, Profile
 from rayacc.planner.search import PlanRow, pick, profile_for, profile_sizes, worker_counts
-from rayacc.quantities import split_at
+from rayacc.run.quantities import split_at
 from tests.support.services.cli import rayacc_here
 
 ROOT = Path(__file__).resolve().parents[3]

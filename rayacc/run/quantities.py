@@ -1,7 +1,6 @@
 """Quantities derived from a config, in one place: the batch split at a worker count, the
 effective LR and how it was derived, the train/validation split, the epoch layout and the number
-of optimizer steps. :class:`RunSpec` holds them for one run: the driver derives it once
-(`derive_run`) and hands it to the workers, which derive none of them again."""
+of optimizer steps. `run/spec.py::RunSpec` holds them for one run."""
 
 from __future__ import annotations
 
@@ -15,16 +14,12 @@ from rayacc.config.batch_split import BatchSplit, BatchSplitError, split_for_wor
 from rayacc.data.order import DataOrder, EpochLayout
 from rayacc.data.sources import DatasetInfo, RowGroups
 from rayacc.engine.lr import effective_lr
-from rayacc.models.parallel import read_deepspeed_user
 from rayacc.optim import optimizer_slots
 from rayacc.redact import redact
 
 __all__ = [
     "IDENTITY_FIELDS",
-    "RunSpec",
-    "WorkerSettings",
     "data_order",
-    "derive_run",
     "elastic_summary",
     "epoch_layout",
     "lr_explanation",
@@ -215,175 +210,6 @@ def run_identity(cfg: TrainConfig, info: DatasetInfo) -> dict[str, object]:
     identity["data order"] = order_kind(cfg, info)
     # credentials are not identity (and a checkpoint must not hold them)
     return redact(json.loads(json.dumps(identity)))
-
-
-@dataclass(frozen=True)
-class WorkerSettings:
-    """The settings a rank acts on, read from the config once on the driver: each is the config
-    field of its name (the section in its docstring) or, where said, derived from fields."""
-
-    seed: int
-    cpus_per_worker: float
-    """scaling: one intra-op thread per reserved CPU."""
-    precision: str
-    allow_tf32: bool
-    peak_tflops: float | None
-    """train: the device's and precision's peak (None: from the device's name)."""
-    val_every_steps: int | None
-    checkpoint_every_steps: int | None
-    checkpoint_mode: str
-    checkpoint_on_preemption: bool
-    """train."""
-    auto_micro_batch: bool
-    memory_budget: float
-    memory_budget_mb: float | None
-    """batch."""
-    on_resize: str
-    """scaling."""
-    system_metrics: bool
-    """tracking."""
-    read_in_process: bool
-    """Derived: the data is small enough (`data.in_process_read_max_mb`) for each rank to read
-    its rows itself rather than through Ray Data."""
-    optimizer_slots: int
-    """Derived: values the optimizer keeps per parameter (`optim.name`, `optim.momentum`)."""
-    deepspeed_user: dict | None = None
-    """The user's DeepSpeed config (`deepspeed.config`), as the driver read it (the workers
-    may not see the file)."""
-
-    @classmethod
-    def of(cls, cfg: TrainConfig, info: DatasetInfo) -> WorkerSettings:
-        t, b = cfg.train, cfg.batch
-        return cls(
-            seed=cfg.seed,
-            cpus_per_worker=cfg.scaling.cpus_per_worker,
-            precision=t.precision,
-            allow_tf32=t.allow_tf32,
-            peak_tflops=t.peak_tflops,
-            val_every_steps=t.val_every_steps,
-            checkpoint_every_steps=t.checkpoint_every_steps,
-            checkpoint_mode=t.checkpoint_mode,
-            checkpoint_on_preemption=t.checkpoint_on_preemption,
-            auto_micro_batch=b.auto_micro_batch,
-            memory_budget=b.memory_budget,
-            memory_budget_mb=b.memory_budget_mb,
-            on_resize=cfg.scaling.on_resize,
-            system_metrics=cfg.tracking.system_metrics,
-            read_in_process=0 < info.data_bytes <= cfg.data.in_process_read_max_mb * 2**20,
-            optimizer_slots=optimizer_slots(cfg.optim),
-            deepspeed_user=(
-                read_deepspeed_user(cfg.deepspeed.config)
-                if cfg.train.strategy == "deepspeed"
-                else None
-            ),
-        )
-
-
-@dataclass(frozen=True)
-class RunSpec:
-    """What a run is, derived once on the driver from the validated config and the data's
-    description (`derive_run`). The workers receive it whole and derive none of it again;
-    what only a worker group can know (the micro-batch an auto search finds, where a resumed
-    run stands) is worked out there from these."""
-
-    cfg: TrainConfig
-    info: DatasetInfo
-    groups: RowGroups
-    """The source's Parquet row groups (the units data is read in)."""
-    order: DataOrder
-    """The training/validation split and each epoch's order of rows."""
-    reference: BatchSplit
-    """The batch split at the most workers: the LR schedule is laid out for it."""
-    splits: dict[int, BatchSplit | BatchSplitError]
-    """The batch split at each worker count the run may run at, or why it cannot run there."""
-    lrs: dict[int, float]
-    """The effective LR at each worker count it may run at (`optim.lr_scaling`)."""
-    layout: EpochLayout
-    """An epoch at the reference split."""
-    schedule_length: float
-    """The LR schedule's length, in steps of the reference global batch (`schedule_length`)."""
-    total_steps: int
-    identity: dict[str, object]
-    """What a checkpoint of the run must match to be resumed (`run_identity`)."""
-    worker: WorkerSettings
-    """What a rank acts on besides the quantities above."""
-    description: dict[str, object]
-    """What every checkpoint describes itself with: the config and the dataset (JSON)."""
-
-    @property
-    def effective_lr(self) -> float:
-        return self.lr_at(self.reference.num_workers)
-
-    def split_at(self, workers: int) -> BatchSplit:
-        """The batch split of a group of `workers`; BatchSplitError where it cannot run."""
-        split = self.splits.get(workers)
-        if split is None:
-            raise BatchSplitError(
-                "scaling.num_workers",
-                f"a group of {workers} workers is outside the run's sizes {sorted(self.splits)}",
-                "run the job with a scaling.num_workers that includes it",
-            )
-        if isinstance(split, BatchSplitError):
-            raise split
-        return split
-
-    def lr_at(self, workers: int) -> float:
-        self.split_at(workers)
-        return self.lrs[workers]
-
-    def layout_at(self, split: BatchSplit) -> EpochLayout:
-        """An epoch of the run at `split`."""
-        return epoch_layout(self.cfg, self.order.num_train_rows, split)
-
-    def epochs_from(self, state, split: BatchSplit, rank: int) -> list[EpochWindows]:
-        """The windows rank `rank` runs at `split` from `state` on (`remaining_epochs`)."""
-        return remaining_epochs(self.cfg, self.order.num_train_rows, state, split, rank)
-
-
-def derive_run(
-    cfg: TrainConfig,
-    info: DatasetInfo,
-    groups: RowGroups,
-    order: DataOrder | None = None,
-    reference: BatchSplit | None = None,
-) -> RunSpec:
-    """The run's :class:`RunSpec` (`order`, `reference`: its data order and its split at the
-    most workers, where the caller has checked them already). Raises BatchSplitError when the
-    config's own batch cannot run (the worker counts of an elastic run that cannot are kept as
-    their errors)."""
-    if cfg.model.name == "hf" and not isinstance(cfg.model.hf.config, dict):
-        # read here, on the driver, once: the workers (and a checkpoint's description) carry
-        # the config itself, not a path their node may not have
-        from rayacc.models.hf import resolve_hf_config
-
-        hf = cfg.model.hf.model_copy(
-            update={"config": resolve_hf_config(cfg.model.hf.config, cfg.model.hf.weights)}
-        )
-        cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"hf": hf})})
-    reference = reference if reference is not None else cfg.batch_split()
-    splits = worker_splits(cfg)
-    lrs = {
-        w: run_effective_lr(cfg, split)
-        for w, split in splits.items()
-        if isinstance(split, BatchSplit)
-    }
-    order = order if order is not None else data_order(cfg, info, groups)
-    layout = epoch_layout(cfg, order.num_train_rows, reference)
-    return RunSpec(
-        cfg=cfg,
-        info=info,
-        groups=groups,
-        order=order,
-        reference=reference,
-        splits=splits,
-        lrs=lrs,
-        layout=layout,
-        schedule_length=schedule_length(cfg, layout),
-        total_steps=total_optimizer_steps(cfg, layout),
-        identity=run_identity(cfg, info),
-        worker=WorkerSettings.of(cfg, info),
-        description={"config": cfg.model_dump(mode="json"), "dataset": info.to_dict()},
-    )
 
 
 def rank_seed(seed: int, *stream: int) -> int:

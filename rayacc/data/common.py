@@ -1,0 +1,19 @@
+"""What the data modules share: the one error, the bundled datasets' names and the keys rayacc
+keeps in a token Parquet's metadata (beneath sources, bundled, saved datasets and prepare)."""
+
+from __future__ import annotations
+
+__all__ = ["BUNDLED", "ORIGIN_KEY", "TOKENIZER_KEY", "VOCAB_KEY", "VOCAB_SIZE_KEY", "DataError"]
+
+BUNDLED = ("digits", "shakespeare")
+VOCAB_KEY = b"rayacc.vocab"
+VOCAB_SIZE_KEY = b"rayacc.vocab_size"
+"""Token files: the tokenizer's vocabulary size (ids may stop short of it)."""
+TOKENIZER_KEY = b"rayacc.tokenizer"
+"""Token files of `rayacc data prepare`: `bytes`, or the tokenizer.json it used (data/vocab.py)."""
+ORIGIN_KEY = b"rayacc.origin"
+"""Where the rows came from (a corpus, a tokenizer), in words."""
+
+
+class DataError(ValueError):
+    """A data source that cannot be used: names the file or field and the fix."""
