@@ -232,8 +232,9 @@ class DeepSpeedConfig(Section):
 class TrainSection(Section):
     max_steps: int | None = Field(None, ge=1)
     """Optimizer steps to run; null = run `train.epochs` epochs."""
-    epochs: int = Field(1, ge=1)
-    """Passes over the training rows (when `train.max_steps` is null, or as its upper bound)."""
+    epochs: int | None = Field(None, ge=1)
+    """Passes over the training rows; null = one, or as many as `train.max_steps` needs when it
+    is set (as Hugging Face's Trainer does); a number given bounds `train.max_steps`."""
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     """Compute precision: fp32, bf16 autocast, or fp16 autocast with a gradient scaler."""
     val_every_steps: int | None = Field(None, ge=1)

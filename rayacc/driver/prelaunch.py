@@ -187,8 +187,8 @@ def _warnings(
             "rows (`rayacc data prepare ... --rows-per-group N`), or use data.order=rows for "
             "data that fits in memory"
         )
-    by_epochs = cfg.train.epochs * layout.steps_per_epoch
-    if cfg.train.max_steps and cfg.train.max_steps > by_epochs:
+    by_epochs = (cfg.train.epochs or 0) * layout.steps_per_epoch
+    if cfg.train.epochs and cfg.train.max_steps and cfg.train.max_steps > by_epochs:
         warnings.append(
             f"train.max_steps={cfg.train.max_steps} exceeds train.epochs × steps per epoch = "
             f"{cfg.train.epochs} × {layout.steps_per_epoch}; stopping at {by_epochs} "

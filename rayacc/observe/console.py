@@ -60,6 +60,10 @@ VAL_NAMES = {"val/loss": "val_loss", "val/accuracy": "val_acc"}
 """Validation metrics as the console names them (MLflow keeps the `val/…` keys)."""
 
 
+UI_VIEW = "workflowType=machine_learning"
+"""The query that opens an MLflow 3 UI page in its model-training view (not the GenAI one)."""
+
+
 def clock(seconds: float | None) -> str:
     """`m:ss` or `h:mm:ss`; `?` when unknown."""
     if seconds is None or seconds != seconds or seconds < 0:
@@ -244,6 +248,14 @@ def strategy_line(cfg) -> str:
     )
 
 
+def length_note(cfg, steps_per_epoch: int) -> str:
+    """What set the run's length, where train.max_steps did without an epoch count."""
+    if cfg.train.epochs is not None or not cfg.train.max_steps or not steps_per_epoch:
+        return ""
+    epochs = cfg.train.max_steps / steps_per_epoch
+    return f" (train.max_steps; {epochs:.3g} epoch{'s' if epochs != 1 else ''} of data)"
+
+
 def run_header(cfg, prep, data_path: str) -> list[str]:
     """The lines a run starts with: the batch arithmetic, the LR, how it computes, the data and
     the model (`prep`: the driver's Prepared)."""
@@ -255,7 +267,7 @@ def run_header(cfg, prep, data_path: str) -> list[str]:
         strategy_line(cfg),
         f"data: {data_path} — {prep.layout.describe()}",
         f"model: {cfg.model.name}, {prep.num_parameters:,} parameters; "
-        f"{prep.total_steps} optimizer steps",
+        f"{prep.total_steps} optimizer steps{length_note(cfg, prep.layout.steps_per_epoch)}",
         *prep.notes,
     ]
 
@@ -325,8 +337,12 @@ def summary_lines(cfg, result) -> list[str]:
     if result.mlflow_run_id:
         uri = redact(result.tracking_uri)
         lines.append(f"MLflow run {result.mlflow_run_id} in {uri}")
-        # the run's page (its experiment opens in MLflow's model-training view)
-        page = f"#/experiments/{result.mlflow_experiment_id}/runs/{result.mlflow_run_id}"
+        # the run's page in MLflow's model-training view: MLflow 3's UI goes by the link's
+        # workflowType (or the browser's last choice), not by the experiment's kind tag
+        page = (
+            f"#/experiments/{result.mlflow_experiment_id}/runs/{result.mlflow_run_id}"
+            f"?{UI_VIEW}"
+        )
         if uri and uri.startswith(("http://", "https://")):
             lines.append(f"  open the UI: {uri.rstrip('/')}/{page}")
         else:

@@ -139,6 +139,14 @@ class EpochWindows:
     hi: np.ndarray
 
 
+def epoch_bound(cfg: TrainConfig) -> int | None:
+    """The epochs the run may take: `train.epochs` where given; otherwise one, or with
+    `train.max_steps` as many as it needs (None)."""
+    if cfg.train.epochs is not None:
+        return cfg.train.epochs
+    return None if cfg.train.max_steps else 1
+
+
 def remaining_epochs(
     cfg: TrainConfig, num_train_rows: int, state, split: BatchSplit, rank: int
 ) -> list[EpochWindows]:
@@ -149,23 +157,30 @@ def remaining_epochs(
     only how they are cut."""
     out = []
     steps_left = (cfg.train.max_steps or 10**12) - state.optimizer_step
-    for epoch in range(state.epoch, cfg.train.epochs):
-        if steps_left <= 0:
-            break
+    bound = epoch_bound(cfg)
+    epoch = state.epoch
+    while (bound is None or epoch < bound) and steps_left > 0:
         offset = state.epoch_sample_offset if epoch == state.epoch else 0
         layout = epoch_layout(cfg, num_train_rows - offset, split)
         steps = min(layout.steps_per_epoch, steps_left)
+        epoch += 1
         if steps == 0:
+            if offset == 0:
+                break  # a whole epoch without a window: none after it has one either
             continue
         lo, hi = layout.rank_intervals(rank, steps)
-        out.append(EpochWindows(epoch, layout, steps, lo + offset, hi + offset))
+        out.append(EpochWindows(epoch - 1, layout, steps, lo + offset, hi + offset))
         steps_left -= steps
     return out
 
 
 def total_optimizer_steps(cfg: TrainConfig, layout: EpochLayout) -> int:
-    """Steps of the whole run: `train.epochs` epochs of `layout`, capped by `train.max_steps`."""
-    by_epochs = cfg.train.epochs * layout.steps_per_epoch
+    """Steps of the whole run: `train.max_steps`, bounded by `train.epochs` epochs of `layout`
+    where they are given (`epoch_bound`)."""
+    bound = epoch_bound(cfg)
+    if bound is None:  # as many epochs as max_steps needs (none where an epoch has no window)
+        return cfg.train.max_steps if layout.steps_per_epoch else 0
+    by_epochs = bound * layout.steps_per_epoch
     return min(cfg.train.max_steps, by_epochs) if cfg.train.max_steps else by_epochs
 
 

@@ -78,11 +78,15 @@ def test_every_command_shown_parses(where, line, tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     "uri, hint",
     [
-        ("http://127.0.0.1:5000", "open the UI: http://127.0.0.1:5000/#/experiments/7/runs/abc"),
+        (
+            "http://127.0.0.1:5000",
+            "open the UI: http://127.0.0.1:5000/#/experiments/7/runs/abc"
+            "?workflowType=machine_learning",
+        ),
         (
             "sqlite:////tmp/m.db",
             "open the UI: mlflow ui --backend-store-uri sqlite:////tmp/m.db, then "
-            "http://127.0.0.1:5000/#/experiments/7/runs/abc",
+            "http://127.0.0.1:5000/#/experiments/7/runs/abc?workflowType=machine_learning",
         ),
     ],
 )
@@ -113,6 +117,13 @@ def test_the_summary_says_how_to_open_the_ui(uri, hint):
     text = console.export_text()
     assert hint in text
     assert uri.startswith("sqlite") or "--backend-store-uri" not in text
+    # MLflow 3's UI routes in the fragment and reads its view from the fragment's query
+    from urllib.parse import parse_qs, urlsplit
+
+    link = text.split("http://127.0.0.1:5000/")[-1].split()[0]
+    route, _, query = urlsplit(link).fragment.partition("?")
+    assert route == "/experiments/7/runs/abc"
+    assert parse_qs(query) == {"workflowType": ["machine_learning"]}
 
 
 def test_what_rayacc_writes_into_a_checkout_is_git_ignored(tmp_path, monkeypatch):
