@@ -14,6 +14,7 @@ from rayacc.redact import redact
 
 def cmd_runs(args: argparse.Namespace) -> int:
     """Lists the runs of a storage path, oldest first."""
+    from rich.measure import Measurement
     from rich.table import Table
 
     from rayacc.data.common import DataError
@@ -32,7 +33,8 @@ def cmd_runs(args: argparse.Namespace) -> int:
         return 0
     table = Table(title=f"runs in {redact(storage)}")
     for column in ("name", "job", "model / data", "steps", "last checkpoint", "MLflow run"):
-        table.add_column(column)
+        # a name is what `--resume run.name=NAME` takes, an id what MLflow finds: whole
+        table.add_column(column, no_wrap=column in ("name", "MLflow run"))
     table.add_column("status")
     for r in runs:
         total = r.total_steps if r.total_steps is not None else "?"
@@ -45,7 +47,11 @@ def cmd_runs(args: argparse.Namespace) -> int:
             r.mlflow_run_id or "-",
             r.status,
         )
-    console.print(table)
+    # wider than the terminal rather than cut: the terminal wraps what it cannot show
+    natural = Measurement.get(console, console.options.update_width(1 << 14), table).maximum
+    width, console.width = console.width, max(console.width, natural)
+    console.print(table, crop=False)
+    console.width = width
     for r in runs:
         for note in r.passed_over:
             print(f"rayacc: {r.name}: passed over {redact(note)}", file=sys.stderr)

@@ -198,3 +198,30 @@ def test_version_is_the_packages(rayacc):
     ran = rayacc("--version")
     want = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
     assert ran.code == 0 and ran.out.strip() == f"rayacc {want}", ran
+
+
+def test_runs_never_cuts_a_name_or_an_mlflow_id_on_a_narrow_terminal(monkeypatch, tmp_path):
+    """`rayacc runs` lists what `--resume run.name=NAME` takes: rich cut it to `rayacc-2026…`
+    on a terminal of 80 columns."""
+    import argparse
+
+    from rich.console import Console
+
+    import rayacc.cli.runs as cli_runs
+    import rayacc.driver.runs as driver_runs
+    from rayacc.driver.runs import RunSummary
+
+    name = "rayacc-20261205-123412-3f810c-a-rather-long-run-name"
+    run_id = "244996ae564348849bd88da9212271cd"
+    summary = RunSummary(
+        name=name, job="digits", model="mlp", data="digits", steps_done=60, total_steps=60,
+        last_checkpoint=str(tmp_path / "checkpoint_step00000060"), mlflow_run_id=run_id,
+        status="finished", started="2026-12-05", identity=None,
+    )  # fmt: skip
+    console = Console(record=True, width=80, force_terminal=False)
+    monkeypatch.setattr(cli_runs, "_console", lambda: console)
+    monkeypatch.setattr(driver_runs, "list_runs", lambda storage: [summary])
+    monkeypatch.setattr(driver_runs, "storage_exists", lambda storage: True)
+    assert cli_runs.cmd_runs(argparse.Namespace(storage=str(tmp_path))) == 0
+    text = console.export_text()
+    assert name in text and run_id in text, text
