@@ -18,7 +18,7 @@ from rayacc.optim import build_schedule
 from rayacc.rank.build import build_rank
 from rayacc.redact import redact
 
-__all__ = ["TOLERANCE", "TensorDiff", "VerifyResult", "verify"]
+__all__ = ["TOLERANCE", "TensorDiff", "VerifyResult", "verify", "without_dropout"]
 
 TOLERANCE = {"fp32": 1e-4, "bf16": 5e-2, "fp16": 1e-2}
 """Largest relative difference allowed (see TensorDiff.max_rel), by precision."""
@@ -57,8 +57,67 @@ def _probe_batch(cfg: TrainConfig, prep: Prepared) -> dict[str, torch.Tensor]:
     return read_rows(prep.info, prep.groups, order.row_ids(0, np.arange(n)))
 
 
+RANDOM_KEYS = ("dropout", "pdrop", "layerdrop")
+"""Keys of a transformers config that set a train-mode random draw (`attention_dropout`,
+`resid_pdrop`, `layerdrop`, ...): each rank draws other masks than the one process would."""
+
+
+def without_dropout(cfg: TrainConfig) -> tuple[TrainConfig, list[str]]:
+    """The config verify compares: dropout off wherever the config sets it (a rank draws other
+    masks than one process does, so no step could agree), and what was turned off, said."""
+    m = cfg.model
+    if m.name in ("mlp", "gpt") and m.dropout:
+        note = f"model.dropout {m.dropout:g} → 0 for the comparison"
+        return cfg.model_copy(update={"model": m.model_copy(update={"dropout": 0.0})}), [note]
+    if m.name == "hf":
+        from rayacc.models.hf import resolve_hf_config
+
+        config = resolve_hf_config(m.hf.config, m.hf.weights)
+        random = {
+            k: v
+            for k, v in config.items()
+            if any(word in k for word in RANDOM_KEYS)
+            and isinstance(v, int | float)
+            and not isinstance(v, bool)
+            and v > 0
+        }
+        if random:
+            hf = m.hf.model_copy(update={"config": {**config, **dict.fromkeys(random, 0.0)}})
+            said = ", ".join(f"{k} {v:g}" for k, v in sorted(random.items()))
+            note = f"model.hf.config's {said} → 0 for the comparison"
+            return cfg.model_copy(update={"model": m.model_copy(update={"hf": hf})}), [note]
+    return cfg, []
+
+
+def _refuse_dropout_it_cannot_turn_off(cfg: TrainConfig, prep: Prepared) -> None:
+    """A factory's model with dropout modules: verify cannot know how to turn them off."""
+    from torch import nn
+
+    from rayacc.config.errors import ConfigError, ConfigIssue
+    from rayacc.models import build_on_meta
+
+    if cfg.model.name != "factory":
+        return
+    model = build_on_meta(cfg, prep.info)
+    drops = [n for n, mod in model.named_modules() if isinstance(mod, nn.Dropout) and mod.p > 0]
+    if drops:
+        raise ConfigError(
+            [
+                ConfigIssue(
+                    "model.factory",
+                    f"the model draws dropout in training ({', '.join(drops[:3])}): each rank "
+                    "draws other masks than one process, so verify cannot compare the step",
+                    cfg.model.factory,
+                    fix="build it with a dropout of 0 for verify (through model.kwargs)",
+                )
+            ]
+        )
+
+
 def verify(cfg: TrainConfig) -> VerifyResult:
+    cfg, notes = without_dropout(cfg)
     prep = prepare(cfg)
+    _refuse_dropout_it_cannot_turn_off(cfg, prep)
     probe = cfg.model_copy(
         update={
             "train": cfg.train.model_copy(update={"max_steps": 1, "epochs": 1}),
@@ -111,7 +170,7 @@ def verify(cfg: TrainConfig) -> VerifyResult:
         diffs.append(TensorDiff(name, delta.abs().max().item(), rel))
     tol = TOLERANCE[cfg.train.precision]
     passed = all(d.max_rel <= tol for d in diffs)
-    warnings = list(prep.warnings)
+    warnings = [*notes, *prep.warnings]
     if result.mlflow_run_id:
         from mlflow.tracking import MlflowClient
 

@@ -135,11 +135,12 @@ def test_a_sweep_over_the_strategy_with_auto_micro_batch_then_report(ray_local, 
 
 @pytest.mark.parametrize(
     "strategy",
-    [[], ["train.strategy=deepspeed", "deepspeed.stage=3"]],
-    ids=["ddp", "deepspeed-zero3"],
+    [["model.dropout=0.2"], ["train.strategy=deepspeed", "deepspeed.stage=3"]],
+    ids=["ddp-dropout", "deepspeed-zero3"],
 )
 def test_verify_passes_on_the_default_job(ray_local, tmp_path, strategy):
-    """Under DDP, and under ZeRO-3, whose weights verify reads back from DeepSpeed's files."""
+    """Under DDP with dropout (turned off for the comparison, and said), and under ZeRO-3,
+    whose weights verify reads back from DeepSpeed's files."""
     cfg = TrainConfig.from_yaml(
         ROOT / "jobs" / "digits.yaml",
         overrides=[
@@ -152,6 +153,8 @@ def test_verify_passes_on_the_default_job(ray_local, tmp_path, strategy):
     result = verify(cfg)
     assert result.passed, result.worst
     assert result.worst.max_rel <= 1e-4
+    dropped = "model.dropout 0.2 → 0 for the comparison"
+    assert (dropped in result.warnings) == ("model.dropout=0.2" in strategy), result.warnings
     assert {d.name for d in result.diffs} >= {"net.0.weight", "net.4.bias"}
     tags = MlflowClient(result.tracking_uri).get_run(result.mlflow_run_id).data.tags
     assert tags["rayacc.verified"] == "PASS"
