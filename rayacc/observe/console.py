@@ -339,10 +339,7 @@ def summary_lines(cfg, result) -> list[str]:
         lines.append(f"MLflow run {result.mlflow_run_id} in {uri}")
         # the run's page in MLflow's model-training view: MLflow 3's UI goes by the link's
         # workflowType (or the browser's last choice), not by the experiment's kind tag
-        page = (
-            f"#/experiments/{result.mlflow_experiment_id}/runs/{result.mlflow_run_id}"
-            f"?{UI_VIEW}"
-        )
+        page = f"#/experiments/{result.mlflow_experiment_id}/runs/{result.mlflow_run_id}?{UI_VIEW}"
         if uri and uri.startswith(("http://", "https://")):
             lines.append(f"  open the UI: {uri.rstrip('/')}/{page}")
         else:

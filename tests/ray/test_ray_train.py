@@ -239,7 +239,10 @@ def test_a_size_that_ran_out_of_memory_in_training_is_not_chosen_again(ray_local
     import tempfile
 
     def ours() -> set[str]:
-        return {p.name for p in Path(tempfile.gettempdir()).glob("rayacc-*")}
+        # (cluster/local.sh's Ray temp folders, `rayacc-local-PORT`, are the multi-node tests'
+        # on the other worker, made whenever their clusters start)
+        temp = Path(tempfile.gettempdir())
+        return {p.name for p in temp.glob("rayacc-*") if not p.name.startswith("rayacc-local-")}
 
     before = ours()
     cfg = config(
