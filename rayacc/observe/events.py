@@ -149,20 +149,28 @@ class ScheduleChanged:
     new_length: float | None
     lr: float
     """The LR the next step runs at (the one the checkpoint's step ran at)."""
+    reference_batch: int = 0
+    """The global batch the lengths count in (0: unknown)."""
 
     def describe(self) -> str:
         """The line kept in the run's `rayacc.schedule_changes` tag."""
-        return (
-            f"step {self.step}: length {_steps(self.old_length)}→{_steps(self.new_length)}, "
-            f"LR {self.lr:.6g} decays from there"
-        )
+        old, new = self._length(self.old_length), self._length(self.new_length)
+        return f"step {self.step}: length {old}→{new}, LR {self.lr:.6g} decays from there"
 
     def console_line(self) -> str:
         return (
             f"schedule re-planned at step {self.step}: the run's length changed from "
-            f"{_steps(self.old_length)} to {_steps(self.new_length)} steps; the LR goes on from "
-            f"{self.lr:.6g} (no warmup again) and decays to the end of the new length"
+            f"{self._length(self.old_length)} to {self._length(self.new_length)}; the LR goes "
+            f"on from {self.lr:.6g} (no warmup again) and decays to the end of the new length"
         )
+
+    def _length(self, length: float | None) -> str:
+        """Whole steps; in samples where short windows make it a fraction of a step."""
+        if length is None:
+            return "open-ended"
+        if length == round(length) or not self.reference_batch:
+            return f"{round(length)} steps"
+        return f"{round(length * self.reference_batch):,} samples"
 
 
 @dataclass(frozen=True)
@@ -315,10 +323,6 @@ class ReclaimStandby:
             )
             + sizing
         )
-
-
-def _steps(length: float | None) -> str:
-    return "open-ended" if length is None else f"{length:g}"
 
 
 Event = (

@@ -172,7 +172,9 @@ def restore(
     setup.schedule.set_peak(lr, rewarm_steps=REWARM_STEPS)
     if setup.schedule.replanned is not None:
         old, new, peak = setup.schedule.replanned
-        restored.events.append(ScheduleChanged(step, old, new, peak))
+        restored.events.append(
+            ScheduleChanged(step, old, new, peak, setup.schedule.reference_batch)
+        )
     if meta["num_workers"] != world:
         restored.events.append(
             Resized(

@@ -260,3 +260,16 @@ def test_a_coordinator_being_restarted_is_told_at_the_next_look_and_the_watch_go
     clock.t += 1.0
     watch.poll()
     assert left == [["b"]] and watch.recounts == 1 and len(warned) == 1
+
+
+def test_a_re_planned_schedule_speaks_in_whole_steps_or_in_samples():
+    """`the run's length changed from 19.5 to 29.125 steps`: a short window makes the
+    schedule's length a fraction of a step, which is no count a user has; said in samples."""
+    from rayacc.observe.events import ScheduleChanged
+
+    whole = ScheduleChanged(4, 4.0, 8.0, 0.01, reference_batch=256)
+    assert "from 4 steps to 8 steps" in whole.console_line()
+    assert whole.describe() == "step 4: length 4 steps→8 steps, LR 0.01 decays from there"
+    short = ScheduleChanged(19, 19.5, 29.125, 0.01, reference_batch=256)
+    assert "from 4,992 samples to 7,456 samples" in short.console_line()
+    assert ScheduleChanged(3, None, 8.0, 0.01).describe().startswith("step 3: length open-ended")
