@@ -151,7 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
         "global batch and accumulation over time with its events, and its goodput",
     )
     p.add_argument(
-        "target", metavar="EXPERIMENT_OR_RUN", type=Name("an experiment name or a run id")
+        "target",
+        metavar="EXPERIMENT_OR_RUN",
+        type=Name("an experiment name, a sweep's name, a run's name or its MLflow id"),
     )
     p.add_argument(
         "--out",

@@ -1,7 +1,10 @@
-"""What `rayacc report TARGET` names: a run, an experiment (its latest sweep, or its latest run
-when it holds none), or a sweep by its name; when nothing matches, what the store holds."""
+"""What `rayacc report TARGET` names: a run (its MLflow id, or its rayacc name as `sample`,
+`export` and `--resume` take it), an experiment (its latest sweep, or its latest run when it
+holds none), or a sweep by its name; when nothing matches, what the store holds."""
 
 from __future__ import annotations
+
+import re
 
 __all__ = ["ReportError", "resolve_parent", "single_run"]
 
@@ -21,6 +24,9 @@ def single_run(client, target: str):
         run = None
     if run is not None:
         return None if run.data.tags.get("rayacc.sweep") == "true" else run
+    named = _by_run_name(client, target)
+    if named is not None:
+        return named
     exp = client.get_experiment_by_name(target)
     if exp is None:
         return None
@@ -33,6 +39,27 @@ def single_run(client, target: str):
         [exp.experiment_id], order_by=["attributes.start_time DESC"], max_results=1
     )
     return latest[0] if latest else None
+
+
+_RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]*")
+"""What a rayacc run name is made of (`run.name`): nothing a filter string would read as more."""
+
+
+def _by_run_name(client, target: str):
+    """The newest MLflow run of the rayacc run called `target` (a resume that forked its record
+    made more than one), or None."""
+    if not _RUN_NAME.fullmatch(target):
+        return None
+    ids = [e.experiment_id for e in client.search_experiments()]
+    if not ids:
+        return None
+    runs = client.search_runs(
+        ids,
+        filter_string=f"tags.`rayacc.run_name` = '{target}'",
+        order_by=["attributes.start_time DESC"],
+        max_results=1,
+    )
+    return runs[0] if runs else None
 
 
 def _sweeps(client) -> list:
@@ -69,9 +96,10 @@ def resolve_parent(client, target: str) -> str:
         if named:
             return max(named, key=lambda r: r.info.start_time).info.run_id
         raise ReportError(
-            f"{target!r} is neither an MLflow run id, an experiment nor a sweep's name in this "
-            f"tracking store ({_what_exists(client, sweeps)}). Fix: pass a sweep's name (its "
-            "sweep file's `name:`), its parent run id or its experiment"
+            f"{target!r} is neither an MLflow run id, a run's name, an experiment nor a sweep's "
+            f"name in this tracking store ({_what_exists(client, sweeps)}). Fix: pass a run's "
+            "name (`rayacc runs` lists them), a sweep's name (its sweep file's `name:`), its "
+            "parent run id or its experiment"
         )
     runs = client.search_runs(
         [exp.experiment_id],

@@ -56,7 +56,9 @@ def record_run(uri: str) -> str:
 def test_report_of_a_preempted_elastic_run(tmp_path, capsys, monkeypatch):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     rid = record_run(uri)
-    for target in (rid, "elastic"):  # the run, or its experiment (no sweep there)
+    # the run by its MLflow id or its rayacc name (as sample, export and --resume take it), or
+    # its experiment (no sweep there)
+    for target in (rid, "rayacc-x", "elastic"):
         out_dir = tmp_path / f"report-{target}"
         ran = rayacc_here(
             ["report", target, "--tracking-uri", uri, "--out", str(out_dir)], capsys, monkeypatch
