@@ -294,3 +294,25 @@ def test_rayjob_runs_a_job_spec_from_jobs():
     spec = entry.split("-c ")[1].split()[0]
     assert spec.startswith("/home/ray/rayacc/jobs/")
     assert (ROOT / "jobs" / Path(spec).name).is_file()
+
+
+def test_every_image_and_node_installs_rayacc_with_the_extras_a_job_may_use():
+    """A job's `model.name: hf` or `train.strategy: deepspeed` needs its extra on every node: a
+    spec or an image that installs rayacc installs every extra pyproject declares but dev."""
+    import re
+    import tomllib
+
+    extras = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]) - {"dev"}  # fmt: skip
+    installs = [
+        (path.relative_to(ROOT), line)
+        for path in sorted((ROOT / "cluster").rglob("*"))
+        if path.is_file() and path.suffix in ("", ".yaml", ".yml", ".sh") and path.stat().st_size
+        for line in path.read_text(errors="replace").splitlines()
+        if re.search(r"pip install .*-e \S*/home/ray/rayacc", line)
+    ]
+    assert len(installs) >= 3, installs  # the two launcher specs and the KubeRay image
+    for where, line in installs:
+        found = re.search(r"rayacc\[([a-z,]+)\]", line)
+        assert found and set(found.group(1).split(",")) == extras, f"{where}: {line.strip()}"
