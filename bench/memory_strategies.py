@@ -61,7 +61,8 @@ SETTINGS = [
 
 def deepspeed_strategy(mode: str, args: dict, model):
     """rayacc's DeepSpeed strategy for `mode` ("zero<stage> offload <device>") over `model`."""
-    from rayacc.engine.parallel.deepspeed import DeepSpeed, deepspeed_config
+    from rayacc.engine.parallel.deepspeed import DeepSpeed
+    from rayacc.engine.parallel.deepspeed_config import deepspeed_config
 
     stage, _, offload = mode.split()
     config = deepspeed_config(

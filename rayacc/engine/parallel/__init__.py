@@ -13,7 +13,8 @@ from torch import nn
 
 from rayacc.engine.parallel.base import CommStats, Contract, ModelRecipe, Strategy
 from rayacc.engine.parallel.ddp import DDP
-from rayacc.engine.parallel.deepspeed import DeepSpeed, DeepSpeedConfigError, deepspeed_config
+from rayacc.engine.parallel.deepspeed import DeepSpeed
+from rayacc.engine.parallel.deepspeed_config import DeepSpeedConfigError, deepspeed_config
 from rayacc.engine.parallel.fsdp import FSDP
 from rayacc.engine.parallel.state import (
     SHARDS_DIR,

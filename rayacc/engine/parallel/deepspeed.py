@@ -15,7 +15,6 @@ writes those keys, and a user's file that sets them otherwise is an error naming
 from __future__ import annotations
 
 import contextlib
-import copy
 import io
 import logging
 import math
@@ -39,128 +38,10 @@ from rayacc.engine.parallel.base import (
 from rayacc.engine.parallel.state import StateFormat, _written
 from rayacc.engine.parallel.zero_files import vet_zero_files
 
-__all__ = [
-    "DeepSpeed",
-    "DeepSpeedConfigError",
-    "DeepSpeedState",
-    "deepspeed_config",
-    "to_universal",
-]
+__all__ = ["DeepSpeed", "DeepSpeedState", "to_universal"]
 
 TAG = "zero"
 """The folder DeepSpeed's files of a checkpoint go in (its `tag`)."""
-
-
-class DeepSpeedConfigError(ValueError):
-    """A user's DeepSpeed config that disagrees with the job (or that rayacc cannot run)."""
-
-    def __init__(self, problems: list[str]):
-        super().__init__("\n".join(problems))
-        self.problems = problems
-
-    def __reduce__(self):
-        return (type(self), (self.problems,))
-
-
-def deepspeed_config(
-    *,
-    stage: int,
-    offload_optimizer: str,
-    offload_params: str,
-    micro_batch_size: int,
-    grad_accum_steps: int,
-    num_workers: int,
-    max_grad_norm: float | None,
-    precision: str,
-    user: dict[str, Any] | None = None,
-    source: str = "deepspeed.config",
-) -> dict[str, Any]:
-    """DeepSpeed's config for the job: the user's keys (`user`, read from `source`) with
-    rayacc's over them. Raises DeepSpeedConfigError naming every key the user's file sets
-    otherwise than the job."""
-    zero: dict[str, Any] = {"stage": stage}
-    if stage == 3:
-        # small parameters are sharded too: the strategy's memory is what the stage says
-        zero["stage3_param_persistence_threshold"] = 0
-    if offload_optimizer != "none":
-        zero["offload_optimizer"] = {"device": offload_optimizer}
-    if offload_params != "none":
-        zero["offload_param"] = {"device": offload_params}
-    ours: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": micro_batch_size,
-        "gradient_accumulation_steps": grad_accum_steps,
-        "train_batch_size": micro_batch_size * grad_accum_steps * num_workers,
-        "gradient_clipping": float(max_grad_norm or 0.0),
-        "fp16": {"enabled": precision == "fp16"},
-        "bf16": {"enabled": precision == "bf16"},
-        "zero_optimization": zero,
-        "managed_gradient_accumulation": False,
-        "zero_allow_untested_optimizer": True,
-        # rayacc's optimizer (optim.name) steps offloaded state too: on the CPU it is torch's
-        "zero_force_ds_cpu_optimizer": False,
-        "steps_per_print": 2**31 - 1,
-        "wall_clock_breakdown": False,
-    }
-    user = user or {}
-    if not isinstance(user, dict):
-        raise DeepSpeedConfigError([f"{source}: not a JSON object. Fix: give a JSON object"])
-    why = {
-        "train_micro_batch_size_per_gpu": "batch.micro_batch_size",
-        "gradient_accumulation_steps": "batch.grad_accum_steps (derived)",
-        "train_batch_size": "batch.global_batch_size",
-        "gradient_clipping": "optim.max_grad_norm (null = 0, off)",
-    }
-    problems = []
-    for key, field in why.items():
-        if (
-            key in user
-            and user[key] != ours[key]
-            and not (key == "gradient_clipping" and _same_number(user[key], ours[key]))
-        ):
-            problems.append(
-                f"{source} sets {key}={user[key]!r}, the job {ours[key]!r} ({field}). Fix: "
-                f"drop {key} from the file (rayacc writes it) or set {field} to match"
-            )
-    for key, field in (("optimizer", "optim"), ("scheduler", "optim's schedule")):
-        if key in user:
-            problems.append(
-                f"{source} sets {key!r}: rayacc builds the {key} from the job ({field}). "
-                f"Fix: drop {key!r} from the file and set the job's {field} keys"
-            )
-    for key in ("fp16", "bf16", "amp"):
-        enabled = (user.get(key) or {}).get("enabled") if isinstance(user.get(key), dict) else None
-        wanted = ours.get(key, {"enabled": False})["enabled"]
-        if enabled is not None and bool(enabled) != wanted:
-            problems.append(
-                f"{source} sets {key}.enabled={enabled!r}, the job's train.precision is "
-                f"{precision!r}. Fix: drop {key!r} from the file and set train.precision"
-            )
-    their_zero = user.get("zero_optimization") or {}
-    if isinstance(their_zero, dict):
-        for key in ("stage", "offload_optimizer", "offload_param"):
-            if key in their_zero and their_zero[key] != zero.get(key):
-                field = {
-                    "stage": "deepspeed.stage",
-                    "offload_optimizer": "deepspeed.offload_optimizer",
-                    "offload_param": "deepspeed.offload_params",
-                }[key]
-                problems.append(
-                    f"{source} sets zero_optimization.{key}={their_zero[key]!r}, the job "
-                    f"{zero.get(key)!r} ({field}). Fix: drop it from the file and set {field}"
-                )
-    if problems:
-        raise DeepSpeedConfigError(problems)
-    merged = copy.deepcopy(user)
-    for key, value in ours.items():
-        if isinstance(value, dict) and isinstance(merged.get(key), dict):
-            merged[key] = {**merged[key], **value}
-        else:
-            merged[key] = value
-    return merged
-
-
-def _same_number(a: Any, b: Any) -> bool:
-    return isinstance(a, int | float) and not isinstance(a, bool) and math.isclose(a, b)
 
 
 class DeepSpeed(Strategy):

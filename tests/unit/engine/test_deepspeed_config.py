@@ -46,7 +46,7 @@ def test_the_job_owns_the_batch_the_window_and_clipping():
         ({"gradient_clipping": 1.0}, "gradient_clipping=1.0, the job 0.0"),
         ({"optimizer": {"type": "AdamW"}}, "sets 'optimizer'"),
         ({"scheduler": {"type": "WarmupLR"}}, "sets 'scheduler'"),
-        ({"bf16": {"enabled": True}}, "bf16.enabled=True, the job's train.precision is 'fp32'"),
+        ({"bf16": {"enabled": True}}, "bf16.enabled=true, the job's train.precision is 'fp32'"),
         ({"zero_optimization": {"stage": 2}}, "zero_optimization.stage=2, the job 3"),
     ],
 )
@@ -60,3 +60,66 @@ def test_a_file_that_disagrees_with_the_job_is_refused_naming_both(user, named):
 def test_agreeing_keys_are_not_conflicts():
     same = {"train_batch_size": 64, "gradient_clipping": 0, "fp16": {"enabled": False}}
     assert deepspeed_config(**JOB, user=same)["train_batch_size"] == 64
+
+
+HF_STYLE = {
+    # as Hugging Face's DeepSpeed integration writes a ZeRO-3 config
+    "train_micro_batch_size_per_gpu": "auto",
+    "gradient_accumulation_steps": "auto",
+    "train_batch_size": "auto",
+    "gradient_clipping": "auto",
+    "fp16": {"enabled": "auto"},
+    "bf16": {"enabled": "auto"},
+    "zero_optimization": {
+        "stage": 3,
+        "offload_optimizer": {"device": "cpu", "pin_memory": True},
+        "overlap_comm": True,
+        "reduce_bucket_size": "auto",
+        "stage3_prefetch_bucket_size": "auto",
+        "stage3_param_persistence_threshold": "auto",
+    },
+}
+
+
+def test_a_hugging_face_style_config_is_filled_in_where_the_job_owns_the_value():
+    merged = deepspeed_config(**{**JOB, "max_grad_norm": 1.0}, user=HF_STYLE)
+    assert merged["train_micro_batch_size_per_gpu"] == 4
+    assert merged["gradient_accumulation_steps"] == 8 and merged["train_batch_size"] == 64
+    assert merged["gradient_clipping"] == 1.0
+    assert merged["fp16"] == {"enabled": False} and merged["bf16"] == {"enabled": False}
+    zero = merged["zero_optimization"]
+    # the offload the job asks for, with the file's own keys of it kept
+    assert zero["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
+    assert zero["overlap_comm"] is True and zero["stage3_param_persistence_threshold"] == 0
+    # sizes the integration derives from the model: DeepSpeed's own defaults
+    assert "reduce_bucket_size" not in zero and "stage3_prefetch_bucket_size" not in zero
+    assert "auto" not in str(merged)
+    assert HF_STYLE["gradient_clipping"] == "auto", "the user's mapping is not changed"
+
+
+@pytest.mark.parametrize(
+    ("user", "named"),
+    [
+        (
+            {"zero_optimization": {"offload_optimizer": {"device": "nvme"}}},
+            'zero_optimization.offload_optimizer.device="nvme", the job "cpu" '
+            "(deepspeed.offload_optimizer)",
+        ),
+        (
+            {"zero_optimization": {"offload_param": {"device": "cpu"}}},
+            "Fix: set deepspeed.offload_params=cpu",
+        ),
+        ({"optimizer_x": {"lr": "auto"}}, 'optimizer_x.lr="auto", which rayacc does not fill in'),
+        # a derived value's fix names the fields that are set, and JSON's values
+        (
+            {"gradient_accumulation_steps": 2},
+            "(batch.global_batch_size and batch.micro_batch_size (accumulation is derived",
+        ),
+        ({"fp16": {"enabled": True}}, "fp16.enabled=true"),
+    ],
+)
+def test_what_disagrees_or_cannot_be_filled_in_is_refused_with_settable_fields(user, named):
+    with pytest.raises(DeepSpeedConfigError) as caught:
+        deepspeed_config(**JOB, user=user, source="deepspeed.config='ds.json'")
+    said = str(caught.value)
+    assert named in said and "Fix:" in said and "True" not in said, said
