@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 from rayacc.data.common import ORIGIN_KEY, TOKENIZER_KEY, VOCAB_SIZE_KEY, DataError
 from rayacc.data.sources import DatasetInfo, schema_metadata
 
-__all__ = ["BYTES", "BYTE_EOD", "VOCAB_FILE", "Vocabulary"]
+__all__ = ["BYTES", "BYTE_EOD", "EOD_TOKEN", "VOCAB_FILE", "Vocabulary"]
 
 VOCAB_FILE = "vocab.json"
 """A checkpoint's vocabulary (token runs)."""
@@ -24,6 +24,22 @@ BYTES = b"bytes"
 """The TOKENIZER_KEY value of byte-level data."""
 BYTE_EOD = 256
 """Byte-level data: the id that ends a document."""
+EOD_TOKEN = "<|endoftext|>"
+"""Its name in an exported tokenizer (GPT-2's)."""
+
+
+def _byte_symbols() -> list[str]:
+    """GPT-2's printable character for each byte 0..255 (the byte-level tokenizers' alphabet)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    printable += range(ord("®"), ord("ÿ") + 1)
+    symbols, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            symbols[b] = chr(b)
+        else:
+            symbols[b] = chr(256 + extra)
+            extra += 1
+    return [symbols[b] for b in range(256)]
 
 
 @dataclass(frozen=True)
@@ -139,6 +155,29 @@ class Vocabulary:
         if self.kind == "tokenizer":
             return self.encode("\n") or [0]
         return [0]
+
+    def hf_tokenizer(self):
+        """A `tokenizers.Tokenizer` that encodes text to this vocabulary's ids (what `rayacc
+        export` writes for `AutoTokenizer`), or None where the data records ids only."""
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+        if self.kind == "tokenizer":
+            return self._tokenizer()
+        if self.kind == "chars":
+            # each character a token, no merges: id = index into the run's characters
+            tok = Tokenizer(models.BPE({c: i for i, c in enumerate(self.chars)}, merges=[]))
+            tok.decoder = decoders.Fuse()
+            return tok
+        if self.kind == "bytes":
+            # byte b is id b under GPT-2's printable stand-ins for bytes; 256 ends a document
+            vocab = {c: b for b, c in enumerate(_byte_symbols())}
+            vocab[EOD_TOKEN] = BYTE_EOD
+            tok = Tokenizer(models.BPE(vocab, merges=[]))
+            tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+            tok.decoder = decoders.ByteLevel()
+            tok.add_special_tokens([EOD_TOKEN])
+            return tok
+        return None
 
     def _tokenizer(self):
         try:

@@ -51,12 +51,16 @@ def export_model(
     passed_over: list[str] = []
     checkpoint = find_checkpoint(target, storage, passed_over)
     with tempfile.TemporaryDirectory(prefix="rayacc-export-") as scratch:
-        model = load_model(_local(checkpoint, scratch), factory=factory)
+        local = _local(checkpoint, scratch)
+        model = load_model(local, factory=factory)
+        vocabulary = _vocabulary(local) if fmt == "hf" else None
     dest.parent.mkdir(parents=True, exist_ok=True)
     # written beside the destination, then renamed into place: whole or not at all
     staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
     try:
         what = _write(model, staging, fmt)
+        if fmt == "hf":
+            what += _write_tokenizer(vocabulary, staging)
         if dest.exists():
             dest.rmdir()
         os.replace(staging, dest)
@@ -103,3 +107,27 @@ def _write(model, folder: Path, fmt: str) -> str:
         f"a {type(model).__name__} has no transformers counterpart (only model.name hf and gpt "
         "export as one). Fix: --format safetensors"
     )
+
+
+def _vocabulary(folder: str):
+    """The run's vocabulary a token model's checkpoint carries; None for other models."""
+    from rayacc.driver.sample import _described, checkpoint_vocabulary
+
+    return checkpoint_vocabulary(folder) if _described(folder).get("format") == "tokens" else None
+
+
+def _write_tokenizer(vocabulary, folder: Path) -> str:
+    """The run's tokenizer beside the weights, so `AutoTokenizer.from_pretrained` encodes as
+    the run did; what was written, as a phrase to add."""
+    if vocabulary is None:
+        return ""
+    tok = vocabulary.hf_tokenizer()
+    if tok is None:
+        return "; no tokenizer: the run's data records token ids only, no text"
+    from transformers import PreTrainedTokenizerFast
+
+    from rayacc.data.vocab import EOD_TOKEN
+
+    special = {"eos_token": EOD_TOKEN} if tok.token_to_id(EOD_TOKEN) is not None else {}
+    PreTrainedTokenizerFast(tokenizer_object=tok, **special).save_pretrained(str(folder))
+    return f", and the run's tokenizer ({vocabulary.describe()})"

@@ -202,3 +202,32 @@ def test_weights_transformers_cannot_or_must_not_read_are_refused_naming_field_a
         assert "model.hf.weights" in said and "Fix:" in said, said
         assert named in said or "model.safetensors" in said, said
     assert not marker.exists(), "a pickle was unpickled"
+
+
+@pytest.mark.parametrize("kind", ["chars", "bytes", "tokenizer", "ids"])
+def test_an_export_carries_the_runs_tokenizer_which_encodes_as_the_run_did(
+    tmp_path, capsys, monkeypatch, kind
+):
+    """`AutoTokenizer.from_pretrained(export)` returned an empty tokenizer: the export now
+    writes the run's own (its tokenizer.json, or one made from its characters or bytes), or
+    says there is none (a run on bare token ids)."""
+    from transformers import AutoTokenizer
+
+    from rayacc.data.vocab import Vocabulary
+
+    data = token_data(tmp_path, kind)
+    ckpt = tmp_path / "ckpt"
+    gpt_checkpoint(ckpt, data, sharded=False)
+    out = tmp_path / "out"
+    ran = rayacc_here(["export", str(ckpt), "--out", str(out)], capsys, monkeypatch)
+    assert ran.code == 0, ran
+    vocabulary = Vocabulary.of_data(data)
+    if kind == "ids":
+        assert "no tokenizer" in ran.out and not (out / "tokenizer.json").exists()
+        return
+    assert "the run's tokenizer" in ran.out, ran.out
+    theirs = AutoTokenizer.from_pretrained(str(out), local_files_only=True)
+    prompt = "To be, or not\nto be" if kind != "chars" else vocabulary.chars[:12] * 2
+    ids = vocabulary.encode(prompt)
+    assert theirs.encode(prompt, add_special_tokens=False) == ids
+    assert theirs.decode(ids) == vocabulary.decode(ids)
