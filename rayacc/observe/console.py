@@ -21,6 +21,7 @@ from typing import Any
 
 from rayacc.observe import goodput
 from rayacc.observe.events import Event, RunObserver, RunStarted
+from rayacc.observe.ranks import TIME_KEY
 from rayacc.redact import RedactingStream
 
 __all__ = [
@@ -75,24 +76,23 @@ def clock(seconds: float | None) -> str:
 
 
 class Eta:
-    """Seconds left, from the rate at which steps arrived over the recent past: the last 30 s
-    or the last quarter of the steps since the group started, whichever is longer. It measures
-    wall time as the console saw it, so validation and checkpoint pauses inside that span count;
-    a (re)started worker group starts a new span."""
+    """Seconds left, from the rate at which steps ended (on rank 0, as their records say) over
+    the recent past: the last 30 s or the last quarter of the steps since the group started,
+    whichever is longer; validation and checkpoint pauses inside that span count. A
+    (re)started group starts a new span at its first step: none is said before two steps."""
 
     def __init__(self, window_s: float = 30.0):
         self.window_s = window_s
         self.points: deque[tuple[float, int]] = deque()
         self.start_step = 0
 
-    def restart(self, step: int, t: float) -> None:
+    def restart(self, step: int) -> None:
+        """A (re)started group at `step`: the rate counts from its first step's end on (its
+        set-up is no step's time)."""
         self.points.clear()
-        self.points.append((t, step))
         self.start_step = step
 
     def observe(self, step: int, t: float) -> None:
-        if not self.points:
-            self.restart(step - 1, t)
         self.points.append((t, step))
         min_steps = (step - self.start_step) // 4
         # the oldest point goes only while the span after it is still long enough
@@ -117,7 +117,7 @@ def progress_line(record: dict[str, Any], total: int, elapsed_s: float, eta_s: f
     parts = [
         f"step {record['step']}/{total}",
         f"{clock(elapsed_s)} elapsed",
-        f"ETA {clock(eta_s)}",
+        *([f"ETA {clock(eta_s)}"] if eta_s is not None else []),
         f"loss {record['train/loss']:.4f}",
         f"lr {record['train/lr']:.3g}",
         f"{record['train/samples_per_s']:,.0f} samples/s",
@@ -150,7 +150,7 @@ class ProgressPrinter(RunObserver):
         self.console = console
         self.total = total_steps
         self.bar = bar and console.is_terminal
-        self.started = time.monotonic()
+        self.started = time.time()
         self.eta = Eta()
         self.progress = None
         self.task = None
@@ -177,7 +177,7 @@ class ProgressPrinter(RunObserver):
         self.recoveries.on_event(event)
         if isinstance(event, RunStarted):
             self.total = event.total_steps
-            self.eta.restart(event.step, time.monotonic())
+            self.eta.restart(event.step)
             line = event.describe(self.group)
             self.group = event
         else:
@@ -189,7 +189,9 @@ class ProgressPrinter(RunObserver):
         recovery = self.recoveries.on_step(record)
         if recovery is not None:
             self.console.print(f"  {recovery.console_line()}")
-        now = time.monotonic()
+        # the step's own time on the rank: records reach the driver in bursts
+        at = record.get(TIME_KEY)
+        now = at if isinstance(at, float) else time.time()
         step = record["step"]
         total = self.total or step
         self.eta.observe(step, now)

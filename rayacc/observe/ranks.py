@@ -15,11 +15,24 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["FIELDS", "FIGURES_KEY", "PARTS", "Straggler", "StragglerJudge", "rank_figures"]
+__all__ = [
+    "FIELDS",
+    "FIGURES_KEY",
+    "PARTS",
+    "TIME_KEY",
+    "Straggler",
+    "StragglerJudge",
+    "rank_figures",
+]
 
 FIGURES_KEY = "_rank_figures"
 """Where every rank's figures of a window travel in rank 0's hand-over of the step's record
 (the driver takes them out before anything logs the record)."""
+
+TIME_KEY = "time"
+"""When the step ended on rank 0 (`time.time()`), in its record: what the console's elapsed time
+and ETA count (records reach the driver in bursts) and MLflow's timestamp of the step's
+metrics; no metric itself."""
 
 FIELDS = ("compute_s", "data_s", "sync_s", "optimizer_s", "own_s", "host_mb", "device_mb")
 """What each rank reports of its window, in this order. `own_s`: its own time, the sum of

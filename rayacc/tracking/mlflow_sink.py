@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from rayacc.env import FIELD_VARIABLES
+from rayacc.observe.ranks import TIME_KEY
 from rayacc.redact import redact
 
 __all__ = ["MlflowSink", "TrackingTarget", "default_tracking_uri", "tracking_target"]
@@ -273,13 +274,17 @@ class MlflowSink:
         metrics = []
         for rec in records:
             step = int(rec["step"])
+            # when the step ended on the rank (records reach the driver in bursts)
+            at = int(rec[TIME_KEY] * 1000) if isinstance(rec.get(TIME_KEY), float) else now
             for key, value in rec.items():
-                if key == "step" or not isinstance(value, (int, float)) or isinstance(value, bool):
+                if key in ("step", TIME_KEY) or not isinstance(value, (int, float)):
+                    continue
+                if isinstance(value, bool):
                     continue
                 if (key, step) in self._logged_steps or not math.isfinite(float(value)):
                     continue
                 self._logged_steps.add((key, step))
-                metrics.append(Metric(key, float(value), now, step))
+                metrics.append(Metric(key, float(value), at, step))
         for i in range(0, len(metrics), _MAX_METRICS_PER_CALL):
             chunk = metrics[i : i + _MAX_METRICS_PER_CALL]
             self._call("log_batch", chunk, records=len(chunk))

@@ -5,6 +5,7 @@ process's memory and the work of building a dict."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import ray
@@ -12,7 +13,7 @@ import torch
 
 from rayacc.engine import StepResult, all_gather_objects, flops_per_item, recompute_flops_per_item
 from rayacc.engine.parallel import Strategy
-from rayacc.observe.ranks import FIGURES_KEY, rank_figures
+from rayacc.observe.ranks import FIGURES_KEY, TIME_KEY, rank_figures
 from rayacc.worker.metrics import step_record
 from rayacc.worker.system import NodeSampler, ResidentMemory
 
@@ -74,6 +75,7 @@ class Telemetry:
             token_items=self.token_items,
             **window,
         )
+        record[TIME_KEY] = time.time()
         self.figures = rank_figures(
             step_s=result.step_time_s,
             sync_s=result.sync_time_s,

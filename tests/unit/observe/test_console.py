@@ -65,7 +65,7 @@ def test_clock(seconds, text):
 
 def test_the_eta_counts_the_pauses_in_its_span():
     eta = Eta(window_s=30.0)
-    eta.restart(0, 0.0)
+    eta.restart(0)
     t = 0.0
     for step in range(1, 41):
         t += 1.0
@@ -80,10 +80,10 @@ def test_the_eta_counts_the_pauses_in_its_span():
 
 def test_the_eta_follows_a_new_rate_after_a_restart():
     eta = Eta(window_s=5.0)
-    eta.restart(0, 0.0)
+    eta.restart(0)
     for step in range(1, 21):
         eta.observe(step, step * 1.0)
-    eta.restart(20, 100.0)  # a worker group restarted at half the speed
+    eta.restart(20)  # a worker group restarted at half the speed
     for step in range(21, 41):
         eta.observe(step, 100.0 + (step - 20) * 2.0)
     assert eta.seconds_left(60) == pytest.approx(40.0, rel=0.05)
@@ -486,3 +486,21 @@ def test_the_summary_names_its_validation_metrics_and_says_where_the_time_went()
         "goodput 30%: training 3.0 s of 10.0 s (start-up 6.0 s, checkpoints 0.5 s, other 0.5 s); "
         "0 steps recomputed"
     ) in lines, lines
+
+
+def test_lines_that_arrive_together_say_their_own_steps_time_and_no_eta_before_a_rate():
+    """Without a terminal the relay hands records over in bursts: each line counts from the
+    time its step ended on the rank (every line of the default job said `0:19 elapsed`), and
+    says no ETA until two steps give a rate."""
+    from rayacc.observe.ranks import TIME_KEY
+
+    console = Console(file=io.StringIO(), width=300)
+    printer = ProgressPrinter(console)
+    printer.on_event(RunStarted(0, 10, None, "layout", {}, 1e-3))
+    start = printer.started
+    for step in range(1, 11):  # one burst, the steps 2 s apart on the rank
+        printer.on_step(record(step, **{TIME_KEY: start + 2.0 * step}))
+    lines = [line for line in console.file.getvalue().splitlines() if "step " in line]
+    assert [line.split("  ")[2] for line in lines] == [f"0:{2 * s:02d} elapsed" for s in
+                                                       range(1, 11)]  # fmt: skip
+    assert "ETA" not in lines[0] and "ETA 0:00" in lines[-1] and "ETA 0:16" in lines[1]

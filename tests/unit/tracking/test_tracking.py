@@ -228,3 +228,19 @@ def test_a_resume_into_another_store_starts_a_run_there_that_says_what_it_contin
     from rayacc.driver.resume import continued_run
 
     assert continued_run(recorded, now) == (reopens, continues)
+
+
+def test_a_steps_metrics_carry_the_time_the_step_ended_and_that_time_is_no_metric(tmp_path):
+    """Records reach the driver in bursts: MLflow's timestamp of a step is the rank's."""
+    from rayacc.observe.ranks import TIME_KEY
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    sink = MlflowSink(uri, "exp", "run")
+    ended = [1_700_000_000.25, 1_700_000_003.5]
+    sink.log_step_metrics([{**r, TIME_KEY: t} for r, t in zip(records([1, 2]), ended)])
+    sink.finish()
+    client = MlflowClient(uri)
+    history = client.get_metric_history(sink.run_id, "train/loss")
+    assert sorted((m.step, m.timestamp) for m in history) == [(1, 1_700_000_000_250),
+                                                              (2, 1_700_000_003_500)]  # fmt: skip
+    assert TIME_KEY not in client.get_run(sink.run_id).data.metrics
