@@ -17,6 +17,7 @@ __all__ = [
     "CheckpointWaited",
     "Checkpointed",
     "Event",
+    "GroupStarting",
     "MicroBatchChanged",
     "PreemptionNotice",
     "ReclaimStandby",
@@ -325,8 +326,20 @@ class ReclaimStandby:
         )
 
 
+@dataclass(frozen=True)
+class GroupStarting:
+    """A worker group's start spends long on something before its first step (the strategy's
+    engine, say): said as it begins, so a quiet console is not taken for a hang."""
+
+    what: str
+
+    def console_line(self) -> str:
+        return self.what
+
+
 Event = (
-    RunStarted
+    GroupStarting
+    | RunStarted
     | Resized
     | MicroBatchChanged
     | ScheduleChanged

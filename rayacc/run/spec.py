@@ -33,6 +33,8 @@ class WorkerSettings:
     field of its name (the section in its docstring) or, where said, derived from fields."""
 
     seed: int
+    strategy: str
+    """train."""
     cpus_per_worker: float
     """scaling: one intra-op thread per reserved CPU."""
     precision: str
@@ -66,6 +68,7 @@ class WorkerSettings:
         t, b = cfg.train, cfg.batch
         return cls(
             seed=cfg.seed,
+            strategy=t.strategy,
             cpus_per_worker=cfg.scaling.cpus_per_worker,
             precision=t.precision,
             allow_tf32=t.allow_tf32,

@@ -3,9 +3,8 @@
 `train_loop` (Ray Train's `train_loop_per_worker`) builds a :class:`WorkerRun` and calls
 `train()`, which reads top to bottom: restore → split the epochs → open this rank's rows →
 (auto micro-batch) → window after window (fetch → step → record, then what the cadence asks:
-validate, checkpoint; then what a reclaim notice decides). Set-up is worker/setup.py, the
-measurements worker/telemetry.py; the data order, the normalisation rule and the checkpoint
-contract are in docs/design.md.
+validate, checkpoint; then what a reclaim notice decides). Set-up: worker/setup.py; the rest:
+docs/design.md.
 """
 
 from __future__ import annotations
@@ -36,6 +35,7 @@ from rayacc.worker.setup import (
     open_data,
     pick_device,
     restore,
+    say_what_starts,
     set_up,
 )
 from rayacc.worker.system import NAMES as SYSTEM_NAMES
@@ -71,6 +71,7 @@ class WorkerRun:
         self.lr = self.spec.lr_at(self.world)
         split = self.spec.split_at(self.world)
         self.sizer = MicroBatchSizer(settings, split, self.device, inputs.progress)
+        say_what_starts(settings.strategy, self.outbox)
         self.setup = set_up(self.spec, inputs, self.device, self.lr, self.rank, self.world)
         parts = self.setup.parts
         self.strategy, self.accumulate = parts.strategy, parts.accumulate
@@ -252,9 +253,8 @@ class WorkerRun:
                 )
 
     def _checkpoint(self, reason: str) -> float:
-        """Writes the checkpoint of this step; returns the seconds training waited for it. A
-        periodic one (train.checkpoint_mode=async) is written while training goes on; the
-        run's last one and those a reclaim asks for are waited for."""
+        """Writes the checkpoint of this step; returns the seconds training waited for it (an
+        async periodic one is written while training goes on; the last and a reclaim's not)."""
         t = time.perf_counter()
         # records up to a checkpoint are never replayed after a restart: hand them over
         self.outbox.flush()

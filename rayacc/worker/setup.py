@@ -19,7 +19,14 @@ from rayacc.data.rows import LocalRows
 from rayacc.data.sources import RowGroups
 from rayacc.data.vocab import VOCAB_FILE
 from rayacc.engine import SampleSchedule, TrainState, device_peak_tflops
-from rayacc.observe.events import CheckpointPassedOver, Event, Resized, ScheduleChanged
+from rayacc.engine.parallel import STRATEGIES
+from rayacc.observe.events import (
+    CheckpointPassedOver,
+    Event,
+    GroupStarting,
+    Resized,
+    ScheduleChanged,
+)
 from rayacc.optim import build_schedule
 from rayacc.rank.build import RankParts, build_rank
 from rayacc.run.quantities import EpochWindows
@@ -36,6 +43,7 @@ __all__ = [
     "open_data",
     "pick_device",
     "restore",
+    "say_what_starts",
     "set_up",
 ]
 
@@ -230,3 +238,11 @@ def open_data(
         batch_size=batch_size,
     )
     return reader, first_rows, validate
+
+
+def say_what_starts(strategy: str, outbox) -> None:
+    """Says, before the rank builds its parts, what the strategy's start spends long on."""
+    starting = STRATEGIES[strategy].starting
+    if starting:
+        outbox.send(GroupStarting(starting))
+        outbox.flush()

@@ -124,6 +124,9 @@ class Strategy(ABC):
     `adopt`, for a model wrapped elsewhere) binds it."""
 
     name: str = ""
+    starting: str = ""
+    """What a group's start spends long on under it, said on the console as the group starts
+    ("": nothing worth a line)."""
     contract: Contract = Contract()
     """What it promises the step (set by a strategy whose promises depend on its settings)."""
 

@@ -48,6 +48,10 @@ class DeepSpeed(Strategy):
     """ZeRO through DeepSpeed's engine. `config`: DeepSpeed's config (`deepspeed_config`)."""
 
     name = "deepspeed"
+    starting = (
+        "DeepSpeed: starting its engine on every rank (the first start on a machine builds a "
+        "small op of its own with ninja: up to a minute)"
+    )
 
     def __init__(self, config: dict[str, Any]):
         super().__init__()

@@ -504,3 +504,33 @@ def test_lines_that_arrive_together_say_their_own_steps_time_and_no_eta_before_a
     assert [line.split("  ")[2] for line in lines] == [f"0:{2 * s:02d} elapsed" for s in
                                                        range(1, 11)]  # fmt: skip
     assert "ETA" not in lines[0] and "ETA 0:00" in lines[-1] and "ETA 0:16" in lines[1]
+
+
+def test_a_strategy_whose_start_takes_long_says_so_as_the_group_starts():
+    """~35 s of DeepSpeed's start with nothing printed: the rank says what starts, first."""
+    from rayacc.engine.parallel import STRATEGIES
+    from rayacc.observe.events import GroupStarting
+    from rayacc.worker.setup import say_what_starts
+
+    class Box:
+        def __init__(self):
+            self.sent, self.flushed = [], 0
+
+        def send(self, item):
+            self.sent.append(item)
+
+        def flush(self):
+            self.flushed += 1
+
+    said = {}
+    for name in STRATEGIES:
+        box = Box()
+        say_what_starts(name, box)
+        said[name] = box.sent
+        assert box.flushed == bool(box.sent), "said at once, not with the next batch"
+    assert said["ddp"] == [] and said["fsdp"] == []
+    (starting,) = said["deepspeed"]
+    assert isinstance(starting, GroupStarting) and "DeepSpeed" in starting.console_line()
+    console = Console(file=io.StringIO(), width=300)
+    ProgressPrinter(console).on_event(starting)
+    assert "  DeepSpeed: starting its engine" in console.file.getvalue()
