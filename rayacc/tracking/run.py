@@ -22,6 +22,7 @@ from rayacc.observe.events import (
     ScheduleChanged,
     Straggler,
 )
+from rayacc.rank.build import strategy_for
 from rayacc.tracking.mlflow_sink import MlflowSink, tracking_target
 from rayacc.tracking.params import contract_params
 from rayacc.tracking.plots import loss_curve_png
@@ -191,6 +192,8 @@ def open_tracking(
             del params["micro_batch_size"], params["grad_accum_steps"]
         sink.log_params(params)
         sink.log_text(cfg.to_yaml(), "config.yaml")
+        for name, text in strategy_for(cfg, run.split).record_files().items():
+            sink.log_text(text, name)
         sink.set_tags(
             {
                 "rayacc.run_name": run.name,

@@ -230,6 +230,10 @@ class Strategy(ABC):
         (FSDP's mesh), for the run's record; "" where the config alone says it."""
         return ""
 
+    def record_files(self) -> dict[str, str]:
+        """Files of the strategy's own configuration the run's record keeps (name → text)."""
+        return {}
+
     def unwrapped(self) -> nn.Module:
         """The user's module inside the wrappers (its parameters as the strategy holds them)."""
         assert self.model is not None

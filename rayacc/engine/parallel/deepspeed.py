@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import logging
 import math
 import os
@@ -52,6 +53,10 @@ class DeepSpeed(Strategy):
         "DeepSpeed: starting its engine on every rank (the first start on a machine builds a "
         "small op of its own with ninja: up to a minute)"
     )
+
+    def record_files(self) -> dict[str, str]:
+        # the config DeepSpeed runs with: the user's file merged under the job's keys
+        return {"deepspeed_config.json": json.dumps(self.config, indent=2, sort_keys=True)}
 
     def __init__(self, config: dict[str, Any]):
         super().__init__()

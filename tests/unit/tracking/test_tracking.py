@@ -1,5 +1,7 @@
 """The MLflow sink against a real sqlite store."""
 
+from pathlib import Path
+
 import pytest
 from mlflow.tracking import MlflowClient
 
@@ -244,3 +246,36 @@ def test_a_steps_metrics_carry_the_time_the_step_ended_and_that_time_is_no_metri
     assert sorted((m.step, m.timestamp) for m in history) == [(1, 1_700_000_000_250),
                                                               (2, 1_700_000_003_500)]  # fmt: skip
     assert TIME_KEY not in client.get_run(sink.run_id).data.metrics
+
+
+def test_the_deepspeed_config_a_run_uses_is_an_artifact_of_its_record(tmp_path):
+    """The user's file merged under the job's keys, as DeepSpeed gets it ("auto" filled in);
+    a strategy with no configuration of its own writes none."""
+    import json
+
+    from rayacc.config.batch_split import BatchSplit
+    from rayacc.tracking import RunIdentity, open_tracking
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    user = tmp_path / "ds.json"
+    user.write_text(json.dumps({"train_batch_size": "auto", "zero_optimization": {"stage": 2}}))
+    for strategy, extra in (("deepspeed", {"deepspeed": {"stage": 2, "config": str(user)}}),
+                            ("ddp", {})):  # fmt: skip
+        cfg = TrainConfig.from_dict(
+            {
+                "batch": {"global_batch_size": 32, "micro_batch_size": 4},
+                "train": {"strategy": strategy},
+                "tracking": {"tracking_uri": uri},
+                **extra,
+            }
+        )
+        identity = RunIdentity(strategy, str(tmp_path), BatchSplit(32, 4, 4, 2), 0.1, "l", 10)
+        tracked = open_tracking(cfg, identity)
+        tracked.close("FINISHED")
+        client = MlflowClient(uri)
+        names = {a.path for a in client.list_artifacts(tracked.run_id)}
+        assert ("deepspeed_config.json" in names) == (strategy == "deepspeed"), names
+        if strategy == "deepspeed":
+            path = client.download_artifacts(tracked.run_id, "deepspeed_config.json", str(tmp_path))
+            merged = json.loads(Path(path).read_text())
+            assert merged["train_batch_size"] == 32 and merged["zero_optimization"]["stage"] == 2
