@@ -45,7 +45,7 @@ def cmd_runs(args: argparse.Namespace) -> int:
             f"{r.steps_done}/{total}",
             Path(r.last_checkpoint).name if r.last_checkpoint else "-",
             r.mlflow_run_id or "-",
-            r.status,
+            f"{r.status} ({r.kind} run)" if r.kind else r.status,
         )
     # wider than the terminal rather than cut: the terminal wraps what it cannot show
     natural = Measurement.get(console, console.options.update_width(1 << 14), table).maximum

@@ -400,6 +400,8 @@ def _fit_holding(
         identity=prep.spec.identity,
         total_steps=prep.total_steps,
         status="running",
+        # what the run is for where it is not training (verify's one-step probe)
+        kind="verify" if (tags or {}).get("rayacc.verify") else None,
         overrides=loc.overrides,
     )
     history = History(lineage)

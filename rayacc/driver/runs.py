@@ -202,6 +202,8 @@ class RunSummary:
     """The live driver's lease, while one writes the run."""
     passed_over: list[str] = field(default_factory=list)
     """Its newer checkpoints not counted (not whole, or not readable), each said."""
+    kind: str | None = None
+    """What the run is for where it is not training: `verify` (a one-step probe)."""
 
     def line(self) -> str:
         total = self.total_steps if self.total_steps is not None else "?"
@@ -258,6 +260,7 @@ def list_runs(storage: str) -> list[RunSummary]:
                 identity=identity,
                 lease=lease if live else None,
                 passed_over=checkpoints.skipped,
+                kind=info.get("kind") if isinstance(info.get("kind"), str) else None,
             )
         )
     return sorted(found, key=lambda r: (r.started, r.name))

@@ -158,6 +158,12 @@ def test_verify_passes_on_the_default_job(ray_local, tmp_path, strategy):
     assert {d.name for d in result.diffs} >= {"net.0.weight", "net.4.bias"}
     tags = MlflowClient(result.tracking_uri).get_run(result.mlflow_run_id).data.tags
     assert tags["rayacc.verified"] == "PASS"
+    # `rayacc runs` shows the probe as what it is, not as a finished training run
+    from rayacc.driver.runs import list_runs
+
+    assert [(r.status, r.kind) for r in list_runs(str(tmp_path / "runs"))] == [
+        ("finished", "verify")
+    ]
 
 
 def test_verify_fails_on_batchnorm(ray_local, tmp_path):

@@ -216,7 +216,7 @@ def test_runs_never_cuts_a_name_or_an_mlflow_id_on_a_narrow_terminal(monkeypatch
     summary = RunSummary(
         name=name, job="digits", model="mlp", data="digits", steps_done=60, total_steps=60,
         last_checkpoint=str(tmp_path / "checkpoint_step00000060"), mlflow_run_id=run_id,
-        status="finished", started="2026-12-05", identity=None,
+        status="finished", started="2026-12-05", identity=None, kind="verify",
     )  # fmt: skip
     console = Console(record=True, width=80, force_terminal=False)
     monkeypatch.setattr(cli_runs, "_console", lambda: console)
@@ -225,3 +225,4 @@ def test_runs_never_cuts_a_name_or_an_mlflow_id_on_a_narrow_terminal(monkeypatch
     assert cli_runs.cmd_runs(argparse.Namespace(storage=str(tmp_path))) == 0
     text = console.export_text()
     assert name in text and run_id in text, text
+    assert "finished (verify run)" in text, "a verify probe is shown as one"
