@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import shlex
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -86,7 +88,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     try:
         with ProgressPrinter(console, prep.total_steps, bar=True) as display:
             result = fit(
-                cfg, resume=args.resume, observers=[display], prepared=prep, location=location
+                cfg,
+                resume=args.resume,
+                observers=[display],
+                prepared=prep,
+                location=location,
+                # the run's source in MLflow: the command that started it (masked, as every tag)
+                tags={"mlflow.source.name": shlex.join(["rayacc", *sys.argv[1:]])},
             )
     except TrainingError as exc:
         err.print(styled((f"rayacc: {exc}", "red")))

@@ -23,6 +23,7 @@ from rayacc.observe.events import (
     Straggler,
 )
 from rayacc.rank.build import strategy_for
+from rayacc.run.quantities import lr_explanation
 from rayacc.tracking.mlflow_sink import MlflowSink, tracking_target
 from rayacc.tracking.params import contract_params
 from rayacc.tracking.plots import loss_curve_png
@@ -196,6 +197,8 @@ def open_tracking(
             sink.log_text(text, name)
         sink.set_tags(
             {
+                # MLflow's description of a run: the batch arithmetic
+                "mlflow.note.content": f"{run.split.describe()}; {lr_explanation(cfg, run.split)}",
                 "rayacc.run_name": run.name,
                 "rayacc.storage_path": run.storage_path,
                 "rayacc.data_layout": run.data_layout,

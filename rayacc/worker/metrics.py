@@ -36,7 +36,9 @@ def step_record(
     record = {
         "step": step,
         "train/loss": result.loss,
-        "train/lr": result.lr,
+        # a setting's value, not a result: the schedule's float noise (0.0006000000000000001)
+        # rounded off
+        "train/lr": float(f"{result.lr:.12g}"),
         "train/grad_norm": result.grad_norm,
         "train/items": result.items,
         "train/samples": result.samples,

@@ -4,6 +4,8 @@ seconds of imports each); one runs the real command to prove its exit status."""
 
 from __future__ import annotations
 
+import shlex
+import sys
 from pathlib import Path
 
 import pyarrow as pa
@@ -226,3 +228,24 @@ def test_runs_never_cuts_a_name_or_an_mlflow_id_on_a_narrow_terminal(monkeypatch
     text = console.export_text()
     assert name in text and run_id in text, text
     assert "finished (verify run)" in text, "a verify probe is shown as one"
+
+
+def test_a_runs_source_in_mlflow_is_the_command_that_started_it(tmp_path, capsys, monkeypatch):
+    """MLflow's `mlflow.source.name` of a `rayacc train` run: the command as typed (the sink
+    masks it, as every tag)."""
+    import rayacc.driver.fit as driver_fit
+
+    seen: dict = {}
+
+    def fit(cfg, **kwargs):
+        seen.update(kwargs)
+        raise driver_fit.TrainingError("stopped before Ray")
+
+    monkeypatch.setattr(driver_fit, "fit", fit)
+    monkeypatch.setattr(driver_fit, "ensure_ray", lambda *args, **kwargs: None)
+    job = str(Path(__file__).resolve().parents[3] / "jobs" / "digits.yaml")
+    argv = ["train", "-c", job, f"run.storage_path={tmp_path / 'runs'}", "train.max_steps=2"]
+    monkeypatch.setattr(sys, "argv", ["/somewhere/bin/rayacc", *argv])
+    ran = rayacc_here(argv, capsys, monkeypatch)
+    assert ran.code == 1 and "stopped before Ray" in ran.err
+    assert seen["tags"] == {"mlflow.source.name": shlex.join(["rayacc", *argv])}

@@ -248,9 +248,10 @@ def test_a_steps_metrics_carry_the_time_the_step_ended_and_that_time_is_no_metri
     assert TIME_KEY not in client.get_run(sink.run_id).data.metrics
 
 
-def test_the_deepspeed_config_a_run_uses_is_an_artifact_of_its_record(tmp_path):
+def test_the_deepspeed_config_a_run_uses_is_an_artifact_and_the_description_its_batch(tmp_path):
     """The user's file merged under the job's keys, as DeepSpeed gets it ("auto" filled in);
-    a strategy with no configuration of its own writes none."""
+    a strategy with no configuration of its own writes none. The run's MLflow description is
+    its batch arithmetic."""
     import json
 
     from rayacc.config.batch_split import BatchSplit
@@ -273,6 +274,12 @@ def test_the_deepspeed_config_a_run_uses_is_an_artifact_of_its_record(tmp_path):
         tracked = open_tracking(cfg, identity)
         tracked.close("FINISHED")
         client = MlflowClient(uri)
+        # MLflow's description of the run: its batch arithmetic
+        note = client.get_run(tracked.run_id).data.tags["mlflow.note.content"]
+        assert note == (
+            "global batch 32 = micro 4 × accum 4 × workers 2; "
+            "effective LR 0.001 = 0.001 × linear(32/32)"
+        )
         names = {a.path for a in client.list_artifacts(tracked.run_id)}
         assert ("deepspeed_config.json" in names) == (strategy == "deepspeed"), names
         if strategy == "deepspeed":

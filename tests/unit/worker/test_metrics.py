@@ -1,0 +1,23 @@
+"""A step's record as the rank writes it (worker/metrics.py)."""
+
+from __future__ import annotations
+
+from rayacc.config.batch_split import BatchSplit
+from rayacc.engine.result import StepResult
+from rayacc.worker.metrics import step_record
+
+
+def test_the_lr_is_recorded_without_the_schedules_float_noise():
+    """A setting's value, not a result: MLflow showed train/lr 0.0006000000000000001."""
+    result = StepResult(
+        loss=1.0, items=8, samples=8, micro_steps=2, grad_norm=0.5, lr=0.1 * 0.006,
+        skipped=False, skip_reason=None, allreduce_calls=1, reduce_scatter_calls=0,
+        sync_passes=1, step_time_s=0.1, sync_time_s=0.01, peak_memory_mb=1.0,
+    )  # fmt: skip
+    assert 0.1 * 0.006 == 0.0006000000000000001
+    record = step_record(
+        result, step=3, epoch=0, wall_s=0.1, data_s=0.0, split=BatchSplit(8, 4, 2, 1),
+        micro_now=4, accum_now=2, skipped_steps=0, rows_read=8, rss_mb=1.0,
+        flops_per_item=None, peak_tflops=None, token_items=False,
+    )  # fmt: skip
+    assert record["train/lr"] == 0.0006 and record["train/loss"] == 1.0
