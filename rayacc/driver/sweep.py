@@ -16,7 +16,7 @@ from rayacc.config import ConfigError, SweepConfig, TrainConfig
 from rayacc.config.rules import strategy_resets
 from rayacc.redact import redact
 
-__all__ = ["SweepResult", "Trial", "expand_trials", "run_sweep"]
+__all__ = ["SweepResult", "Trial", "best_trial", "expand_trials", "run_sweep"]
 
 
 @dataclass
@@ -201,6 +201,8 @@ def run_sweep(
                     for t in valid
                     if t.predicted
                 },
+                # a child run is named by what it tries, as a sweep's users look for it
+                {t.index: t.label() or f"trial {t.index}" for t in valid},
             ),
             {"cpu": 0.01},
         ),
@@ -215,12 +217,16 @@ def run_sweep(
     )
     tuner.fit()
     failed = [i for i in configs if not result.outcomes.get(i, {}).get("ok")]
+    best = best_trial(result.outcomes)
     parent.set_tags(
         {
             "rayacc.failed_trials": ",".join(map(str, failed)) or "none",
             "rayacc.concurrency": concurrency,
+            **({"rayacc.best_trial": by_index[best[0]].label()} if best else {}),
         }
     )
+    if best:
+        parent.log_step_metrics([{"step": 0, f"best/{best[1]}": best[2]}])
     parent.finish("FINISHED")
     result.wall_time_s = time.perf_counter() - t0
     return result
@@ -241,6 +247,14 @@ def _open_parent(sweep: SweepConfig, trials: list[Trial], uri, experiment, name,
         }
     )
     parent.log_text(sweep_text, "sweep.yaml")
+    # the sweep's own settings as the parent's params: what it varied and what it held
+    parent.log_params(
+        {
+            "hold": sweep.hold or "none",
+            "trials": len(valid),
+            **{f"grid.{key}": values for key, values in sweep.grid.items()},
+        }
+    )
     if len(valid) < len(trials):
         parent.log_text(
             "\n".join(
@@ -251,11 +265,24 @@ def _open_parent(sweep: SweepConfig, trials: list[Trial], uri, experiment, name,
     return parent
 
 
+def best_trial(outcomes: dict[int, dict[str, Any]]) -> tuple[int, str, float] | None:
+    """(trial, metric, value) of the lowest final validation loss among the trials that
+    finished (their training loss where none validated); None when none finished."""
+    finished = {i: o.get("metrics") or {} for i, o in outcomes.items() if o.get("ok")}
+    for key in ("val/loss", "train/loss"):
+        scored = {i: m[key] for i, m in finished.items() if isinstance(m.get(key), float)}
+        if scored:
+            index = min(scored, key=scored.get)
+            return index, key.replace("/", "_"), scored[index]
+    return None
+
+
 def _trial_function(
     configs: dict[int, dict[str, Any]],
     uri: str,
     parent_id: str | None,
     predicted: dict[int, dict[str, str]] | None = None,
+    names: dict[int, str] | None = None,
 ):
     """Tune's function trainable: one full fit of trial `config["trial"]`, nested under the
     sweep's parent run (tagged with what a plan predicted for it, `rayacc.predicted_*`)."""
@@ -267,9 +294,10 @@ def _trial_function(
         tags = {"rayacc.trial": index, **predicted.get(index, {})}
         cfg = TrainConfig.model_validate(configs[index])
         # the trial's own TorchTrainer must not ask Tune for the sweep's tracking settings
-        cfg = cfg.model_copy(
-            update={"tracking": cfg.tracking.model_copy(update={"tracking_uri": uri})}
-        )
+        tracking = {"tracking_uri": uri}
+        if names and index in names and not cfg.tracking.run_name:
+            tracking["run_name"] = names[index]
+        cfg = cfg.model_copy(update={"tracking": cfg.tracking.model_copy(update=tracking)})
         t_start = time.perf_counter()
         try:
             r = fit(cfg, parent_run_id=parent_id, tags=tags)

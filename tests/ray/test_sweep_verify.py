@@ -75,6 +75,16 @@ def test_a_sweep_over_the_strategy_with_auto_micro_batch_then_report(ray_local, 
         filter_string=f"tags.mlflow.parentRunId = '{result.parent_run_id}'",
     )
     assert len(children) == 2
+    # children named by what they try; the parent holds the sweep's settings and its best
+    assert sorted(c.info.run_name for c in children) == [
+        "batch.micro_batch_size=auto, train.strategy=ddp",
+        "batch.micro_batch_size=auto, train.strategy=fsdp",
+    ]
+    assert parent.data.params["grid.train.strategy"] == "['ddp', 'fsdp']"
+    assert parent.data.params["hold"] == "global_batch_size" and parent.data.params["trials"] == "2"
+    best_loss = min(c.data.metrics["val/loss"] for c in children)
+    assert parent.data.metrics["best/val_loss"] == pytest.approx(best_loss)
+    assert parent.data.tags["rayacc.best_trial"] in {c.info.run_name for c in children}
     # the search picks 16 per worker (the whole of each rank's share) under the held batch
     resolved = {
         c.data.params["train.strategy"]: (

@@ -142,3 +142,17 @@ def test_a_combination_that_fails_a_rule_across_fields_is_a_skipped_trial_not_an
     sweep, base, _ = SweepConfig.from_yaml(path)
     trials = expand_trials(sweep, base)
     assert [t.skip_reason is None for t in trials] == [True, False]
+
+
+def test_the_best_trial_is_the_lowest_final_validation_loss_of_those_that_finished():
+    from rayacc.driver.sweep import best_trial
+
+    outcomes = {
+        0: {"ok": True, "metrics": {"val/loss": 0.5, "train/loss": 0.1}},
+        1: {"ok": True, "metrics": {"val/loss": 0.3, "train/loss": 0.4}},
+        2: {"ok": False, "error": "out of memory"},
+    }
+    assert best_trial(outcomes) == (1, "val_loss", 0.3)
+    # no validation: by the training loss
+    assert best_trial({0: {"ok": True, "metrics": {"train/loss": 0.2}}}) == (0, "train_loss", 0.2)
+    assert best_trial({2: outcomes[2]}) is None
