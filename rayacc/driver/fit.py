@@ -485,6 +485,8 @@ def _open_tracking(
         previous_run_id=previous,
         parent_run_id=parent_run_id,
         tags={**(tags or {}), **({"rayacc.continues": continues} if continues else {})},
+        data=prep.info,
+        train_rows=prep.spec.order.num_train_rows,
     )
     tracked = open_tracking(
         cfg,

@@ -289,6 +289,27 @@ class MlflowSink:
             chunk = metrics[i : i + _MAX_METRICS_PER_CALL]
             self._call("log_batch", chunk, records=len(chunk))
 
+    def log_dataset(
+        self, name: str, digest: str, source: str, profile: dict[str, Any], context: str
+    ) -> None:
+        """The run's data as an MLflow dataset input (`log_input`'s record: name, digest, where
+        it is read from, its size), in `context` (`training`, `validation`)."""
+        import json
+
+        from mlflow.entities import Dataset, DatasetInput, InputTag
+
+        scheme = source.split("://", 1)[0] if "://" in source else "local"
+        dataset = Dataset(
+            name=redact(name),
+            digest=digest[:36],
+            source_type=scheme,
+            source=json.dumps({"uri": redact(source)}),
+            profile=json.dumps(profile),
+        )
+        self._call(
+            "log_inputs", [DatasetInput(dataset, [InputTag("mlflow.data.context", context)])]
+        )
+
     def set_tags(self, tags: dict[str, Any]) -> None:
         from mlflow.entities import RunTag
 

@@ -10,6 +10,7 @@ from typing import Any
 
 from rayacc.config import TrainConfig
 from rayacc.config.batch_split import BatchSplit
+from rayacc.data.sources import DatasetInfo
 from rayacc.observe.events import (
     CheckpointPassedOver,
     Event,
@@ -45,6 +46,9 @@ class RunIdentity:
     """The MLflow run of an earlier attempt of this run (a resume continues it)."""
     parent_run_id: str | None = None
     tags: dict[str, Any] = field(default_factory=dict)
+    data: DatasetInfo | None = None
+    """The data the run trains on (its MLflow dataset input); `train_rows` of it train."""
+    train_rows: int = 0
 
 
 Lineage = Callable[[int], Sequence[dict[str, Any]]]
@@ -195,6 +199,18 @@ def open_tracking(
         sink.log_text(cfg.to_yaml(), "config.yaml")
         for name, text in strategy_for(cfg, run.split).record_files().items():
             sink.log_text(text, name)
+        if run.data is not None:
+            sink.log_dataset(
+                Path(str(cfg.data.source).rstrip("/")).name or str(cfg.data.source),
+                run.data.fingerprint or "unknown",
+                run.data.path,
+                {
+                    "num_rows": run.data.num_rows,
+                    "train_rows": run.train_rows,
+                    "format": run.data.format,
+                },
+                "training",
+            )
         sink.set_tags(
             {
                 # MLflow's description of a run: the batch arithmetic

@@ -255,6 +255,7 @@ def test_the_deepspeed_config_a_run_uses_is_an_artifact_and_the_description_its_
     import json
 
     from rayacc.config.batch_split import BatchSplit
+    from rayacc.data.sources import DatasetInfo
     from rayacc.tracking import RunIdentity, open_tracking
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
@@ -270,7 +271,12 @@ def test_the_deepspeed_config_a_run_uses_is_an_artifact_and_the_description_its_
                 **extra,
             }
         )
-        identity = RunIdentity(strategy, str(tmp_path), BatchSplit(32, 4, 4, 2), 0.1, "l", 10)
+        data = DatasetInfo(str(tmp_path / "digits.parquet"), "classification", 1797,
+                           fingerprint="0123456789abcdef")  # fmt: skip
+        identity = RunIdentity(
+            strategy, str(tmp_path), BatchSplit(32, 4, 4, 2), 0.1, "l", 10, data=data,
+            train_rows=1527,
+        )  # fmt: skip
         tracked = open_tracking(cfg, identity)
         tracked.close("FINISHED")
         client = MlflowClient(uri)
@@ -280,6 +286,13 @@ def test_the_deepspeed_config_a_run_uses_is_an_artifact_and_the_description_its_
             "global batch 32 = micro 4 × accum 4 × workers 2; "
             "effective LR 0.001 = 0.001 × linear(32/32)"
         )
+        # the data as MLflow's dataset input of the run (`log_input`)
+        (given,) = client.get_run(tracked.run_id).inputs.dataset_inputs
+        assert (given.dataset.digest, given.tags[0].value) == ("0123456789abcdef", "training")
+        assert json.loads(given.dataset.profile) == {
+            "num_rows": 1797, "train_rows": 1527, "format": "classification"
+        }  # fmt: skip
+        assert json.loads(given.dataset.source) == {"uri": str(tmp_path / "digits.parquet")}
         names = {a.path for a in client.list_artifacts(tracked.run_id)}
         assert ("deepspeed_config.json" in names) == (strategy == "deepspeed"), names
         if strategy == "deepspeed":
