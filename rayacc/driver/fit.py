@@ -436,6 +436,7 @@ def _fit_holding(
             loss_curve=png,
             wall_time_s=wall_time_s,
             goodput=split,
+            model=cfg.model.name,
         )
     phases["tracking_closed"] = time.time()
     loc.record(status="finished", mlflow_run_id=tracked.run_id if tracked else None)

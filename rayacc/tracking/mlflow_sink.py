@@ -219,6 +219,8 @@ class MlflowSink:
         try:
             if method == "_fork":
                 self._fork_now(*args)
+            elif method == "_model":
+                self._model_now(*args)
             else:
                 getattr(self.client, method)(self.run_id, *args)
         except RestException as exc:  # the server answered: retrying would not help
@@ -288,6 +290,25 @@ class MlflowSink:
         for i in range(0, len(metrics), _MAX_METRICS_PER_CALL):
             chunk = metrics[i : i + _MAX_METRICS_PER_CALL]
             self._call("log_batch", chunk, records=len(chunk))
+
+    def log_model_of(self, name: str, step: int, checkpoint: str, model_type: str) -> None:
+        """The run's final model as an MLflow logged model of the run, output at `step`: its
+        weights are the checkpoint (`rayacc.checkpoint`: `rayacc sample`, `rayacc export`
+        and `load_model` read it), not a copy."""
+        self._call("_model", name, step, checkpoint, model_type)
+
+    def _model_now(self, name: str, step: int, checkpoint: str, model_type: str) -> None:
+        from mlflow.entities import LoggedModelOutput
+
+        model = self.client.create_logged_model(
+            self.experiment_id,
+            name=redact(name),
+            source_run_id=self.run_id,
+            tags={"rayacc.checkpoint": redact(checkpoint), "rayacc.step": str(step)},
+            model_type=model_type,
+        )
+        self.client.finalize_logged_model(model.model_id, "READY")
+        self.client.log_outputs(self.run_id, [LoggedModelOutput(model.model_id, step)])
 
     def log_dataset(
         self, name: str, digest: str, source: str, profile: dict[str, Any], context: str

@@ -147,6 +147,7 @@ class TrackedRun(RunObserver):
         loss_curve: Path | None = None,
         wall_time_s: float | None = None,
         goodput: dict[str, float] | None = None,
+        model: str | None = None,
     ) -> None:
         """Final tags, the goodput split (`goodput/…`), the loss curve and the run's status."""
         if status == "FINISHED":
@@ -162,6 +163,10 @@ class TrackedRun(RunObserver):
                 last = history[-1]["step"] if history else 0
                 split = {f"goodput/{k}": v for k, v in goodput.items()}
                 self.sink.log_step_metrics([{"step": last, **split}])
+            if checkpoint_dir and model and history:
+                # the run's final model: its checkpoint, output of the run at its last step
+                last = history[-1]["step"]
+                self.sink.log_model_of(f"{model}-step{last}", last, checkpoint_dir, model)
             if loss_curve is not None and loss_curve_png(list(history), loss_curve):
                 self.sink.log_artifact(loss_curve)
         self.sink.finish(status)

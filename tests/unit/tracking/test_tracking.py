@@ -278,8 +278,17 @@ def test_the_deepspeed_config_a_run_uses_is_an_artifact_and_the_description_its_
             train_rows=1527,
         )  # fmt: skip
         tracked = open_tracking(cfg, identity)
-        tracked.close("FINISHED")
+        checkpoint = str(tmp_path / "runs" / strategy / "checkpoint_step00000003")
+        history = [{"step": s, "train/loss": 1.0 / s} for s in (1, 2, 3)]
+        tracked.close("FINISHED", history=history, checkpoint_dir=checkpoint, model="mlp")
         client = MlflowClient(uri)
+        # the final model: a logged model of the run, its output at the last step, the
+        # checkpoint its weights
+        run = client.get_run(tracked.run_id)
+        (output,) = run.outputs.model_outputs
+        model = client.get_logged_model(output.model_id)
+        assert (output.step, model.name, model.source_run_id) == (3, "mlp-step3", tracked.run_id)
+        assert model.tags["rayacc.checkpoint"] == checkpoint and str(model.status) == "READY"
         # MLflow's description of the run: its batch arithmetic
         note = client.get_run(tracked.run_id).data.tags["mlflow.note.content"]
         assert note == (
