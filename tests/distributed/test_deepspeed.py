@@ -111,6 +111,14 @@ def test_each_stage_in_bf16_is_the_full_batch_steps_within_bf16_rounding(
     assert err <= BF16_BOUND, err
 
 
+def test_zero3_training_from_hf_weights_starts_from_exactly_those_weights(ranks):
+    """`model.hf.weights` under ZeRO-3 (parameters partitioned as DeepSpeed builds them): the
+    first step's loss over both ranks' rows is transformers' own forward loss on them."""
+    for rank in (0, 1):
+        got = ranks[rank]["hf_weights"]
+        assert abs(got["loss"] - got["transformers"]) <= 1e-5 * got["transformers"], got
+
+
 @pytest.mark.parametrize(
     "stage, offload", W.CASES, ids=[f"zero{s}-offload_{o}" for s, o in W.CASES]
 )

@@ -59,3 +59,12 @@ def test_a_buffer_of_a_model_built_on_the_meta_device_keeps_its_value(ranks):
         for p in model.parameters():
             p -= 0.5 * p.grad
     assert update_rel_err(before, got["after"], W.full_weights(model)) <= 1e-5
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp every_micro_step"])
+def test_training_from_hf_weights_starts_from_exactly_those_weights(ranks, strategy):
+    """`model.hf.weights` (a save_pretrained folder, as `rayacc export` writes an hf model):
+    the first step's loss over both ranks' rows is transformers' own forward loss on them."""
+    for rank in (0, 1):
+        got = ranks[rank]["hf_weights"][strategy]
+        assert abs(got["loss"] - got["transformers"]) <= 1e-5 * got["transformers"], got

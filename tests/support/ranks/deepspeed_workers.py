@@ -8,7 +8,12 @@ import os
 
 import torch
 
-from tests.support.ranks.engine_helpers import classification_rows, micro_batches, slice_rows
+from tests.support.ranks.engine_helpers import (
+    classification_rows,
+    hf_weights_first_step,
+    micro_batches,
+    slice_rows,
+)
 
 CASES = (
     (1, "none"),
@@ -212,6 +217,7 @@ def run_rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
             }
         out["planted"] = resume_planted(parts, out_dir, rank)
         out["adamw"] = adamw_windows(rank, world, rows, out_dir)
+        out["hf_weights"] = hf_weights_first_step(hf_config(3), hf_parts(world), rank, world)
     except Exception as exc:  # the test reads it: a rank's error, not a hang
         import traceback
 
@@ -246,3 +252,30 @@ def no_compiler_rank(rank: int, world: int, init_file: str, out_dir: str) -> Non
         out["raised"] = f"{type(exc).__name__}: {exc}"
     torch.save(out, f"{out_dir}/rank{rank}.pt")
     dist.destroy_process_group()
+
+
+def hf_config(stage: int):
+    """The job of `config(stage, ...)` with a model section given."""
+
+    def of(model: dict):
+        from rayacc.config import TrainConfig
+
+        base = config(stage, "none").model_dump(mode="json", exclude_unset=True)
+        return TrainConfig.model_validate({**base, "model": model, "batch": {
+            "global_batch_size": 16, "micro_batch_size": 4}})  # fmt: skip
+
+    return of
+
+
+def hf_parts(world: int):
+    def build(cfg):
+        from rayacc.config.batch_split import BatchSplit
+        from rayacc.data.sources import DatasetInfo
+        from rayacc.rank.build import build_rank
+        from tests.support.ranks.engine_helpers import VOCAB
+
+        info = DatasetInfo("tokens.parquet", "tokens", 64, vocab_size=VOCAB, max_tokens=13)
+        parts = build_rank(cfg, info, torch.device("cpu"), LR, split=BatchSplit(16, 4, 2, world))
+        return parts.accumulate, parts.loss_fn, parts.count
+
+    return build

@@ -163,3 +163,44 @@ def spawn_ranks(target, world: int, folder, what: str) -> list[dict]:
         saved = [r for r in range(world) if (folder / f"rank{r}.pt").is_file()]
         pytest.fail(f"the {what}: {exc} (ranks that saved their results: {saved})")
     return [torch.load(folder / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+def hf_weights_first_step(cfg_of, build_parts, rank: int, world: int) -> dict[str, float]:
+    """`model.hf.weights`: a tiny Llama saved by `save_pretrained` (the folder `rayacc export`
+    writes for an `hf` model), trained for one window on this rank's share of two token
+    windows; (the step's loss, transformers' own forward loss on the whole batch from that
+    folder). `cfg_of(model)`: the job with that model section; `build_parts(cfg)`: (step, loss
+    function, item counter) as the strategy builds them."""
+    import tempfile
+
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from tests.support.models.hf_configs import tiny_llama
+
+    config = tiny_llama(VOCAB)
+    # one folder every rank reads (transformers saves on the first rank of a process group)
+    shared = [tempfile.mkdtemp(prefix="hf-weights-") if rank == 0 else None]
+    dist.broadcast_object_list(shared, src=0)
+    folder = shared[0]
+    if rank == 0:
+        torch.manual_seed(11)
+        source = AutoModelForCausalLM.from_config(LlamaConfig(**config))
+        with torch.no_grad():  # none of them an initialisation's
+            for p in source.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+        source.save_pretrained(folder)
+    dist.barrier()
+    seqs = [s.clamp(max=VOCAB - 1) for s in token_sequences(16, seed=60, min_len=2, max_len=12)]
+    mine = seqs[rank * len(seqs) // world : (rank + 1) * len(seqs) // world]
+    model = {"name": "hf", "hf": {"config": config, "weights": folder}}
+    step, loss_fn, count = build_parts(cfg_of(model))
+    result = step(token_micro_batches(mine, 4), loss_fn, count)
+    theirs = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True)
+    batch = collate_tokens(seqs)
+    with torch.no_grad():
+        logits = theirs(input_ids=batch["input"]).logits
+        reference = F.cross_entropy(
+            logits.reshape(-1, VOCAB), batch["target"].reshape(-1), ignore_index=IGNORE_INDEX
+        )
+    return {"loss": float(result.loss), "transformers": float(reference)}

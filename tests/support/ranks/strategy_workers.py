@@ -163,8 +163,34 @@ def buffer_scenario(rank: int, world: int, out: dict) -> None:
     }
 
 
+def hf_weights_scenario(rank: int, world: int, out: dict) -> None:
+    """`model.hf.weights` under DDP and FSDP: the first step's loss is transformers' own."""
+    from rayacc.config import TrainConfig
+    from rayacc.data.sources import DatasetInfo
+    from rayacc.rank.build import build_rank
+    from tests.support.ranks.engine_helpers import VOCAB as HF_VOCAB
+    from tests.support.ranks.engine_helpers import hf_weights_first_step
+
+    info = DatasetInfo("tokens.parquet", "tokens", 64, vocab_size=HF_VOCAB, max_tokens=13)
+
+    def parts(cfg):
+        built = build_rank(cfg, info, torch.device("cpu"), 0.5)
+        return built.accumulate, built.loss_fn, built.count
+
+    out["hf_weights"] = {}
+    for strategy in ("ddp", "fsdp every_micro_step"):
+        base = gpt_config(strategy, dropout=0.0).model_dump(mode="json", exclude_unset=True)
+
+        def cfg_of(model, base=base):
+            return TrainConfig.model_validate({**base, "model": model})
+
+        out["hf_weights"][strategy] = hf_weights_first_step(cfg_of, parts, rank, world)
+
+
 def run_rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
     from tests.support.ranks.dist_workers import run_scenarios
 
     scenarios = [functools.partial(search_scenario, strategy_name=s) for s in STRATEGIES]
-    run_scenarios(rank, world, init_file, out_dir, [*scenarios, buffer_scenario])
+    run_scenarios(
+        rank, world, init_file, out_dir, [*scenarios, buffer_scenario, hf_weights_scenario]
+    )
