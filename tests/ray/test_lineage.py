@@ -29,6 +29,7 @@ from mlflow.tracking import MlflowClient
 from rayacc import TrainConfig, load_model
 from rayacc.driver.runs import RUN_INFO
 from rayacc.observe.events import RunObserver, RunStarted
+from rayacc.observe.ranks import TIME_KEY
 from tests.support.services.fits import config, digits_subset, fit_or_fail, rel_diff, weights
 from tests.support.services.mlflow_server import Gate
 
@@ -234,6 +235,8 @@ def test_the_record_is_the_final_checkpoints_lineage_across_every_fault(
             value = expected[STEPS][key]
             if key == "step" or key.startswith("val/") or not isinstance(value, int | float):
                 continue
+            if key == TIME_KEY:  # when the step ended: the metrics' timestamp, not a metric
+                continue
             if key.startswith(("ranks/", "rank_", "system/")):
                 # every rank's figures arrive one window late: a group's first step has none;
                 # still each step at most once, in the lineage's range
@@ -258,6 +261,9 @@ def test_the_record_is_the_final_checkpoints_lineage_across_every_fault(
                 continue
             for m in client.get_metric_history(run_id, key):
                 assert m.value == float(lineage[m.step][key]), (key, m.step)
+        # and each step's time, the lineage's too (records reach the driver in bursts)
+        for m in client.get_metric_history(run_id, "train/loss"):
+            assert m.timestamp == int(lineage[m.step][TIME_KEY] * 1000), m.step
 
         # the attempts whose steps no checkpoint kept are kept apart, marked, and nested
         others = [r for r in client.search_runs([exp.experiment_id]) if r.info.run_id != run_id]
