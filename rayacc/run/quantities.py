@@ -4,6 +4,7 @@ of optimizer steps. `run/spec.py::RunSpec` holds them for one run."""
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import dataclass
 
@@ -158,18 +159,19 @@ def remaining_epochs(
     out = []
     steps_left = (cfg.train.max_steps or 10**12) - state.optimizer_step
     bound = epoch_bound(cfg)
-    epoch = state.epoch
-    while (bound is None or epoch < bound) and steps_left > 0:
+    epochs = itertools.count(state.epoch) if bound is None else range(state.epoch, bound)
+    for epoch in epochs:
+        if steps_left <= 0:
+            break
         offset = state.epoch_sample_offset if epoch == state.epoch else 0
         layout = epoch_layout(cfg, num_train_rows - offset, split)
         steps = min(layout.steps_per_epoch, steps_left)
-        epoch += 1
         if steps == 0:
             if offset == 0:
                 break  # a whole epoch without a window: none after it has one either
             continue
         lo, hi = layout.rank_intervals(rank, steps)
-        out.append(EpochWindows(epoch - 1, layout, steps, lo + offset, hi + offset))
+        out.append(EpochWindows(epoch, layout, steps, lo + offset, hi + offset))
         steps_left -= steps
     return out
 

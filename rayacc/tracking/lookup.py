@@ -50,28 +50,22 @@ def _by_run_name(client, target: str):
     made more than one), or None."""
     if not _RUN_NAME.fullmatch(target):
         return None
-    ids = [e.experiment_id for e in client.search_experiments()]
-    if not ids:
-        return None
-    runs = client.search_runs(
-        ids,
-        filter_string=f"tags.`rayacc.run_name` = '{target}'",
-        order_by=["attributes.start_time DESC"],
-        max_results=1,
-    )
+    runs = _newest(client, f"tags.`rayacc.run_name` = '{target}'", 1)
     return runs[0] if runs else None
 
 
 def _sweeps(client) -> list:
     """Every sweep's parent run in the store, newest first."""
+    return _newest(client, "tags.`rayacc.sweep` = 'true'", 1000)
+
+
+def _newest(client, filter_string: str, most: int) -> list:
+    """The runs of every experiment of the store that `filter_string` selects, newest first."""
     ids = [e.experiment_id for e in client.search_experiments()]
     if not ids:
         return []
     return client.search_runs(
-        ids,
-        filter_string="tags.`rayacc.sweep` = 'true'",
-        order_by=["attributes.start_time DESC"],
-        max_results=1000,
+        ids, filter_string=filter_string, order_by=["attributes.start_time DESC"], max_results=most
     )
 
 
