@@ -28,6 +28,7 @@ from rayacc.checkpoint.manifest import (
     whole_problems,
 )
 from rayacc.checkpoint.storage import open_storage
+from rayacc.engine.parallel.deepspeed import DeepSpeedState
 
 __all__ = [
     "EARLIER",
@@ -110,7 +111,7 @@ def vet_shards(folder: Path, meta: dict[str, Any]) -> None:
     shards = shards_of(folder, meta)
     if shards is None:
         return
-    if meta.get("state_format", "dcp") == "deepspeed":
+    if meta.get("state_format") == DeepSpeedState.name:
         from rayacc.engine.parallel.zero_files import vet_zero_files
 
         world = meta.get("num_workers")
@@ -274,7 +275,7 @@ def _load_model(path: Path, view: Path, factory: str | None) -> nn.Module:
     state, description, meta = read_checkpoint(path, into=view)
     shards = shards_of(view, meta)
     zero = None
-    if meta.get("state_format") == "deepspeed":
+    if meta.get("state_format") == DeepSpeedState.name:
         from rayacc.engine.parallel.zero_files import read_zero_weights
 
         try:

@@ -7,12 +7,13 @@ from typing import Any
 
 from rayacc.config.batch_split import BatchSplitError, resolve_batch_split, split_for_workers
 from rayacc.config.errors import MISSING, ConfigIssue
+from rayacc.config.strategies import strategies, strategy_sections
 
 # the sections (config/schema.py) arrive as arguments: this module imports nothing of the schema,
 # which calls it, so the two never import each other
-ModelConfig = DataConfig = BatchConfig = ScalingConfig = TrainSection = FSDPConfig = Any
+ModelConfig = DataConfig = BatchConfig = ScalingConfig = TrainSection = Any
 
-__all__ = ["STRATEGY_SECTIONS", "cross_field_issues", "strategy_resets"]
+__all__ = ["cross_field_issues", "strategy_resets"]
 
 
 def _model_rules(model: ModelConfig, data: DataConfig | None) -> list[ConfigIssue]:
@@ -203,17 +204,13 @@ def _planned_micro_batch_rules(
     return issues
 
 
-STRATEGY_SECTIONS = ("fsdp", "deepspeed")
-"""The config's sections that belong to one strategy each, named as it."""
-
-
 def _foreign_settings(sections: dict[str, Any], strategy: str) -> list[tuple[str, Any, Any]]:
     """(dotted key, value, default) of every field of another strategy's section that is not
     its default: today's fields and tomorrow's, read from the schema."""
     found = []
-    for name in STRATEGY_SECTIONS:
+    for name, owner in strategy_sections().items():
         section = sections.get(name)
-        if section is None or name == strategy:
+        if section is None or owner == strategy:
             continue
         for field, info in type(section).model_fields.items():
             value, default = getattr(section, field), info.get_default(call_default_factory=True)
@@ -225,13 +222,14 @@ def _foreign_settings(sections: dict[str, Any], strategy: str) -> list[tuple[str
 def _other_strategys_settings(train: TrainSection, sections: dict[str, Any]) -> list[ConfigIssue]:
     """Another strategy's setting is refused rather than ignored: `deepspeed.stage=3` alone
     would train under DDP."""
+    owners = strategy_sections()
     return [
         ConfigIssue(
             key,
-            f"applies to train.strategy={key.split('.')[0]}, and the strategy is "
+            f"applies to train.strategy={owners[key.split('.')[0]]}, and the strategy is "
             f"{train.strategy!r}",
             value,
-            f"set train.strategy={key.split('.')[0]}, or remove {key}",
+            f"set train.strategy={owners[key.split('.')[0]]}, or remove {key}",
         )
         for key, value, _ in _foreign_settings(sections, train.strategy)
     ]
@@ -242,115 +240,8 @@ def strategy_resets(cfg, strategy: str) -> dict[str, Any]:
     their defaults: what a derived config that switches the strategy (a planner candidate, a
     sweep trial, a plan applied to a job) sets with it, so the job's settings for its own
     strategy do not stand in the other's way."""
-    sections = {name: getattr(cfg, name) for name in STRATEGY_SECTIONS}
+    sections = {name: getattr(cfg, name) for name in strategy_sections()}
     return {key: default for key, _, default in _foreign_settings(sections, strategy)}
-
-
-def _strategy_rules(
-    train: TrainSection, fsdp: FSDPConfig | None, scaling: ScalingConfig | None
-) -> list[ConfigIssue]:
-    if train.strategy != "fsdp":
-        return []
-    issues = _fsdp_mesh_rules(fsdp, scaling) if fsdp is not None else []
-    if train.precision == "fp16":
-        issues.append(
-            ConfigIssue(
-                "train.precision",
-                "fp16 needs a gradient scaler for sharded gradients, which rayacc does not have",
-                "fp16",
-                "use train.precision=bf16 (or fp32) with train.strategy=fsdp",
-            )
-        )
-    return issues
-
-
-def _fsdp_mesh_rules(fsdp: FSDPConfig, scaling: ScalingConfig | None) -> list[ConfigIssue]:
-    """HSDP's replica groups: a number that divides every worker count the run may have."""
-    r = fsdp.replicate
-    if r == "auto" or r == 1 or scaling is None:
-        return []
-    if scaling.elastic:
-        return [
-            ConfigIssue(
-                "fsdp.replicate",
-                "a number of replica groups cannot follow an elastic group's size",
-                r,
-                "set fsdp.replicate=auto (one per node, re-derived at every size), or give one "
-                "worker count",
-            )
-        ]
-    if scaling.min_workers % r:
-        return [
-            ConfigIssue(
-                "fsdp.replicate",
-                f"does not divide scaling.num_workers={scaling.min_workers}",
-                r,
-                "give a divisor of the worker count, or fsdp.replicate=auto",
-            )
-        ]
-    return []
-
-
-def _deepspeed_rules(sections: dict[str, Any]) -> list[ConfigIssue]:
-    """What `train.strategy: deepspeed` does not run yet, and its section's own rule."""
-    train, ds = sections.get("train"), sections.get("deepspeed")
-    batch, scaling = sections.get("batch"), sections.get("scaling")
-    if train is None or train.strategy != "deepspeed":
-        return []  # its section's settings are refused then (`_other_strategys_settings`)
-    issues = []
-    if ds is not None and ds.offload_params != "none" and ds.stage != 3:
-        issues.append(
-            ConfigIssue(
-                "deepspeed.offload_params",
-                "parameters are offloaded only under ZeRO stage 3",
-                ds.offload_params,
-                "set deepspeed.stage=3, or deepspeed.offload_params=none",
-            )
-        )
-    fix = "use train.strategy=ddp or fsdp for it"
-    if train.precision == "fp16" and scaling is not None and not scaling.use_gpu:
-        issues.append(
-            ConfigIssue(
-                "train.precision",
-                "DeepSpeed's fp16 (its loss scaler and fp16 kernels) needs a GPU: its CPU "
-                "accelerator has none",
-                train.precision,
-                "set train.precision=bf16 (or fp32) for CPU workers, or scaling.use_gpu=true",
-            )
-        )
-    if train.compile:
-        issues.append(
-            ConfigIssue(
-                "train.compile",
-                "torch.compile under DeepSpeed's engine is not supported",
-                True,
-                f"set train.compile=false with train.strategy=deepspeed, or {fix}",
-            )
-        )
-    if batch is not None and batch.auto_micro_batch:
-        issues.append(
-            ConfigIssue(
-                "batch.micro_batch_size",
-                "DeepSpeed's engine is built for one micro-batch: `auto` cannot search",
-                "auto",
-                f"give batch.micro_batch_size a number with train.strategy=deepspeed, or {fix}",
-            )
-        )
-    optim = sections.get("optim")
-    if scaling is not None and scaling.elastic and optim is not None and optim.name != "adamw":
-        # each resize restarts from DeepSpeed's universal checkpoint, whose converter and
-        # ZeRO-3 loader read Adam's state (`exp_avg`, `exp_avg_sq`) and fail on any other
-        issues.append(
-            ConfigIssue(
-                "scaling.num_workers",
-                "an elastic group under DeepSpeed resizes through DeepSpeed's universal "
-                f"checkpoint, which carries Adam's state only, and optim.name is {optim.name!r}",
-                list(scaling.num_workers),
-                "set optim.name=adamw, or give one worker count with train.strategy=deepspeed, "
-                f"or {fix}",
-            )
-        )
-    return issues
 
 
 def cross_field_issues(sections: dict[str, Any]) -> list[ConfigIssue]:
@@ -366,10 +257,11 @@ def cross_field_issues(sections: dict[str, Any]) -> list[ConfigIssue]:
         if any(i.path == "scaling.num_workers" for i in scaling_issues):
             # a worker count that makes no sense would only add noise below
             scaling = None
-    if sections.get("train") is not None:
-        issues += _other_strategys_settings(sections["train"], sections)
-        issues += _strategy_rules(sections["train"], sections.get("fsdp"), scaling)
-    issues += _deepspeed_rules(sections)
+    train = sections.get("train")
+    if train is not None:
+        issues += _other_strategys_settings(train, sections)
+        rules = strategies()[train.strategy].rules
+        issues += rules(sections, scaling) if rules is not None else []
     if batch is not None:
         issues += _auto_micro_batch_rules(batch, scaling)
         if scaling is not None:

@@ -15,6 +15,7 @@ from rayacc.config.errors import ConfigError, ConfigIssue, issues_from_validatio
 from rayacc.config.loader import read_yaml
 from rayacc.config.overrides import apply_overrides, flatten
 from rayacc.config.rules import cross_field_issues
+from rayacc.config.strategies import DEFAULT_STRATEGY, strategies
 from rayacc.config.strings import PLACE, string_issues
 
 __all__ = [
@@ -32,6 +33,8 @@ __all__ = [
 
 
 Count = Annotated[int, Field(ge=1)]
+StrategyName = Literal[tuple(strategies())]  # type: ignore[valid-type]
+"""The registry's names (config/strategies.py), plugins' included."""
 Beta = Annotated[float, Field(ge=0.0, lt=1.0)]
 
 
@@ -265,7 +268,7 @@ class TrainSection(Section):
     """Token models with an output head (`gpt`): compute the vocabulary projection and
     cross-entropy this many positions at a time, so fp32 logits of a whole micro-batch are never
     held; null = all at once."""
-    strategy: Literal["ddp", "fsdp", "deepspeed"] = "ddp"
+    strategy: StrategyName = DEFAULT_STRATEGY  # type: ignore[valid-type]
     """`ddp`: every rank holds the whole model (DistributedDataParallel). `fsdp`: parameters,
     gradients and optimizer state sharded over the ranks (FSDP2, per transformer block and at
     the root; see the `fsdp` section), for models that do not fit one device. `deepspeed`:

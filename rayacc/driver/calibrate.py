@@ -25,6 +25,7 @@ from rayacc.config.rules import strategy_resets
 from rayacc.data.sources import DatasetInfo
 from rayacc.engine import TrialOutOfMemory, autocast_dtype, to_device
 from rayacc.engine.autobatch import OUT_OF_MEMORY, measure_step_bytes
+from rayacc.engine.parallel import strategy_class
 from rayacc.optim import optimizer_slots
 from rayacc.planner.candidates import Candidate, strategy_modes
 from rayacc.planner.prior import predict
@@ -154,8 +155,8 @@ def measure_overheads(
     ac = int(setting) if setting.isdigit() else setting
     m = profile.compute_s[setting].sizes[0]
     out: dict[str, list[float]] = {}
-    for mode in strategy_modes(cfg.train.strategy == "deepspeed"):
-        if mode["strategy"] != "ddp" and world == 1:
+    for mode in strategy_modes(cfg.train.strategy):
+        if world < strategy_class(mode["strategy"]).min_workers:
             continue
         residual = []
         for a in (1, ACCUM_LEVER):

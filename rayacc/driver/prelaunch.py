@@ -24,6 +24,7 @@ from rayacc.data.order import DataOrder, EpochLayout
 from rayacc.data.sources import DatasetInfo, RowGroups, read_source
 from rayacc.driver.places import check_places
 from rayacc.driver.runs import RunLocation, locate_run
+from rayacc.engine.parallel.deepspeed import DeepSpeedState
 from rayacc.engine.units import fsdp_blocks
 from rayacc.models import build_on_meta
 from rayacc.rank.build import strategy_for
@@ -130,9 +131,9 @@ def prepare(cfg: TrainConfig) -> Prepared:
             "batch.micro_batch_size to divide it), lower data.val_fraction, or use more data"
         )
     spec = derive_run(cfg, info, groups, order, split)
-    if cfg.train.strategy == "deepspeed":
-        # the user's file against the job, before anything starts (DeepSpeedConfigError)
-        strategy_for(cfg, split, spec.worker.deepspeed_user)
+    # the strategy's settings (DeepSpeed: the user's file) against the job, before anything
+    # starts (DeepSpeedConfigError)
+    strategy_for(cfg, split, spec.worker.strategy_user)
     layout = spec.layout
     reads = read_factor(order, layout) if order.chunked else None
     return Prepared(
@@ -359,7 +360,7 @@ def _deepspeed_resize(cfg: TrainConfig, meta: dict[str, Any]) -> list[str]:
     `exp_avg` and `exp_avg_sq`): under another optimizer it would fail inside the workers."""
     saved = meta.get("num_workers")
     if (
-        meta.get("state_format") != "deepspeed"
+        meta.get("state_format") != DeepSpeedState.name
         or cfg.optim.name == "adamw"
         or saved in (None, cfg.scaling.min_workers)
     ):

@@ -14,6 +14,7 @@ from rayacc.config.batch_split import BatchSplit
 from rayacc.data.rows import read_rows
 from rayacc.driver.fit import fit
 from rayacc.driver.prelaunch import Prepared, prepare
+from rayacc.engine.parallel import DDP
 from rayacc.optim import build_schedule
 from rayacc.rank.build import build_rank
 from rayacc.redact import redact
@@ -137,7 +138,7 @@ def verify(cfg: TrainConfig) -> VerifyResult:
         update={
             "train": cfg.train.model_copy(
                 update={
-                    "strategy": "ddp",
+                    "strategy": DDP.name,  # one process: the plain module
                     "precision": "fp32",
                     "compile": False,
                     "activation_checkpointing": "none",

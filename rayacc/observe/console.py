@@ -19,6 +19,7 @@ import time
 from collections import deque
 from typing import Any
 
+from rayacc.engine.parallel import strategy_class
 from rayacc.observe import goodput
 from rayacc.observe.events import Event, RunObserver, RunStarted
 from rayacc.observe.ranks import TIME_KEY
@@ -209,37 +210,7 @@ class ProgressPrinter(RunObserver):
 def strategy_line(cfg) -> str:
     """How the run computes: strategy, precision, activation checkpointing, data order."""
     t = cfg.train
-    if t.strategy == "fsdp":
-        f = cfg.fsdp
-        where = {1: "sharded", "auto": "sharded inside each node, replicated across nodes"}
-        sharded = where.get(f.replicate, f"sharded inside {f.replicate} replica groups (HSDP)")
-        offload = "; in host memory (offload cpu)" if f.offload == "cpu" else ""
-        strategy = (
-            f"FSDP2 (parameters, gradients and optimizer state {sharded}{offload}; grad_sync "
-            f"{f.grad_sync}, reshard_after_forward {str(f.reshard_after_forward).lower()})"
-        )
-    elif t.strategy == "deepspeed":
-        d = cfg.deepspeed
-        sharded = {
-            1: "optimizer state",
-            2: "optimizer state and gradients",
-            3: "parameters, gradients and optimizer state",
-        }[d.stage]
-        offload = [
-            f"{what} offloaded to CPU"
-            for what, where in (
-                ("optimizer", d.offload_optimizer),
-                ("parameters", d.offload_params),
-            )
-            if where != "none"
-        ]
-        strategy = (
-            f"DeepSpeed ZeRO-{d.stage} ({sharded} sharded"
-            + "".join(f"; {o}" for o in offload)
-            + ")"
-        )
-    else:
-        strategy = "DDP (the whole model on every rank)"
+    strategy = strategy_class(t.strategy).describe(cfg)
     ac = t.activation_checkpointing
     recompute = ac if isinstance(ac, str) else f"every {ac.every_n} blocks"
     order = f"shuffled each epoch (seed {cfg.seed})" if cfg.data.shuffle else "stored order"

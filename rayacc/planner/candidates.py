@@ -10,11 +10,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from rayacc.config.strategies import DEFAULT_STRATEGY
 from rayacc.engine.autobatch import candidate_micro_sizes
+from rayacc.engine.parallel import strategy_class, strategy_classes
 
 __all__ = [
-    "STRATEGIES",
-    "ZERO_MODES",
     "Candidate",
     "checkpointing_choices",
     "enumerate_candidates",
@@ -22,11 +22,6 @@ __all__ = [
     "sharding_variants",
     "strategy_modes",
 ]
-
-STRATEGIES = (("ddp", None), ("fsdp", "every_micro_step"), ("fsdp", "window_end"))
-"""(train.strategy, fsdp.grad_sync) pairs the planner tries."""
-ZERO_MODES = ((1, False), (2, False), (3, False), (2, True), (3, True))
-"""(deepspeed.stage, optimizer offloaded) pairs the planner tries for a DeepSpeed job."""
 
 
 @dataclass(frozen=True)
@@ -37,7 +32,7 @@ class Candidate:
     workers: int
     micro_batch_size: int
     grad_accum_steps: int
-    strategy: str = "ddp"
+    strategy: str = DEFAULT_STRATEGY
     grad_sync: str | None = None
     """fsdp.grad_sync under fsdp; None under ddp."""
     checkpointing: str | int = "none"
@@ -97,13 +92,7 @@ class Candidate:
         out["batch.micro_batch_size"] = self.micro_batch_size
         out["batch.grad_accum_steps"] = self.grad_accum_steps
         out["train.strategy"] = self.strategy
-        if self.grad_sync is not None:
-            out["fsdp.grad_sync"] = self.grad_sync
-            out["fsdp.replicate"] = self.replicate
-            out["fsdp.offload"] = "cpu" if self.offload else "none"
-        if self.zero_stage is not None:
-            out["deepspeed.stage"] = self.zero_stage
-            out["deepspeed.offload_optimizer"] = "cpu" if self.offload else "none"
+        out.update(strategy_class(self.strategy).candidate_overrides(self))
         out["train.activation_checkpointing"] = ac if isinstance(ac, str) else {"every_n": ac}
         return out
 
@@ -124,30 +113,17 @@ def checkpointing_choices(num_blocks: int) -> list[str | int]:
     return ["none", *([2] if num_blocks >= 3 else []), "full"]
 
 
-def strategy_modes(deepspeed: bool = False) -> list[dict[str, Any]]:
-    """Each way to spread the model the planner tries, as Candidate fields: DDP, FSDP in each
-    sync mode and, with `deepspeed`, each ZeRO mode."""
-    modes: list[dict[str, Any]] = [{"strategy": s, "grad_sync": g} for s, g in STRATEGIES]
-    if deepspeed:
-        modes += [
-            {"strategy": "deepspeed", "zero_stage": stage, "offload": offload}
-            for stage, offload in ZERO_MODES
-        ]
-    return modes
+def strategy_modes(job_strategy: str = DEFAULT_STRATEGY) -> list[dict[str, Any]]:
+    """Each way to spread the model the planner tries, as Candidate fields, for a job that runs
+    `job_strategy`: every registered strategy's modes (each wing says its own: FSDP's sync
+    modes; DeepSpeed's ZeRO modes where the job runs DeepSpeed)."""
+    return [mode for cls in strategy_classes().values() for mode in cls.planner_modes(job_strategy)]
 
 
 def sharding_variants(mode: dict[str, Any], nodes: int, workers: int) -> list[dict[str, Any]]:
-    """A mode and its variants at `workers` spread over `nodes`: under FSDP, the shards in host
-    memory (offload) and, where the workers span nodes evenly, HSDP with one replica group
-    per node (each shard group on one node's links)."""
-    if mode["strategy"] != "fsdp":
-        return [mode]
-    out = [mode]
-    if mode["grad_sync"] == "every_micro_step":
-        out.append({**mode, "offload": True})
-    if nodes > 1 and workers % nodes == 0:
-        out.append({**mode, "replicate": nodes})
-    return out
+    """A mode and its variants at `workers` spread over `nodes` (FSDP's: its shards in host
+    memory and HSDP)."""
+    return strategy_class(mode["strategy"]).sharding_variants(mode, nodes, workers)
 
 
 def nodes_spanned(workers: int, workers_per_node: int | None) -> int:
@@ -162,14 +138,15 @@ def enumerate_candidates(
     num_blocks: int,
     *,
     micro_sizes: list[int] | None = None,
-    deepspeed: bool = False,
+    job_strategy: str = DEFAULT_STRATEGY,
     workers_per_node: int | None = None,
 ) -> tuple[list[Candidate], list[str]]:
     """Every candidate, and a line for each worker count that cannot keep the global batch.
-    `micro_sizes` limits the micro-batches tried (a benchmark's small grid); a single worker
-    has nothing to shard, so FSDP and ZeRO are tried from two workers on; `deepspeed`: the
-    ZeRO modes too; `workers_per_node`: how the workers spread over nodes (HSDP's
-    candidates where they span several)."""
+    `micro_sizes` limits the micro-batches tried (a benchmark's small grid); a strategy is tried
+    from its wing's `min_workers` on (FSDP and ZeRO have nothing to shard on one);
+    `job_strategy`: the strategy the job runs (ZeRO's modes are tried where it is DeepSpeed);
+    `workers_per_node`: how the workers spread over nodes (HSDP's candidates where they span
+    several)."""
     out: list[Candidate] = []
     skipped: list[str] = []
     for n in worker_counts:
@@ -183,8 +160,8 @@ def enumerate_candidates(
             m for m in candidate_micro_sizes(share) if micro_sizes is None or m in micro_sizes
         ]
         nodes = nodes_spanned(n, workers_per_node)
-        for base in strategy_modes(deepspeed):
-            if base["strategy"] != "ddp" and n == 1:
+        for base in strategy_modes(job_strategy):
+            if n < strategy_class(base["strategy"]).min_workers:
                 continue
             for mode in sharding_variants(base, nodes, n):
                 for ac in checkpointing_choices(num_blocks):

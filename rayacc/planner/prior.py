@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rayacc.engine.parallel import strategy_class
 from rayacc.planner.candidates import Candidate, nodes_spanned
 from rayacc.planner.profile import Profile, checkpointing_every
 
@@ -75,13 +76,14 @@ def predict(
 ) -> Prediction:
     """The prior of `c` (the profile was measured at the most workers any candidate has)."""
     key = str(c.checkpointing)
+    kind = strategy_class(c.strategy).prior  # what the wing declares: replicated, sharded, zero
     P, n, m, a = profile.param_bytes, c.workers, c.micro_batch_size, c.grad_accum_steps
     # FSDP shards over its shard group (all n but under HSDP), which crosses nodes unless
     # HSDP keeps it inside one
-    s = c.shard_ranks if c.strategy == "fsdp" else n
+    s = c.shard_ranks if kind == "sharded" else n
     crosses = placement.nodes(n) > 1
     shard_crosses = crosses and c.replicate == 1
-    on_host = c.offload and c.strategy == "fsdp" and profile.device == "cuda"
+    on_host = c.offload and kind == "sharded" and profile.device == "cuda"
     slots = profile.optimizer_slots
     failed = profile.failed.get(key)
     if key not in profile.compute_s:
@@ -89,11 +91,11 @@ def predict(
         return Prediction(inf, inf, 0.0, 0.0, False, "out of memory in the profile")
     # ------------------------------------------------------------------ memory
     gathered = 0.0
-    zero = c.zero_stage if c.strategy == "deepspeed" else None
+    zero = c.zero_stage if kind == "zero" else None
     # ZeRO's fp32 master partition and the optimizer's state of it (in host memory when
     # offloaded: spared on a GPU, still there on a CPU worker)
     master = 0.0 if (c.offload and profile.device == "cuda") else (1 + slots) * P / n
-    if c.strategy == "ddp":
+    if kind == "replicated":
         states = (2 + slots) * P
         if profile.device == "cuda" and n > 1:
             states += P  # gradient buckets
@@ -125,7 +127,7 @@ def predict(
     scaled_g = placement.per_byte(profile.gather_s_per_byte, profile, s, shard_crosses)
     if n == 1:
         comm = 0.0
-    elif c.strategy == "ddp" or zero == 1:
+    elif kind == "replicated" or zero == 1:
         comm = latency + P * scaled_ar
     elif zero == 2:
         comm = (a + 1) * (P * scaled_g + latency)
@@ -149,7 +151,7 @@ def predict(
             # shards out
             moves = (2 if reshard_after_forward else 1) + 1
             comm += a * moves * (P / s) / HOST_LINK_BYTES_PER_S
-    optimizer = profile.optimizer_s / (1 if c.strategy == "ddp" else s)
+    optimizer = profile.optimizer_s / (1 if kind == "replicated" else s)
     fixed, per_micro = profile.overheads.get(c.overhead_label, (0.0, 0.0))
     step = compute + comm + optimizer + fixed + a * per_micro
     # ------------------------------------------------------------------ fits?

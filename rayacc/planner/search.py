@@ -208,7 +208,7 @@ def search(
         counts,
         blocks,
         micro_sizes=micro_sizes,
-        deepspeed=cfg.train.strategy == "deepspeed",
+        job_strategy=cfg.train.strategy,
         workers_per_node=placement.workers_per_node,
     )
     if not candidates:

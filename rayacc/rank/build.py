@@ -10,21 +10,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from rayacc.config import TrainConfig
 from rayacc.config.batch_split import BatchSplit
 from rayacc.data.sources import DatasetInfo
-from rayacc.engine.parallel import (
-    DDP,
-    FSDP,
-    DeepSpeed,
-    DeepSpeedConfigError,
-    ModelRecipe,
-    Strategy,
-    deepspeed_config,
-)
+from rayacc.engine.parallel import ModelRecipe, Strategy, strategy_class
 from rayacc.engine.step import AccumulationStep
 from rayacc.models.init import initial_values, seeds_parameters
 from rayacc.models.registry import build_model, build_on_meta, loss_functions
@@ -56,17 +47,17 @@ def build_rank(
     *,
     oom_retry: bool = False,
     split: BatchSplit | None = None,
-    deepspeed_user: dict[str, Any] | None = None,
+    strategy_user: dict[str, Any] | None = None,
     node: str | None = None,
 ) -> RankParts:
     """Strategy → model → optimizer → losses → accumulation step of `cfg` on `device`, at peak
     LR `lr` (the caller lays out a schedule, where it has one, over `parts.optimizer`).
     `oom_retry`: a CUDA out-of-memory error halves the micro-batch on all ranks, where the
     strategy can retry in place (`Contract.retries_out_of_memory`). `split`: the group's batch
-    split (by default the config's at the group's size); `deepspeed_user`: the user's DeepSpeed
-    config as the driver read it (by default read from `deepspeed.config`); `node`: the node
-    this rank runs on (HSDP's `fsdp.replicate: auto` lays its mesh by the group's nodes)."""
-    strategy = strategy_for(cfg, split, deepspeed_user, node)
+    split (by default the config's at the group's size); `strategy_user`: the strategy's own
+    file as the driver read it (by default read here: DeepSpeed's `deepspeed.config`); `node`:
+    this rank's node (HSDP's `fsdp.replicate: auto` lays its mesh by the group's nodes)."""
+    strategy = strategy_for(cfg, split, strategy_user, node)
     model = strategy.build(model_recipe(cfg, info), device)
     optimizer = build_optimizer(cfg.optim, model.parameters(), lr, device, strategy)
     model, optimizer = strategy.bind_optimizer(optimizer)
@@ -85,62 +76,12 @@ def build_rank(
 def strategy_for(
     cfg: TrainConfig,
     split: BatchSplit | None = None,
-    deepspeed_user: dict[str, Any] | None = None,
+    user: Any = None,
     node: str | None = None,
 ) -> Strategy:
-    """The strategy `train.strategy` names, with its section's options."""
-    if cfg.train.strategy == "deepspeed":
-        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        split = split or cfg.batch_split(num_workers=world)
-        ds = cfg.deepspeed
-        if deepspeed_user is None:
-            deepspeed_user = read_deepspeed_user(ds.config)
-        return DeepSpeed(
-            deepspeed_config(
-                stage=ds.stage,
-                offload_optimizer=ds.offload_optimizer,
-                offload_params=ds.offload_params,
-                micro_batch_size=split.micro_batch_size,
-                grad_accum_steps=split.grad_accum_steps,
-                num_workers=split.num_workers,
-                max_grad_norm=cfg.optim.max_grad_norm,
-                precision=cfg.train.precision,
-                user=deepspeed_user,
-                source=f"deepspeed.config={ds.config!r}" if ds.config else "deepspeed.config",
-            )
-        )
-    if cfg.train.strategy == "fsdp":
-        bf16 = cfg.train.precision == "bf16" and cfg.fsdp.mixed_precision
-        return FSDP(
-            cfg.fsdp.grad_sync,
-            reshard_after_forward=cfg.fsdp.reshard_after_forward,
-            param_dtype=torch.bfloat16 if bf16 else None,
-            replicate=cfg.fsdp.replicate,
-            node=node,
-            offload=cfg.fsdp.offload == "cpu",
-        )
-    return DDP()
-
-
-MAX_DEEPSPEED_CONFIG_BYTES = 1 << 20
-"""A DeepSpeed config is a page of JSON: a larger file is not one."""
-
-
-def read_deepspeed_user(path: str | None) -> dict[str, Any] | None:
-    """The user's `deepspeed_config.json` (`deepspeed.config`), read by the one reader of the
-    files a job names (`config.loader.read_yaml`: JSON is YAML); one that is not a JSON object
-    is refused naming the file."""
-    if path is None:
-        return None
-    from rayacc.config.loader import read_yaml
-
-    where = "deepspeed.config=ds_config.json"
-    doc = read_yaml(path, "DeepSpeed config", where, MAX_DEEPSPEED_CONFIG_BYTES)
-    if not isinstance(doc, dict):
-        raise DeepSpeedConfigError(
-            [f"deepspeed.config={path!r}: not a JSON object. Fix: give DeepSpeed's JSON config"]
-        )
-    return doc
+    """The strategy `train.strategy` names (its wing, through the registry), with its
+    section's options."""
+    return strategy_class(cfg.train.strategy).from_config(cfg, split, user, node)
 
 
 def model_recipe(cfg: TrainConfig, info: DatasetInfo) -> ModelRecipe:

@@ -15,6 +15,7 @@ from rayacc.config.batch_split import BatchSplit, BatchSplitError, split_for_wor
 from rayacc.data.order import DataOrder, EpochLayout
 from rayacc.data.sources import DatasetInfo, RowGroups
 from rayacc.engine.lr import effective_lr
+from rayacc.engine.parallel import strategy_classes
 from rayacc.optim import optimizer_slots
 from rayacc.redact import redact
 
@@ -246,11 +247,11 @@ def memory_per_rank(cfg: TrainConfig, info: DatasetInfo, num_parameters: int, wo
     acts = _activations_per_sample(cfg, info)
     acts = acts * micro / 2**20 if acts is not None and micro else None
     p = num_parameters * mib
-    rows = [("ddp", p, p, slots * p, acts)]
-    shard = p / workers
-    rows.append(("fsdp every_micro_step", shard, shard, slots * shard, acts))
-    rows.append(("fsdp window_end", shard, p, slots * shard, acts))
-    return rows
+    return [
+        row
+        for cls in strategy_classes().values()
+        for row in cls.memory_rows(p, workers, slots, acts)
+    ]
 
 
 def _activations_per_sample(cfg: TrainConfig, info: DatasetInfo) -> float | None:

@@ -10,8 +10,8 @@ from rayacc.config import TrainConfig
 from rayacc.config.batch_split import BatchSplit, BatchSplitError
 from rayacc.data.order import DataOrder, EpochLayout
 from rayacc.data.sources import DatasetInfo, RowGroups
+from rayacc.engine.parallel import strategy_class
 from rayacc.optim import optimizer_slots
-from rayacc.rank.build import read_deepspeed_user
 from rayacc.run.quantities import (
     EpochWindows,
     data_order,
@@ -59,9 +59,9 @@ class WorkerSettings:
     its rows itself rather than through Ray Data."""
     optimizer_slots: int
     """Derived: values the optimizer keeps per parameter (`optim.name`, `optim.momentum`)."""
-    deepspeed_user: dict | None = None
-    """The user's DeepSpeed config (`deepspeed.config`), as the driver read it (the workers
-    may not see the file)."""
+    strategy_user: dict | None = None
+    """The strategy's own file the config names (DeepSpeed's `deepspeed.config`), as the
+    driver read it (the workers may not see the file)."""
 
     @classmethod
     def of(cls, cfg: TrainConfig, info: DatasetInfo) -> WorkerSettings:
@@ -84,11 +84,7 @@ class WorkerSettings:
             system_metrics=cfg.tracking.system_metrics,
             read_in_process=0 < info.data_bytes <= cfg.data.in_process_read_max_mb * 2**20,
             optimizer_slots=optimizer_slots(cfg.optim),
-            deepspeed_user=(
-                read_deepspeed_user(cfg.deepspeed.config)
-                if cfg.train.strategy == "deepspeed"
-                else None
-            ),
+            strategy_user=strategy_class(cfg.train.strategy).read_user_config(cfg),
         )
 
 

@@ -8,6 +8,7 @@ from typing import Any
 
 from rayacc.config import TrainConfig
 from rayacc.config.batch_split import BatchSplit
+from rayacc.config.strategies import strategy_sections
 
 __all__ = ["MODEL_KEYS", "contract_params"]
 
@@ -18,14 +19,13 @@ MODEL_KEYS = {
     "hf": ("hf",),
 }
 """The `model.*` keys each model kind reads (`model.name` is always recorded)."""
-STRATEGY_SECTIONS = {"fsdp": "fsdp", "deepspeed": "deepspeed"}
-"""A section that only its strategy reads."""
 
 
 def _applies(key: str, cfg: TrainConfig) -> bool:
     section, _, rest = key.partition(".")
-    if section in STRATEGY_SECTIONS.values():
-        return STRATEGY_SECTIONS.get(cfg.train.strategy) == section
+    owner = strategy_sections().get(section)
+    if owner is not None:
+        return owner == cfg.train.strategy
     if section == "model" and rest != "name":
         return rest.split(".", 1)[0] in MODEL_KEYS[cfg.model.name]
     return True

@@ -19,7 +19,7 @@ from rayacc.data.rows import LocalRows
 from rayacc.data.sources import RowGroups
 from rayacc.data.vocab import VOCAB_FILE
 from rayacc.engine import SampleSchedule, TrainState, device_peak_tflops
-from rayacc.engine.parallel import STRATEGIES
+from rayacc.engine.parallel import strategy_class
 from rayacc.observe.events import (
     CheckpointPassedOver,
     Event,
@@ -111,7 +111,7 @@ def set_up(
         # a CUDA out-of-memory error halves the micro-batch on all ranks (auto micro-batch)
         oom_retry=w.auto_micro_batch and device.type == "cuda",
         split=spec.split_at(world),
-        deepspeed_user=w.deepspeed_user,
+        strategy_user=w.strategy_user,
         node=ray.get_runtime_context().get_node_id(),
     )
     schedule = build_schedule(
@@ -242,7 +242,7 @@ def open_data(
 
 def say_what_starts(strategy: str, outbox) -> None:
     """Says, before the rank builds its parts, what the strategy's start spends long on."""
-    starting = STRATEGIES[strategy].starting
+    starting = strategy_class(strategy).starting
     if starting:
         outbox.send(GroupStarting(starting))
         outbox.flush()

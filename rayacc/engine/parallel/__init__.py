@@ -7,10 +7,12 @@ More: docs/design.md, "Notes from the code" (engine/parallel/__init__.py).
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 from torch import nn
 
+from rayacc.config.strategies import strategies, strategy_entry
 from rayacc.engine.parallel.base import CommStats, Contract, ModelRecipe, Strategy
 from rayacc.engine.parallel.ddp import DDP
 from rayacc.engine.parallel.deepspeed import DeepSpeed
@@ -29,7 +31,6 @@ __all__ = [
     "DDP",
     "FSDP",
     "SHARDS_DIR",
-    "STRATEGIES",
     "CommStats",
     "Contract",
     "DeepSpeed",
@@ -42,18 +43,30 @@ __all__ = [
     "deepspeed_config",
     "host_copy",
     "make_strategy",
+    "strategy_class",
+    "strategy_classes",
     "strategy_of",
     "unwrap",
 ]
 
-STRATEGIES: dict[str, type[Strategy]] = {"ddp": DDP, "fsdp": FSDP, "deepspeed": DeepSpeed}
+
+def strategy_class(name: str) -> type[Strategy]:
+    """The wing the registry (config/strategies.py) names for `train.strategy` `name`."""
+    module, _, attr = strategy_entry(name).wing.partition(":")
+    cls = getattr(importlib.import_module(module), attr)
+    if not (isinstance(cls, type) and issubclass(cls, Strategy)) or cls.name != name:
+        raise TypeError(f"strategy {name!r}: {module}:{attr} is not a Strategy named {name!r}")
+    return cls
+
+
+def strategy_classes() -> dict[str, type[Strategy]]:
+    """Every registered strategy's wing, by name."""
+    return {name: strategy_class(name) for name in strategies()}
 
 
 def make_strategy(name: str, **options: Any) -> Strategy:
     """The strategy called `name` (`train.strategy`) with its options."""
-    if name not in STRATEGIES:
-        raise ValueError(f"strategy {name!r} is not one of {', '.join(STRATEGIES)}")
-    return STRATEGIES[name](**options)
+    return strategy_class(name)(**options)
 
 
 def strategy_of(model: nn.Module, **options: Any) -> Strategy:

@@ -21,6 +21,8 @@ from rayacc.engine.recompute import apply_activation_checkpointing
 from rayacc.engine.units import fsdp_blocks, is_ddp, unwrap
 
 if TYPE_CHECKING:
+    from rayacc.config import TrainConfig
+    from rayacc.config.batch_split import BatchSplit
     from rayacc.engine.parallel.state import StateFormat
 
 __all__ = ["CommStats", "Contract", "ModelRecipe", "Strategy"]
@@ -132,6 +134,57 @@ class Strategy(ABC):
 
     state: StateFormat
     """How its model and optimizer state goes into a checkpoint and back (parallel/state.py)."""
+    prior: Literal["replicated", "sharded", "zero"] = "replicated"
+    """How the planner's prior (planner/prior.py) counts its memory and communication: the
+    whole model on every rank, FSDP's shards, or ZeRO's stages."""
+    min_workers: int = 1
+    """The fewest workers the planner tries it at (a sharding strategy has nothing to shard
+    on one)."""
+
+    # ------------------------------------------------------------------ from the config
+    @classmethod
+    def from_config(
+        cls, cfg: TrainConfig, split: BatchSplit | None, user: Any = None, node: str | None = None
+    ) -> Strategy:
+        """The strategy with its section's options (`user`: what `read_user_config` read on the
+        driver; `node`: the node this rank runs on)."""
+        return cls()
+
+    @classmethod
+    def read_user_config(cls, cfg: TrainConfig) -> Any:
+        """A file of the strategy's own the config names, read on the driver (None: none)."""
+        return None
+
+    @classmethod
+    def describe(cls, cfg: TrainConfig) -> str:
+        """How it spreads the model, for the run's header."""
+        return cls.name
+
+    @classmethod
+    def planner_modes(cls, job_strategy: str) -> list[dict[str, Any]]:
+        """Each way of running it the planner tries, as `Candidate` fields, for a job that
+        runs `job_strategy`."""
+        return [{"strategy": cls.name}]
+
+    @classmethod
+    def sharding_variants(
+        cls, mode: dict[str, Any], nodes: int, workers: int
+    ) -> list[dict[str, Any]]:
+        """A planner mode and its variants at `workers` over `nodes`."""
+        return [mode]
+
+    @classmethod
+    def memory_rows(
+        cls, params: float, workers: int, slots: int, activations: float | None
+    ) -> list[tuple[str, float, float, float, float | None]]:
+        """The estimate `rayacc plan` shows per rank: (label, parameters, gradients, optimizer
+        state, activations), in the unit of `params` (the whole model's parameters)."""
+        return [(cls.name, params, params, slots * params, activations)]
+
+    @classmethod
+    def candidate_overrides(cls, candidate: Any) -> dict[str, Any]:
+        """The config keys of its section a planner candidate sets."""
+        return {}
 
     def __init__(self) -> None:
         self.model: nn.Module | None = None

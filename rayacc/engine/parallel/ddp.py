@@ -28,6 +28,10 @@ class DDP(Strategy):
 
     name = "ddp"
 
+    @classmethod
+    def describe(cls, cfg) -> str:
+        return "DDP (the whole model on every rank)"
+
     def __init__(self) -> None:
         super().__init__()
         self.state = WholeState()

@@ -36,6 +36,7 @@ from rayacc.engine.parallel.base import (
     _Timeline,
     _world,
 )
+from rayacc.engine.parallel.deepspeed_config import deepspeed_config, read_deepspeed_user
 from rayacc.engine.parallel.state import StateFormat, _written
 from rayacc.engine.parallel.zero_files import vet_zero_files
 
@@ -53,6 +54,81 @@ class DeepSpeed(Strategy):
         "DeepSpeed: starting its engine on every rank (the first start on a machine builds a "
         "small op of its own with ninja: up to a minute)"
     )
+
+    prior = "zero"
+    min_workers = 2
+    ZERO_MODES = ((1, False), (2, False), (3, False), (2, True), (3, True))
+    """(deepspeed.stage, optimizer offloaded) pairs the planner tries for a DeepSpeed job."""
+
+    @classmethod
+    def from_config(cls, cfg, split, user=None, node=None) -> DeepSpeed:
+        if split is None:
+            world = _world()
+            split = cfg.batch_split(num_workers=world)
+        ds = cfg.deepspeed
+        if user is None:
+            user = read_deepspeed_user(ds.config)
+        return cls(
+            deepspeed_config(
+                stage=ds.stage,
+                offload_optimizer=ds.offload_optimizer,
+                offload_params=ds.offload_params,
+                micro_batch_size=split.micro_batch_size,
+                grad_accum_steps=split.grad_accum_steps,
+                num_workers=split.num_workers,
+                max_grad_norm=cfg.optim.max_grad_norm,
+                precision=cfg.train.precision,
+                user=user,
+                source=f"deepspeed.config={ds.config!r}" if ds.config else "deepspeed.config",
+            )
+        )
+
+    @classmethod
+    def read_user_config(cls, cfg) -> dict[str, Any] | None:
+        return read_deepspeed_user(cfg.deepspeed.config)
+
+    @classmethod
+    def describe(cls, cfg) -> str:
+        d = cfg.deepspeed
+        sharded = {
+            1: "optimizer state",
+            2: "optimizer state and gradients",
+            3: "parameters, gradients and optimizer state",
+        }[d.stage]
+        offload = [
+            f"{what} offloaded to CPU"
+            for what, where in (
+                ("optimizer", d.offload_optimizer),
+                ("parameters", d.offload_params),
+            )
+            if where != "none"
+        ]
+        return (
+            f"DeepSpeed ZeRO-{d.stage} ({sharded} sharded"
+            + "".join(f"; {o}" for o in offload)
+            + ")"
+        )
+
+    @classmethod
+    def planner_modes(cls, job_strategy: str) -> list[dict[str, Any]]:
+        # tried only where the job runs it: the extra is installed there
+        if job_strategy != cls.name:
+            return []
+        return [
+            {"strategy": cls.name, "zero_stage": stage, "offload": offload}
+            for stage, offload in cls.ZERO_MODES
+        ]
+
+    @classmethod
+    def memory_rows(cls, params, workers, slots, activations):
+        return []  # the planner's prior counts ZeRO's stages (`rayacc plan --search`)
+
+    @classmethod
+    def candidate_overrides(cls, candidate) -> dict[str, Any]:
+        return {
+            "deepspeed.stage": candidate.zero_stage,
+            "deepspeed.offload_optimizer": "cpu" if candidate.offload else "none",
+        }
 
     def record_files(self) -> dict[str, str]:
         # the config DeepSpeed runs with: the user's file merged under the job's keys

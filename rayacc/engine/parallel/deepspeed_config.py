@@ -10,7 +10,7 @@ import json
 import math
 from typing import Any
 
-__all__ = ["AUTO", "DeepSpeedConfigError", "deepspeed_config"]
+__all__ = ["AUTO", "DeepSpeedConfigError", "deepspeed_config", "read_deepspeed_user"]
 
 
 class DeepSpeedConfigError(ValueError):
@@ -200,3 +200,24 @@ def _autos(config: Any, owned: set[str], path: str = "") -> list[str]:
 
 def _same_number(a: Any, b: Any) -> bool:
     return isinstance(a, int | float) and not isinstance(a, bool) and math.isclose(a, b)
+
+
+MAX_DEEPSPEED_CONFIG_BYTES = 1 << 20
+"""A DeepSpeed config is a page of JSON: a larger file is not one."""
+
+
+def read_deepspeed_user(path: str | None) -> dict[str, Any] | None:
+    """The user's `deepspeed_config.json` (`deepspeed.config`), read by the one reader of the
+    files a job names (`config.loader.read_yaml`: JSON is YAML); one that is not a JSON object
+    is refused naming the file."""
+    if path is None:
+        return None
+    from rayacc.config.loader import read_yaml
+
+    where = "deepspeed.config=ds_config.json"
+    doc = read_yaml(path, "DeepSpeed config", where, MAX_DEEPSPEED_CONFIG_BYTES)
+    if not isinstance(doc, dict):
+        raise DeepSpeedConfigError(
+            [f"deepspeed.config={path!r}: not a JSON object. Fix: give DeepSpeed's JSON config"]
+        )
+    return doc

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -42,6 +42,63 @@ class FSDP(Strategy):
     in host memory (`CPUOffloadPolicy`), the optimizer step on the CPU."""
 
     name = "fsdp"
+    prior = "sharded"
+    min_workers = 2
+
+    @classmethod
+    def from_config(cls, cfg, split, user=None, node=None) -> FSDP:
+        f = cfg.fsdp
+        bf16 = cfg.train.precision == "bf16" and f.mixed_precision
+        return cls(
+            f.grad_sync,
+            reshard_after_forward=f.reshard_after_forward,
+            param_dtype=torch.bfloat16 if bf16 else None,
+            replicate=f.replicate,
+            node=node,
+            offload=f.offload == "cpu",
+        )
+
+    @classmethod
+    def describe(cls, cfg) -> str:
+        f = cfg.fsdp
+        where = {1: "sharded", "auto": "sharded inside each node, replicated across nodes"}
+        sharded = where.get(f.replicate, f"sharded inside {f.replicate} replica groups (HSDP)")
+        offload = "; in host memory (offload cpu)" if f.offload == "cpu" else ""
+        return (
+            f"FSDP2 (parameters, gradients and optimizer state {sharded}{offload}; grad_sync "
+            f"{f.grad_sync}, reshard_after_forward {str(f.reshard_after_forward).lower()})"
+        )
+
+    @classmethod
+    def planner_modes(cls, job_strategy: str) -> list[dict[str, Any]]:
+        return [{"strategy": cls.name, "grad_sync": g} for g in GRAD_SYNC_MODES]
+
+    @classmethod
+    def sharding_variants(cls, mode, nodes, workers) -> list[dict[str, Any]]:
+        """The shards in host memory (offload) and, where the workers span nodes evenly, HSDP
+        with one replica group per node (each shard group on one node's links)."""
+        out = [mode]
+        if mode["grad_sync"] == "every_micro_step":
+            out.append({**mode, "offload": True})
+        if nodes > 1 and workers % nodes == 0:
+            out.append({**mode, "replicate": nodes})
+        return out
+
+    @classmethod
+    def memory_rows(cls, params, workers, slots, activations):
+        shard = params / workers
+        return [
+            (f"{cls.name} every_micro_step", shard, shard, slots * shard, activations),
+            (f"{cls.name} window_end", shard, params, slots * shard, activations),
+        ]
+
+    @classmethod
+    def candidate_overrides(cls, candidate) -> dict[str, Any]:
+        return {
+            "fsdp.grad_sync": candidate.grad_sync,
+            "fsdp.replicate": candidate.replicate,
+            "fsdp.offload": "cpu" if candidate.offload else "none",
+        }
 
     def __init__(
         self,

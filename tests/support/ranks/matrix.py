@@ -108,8 +108,9 @@ class Case:
         return " | ".join(str(v) for k, v in asdict(self).items() if k != "index")
 
 
-def cases() -> list[Case]:
-    return [Case(i, **c) for i, c in enumerate(pairwise(FACTORS))]
+def cases(factors: dict[str, tuple] | None = None) -> list[Case]:
+    """The pairwise cases of `factors` (the matrix's own by default; a test adds a value)."""
+    return [Case(i, **c) for i, c in enumerate(pairwise(factors or FACTORS))]
 
 
 def windows(case: Case) -> list[list[torch.Tensor]]:
@@ -231,7 +232,8 @@ def run_phase(case: Case, rank: int, world: int, folder: Path, phase: str) -> di
             torch.save(whole, folder / "state.pt")
         return None
     full = full_weights(strategy.unwrapped())  # a collective under FSDP: every rank gathers
-    return {"params": full, "signals": signals} if rank == 0 else None
+    ran = f"{type(strategy).__module__}:{type(strategy).__qualname__}"
+    return {"params": full, "signals": signals, "strategy": ran} if rank == 0 else None
 
 
 def _broadcast(saved: dict, rank: int) -> dict:
@@ -280,11 +282,13 @@ def phase_groups(all_cases: list[Case]) -> list[tuple[str, int, list[Case]]]:
     return groups
 
 
-def run_group(rank: int, world: int, init_file: str, out_dir: str, phase: str, indices) -> None:
+def run_group(
+    rank: int, world: int, init_file: str, out_dir: str, phase: str, indices, factors=None
+) -> None:
     """Rank body: every case of one (phase, ranks) group in one gloo group."""
     from tests.support.ranks.dist_workers import run_scenarios
 
-    by_index = {c.index: c for c in cases()}
+    by_index = {c.index: c for c in cases(factors)}
 
     def scenario(case: Case):
         def run(rank: int, world: int, out: dict) -> None:

@@ -12,11 +12,13 @@ import typing
 import pytest
 
 from rayacc.config import ConfigError, SweepConfig, TrainConfig
-from rayacc.config.rules import STRATEGY_SECTIONS, strategy_resets
+from rayacc.config.rules import strategy_resets
+from rayacc.config.strategies import strategies, strategy_sections
 
 GOOD = {"batch": {"global_batch_size": 256, "micro_batch_size": 32}, "scaling": {"num_workers": 2}}
 TRAIN = TrainConfig.model_fields["train"].annotation
 STRATEGIES = typing.get_args(TRAIN.model_fields["strategy"].annotation)
+STRATEGY_SECTIONS = strategy_sections()
 
 
 def candidates(tp):
@@ -53,7 +55,9 @@ SETTINGS = list(settings())
 
 
 def test_every_field_of_every_strategys_section_is_covered():
-    assert set(STRATEGY_SECTIONS) <= set(STRATEGIES)
+    # the schema's names are the registry's
+    assert set(STRATEGIES) == set(strategies())
+    assert set(STRATEGY_SECTIONS.values()) <= set(STRATEGIES)
     fields = {
         (name, field)
         for name in STRATEGY_SECTIONS
@@ -75,11 +79,12 @@ def test_a_setting_of_another_strategys_section_is_refused_naming_both(name, fie
     for strategy in STRATEGIES:
         data = {**GOOD, "train": {"strategy": strategy}, name: {field: value}}
         found = foreign_issues(data, f"{name}.{field}")
-        if strategy == name:
+        owner = STRATEGY_SECTIONS[name]
+        if strategy == owner:
             assert not found, found
         else:
             assert len(found) == 1, (strategy, found)
-            assert f"set train.strategy={name}" in found[0] and repr(strategy) in found[0]
+            assert f"set train.strategy={owner}" in found[0] and repr(strategy) in found[0]
 
 
 FSDP_JOB = {**GOOD, "train": {"strategy": "fsdp"}, "fsdp": {"grad_sync": "window_end"}}

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from rayacc.engine import AccumulationStep, classification_item_losses
-from rayacc.engine.parallel import DDP, FSDP, STRATEGIES, Contract, DeepSpeed
+from rayacc.engine.parallel import DDP, FSDP, Contract, DeepSpeed, strategy_classes
 from tests.support.ranks.engine_helpers import TinyClassifier, classification_rows, micro_batches
 
 
@@ -50,7 +50,7 @@ def test_each_strategy_declares_its_contract(strategy, expected):
 
 
 def test_every_registered_strategy_has_a_contract():
-    assert all(isinstance(cls.contract, Contract) for cls in STRATEGIES.values())
+    assert all(isinstance(cls.contract, Contract) for cls in strategy_classes().values())
 
 
 class _Asked:

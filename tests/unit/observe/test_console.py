@@ -508,7 +508,7 @@ def test_lines_that_arrive_together_say_their_own_steps_time_and_no_eta_before_a
 
 def test_a_strategy_whose_start_takes_long_says_so_as_the_group_starts():
     """~35 s of DeepSpeed's start with nothing printed: the rank says what starts, first."""
-    from rayacc.engine.parallel import STRATEGIES
+    from rayacc.engine.parallel import strategy_classes
     from rayacc.observe.events import GroupStarting
     from rayacc.worker.setup import say_what_starts
 
@@ -523,7 +523,7 @@ def test_a_strategy_whose_start_takes_long_says_so_as_the_group_starts():
             self.flushed += 1
 
     said = {}
-    for name in STRATEGIES:
+    for name in strategy_classes():
         box = Box()
         say_what_starts(name, box)
         said[name] = box.sent

@@ -646,7 +646,7 @@ def test_a_deepspeed_job_plans_each_zero_mode_from_two_workers():
     """The ZeRO modes are candidates of a DeepSpeed job only; each candidate's overrides make a
     valid config of the job (the one validator)."""
     plain, _ = enumerate_candidates(64, [1, 2], 0)
-    cands, _ = enumerate_candidates(64, [1, 2], 0, deepspeed=True)
+    cands, _ = enumerate_candidates(64, [1, 2], 0, job_strategy="deepspeed")
     zero = [c for c in cands if c.strategy == "deepspeed"]
     assert not any(c.strategy == "deepspeed" for c in plain)
     assert len(zero) == 5 * 6 and all(c.workers == 2 for c in zero)  # 5 modes × micro 1..32

@@ -1,0 +1,178 @@
+"""The one registry of parallel strategies: each name `train.strategy` takes, the engine's wing
+that carries it out (`engine/parallel/<name>.py`, named here by its import path so the config
+layer never imports torch), the config section it owns and its cross-field rules. The schema's
+strategy names, the rules, the MLflow params, the planner and the console read it; a strategy
+of another package registers under the entry-point group `rayacc.strategies`
+(`name = "package.module:Class"`), as pytest's and MLflow's plugins do."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from importlib import metadata
+from typing import Any
+
+from rayacc.config.errors import ConfigIssue
+
+__all__ = [
+    "DEFAULT_STRATEGY",
+    "ENTRY_POINT_GROUP",
+    "StrategyEntry",
+    "strategies",
+    "strategy_entry",
+    "strategy_sections",
+]
+
+ENTRY_POINT_GROUP = "rayacc.strategies"
+
+Rules = Callable[[Mapping[str, Any], Any], list[ConfigIssue]]
+"""(the valid sections by name, the scaling section or None) → the strategy's own issues; run
+only when `train.strategy` names it."""
+
+
+@dataclass(frozen=True)
+class StrategyEntry:
+    name: str
+    wing: str
+    """`module:Class` of its `Strategy` (imported by the engine only)."""
+    section: str | None = None
+    """The config section only it reads (refused, not ignored, under another strategy)."""
+    rules: Rules | None = None
+
+
+# ----------------------------------------------------------------------------- built-in rules
+def _fsdp_rules(sections: Mapping[str, Any], scaling: Any) -> list[ConfigIssue]:
+    train, fsdp = sections["train"], sections.get("fsdp")
+    issues = _fsdp_mesh_rules(fsdp, scaling) if fsdp is not None else []
+    if train.precision == "fp16":
+        issues.append(
+            ConfigIssue(
+                "train.precision",
+                "fp16 needs a gradient scaler for sharded gradients, which rayacc does not have",
+                "fp16",
+                "use train.precision=bf16 (or fp32) with train.strategy=fsdp",
+            )
+        )
+    return issues
+
+
+def _fsdp_mesh_rules(fsdp: Any, scaling: Any) -> list[ConfigIssue]:
+    """HSDP's replica groups: a number that divides every worker count the run may have."""
+    r = fsdp.replicate
+    if r == "auto" or r == 1 or scaling is None:
+        return []
+    if scaling.elastic:
+        return [
+            ConfigIssue(
+                "fsdp.replicate",
+                "a number of replica groups cannot follow an elastic group's size",
+                r,
+                "set fsdp.replicate=auto (one per node, re-derived at every size), or give one "
+                "worker count",
+            )
+        ]
+    if scaling.min_workers % r:
+        return [
+            ConfigIssue(
+                "fsdp.replicate",
+                f"does not divide scaling.num_workers={scaling.min_workers}",
+                r,
+                "give a divisor of the worker count, or fsdp.replicate=auto",
+            )
+        ]
+    return []
+
+
+def _deepspeed_rules(sections: Mapping[str, Any], scaling: Any) -> list[ConfigIssue]:
+    """What DeepSpeed under rayacc does not run yet, and its section's own rule."""
+    train, ds, batch = sections["train"], sections.get("deepspeed"), sections.get("batch")
+    issues = []
+    if ds is not None and ds.offload_params != "none" and ds.stage != 3:
+        issues.append(
+            ConfigIssue(
+                "deepspeed.offload_params",
+                "parameters are offloaded only under ZeRO stage 3",
+                ds.offload_params,
+                "set deepspeed.stage=3, or deepspeed.offload_params=none",
+            )
+        )
+    fix = "use train.strategy=ddp or fsdp for it"
+    if train.precision == "fp16" and scaling is not None and not scaling.use_gpu:
+        issues.append(
+            ConfigIssue(
+                "train.precision",
+                "DeepSpeed's fp16 (its loss scaler and fp16 kernels) needs a GPU: its CPU "
+                "accelerator has none",
+                train.precision,
+                "set train.precision=bf16 (or fp32) for CPU workers, or scaling.use_gpu=true",
+            )
+        )
+    if train.compile:
+        issues.append(
+            ConfigIssue(
+                "train.compile",
+                "torch.compile under DeepSpeed's engine is not supported",
+                True,
+                f"set train.compile=false with train.strategy=deepspeed, or {fix}",
+            )
+        )
+    if batch is not None and batch.auto_micro_batch:
+        issues.append(
+            ConfigIssue(
+                "batch.micro_batch_size",
+                "DeepSpeed's engine is built for one micro-batch: `auto` cannot search",
+                "auto",
+                f"give batch.micro_batch_size a number with train.strategy=deepspeed, or {fix}",
+            )
+        )
+    optim = sections.get("optim")
+    if scaling is not None and scaling.elastic and optim is not None and optim.name != "adamw":
+        # each resize restarts from DeepSpeed's universal checkpoint, whose converter and
+        # ZeRO-3 loader read Adam's state (`exp_avg`, `exp_avg_sq`) and fail on any other
+        issues.append(
+            ConfigIssue(
+                "scaling.num_workers",
+                "an elastic group under DeepSpeed resizes through DeepSpeed's universal "
+                f"checkpoint, which carries Adam's state only, and optim.name is {optim.name!r}",
+                list(scaling.num_workers),
+                "set optim.name=adamw, or give one worker count with train.strategy=deepspeed, "
+                f"or {fix}",
+            )
+        )
+    return issues
+
+
+# ----------------------------------------------------------------------------- the registry
+DEFAULT_STRATEGY = "ddp"
+
+_BUILT_IN = (
+    StrategyEntry(DEFAULT_STRATEGY, "rayacc.engine.parallel.ddp:DDP"),
+    StrategyEntry("fsdp", "rayacc.engine.parallel.fsdp:FSDP", "fsdp", _fsdp_rules),
+    StrategyEntry(
+        "deepspeed", "rayacc.engine.parallel.deepspeed:DeepSpeed", "deepspeed", _deepspeed_rules
+    ),
+)
+
+
+@functools.cache
+def strategies() -> Mapping[str, StrategyEntry]:
+    """Every strategy by name: the built-in ones, then those other packages register (their
+    entry points are read, not loaded: a plugin's module is imported by the engine when a run
+    uses it). A plugin cannot take a built-in's name."""
+    found = {e.name: e for e in _BUILT_IN}
+    for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
+        found.setdefault(ep.name, StrategyEntry(ep.name, ep.value))
+    return found
+
+
+def strategy_entry(name: str) -> StrategyEntry:
+    known = strategies()
+    if name not in known:
+        raise ValueError(f"train.strategy {name!r} is not one of {', '.join(known)}")
+    return known[name]
+
+
+def strategy_sections() -> dict[str, str]:
+    """Section name → the strategy that owns it."""
+    return {e.section: e.name for e in strategies().values() if e.section}
