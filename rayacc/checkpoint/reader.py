@@ -112,7 +112,7 @@ def vet_shards(folder: Path, meta: dict[str, Any]) -> None:
     if shards is None:
         return
     if meta.get("state_format") == DeepSpeedState.name:
-        from rayacc.engine.parallel.zero_files import vet_zero_files
+        from rayacc.engine.parallel.deepspeed_files import vet_zero_files
 
         world = meta.get("num_workers")
         if type(world) is not int or world < 1:
@@ -276,7 +276,7 @@ def _load_model(path: Path, view: Path, factory: str | None) -> nn.Module:
     shards = shards_of(view, meta)
     zero = None
     if meta.get("state_format") == DeepSpeedState.name:
-        from rayacc.engine.parallel.zero_files import read_zero_weights
+        from rayacc.engine.parallel.deepspeed_files import read_zero_weights
 
         try:
             # DeepSpeed's files read as data, its runtime neither started nor imported

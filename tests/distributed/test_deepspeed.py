@@ -97,7 +97,7 @@ def test_each_stage_in_bf16_is_the_full_batch_steps_within_bf16_rounding(
     """DeepSpeed's bf16 (the module in bf16, the optimizer's fp32 master weights, which the
     checkpoint holds): the two steps' update within bf16's rounding of the fp32 full-batch
     steps."""
-    from rayacc.engine.parallel.zero_files import read_zero_weights
+    from rayacc.engine.parallel.deepspeed_files import read_zero_weights
     from rayacc.models import build_model
 
     got = ranks[0][(stage, offload, "bf16")]
@@ -130,7 +130,7 @@ def test_the_weights_read_back_from_deepspeeds_files_without_its_runtime(
     exactly the weights the ranks trained."""
     import sys
 
-    from rayacc.engine.parallel.zero_files import read_zero_weights
+    from rayacc.engine.parallel.deepspeed_files import read_zero_weights
     from rayacc.models import build_model
 
     folder = ranks[0]["out_dir"] / f"zero{stage}-{offload}" / "zero"
@@ -196,7 +196,7 @@ def test_damaged_deepspeed_files_are_refused_naming_them_and_run_no_code(ranks, 
     DeepSpeed's files (the one resume vets them with, and load_model's) raises ValueError
     naming a file or the folder, or reads weights of the right shapes; never another exception,
     never the payload run."""
-    from rayacc.engine.parallel.zero_files import read_zero_weights, vet_zero_files
+    from rayacc.engine.parallel.deepspeed_files import read_zero_weights, vet_zero_files
 
     original = ranks[0]["out_dir"] / f"zero{stage}-none" / "zero"
     shapes = {k: v.shape for k, v in read_zero_weights(original, 2).items()}
@@ -266,7 +266,7 @@ def test_deepspeeds_readers_see_only_the_manifests_files_of_the_ranks_it_names(
     unpickled."""
     from rayacc.checkpoint import CheckpointError, load_model, read_checkpoint
     from rayacc.checkpoint.format import META_FILE, file_entry
-    from rayacc.engine.parallel.zero_files import read_zero_weights
+    from rayacc.engine.parallel.deepspeed_files import read_zero_weights
     from tests.support.data.strangers import foreign_names, plant
 
     original = _rayacc_checkpoint(ranks, stage, offload, tmp_path / "original")

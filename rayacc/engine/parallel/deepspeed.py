@@ -38,7 +38,7 @@ from rayacc.engine.parallel.base import (
 )
 from rayacc.engine.parallel.deepspeed_config import deepspeed_config, read_deepspeed_user
 from rayacc.engine.parallel.state import StateFormat, _written
-from rayacc.engine.parallel.zero_files import vet_zero_files
+from rayacc.engine.parallel.deepspeed_files import vet_zero_files
 
 __all__ = ["DeepSpeed", "DeepSpeedState", "to_universal"]
 
