@@ -488,6 +488,7 @@ def _open_tracking(
         tags={**(tags or {}), **({"rayacc.continues": continues} if continues else {})},
         data=prep.info,
         train_rows=prep.spec.order.num_train_rows,
+        strategy_user=prep.spec.worker.strategy_user,
     )
     tracked = open_tracking(
         cfg,

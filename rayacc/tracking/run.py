@@ -49,6 +49,9 @@ class RunIdentity:
     data: DatasetInfo | None = None
     """The data the run trains on (its MLflow dataset input); `train_rows` of it train."""
     train_rows: int = 0
+    strategy_user: Any = None
+    """The strategy's own file as the driver read it for the workers (`RunSpec.worker`): the
+    record keeps what the run got, not the file as it is later."""
 
 
 Lineage = Callable[[int], Sequence[dict[str, Any]]]
@@ -202,7 +205,7 @@ def open_tracking(
             del params["micro_batch_size"], params["grad_accum_steps"]
         sink.log_params(params)
         sink.log_text(cfg.to_yaml(), "config.yaml")
-        for name, text in strategy_for(cfg, run.split).record_files().items():
+        for name, text in strategy_for(cfg, run.split, run.strategy_user).record_files().items():
             sink.log_text(text, name)
         if run.data is not None:
             sink.log_dataset(

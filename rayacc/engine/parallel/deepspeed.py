@@ -37,8 +37,8 @@ from rayacc.engine.parallel.base import (
     _world,
 )
 from rayacc.engine.parallel.deepspeed_config import deepspeed_config, read_deepspeed_user
-from rayacc.engine.parallel.state import StateFormat, _written
 from rayacc.engine.parallel.deepspeed_files import vet_zero_files
+from rayacc.engine.parallel.state import StateFormat, _written
 
 __all__ = ["DeepSpeed", "DeepSpeedState", "to_universal"]
 

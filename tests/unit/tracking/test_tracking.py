@@ -249,9 +249,10 @@ def test_a_steps_metrics_carry_the_time_the_step_ended_and_that_time_is_no_metri
 
 
 def test_the_deepspeed_config_a_run_uses_is_an_artifact_and_the_description_its_batch(tmp_path):
-    """The user's file merged under the job's keys, as DeepSpeed gets it ("auto" filled in);
-    a strategy with no configuration of its own writes none. The run's MLflow description is
-    its batch arithmetic."""
+    """The user's file merged under the job's keys, as DeepSpeed gets it ("auto" filled in):
+    the file as the driver read it for the workers, not as it is when the record is written; a
+    strategy with no configuration of its own writes none. The run's MLflow description is its
+    batch arithmetic."""
     import json
 
     from rayacc.config.batch_split import BatchSplit
@@ -260,7 +261,10 @@ def test_the_deepspeed_config_a_run_uses_is_an_artifact_and_the_description_its_
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     user = tmp_path / "ds.json"
-    user.write_text(json.dumps({"train_batch_size": "auto", "zero_optimization": {"stage": 2}}))
+    zero = {"stage": 2, "reduce_bucket_size": 7000}
+    read = {"train_batch_size": "auto", "zero_optimization": zero}
+    # the file changed after the driver read it: the workers run with what was read
+    user.write_text(json.dumps({**read, "zero_optimization": {**zero, "reduce_bucket_size": 9}}))
     for strategy, extra in (("deepspeed", {"deepspeed": {"stage": 2, "config": str(user)}}),
                             ("ddp", {})):  # fmt: skip
         cfg = TrainConfig.from_dict(
@@ -275,7 +279,7 @@ def test_the_deepspeed_config_a_run_uses_is_an_artifact_and_the_description_its_
                            fingerprint="0123456789abcdef")  # fmt: skip
         identity = RunIdentity(
             strategy, str(tmp_path), BatchSplit(32, 4, 4, 2), 0.1, "l", 10, data=data,
-            train_rows=1527,
+            train_rows=1527, strategy_user=read if strategy == "deepspeed" else None,
         )  # fmt: skip
         tracked = open_tracking(cfg, identity)
         checkpoint = str(tmp_path / "runs" / strategy / "checkpoint_step00000003")
@@ -308,3 +312,4 @@ def test_the_deepspeed_config_a_run_uses_is_an_artifact_and_the_description_its_
             path = client.download_artifacts(tracked.run_id, "deepspeed_config.json", str(tmp_path))
             merged = json.loads(Path(path).read_text())
             assert merged["train_batch_size"] == 32 and merged["zero_optimization"]["stage"] == 2
+            assert merged["zero_optimization"]["reduce_bucket_size"] == 7000
