@@ -205,8 +205,7 @@ def build_trainer(
             failure_config=FailureConfig(max_failures=cfg.run.max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.run.keep_checkpoints),
         ),
-        # no datasets here: each rank reads its own row groups through Ray Data
-        # (worker/ingest.py)
+        # no datasets here: each rank reads its row groups through Ray Data (worker/ingest.py)
     )
 
 
