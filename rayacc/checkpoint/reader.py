@@ -28,7 +28,7 @@ from rayacc.checkpoint.manifest import (
     whole_problems,
 )
 from rayacc.checkpoint.storage import open_storage
-from rayacc.engine.parallel.deepspeed import DeepSpeedState
+from rayacc.engine.parallel import ShardedState, StateFormat, state_format_named
 
 __all__ = [
     "EARLIER",
@@ -105,35 +105,41 @@ def read_checkpoint(
 
 
 def vet_shards(folder: Path, meta: dict[str, Any]) -> None:
-    """A sharded checkpoint's files as their foreign reader will meet them: DCP's index read
-    safely and every file it names there; DeepSpeed's files, every one read as data, exactly
-    the ranks meta.json says wrote them. A CheckpointError naming what is not."""
+    """A sharded checkpoint's parts as their foreign reader will meet them, vetted by the
+    strategy's state format (DCP's index read safely and every file it names; DeepSpeed's
+    files, every one read as data, exactly the ranks meta.json says wrote them). A
+    CheckpointError naming what is not."""
     shards = shards_of(folder, meta)
-    if shards is None:
-        return
-    if meta.get("state_format") == DeepSpeedState.name:
-        from rayacc.engine.parallel.deepspeed_files import vet_zero_files
+    if shards is not None:
+        fmt, world = _parts_format(folder, meta)
+        _as_checkpoint_error(fmt.vet, shards, world)
 
-        world = meta.get("num_workers")
-        if type(world) is not int or world < 1:
-            raise CheckpointError(malformed_message(str(folder / META_FILE), "num_workers"))
-        try:
-            vet_zero_files(shards, world)
-        except ValueError as exc:
-            raise CheckpointError(f"{exc}. {EARLIER}") from None
-        return
-    from rayacc.engine.parallel.shards import ShardError, missing_shard_files
+
+def _parts_format(folder: Path, meta: dict[str, Any]) -> tuple[type[StateFormat], int | None]:
+    """The state format of a checkpoint's parts (meta.json's `state_format`; `dcp` before
+    it was written) and the ranks that wrote them (where the format reads by them)."""
+    source = str(Path(folder) / META_FILE)
+    fmt = state_format_named(meta.get("state_format", ShardedState.name))
+    if fmt is None or fmt.folder is None:
+        raise CheckpointError(malformed_message(source, "state_format"))
+    if not fmt.reads_by_writers:
+        return fmt, None
+    world = meta.get("num_workers")
+    if type(world) is not int or world < 1:
+        raise CheckpointError(malformed_message(source, "num_workers"))
+    return fmt, world
+
+
+def _as_checkpoint_error(read, *args):
+    """`read(*args)`, its ValueError (a file that is not what the format writes) ours."""
+    from rayacc.engine.parallel.shards import ShardError
 
     try:
-        missing = missing_shard_files(shards)
-    except ShardError as exc:
-        raise CheckpointError(str(exc)) from None
-    if missing:
-        raise CheckpointError(
-            f"{shards} lacks {', '.join(missing[:4])}: a rank's part of this sharded "
-            "checkpoint never arrived, so it is not loaded. Fix: resume from an earlier "
-            "checkpoint_* folder of the run"
-        )
+        return read(*args)
+    except ValueError as exc:
+        text = str(exc)
+        as_is = isinstance(exc, ShardError) or "Fix:" in text
+        raise CheckpointError(text if as_is else f"{text}. {EARLIER}") from None
 
 
 def shards_of(folder: str | Path, meta: dict[str, Any]) -> Path | None:
@@ -234,29 +240,6 @@ def described_model(
         ) from None
 
 
-def _held_shapes(path, state: dict, shards: Path | None) -> dict[str, tuple[int, ...]]:
-    """The shapes of the model weights a checkpoint holds: in state.pt, or in the shards'
-    index (read safely)."""
-    if shards is None:
-        weights = state.get("model")
-        if not isinstance(weights, dict):
-            raise CheckpointError(malformed_message(str(Path(path) / STATE_FILE), "model"))
-        return {k: tuple(v.shape) for k, v in weights.items() if isinstance(v, torch.Tensor)}
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    from rayacc.engine.parallel.shards import ShardError, read_index
-
-    try:
-        index = read_index(shards)
-    except ShardError as exc:
-        raise CheckpointError(str(exc)) from None
-    return {
-        key.removeprefix("model."): tuple(entry.size)
-        for key, entry in (index.state_dict_metadata or {}).items()
-        if key.startswith("model.") and isinstance(entry, TensorStorageMetadata)
-    }
-
-
 def load_model(path: str | Path, factory: str | None = None) -> nn.Module:
     """The model saved in a checkpoint folder, with its weights, in eval mode, on the CPU.
 
@@ -274,35 +257,21 @@ def load_model(path: str | Path, factory: str | None = None) -> nn.Module:
 def _load_model(path: Path, view: Path, factory: str | None) -> nn.Module:
     state, description, meta = read_checkpoint(path, into=view)
     shards = shards_of(view, meta)
-    zero = None
-    if meta.get("state_format") == DeepSpeedState.name:
-        from rayacc.engine.parallel.deepspeed_files import read_zero_weights
-
-        try:
-            # DeepSpeed's files read as data, its runtime neither started nor imported
-            zero = read_zero_weights(shards, meta["num_workers"])
-        except ValueError as exc:
-            raise CheckpointError(f"{exc}. {EARLIER}") from None
-        held = {k: tuple(v.shape) for k, v in zero.items()}
+    if shards is None:
+        weights = state.get("model")
+        if not isinstance(weights, dict):
+            raise CheckpointError(malformed_message(str(Path(path) / STATE_FILE), "model"))
+        held = {k: tuple(v.shape) for k, v in weights.items() if isinstance(v, torch.Tensor)}
+        load = lambda model: model.load_state_dict(weights)  # noqa: E731
     else:
-        held = _held_shapes(path, state, shards)
+        fmt, world = _parts_format(view, meta)
+        held, load = _as_checkpoint_error(fmt.open_weights, shards, world)
     model = described_model(path, description, factory, held)
+    from rayacc.engine.parallel.shards import ShardError
+
     try:
-        if zero is not None:
-            model.load_state_dict(zero)
-        elif shards is None:
-            if not isinstance(state.get("model"), dict):
-                raise CheckpointError(malformed_message(str(Path(path) / STATE_FILE), "model"))
-            model.load_state_dict(state["model"])
-        else:
-            from rayacc.engine.parallel.shards import load_model_shards
-
-            load_model_shards(shards, model)
-    except CheckpointError:
-        raise
+        load(model)
     except Exception as exc:  # weights of another shape, a shard that decodes to nonsense
-        from rayacc.engine.parallel.shards import ShardError
-
         if isinstance(exc, ShardError):
             raise CheckpointError(str(exc)) from None
         raise CheckpointError(

@@ -24,7 +24,7 @@ from rayacc.data.order import DataOrder, EpochLayout
 from rayacc.data.sources import DatasetInfo, RowGroups, read_source
 from rayacc.driver.places import check_places
 from rayacc.driver.runs import RunLocation, locate_run
-from rayacc.engine.parallel.deepspeed import DeepSpeedState
+from rayacc.engine.parallel import state_format_named
 from rayacc.engine.units import fsdp_blocks
 from rayacc.models import build_on_meta
 from rayacc.rank.build import strategy_for
@@ -342,7 +342,7 @@ def check_resume(cfg: TrainConfig, identity: dict[str, object], loc: RunLocation
         if saved.get(key) != now.get(key)
     ]
     diffs += _global_batch_change(cfg, meta)
-    diffs += _deepspeed_resize(cfg, meta)
+    diffs += _resize_issues(cfg, meta)
     if diffs:
         raise DataError(
             f"--resume of run {loc.name!r}: the checkpoint at step {meta.get('optimizer_step')} "
@@ -354,23 +354,14 @@ def check_resume(cfg: TrainConfig, identity: dict[str, object], loc: RunLocation
         )
 
 
-def _deepspeed_resize(cfg: TrainConfig, meta: dict[str, Any]) -> list[str]:
-    """A DeepSpeed checkpoint goes to another worker count through DeepSpeed's universal
-    checkpoint, which carries Adam's state only (its converter and its ZeRO-3 loader read
-    `exp_avg` and `exp_avg_sq`): under another optimizer it would fail inside the workers."""
+def _resize_issues(cfg: TrainConfig, meta: dict[str, Any]) -> list[str]:
+    """What the checkpoint's state format says of a resume at this config's worker count
+    (DeepSpeed's moves to another count with Adam's state only)."""
+    fmt = state_format_named(meta.get("state_format"))
     saved = meta.get("num_workers")
-    if (
-        meta.get("state_format") != DeepSpeedState.name
-        or cfg.optim.name == "adamw"
-        or saved in (None, cfg.scaling.min_workers)
-    ):
+    if fmt is None or type(saved) is not int or saved == cfg.scaling.min_workers:
         return []
-    return [
-        f"scaling.num_workers: the run's DeepSpeed checkpoint was written by {saved} workers, "
-        f"this config starts {cfg.scaling.min_workers}; DeepSpeed moves a checkpoint to "
-        f"another worker count (its universal checkpoint) with Adam's state only, and "
-        f"optim.name is {cfg.optim.name!r} (set scaling.num_workers: {saved})"
-    ]
+    return fmt.resize_issues(saved, cfg.scaling.min_workers, cfg.optim.name)
 
 
 def _global_batch_change(cfg: TrainConfig, meta: dict[str, Any]) -> list[str]:

@@ -43,6 +43,7 @@ __all__ = [
     "deepspeed_config",
     "host_copy",
     "make_strategy",
+    "state_format_named",
     "strategy_class",
     "strategy_classes",
     "strategy_of",
@@ -62,6 +63,15 @@ def strategy_class(name: str) -> type[Strategy]:
 def strategy_classes() -> dict[str, type[Strategy]]:
     """Every registered strategy's wing, by name."""
     return {name: strategy_class(name) for name in strategies()}
+
+
+def state_format_named(name: Any) -> type[StateFormat] | None:
+    """The state format meta.json's `state_format` names, among the registered strategies'
+    (None: none is called so)."""
+    for cls in strategy_classes().values():
+        if cls.state_format.name == name:
+            return cls.state_format
+    return None
 
 
 def make_strategy(name: str, **options: Any) -> Strategy:

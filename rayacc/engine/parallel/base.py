@@ -134,6 +134,8 @@ class Strategy(ABC):
 
     state: StateFormat
     """How its model and optimizer state goes into a checkpoint and back (parallel/state.py)."""
+    state_format: type[StateFormat]
+    """The class of `state`: what reads its checkpoints back without a process group."""
     prior: Literal["replicated", "sharded", "zero"] = "replicated"
     """How the planner's prior (planner/prior.py) counts its memory and communication: the
     whole model on every rank, FSDP's shards, or ZeRO's stages."""

@@ -27,6 +27,7 @@ class DDP(Strategy):
     window's last backward (DistributedDataParallel; `no_sync` on the micro-steps before)."""
 
     name = "ddp"
+    state_format = WholeState
 
     @classmethod
     def describe(cls, cfg) -> str:

@@ -37,7 +37,7 @@ from rayacc.engine.parallel.base import (
     _world,
 )
 from rayacc.engine.parallel.deepspeed_config import deepspeed_config, read_deepspeed_user
-from rayacc.engine.parallel.deepspeed_files import vet_zero_files
+from rayacc.engine.parallel.deepspeed_files import read_zero_weights, vet_zero_files
 from rayacc.engine.parallel.state import StateFormat, _written
 
 __all__ = ["DeepSpeed", "DeepSpeedState", "to_universal"]
@@ -46,10 +46,88 @@ TAG = "zero"
 """The folder DeepSpeed's files of a checkpoint go in (its `tag`)."""
 
 
+class DeepSpeedState(StateFormat):
+    """DeepSpeed's own checkpoint files, written by every rank (`engine.save_checkpoint`) into
+    its part of rayacc's checkpoint (the files of all ranks form DeepSpeed's folder `zero/`),
+    read back at the same number of ranks. Written before training goes on (DeepSpeed's save
+    has no background mode)."""
+
+    name = "deepspeed"
+    folder = TAG
+    reads_by_writers = True
+
+    def __init__(self, strategy: DeepSpeed):
+        self.strategy = strategy
+
+    @classmethod
+    def resize_issues(cls, written_by, workers, optimizer):
+        # DeepSpeed's universal checkpoint carries Adam's state only (its converter and its
+        # ZeRO-3 loader read `exp_avg` and `exp_avg_sq`): any other would fail in the workers
+        if optimizer == "adamw":
+            return []
+        return [
+            f"scaling.num_workers: the run's DeepSpeed checkpoint was written by {written_by} "
+            f"workers, this config starts {workers}; DeepSpeed moves a checkpoint to another "
+            f"worker count (its universal checkpoint) with Adam's state only, and optim.name is "
+            f"{optimizer!r} (set scaling.num_workers: {written_by})"
+        ]
+
+    @classmethod
+    def vet(cls, parts, written_by):
+        vet_zero_files(parts, written_by)
+
+    @classmethod
+    def open_weights(cls, parts, written_by):
+        # DeepSpeed's files read as data, its runtime neither started nor imported
+        zero = read_zero_weights(parts, written_by)
+        return {k: tuple(v.shape) for k, v in zero.items()}, lambda m: m.load_state_dict(zero)
+
+    def save(self, model, optimizer, folder, rank, *, background=False):
+        engine = self.strategy.engine
+        engine.save_checkpoint(str(folder), tag=TAG, save_latest=False)
+        # DeepSpeed's rank 0 copies its conversion scripts beside the files: a checkpoint holds
+        # data (rank 0 removes them: the folder may be every rank's)
+        if rank == 0:
+            for script in ("zero_to_fp32.py", "zero_to_torch.py"):
+                (Path(folder) / script).unlink(missing_ok=True)
+        return {}, _written
+
+    def load(self, model, optimizer, folder, saved, written_by=None):
+        zero = Path(folder) / TAG
+        if not zero.is_dir():
+            raise ValueError(
+                f"{folder} holds no DeepSpeed checkpoint (written under another strategy)"
+            )
+        if written_by is None:
+            raise ValueError(f"{folder}: the number of ranks that wrote it is not known")
+        # DeepSpeed unpickles its files whole (weights_only=False), and its converter walks the
+        # folder for names it knows: `folder` is the checkpoint's view (its manifests' files
+        # only), and each file there is read as data first, exactly the names DeepSpeed writes
+        # for `written_by` ranks, so nothing else reaches DeepSpeed's loader
+        vet_zero_files(zero, written_by)
+        engine = self.strategy.engine
+        if written_by == _world():
+            path, _ = engine.load_checkpoint(str(folder), tag=TAG)
+        else:
+            # written at another number of ranks: through DeepSpeed's universal checkpoint
+            # (each parameter's fp32 value and optimizer state whole, resharded as it loads);
+            # each rank converts the checkpoint for itself, on its local disk
+            with tempfile.TemporaryDirectory(prefix="rayacc-universal-") as tmp:
+                to_universal(zero, Path(tmp) / TAG)
+                engine._config.load_universal_checkpoint = True
+                try:
+                    path, _ = engine.load_checkpoint(tmp, tag=TAG)
+                finally:
+                    engine._config.load_universal_checkpoint = False
+        if path is None:
+            raise ValueError(f"DeepSpeed could not load the checkpoint in {folder}")
+
+
 class DeepSpeed(Strategy):
     """ZeRO through DeepSpeed's engine. `config`: DeepSpeed's config (`deepspeed_config`)."""
 
     name = "deepspeed"
+    state_format = DeepSpeedState
     starting = (
         "DeepSpeed: starting its engine on every rank (the first start on a machine builds a "
         "small op of its own with ninja: up to a minute)"
@@ -318,59 +396,6 @@ def _counting(backend, method, kind: str):
                 counter.timeline.done()
 
     return counted
-
-
-class DeepSpeedState(StateFormat):
-    """DeepSpeed's own checkpoint files, written by every rank (`engine.save_checkpoint`) into
-    its part of rayacc's checkpoint (the files of all ranks form DeepSpeed's folder `zero/`),
-    read back at the same number of ranks. Written before training goes on (DeepSpeed's save
-    has no background mode)."""
-
-    name = "deepspeed"
-    folder = TAG
-
-    def __init__(self, strategy: DeepSpeed):
-        self.strategy = strategy
-
-    def save(self, model, optimizer, folder, rank, *, background=False):
-        engine = self.strategy.engine
-        engine.save_checkpoint(str(folder), tag=TAG, save_latest=False)
-        # DeepSpeed's rank 0 copies its conversion scripts beside the files: a checkpoint holds
-        # data (rank 0 removes them: the folder may be every rank's)
-        if rank == 0:
-            for script in ("zero_to_fp32.py", "zero_to_torch.py"):
-                (Path(folder) / script).unlink(missing_ok=True)
-        return {}, _written
-
-    def load(self, model, optimizer, folder, saved, written_by=None):
-        zero = Path(folder) / TAG
-        if not zero.is_dir():
-            raise ValueError(
-                f"{folder} holds no DeepSpeed checkpoint (written under another strategy)"
-            )
-        if written_by is None:
-            raise ValueError(f"{folder}: the number of ranks that wrote it is not known")
-        # DeepSpeed unpickles its files whole (weights_only=False), and its converter walks the
-        # folder for names it knows: `folder` is the checkpoint's view (its manifests' files
-        # only), and each file there is read as data first, exactly the names DeepSpeed writes
-        # for `written_by` ranks, so nothing else reaches DeepSpeed's loader
-        vet_zero_files(zero, written_by)
-        engine = self.strategy.engine
-        if written_by == _world():
-            path, _ = engine.load_checkpoint(str(folder), tag=TAG)
-        else:
-            # written at another number of ranks: through DeepSpeed's universal checkpoint
-            # (each parameter's fp32 value and optimizer state whole, resharded as it loads);
-            # each rank converts the checkpoint for itself, on its local disk
-            with tempfile.TemporaryDirectory(prefix="rayacc-universal-") as tmp:
-                to_universal(zero, Path(tmp) / TAG)
-                engine._config.load_universal_checkpoint = True
-                try:
-                    path, _ = engine.load_checkpoint(tmp, tag=TAG)
-                finally:
-                    engine._config.load_universal_checkpoint = False
-        if path is None:
-            raise ValueError(f"DeepSpeed could not load the checkpoint in {folder}")
 
 
 def to_universal(zero: Path, out: Path) -> None:

@@ -42,6 +42,7 @@ class FSDP(Strategy):
     in host memory (`CPUOffloadPolicy`), the optimizer step on the CPU."""
 
     name = "fsdp"
+    state_format = ShardedState
     prior = "sharded"
     min_workers = 2
 

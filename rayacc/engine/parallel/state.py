@@ -44,6 +44,8 @@ class StateFormat(ABC):
     folder: str | None = None
     """The folder of a checkpoint every rank writes its part into (None: rank 0 writes the
     whole state into the checkpoint's state file)."""
+    reads_by_writers: bool = False
+    """Its parts are read back knowing how many ranks wrote them (meta.json's `num_workers`)."""
 
     @property
     def writes_shards(self) -> bool:
@@ -78,6 +80,29 @@ class StateFormat(ABC):
         """Loads what `save` wrote (at any number of ranks: `written_by` of them). `folder`:
         the checkpoint's vetted view (its manifests' files only), never the checkpoint's own
         folder."""
+
+    @classmethod
+    def resize_issues(cls, written_by: int, workers: int, optimizer: str) -> list[str]:
+        """Why a checkpoint `written_by` ranks wrote cannot resume at `workers` under
+        `optim.name` `optimizer` (checked on the driver, before a group starts)."""
+        return []
+
+    # ------------------------------------------------------------------ read back, no group
+    # (load_model, sample, export): the checkpoint layer hands over the folder of the parts
+    # (`folder` inside a checkpoint's view) and the ranks that wrote them; a ValueError names
+    # the file that is not what this format writes
+    @classmethod
+    def vet(cls, parts: Path, written_by: int | None) -> None:
+        """Every file of the parts as its reader will meet them, read as data."""
+        raise ValueError(f"{cls.name}: no parts folder to read back")
+
+    @classmethod
+    def open_weights(
+        cls, parts: Path, written_by: int | None
+    ) -> tuple[dict[str, tuple[int, ...]], Callable[[nn.Module], None]]:
+        """The model weights' shapes and a loader of them into a whole model, in one
+        process."""
+        raise ValueError(f"{cls.name}: no parts folder to read back")
 
 
 class WholeState(StateFormat):
@@ -119,6 +144,32 @@ class ShardedState(StateFormat):
             self._group = dist.new_group(backend="gloo")
         future = save_sharded(Path(folder) / SHARDS_DIR, model, optimizer, group=self._group)
         return {}, future.result
+
+    @classmethod
+    def vet(cls, parts, written_by):
+        from rayacc.engine.parallel.shards import ShardError, missing_shard_files
+
+        missing = missing_shard_files(parts)
+        if missing:
+            raise ShardError(
+                f"{parts} lacks {', '.join(missing[:4])}: a rank's part of this sharded "
+                "checkpoint never arrived, so it is not loaded. Fix: resume from an earlier "
+                "checkpoint_* folder of the run"
+            )
+
+    @classmethod
+    def open_weights(cls, parts, written_by):
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        from rayacc.engine.parallel.shards import load_model_shards, read_index
+
+        index = read_index(parts)
+        shapes = {
+            key.removeprefix("model."): tuple(entry.size)
+            for key, entry in (index.state_dict_metadata or {}).items()
+            if key.startswith("model.") and isinstance(entry, TensorStorageMetadata)
+        }
+        return shapes, lambda model: load_model_shards(parts, model)
 
     def load(self, model, optimizer, folder, saved, written_by=None):
         from rayacc.engine.parallel.shards import load_sharded

@@ -76,3 +76,17 @@ def test_an_unknown_name_is_refused_naming_the_registered_ones():
     with pytest.raises(ValueError, match="ddp, fsdp, deepspeed"):
         strategy_entry("megatron")
     assert list(strategy_classes()) == list(strategies())
+
+
+def test_a_state_format_says_which_resumes_it_cannot_take():
+    """The checkpoint's own format answers, on the driver: DeepSpeed's moves to another worker
+    count with Adam's state only; the others at any count under any optimizer."""
+    from rayacc.engine.parallel import state_format_named
+
+    zero = state_format_named("deepspeed")
+    (issue,) = zero.resize_issues(2, 1, "sgd")
+    assert "written by 2 workers, this config starts 1" in issue and "'sgd'" in issue
+    assert zero.resize_issues(2, 1, "adamw") == []
+    for name in ("dcp", "whole"):
+        assert state_format_named(name).resize_issues(2, 1, "sgd") == []
+    assert state_format_named("pickle") is None
