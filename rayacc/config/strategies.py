@@ -8,6 +8,7 @@ of another package registers under the entry-point group `rayacc.strategies`
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from importlib import metadata
@@ -159,10 +160,17 @@ _BUILT_IN = (
 def strategies() -> Mapping[str, StrategyEntry]:
     """Every strategy by name: the built-in ones, then those other packages register (their
     entry points are read, not loaded: a plugin's module is imported by the engine when a run
-    uses it). A plugin cannot take a built-in's name."""
+    uses it). A plugin cannot take a built-in's name (it is warned of and left out)."""
     found = {e.name: e for e in _BUILT_IN}
     for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
-        found.setdefault(ep.name, StrategyEntry(ep.name, ep.value))
+        if ep.name in found:
+            warnings.warn(
+                f"entry point {ep.value!r} ({ENTRY_POINT_GROUP}) takes the name of the "
+                f"strategy {ep.name!r} and is left out: give it a name of its own",
+                stacklevel=2,
+            )
+            continue
+        found[ep.name] = StrategyEntry(ep.name, ep.value)
     return found
 
 

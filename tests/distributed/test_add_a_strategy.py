@@ -97,3 +97,19 @@ def test_it_passes_the_combination_matrix(plugin, tmp_path):
         if not err <= (BF16_BOUND if case.precision == "bf16" else FP32_BOUND):
             failures.append(f"{err:.2e} {case.label()}")
     assert not failures, failures
+
+
+def test_a_package_that_takes_a_built_in_name_is_warned_of_and_left_out(plugin, tmp_path):
+    info = tmp_path / "rayacc_shadow-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: rayacc-shadow\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[rayacc.strategies]\nddp = rayacc_twin:Twin\n")
+    code = (
+        "from rayacc.engine.parallel import strategy_class\n"
+        "print(strategy_class('ddp').__module__, strategy_class('twin').__module__)\n"
+    )
+    env = {"PYTHONPATH": f"{tmp_path}:{plugin}", "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["rayacc.engine.parallel.ddp", "rayacc_twin"]
+    assert "takes the name of the strategy 'ddp'" in out.stderr
