@@ -89,11 +89,14 @@ class Resized:
     effective_lr: float
 
     def describe(self) -> str:
-        """The line kept in the run's `rayacc.resizes` tag."""
+        """The line kept in the run's `rayacc.resizes` tag: the params the group from this
+        step on ran with (MLflow's params are written once, for the first group)."""
+        micro = self.new_global_batch_size // (self.new_workers * self.new_grad_accum_steps)
         return (
             f"step {self.step}: workers {self.old_workers}→{self.new_workers}, accum "
             f"{self.old_grad_accum_steps}→{self.new_grad_accum_steps}, global "
-            f"{self.old_global_batch_size}→{self.new_global_batch_size}"
+            f"{self.old_global_batch_size}→{self.new_global_batch_size} (micro {micro}, "
+            f"effective LR {self.effective_lr:.6g})"
         )
 
     def console_line(self) -> str:

@@ -21,7 +21,10 @@ def test_events_describe_themselves_for_tags_and_console():
         new_global_batch_size=32,
         effective_lr=0.05,
     )
-    assert resize.describe() == "step 4: workers 2→1, accum 4→8, global 32→32"
+    assert (
+        resize.describe()
+        == "step 4: workers 2→1, accum 4→8, global 32→32 (micro 4, effective LR 0.05)"
+    )
     assert resize.console_line() == (
         "resize at step 4: workers 2 → 1, accumulation 4 → 8, global batch 32 → 32, "
         "effective LR 0.05"

@@ -127,7 +127,8 @@ def test_a_reopened_run_extends_its_event_tags(tmp_path):
     again.close("FINISHED")
     tags = MlflowClient(uri).get_run(first.run_id).data.tags
     assert tags["rayacc.resizes"] == (
-        "step 4: workers 2→1, accum 4→8, global 32→32; step 8: workers 1→2, accum 8→4, global 32→32"
+        "step 4: workers 2→1, accum 4→8, global 32→32 (micro 4, effective LR 0.1); "
+        "step 8: workers 1→2, accum 8→4, global 32→32 (micro 4, effective LR 0.1)"
     )
     assert tags["rayacc.resumed_at_steps"] == "4,8"
 
