@@ -111,9 +111,10 @@ def _write(model, folder: Path, fmt: str) -> str:
 
 def _vocabulary(folder: str):
     """The run's vocabulary a token model's checkpoint carries; None for other models."""
-    from rayacc.driver.sample import _described, checkpoint_vocabulary
+    from rayacc.driver.sample import checkpoint_vocabulary, described_dataset
 
-    return checkpoint_vocabulary(folder) if _described(folder).get("format") == "tokens" else None
+    tokens = described_dataset(folder).get("format") == "tokens"
+    return checkpoint_vocabulary(folder) if tokens else None
 
 
 def _write_tokenizer(vocabulary, folder: Path) -> str:

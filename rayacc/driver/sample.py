@@ -78,7 +78,8 @@ def _local(checkpoint: str, scratch: str) -> str:
     return str(Checkpoint(open_storage(checkpoint), 0).fetch(Path(scratch)))
 
 
-def _described(folder: str) -> dict:
+def described_dataset(folder: str) -> dict:
+    """The dataset a checkpoint's model description names (its format, vocabulary size)."""
     source = f"{folder}/{MODEL_FILE}"
     described = parse_json(read_file(open_storage(folder), MODEL_FILE) or b"{}", source)
     dataset = described.get("dataset", {}) if isinstance(described, dict) else {}
@@ -91,7 +92,7 @@ def checkpoint_vocabulary(folder: str) -> Vocabulary:
     """The vocabulary a checkpoint carries, checked against the model it describes (every id
     the model can draw decodes); a checkpoint written before checkpoints carried one has its
     characters (character-level data) or only ids."""
-    dataset = _described(folder)
+    dataset = described_dataset(folder)
     text = read_file(open_storage(folder), VOCAB_FILE)
     if text is not None:
         raw = parse_json(text, f"{folder}/{VOCAB_FILE}")

@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 
 import pytest
-import torch
 
+from tests.support.models import twin_strategy as twin
 from tests.support.ranks import matrix as M
 from tests.support.ranks.engine_helpers import spawn_ranks, update_rel_err
 from tests.support.services.counts import note
@@ -33,22 +34,31 @@ BF16_BOUND = 3 * math.sqrt(54) * 2.0**-8
 
 @pytest.fixture(scope="module")
 def matrix_results(tmp_path_factory):
+    """Every case's (case, update error, signals seen, the strategy class that ran): the
+    matrix's own cases and, in the same rank groups, those a strategy added by another package
+    brings (its package on sys.path, which the spawned ranks inherit)."""
     root = tmp_path_factory.mktemp("matrix")
+    plugin = str(twin.write_package(tmp_path_factory.mktemp("plugin")))
     all_cases = M.cases()
-    finals: dict[int, torch.Tensor] = {}
-    signals: dict[int, list[int]] = {}
-    for phase, world, chosen in M.phase_groups(all_cases):
-        folder = root / f"{phase}{world}"
-        folder.mkdir()
-        target = functools.partial(M.run_group, phase=phase, indices=[c.index for c in chosen])
-        ranks = spawn_ranks(target, world, folder, f"matrix phase {phase} on {world} ranks")
-        assert "error" not in ranks[0], ranks[0].get("error")
-        finals.update({i: v["params"] for i, v in ranks[0].items() if isinstance(i, int)})
-        signals.update({i: v["signals"] for i, v in ranks[0].items() if isinstance(i, int)})
+    all_cases += M.added_strategy_cases(twin.NAME, first_index=len(all_cases))
+    done: dict[int, dict] = {}
+    sys.path.insert(0, plugin)
+    try:
+        for phase, world, chosen in M.phase_groups(all_cases):
+            folder = root / f"{phase}{world}"
+            folder.mkdir()
+            target = functools.partial(M.run_group, phase=phase, chosen=chosen)
+            ranks = spawn_ranks(target, world, folder, f"matrix phase {phase} on {world} ranks")
+            assert "error" not in ranks[0], ranks[0].get("error")
+            done.update({i: v for i, v in ranks[0].items() if isinstance(i, int)})
+    finally:
+        sys.path.remove(plugin)
     rows = []
     for case in all_cases:
         before, after = M.reference(case)
-        rows.append((case, update_rel_err(before, finals[case.index], after), signals[case.index]))
+        got = done[case.index]
+        rows.append((case, update_rel_err(before, got["params"], after), got["signals"],
+                     got["strategy"]))  # fmt: skip
     return rows
 
 
@@ -62,7 +72,7 @@ def test_the_cases_cover_every_pair_of_values():
 def test_every_case_equals_the_full_batch_steps(matrix_results, record_equivalence):
     failures = []
     lines = [f"{'err':>9}  {'bound':>8}  " + " | ".join(M.FACTORS)]
-    for case, err, _ in matrix_results:
+    for case, err, _, _ in matrix_results:
         bound = BF16_BOUND if case.precision == "bf16" else FP32_BOUND
         lines.append(f"{err:9.2e}  {bound:8.1e}  {case.label()}")
         record_equivalence(f"matrix #{case.index}: {case.label()}", err)
@@ -77,7 +87,22 @@ def test_a_signal_one_rank_raises_reaches_every_rank_in_its_window(matrix_result
     """`AccumulationStep(signal=...)` (a preemption notice) rides the window's counts: rank 0
     counts the last rank's signal in the window it was raised, for every strategy, precision
     and worker count, and in no other window."""
-    for case, _, seen in matrix_results:
+    for case, _, seen, _ in matrix_results:
         windows_run = len(M.windows(case)) - (1 if case.event != "none" else 0)
         expected = [1 if i % 2 == 0 else 0 for i in range(windows_run)]
         assert seen == expected, (case.label(), seen, expected)
+
+
+def test_a_strategy_added_by_another_package_passes_the_matrix(matrix_results):
+    """docs/design.md, "How to add …": one module and one matrix value. A second DDP in a
+    package of its own, registered by entry point and named by no file of rayacc, brings its
+    pairs with every other factor (every worker count, both phases of a resume) and each equals
+    the single-process full-batch steps, within the bounds above; the ranks ran its class."""
+    added = [row for row in matrix_results if row[0].strategy == twin.NAME]
+    assert {case.workers for case, *_ in added} == set(M.FACTORS["workers"])
+    assert {case.event for case, *_ in added} == set(M.FACTORS["event"])
+    for case, err, _, ran in added:
+        assert ran == twin.CLASS, (case.label(), ran)
+        assert err <= (BF16_BOUND if case.precision == "bf16" else FP32_BOUND), case.label()
+    mine = [ran for case, *_, ran in matrix_results if case.strategy != twin.NAME]
+    assert twin.CLASS not in mine

@@ -13,6 +13,7 @@ matrix costs at most six spawns of rank processes.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from dataclasses import asdict, dataclass
@@ -109,8 +110,16 @@ class Case:
 
 
 def cases(factors: dict[str, tuple] | None = None) -> list[Case]:
-    """The pairwise cases of `factors` (the matrix's own by default; a test adds a value)."""
+    """The pairwise cases of `factors` (the matrix's own by default)."""
     return [Case(i, **c) for i, c in enumerate(pairwise(factors or FACTORS))]
+
+
+def added_strategy_cases(name: str, first_index: int) -> list[Case]:
+    """The cases a strategy value `name` added to the matrix brings (its pairs with every other
+    factor's values), numbered from `first_index`."""
+    factors = {**FACTORS, "strategy": (*FACTORS["strategy"], name)}
+    mine = [c for c in cases(factors) if c.strategy == name]
+    return [dataclasses.replace(c, index=first_index + i) for i, c in enumerate(mine)]
 
 
 def windows(case: Case) -> list[list[torch.Tensor]]:
@@ -253,7 +262,10 @@ def reference(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
     from rayacc.engine import IGNORE_INDEX, collate_tokens
     from rayacc.models import build_model
 
-    model = build_model(config(case), dataset())
+    # strategy-free: one process, whole windows (a strategy of another package included)
+    model = build_model(
+        config(dataclasses.replace(case, strategy=FACTORS["strategy"][0])), dataset()
+    )
     before = full_weights(model)
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     for window in windows(case):
@@ -282,13 +294,9 @@ def phase_groups(all_cases: list[Case]) -> list[tuple[str, int, list[Case]]]:
     return groups
 
 
-def run_group(
-    rank: int, world: int, init_file: str, out_dir: str, phase: str, indices, factors=None
-) -> None:
+def run_group(rank: int, world: int, init_file: str, out_dir: str, phase: str, chosen) -> None:
     """Rank body: every case of one (phase, ranks) group in one gloo group."""
     from tests.support.ranks.dist_workers import run_scenarios
-
-    by_index = {c.index: c for c in cases(factors)}
 
     def scenario(case: Case):
         def run(rank: int, world: int, out: dict) -> None:
@@ -300,4 +308,4 @@ def run_group(
 
         return run
 
-    run_scenarios(rank, world, init_file, out_dir, [scenario(by_index[i]) for i in indices])
+    run_scenarios(rank, world, init_file, out_dir, [scenario(c) for c in chosen])
