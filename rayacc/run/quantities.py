@@ -21,6 +21,7 @@ from rayacc.redact import redact
 
 __all__ = [
     "IDENTITY_FIELDS",
+    "RunLength",
     "data_order",
     "elastic_summary",
     "epoch_layout",
@@ -118,14 +119,36 @@ def data_order(cfg: TrainConfig, info: DatasetInfo, groups: RowGroups) -> DataOr
     return DataOrder(groups.start, groups.size, cfg.seed, d.shuffle, d.val_fraction, chunked=True)
 
 
-def epoch_layout(cfg: TrainConfig, rows: int, split: BatchSplit) -> EpochLayout:
+@dataclass(frozen=True)
+class RunLength:
+    """What bounds a run's length, read once from its config: `train.max_steps`,
+    `train.epochs` and how an epoch's last window is cut (`data.last_window`)."""
+
+    max_steps: int | None
+    epochs: int | None
+    last_window: str
+
+    @classmethod
+    def of(cls, cfg: TrainConfig) -> RunLength:
+        return cls(cfg.train.max_steps, cfg.train.epochs, cfg.data.last_window)
+
+    @property
+    def epoch_bound(self) -> int | None:
+        """The epochs the run may take: `train.epochs` where given; otherwise one, or with
+        `train.max_steps` as many as it needs (None)."""
+        if self.epochs is not None:
+            return self.epochs
+        return None if self.max_steps else 1
+
+
+def epoch_layout(length: RunLength, rows: int, split: BatchSplit) -> EpochLayout:
     """How `rows` rows of an epoch split into windows of the split's global batch."""
     return EpochLayout(
         rows,
         split.global_batch_size,
         split.micro_batch_size,
         split.num_workers,
-        cfg.data.last_window,
+        length.last_window,
     )
 
 
@@ -141,16 +164,8 @@ class EpochWindows:
     hi: np.ndarray
 
 
-def epoch_bound(cfg: TrainConfig) -> int | None:
-    """The epochs the run may take: `train.epochs` where given; otherwise one, or with
-    `train.max_steps` as many as it needs (None)."""
-    if cfg.train.epochs is not None:
-        return cfg.train.epochs
-    return None if cfg.train.max_steps else 1
-
-
 def remaining_epochs(
-    cfg: TrainConfig, num_train_rows: int, state, split: BatchSplit, rank: int
+    length: RunLength, num_train_rows: int, state, split: BatchSplit, rank: int
 ) -> list[EpochWindows]:
     """Every window rank `rank` runs from `state` (a TrainState) on: per epoch with steps left,
     its layout over the rows left from the saved sample position (which a new global batch need
@@ -158,14 +173,14 @@ def remaining_epochs(
     window and is left out. Which positions a rank gets does not depend on the micro-batch,
     only how they are cut."""
     out = []
-    steps_left = (cfg.train.max_steps or 10**12) - state.optimizer_step
-    bound = epoch_bound(cfg)
+    steps_left = (length.max_steps or 10**12) - state.optimizer_step
+    bound = length.epoch_bound
     epochs = itertools.count(state.epoch) if bound is None else range(state.epoch, bound)
     for epoch in epochs:
         if steps_left <= 0:
             break
         offset = state.epoch_sample_offset if epoch == state.epoch else 0
-        layout = epoch_layout(cfg, num_train_rows - offset, split)
+        layout = epoch_layout(length, num_train_rows - offset, split)
         steps = min(layout.steps_per_epoch, steps_left)
         if steps == 0:
             if offset == 0:
@@ -177,23 +192,23 @@ def remaining_epochs(
     return out
 
 
-def total_optimizer_steps(cfg: TrainConfig, layout: EpochLayout) -> int:
+def total_optimizer_steps(length: RunLength, layout: EpochLayout) -> int:
     """Steps of the whole run: `train.max_steps`, bounded by `train.epochs` epochs of `layout`
-    where they are given (`epoch_bound`)."""
-    bound = epoch_bound(cfg)
+    where they are given (`RunLength.epoch_bound`)."""
+    bound = length.epoch_bound
     if bound is None:  # as many epochs as max_steps needs (none where an epoch has no window)
-        return cfg.train.max_steps if layout.steps_per_epoch else 0
+        return length.max_steps if layout.steps_per_epoch else 0
     by_epochs = bound * layout.steps_per_epoch
-    return min(cfg.train.max_steps, by_epochs) if cfg.train.max_steps else by_epochs
+    return min(length.max_steps, by_epochs) if length.max_steps else by_epochs
 
 
-def schedule_length(cfg: TrainConfig, layout: EpochLayout) -> float:
+def schedule_length(length: RunLength, layout: EpochLayout) -> float:
     """The run's length for the LR schedule, which counts samples in units of the layout's
     global batch: the sample position where the last optimizer step starts, plus one. A short
     last window is a fraction of a step, so with one the length is fractional, and the LR
     reaches its end (`optim.min_lr_ratio` × peak for cosine) exactly at the last step."""
     g = layout.global_batch_size
-    steps_before_last = total_optimizer_steps(cfg, layout) - 1
+    steps_before_last = total_optimizer_steps(length, layout) - 1
     epochs, rest = divmod(steps_before_last, layout.steps_per_epoch)
     # the steps of an epoch before its last one are whole windows
     epoch_samples = layout.full_windows * g + layout.short_window_rows

@@ -14,6 +14,7 @@ from rayacc.engine.parallel import strategy_class
 from rayacc.optim import optimizer_slots
 from rayacc.run.quantities import (
     EpochWindows,
+    RunLength,
     data_order,
     epoch_layout,
     remaining_epochs,
@@ -107,6 +108,8 @@ class RunSpec:
     """The batch split at each worker count the run may run at, or why it cannot run there."""
     lrs: dict[int, float]
     """The effective LR at each worker count it may run at (`optim.lr_scaling`)."""
+    length: RunLength
+    """What bounds the run's length (steps, epochs, the last window's cut)."""
     layout: EpochLayout
     """An epoch at the reference split."""
     schedule_length: float
@@ -142,11 +145,11 @@ class RunSpec:
 
     def layout_at(self, split: BatchSplit) -> EpochLayout:
         """An epoch of the run at `split`."""
-        return epoch_layout(self.cfg, self.order.num_train_rows, split)
+        return epoch_layout(self.length, self.order.num_train_rows, split)
 
     def epochs_from(self, state, split: BatchSplit, rank: int) -> list[EpochWindows]:
         """The windows rank `rank` runs at `split` from `state` on (`remaining_epochs`)."""
-        return remaining_epochs(self.cfg, self.order.num_train_rows, state, split, rank)
+        return remaining_epochs(self.length, self.order.num_train_rows, state, split, rank)
 
 
 def derive_run(
@@ -177,7 +180,8 @@ def derive_run(
         if isinstance(split, BatchSplit)
     }
     order = order if order is not None else data_order(cfg, info, groups)
-    layout = epoch_layout(cfg, order.num_train_rows, reference)
+    length = RunLength.of(cfg)
+    layout = epoch_layout(length, order.num_train_rows, reference)
     return RunSpec(
         cfg=cfg,
         info=info,
@@ -187,8 +191,9 @@ def derive_run(
         splits=splits,
         lrs=lrs,
         layout=layout,
-        schedule_length=schedule_length(cfg, layout),
-        total_steps=total_optimizer_steps(cfg, layout),
+        length=length,
+        schedule_length=schedule_length(length, layout),
+        total_steps=total_optimizer_steps(length, layout),
         identity=run_identity(cfg, info),
         worker=WorkerSettings.of(cfg, info),
         description={"config": cfg.model_dump(mode="json"), "dataset": info.to_dict()},

@@ -124,7 +124,7 @@ def _last_lr(rows: int, global_batch: int, epochs: int, *, resize_at: int | None
     keep_micro_batch halves its global batch from that step on (a new peak, re-warmed)."""
     from rayacc.config import TrainConfig
     from rayacc.optim import build_schedule
-    from rayacc.run.quantities import epoch_layout, schedule_length
+    from rayacc.run.quantities import RunLength, epoch_layout, schedule_length
 
     cfg = TrainConfig.from_dict(
         {
@@ -134,14 +134,14 @@ def _last_lr(rows: int, global_batch: int, epochs: int, *, resize_at: int | None
             "train": {"epochs": epochs},
         }
     )
-    layout = epoch_layout(cfg, rows, cfg.batch_split())
+    layout = epoch_layout(RunLength.of(cfg), rows, cfg.batch_split())
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.5)
     schedule = build_schedule(
         cfg.optim,
         opt,
         peak_lr=0.5,
         reference_batch=global_batch,
-        total_steps=schedule_length(cfg, layout),
+        total_steps=schedule_length(RunLength.of(cfg), layout),
     )
     g, step, lr = global_batch, 0, None
     for _ in range(epochs):

@@ -20,6 +20,7 @@ from rayacc.config.errors import ConfigError, ConfigIssue
 from rayacc.data.bundled import prepare_bundled
 from rayacc.driver.prelaunch import prepare
 from rayacc.run.quantities import (
+    RunLength,
     epoch_layout,
     run_effective_lr,
     run_identity,
@@ -73,10 +74,10 @@ def test_the_spec_holds_the_split_and_the_lr_at_every_size_the_run_may_take(
         assert spec.lr_at(workers) == pytest.approx(0.1 * global_ / 16)
         assert spec.lr_at(workers) == run_effective_lr(cfg, plan)
     assert spec.reference == cfg.batch_split() and spec.effective_lr == spec.lr_at(4)
-    layout = epoch_layout(cfg, spec.order.num_train_rows, spec.reference)
+    layout = epoch_layout(RunLength.of(cfg), spec.order.num_train_rows, spec.reference)
     assert spec.layout == layout
-    assert spec.total_steps == total_optimizer_steps(cfg, layout)
-    assert spec.schedule_length == schedule_length(cfg, layout)
+    assert spec.total_steps == total_optimizer_steps(RunLength.of(cfg), layout)
+    assert spec.schedule_length == schedule_length(RunLength.of(cfg), layout)
     assert spec.identity == run_identity(cfg, spec.info)
     with pytest.raises(BatchSplitError, match="outside the run's sizes"):
         spec.split_at(5)

@@ -238,7 +238,7 @@ def test_remaining_epochs_leave_out_an_epoch_without_a_window(workers, state, ex
     from rayacc.config import TrainConfig
     from rayacc.config.batch_split import BatchSplit
     from rayacc.engine import TrainState
-    from rayacc.run.quantities import remaining_epochs
+    from rayacc.run.quantities import RunLength, remaining_epochs
 
     cfg = TrainConfig.from_dict(
         {
@@ -247,7 +247,7 @@ def test_remaining_epochs_leave_out_an_epoch_without_a_window(workers, state, ex
         }
     )
     plan = BatchSplit(16, 4, 4 // workers, workers)
-    plans = remaining_epochs(cfg, 49, TrainState(**state), plan, rank=workers - 1)
+    plans = remaining_epochs(RunLength.of(cfg), 49, TrainState(**state), plan, rank=workers - 1)
     assert [(p.epoch, p.steps) for p in plans] == expected
     for p in plans:
         assert len(p.lo) == p.steps and all(p.hi > p.lo)
@@ -272,15 +272,20 @@ def test_max_steps_wins_over_the_default_epochs_and_a_given_epoch_count_bounds_i
     from rayacc.config.batch_split import BatchSplit
     from rayacc.engine import TrainState
     from rayacc.observe.console import length_note
-    from rayacc.run.quantities import epoch_layout, remaining_epochs, total_optimizer_steps
+    from rayacc.run.quantities import (
+        RunLength,
+        epoch_layout,
+        remaining_epochs,
+        total_optimizer_steps,
+    )
 
     cfg = TrainConfig.from_dict(
         {"batch": {"global_batch_size": 16, "micro_batch_size": 4}, "train": train}
     )
     split = BatchSplit(16, 4, 4, 1)
-    layout = epoch_layout(cfg, 49, split)
-    assert total_optimizer_steps(cfg, layout) == steps
-    plans = remaining_epochs(cfg, 49, TrainState(), split, rank=0)
+    layout = epoch_layout(RunLength.of(cfg), 49, split)
+    assert total_optimizer_steps(RunLength.of(cfg), layout) == steps
+    plans = remaining_epochs(RunLength.of(cfg), 49, TrainState(), split, rank=0)
     assert [(p.epoch, p.steps) for p in plans] == epochs
     note = length_note(cfg, layout.steps_per_epoch)
     assert (note == " (train.max_steps; 2.5 epochs of data)") == (train == {"max_steps": 10})
@@ -290,11 +295,11 @@ def test_an_epoch_without_a_window_ends_a_run_that_max_steps_alone_bounds():
     from rayacc.config import TrainConfig
     from rayacc.config.batch_split import BatchSplit
     from rayacc.engine import TrainState
-    from rayacc.run.quantities import remaining_epochs
+    from rayacc.run.quantities import RunLength, remaining_epochs
 
     cfg = TrainConfig.from_dict(
         {"batch": {"global_batch_size": 16, "micro_batch_size": 4}, "train": {"max_steps": 9}}
     )
     # no rows: a whole epoch without a window ends the loop (no later epoch has one)
-    plans = remaining_epochs(cfg, 0, TrainState(), BatchSplit(16, 4, 4, 1), rank=0)
+    plans = remaining_epochs(RunLength.of(cfg), 0, TrainState(), BatchSplit(16, 4, 4, 1), rank=0)
     assert plans == []
