@@ -131,15 +131,15 @@ def _parts_format(folder: Path, meta: dict[str, Any]) -> tuple[type[StateFormat]
 
 
 def _as_checkpoint_error(read, *args):
-    """`read(*args)`, its ValueError (a file that is not what the format writes) ours."""
+    """`read(*args)`, its ValueError (a file that is not what the format writes) ours: DCP's
+    ShardError names its fix, another is given ours."""
     from rayacc.engine.parallel.shards import ShardError
 
     try:
         return read(*args)
     except ValueError as exc:
-        text = str(exc)
-        as_is = isinstance(exc, ShardError) or "Fix:" in text
-        raise CheckpointError(text if as_is else f"{text}. {EARLIER}") from None
+        text = str(exc) if isinstance(exc, ShardError) else f"{exc}. {EARLIER}"
+        raise CheckpointError(text) from None
 
 
 def shards_of(folder: str | Path, meta: dict[str, Any]) -> Path | None:

@@ -145,7 +145,7 @@ class DeepSpeed(Strategy):
             split = cfg.batch_split(num_workers=world)
         ds = cfg.deepspeed
         if user is None:
-            user = read_deepspeed_user(ds.config)
+            user = cls.read_user_config(cfg)
         return cls(
             deepspeed_config(
                 stage=ds.stage,

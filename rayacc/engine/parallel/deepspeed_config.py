@@ -126,12 +126,7 @@ def deepspeed_config(
     ]
     if problems:
         raise DeepSpeedConfigError(problems)
-    merged = user
-    for key, value in ours.items():
-        if isinstance(value, dict) and isinstance(merged.get(key), dict):
-            merged[key] = _deep_merge(merged[key], value)
-        else:
-            merged[key] = value
+    merged = _deep_merge(user, ours)
     for key in ("fp16", "bf16", "amp"):  # an "auto" left where the job has no value: off
         if isinstance(merged.get(key), dict) and merged[key].get("enabled") == AUTO:
             merged[key]["enabled"] = False
