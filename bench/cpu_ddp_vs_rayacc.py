@@ -156,7 +156,7 @@ def run_bare_in_ray(cfg: TrainConfig, fused: bool) -> dict[str, float]:
 
     from rayacc.driver.fit import ensure_ray
 
-    ensure_ray(cfg)
+    ensure_ray(cfg.scaling)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "bare_ray.pt")
         TorchTrainer(

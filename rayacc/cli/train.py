@@ -43,7 +43,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     prep = prepare(cfg)
     resumed = None
     if args.resume:
-        started = locate_run(cfg, True, prep.spec.identity).previous.get(RECORDED)
+        started = locate_run(prep.spec.cfg.run, True, prep.spec.identity).previous.get(RECORDED)
         if started is not None:
             # the run as it was started, with only what is given now changed
             resumed = resumed_overrides(started, given)
@@ -51,7 +51,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             if resumed.kept or resumed.dropped:
                 cfg = _load(args, given)
                 prep = prepare(cfg)
-    location = locate(cfg, args.resume, prep.spec.identity)
+    location = locate(prep.spec.cfg.run, args.resume, prep.spec.resume_terms)
     location.overrides = given
     if args.resume and (location.resume_step or 0) >= prep.total_steps:
         for line in resumed.lines() if resumed else ():
@@ -68,7 +68,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         # Ray's start is mostly other processes' work: the modules the fit needs next load
         # meanwhile instead of after it
         pool.submit(_import_ray_layer)
-        ensure_ray(cfg)
+        ensure_ray(cfg.scaling)
     t_ray = time.time()
     console.print(styled(("rayacc train", "bold"), f" {args.config}"))
     if args.plan:

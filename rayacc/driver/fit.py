@@ -24,6 +24,7 @@ from rayacc.cluster import capacity
 from rayacc.cluster.capacity import NodeWatch
 from rayacc.config import TrainConfig
 from rayacc.config.batch_split import BatchSplit
+from rayacc.config.schema import ScalingConfig
 from rayacc.data.sources import RowGroups
 from rayacc.data.vocab import Vocabulary
 from rayacc.driver.prelaunch import Prepared, check_cluster, locate, prepare
@@ -104,7 +105,7 @@ class FitResult:
 
 
 # ----------------------------------------------------------------------------- Ray
-def ensure_ray(cfg: TrainConfig) -> None:
+def ensure_ray(scaling: ScalingConfig) -> None:
     """Joins RAY_ADDRESS when set, else starts a local Ray sized for the job."""
     import os
 
@@ -123,11 +124,11 @@ def ensure_ray(cfg: TrainConfig) -> None:
         ray.init(
             logging_level=logging.WARNING,
             log_to_driver=env.verbose(),
-            runtime_env={"env_vars": cfg.scaling.ray_train_env()},
+            runtime_env={"env_vars": scaling.ray_train_env()},
         )
         return
     # Ray Data's read tasks need CPUs beside the workers' or ingestion starves and hangs
-    workers_cpu = cfg.scaling.max_workers * cfg.scaling.cpus_per_worker
+    workers_cpu = scaling.max_workers * scaling.cpus_per_worker
     num_cpus = max(os.cpu_count() or 2, math.ceil(workers_cpu) + 2)
     ray.init(
         address="local",
@@ -141,11 +142,11 @@ def ensure_ray(cfg: TrainConfig) -> None:
         # and never use them, and on a small machine they take the CPU the workers start on
         # (seconds off every start on 2 cores)
         _system_config={"prestart_worker_first_driver": False},
-        runtime_env={"env_vars": cfg.scaling.ray_train_env()},
+        runtime_env={"env_vars": scaling.ray_train_env()},
     )
 
 
-def refresh_elastic_sizing(cfg: TrainConfig) -> None:
+def refresh_elastic_sizing(scaling: ScalingConfig) -> None:
     """An elastic group starts at the size Ray's autoscaling coordinator reserves for it, and
     that detached actor outlives runs and reads the cluster's nodes every 20 s: on a joined
     cluster a node that came within that time is missed, so the group would start smaller and
@@ -153,7 +154,7 @@ def refresh_elastic_sizing(cfg: TrainConfig) -> None:
     coordinator reads them now. (A local Ray has all its nodes from the start.)"""
     import os
 
-    if not (cfg.scaling.elastic and os.environ.get("RAY_ADDRESS")):
+    if not (scaling.elastic and os.environ.get("RAY_ADDRESS")):
         return
     try:
         capacity.recount()
@@ -167,9 +168,7 @@ def refresh_elastic_sizing(cfg: TrainConfig) -> None:
         )
 
 
-def build_trainer(
-    cfg: TrainConfig, prep: Prepared, loc: RunLocation, progress, lease: str | None = None
-):
+def build_trainer(prep: Prepared, loc: RunLocation, progress, lease: str | None = None):
     """The TorchTrainer of the run; `progress` is the ProgressBuffer rank 0 reports to;
     `lease`: the token of this driver's lease on the run."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
@@ -177,9 +176,9 @@ def build_trainer(
 
     from rayacc.worker.loop import WorkerInputs, train_loop
 
-    source, groups = _read_source(cfg, prep, loc)
+    source, groups = _read_source(prep, loc)
     vocabulary = Vocabulary.of_data(prep.info, prep.source_metadata)
-    s = cfg.scaling
+    s, run = prep.spec.cfg.scaling, prep.spec.cfg.run
     inputs = WorkerInputs(
         spec=prep.spec,
         source=source,
@@ -202,8 +201,8 @@ def build_trainer(
         run_config=RunConfig(
             name=loc.name,
             storage_path=loc.storage,
-            failure_config=FailureConfig(max_failures=cfg.run.max_failures),
-            checkpoint_config=CheckpointConfig(num_to_keep=cfg.run.keep_checkpoints),
+            failure_config=FailureConfig(max_failures=run.max_failures),
+            checkpoint_config=CheckpointConfig(num_to_keep=run.keep_checkpoints),
         ),
         # no datasets here: each rank reads its row groups through Ray Data (worker/ingest.py)
     )
@@ -287,12 +286,12 @@ class TrainerRun:
         return self.outcome["result"]
 
 
-def _read_source(cfg: TrainConfig, prep: Prepared, loc: RunLocation) -> tuple[str, RowGroups]:
+def _read_source(prep: Prepared, loc: RunLocation) -> tuple[str, RowGroups]:
     """Where the ranks' read tasks read the data, and its row groups there."""
     from rayacc.data.common import BUNDLED
     from rayacc.data.reads import filesystem_and_path, stage_file
 
-    if cfg.data.source in BUNDLED:
+    if prep.spec.cfg.data.source in BUNDLED:
         # prepared in this node's cache, which read tasks on other nodes cannot see
         shared = stage_file(prep.info.path, loc.storage)
         return shared, prep.groups.moved_to(filesystem_and_path(shared)[1])
@@ -327,13 +326,14 @@ def fit(
     `resume=True` continues the run named `run.name` (or the latest run in the storage path) from
     its latest checkpoint. `observers` see every event and per-step record as it arrives.
     `parent_run_id` nests the MLflow run under a sweep's parent run; `tags` are added to it.
-    `location`: `prelaunch.locate(cfg, resume, identity)` when the caller checked it already.
+    `location`: `prelaunch.locate(run, resume, terms)` when the caller checked it already.
     """
     t0 = time.perf_counter()
     phases = {"called": time.time()}
     prep = prepared or prepare(cfg)
+    # from here on the run is read from its RunSpec (derived once, in `prepare`)
     if location is None:
-        location = locate(cfg, resume, prep.spec.identity)
+        location = locate(prep.spec.cfg.run, resume, prep.spec.resume_terms)
         for note in location.notes:
             log.warning(note)
     loc = location
@@ -341,7 +341,6 @@ def fit(
     lease = RunLease(loc.storage, loc.name).take()
     try:
         return _fit_holding(
-            cfg,
             prep,
             loc,
             resume,
@@ -357,7 +356,6 @@ def fit(
 
 
 def _fit_holding(
-    cfg: TrainConfig,
     prep: Prepared,
     loc: RunLocation,
     resume: bool,
@@ -369,14 +367,15 @@ def _fit_holding(
     t0: float,
     lease: RunLease | None = None,
 ) -> FitResult:
+    cfg = prep.spec.cfg  # its sections, read (the run's quantities come from the RunSpec)
     phases["checked"] = time.time()
-    ensure_ray(cfg)
-    check_cluster(cfg)
-    refresh_elastic_sizing(cfg)
+    ensure_ray(cfg.scaling)
+    check_cluster(cfg.scaling)
+    refresh_elastic_sizing(cfg.scaling)
     phases["ray_started"] = time.time()
     buffer = _progress_buffer()
     ranks = FiguresRelay(margin=cfg.train.straggler_margin)
-    trainer = build_trainer(cfg, prep, loc, buffer, lease=lease.token if lease else None)
+    trainer = build_trainer(prep, loc, buffer, lease=lease.token if lease else None)
     nodes = None
     if cfg.scaling.elastic:
         # the ranks' own handling of a notice ends their group once its last checkpoint is
@@ -389,7 +388,7 @@ def _fit_holding(
     phases["fit_started"] = time.time()
     lineage = functools.lru_cache(maxsize=4)(loc.checkpoints.lineage)
     # the MLflow store opens (seconds for a new sqlite file) while the worker group starts
-    tracked = _open_tracking(cfg, prep, loc, resume, parent_run_id, tags, phases, lineage)
+    tracked = _open_tracking(prep, loc, resume, parent_run_id, tags, phases, lineage)
     loc.record(
         mlflow_run_id=tracked.run_id if tracked else None,
         tracking_uri=tracked.sink.tracking_uri if tracked else None,
@@ -458,9 +457,8 @@ def _fit_holding(
     )
 
 
-def _open_tracking(
-    cfg, prep: Prepared, loc: RunLocation, resume, parent_run_id, tags, phases, lineage
-):
+def _open_tracking(prep: Prepared, loc: RunLocation, resume, parent_run_id, tags, phases, lineage):
+    cfg = prep.spec.cfg
     if not cfg.tracking.enabled:
         return None
     phases["tracking_started"] = time.time()
@@ -487,7 +485,8 @@ def _open_tracking(
         tags={**(tags or {}), **({"rayacc.continues": continues} if continues else {})},
         data=prep.info,
         train_rows=prep.spec.order.num_train_rows,
-        strategy_user=prep.spec.worker.strategy_user,
+        record_files=prep.spec.record_files,
+        lr_explanation=prep.spec.lr_explanation,
     )
     tracked = open_tracking(
         cfg,

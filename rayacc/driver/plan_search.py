@@ -74,7 +74,7 @@ def plan_search(
     from rayacc.tracking.plan_record import record_plan
 
     prep = prepare(cfg)
-    ensure_ray(cfg)
+    ensure_ray(cfg.scaling)
     on_ready()
     group = CalibrationGroup(
         cfg,

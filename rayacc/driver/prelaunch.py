@@ -19,6 +19,7 @@ from typing import Any
 
 from rayacc.config import TrainConfig
 from rayacc.config.batch_split import BatchSplit
+from rayacc.config.schema import RunConfig, ScalingConfig, TrainSection
 from rayacc.data.common import DataError
 from rayacc.data.order import DataOrder, EpochLayout
 from rayacc.data.sources import DatasetInfo, RowGroups, read_source
@@ -27,9 +28,8 @@ from rayacc.driver.runs import RunLocation, locate_run
 from rayacc.engine.parallel import state_format_named
 from rayacc.engine.units import fsdp_blocks
 from rayacc.models import build_on_meta
-from rayacc.rank.build import strategy_for
 from rayacc.run.quantities import data_order, elastic_summary
-from rayacc.run.spec import RunSpec, derive_run
+from rayacc.run.spec import ResumeTerms, RunSpec, derive_run
 
 __all__ = [
     "Prepared",
@@ -130,17 +130,14 @@ def prepare(cfg: TrainConfig) -> Prepared:
             f"set batch.global_batch_size to at most {order.num_train_rows} (and "
             "batch.micro_batch_size to divide it), lower data.val_fraction, or use more data"
         )
+    # from here on the run is read from its RunSpec, not from the config
     spec = derive_run(cfg, info, groups, order, split)
-    # the strategy's settings (DeepSpeed: the user's file) against the job, before anything
-    # starts (DeepSpeedConfigError)
-    strategy_for(cfg, split, spec.worker.strategy_user)
-    layout = spec.layout
-    reads = read_factor(order, layout) if order.chunked else None
+    reads = read_factor(order, spec.layout) if order.chunked else None
     return Prepared(
         spec,
         sum(p.numel() for p in model.parameters()),
-        _warnings(cfg, layout, model, reads, groups),
-        [_order_note(cfg, info, groups, reads), *_notes(spec)],
+        _warnings(spec, model, reads),
+        [_order_note(spec, reads), *_notes(spec)],
         source.metadata,
     )
 
@@ -156,7 +153,8 @@ def read_factor(order: DataOrder, layout: EpochLayout) -> float:
     return read / max(1, layout.num_rows - layout.dropped_rows)
 
 
-def _order_note(cfg: TrainConfig, info: DatasetInfo, groups: RowGroups, reads: float | None) -> str:
+def _order_note(spec: RunSpec, reads: float | None) -> str:
+    info, groups = spec.info, spec.groups
     mib = info.data_bytes / 2**20
     if reads is None:
         return (
@@ -170,9 +168,8 @@ def _order_note(cfg: TrainConfig, info: DatasetInfo, groups: RowGroups, reads: f
     )
 
 
-def _warnings(
-    cfg: TrainConfig, layout: EpochLayout, model, reads: float | None, groups: RowGroups
-) -> list[str]:
+def _warnings(spec: RunSpec, model, reads: float | None) -> list[str]:
+    cfg, layout, groups = spec.cfg, spec.layout, spec.groups
     warnings = []
     if cfg.data.materialize is not None:
         warnings.append(
@@ -209,9 +206,9 @@ def _warnings(
             "(scaling.num_workers: [min, max], scaling.on_resize: keep_global_batch); this run "
             "ignores it (remove it, or make the run elastic)"
         )
-    if crowded := local_oversubscription(cfg):
+    if crowded := local_oversubscription(cfg.scaling):
         warnings.append(crowded)
-    warnings += spot_warnings(cfg)
+    warnings += spot_warnings(cfg.scaling, cfg.train)
     bn = batchnorm_layers(model)
     if bn:
         warnings.append(
@@ -222,20 +219,20 @@ def _warnings(
     return warnings
 
 
-def spot_warnings(cfg: TrainConfig) -> list[str]:
+def spot_warnings(scaling: ScalingConfig, train: TrainSection) -> list[str]:
     """A run placed on spot capacity (`scaling.extra_resources: {spot: ...}`, the resource the
     cluster specs give spot nodes) that a reclaim would cost more than it must."""
-    if not cfg.scaling.extra_resources.get("spot"):
+    if not scaling.extra_resources.get("spot"):
         return []
     out = []
-    if not cfg.scaling.elastic:
+    if not scaling.elastic:
         out.append(
-            f"scaling.num_workers={cfg.scaling.num_workers} on spot nodes: at each reclaim the "
+            f"scaling.num_workers={scaling.num_workers} on spot nodes: at each reclaim the "
             "run stops until the autoscaler has a replacement node. Fix: an elastic range, e.g. "
-            f"scaling.num_workers=[1, {cfg.scaling.max_workers}], goes on with fewer workers"
+            f"scaling.num_workers=[1, {scaling.max_workers}], goes on with fewer workers"
         )
-    if not cfg.train.checkpoint_on_preemption:
-        every = cfg.train.checkpoint_every_steps
+    if not train.checkpoint_on_preemption:
+        every = train.checkpoint_every_steps
         lost = f"up to {every - 1}" if every else "all of them: none is written before the end"
         out.append(
             "train.checkpoint_on_preemption=false on spot nodes: a reclaim costs every step "
@@ -244,7 +241,7 @@ def spot_warnings(cfg: TrainConfig) -> list[str]:
     return out
 
 
-def local_oversubscription(cfg: TrainConfig) -> str | None:
+def local_oversubscription(s: ScalingConfig) -> str | None:
     """The warning for a local run (rayacc starts Ray here) whose workers reserve more CPUs
     than this machine has: the local Ray is sized to hold them (driver.ensure_ray), so they
     share cores."""
@@ -254,7 +251,6 @@ def local_oversubscription(cfg: TrainConfig) -> str | None:
     ray = sys.modules.get("ray")  # not imported: not started either
     if os.environ.get("RAY_ADDRESS") or (ray is not None and ray.is_initialized()):
         return None
-    s = cfg.scaling
     wanted = s.max_workers * s.cpus_per_worker
     cores = os.cpu_count() or 1
     if wanted <= cores:
@@ -290,17 +286,17 @@ def batchnorm_layers(model) -> list[str]:
 
 
 # ----------------------------------------------------------------------------- the run
-def locate(cfg: TrainConfig, resume: bool, identity: dict[str, object]) -> RunLocation:
+def locate(run: RunConfig, resume: bool, terms: ResumeTerms) -> RunLocation:
     """The run's location (`runs.locate_run`: without run.name, a resume takes the latest run
     of the same job), and on a resume the check that its latest checkpoint may be continued by
-    this config. `identity`: the run's (`RunSpec.identity`)."""
-    loc = locate_run(cfg, resume, identity)
+    this run (`terms`: `RunSpec.resume_terms`)."""
+    loc = locate_run(run, resume, terms.identity)
     if resume:
-        check_resume(cfg, identity, loc)
+        check_resume(terms, loc)
     return loc
 
 
-def check_resume(cfg: TrainConfig, identity: dict[str, object], loc: RunLocation) -> None:
+def check_resume(terms: ResumeTerms, loc: RunLocation) -> None:
     """The latest checkpoint's identity against this config's: another seed, data, split,
     order, model, strategy or (for a run that keeps it) global batch would re-split and
     re-order the data under the saved sample position, or fail inside the workers."""
@@ -335,14 +331,14 @@ def check_resume(cfg: TrainConfig, identity: dict[str, object], loc: RunLocation
         return  # nothing saved yet (or a checkpoint from before identities)
     if not isinstance(saved, dict):
         raise CheckpointError(malformed_message(f"{loc.name}/meta.json", "identity"))
-    now = identity
+    now = terms.identity
     diffs = [
         f"{key}: the run has {saved.get(key)!r}, this config {now.get(key)!r}"
         for key in sorted(set(saved) | set(now))
         if saved.get(key) != now.get(key)
     ]
-    diffs += _global_batch_change(cfg, meta)
-    diffs += _resize_issues(cfg, meta)
+    diffs += _global_batch_change(terms, meta)
+    diffs += _resize_issues(terms, meta)
     if diffs:
         raise DataError(
             f"--resume of run {loc.name!r}: the checkpoint at step {meta.get('optimizer_step')} "
@@ -354,23 +350,22 @@ def check_resume(cfg: TrainConfig, identity: dict[str, object], loc: RunLocation
         )
 
 
-def _resize_issues(cfg: TrainConfig, meta: dict[str, Any]) -> list[str]:
-    """What the checkpoint's state format says of a resume at this config's worker count
+def _resize_issues(terms: ResumeTerms, meta: dict[str, Any]) -> list[str]:
+    """What the checkpoint's state format says of a resume at this run's worker count
     (DeepSpeed's moves to another count with Adam's state only)."""
     fmt = state_format_named(meta.get("state_format"))
     saved = meta.get("num_workers")
-    if fmt is None or type(saved) is not int or saved == cfg.scaling.min_workers:
+    if fmt is None or type(saved) is not int or saved == terms.workers:
         return []
-    return fmt.resize_issues(saved, cfg.scaling.min_workers, cfg.optim.name)
+    return fmt.resize_issues(saved, terms.workers, terms.optimizer)
 
 
-def _global_batch_change(cfg: TrainConfig, meta: dict[str, Any]) -> list[str]:
+def _global_batch_change(terms: ResumeTerms, meta: dict[str, Any]) -> list[str]:
     """The global batch a run that keeps it resolves to now, against the checkpoint's (a run
     that gives micro × accumulation changes it with the worker count)."""
-    keeps = not cfg.scaling.elastic or cfg.scaling.on_resize == "keep_global_batch"
     saved = meta.get("global_batch_size")
-    now = cfg.batch_split().global_batch_size
-    if not keeps or saved is None or saved == now:
+    now = terms.global_batch_size
+    if now is None or saved is None or saved == now:
         return []
     return [
         f"batch.global_batch_size: the run has {saved}, this config resolves to {now} "
@@ -379,7 +374,7 @@ def _global_batch_change(cfg: TrainConfig, meta: dict[str, Any]) -> list[str]:
 
 
 # ----------------------------------------------------------------------------- the cluster
-def check_cluster(cfg: TrainConfig) -> None:
+def check_cluster(scaling: ScalingConfig) -> None:
     """A worker group the cluster can never hold is a user error (Ray Train would wait
     forever); on a cluster that may grow (one rayacc did not start), a warning."""
     import os
@@ -388,7 +383,7 @@ def check_cluster(cfg: TrainConfig) -> None:
     import ray
 
     may_grow = bool(os.environ.get("RAY_ADDRESS"))
-    warning = check_resources(cfg, ray.nodes(), may_grow)
+    warning = check_resources(scaling, ray.nodes(), may_grow)
     if warning:
         print(f"rayacc: warning: {warning}; waiting for the cluster to grow", file=sys.stderr)
 
@@ -408,13 +403,15 @@ def workers_that_fit(nodes: list[dict[str, float]], need: dict[str, float]) -> i
     return fit
 
 
-def check_resources(cfg: TrainConfig, nodes: list[dict[str, Any]], may_grow: bool) -> str | None:
+def check_resources(
+    scaling: ScalingConfig, nodes: list[dict[str, Any]], may_grow: bool
+) -> str | None:
     """Raises ResourceError when the alive `nodes` (as `ray.nodes()` lists them) can never hold
     `scaling.num_workers`' minimum; with `may_grow` (a cluster that may add nodes) returns the
     same finding as a warning instead. None when the group fits."""
-    need = cfg.scaling.worker_needs()
+    need = scaling.worker_needs()
     alive = [n.get("Resources", {}) for n in nodes if n.get("Alive", True)]
-    placement = cfg.scaling.placement_strategy
+    placement = scaling.placement_strategy
     per_node = [workers_that_fit([r], need) for r in alive]
     if placement == "STRICT_SPREAD":  # one worker a node
         fit, held = sum(min(n, 1) for n in per_node), "node(s) that can each hold a worker"
@@ -422,7 +419,7 @@ def check_resources(cfg: TrainConfig, nodes: list[dict[str, Any]], may_grow: boo
         fit, held = max(per_node, default=0), "worker(s) on their largest node"
     else:
         fit, held = sum(per_node), "worker(s)"
-    wanted = cfg.scaling.min_workers
+    wanted = scaling.min_workers
     if fit >= wanted:
         return None
     offered = sorted({k for r in alive for k in r if not k.startswith(("node:", "accelerator_"))})
@@ -435,21 +432,21 @@ def check_resources(cfg: TrainConfig, nodes: list[dict[str, Any]], may_grow: boo
         f"{len(alive)} node(s) hold {fit} {held}"
         + (f", and no node offers enough {', '.join(missing)}" if missing else "")
         + f" (resources offered: {', '.join(offered)}). Fix: "
-        + _fix(cfg, missing, sum(per_node) >= wanted)
+        + _fix(scaling, missing, sum(per_node) >= wanted)
     )
     if may_grow:
         return text
     raise ResourceError(text)
 
 
-def _fix(cfg: TrainConfig, missing: list[str], placement_only: bool) -> str:
+def _fix(scaling: ScalingConfig, missing: list[str], placement_only: bool) -> str:
     if placement_only:  # enough in all, not where the placement strategy needs it
-        if cfg.scaling.placement_strategy == "STRICT_SPREAD":
+        if scaling.placement_strategy == "STRICT_SPREAD":
             return "set scaling.placement_strategy=SPREAD, or add nodes (one per worker)"
         return "set scaling.placement_strategy=PACK, or use a node large enough for the group"
     if "GPU" in missing:
         return "set scaling.use_gpu=false, or run on a cluster with GPU nodes"
-    if any(k in cfg.scaling.extra_resources for k in missing):
+    if any(k in scaling.extra_resources for k in missing):
         return (
             "remove scaling.extra_resources, or start nodes that offer them (cluster/local.sh "
             "gives each node a worker_slot) and set RAY_ADDRESS"

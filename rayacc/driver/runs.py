@@ -17,7 +17,7 @@ from rayacc.checkpoint.catalogue import RunCheckpoints
 from rayacc.checkpoint.lease import Lease, held_message, read_lease
 from rayacc.checkpoint.reader import CheckpointError
 from rayacc.checkpoint.storage import open_storage
-from rayacc.config import TrainConfig
+from rayacc.config.schema import RunConfig
 from rayacc.data.common import DataError
 from rayacc.redact import redact
 
@@ -119,14 +119,14 @@ class RunLocation:
         _write_text(self.storage, LATEST, self.name)
 
 
-def locate_run(cfg: TrainConfig, resume: bool, identity: dict[str, Any] | None = None):
+def locate_run(run: RunConfig, resume: bool, identity: dict[str, Any] | None = None):
     """The run's storage path and name: `run.name`; else, on a resume, the latest run of the
     storage path with this `identity` (the same job: data, model, seed); else a fresh unique
     name. A name means one run: a fresh run may not reuse the name of one that exists (Ray Train
     would silently continue it), and a resume needs an existing run (whether its checkpoint
     may be resumed by this config: `prelaunch.locate`)."""
-    storage = default_storage(cfg.run.storage_path)
-    name = cfg.run.name
+    storage = default_storage(run.storage_path)
+    name = run.name
     notes: list[str] = []
     if name is None and resume:
         name = _same_job(storage, identity, notes)

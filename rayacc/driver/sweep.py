@@ -187,7 +187,7 @@ def run_sweep(
         if on_event:
             on_event(kind, by_index[index], outcome)
 
-    ensure_ray(base_cfg)
+    ensure_ray(base_cfg.scaling)
     concurrency = _concurrency(sweep, [TrainConfig.model_validate(c) for c in configs.values()])
     tuner = tune.Tuner(
         # the trial function only waits on its TorchTrainer, whose workers hold the resources

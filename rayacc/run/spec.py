@@ -12,11 +12,13 @@ from rayacc.data.order import DataOrder, EpochLayout
 from rayacc.data.sources import DatasetInfo, RowGroups
 from rayacc.engine.parallel import strategy_class
 from rayacc.optim import optimizer_slots
+from rayacc.rank.build import strategy_for
 from rayacc.run.quantities import (
     EpochWindows,
     RunLength,
     data_order,
     epoch_layout,
+    lr_explanation,
     remaining_epochs,
     run_effective_lr,
     run_identity,
@@ -25,7 +27,7 @@ from rayacc.run.quantities import (
     worker_splits,
 )
 
-__all__ = ["RunSpec", "WorkerSettings", "derive_run"]
+__all__ = ["ResumeTerms", "RunSpec", "WorkerSettings", "derive_run"]
 
 
 @dataclass(frozen=True)
@@ -121,6 +123,18 @@ class RunSpec:
     """What a rank acts on besides the quantities above."""
     description: dict[str, object]
     """What every checkpoint describes itself with: the config and the dataset (JSON)."""
+    record_files: dict[str, str]
+    """The strategy's files for the run's record (DeepSpeed: the merged config), as the
+    strategy took them from the job and the driver's read of the user's file."""
+
+    @property
+    def lr_explanation(self) -> str:
+        """How the effective LR follows from `optim.*` and the reference global batch."""
+        return lr_explanation(self.cfg, self.reference)
+
+    @property
+    def resume_terms(self) -> ResumeTerms:
+        return ResumeTerms.of(self.cfg, self.identity, self.reference)
 
     @property
     def effective_lr(self) -> float:
@@ -152,6 +166,33 @@ class RunSpec:
         return remaining_epochs(self.length, self.order.num_train_rows, state, split, rank)
 
 
+@dataclass(frozen=True)
+class ResumeTerms:
+    """What a checkpoint must agree with for this run to continue it (`prelaunch.check_resume`)."""
+
+    identity: dict[str, object]
+    """`RunSpec.identity`: the data, model, seed, strategy the checkpoint must share."""
+    global_batch_size: int | None
+    """The global batch the checkpoint must have, or None where a resize may change it."""
+    workers: int
+    """The size of the first worker group (a state format may not move to it)."""
+    optimizer: str
+
+    @classmethod
+    def of(
+        cls, cfg: TrainConfig, identity: dict[str, object], reference: BatchSplit | None = None
+    ) -> ResumeTerms:
+        s = cfg.scaling
+        keeps = not s.elastic or s.on_resize == "keep_global_batch"
+        reference = reference if reference is not None else cfg.batch_split()
+        return cls(
+            identity,
+            reference.global_batch_size if keeps else None,
+            s.min_workers,
+            cfg.optim.name,
+        )
+
+
 def derive_run(
     cfg: TrainConfig,
     info: DatasetInfo,
@@ -180,6 +221,10 @@ def derive_run(
         if isinstance(split, BatchSplit)
     }
     order = order if order is not None else data_order(cfg, info, groups)
+    worker = WorkerSettings.of(cfg, info)
+    # the strategy's settings (DeepSpeed: the user's file) against the job, before anything
+    # starts (DeepSpeedConfigError)
+    strategy = strategy_for(cfg, reference, worker.strategy_user)
     length = RunLength.of(cfg)
     layout = epoch_layout(length, order.num_train_rows, reference)
     return RunSpec(
@@ -195,6 +240,7 @@ def derive_run(
         schedule_length=schedule_length(length, layout),
         total_steps=total_optimizer_steps(length, layout),
         identity=run_identity(cfg, info),
-        worker=WorkerSettings.of(cfg, info),
+        worker=worker,
         description={"config": cfg.model_dump(mode="json"), "dataset": info.to_dict()},
+        record_files=strategy.record_files(),
     )

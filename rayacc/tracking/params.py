@@ -21,19 +21,20 @@ MODEL_KEYS = {
 """The `model.*` keys each model kind reads (`model.name` is always recorded)."""
 
 
-def _applies(key: str, cfg: TrainConfig) -> bool:
+def _applies(key: str, strategy: str, model: str) -> bool:
     section, _, rest = key.partition(".")
     owner = strategy_sections().get(section)
     if owner is not None:
-        return owner == cfg.train.strategy
+        return owner == strategy
     if section == "model" and rest != "name":
-        return rest.split(".", 1)[0] in MODEL_KEYS[cfg.model.name]
+        return rest.split(".", 1)[0] in MODEL_KEYS[model]
     return True
 
 
 def contract_params(cfg: TrainConfig, split: BatchSplit, effective_lr: float) -> dict[str, Any]:
     """The resolved values every run records, then the config's keys that apply to it."""
-    params: dict[str, Any] = {k: v for k, v in cfg.flat().items() if _applies(k, cfg)}
+    strategy, model = cfg.train.strategy, cfg.model.name
+    params: dict[str, Any] = {k: v for k, v in cfg.flat().items() if _applies(k, strategy, model)}
     # what the config left null, as it was derived for this run
     derived = {
         "batch.global_batch_size": split.global_batch_size,

@@ -23,8 +23,6 @@ from rayacc.observe.events import (
     ScheduleChanged,
     Straggler,
 )
-from rayacc.rank.build import strategy_for
-from rayacc.run.quantities import lr_explanation
 from rayacc.tracking.mlflow_sink import MlflowSink, tracking_target
 from rayacc.tracking.params import contract_params
 from rayacc.tracking.plots import loss_curve_png
@@ -49,9 +47,11 @@ class RunIdentity:
     data: DatasetInfo | None = None
     """The data the run trains on (its MLflow dataset input); `train_rows` of it train."""
     train_rows: int = 0
-    strategy_user: Any = None
-    """The strategy's own file as the driver read it for the workers (`RunSpec.worker`): the
-    record keeps what the run got, not the file as it is later."""
+    record_files: dict[str, str] = field(default_factory=dict)
+    """The strategy's files for the record (`RunSpec.record_files`: made from the driver's read
+    of the user's file, which the workers got, not the file as it is later)."""
+    lr_explanation: str = ""
+    """How the effective LR follows from `optim.*` (`RunSpec.lr_explanation`)."""
 
 
 Lineage = Callable[[int], Sequence[dict[str, Any]]]
@@ -205,7 +205,7 @@ def open_tracking(
             del params["micro_batch_size"], params["grad_accum_steps"]
         sink.log_params(params)
         sink.log_text(cfg.to_yaml(), "config.yaml")
-        for name, text in strategy_for(cfg, run.split, run.strategy_user).record_files().items():
+        for name, text in run.record_files.items():
             sink.log_text(text, name)
         if run.data is not None:
             sink.log_dataset(
@@ -222,7 +222,9 @@ def open_tracking(
         sink.set_tags(
             {
                 # MLflow's description of a run: the batch arithmetic
-                "mlflow.note.content": f"{run.split.describe()}; {lr_explanation(cfg, run.split)}",
+                "mlflow.note.content": "; ".join(
+                    t for t in (run.split.describe(), run.lr_explanation) if t
+                ),
                 "rayacc.run_name": run.name,
                 "rayacc.storage_path": run.storage_path,
                 "rayacc.data_layout": run.data_layout,

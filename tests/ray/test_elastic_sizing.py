@@ -66,7 +66,7 @@ def test_the_coordinator_reads_the_nodes_before_an_elastic_group_starts(
     cfg = config(tmp_path, scaling={"num_workers": num_workers, "cpus_per_worker": 0.5})
     forget_the_nodes(actor)
     try:
-        refresh_elastic_sizing(cfg)
+        refresh_elastic_sizing(cfg.scaling)
         assert nodes_seen(actor) == (alive if looks else 0)
     finally:
         ray.get(actor.get_reserved_resources.remote("tests", recompute=True))

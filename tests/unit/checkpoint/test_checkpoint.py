@@ -370,12 +370,14 @@ def test_a_checkpoint_whose_copy_was_cut_short_is_passed_over_and_said(tmp_path,
     assert f"passed over {newer}" in err and named in err, err
     assert f"from {storage / 'r' / run.folder_name(3)}" in err, err
     # a --resume's check of the run (its notes are printed before training)
-    from rayacc.config import TrainConfig
     from rayacc.driver.prelaunch import check_resume
     from rayacc.driver.runs import RunLocation
+    from rayacc.run.spec import ResumeTerms
 
     loc = RunLocation(str(storage), "r")
-    check_resume(TrainConfig(), {}, loc)
+    check_resume(
+        ResumeTerms(identity={}, global_batch_size=None, workers=1, optimizer="adamw"), loc
+    )
     (said,) = loc.notes
     assert said.startswith(f"passed over {newer}") and named in said, said
 

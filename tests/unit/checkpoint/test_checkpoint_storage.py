@@ -174,9 +174,9 @@ def test_one_bad_meta_json_blocks_no_listing_of_the_storage_path(tmp_path, capsy
     """`latest`, `rayacc runs`, a resume without a name and a named one pass over the folder
     and go on."""
     from rayacc.cli import main
-    from rayacc.config import TrainConfig
     from rayacc.driver.prelaunch import check_resume
     from rayacc.driver.runs import RunLocation, list_runs
+    from rayacc.run.spec import ResumeTerms
 
     storage = tmp_path / "runs"
     run = open_storage(str(storage)).child("r")
@@ -200,7 +200,9 @@ def test_one_bad_meta_json_blocks_no_listing_of_the_storage_path(tmp_path, capsy
     said = capsys.readouterr().err
     assert said.count(folder_name(4)) == 1 and "r: passed over" in said, said
     loc = RunLocation(str(storage), "r")
-    check_resume(TrainConfig(), {}, loc)
+    check_resume(
+        ResumeTerms(identity={}, global_batch_size=None, workers=1, optimizer="adamw"), loc
+    )
     assert any(folder_name(4) in note for note in loc.notes), loc.notes
 
 

@@ -18,9 +18,9 @@ import torch
 
 from rayacc.checkpoint import CheckpointError, RunCheckpoints, load_model, read_checkpoint
 from rayacc.checkpoint.format import META_FILE, file_entry, folder_name
-from rayacc.config import TrainConfig
 from rayacc.driver.prelaunch import check_resume
 from rayacc.driver.runs import RunLocation
+from rayacc.run.spec import ResumeTerms
 from tests.support.data.checkpoints import reseal
 from tests.support.data.strangers import folders_of, foreign_names, plant
 from tests.support.data.tokens import gpt_checkpoint, token_data
@@ -92,7 +92,10 @@ def test_a_file_no_manifest_lists_is_refused_by_every_reader_wherever_it_lies(
                 run = RunCheckpoints(str(storage), "r")
                 assert run.latest().step == 3 and relative in run.skipped[0], run.skipped
                 loc = RunLocation(str(storage), "r")
-                check_resume(TrainConfig(), {}, loc)
+                check_resume(
+                    ResumeTerms(identity={}, global_batch_size=None, workers=1, optimizer="adamw"),
+                    loc,
+                )
                 assert loc.resume_step == 3 and relative in loc.notes[0], loc.notes
                 # crafted into the manifest: still never unpickled, the weights as written
                 _listing(newer, stranger)

@@ -87,5 +87,5 @@ def test_a_variable_that_stands_for_a_flag_is_refused_as_the_flag_is(monkeypatch
     assert address_problem(bad) is not None  # what --address refuses
     monkeypatch.setenv(variable, bad)
     with pytest.raises(PlaceError) as refused:
-        ensure_ray(TrainConfig())
+        ensure_ray(TrainConfig().scaling)
     assert f"${variable}" in str(refused.value) and flag in str(refused.value)

@@ -36,15 +36,15 @@ def test_workers_that_fit_count_per_node():
 )
 def test_a_request_no_node_can_meet_names_what_is_missing(scaling, names):
     with pytest.raises(ResourceError) as err:
-        check_resources(cfg(**scaling), [NODE], may_grow=False)
+        check_resources(cfg(**scaling).scaling, [NODE], may_grow=False)
     for name in names:
         assert name in str(err.value), str(err.value)
     # a cluster that may add nodes: the same finding as a warning
-    assert "GPU" in (check_resources(cfg(num_workers=1, use_gpu=True), [NODE], True) or "")
+    assert "GPU" in (check_resources(cfg(num_workers=1, use_gpu=True).scaling, [NODE], True) or "")
 
 
 def test_a_request_that_fits_passes():
-    assert check_resources(cfg(num_workers=2), [NODE], may_grow=False) is None
+    assert check_resources(cfg(num_workers=2).scaling, [NODE], may_grow=False) is None
 
 
 @pytest.mark.parametrize(
@@ -65,13 +65,13 @@ def test_the_placement_strategy_decides_where_workers_may_go(placement, nodes, w
     config = cfg(num_workers=workers, cpus_per_worker=1, placement_strategy=placement)
     alive = [{"Alive": True, "Resources": {"CPU": c}} for c in nodes]
     if fits:
-        assert check_resources(config, alive, may_grow=False) is None
+        assert check_resources(config.scaling, alive, may_grow=False) is None
         return
     with pytest.raises(ResourceError) as err:
-        check_resources(config, alive, may_grow=False)
+        check_resources(config.scaling, alive, may_grow=False)
     assert placement in str(err.value) and "scaling.placement_strategy" in str(err.value)
     if sum(int(c) for c in nodes) >= workers:
         assert "placement_strategy=" in str(err.value), "the fix names another strategy"
-    assert check_resources(config, alive, may_grow=True) is not None, (
+    assert check_resources(config.scaling, alive, may_grow=True) is not None, (
         "a warning on a cluster that may grow"
     )

@@ -11,7 +11,14 @@ from rayacc.config import TrainConfig
 from rayacc.data.common import DataError
 from rayacc.driver.prelaunch import locate
 from rayacc.driver.runs import locate_run
+from rayacc.run.quantities import run_identity
+from rayacc.run.spec import ResumeTerms
 from tests.support.data.checkpoints import minimal_checkpoint
+
+
+def resume_of(cfg, info):
+    """`locate` on a resume, as the driver calls it for this config and data."""
+    return locate(cfg.run, True, ResumeTerms.of(cfg, run_identity(cfg, info)))
 
 
 def cfg(storage, name=None) -> TrainConfig:
@@ -26,21 +33,21 @@ def cfg(storage, name=None) -> TrainConfig:
 def test_a_new_run_may_not_take_the_name_of_an_existing_one(tmp_path):
     (tmp_path / "exp" / "checkpoint_step00000004").mkdir(parents=True)
     with pytest.raises(DataError, match="already names a run") as err:
-        locate_run(cfg(tmp_path, "exp"), resume=False)
+        locate_run(cfg(tmp_path, "exp").run, resume=False)
     assert "--resume" in str(err.value) and "run.name" in str(err.value)
-    assert locate_run(cfg(tmp_path, "exp"), resume=True).name == "exp"
+    assert locate_run(cfg(tmp_path, "exp").run, resume=True).name == "exp"
 
 
 def test_resume_needs_an_existing_run_of_that_name(tmp_path):
     (tmp_path / "exp").mkdir()
     with pytest.raises(DataError, match="no run named run.name='exq'") as err:
-        locate_run(cfg(tmp_path, "exq"), resume=True)
+        locate_run(cfg(tmp_path, "exq").run, resume=True)
     assert "exp" in str(err.value), "the runs that exist are listed"
-    assert locate_run(cfg(tmp_path, "exq"), resume=False).name == "exq"
+    assert locate_run(cfg(tmp_path, "exq").run, resume=False).name == "exq"
 
 
 def test_unnamed_runs_get_fresh_names(tmp_path):
-    a, b = (locate_run(cfg(tmp_path), resume=False) for _ in range(2))
+    a, b = (locate_run(cfg(tmp_path).run, resume=False) for _ in range(2))
     assert a.name != b.name
 
 
@@ -50,7 +57,6 @@ def test_resume_refuses_another_seed_order_or_dataset_listing_every_difference(t
     import pyarrow.parquet as pq
 
     from rayacc.data.sources import describe_dataset
-    from rayacc.run.quantities import run_identity
 
     def table(n):
         return pa.table(
@@ -68,7 +74,7 @@ def test_resume_refuses_another_seed_order_or_dataset_listing_every_difference(t
     meta = {"optimizer_step": 4, "identity": run_identity(original, describe_dataset(str(data)))}
     minimal_checkpoint(ckpt, meta)
 
-    same = locate(original, True, run_identity(original, describe_dataset(str(data))))
+    same = resume_of(original, describe_dataset(str(data)))
     assert same.name == "exp"
 
     other = original.model_copy(
@@ -78,7 +84,7 @@ def test_resume_refuses_another_seed_order_or_dataset_listing_every_difference(t
         }
     )
     with pytest.raises(DataError) as err:
-        locate(other, True, run_identity(other, describe_dataset(str(data))))
+        resume_of(other, describe_dataset(str(data)))
     message = str(err.value)
     for field in ("seed", "data.shuffle", "data.val_fraction"):
         assert f"{field}:" in message, message
@@ -86,7 +92,7 @@ def test_resume_refuses_another_seed_order_or_dataset_listing_every_difference(t
 
     pq.write_table(table(65), data)  # a row more: the same path, other data
     with pytest.raises(DataError, match="dataset"):
-        locate(original, True, run_identity(original, describe_dataset(str(data))))
+        resume_of(original, describe_dataset(str(data)))
 
 
 def test_a_file_only_this_node_has_is_staged_under_the_shared_storage_once(tmp_path):
@@ -157,7 +163,6 @@ def test_resume_with_another_global_batch_is_refused_before_launch(tmp_path, cha
     original = TrainConfig.from_dict(
         {**base, "batch": {"global_batch_size": 32, "micro_batch_size": 4}}
     )
-    from rayacc.run.quantities import run_identity
 
     ckpt = tmp_path / "runs" / "exp" / "checkpoint_step00000004"
     info = describe_dataset(str(data))
@@ -166,10 +171,10 @@ def test_resume_with_another_global_batch_is_refused_before_launch(tmp_path, cha
 
     resumed = TrainConfig.from_dict({**base, **change})
     if not refused:
-        assert locate(resumed, True, run_identity(resumed, info)).name == "exp"
+        assert resume_of(resumed, info).name == "exp"
         return
     with pytest.raises(DataError) as err:
-        locate(resumed, True, run_identity(resumed, info))
+        resume_of(resumed, info)
     assert "batch.global_batch_size: the run has 32" in str(err.value)
     assert "set batch.global_batch_size: 32" in str(err.value)
 
@@ -206,10 +211,10 @@ def test_resume_without_a_name_takes_the_latest_run_of_the_same_job(tmp_path, ru
         (tmp_path / name / RUN_INFO).write_text(json.dumps(info))
     identity = {"model.name": job}
     if picked is not None:
-        assert locate_run(cfg(tmp_path), resume=True, identity=identity).name == picked
+        assert locate_run(cfg(tmp_path).run, resume=True, identity=identity).name == picked
         return
     with pytest.raises(DataError, match="no run in .* was trained on this job") as err:
-        locate_run(cfg(tmp_path), resume=True, identity=identity)
+        locate_run(cfg(tmp_path).run, resume=True, identity=identity)
     for name, _, _ in runs:
         assert name in str(err.value), "the runs there are listed"
     assert "run.name=NAME" in str(err.value) and "rayacc runs" in str(err.value)
@@ -278,7 +283,7 @@ def test_runs_lists_the_runs_of_a_storage_path(tmp_path, capsys):
             "run": {"storage_path": str(tmp_path), "name": "a"},
         }
     )
-    loc = locate_run(cfg, resume=False)
+    loc = locate_run(cfg.run, resume=False)
     loc.record(
         job="jobs/digits.yaml",
         model="mlp",
@@ -334,17 +339,17 @@ def test_a_live_driver_holds_its_run_and_a_killed_ones_lease_expires(tmp_path, m
         assert by_name["new"].status == "running" and by_name["old"].status == "finished"
         # a second driver: neither a named resume nor its own lease may take the run
         with pytest.raises(DataError, match=r"'new' .* live driver \(host .*pid") as named:
-            locate_run(cfg(storage, "new"), resume=True)
+            locate_run(cfg(storage, "new").run, resume=True)
         assert "Fix:" in str(named.value)
         with pytest.raises(DataError, match="live driver"):
             RunLease(storage, "new").take()
         # an unnamed resume passes over the live run and says so
-        loc = locate_run(cfg(storage, None), resume=True, identity=ident)
+        loc = locate_run(cfg(storage, None).run, resume=True, identity=ident)
         assert loc.name == "old" and "passed over run 'new'" in loc.notes[0]
     finally:
         held.release()
     assert not (tmp_path / "runs" / "new" / LEASE).exists()
-    assert locate_run(cfg(storage, None), resume=True, identity=ident).name == "new"
+    assert locate_run(cfg(storage, None).run, resume=True, identity=ident).name == "new"
 
     # a lease left by a driver that was killed: expired by its heartbeat's age, or on this
     # host, when its process is gone, once its workers stopped committing (DEAD_HOLDER_S)
@@ -391,7 +396,7 @@ def test_a_damaged_run_info_is_named_on_resume_and_marked_in_the_listing(tmp_pat
     # a lease torn or overwritten with bytes is no claim
     (storage / "bad" / LEASE).write_bytes(damage)
     with pytest.raises(DataError, match=rf"bad/{RUN_INFO} is not the JSON") as refused:
-        locate_run(cfg(storage, "bad"), resume=True)
+        locate_run(cfg(storage, "bad").run, resume=True)
     assert "Fix:" in str(refused.value)
     status = {r.name: r.status for r in list_runs(str(storage))}
     assert status == {"good": "finished", "bad": f"unknown ({RUN_INFO} damaged)"}

@@ -433,7 +433,7 @@ def test_a_local_run_with_more_worker_cpus_than_cores_warns(
             "scaling": {"num_workers": workers, "cpus_per_worker": cpus},
         }
     )
-    warning = local_oversubscription(cfg)
+    warning = local_oversubscription(cfg.scaling)
     assert (warning is not None) is warned
     if warned:
         assert "oversubscribed" in warning and "2 cores" in warning and "Fix:" in warning

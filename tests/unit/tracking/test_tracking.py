@@ -144,13 +144,13 @@ def test_the_run_info_keeps_the_mlflow_run_on_any_storage_and_never_loses_it(tmp
         }
     )
     job = {"seed": 0, "data.source": "digits"}
-    first = locate_run(cfg, resume=False)
+    first = locate_run(cfg.run, resume=False)
     first.record(mlflow_run_id="run-1", tracking_uri="http://mlflow:5000", identity=job)
     # the latest run of this job, read back from the URI
-    resumed = locate_run(cfg, resume=True, identity=job)
+    resumed = locate_run(cfg.run, resume=True, identity=job)
     assert resumed.name == first.name and resumed.previous["mlflow_run_id"] == "run-1"
     resumed.record(mlflow_run_id=None, tracking_uri=None)  # tracking was away this attempt
-    again = locate_run(cfg, resume=True, identity=job)
+    again = locate_run(cfg.run, resume=True, identity=job)
     assert again.previous["mlflow_run_id"] == "run-1"
     assert again.previous["tracking_uri"] == "http://mlflow:5000"
     assert isinstance(again, RunLocation)
@@ -258,14 +258,13 @@ def test_the_deepspeed_config_a_run_uses_is_an_artifact_and_the_description_its_
 
     from rayacc.config.batch_split import BatchSplit
     from rayacc.data.sources import DatasetInfo
+    from rayacc.driver.prelaunch import prepare
     from rayacc.tracking import RunIdentity, open_tracking
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     user = tmp_path / "ds.json"
     zero = {"stage": 2, "reduce_bucket_size": 7000}
     read = {"train_batch_size": "auto", "zero_optimization": zero}
-    # the file changed after the driver read it: the workers run with what was read
-    user.write_text(json.dumps({**read, "zero_optimization": {**zero, "reduce_bucket_size": 9}}))
     for strategy, extra in (("deepspeed", {"deepspeed": {"stage": 2, "config": str(user)}}),
                             ("ddp", {})):  # fmt: skip
         cfg = TrainConfig.from_dict(
@@ -278,9 +277,14 @@ def test_the_deepspeed_config_a_run_uses_is_an_artifact_and_the_description_its_
         )
         data = DatasetInfo(str(tmp_path / "digits.parquet"), "classification", 1797,
                            fingerprint="0123456789abcdef")  # fmt: skip
+        # the driver reads the user's file once, deriving the run; the file changes after
+        user.write_text(json.dumps(read))
+        spec = prepare(cfg).spec
+        later = {**read, "zero_optimization": {**zero, "reduce_bucket_size": 9}}
+        user.write_text(json.dumps(later))
         identity = RunIdentity(
             strategy, str(tmp_path), BatchSplit(32, 4, 4, 2), 0.1, "l", 10, data=data,
-            train_rows=1527, strategy_user=read if strategy == "deepspeed" else None,
+            train_rows=1527, record_files=spec.record_files, lr_explanation=spec.lr_explanation,
         )  # fmt: skip
         tracked = open_tracking(cfg, identity)
         checkpoint = str(tmp_path / "runs" / strategy / "checkpoint_step00000003")

@@ -504,7 +504,7 @@ def test_a_run_on_spot_nodes_is_warned_of_what_a_reclaim_would_cost(scaling, tra
             "train": train,
         }
     )
-    warnings = spot_warnings(cfg)
+    warnings = spot_warnings(cfg.scaling, cfg.train)
     assert len(warnings) == len(expected), warnings
     for warning, words in zip(warnings, expected, strict=True):
         assert words in warning and "Fix:" in warning, warning
