@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rayacc.cluster.spec import SpecError, schema_errors
+from rayacc.cluster.spec_files import SpecError, schema_errors
 
 __all__ = ["check_kuberay"]
 

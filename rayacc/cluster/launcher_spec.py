@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from rayacc.cluster.spec import SpecError, schema_errors
+from rayacc.cluster.spec_files import SpecError, schema_errors
 
 __all__ = ["check_launcher"]
 

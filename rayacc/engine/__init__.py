@@ -25,10 +25,10 @@ from rayacc.engine.perf import (
     recompute_flops_per_item,
 )
 from rayacc.engine.precision import autocast, autocast_dtype
-from rayacc.engine.progress import TrainState
 from rayacc.engine.result import StepResult
 from rayacc.engine.step import PRECISIONS, AccumulationStep, MicroStepMismatchError
 from rayacc.engine.sync import CommCounter, install_comm_counter
+from rayacc.engine.train_state import TrainState
 
 __all__ = [
     "DDP",

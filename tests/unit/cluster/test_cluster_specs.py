@@ -10,7 +10,7 @@ import pytest
 
 from rayacc.cluster.kuberay_spec import check_kuberay
 from rayacc.cluster.launcher_spec import check_launcher
-from rayacc.cluster.spec import SpecError, load_yaml
+from rayacc.cluster.spec_files import SpecError, load_yaml
 from rayacc.config import SweepConfig, TrainConfig
 
 ROOT = Path(__file__).resolve().parents[3]

@@ -30,6 +30,29 @@ def test_no_module_is_longer_than_a_reader_can_hold():
     assert not long, f"over {MAX_LINES} lines: {long}"
 
 
+SHARED_NAMES = {
+    "common": "what a unit's modules share",
+    "errors": "a unit's one error",
+    "jobs": "`rayacc submit`/`jobs`: the driver's call and the command",
+    "runs": "a storage path's runs: where a run lives, and `rayacc runs`",
+    "sweep": "a sweep: its schema, its run, its command",
+}
+"""File names more than one unit holds, each with its one meaning (a concept's layers)."""
+
+
+def test_a_file_name_means_one_thing():
+    by_name: dict[str, list[str]] = {}
+    for p in ROOT.rglob("*.py"):
+        if p.name != "__init__.py":
+            by_name.setdefault(p.stem, []).append(str(p.relative_to(ROOT)))
+    repeated = {n: sorted(ps) for n, ps in by_name.items() if len(ps) > 1}
+    unexplained = {n: ps for n, ps in repeated.items() if n not in SHARED_NAMES}
+    assert not unexplained, (
+        f"one file name, several units: {unexplained}; name each for what it holds, or say in "
+        "SHARED_NAMES the one meaning they share"
+    )
+
+
 README_MAX_LINES = 450
 DOCSTRING_MAX_LINES = 12
 """A docstring says why in a few lines; measurements and long explanations go to docs/ and
