@@ -1,6 +1,6 @@
-"""A run's MLflow params: the contract's resolved values (shared/design.md), then the config as
-dotted keys — only the sections that apply to the run (its strategy's, its model kind's), and
-what the config left to derivation given as derived (`batch.grad_accum_steps: 4`, not null)."""
+"""A run's MLflow params: the contract's resolved values first (shared/design.md), then the
+config as dotted keys — only the sections that apply to the run (its strategy's, its model
+kind's), and none that repeats a contract param under another name."""
 
 from __future__ import annotations
 
@@ -31,29 +31,40 @@ def _applies(key: str, strategy: str, model: str) -> bool:
     return True
 
 
+CONTRACT_FIELDS = {
+    "batch.micro_batch_size": "micro_batch_size",
+    "batch.grad_accum_steps": "grad_accum_steps",
+    "batch.global_batch_size": "global_batch_size",
+    "optim.lr": "base_lr",
+    "optim.base_batch_size": "base_batch_size",
+    "optim.lr_scaling": "lr_scaling",
+}
+"""The config's keys whose resolved value is a contract param: recorded once, by the contract's
+name (a setting that is not the value, `batch.micro_batch_size: auto`, stays beside it)."""
+
+FIRST_KEYS = ("train.strategy", "model.name")
+"""What a reader looks for after the batch arithmetic: the config keys recorded next."""
+
+
 def contract_params(cfg: TrainConfig, split: BatchSplit, effective_lr: float) -> dict[str, Any]:
-    """The resolved values every run records, then the config's keys that apply to it."""
-    strategy, model = cfg.train.strategy, cfg.model.name
-    params: dict[str, Any] = {k: v for k, v in cfg.flat().items() if _applies(k, strategy, model)}
-    # what the config left null, as it was derived for this run
-    derived = {
-        "batch.global_batch_size": split.global_batch_size,
-        "batch.micro_batch_size": split.micro_batch_size,
-        "batch.grad_accum_steps": split.grad_accum_steps,
-        "optim.base_batch_size": cfg.optim.base_batch_size or split.global_batch_size,
+    """The resolved values every run records, in the contract's order, then the config's keys
+    that apply to the run (MLflow's run page lists params in the order they were logged)."""
+    params: dict[str, Any] = {
+        "micro_batch_size": split.micro_batch_size,
+        "grad_accum_steps": split.grad_accum_steps,
+        "num_workers": split.num_workers,
+        "global_batch_size": split.global_batch_size,
+        "base_lr": cfg.optim.lr,
+        "base_batch_size": cfg.optim.base_batch_size or split.global_batch_size,
+        "lr_scaling": cfg.optim.lr_scaling,
+        "effective_lr": effective_lr,
     }
-    if cfg.batch.auto_micro_batch:
-        # the search decides them once the workers run (logged from its event)
-        del derived["batch.micro_batch_size"], derived["batch.grad_accum_steps"]
-    params.update({k: v for k, v in derived.items() if params.get(k) is None})
-    params.update(
-        micro_batch_size=split.micro_batch_size,
-        grad_accum_steps=split.grad_accum_steps,
-        num_workers=split.num_workers,
-        global_batch_size=split.global_batch_size,
-        base_lr=cfg.optim.lr,
-        base_batch_size=cfg.optim.base_batch_size or split.global_batch_size,
-        lr_scaling=cfg.optim.lr_scaling,
-        effective_lr=effective_lr,
-    )
+    strategy, model = cfg.train.strategy, cfg.model.name
+    flat = cfg.flat()
+    for key in (*FIRST_KEYS, *flat):
+        if key in params or not _applies(key, strategy, model):
+            continue
+        if key in CONTRACT_FIELDS and not (key == "batch.micro_batch_size" and flat[key] == "auto"):
+            continue
+        params[key] = flat[key]
     return params

@@ -48,8 +48,47 @@ def test_contract_params_are_the_resolved_values(tmp_path):
         "sqrt",
     )
     assert params["effective_lr"] == 0.02
-    # what the config left to derivation, as derived (not null beside the resolved value)
-    assert params["batch.grad_accum_steps"] == 4 and params["batch.micro_batch_size"] == 16
+
+
+CONTRACT = ["micro_batch_size", "grad_accum_steps", "num_workers", "global_batch_size",
+            "base_lr", "base_batch_size", "lr_scaling", "effective_lr"]  # fmt: skip
+"""The contract's params, in its order (shared/design.md, "MLflow record of a training run")."""
+
+
+@pytest.mark.parametrize(
+    "batch",
+    [
+        {"global_batch_size": 64, "micro_batch_size": 8},
+        {"global_batch_size": 64, "grad_accum_steps": 2},
+        {"micro_batch_size": 8, "grad_accum_steps": 4},
+        {"global_batch_size": 64, "micro_batch_size": "auto", "memory_budget_mb": 2048},
+    ],
+)
+def test_the_contract_params_come_first_and_each_value_once(batch):
+    """MLflow's run page lists params in the order they were logged: the contract's resolved
+    values first, then the run's strategy and model, then the config; a config key whose
+    value is a contract param is not recorded again under its own name."""
+    from rayacc.tracking.params import CONTRACT_FIELDS, FIRST_KEYS, _applies
+
+    cfg = TrainConfig.from_dict(
+        {
+            "batch": batch,
+            "optim": {"lr": 0.01, "base_batch_size": 32},
+            "train": {"strategy": "fsdp"},
+        }
+    )
+    split = cfg.batch_split()
+    params = contract_params(cfg, split, 0.02)
+    keys = list(params)
+    assert keys[: len(CONTRACT) + len(FIRST_KEYS)] == [*CONTRACT, *FIRST_KEYS], keys
+    assert set(CONTRACT_FIELDS.values()) <= set(CONTRACT)
+    auto = batch.get("micro_batch_size") == "auto"
+    for key in CONTRACT_FIELDS:
+        kept = key == "batch.micro_batch_size" and auto
+        assert (key in params) == kept, (key, params.get(key))
+    # every other key of the config that applies is there, once
+    rest = [k for k in cfg.flat() if k not in CONTRACT_FIELDS and _applies(k, "fsdp", "mlp")]
+    assert set(rest) <= set(keys) and len(keys) == len(set(keys))
 
 
 @pytest.mark.parametrize(
@@ -81,7 +120,7 @@ def test_only_the_sections_that_apply_to_the_run_are_recorded(model, strategy):
         assert recorded == (field in MODEL_KEYS[model]), (field, model)
     for other in ("fsdp", "deepspeed"):
         assert any(k.startswith(f"{other}.") for k in keys) == (other == strategy), other
-    assert "model.name" in keys and "optim.lr" in keys
+    assert "model.name" in keys and "base_lr" in keys
 
 
 def test_unreachable_server_disables_tracking_with_one_message(capsys):

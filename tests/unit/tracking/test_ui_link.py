@@ -56,13 +56,16 @@ def test_the_printed_link_opens_the_model_training_view(mlflow_server, tmp_path,
     from rayacc.driver.fit import FitResult
     from rayacc.observe.console import summary_lines
     from rayacc.tracking.mlflow_sink import MlflowSink
+    from rayacc.tracking.params import contract_params
 
     uri = f"http://127.0.0.1:{mlflow_server}"
+    cfg = TrainConfig.from_dict({"batch": {"global_batch_size": 8, "micro_batch_size": 4}})
+    params = contract_params(cfg, cfg.batch_split(), 1e-3)
     sink = MlflowSink(uri, f"ui-{tmp_path.name}", "ui-link-run")  # an experiment of its own
+    sink.log_params(params)
     sink.log_step_metrics([{"step": s, "train/loss": 1.0 / s} for s in (1, 2, 3)])
     sink.finish()
     run = MlflowClient(uri).get_run(sink.run_id)
-    cfg = TrainConfig.from_dict({"batch": {"global_batch_size": 8, "micro_batch_size": 4}})
     result = FitResult(
         checkpoint_dir=str(tmp_path / "ckpt"), mlflow_run_id=sink.run_id, metrics={},
         split=BatchSplit(8, 4, 1, 2), effective_lr=1e-3, run_name="r",
@@ -82,6 +85,9 @@ def test_the_printed_link_opens_the_model_training_view(mlflow_server, tmp_path,
     # the model-training view: its navigation (runs, models, the registry) and the run's tabs
     assert {"Runs", "Models", "Model registry", "Model metrics", "System metrics"} <= lines, text
     assert not {"Evaluations", "Judges", "Sessions"} & lines, text
+    # the run's params as the page lists them: the contract's first, in the order logged
+    shown = [line for line in text.splitlines() if line in params]
+    assert shown[:10] == list(params)[:10], shown
     # the same page without the link's query: the GenAI view (the check can tell them apart)
     plain = page_text(browser, link.split("?")[0], "ui-link-run")
     assert {"Evaluations", "Judges"} <= set(plain.splitlines()), plain
