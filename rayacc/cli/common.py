@@ -75,7 +75,7 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
     from rayacc.driver.jobs import SubmitError
     from rayacc.driver.places import PlaceError
     from rayacc.driver.prelaunch import ResourceError
-    from rayacc.engine.parallel import DeepSpeedConfigError
+    from rayacc.engine.parallel import DeepSpeedConfigError, StrategyLoadError
     from rayacc.models import ModelError
     from rayacc.planner.search import NothingFits
     from rayacc.tracking.report import ReportError
@@ -92,6 +92,7 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
         PlaceError,
         NothingFits,
         DeepSpeedConfigError,
+        StrategyLoadError,
     )
 
 

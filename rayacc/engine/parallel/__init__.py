@@ -8,6 +8,7 @@ More: docs/design.md, "Notes from the code" (engine/parallel/__init__.py).
 from __future__ import annotations
 
 import importlib
+import warnings
 from typing import Any
 
 from torch import nn
@@ -39,6 +40,7 @@ __all__ = [
     "ShardedState",
     "StateFormat",
     "Strategy",
+    "StrategyLoadError",
     "WholeState",
     "deepspeed_config",
     "host_copy",
@@ -51,18 +53,40 @@ __all__ = [
 ]
 
 
+class StrategyLoadError(ValueError):
+    """A registered strategy's wing does not load (its package's import fails, or the entry
+    point names no Strategy of that name)."""
+
+
 def strategy_class(name: str) -> type[Strategy]:
     """The wing the registry (config/strategies.py) names for `train.strategy` `name`."""
-    module, _, attr = strategy_entry(name).wing.partition(":")
-    cls = getattr(importlib.import_module(module), attr)
+    wing = strategy_entry(name).wing
+    module, _, attr = wing.partition(":")
+    fix = "reinstall the package that registers it, or choose another train.strategy"
+    try:
+        cls = getattr(importlib.import_module(module), attr)
+    except Exception as e:  # a plugin's own failure, whatever it raises
+        raise StrategyLoadError(
+            f"train.strategy {name!r}: its wing {wing} does not load "
+            f"({type(e).__name__}: {e}). Fix: {fix}"
+        ) from e
     if not (isinstance(cls, type) and issubclass(cls, Strategy)) or cls.name != name:
-        raise TypeError(f"strategy {name!r}: {module}:{attr} is not a Strategy named {name!r}")
+        raise StrategyLoadError(
+            f"train.strategy {name!r}: {wing} is not a Strategy named {name!r}. Fix: {fix}"
+        )
     return cls
 
 
 def strategy_classes() -> dict[str, type[Strategy]]:
-    """Every registered strategy's wing, by name."""
-    return {name: strategy_class(name) for name in strategies()}
+    """Every registered strategy's wing that loads, by name; one that does not is warned of and
+    left out (a broken plugin costs only the runs that name it)."""
+    out = {}
+    for name in strategies():
+        try:
+            out[name] = strategy_class(name)
+        except StrategyLoadError as e:
+            warnings.warn(f"{e}; left out of the strategies", stacklevel=2)
+    return out
 
 
 def state_format_named(name: Any) -> type[StateFormat] | None:
