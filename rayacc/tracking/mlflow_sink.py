@@ -300,15 +300,35 @@ class MlflowSink:
     def _model_now(self, name: str, step: int, checkpoint: str, model_type: str) -> None:
         from mlflow.entities import LoggedModelOutput
 
-        model = self.client.create_logged_model(
-            self.experiment_id,
-            name=redact(name),
-            source_run_id=self.run_id,
-            tags={"rayacc.checkpoint": redact(checkpoint), "rayacc.step": str(step)},
-            model_type=model_type,
+        shown, tags = (
+            redact(name),
+            {"rayacc.checkpoint": redact(checkpoint), "rayacc.step": str(step)},
+        )
+        # a retry after the server made it (and went away before the rest) finishes that one
+        made = [
+            m
+            for m in self.client.search_logged_models(
+                [self.experiment_id], filter_string=f"source_run_id = '{self.run_id}'"
+            )
+            if m.name == shown and all(m.tags.get(k) == v for k, v in tags.items())
+        ]
+        model = (
+            made[0]
+            if made
+            else self.client.create_logged_model(
+                self.experiment_id,
+                name=shown,
+                source_run_id=self.run_id,
+                tags=tags,
+                model_type=model_type,
+            )
         )
         self.client.finalize_logged_model(model.model_id, "READY")
-        self.client.log_outputs(self.run_id, [LoggedModelOutput(model.model_id, step)])
+        outputs = self.client.get_run(self.run_id).outputs
+        if not any(
+            o.model_id == model.model_id for o in (outputs.model_outputs if outputs else [])
+        ):
+            self.client.log_outputs(self.run_id, [LoggedModelOutput(model.model_id, step)])
 
     def log_dataset(
         self, name: str, digest: str, source: str, profile: dict[str, Any], context: str

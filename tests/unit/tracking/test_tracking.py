@@ -357,3 +357,28 @@ def test_the_deepspeed_config_a_run_uses_is_an_artifact_and_the_description_its_
             merged = json.loads(Path(path).read_text())
             assert merged["train_batch_size"] == 32 and merged["zero_optimization"]["stage"] == 2
             assert merged["zero_optimization"]["reduce_bucket_size"] == 7000
+
+
+def test_a_logged_model_retried_after_the_server_made_it_is_one_model(tmp_path, capsys):
+    """The server made the run's logged model and then went away before the rest of the call
+    (its finalisation): the retry finishes that model instead of making a second."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    sink = MlflowSink(uri, "exp", "run")
+    sink.RETRY_INTERVAL_S = 0.05
+    finalize, failed = sink.client.finalize_logged_model, []
+
+    def away_once(*args, **kwargs):
+        if not failed:
+            failed.append(True)
+            raise ConnectionError("connection reset by peer")
+        return finalize(*args, **kwargs)
+
+    sink.client.finalize_logged_model = away_once
+    sink.log_model_of("mlp-step3", 3, str(tmp_path / "checkpoint_step00000003"), "mlp")
+    sink.finish()
+    client = MlflowClient(uri)
+    run = client.get_run(sink.run_id)
+    models = client.search_logged_models([run.info.experiment_id])
+    assert failed and [(m.name, str(m.status)) for m in models] == [("mlp-step3", "READY")]
+    assert [(o.model_id, o.step) for o in run.outputs.model_outputs] == [(models[0].model_id, 3)]
+    assert "unreachable" in capsys.readouterr().err
