@@ -16,19 +16,22 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, n_embd: int, n_head: int, dropout: float):
         super().__init__()
         self.n_head = n_head
+        self.head_size = n_embd // n_head
         self.qkv = nn.Linear(n_embd, 3 * n_embd)
         self.proj = nn.Linear(n_embd, n_embd)
         self.dropout = dropout
 
     def forward(self, x):
-        b, t, c = x.shape
-        q, k, v = self.qkv(x).split(c, dim=2)
-        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        b, t, _ = x.shape
+        # the heads this rank holds: all of them, or its share under tensor parallelism
+        qkv = self.qkv(x)
+        q, k, v = qkv.split(qkv.shape[-1] // 3, dim=2)
+        q, k, v = (z.view(b, t, -1, self.head_size).transpose(1, 2) for z in (q, k, v))
         # SDPA picks the flash / memory-efficient kernel when one applies
         y = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
         )
-        return self.proj(y.transpose(1, 2).contiguous().view(b, t, c))
+        return self.proj(y.transpose(1, 2).contiguous().view(b, t, -1))
 
 
 class Block(nn.Module):
@@ -85,6 +88,21 @@ class GPT(nn.Module):
         if name.endswith(("proj.weight", "mlp.2.weight")):
             std /= math.sqrt(2 * self.n_layer)
         return torch.empty(shape).normal_(0.0, std, generator=generator)
+
+    def tp_plan(self) -> dict:
+        """Megatron's split of each block over a tensor-parallel group: q, k, v and the MLP's
+        first layer by output columns (each rank its heads), the projections back by input
+        rows (one all-reduce each); embeddings, norms and the tied head stay whole."""
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+        from rayacc.engine.parallel.tensor import FusedColwise
+
+        return {
+            "blocks.*.attn.qkv": FusedColwise(3),
+            "blocks.*.attn.proj": RowwiseParallel(),
+            "blocks.*.mlp.0": ColwiseParallel(),
+            "blocks.*.mlp.2": RowwiseParallel(),
+        }
 
     def flops_per_item(self, item_shape=None) -> float:
         """Training FLOPs per target token (forward + backward), as nanoGPT and the bare

@@ -38,8 +38,8 @@ class FSDP(Strategy):
     gradients are all-reduced across the replica groups once per window in either mode (the
     window's other micro-steps reduce-scatter only, `set_requires_all_reduce(False)`, or not at
     all under `window_end`). `node`: this rank's node (the group's placement, gathered at build,
-    lays the shard groups inside nodes). `offload`: parameters, gradients and optimizer state
-    in host memory (`CPUOffloadPolicy`), the optimizer step on the CPU."""
+    lays the shard groups inside nodes). `offload`: state in host memory (`CPUOffloadPolicy`).
+    `tensor_parallel` > 1: a (`dp`, `tp`) mesh (engine/parallel/tensor.py)."""
 
     name = "fsdp"
     state_format = ShardedState
@@ -110,8 +110,14 @@ class FSDP(Strategy):
         replicate: int | str = 1,
         node: str | None = None,
         offload: bool = False,
+        tensor_parallel: int = 1,
     ) -> None:
         super().__init__()
+        if tensor_parallel > 1 and replicate != 1:
+            raise ValueError("tensor parallelism with HSDP (fsdp.replicate) is not supported")
+        self.tensor_parallel = tensor_parallel
+        self._dp_group = None
+        """The data-parallel ranks' group under tensor parallelism (set at build)."""
         self.replicate = replicate
         self.node = node
         self.offload = offload
@@ -142,10 +148,16 @@ class FSDP(Strategy):
             build_mesh,
             materialize_shards,
             mesh_shape,
+            node_order,
             shard_model,
         )
 
         module = recipe.build_on_meta() if recipe.build_on_meta else recipe.build()
+        plan = None
+        if self.tensor_parallel > 1:
+            from rayacc.engine.parallel.tensor import tp_plan
+
+            plan = tp_plan(module)
         values = None
         if any(p.is_meta for p in module.parameters()):
             values = recipe.initial_values(module) if recipe.initial_values else None
@@ -161,14 +173,29 @@ class FSDP(Strategy):
         if values is None:
             module = module.to(device)
         nodes = self._placement()
-        self.mesh = mesh_shape(self.replicate, nodes)
+        placement = None
+        if plan is not None:
+            from rayacc.engine.parallel.tensor import apply_plan, fsdp_placement, tensor_mesh
+
+            world, tp = _world(), self.tensor_parallel
+            if world % tp:
+                raise ValueError(f"tensor_parallel={tp} does not divide the group's {world} ranks")
+            self.mesh = mesh_shape(1, nodes[: world // tp])
+            grid = tensor_mesh(device.type, world // tp, tp, node_order(nodes))
+            apply_plan(module, grid["tp"], plan)
+            mesh, placement = grid["dp"], fsdp_placement
+            self._dp_group = mesh.get_group()
+        else:
+            self.mesh = mesh_shape(self.replicate, nodes)
+            mesh = build_mesh(device.type, self.mesh, nodes)
         shard_model(
             module,
             device=device,
             reshard_after_forward=self.reshard_after_forward,
             param_dtype=self.param_dtype,
-            mesh=build_mesh(device.type, self.mesh, nodes),
+            mesh=mesh,
             offload=self.offload,
+            placement=placement,
         )
         if values is not None:
             # offloaded shards live in host memory from the start
@@ -178,13 +205,21 @@ class FSDP(Strategy):
     def _placement(self) -> list[str]:
         """Each rank's node, gathered (a collective at build: every rank builds)."""
         world = _world()
-        if self.replicate == 1 or world == 1:
+        if (self.replicate == 1 and self.tensor_parallel == 1) or world == 1:
             return [self.node or ""] * world
         import socket
 
         return [str(n) for n in all_gather_objects(self.node or socket.gethostname())]
 
+    @property
+    def process_group(self):
+        """Under tensor parallelism the data-parallel ranks' group: the window's counts are
+        summed over it (each tensor-parallel group reads the same rows)."""
+        return self._dp_group
+
     def describe_mesh(self) -> str:
+        if self.tensor_parallel > 1 and self.mesh is not None:
+            return f"FSDP × TP mesh {self.mesh.shard} × {self.tensor_parallel} (dp × tp)"
         if self.mesh is None or self.replicate == 1:
             return ""
         why = f"; replicate auto: {self.mesh.why}" if self.mesh.why else ""
@@ -244,6 +279,10 @@ class FSDP(Strategy):
         return int(all_reduce(torch.tensor([float(n)]), op="max", group=group).item())
 
     def grad_norm(self, grads: list[torch.Tensor], uniform: bool) -> torch.Tensor:
+        if self.tensor_parallel > 1:
+            from rayacc.engine.parallel import tensor
+
+            return tensor.grad_norm(grads)  # parts on the 2-D mesh and on `dp` alone
         # the sharded gradients' norms combined over the ranks: a collective
         norm = torch.nn.utils.get_total_norm(grads)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm

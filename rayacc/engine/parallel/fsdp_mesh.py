@@ -36,6 +36,7 @@ __all__ = [
     "is_fsdp",
     "materialize_shards",
     "mesh_shape",
+    "node_order",
     "shard_model",
 ]
 
@@ -87,13 +88,18 @@ def build_mesh(device_type: str, shape: MeshShape, nodes: Sequence[str] | None =
         raise ValueError(f"a {shape} mesh does not cover {world} ranks")
     if shape.replicate == 1:
         return init_device_mesh(device_type, (world,))
-    nodes = list(nodes) if nodes else [str(r) for r in range(world)]
+    order = node_order(list(nodes) if nodes else [str(r) for r in range(world)])
+    ranks = torch.tensor(order, dtype=torch.int).reshape(shape.replicate, shape.shard)
+    return DeviceMesh(device_type, ranks, mesh_dim_names=("replicate", "shard"))
+
+
+def node_order(nodes: Sequence[str]) -> list[int]:
+    """The ranks ordered by node (nodes in the order of their first rank): a run of
+    consecutive ranks of this order shares a node where the placement allows."""
     first: dict[str, int] = {}
     for rank, node in enumerate(nodes):
         first.setdefault(node, rank)
-    order = sorted(range(world), key=lambda r: (first[nodes[r]], r))
-    ranks = torch.tensor(order, dtype=torch.int).reshape(shape.replicate, shape.shard)
-    return DeviceMesh(device_type, ranks, mesh_dim_names=("replicate", "shard"))
+    return sorted(range(len(nodes)), key=lambda r: (first[nodes[r]], r))
 
 
 def shard_model(
@@ -105,6 +111,7 @@ def shard_model(
     blocks: Sequence[nn.Module] | None = None,
     mesh=None,
     offload: bool = False,
+    placement: Callable[[nn.Parameter], object] | None = None,
 ) -> nn.Module:
     """`fully_shard` on each block, then on the root, over `mesh` (by default a 1-D mesh of
     all ranks on `device`'s type; a 2-D one, `build_mesh`, is HSDP). `param_dtype` (bf16)
@@ -112,7 +119,7 @@ def shard_model(
     parameters, their gradients and so the optimizer's state and step live in host memory
     (`CPUOffloadPolicy`; pinned only where a device is there to copy to). The model's
     parameters may be on the meta device (each rank then materialises only its shards) or on
-    `device`."""
+    `device`. `placement`: FSDP's placement of a parameter where not its rows (None)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     if mesh is None:
@@ -121,6 +128,8 @@ def shard_model(
     kwargs = {"mesh": mesh, "reshard_after_forward": reshard_after_forward, "mp_policy": policy}
     if offload:
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type != "cpu")
+    if placement is not None:
+        kwargs["shard_placement_fn"] = placement
     for block in fsdp_blocks(model) if blocks is None else blocks:
         fully_shard(block, **kwargs)
     # the reduction is made a sum by AccumulationStep, which owns the normalisation
@@ -139,7 +148,7 @@ def materialize_shards(
     parameter at a time is whole, never the model). The weights are then those of the unsharded
     model for any number of ranks. Buffers keep the values the module's own code gave them
     (a causal mask, rotary tables): `to_empty` would leave them uninitialised."""
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor, distribute_tensor
 
     buffers = {}
     for name, buf in model.named_buffers():
@@ -156,18 +165,17 @@ def materialize_shards(
         full = values(name, param.shape)
         if isinstance(param, DTensor):
             local = param.to_local()
-            # FSDP2 shards dim 0 as torch.chunk does: ceil(rows / W) rows per rank of the shard
-            # dimension (the last ranks fewer or none), whole on each replica (HSDP)
-            dim = next(i for i, p in enumerate(param.placements) if p.is_shard())
-            world = param.device_mesh.size(dim)
-            rank = param.device_mesh.get_local_rank(dim)
-            rows = -(-full.shape[0] // world)
-            start = min(rank * rows, full.shape[0])
-            part = full[start : start + local.shape[0]]
+            # this rank's part as DTensor splits it (FSDP's rows as torch.chunk does, a
+            # tensor-parallel split on its own dimension), cut from the full value here: no
+            # collective
+            part = distribute_tensor(
+                full, param.device_mesh, param.placements, src_data_rank=None
+            ).to_local()
             if part.shape != local.shape:
                 raise RuntimeError(
-                    f"parameter {name}: rank {rank} holds {tuple(local.shape)} of "
-                    f"{tuple(full.shape)}, not the dim-0 chunk this materialisation assumes"
+                    f"parameter {name}: this rank holds {tuple(local.shape)} of "
+                    f"{tuple(full.shape)}, not the part {tuple(part.shape)} its placements "
+                    f"{param.placements} give"
                 )
             local.copy_(part)
         else:

@@ -17,6 +17,7 @@ import pickle
 import pickletools
 from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -171,7 +172,7 @@ def save_sharded(
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_state, optimizer_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optimizer": optimizer_state}
+    state = _chunked({"model": model_state, "optimizer": optimizer_state})
     writer = FileSystemWriter(os.fspath(folder), single_file_per_rank=True)
     if group is None:
         save(state, storage_writer=writer)
@@ -185,7 +186,7 @@ def load_sharded(folder: str | Path, model: nn.Module, optimizer: torch.optim.Op
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     model_state, optimizer_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optimizer": optimizer_state}
+    state = _chunked({"model": model_state, "optimizer": optimizer_state})
     _load(state, folder)
     set_state_dict(
         model,
@@ -193,6 +194,24 @@ def load_sharded(folder: str | Path, model: nn.Module, optimizer: torch.optim.Op
         model_state_dict=state["model"],
         optim_state_dict=state["optimizer"],
     )
+
+
+def _chunked(state: Any) -> Any:
+    """The state with each tensor split part by part over a mesh dimension (a tensor-parallel
+    fused weight: `_StridedShard`, whose rows DCP's index cannot name as one chunk) held whole
+    on that dimension instead: what is written is plain row or column chunks, readable at any
+    mesh; loading back cuts each rank's part again (a local slice)."""
+    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    if isinstance(state, dict):
+        return {k: _chunked(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [_chunked(v) for v in state]
+    if isinstance(state, DTensor) and any(isinstance(p, _StridedShard) for p in state.placements):
+        whole = [Replicate() if isinstance(p, _StridedShard) else p for p in state.placements]
+        return state.redistribute(state.device_mesh, whole)
+    return state
 
 
 @torch.no_grad()

@@ -294,15 +294,18 @@ def phase_groups(all_cases: list[Case]) -> list[tuple[str, int, list[Case]]]:
     return groups
 
 
-def run_group(rank: int, world: int, init_file: str, out_dir: str, phase: str, chosen) -> None:
-    """Rank body: every case of one (phase, ranks) group in one gloo group."""
+def run_group(
+    rank: int, world: int, init_file: str, out_dir: str, phase: str, chosen, body=None
+) -> None:
+    """Rank body: every case of one (phase, ranks) group in one gloo group (`body`: a case's
+    phase on this rank, `run_phase` by default)."""
     from tests.support.ranks.dist_workers import run_scenarios
 
     def scenario(case: Case):
         def run(rank: int, world: int, out: dict) -> None:
             folder = Path(out_dir).parent / f"case{case.index}"
             folder.mkdir(exist_ok=True)
-            got = run_phase(case, rank, world, folder, phase)
+            got = (body or run_phase)(case, rank, world, folder, phase)
             if got is not None:
                 out[case.index] = got
 

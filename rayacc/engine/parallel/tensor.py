@@ -1,0 +1,106 @@
+"""Tensor parallelism: a model's linear layers split over the ranks of a tensor-parallel group
+(DTensor's `ColwiseParallel` / `RowwiseParallel`, the layout torchtitan trains with), composed
+with FSDP2's sharding over the data-parallel dimension of a 2-D mesh (`dp`, `tp`). The model
+declares its plan (`tp_plan()`: module paths → styles); the state dict keeps its names and
+global shapes, so a checkpoint does not depend on the mesh it was written from.
+
+More: docs/design.md, "Tensor parallelism".
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
+from torch.distributed.tensor.placement_types import _StridedShard
+
+__all__ = ["FusedColwise", "apply_plan", "fsdp_placement", "grad_norm", "tensor_mesh", "tp_plan"]
+
+
+class FusedColwise(ParallelStyle):
+    """A linear whose output is `parts` outputs side by side (attention's fused q, k, v): each
+    rank of the group holds its share of every part (its heads' q, k and v), so the parts
+    split as the unfused layers would. The weight's rows are sharded part by part
+    (`_StridedShard`), the bias replicated and cut to the same share in forward (the cut is
+    local; its gradient is gathered in backward)."""
+
+    def __init__(self, parts: int) -> None:
+        super().__init__()
+        self.parts = parts
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        if not isinstance(module, nn.Linear):
+            raise ValueError(f"FusedColwise applies to a Linear, not {type(module).__name__}")
+        strided = [_StridedShard(0, split_factor=self.parts)]
+        module.weight = nn.Parameter(distribute_tensor(module.weight, device_mesh, strided))
+        if module.bias is not None:
+            module.bias = nn.Parameter(distribute_tensor(module.bias, device_mesh, [Replicate()]))
+
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            # the input is the same on every rank of the group; its gradient, a sum over them
+            given = DTensor.from_local(x, device_mesh, [Replicate()], run_check=False)
+            out = F.linear(given, module.weight).to_local()
+            if module.bias is None:
+                return out
+            return out + module.bias.redistribute(device_mesh, strided).to_local()
+
+        module.forward = forward
+        return module
+
+
+def tp_plan(module: nn.Module) -> dict[str, ParallelStyle]:
+    """The tensor-parallel plan the model declares (module paths, `*` for any index → the
+    style of each); a ValueError naming the model when it declares none."""
+    plan = getattr(module, "tp_plan", None)
+    if plan is None:
+        raise ValueError(
+            f"{type(module).__name__} declares no tensor-parallel plan (a `tp_plan()` method "
+            "naming the style of each of its linear layers): it cannot be split over a "
+            "tensor-parallel group"
+        )
+    return plan()
+
+
+def apply_plan(module: nn.Module, tp_mesh, plan: dict[str, ParallelStyle]) -> nn.Module:
+    """The plan's styles applied on the `tp` mesh (before FSDP shards over `dp`)."""
+    return parallelize_module(module, tp_mesh, plan)
+
+
+def fsdp_placement(param: nn.Parameter) -> Shard | None:
+    """FSDP2's placement of a parameter on the data-parallel dimension: a weight split part
+    by part over `tp` is sharded on its columns (FSDP's rows would cut across the parts);
+    None: FSDP's own (rows)."""
+    placements = getattr(param, "placements", ())
+    if param.ndim == 2 and any(isinstance(p, _StridedShard) for p in placements):
+        return Shard(1)
+    return None
+
+
+def tensor_mesh(device_type: str, dp: int, tp: int, order: list[int]):
+    """The 2-D mesh (`dp`, `tp`) over the ranks in `order` (node by node): each run of `tp`
+    consecutive ranks is a tensor-parallel group, whose collectives (one per layer) stay
+    inside a node where the placement allows."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    ranks = torch.tensor(order, dtype=torch.int).reshape(dp, tp)
+    return DeviceMesh(device_type, ranks, mesh_dim_names=("dp", "tp"))
+
+
+def grad_norm(grads: list[Any]) -> torch.Tensor:
+    """The 2-norm over all the gradients of the ranks, its parts grouped by the mesh each
+    lives on (a norm's reduction does not mix meshes): the full gradient's norm on every
+    rank."""
+    groups: dict[Any, list[Any]] = {}
+    for g in grads:
+        groups.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
+    squares = 0.0
+    for grouped in groups.values():
+        norm = torch.nn.utils.get_total_norm(grouped)
+        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+        squares += float(norm) ** 2
+    return torch.tensor(math.sqrt(squares))

@@ -1,0 +1,82 @@
+"""Tensor parallelism under accumulation on gloo ranks: the matrix's GPT, windows and
+single-process full-batch reference (tests/support/ranks/matrix.py), each case on a 2-D mesh
+(data-parallel × tensor-parallel ranks) built by the FSDP strategy with `tensor_parallel`;
+every rank of a tensor-parallel group reads its group's rows (its data-parallel rank's share).
+A case with a resume saves its first window's state through the strategy (DCP) on one mesh
+and goes on from it on another."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tests.support.ranks import matrix as M
+from tests.support.ranks.engine_helpers import full_weights
+
+
+@dataclass(frozen=True)
+class TPCase:
+    index: int
+    dp: int
+    tp: int
+    grad_sync: str
+    last: str
+    resume: tuple[int, int] | None = None
+    """(dp, tp) of the mesh the case resumes on after its first window."""
+
+    def matrix_case(self) -> M.Case:
+        """The matrix's case of the same model, windows and reference."""
+        return M.Case(self.index, f"fsdp {self.grad_sync}", "none", "fixed", self.dp * self.tp,
+                      "fp32", "plain", self.last, "none")  # fmt: skip
+
+    def label(self) -> str:
+        moved = f", resumed on {self.resume[0]} × {self.resume[1]}" if self.resume else ""
+        return f"{self.dp} × {self.tp} (dp × tp), {self.grad_sync}, {self.last} last{moved}"
+
+
+def run_phase(case: TPCase, rank: int, world: int, folder: Path, phase: str) -> dict | None:
+    """This rank's part of a case's phase (A: the whole run, or its first window when the case
+    resumes; B: the rest, on the resume mesh); rank 0 returns the full weights at the end."""
+    import torch.distributed as dist
+
+    from rayacc.engine.parallel import FSDP
+    from rayacc.engine.step import AccumulationStep
+    from rayacc.models.registry import loss_functions
+    from rayacc.optim import build_optimizer
+    from rayacc.rank.build import model_recipe
+
+    dp, tp = case.resume if phase == "B" else (case.dp, case.tp)
+    cfg, info = M.config(case.matrix_case()), M.dataset()
+    device = torch.device("cpu")
+    strategy = FSDP(case.grad_sync, tensor_parallel=tp)
+    model = strategy.build(model_recipe(cfg, info), device)
+    optimizer = build_optimizer(cfg.optim, model.parameters(), M.LR, device, strategy)
+    loss_fn, count = loss_functions(info, None, strategy)
+    step = AccumulationStep(model, optimizer, strategy=strategy)
+    windows = M.windows(case.matrix_case())
+    if phase == "B":
+        box = [torch.load(folder / "state.pt", weights_only=True) if rank == 0 else {}]
+        dist.broadcast_object_list(box, src=0)
+        strategy.state.load(model, optimizer, folder, box[0])
+        windows = windows[1:]
+    elif case.resume:
+        windows = windows[:1]
+    here = dist.get_rank(strategy.process_group)  # the data-parallel rank: its group's rows
+    assert dist.get_world_size(strategy.process_group) == dp
+    for window in windows:
+        mine = M.rank_share(window, here, dp)
+        step(M.micro_batches(mine, M.MICRO, dp, len(window)), loss_fn, count)
+    if phase == "A" and case.resume:
+        whole, _ = strategy.state.save(model, optimizer, folder, rank)
+        if rank == 0:
+            torch.save(whole, folder / "state.pt")
+        return None
+    full = full_weights(strategy.unwrapped())  # a collective: every rank gathers
+    return {"params": full, "mesh": strategy.describe_mesh()} if rank == 0 else None
+
+
+run_group = functools.partial(M.run_group, body=run_phase)
+"""Rank body: every case of one (phase, ranks) group in one gloo group."""
