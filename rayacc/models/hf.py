@@ -49,6 +49,31 @@ class HFCausalLM(nn.Module):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.hf(input_ids=idx, use_cache=False).logits
 
+    def tp_plan(self) -> dict:
+        """The tensor-parallel plan `transformers` declares for the architecture
+        (`base_model_tp_plan`: `colwise` / `rowwise` per linear of its layers); a ModelError
+        naming the architecture where it declares none, or a style rayacc does not apply."""
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+        config = self.hf.config
+        plan = getattr(config, "base_model_tp_plan", None)
+        if not plan:
+            raise ModelError(
+                f"model.hf: the {config.model_type!r} architecture declares no tensor-parallel "
+                "plan (`base_model_tp_plan` in transformers): it cannot be split over a "
+                "tensor-parallel group. Fix: choose an architecture that declares one (llama, "
+                "mistral, qwen2, …)"
+            )
+        styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+        other = sorted({v for v in plan.values() if v not in styles})
+        if other:
+            raise ModelError(
+                f"model.hf: the {config.model_type!r} plan uses the style(s) {', '.join(other)}, "
+                f"which rayacc does not apply (it applies {', '.join(styles)})"
+            )
+        base = f"hf.{self.hf.base_model_prefix}"
+        return {f"{base}.{path}": styles[style]() for path, style in plan.items()}
+
     def fsdp_blocks(self) -> list[nn.Module]:
         """The decoder layers: the classes the model names as never to be split."""
         names = set(getattr(self.hf, "_no_split_modules", None) or ())

@@ -1,7 +1,8 @@
 """Tensor parallelism composed with FSDP's data parallelism (a 2-D mesh), exact under
-accumulation: full and short last windows, both FSDP sync modes, padded variable-length token
-rows, and a resume onto another mesh, against the single-process full-batch steps (the
-combination matrix's model, windows and bound)."""
+accumulation: the built-in GPT and a transformers Llama (the plan transformers declares), full
+and short last windows, both FSDP sync modes, padded variable-length token rows, and resumes
+onto another mesh, against the single-process full-batch steps (the combination matrix's
+windows and bound)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ CASES = [
     TPCase(2, 1, 2, "every_micro_step", "short"),
     TPCase(3, 1, 2, "window_end", "full", resume=(2, 2)),
     TPCase(4, 2, 2, "every_micro_step", "short", resume=(1, 2)),
+    TPCase(5, 2, 2, "window_end", "short", model="llama"),
+    TPCase(6, 1, 2, "every_micro_step", "full", model="llama", resume=(2, 2)),
 ]
 
 
@@ -48,7 +51,7 @@ def results(tmp_path_factory):
 
 @pytest.mark.parametrize("case", CASES, ids=TPCase.label)
 def test_a_tensor_parallel_step_equals_the_full_batch_steps(results, case, record_equivalence):
-    before, after = M.reference(case.matrix_case())
+    before, after = M.reference(case.matrix_case(), case.config())
     got = results[case.index]
     err = update_rel_err(before, got["params"], after)
     record_equivalence(f"tensor parallel: {case.label()}", err)

@@ -254,18 +254,18 @@ def _broadcast(saved: dict, rank: int) -> dict:
     return box[0]
 
 
-def reference(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
+def reference(case: Case, cfg=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(initial, final) weights of the same SGD steps, each on a whole window in one process,
-    in float32 with the plain loss: the yardstick of every case."""
+    in float32 with the plain loss: the yardstick of every case (`cfg`: the case's config where
+    not the matrix's)."""
     import torch.nn.functional as F
 
     from rayacc.engine import IGNORE_INDEX, collate_tokens
     from rayacc.models import build_model
 
     # strategy-free: one process, whole windows (a strategy of another package included)
-    model = build_model(
-        config(dataclasses.replace(case, strategy=FACTORS["strategy"][0])), dataset()
-    )
+    cfg = cfg or config(dataclasses.replace(case, strategy=FACTORS["strategy"][0]))
+    model = build_model(cfg, dataset())
     before = full_weights(model)
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     for window in windows(case):

@@ -26,6 +26,19 @@ class TPCase:
     last: str
     resume: tuple[int, int] | None = None
     """(dp, tp) of the mesh the case resumes on after its first window."""
+    model: str = "gpt"
+    """`gpt` (the built-in, its fused q, k, v) or `llama` (a transformers Llama: its own plan)."""
+
+    def config(self):
+        cfg = M.config(self.matrix_case())
+        if self.model == "gpt":
+            return cfg
+        hf = {"model_type": "llama", "vocab_size": M.VOCAB, "hidden_size": 16,
+              "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+              "num_key_value_heads": 2, "max_position_embeddings": M.BLOCK}  # fmt: skip
+        return cfg.model_validate(
+            {**cfg.model_dump(), "model": {"name": "hf", "hf": {"config": hf}}}
+        )
 
     def matrix_case(self) -> M.Case:
         """The matrix's case of the same model, windows and reference."""
@@ -34,7 +47,8 @@ class TPCase:
 
     def label(self) -> str:
         moved = f", resumed on {self.resume[0]} × {self.resume[1]}" if self.resume else ""
-        return f"{self.dp} × {self.tp} (dp × tp), {self.grad_sync}, {self.last} last{moved}"
+        mesh = f"{self.model} {self.dp} × {self.tp} (dp × tp)"
+        return f"{mesh}, {self.grad_sync}, {self.last} last{moved}"
 
 
 def run_phase(case: TPCase, rank: int, world: int, folder: Path, phase: str) -> dict | None:
@@ -49,7 +63,7 @@ def run_phase(case: TPCase, rank: int, world: int, folder: Path, phase: str) -> 
     from rayacc.rank.build import model_recipe
 
     dp, tp = case.resume if phase == "B" else (case.dp, case.tp)
-    cfg, info = M.config(case.matrix_case()), M.dataset()
+    cfg, info = case.config(), M.dataset()
     device = torch.device("cpu")
     strategy = FSDP(case.grad_sync, tensor_parallel=tp)
     model = strategy.build(model_recipe(cfg, info), device)

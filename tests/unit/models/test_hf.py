@@ -6,11 +6,14 @@ blocks; a checkpoint of an `hf` or `gpt` model exports to a folder `transformers
 from __future__ import annotations
 
 import json
+from fnmatch import fnmatch
 
 import pytest
 import torch
 
 pytest.importorskip("transformers")
+
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from rayacc import load_model
 from rayacc.checkpoint import write_checkpoint
@@ -231,3 +234,49 @@ def test_an_export_carries_the_runs_tokenizer_which_encodes_as_the_run_did(
     ids = vocabulary.encode(prompt)
     assert theirs.encode(prompt, add_special_tokens=False) == ids
     assert theirs.decode(ids) == vocabulary.decode(ids)
+
+
+@pytest.mark.parametrize(
+    ("model_type", "refused"),
+    [("llama", None), ("gpt2", "declares no tensor-parallel plan"),
+     ("gpt_neox", "embedding_rowwise"), ("phi3", "colwise_gather_output")],
+)  # fmt: skip
+def test_the_tensor_parallel_plan_is_the_one_transformers_declares(info, model_type, refused):
+    """An architecture's `base_model_tp_plan`, its paths under the wrapper; one without a plan,
+    or with a style rayacc does not apply, refused by name. The built-in GPT declares its own;
+    a model that declares none is named."""
+    from torch import nn
+
+    from rayacc.engine.parallel.tensor import tp_plan
+    from rayacc.models import ModelError
+    from rayacc.models.hf import HFCausalLM
+
+    config = AutoConfig.for_model(model_type, **SMALL.get(model_type, {}))
+    wrapped = HFCausalLM(AutoModelForCausalLM.from_config(config))
+    if refused is None:
+        plan = tp_plan(wrapped)
+        assert plan and set(plan) == {f"hf.model.{k}" for k in config.base_model_tp_plan}
+        # every path names modules of the model
+        names = [n for n, _ in wrapped.named_modules()]
+        assert all(any(fnmatch(n, key) for n in names) for key in plan), plan
+    else:
+        with pytest.raises(ModelError, match=refused) as err:
+            tp_plan(wrapped)
+        assert repr(model_type) in str(err.value)
+    gpt = build_model(TrainConfig.model_validate({"model": {"name": "gpt"}}), info)
+    assert set(tp_plan(gpt)) == {"blocks.*.attn.qkv", "blocks.*.attn.proj", "blocks.*.mlp.0",
+                                 "blocks.*.mlp.2"}  # fmt: skip
+    with pytest.raises(ValueError, match="Sequential declares no tensor-parallel plan"):
+        tp_plan(nn.Sequential(nn.Linear(2, 2)))
+
+
+SMALL = {
+    "llama": {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+              "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": 32},
+    "gpt2": {"n_embd": 16, "n_layer": 1, "n_head": 2, "vocab_size": 32},
+    "gpt_neox": {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+                 "num_attention_heads": 2, "vocab_size": 32, "pad_token_id": 0},
+    "phi3": {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+             "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": 32,
+             "pad_token_id": 0},
+}  # fmt: skip
