@@ -116,6 +116,25 @@ def check_fsdp_train(out_dir: Path, dry: bool) -> list[tuple[str, bool, str]]:
     return checks
 
 
+def check_tp_train(out_dir: Path, dry: bool) -> list[tuple[str, bool | None, str]]:
+    """The job over 2 GPUs as one tensor-parallel group (`train.tensor_parallel: 2` under
+    FSDP, NCCL): it trains and says its mesh. Needs 2 GPUs: on fewer (and on the CPU dry run,
+    whose suite runs tensor parallelism on gloo ranks) the row says so."""
+    import torch
+
+    gpus = 0 if dry else torch.cuda.device_count()
+    if gpus < 2:
+        return [("tp: FSDP × tensor parallel 1 × 2", None, f"needs 2 GPUs ({gpus} here)")]
+    extra = ["train.strategy=fsdp", "train.tensor_parallel=2", "train.compile=false"]
+    extra += ["scaling.num_workers=2", "run.name=tp"]
+    code, out, wall, _ = train(out_dir, dry, "train_tp", extra)
+    mesh = re.search(r"FSDP × TP mesh [^\n]*", out)
+    return [
+        ("tp: rayacc train exits 0", code == 0, f"exit {code}, {wall:.0f} s"),
+        ("tp: the mesh it laid", bool(mesh), mesh.group(0) if mesh else ""),
+    ]
+
+
 def check_train(out_dir: Path, dry: bool) -> list[tuple[str, bool, str]]:
     """Runs `rayacc train` and returns (check, passed, figures) rows."""
     code, out, wall, timings = train(out_dir, dry, "train", [])
@@ -200,12 +219,14 @@ def main() -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = check_train(out_dir, args.dry_run) + check_gpu_step(out_dir, args.dry_run)
     rows += check_fsdp_train(out_dir, args.dry_run)
+    rows += check_tp_train(out_dir, args.dry_run)
     rows += check_planner(out_dir, args.dry_run)
     width = max(len(name) for name, _, _ in rows)
     print(f"\n{'check':{width}}  result  figures")
     for name, ok, figures in rows:
-        print(f"{name:{width}}  {'PASS' if ok else 'FAIL':6}  {figures}")
-    passed = all(ok for _, ok, _ in rows)
+        result = "SKIP" if ok is None else "PASS" if ok else "FAIL"
+        print(f"{name:{width}}  {result:6}  {figures}")
+    passed = all(ok is not False for _, ok, _ in rows)
     where = "dry run on CPU" if args.dry_run else "GPU"
     print(f"\n{'all passed' if passed else 'FAILED'} ({where}); logs in {out_dir}")
     sys.exit(0 if passed else 1)

@@ -1,7 +1,7 @@
 """Memory strategies on CPU: DDP vs FSDP2 (both gradient-sync modes) × activation
 checkpointing off/on, DeepSpeed ZeRO stages 1-3 with optimizer offload off/on, FSDP with
-offload, and HSDP (2 replica groups, at 4 ranks or more); 2 gloo ranks by default, a GPT of
-about 64M parameters.
+offload, HSDP (2 replica groups, at 4 ranks or more) and FSDP × tensor parallelism (2 × 2 at
+4 ranks); 2 gloo ranks by default, a GPT of about 64M parameters.
 
 For each setting, 2 fresh processes train 3 windows of 2 micro-steps (micro-batch 4 × 256
 tokens per rank) with AdamW through rayacc's accumulation step and print per rank: the peak
@@ -13,6 +13,7 @@ window's gradient collectives (reduce-scatters, all-reduces) as the strategy cou
     .venv/bin/python bench/memory_strategies.py --layers 4 --width 256   # a quick look
     .venv/bin/python bench/memory_strategies.py --strategies deepspeed   # the ZeRO rows only
     .venv/bin/python bench/memory_strategies.py --world 4 --strategies ddp,fsdp,hsdp
+    .venv/bin/python bench/memory_strategies.py --world 4 --strategies fsdp,tp --layers 4
 
 On a GPU (one process per GPU, NCCL, bf16), the same script takes `--device cuda` and reports
 `torch.cuda.max_memory_allocated` instead; commands for GPT-2 124M and a 1B model are in
@@ -54,9 +55,13 @@ SETTINGS = [
     ("fsdp", "every_micro_step offload", "none"),
     ("hsdp", "every_micro_step", "none"),
     ("hsdp", "window_end", "none"),
+    ("tp", "every_micro_step", "none"),
+    ("tp", "window_end", "none"),
 ]
 """(strategy, its mode, activation checkpointing). `hsdp`: FSDP with 2 replica groups (ranks
-0..W/2-1 playing one node, the rest another); needs an even --world of 4 or more."""
+0..W/2-1 playing one node, the rest another); needs an even --world of 4 or more. `tp`: FSDP
+over W/2 data-parallel ranks × 2 tensor-parallel (`train.tensor_parallel: 2`); an even
+--world."""
 
 
 def deepspeed_strategy(mode: str, args: dict, model):
@@ -122,7 +127,7 @@ def rank_body(rank: int, world: int, init: str, out: str, args: dict) -> None:
         strategy = deepspeed_strategy(args["grad_sync"], args, model)
         model, opt = strategy.bind_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-4))
         held_optimizer = opt.optimizer
-    elif args["strategy"] in ("fsdp", "hsdp"):
+    elif args["strategy"] in ("fsdp", "hsdp", "tp"):
         sync, _, offload = args["grad_sync"].partition(" ")
         built = model
         strategy = FSDP(
@@ -130,6 +135,7 @@ def rank_body(rank: int, world: int, init: str, out: str, args: dict) -> None:
             replicate=2 if args["strategy"] == "hsdp" else 1,
             node=f"node{rank // (world // 2)}",
             offload=offload == "offload",
+            tensor_parallel=2 if args["strategy"] == "tp" else 1,
         )
         model = strategy.build(ModelRecipe(build=lambda: built), device)
         opt = held_optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=False)
@@ -138,7 +144,8 @@ def rank_body(rank: int, world: int, init: str, out: str, args: dict) -> None:
         opt = held_optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=False)
         strategy = DDP().adopt(model)
     step = AccumulationStep(model, opt, strategy=strategy)
-    gen = torch.Generator().manual_seed(rank)
+    # a tensor-parallel group's ranks read the same rows
+    gen = torch.Generator().manual_seed(rank // 2 if args["strategy"] == "tp" else rank)
 
     def micro():
         tokens = torch.randint(0, vocab, (args["micro"], seq + 1), generator=gen).to(device)
@@ -206,6 +213,8 @@ def main() -> None:
         if strategy not in args.strategies.split(","):
             continue
         if strategy == "hsdp" and (args.world < 4 or args.world % 2):
+            continue
+        if strategy == "tp" and args.world % 2:
             continue
         with tempfile.TemporaryDirectory() as tmp:
             spec = dict(vars(args), strategy=strategy, grad_sync=grad_sync, recompute=recompute)

@@ -20,6 +20,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from rayacc.run.quantities import elastic_summary, lr_explanation, worker_splits
 
     cfg = _load(args)
+    if cfg.train.tensor_parallel > 1 and (args.search or args.memory):
+        from rayacc.config.errors import ConfigError, ConfigIssue
+
+        issue = ConfigIssue(
+            "train.tensor_parallel",
+            "the planner's search and memory estimate do not cover tensor parallelism yet",
+            cfg.train.tensor_parallel,
+            "plan without --search and --memory, or with train.tensor_parallel=1",
+        )
+        raise ConfigError([issue], cfg.source_file)
     if args.search:
         return _plan_search(args, cfg)
     for flag, given in (("--budget-s", args.budget_s), ("--top", args.top), ("--out", args.out)):

@@ -273,6 +273,11 @@ class TrainSection(Section):
     gradients and optimizer state sharded over the ranks (FSDP2, per transformer block and at
     the root; see the `fsdp` section), for models that do not fit one device. `deepspeed`:
     DeepSpeed ZeRO (see the `deepspeed` section)."""
+    tensor_parallel: int = Field(1, ge=1)
+    """Ranks each layer is split over (tensor parallelism: the `gpt` model's heads and MLP, or
+    the plan transformers declares for an `hf` model), under train.strategy=fsdp; 1 = none.
+    `scaling.num_workers` = data-parallel ranks × this, and the global batch is micro ×
+    accumulation × data-parallel ranks (a tensor-parallel group reads the same rows)."""
     activation_checkpointing: Literal["none", "full"] | EveryN = "none"
     """Recompute transformer blocks' activations in backward instead of keeping them: `full`
     (every block), `{every_n: k}` (every k-th block) or `none`. Less activation memory for
@@ -454,9 +459,13 @@ class TrainConfig(Section):
         return self._source_file
 
     def batch_split(self, num_workers: int | None = None) -> BatchSplit:
-        """The resolved batch split for `num_workers` (default: the most workers the run uses)."""
+        """The resolved batch split for `num_workers` (default: the most workers the run
+        uses): its `num_workers` are the data-parallel ranks among them."""
+        workers = num_workers or self.scaling.max_workers
         return resolve_batch_split(
-            num_workers=num_workers or self.scaling.max_workers,
+            # the batch splits over the data-parallel ranks (a tensor-parallel group reads one
+            # share); a count tensor_parallel does not divide is refused by the rules
+            num_workers=max(1, workers // self.train.tensor_parallel),
             global_batch_size=self.batch.global_batch_size,
             micro_batch_size=self.batch.fixed_micro_batch_size,
             grad_accum_steps=self.batch.grad_accum_steps,

@@ -40,12 +40,23 @@ class StrategyEntry:
     section: str | None = None
     """The config section only it reads (refused, not ignored, under another strategy)."""
     rules: Rules | None = None
+    without_tensor_parallel: str | None = "it declares no tensor parallelism"
+    """Why it does not compose with `train.tensor_parallel` > 1; None: it does."""
 
 
 # ----------------------------------------------------------------------------- built-in rules
 def _fsdp_rules(sections: Mapping[str, Any], scaling: Any) -> list[ConfigIssue]:
     train, fsdp = sections["train"], sections.get("fsdp")
     issues = _fsdp_mesh_rules(fsdp, scaling) if fsdp is not None else []
+    if fsdp is not None and fsdp.replicate != 1 and train.tensor_parallel > 1:
+        issues.append(
+            ConfigIssue(
+                "train.tensor_parallel",
+                "does not compose with HSDP (fsdp.replicate) yet",
+                train.tensor_parallel,
+                "set fsdp.replicate=1, or train.tensor_parallel=1",
+            )
+        )
     if train.precision == "fp16":
         issues.append(
             ConfigIssue(
@@ -148,10 +159,25 @@ def _deepspeed_rules(sections: Mapping[str, Any], scaling: Any) -> list[ConfigIs
 DEFAULT_STRATEGY = "ddp"
 
 _BUILT_IN = (
-    StrategyEntry(DEFAULT_STRATEGY, "rayacc.engine.parallel.ddp:DDP"),
-    StrategyEntry("fsdp", "rayacc.engine.parallel.fsdp:FSDP", "fsdp", _fsdp_rules),
     StrategyEntry(
-        "deepspeed", "rayacc.engine.parallel.deepspeed:DeepSpeed", "deepspeed", _deepspeed_rules
+        DEFAULT_STRATEGY,
+        "rayacc.engine.parallel.ddp:DDP",
+        without_tensor_parallel="DDP over tensor-parallel layers is not supported yet",
+    ),
+    StrategyEntry(
+        "fsdp",
+        "rayacc.engine.parallel.fsdp:FSDP",
+        "fsdp",
+        _fsdp_rules,
+        without_tensor_parallel=None,
+    ),
+    StrategyEntry(
+        "deepspeed",
+        "rayacc.engine.parallel.deepspeed:DeepSpeed",
+        "deepspeed",
+        _deepspeed_rules,
+        without_tensor_parallel="DeepSpeed's ZeRO partitions the flattened parameters itself, "
+        "which a tensor-parallel split of each layer cannot share",
     ),
 )
 

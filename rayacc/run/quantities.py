@@ -48,7 +48,7 @@ def split_at(cfg: TrainConfig, num_workers: int) -> BatchSplit:
             cfg.scaling.on_resize,
             cfg.batch.micro_batch_by_workers,
         )
-    return cfg.batch_split(num_workers=num_workers)
+    return cfg.batch_split(num_workers=num_workers)  # its data-parallel ranks
 
 
 def worker_splits(cfg: TrainConfig) -> dict[int, BatchSplit | BatchSplitError]:

@@ -138,7 +138,7 @@ class RunSpec:
 
     @property
     def effective_lr(self) -> float:
-        return self.lr_at(self.reference.num_workers)
+        return self.lr_at(self.cfg.scaling.max_workers)  # the reference split's group
 
     def split_at(self, workers: int) -> BatchSplit:
         """The batch split of a group of `workers`; BatchSplitError where it cannot run."""

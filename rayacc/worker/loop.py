@@ -75,7 +75,7 @@ class WorkerRun:
         self.setup = set_up(self.spec, inputs, self.device, self.lr, self.rank, self.world)
         parts = self.setup.parts
         self.strategy, self.accumulate = parts.strategy, parts.accumulate
-        self.loss_fn, self.count = parts.loss_fn, parts.count
+        self.loss_fn, self.count, self.data_rank = parts.loss_fn, parts.count, self.setup.data_rank
         self.state, self.schedule = self.setup.state, self.setup.schedule
         self.checkpoints = self.setup.checkpoints
         self.telemetry = Telemetry(
@@ -116,7 +116,7 @@ class WorkerRun:
         )
         self.checkpoint_step = restored.step
         events = restored.events
-        self.epochs = self.spec.epochs_from(self.state, self.split, self.rank)
+        self.epochs = self.spec.epochs_from(self.state, self.split, self.data_rank)
         self.cadence = Cadence(
             last_step=self.state.optimizer_step + sum(e.steps for e in self.epochs),
             val_every=self.settings.val_every_steps,
@@ -130,15 +130,15 @@ class WorkerRun:
             self.setup,
             self.epochs,
             self.device,
-            rank=self.rank,
-            world=self.world,
+            rank=self.data_rank,
+            world=self.split.num_workers,
             batch_size=2 * self.split.micro_batch_size,
         )
         self.timeline["data"] = time.time()
         if self.settings.auto_micro_batch and self.epochs:
             step = self.state.optimizer_step
             events.append(self.sizer.search(self.strategy, self.loss_fn, first_rows, step))
-            self.epochs = self.spec.epochs_from(self.state, self.split, self.rank)
+            self.epochs = self.spec.epochs_from(self.state, self.split, self.data_rank)
             self.validate.batch_size = 2 * self.split.micro_batch_size
         self.telemetry.gather_nodes(self.settings.system_metrics)
         self._announce(restored, events)
@@ -178,7 +178,7 @@ class WorkerRun:
         """Fetch this rank's micro-batches of window `s`, run the accumulation step, advance
         the schedule and the train state; returns the step's record."""
         t_data = time.perf_counter()
-        sizes = [len(part) for part in layout.rank_window(s, self.rank).micro_batches]
+        sizes = [len(part) for part in layout.rank_window(s, self.data_rank).micro_batches]
         rows = self.reader.window(epoch, s)
         host = rows.take_split(np.arange(len(rows)), sizes)
         local_items = sum(self.count(mb) for mb in host)  # on the host: no GPU sync

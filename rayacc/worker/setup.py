@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import ray
 import torch
+import torch.distributed as dist
 from ray.train.torch import get_device
 
 from rayacc.checkpoint.lineage import StepLog
@@ -29,7 +30,7 @@ from rayacc.observe.events import (
 )
 from rayacc.optim import build_schedule
 from rayacc.rank.build import RankParts, build_rank
-from rayacc.run.quantities import EpochWindows
+from rayacc.run.quantities import EpochWindows, rank_seed
 from rayacc.run.spec import RunSpec, WorkerSettings
 from rayacc.worker.checkpoint import Checkpointer, WorkerParts
 from rayacc.worker.ingest import RankReader
@@ -96,6 +97,9 @@ class RankSetup:
     """The run's lineage of step records: rank 0's, carried by every checkpoint."""
     checkpoints: Checkpointer
     peak_tflops: float | None
+    data_rank: int
+    """The share of the data this rank reads: its data-parallel rank (a tensor-parallel group
+    reads one share)."""
 
 
 def set_up(
@@ -133,6 +137,11 @@ def set_up(
         seed=w.seed,
         history=history,
     )
+    group = parts.strategy.process_group
+    data_rank = dist.get_rank(group) if group is not None else rank
+    if data_rank != rank:
+        # a tensor-parallel group's replicated activations see the same dropout
+        torch.manual_seed(rank_seed(w.seed, data_rank))
     return RankSetup(
         parts=parts,
         schedule=schedule,
@@ -140,6 +149,7 @@ def set_up(
         history=history,
         checkpoints=Checkpointer(inputs.storage, inputs.name, kept, lease=inputs.lease),
         peak_tflops=device_peak_tflops(device, w.peak_tflops, w.precision, w.allow_tf32),
+        data_rank=data_rank,
     )
 
 

@@ -45,3 +45,6 @@ def test_gpu_check_dry_run_passes_every_step(tmp_path, ray_address):
         line = next((row for row in table.splitlines() if row.startswith(check)), "")
         assert "PASS" in line, f"{check}: {line or 'missing'}\n{table}"
     assert "all passed (dry run on CPU)" in table
+    # the tensor-parallel row needs two devices: said, not run, not failed
+    tp = next((row for row in table.splitlines() if row.startswith("tp: ")), "")
+    assert "SKIP" in tp and "needs 2 GPUs (0 here)" in tp, table

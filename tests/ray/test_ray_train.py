@@ -285,17 +285,18 @@ def test_a_sharded_search_trial_out_of_memory_restarts_the_group_below_it(ray_lo
 
 
 @pytest.mark.parametrize(
-    ("grad_sync", "recompute", "chunk", "compile_", "micro"),
-    [("every_micro_step", "none", None, True, 2), ("window_end", "full", 8, False, "auto")],
+    ("grad_sync", "recompute", "chunk", "compile_", "micro", "tp"),
+    [("every_micro_step", "none", None, True, 2, 1), ("window_end", "full", 8, False, "auto", 2)],
 )
 def test_fsdp_on_padded_token_rows_equals_full_batch(
-    ray_local, tmp_path, record_equivalence, grad_sync, recompute, chunk, compile_, micro
+    ray_local, tmp_path, record_equivalence, grad_sync, recompute, chunk, compile_, micro, tp
 ):
     """train.strategy=fsdp through the whole stack: Ray workers shard the GPT with FSDP2,
     accumulate in either sync mode (with activation checkpointing, the chunked loss, which
     runs inside the sharded forward, and the auto micro-batch search, whose trials run without
-    sync, in one), and the step equals the full batch in one process; the model loads whole
-    from the sharded checkpoint. The reduce-scatters are counted and timed."""
+    sync, in one; that one also splits each layer over 2 ranks, 2 data-parallel × 2
+    tensor-parallel workers), and the step equals the full batch in one process; the model
+    loads whole from the sharded checkpoint. The reduce-scatters are counted and timed."""
     path = tmp_path / "tokens.parquet"
     seqs = padded_token_rows(path, seed=1, dtype=pa.uint16())
     cfg = config(
@@ -312,11 +313,14 @@ def test_fsdp_on_padded_token_rows_equals_full_batch(
             "activation_checkpointing": recompute,
             "loss_chunk_tokens": chunk,
             "compile": compile_,
+            "tensor_parallel": tp,
         },
         fsdp={"grad_sync": grad_sync},
+        scaling={"num_workers": 2 * tp, "cpus_per_worker": 0.5 / tp},
         tracking={"enabled": False},
     )
     result = fit_or_fail(cfg)
+    assert result.split.num_workers == 2  # the data-parallel ranks
     record = result.history[0]
     assert record["train/items"] == sum(len(s) - 1 for s in seqs)
     units = 3  # two blocks and the root
@@ -334,8 +338,8 @@ def test_fsdp_on_padded_token_rows_equals_full_batch(
     err, floor = sgd_step_errors(cfg, padded_token_loss(seqs), load_model(result.checkpoint_dir))
     record_equivalence(
         f"Ray Train, FSDP2 {grad_sync}, activation checkpointing {recompute}, chunked loss "
-        f"{chunk}, compiled blocks {compile_}, GPT, padded tokens, 2 workers (vs float64; fp32 "
-        f"full batch: {floor:.3e})",
+        f"{chunk}, compiled blocks {compile_}, GPT, padded tokens, 2 data-parallel workers × "
+        f"{tp} tensor-parallel (vs float64; fp32 full batch: {floor:.3e})",
         err,
     )
     assert err <= 2 * floor, (err, floor)

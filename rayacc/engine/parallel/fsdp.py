@@ -57,6 +57,7 @@ class FSDP(Strategy):
             replicate=f.replicate,
             node=node,
             offload=f.offload == "cpu",
+            tensor_parallel=cfg.train.tensor_parallel,
         )
 
     @classmethod
@@ -65,9 +66,12 @@ class FSDP(Strategy):
         where = {1: "sharded", "auto": "sharded inside each node, replicated across nodes"}
         sharded = where.get(f.replicate, f"sharded inside {f.replicate} replica groups (HSDP)")
         offload = "; in host memory (offload cpu)" if f.offload == "cpu" else ""
+        tp = cfg.train.tensor_parallel
+        split = f"; each layer split over {tp} ranks (tensor parallel)" if tp > 1 else ""
         return (
-            f"FSDP2 (parameters, gradients and optimizer state {sharded}{offload}; grad_sync "
-            f"{f.grad_sync}, reshard_after_forward {str(f.reshard_after_forward).lower()})"
+            f"FSDP2 (parameters, gradients and optimizer state {sharded}{offload}{split}; "
+            f"grad_sync {f.grad_sync}, reshard_after_forward "
+            f"{str(f.reshard_after_forward).lower()})"
         )
 
     @classmethod

@@ -140,6 +140,7 @@ ERRORS = {
     "ReportError": lambda c: c("no such run"),
     "SpecError": lambda c: c("bad spec"),
     "NothingFits": lambda c: c("no candidate fits the memory budget"),
+    "StrategyLoadError": lambda c: c("train.strategy 'x': its wing m:X does not load"),
 }
 
 

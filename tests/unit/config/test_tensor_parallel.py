@@ -1,0 +1,90 @@
+"""`train.tensor_parallel`: what it composes with, each refusal naming the field, the value and
+the fix; the batch arithmetic over the data-parallel ranks; a model without a plan, or heads
+that do not divide, named before launch."""
+
+from __future__ import annotations
+
+import pytest
+
+from rayacc.config import ConfigError, TrainConfig
+from rayacc.config.strategies import strategies
+
+GPT = {"name": "gpt", "n_layer": 2, "n_head": 4, "n_embd": 32, "block_size": 16}
+BASE = {
+    "model": GPT,
+    "data": {"seq_len": 16},
+    "batch": {"global_batch_size": 32, "micro_batch_size": 4},
+    "train": {"strategy": "fsdp", "tensor_parallel": 2},
+    "scaling": {"num_workers": 4},
+}
+
+
+def with_(**sections) -> dict:
+    out = {k: dict(v) for k, v in BASE.items()}
+    for name, values in sections.items():
+        out.setdefault(name, {}).update(values)
+    return out
+
+
+REFUSED = [
+    *[(with_(train={"strategy": s, "tensor_parallel": 2}),
+       f"train.strategy={s}: {e.without_tensor_parallel}")
+      for s, e in strategies().items() if e.without_tensor_parallel],
+    (with_(scaling={"num_workers": [2, 4]}), "elastic group"),
+    (with_(scaling={"num_workers": 6}, train={"strategy": "fsdp", "tensor_parallel": 4}),
+     "does not divide scaling.num_workers=6"),
+    (with_(model={**GPT, "n_head": 2}, train={"strategy": "fsdp", "tensor_parallel": 4}),
+     "does not divide model.n_head=2"),
+    (with_(model={"name": "mlp"}), "the mlp model declares no tensor-parallel plan"),
+    (with_(fsdp={"replicate": 2}), "HSDP"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("data", "problem"), REFUSED, ids=[p for _, p in REFUSED])
+def test_what_tensor_parallelism_does_not_compose_with_is_refused_by_name(data, problem):
+    with pytest.raises(ConfigError) as err:
+        TrainConfig.from_dict(data)
+    found = [i for i in err.value.issues if i.path == "train.tensor_parallel"]
+    assert found and any(problem in i.message for i in found), err.value
+    assert all(i.fix and i.value == data["train"]["tensor_parallel"] for i in found)
+
+
+def test_the_global_batch_splits_over_the_data_parallel_ranks():
+    cfg = TrainConfig.from_dict(BASE)
+    split = cfg.batch_split()
+    # 4 workers in groups of 2: 2 data-parallel ranks, each a share of 16 rows
+    assert (split.num_workers, split.grad_accum_steps, split.global_batch_size) == (2, 4, 32)
+    assert TrainConfig.from_dict(with_(train={"strategy": "fsdp", "tensor_parallel": 1}))\
+        .batch_split().num_workers == 4  # fmt: skip
+
+
+def test_a_model_without_a_plan_or_heads_that_do_not_divide_are_named_before_launch(tmp_path):
+    from rayacc.driver.prelaunch import prepare
+    from rayacc.models import ModelError
+    from tests.support.data.tokens import token_data
+    from tests.support.models.hf_configs import tiny_llama
+
+    info = token_data(tmp_path, "ids")
+    base = with_(data={"source": info.path, "seq_len": 8})
+    llama = tiny_llama(info.vocab_size)  # 2 heads, 1 key/value head
+    with pytest.raises(ModelError, match="does not divide the model's num_key_value_heads=1"):
+        prepare(TrainConfig.from_dict({**base, "model": {"name": "hf", "hf": {"config": llama}}}))
+    factory = {"name": "factory", "factory": "tests.support.models.oom_model:build",
+               "kwargs": {"threshold": 1000}}  # fmt: skip
+    with pytest.raises(ModelError, match="declares no tensor-parallel plan"):
+        prepare(TrainConfig.from_dict({**base, "model": factory}))
+
+
+def test_the_planner_says_it_does_not_cover_tensor_parallelism(tmp_path, capsys):
+    import yaml
+
+    from rayacc.cli import main
+
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(BASE))
+    assert main(["plan", "-c", str(job)]) == 0
+    assert "× workers 2" in capsys.readouterr().out  # the data-parallel ranks
+    for flag in ("--memory", "--search"):
+        assert main(["plan", "-c", str(job), flag]) == 2
+        err = capsys.readouterr().err
+        assert "train.tensor_parallel: the planner's search and memory estimate" in err, err
