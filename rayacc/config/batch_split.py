@@ -10,6 +10,7 @@ from dataclasses import dataclass
 __all__ = [
     "BatchSplit",
     "BatchSplitError",
+    "data_parallel_ranks",
     "resolve_batch_split",
     "split_for_workers",
 ]
@@ -72,6 +73,12 @@ def _divisors_near(n: int, target: int) -> list[int]:
 
 def _or(values: list[int]) -> str:
     return " or ".join(str(v) for v in values)
+
+
+def data_parallel_ranks(workers: int, tensor_parallel: int) -> int:
+    """The ranks among `workers` the batch splits over: a tensor-parallel group of
+    `tensor_parallel` reads one share (a count it does not divide is refused by the rules)."""
+    return max(1, workers // tensor_parallel)
 
 
 def resolve_batch_split(

@@ -5,7 +5,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from rayacc.config.batch_split import BatchSplitError, resolve_batch_split, split_for_workers
+from rayacc.config.batch_split import (
+    BatchSplitError,
+    data_parallel_ranks,
+    resolve_batch_split,
+    split_for_workers,
+)
 from rayacc.config.errors import MISSING, ConfigIssue
 from rayacc.config.strategies import strategies, strategy_sections
 
@@ -164,7 +169,7 @@ def _auto_micro_batch_rules(batch: BatchConfig, scaling: ScalingConfig | None) -
 def _batch_plan_rules(batch: BatchConfig, scaling: ScalingConfig, tp: int) -> list[ConfigIssue]:
     try:
         base = resolve_batch_split(
-            num_workers=max(1, scaling.max_workers // tp),
+            num_workers=data_parallel_ranks(scaling.max_workers, tp),
             global_batch_size=batch.global_batch_size,
             micro_batch_size=batch.fixed_micro_batch_size,
             grad_accum_steps=batch.grad_accum_steps,

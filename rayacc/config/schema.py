@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
-from rayacc.config.batch_split import BatchSplit, resolve_batch_split
+from rayacc.config.batch_split import BatchSplit, data_parallel_ranks, resolve_batch_split
 from rayacc.config.environment import environment_issues
 from rayacc.config.errors import ConfigError, ConfigIssue, issues_from_validation
 from rayacc.config.loader import read_yaml
@@ -463,9 +463,7 @@ class TrainConfig(Section):
         uses): its `num_workers` are the data-parallel ranks among them."""
         workers = num_workers or self.scaling.max_workers
         return resolve_batch_split(
-            # the batch splits over the data-parallel ranks (a tensor-parallel group reads one
-            # share); a count tensor_parallel does not divide is refused by the rules
-            num_workers=max(1, workers // self.train.tensor_parallel),
+            num_workers=data_parallel_ranks(workers, self.train.tensor_parallel),
             global_batch_size=self.batch.global_batch_size,
             micro_batch_size=self.batch.fixed_micro_batch_size,
             grad_accum_steps=self.batch.grad_accum_steps,

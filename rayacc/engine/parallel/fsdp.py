@@ -149,10 +149,11 @@ class FSDP(Strategy):
 
     def _build(self, recipe: ModelRecipe, device: torch.device) -> nn.Module:
         from rayacc.engine.parallel.fsdp_mesh import (
+            MeshShape,
             build_mesh,
             materialize_shards,
             mesh_shape,
-            node_order,
+            node_mesh,
             shard_model,
         )
 
@@ -179,13 +180,14 @@ class FSDP(Strategy):
         nodes = self._placement()
         placement = None
         if plan is not None:
-            from rayacc.engine.parallel.tensor import apply_plan, fsdp_placement, tensor_mesh
+            from rayacc.engine.parallel.tensor import apply_plan, fsdp_placement
 
             world, tp = _world(), self.tensor_parallel
             if world % tp:
                 raise ValueError(f"tensor_parallel={tp} does not divide the group's {world} ranks")
-            self.mesh = mesh_shape(1, nodes[: world // tp])
-            grid = tensor_mesh(device.type, world // tp, tp, node_order(nodes))
+            self.mesh = MeshShape(1, world // tp)
+            # each tensor-parallel group (one all-reduce per layer) on a node where it can be
+            grid = node_mesh(device.type, nodes, (world // tp, tp), ("dp", "tp"))
             apply_plan(module, grid["tp"], plan)
             mesh, placement = grid["dp"], fsdp_placement
             self._dp_group = mesh.get_group()

@@ -36,7 +36,7 @@ __all__ = [
     "is_fsdp",
     "materialize_shards",
     "mesh_shape",
-    "node_order",
+    "node_mesh",
     "shard_model",
 ]
 
@@ -81,25 +81,31 @@ def build_mesh(device_type: str, shape: MeshShape, nodes: Sequence[str] | None =
     rank), so each run of `shard` ranks (a shard group: its all-gathers and reduce-scatters
     every micro-step) shares a node where the placement allows; the replicate dimension (one
     all-reduce per window) crosses the nodes."""
-    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.device_mesh import init_device_mesh
 
     world = dist.get_world_size()
     if shape.replicate * shape.shard != world:
         raise ValueError(f"a {shape} mesh does not cover {world} ranks")
     if shape.replicate == 1:
         return init_device_mesh(device_type, (world,))
-    order = node_order(list(nodes) if nodes else [str(r) for r in range(world)])
-    ranks = torch.tensor(order, dtype=torch.int).reshape(shape.replicate, shape.shard)
-    return DeviceMesh(device_type, ranks, mesh_dim_names=("replicate", "shard"))
+    nodes = list(nodes) if nodes else [str(r) for r in range(world)]
+    return node_mesh(device_type, nodes, (shape.replicate, shape.shard), ("replicate", "shard"))
 
 
-def node_order(nodes: Sequence[str]) -> list[int]:
-    """The ranks ordered by node (nodes in the order of their first rank): a run of
-    consecutive ranks of this order shares a node where the placement allows."""
+def node_mesh(
+    device_type: str, nodes: Sequence[str], dims: tuple[int, int], names: tuple[str, str]
+):
+    """A 2-D mesh of `dims` over the ranks ordered by node (rank r runs on `nodes[r]`; nodes
+    in the order of their first rank): each run of `dims[1]` ranks along the second dimension
+    shares a node where the placement allows."""
+    from torch.distributed.device_mesh import DeviceMesh
+
     first: dict[str, int] = {}
     for rank, node in enumerate(nodes):
         first.setdefault(node, rank)
-    return sorted(range(len(nodes)), key=lambda r: (first[nodes[r]], r))
+    order = sorted(range(len(nodes)), key=lambda r: (first[nodes[r]], r))
+    ranks = torch.tensor(order, dtype=torch.int).reshape(*dims)
+    return DeviceMesh(device_type, ranks, mesh_dim_names=names)
 
 
 def shard_model(

@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from torch.distributed.tensor.placement_types import _StridedShard
 
-__all__ = ["FusedColwise", "apply_plan", "fsdp_placement", "grad_norm", "tensor_mesh", "tp_plan"]
+__all__ = ["FusedColwise", "apply_plan", "fsdp_placement", "grad_norm", "tp_plan"]
 
 
 class FusedColwise(ParallelStyle):
@@ -79,16 +79,6 @@ def fsdp_placement(param: nn.Parameter) -> Shard | None:
     if param.ndim == 2 and any(isinstance(p, _StridedShard) for p in placements):
         return Shard(1)
     return None
-
-
-def tensor_mesh(device_type: str, dp: int, tp: int, order: list[int]):
-    """The 2-D mesh (`dp`, `tp`) over the ranks in `order` (node by node): each run of `tp`
-    consecutive ranks is a tensor-parallel group, whose collectives (one per layer) stay
-    inside a node where the placement allows."""
-    from torch.distributed.device_mesh import DeviceMesh
-
-    ranks = torch.tensor(order, dtype=torch.int).reshape(dp, tp)
-    return DeviceMesh(device_type, ranks, mesh_dim_names=("dp", "tp"))
 
 
 def grad_norm(grads: list[Any]) -> torch.Tensor:
