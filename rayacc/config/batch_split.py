@@ -5,7 +5,7 @@ Pure Python (no torch), so the config layer can validate with it; `rayacc.engine
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 __all__ = [
     "BatchSplit",
@@ -29,16 +29,29 @@ class BatchSplit:
     micro_batch_size: int
     grad_accum_steps: int
     num_workers: int
+    tensor_parallel: int = 1
+    """Workers per tensor-parallel group: each group reads one share of the batch."""
+
+    @property
+    def data_parallel(self) -> int:
+        """The ranks the batch splits over: the workers, or their tensor-parallel groups."""
+        return self.num_workers // self.tensor_parallel
 
     @property
     def samples_per_worker(self) -> int:
-        """Samples one worker processes per optimizer step."""
+        """Samples one worker (one tensor-parallel group) processes per optimizer step."""
         return self.micro_batch_size * self.grad_accum_steps
 
     def describe(self) -> str:
-        return (
+        head = (
             f"global batch {self.global_batch_size} = micro {self.micro_batch_size} × "
-            f"accum {self.grad_accum_steps} × workers {self.num_workers}"
+            f"accum {self.grad_accum_steps} × "
+        )
+        if self.tensor_parallel == 1:
+            return head + f"workers {self.num_workers}"
+        return head + (
+            f"data-parallel ranks {self.data_parallel} ({self.num_workers} workers in "
+            f"tensor-parallel groups of {self.tensor_parallel})"
         )
 
 
@@ -87,8 +100,10 @@ def resolve_batch_split(
     global_batch_size: int | None = None,
     micro_batch_size: int | None = None,
     grad_accum_steps: int | None = None,
+    tensor_parallel: int = 1,
 ) -> BatchSplit:
-    """Completes the batch split for `num_workers` workers.
+    """Completes the batch split for `num_workers` workers (in tensor-parallel groups of
+    `tensor_parallel`, each group one share).
 
     - global + micro: accumulation is derived (the usual case; it follows the worker count);
     - global + accum: the micro-batch is derived;
@@ -98,7 +113,45 @@ def resolve_batch_split(
     Raises :class:`BatchSplitError` naming the field and the nearest valid values.
     """
     _check_positive(num_workers, global_batch_size, micro_batch_size, grad_accum_steps)
-    w = num_workers
+    ranks = _Ranks(data_parallel_ranks(num_workers, tensor_parallel), num_workers, tensor_parallel)
+    split = _resolve(ranks, global_batch_size, micro_batch_size, grad_accum_steps)
+    return replace(split, num_workers=num_workers, tensor_parallel=tensor_parallel)
+
+
+@dataclass(frozen=True)
+class _Ranks:
+    """The count the batch splits over, as the messages name it."""
+
+    w: int
+    workers: int
+    tp: int
+
+    @property
+    def factor(self) -> str:
+        return WORKERS if self.tp == 1 else "data-parallel ranks"
+
+    def __str__(self) -> str:
+        if self.tp == 1:
+            return f"{WORKERS}={self.w}"
+        return (f"the data-parallel ranks ({WORKERS}={self.workers} / "
+                f"train.tensor_parallel={self.tp} = {self.w})")  # fmt: skip
+
+    def share(self, g: int, per: int) -> str:
+        if self.tp == 1:
+            return f"({GLOBAL}={g} / {self} = {per})"
+        return f"({GLOBAL}={g} over {self}: {per})"
+
+    @property
+    def other_count(self) -> str:
+        if self.tp == 1:
+            return "a worker count dividing"
+        return f"a {WORKERS} whose groups of {self.tp} divide"
+
+
+def _resolve(
+    r: _Ranks, global_batch_size: int | None, micro_batch_size, grad_accum_steps
+) -> BatchSplit:
+    w = r.w
     if global_batch_size is None:
         if micro_batch_size is None:
             raise BatchSplitError(
@@ -112,15 +165,15 @@ def resolve_batch_split(
     if g % w:
         raise BatchSplitError(
             GLOBAL,
-            f"{g} does not split evenly over {WORKERS}={w}",
-            f"set {GLOBAL} to {_or(_multiples_near(g, w))}, or use a worker count dividing {g}",
+            f"{g} does not split evenly over {r}",
+            f"set {GLOBAL} to {_or(_multiples_near(g, w))}, or use {r.other_count} {g}",
         )
     if micro_batch_size is not None and grad_accum_steps is not None:
-        return _all_three(g, micro_batch_size, grad_accum_steps, w)
+        return _all_three(g, micro_batch_size, grad_accum_steps, r)
     if micro_batch_size is not None:
-        return _accum_from_micro(g, micro_batch_size, w)
+        return _accum_from_micro(g, micro_batch_size, r)
     if grad_accum_steps is not None:
-        return _micro_from_accum(g, grad_accum_steps, w)
+        return _micro_from_accum(g, grad_accum_steps, r)
     return BatchSplit(g, g // w, 1, w)
 
 
@@ -132,7 +185,8 @@ def _check_positive(*values: int | None) -> None:
             )
 
 
-def _all_three(g: int, m: int, k: int, w: int) -> BatchSplit:
+def _all_three(g: int, m: int, k: int, r: _Ranks) -> BatchSplit:
+    w = r.w
     product = m * k * w
     if product != g:
         fix = f"remove {ACCUM} to derive it"
@@ -141,15 +195,16 @@ def _all_three(g: int, m: int, k: int, w: int) -> BatchSplit:
         fix += f", or set {GLOBAL}={product}"
         raise BatchSplitError(
             GLOBAL,
-            f"{g} != {MICRO} × {ACCUM} × {WORKERS} = {m} × {k} × {w} = {product}",
+            f"{g} != {MICRO} × {ACCUM} × {r.factor} = {m} × {k} × {w} = {product}",
             fix,
         )
     return BatchSplit(g, m, k, w)
 
 
-def _accum_from_micro(g: int, m: int, w: int) -> BatchSplit:
+def _accum_from_micro(g: int, m: int, r: _Ranks) -> BatchSplit:
+    w = r.w
     per_worker = g // w
-    share = f"({GLOBAL}={g} / {WORKERS}={w} = {per_worker})"
+    share = r.share(g, per_worker)
     if m > per_worker:
         raise BatchSplitError(
             MICRO,
@@ -167,13 +222,14 @@ def _accum_from_micro(g: int, m: int, w: int) -> BatchSplit:
     return BatchSplit(g, m, per_worker // m, w)
 
 
-def _micro_from_accum(g: int, k: int, w: int) -> BatchSplit:
+def _micro_from_accum(g: int, k: int, r: _Ranks) -> BatchSplit:
+    w = r.w
     per_worker = g // w
+    share = r.share(g, per_worker)
     if per_worker % k:
         raise BatchSplitError(
             ACCUM,
-            f"{k} does not divide one worker's share of the global batch "
-            f"({GLOBAL}={g} / {WORKERS}={w} = {per_worker})",
+            f"{k} does not divide one worker's share of the global batch {share}",
             f"set {ACCUM} to {_or(_divisors_near(per_worker, k))}, or {GLOBAL} to "
             f"{_or(_multiples_near(g, k * w))}",
         )

@@ -7,7 +7,6 @@ from typing import Any
 
 from rayacc.config.batch_split import (
     BatchSplitError,
-    data_parallel_ranks,
     resolve_batch_split,
     split_for_workers,
 )
@@ -169,7 +168,8 @@ def _auto_micro_batch_rules(batch: BatchConfig, scaling: ScalingConfig | None) -
 def _batch_plan_rules(batch: BatchConfig, scaling: ScalingConfig, tp: int) -> list[ConfigIssue]:
     try:
         base = resolve_batch_split(
-            num_workers=data_parallel_ranks(scaling.max_workers, tp),
+            num_workers=scaling.max_workers,
+            tensor_parallel=tp,
             global_batch_size=batch.global_batch_size,
             micro_batch_size=batch.fixed_micro_batch_size,
             grad_accum_steps=batch.grad_accum_steps,

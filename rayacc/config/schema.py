@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
-from rayacc.config.batch_split import BatchSplit, data_parallel_ranks, resolve_batch_split
+from rayacc.config.batch_split import BatchSplit, resolve_batch_split
 from rayacc.config.environment import environment_issues
 from rayacc.config.errors import ConfigError, ConfigIssue, issues_from_validation
 from rayacc.config.loader import read_yaml
@@ -460,10 +460,10 @@ class TrainConfig(Section):
 
     def batch_split(self, num_workers: int | None = None) -> BatchSplit:
         """The resolved batch split for `num_workers` (default: the most workers the run
-        uses): its `num_workers` are the data-parallel ranks among them."""
-        workers = num_workers or self.scaling.max_workers
+        uses), over their data-parallel ranks."""
         return resolve_batch_split(
-            num_workers=data_parallel_ranks(workers, self.train.tensor_parallel),
+            num_workers=num_workers or self.scaling.max_workers,
+            tensor_parallel=self.train.tensor_parallel,
             global_batch_size=self.batch.global_batch_size,
             micro_batch_size=self.batch.fixed_micro_batch_size,
             grad_accum_steps=self.batch.grad_accum_steps,

@@ -48,7 +48,7 @@ def split_at(cfg: TrainConfig, num_workers: int) -> BatchSplit:
             cfg.scaling.on_resize,
             cfg.batch.micro_batch_by_workers,
         )
-    return cfg.batch_split(num_workers=num_workers)  # its data-parallel ranks
+    return cfg.batch_split(num_workers=num_workers)
 
 
 def worker_splits(cfg: TrainConfig) -> dict[int, BatchSplit | BatchSplitError]:
@@ -147,7 +147,7 @@ def epoch_layout(length: RunLength, rows: int, split: BatchSplit) -> EpochLayout
         rows,
         split.global_batch_size,
         split.micro_batch_size,
-        split.num_workers,
+        split.data_parallel,
         length.last_window,
     )
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable
+from dataclasses import replace
 
 import numpy as np
 import ray
@@ -69,11 +70,10 @@ class MicroBatchSizer:
                 strategy=strategy,
             )
         self.set_split(
-            BatchSplit(
-                split.global_batch_size,
-                found.micro_batch_size,
-                found.grad_accum_steps,
-                split.num_workers,
+            replace(
+                split,
+                micro_batch_size=found.micro_batch_size,
+                grad_accum_steps=found.grad_accum_steps,
             )
         )
         return MicroBatchChanged(

@@ -131,7 +131,7 @@ class WorkerRun:
             self.epochs,
             self.device,
             rank=self.data_rank,
-            world=self.split.num_workers,
+            world=self.split.data_parallel,
             batch_size=2 * self.split.micro_batch_size,
         )
         self.timeline["data"] = time.time()

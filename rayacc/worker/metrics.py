@@ -45,6 +45,9 @@ def step_record(
         "train/samples_per_s": result.samples / wall_s if wall_s > 0 else 0.0,
         "train/skipped_steps": skipped_steps,
         "scaling/num_workers": split.num_workers,
+        **(
+            {"scaling/data_parallel_size": split.data_parallel} if split.tensor_parallel > 1 else {}
+        ),
         "scaling/grad_accum_steps": accum_now,
         "scaling/micro_batch_size": micro_now,
         "scaling/global_batch_size": split.global_batch_size,
@@ -61,7 +64,7 @@ def step_record(
         wall_s=wall_s,
         data_s=data_s,
         items=result.items,
-        world_size=split.num_workers,
+        world_size=split.num_workers,  # every worker's share, a tensor-parallel group's too
         flops_per_item=flops_per_item,
         peak_tflops=peak_tflops,
         recompute_flops_per_item=recompute_flops_per_item,

@@ -52,10 +52,54 @@ def test_what_tensor_parallelism_does_not_compose_with_is_refused_by_name(data, 
 def test_the_global_batch_splits_over_the_data_parallel_ranks():
     cfg = TrainConfig.from_dict(BASE)
     split = cfg.batch_split()
-    # 4 workers in groups of 2: 2 data-parallel ranks, each a share of 16 rows
-    assert (split.num_workers, split.grad_accum_steps, split.global_batch_size) == (2, 4, 32)
-    assert TrainConfig.from_dict(with_(train={"strategy": "fsdp", "tensor_parallel": 1}))\
-        .batch_split().num_workers == 4  # fmt: skip
+    # 4 workers in groups of 2: 2 data-parallel ranks, each a share of 16 rows; the workers
+    # stay 4 wherever the split is read (the console, MLflow's num_workers, per-device FLOPs)
+    assert (split.num_workers, split.data_parallel, split.grad_accum_steps) == (4, 2, 4)
+    assert split.global_batch_size == 32 == split.micro_batch_size * 4 * split.data_parallel
+    assert split.describe() == (
+        "global batch 32 = micro 4 × accum 4 × data-parallel ranks 2 (4 workers in "
+        "tensor-parallel groups of 2)"
+    )
+    plain = TrainConfig.from_dict(with_(train={"strategy": "fsdp", "tensor_parallel": 1}))
+    assert (plain.batch_split().num_workers, plain.batch_split().data_parallel) == (4, 4)
+    assert plain.batch_split().describe().endswith("× workers 4")
+
+
+def test_a_batch_that_does_not_split_names_the_data_parallel_ranks():
+    with pytest.raises(ConfigError) as err:
+        TrainConfig.from_dict(with_(batch={"global_batch_size": 33, "micro_batch_size": 3}))
+    (issue,) = [i for i in err.value.issues if i.path == "batch.global_batch_size"]
+    assert "the data-parallel ranks (scaling.num_workers=4 / train.tensor_parallel=2 = 2)" in (
+        issue.message
+    ), issue.message
+    assert "groups of 2 divide 33" in issue.fix, issue.fix
+
+
+def test_the_record_counts_the_workers_and_each_ones_share_of_the_flops():
+    from rayacc.engine.result import StepResult
+    from rayacc.tracking.params import contract_params
+    from rayacc.worker.metrics import step_record
+
+    cfg = TrainConfig.from_dict(BASE)
+    split = cfg.batch_split()
+    params = contract_params(cfg, split, 0.1)
+    assert (params["num_workers"], params["data_parallel_size"]) == (4, 2)
+    result = StepResult(
+        loss=1.0, items=32, samples=32, micro_steps=4, grad_norm=0.5, lr=0.1, skipped=False,
+        skip_reason=None, allreduce_calls=0, reduce_scatter_calls=0, sync_passes=4,
+        step_time_s=1.0, sync_time_s=0.0, peak_memory_mb=1.0,
+    )  # fmt: skip
+    record = step_record(
+        result, step=1, epoch=0, wall_s=1.0, data_s=0.0, split=split, micro_now=4,
+        accum_now=4, skipped_steps=0, rows_read=32, rss_mb=1.0, flops_per_item=1e12,
+        peak_tflops=None, token_items=True,
+    )  # fmt: skip
+    assert (record["scaling/num_workers"], record["scaling/data_parallel_size"]) == (4, 2)
+    # 32 items × 1 TFLOP in 1 s over 4 devices (each tensor-parallel rank does half its
+    # group's share), not over the 2 groups
+    assert record["perf/tflops"] == 8.0
+    plain = TrainConfig.from_dict(with_(train={"strategy": "fsdp", "tensor_parallel": 1}))
+    assert "data_parallel_size" not in contract_params(plain, plain.batch_split(), 0.1)
 
 
 def test_a_model_without_a_plan_or_heads_that_do_not_divide_are_named_before_launch(tmp_path):
@@ -83,7 +127,7 @@ def test_the_planner_says_it_does_not_cover_tensor_parallelism(tmp_path, capsys)
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump(BASE))
     assert main(["plan", "-c", str(job)]) == 0
-    assert "× workers 2" in capsys.readouterr().out  # the data-parallel ranks
+    assert "× data-parallel ranks 2 (4 workers" in capsys.readouterr().out
     for flag in ("--memory", "--search"):
         assert main(["plan", "-c", str(job), flag]) == 2
         err = capsys.readouterr().err
