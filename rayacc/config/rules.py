@@ -235,6 +235,11 @@ def _tensor_parallel_rules(
     elif scaling is not None and scaling.min_workers % tp:
         refuse(f"does not divide scaling.num_workers={scaling.min_workers}",
                f"set scaling.num_workers to a multiple of {tp}")  # fmt: skip
+    if scaling is not None and scaling.placement_strategy in ("SPREAD", "STRICT_SPREAD"):
+        # its all-reduces run every layer: across nodes they would cross the slow links
+        refuse(f"needs each tensor-parallel group on one node, which "
+               f"scaling.placement_strategy={scaling.placement_strategy} spreads over nodes",
+               "set scaling.placement_strategy=PACK, or train.tensor_parallel=1")  # fmt: skip
     if model is not None and model.name == "gpt" and model.n_head % tp:
         refuse(f"does not divide model.n_head={model.n_head} (each rank takes whole heads)",
                "choose a train.tensor_parallel that divides model.n_head")  # fmt: skip

@@ -396,16 +396,17 @@ def _global_batch_change(terms: ResumeTerms, meta: dict[str, Any]) -> list[str]:
 
 
 # ----------------------------------------------------------------------------- the cluster
-def check_cluster(scaling: ScalingConfig) -> None:
+def check_cluster(scaling: ScalingConfig, tensor_parallel: int = 1) -> None:
     """A worker group the cluster can never hold is a user error (Ray Train would wait
-    forever); on a cluster that may grow (one rayacc did not start), a warning."""
+    forever), as is a tensor-parallel group no node holds; on a cluster that may grow (one
+    rayacc did not start), a warning."""
     import os
     import sys
 
     import ray
 
     may_grow = bool(os.environ.get("RAY_ADDRESS"))
-    warning = check_resources(scaling, ray.nodes(), may_grow)
+    warning = check_resources(scaling, ray.nodes(), may_grow, tensor_parallel)
     if warning:
         print(f"rayacc: warning: {warning}; waiting for the cluster to grow", file=sys.stderr)
 
@@ -426,15 +427,29 @@ def workers_that_fit(nodes: list[dict[str, float]], need: dict[str, float]) -> i
 
 
 def check_resources(
-    scaling: ScalingConfig, nodes: list[dict[str, Any]], may_grow: bool
+    scaling: ScalingConfig, nodes: list[dict[str, Any]], may_grow: bool, tensor_parallel: int = 1
 ) -> str | None:
     """Raises ResourceError when the alive `nodes` (as `ray.nodes()` lists them) can never hold
-    `scaling.num_workers`' minimum; with `may_grow` (a cluster that may add nodes) returns the
-    same finding as a warning instead. None when the group fits."""
+    `scaling.num_workers`' minimum, or no node holds a tensor-parallel group of
+    `tensor_parallel` workers; with `may_grow` (a cluster that may add nodes) returns the same
+    finding as a warning instead. None when the group fits."""
     need = scaling.worker_needs()
     alive = [n.get("Resources", {}) for n in nodes if n.get("Alive", True)]
     placement = scaling.placement_strategy
     per_node = [workers_that_fit([r], need) for r in alive]
+    largest = max(per_node, default=0)
+    if tensor_parallel > largest > 0:
+        # its collectives run every layer, forward and backward: one node's links
+        text = (
+            f"train.tensor_parallel={tensor_parallel}: a tensor-parallel group shares a node, "
+            f"and the cluster's largest node holds {largest} worker(s) of "
+            f"{{{', '.join(f'{k}: {v:g}' for k, v in need.items())}}}. Fix: set "
+            f"train.tensor_parallel to at most {largest}, or use nodes that hold "
+            f"{tensor_parallel} workers each"
+        )
+        if may_grow:
+            return text
+        raise ResourceError(text)
     if placement == "STRICT_SPREAD":  # one worker a node
         fit, held = sum(min(n, 1) for n in per_node), "node(s) that can each hold a worker"
     elif placement == "STRICT_PACK":  # every worker on one node

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rayacc.engine.parallel.base import GroupCalls
+
 __all__ = ["StepResult"]
 
 
@@ -60,6 +62,8 @@ class StepResult:
     """k: figures in each rank's report (0: none given)."""
     all_gather_calls: int = 0
     """ZeRO-3: parameter all-gathers in the window (its forwards and backwards)."""
+    tensor_parallel_calls: GroupCalls | None = None
+    """The tensor-parallel group's collectives in the window (None without it)."""
 
     @property
     def figures_by_rank(self) -> tuple[tuple[float, ...], ...]:

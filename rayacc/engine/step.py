@@ -438,6 +438,7 @@ class AccumulationStep:
             allreduce_calls=comm.allreduce_calls,
             reduce_scatter_calls=comm.reduce_scatter_calls,
             all_gather_calls=comm.all_gather_calls,
+            tensor_parallel_calls=comm.tensor_parallel,
             sync_passes=comm.sync_passes,
             step_time_s=time.perf_counter() - t_start,
             sync_time_s=comm.sync_time_s,

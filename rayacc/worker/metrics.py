@@ -69,6 +69,13 @@ def step_record(
         peak_tflops=peak_tflops,
         recompute_flops_per_item=recompute_flops_per_item,
     )
+    tp = result.tensor_parallel_calls
+    if tp is not None:
+        # apart from the data-parallel ones: the layers' all-reduces (forward and backward)
+        # and the gradient norm's
+        record["comm/tp_allreduce_calls"] = tp.allreduce
+        record["comm/tp_all_gather_calls"] = tp.all_gather
+        record["comm/tp_reduce_scatter_calls"] = tp.reduce_scatter
     record.update(cost.metrics(token_items=token_items))
     return record
 

@@ -60,3 +60,23 @@ def test_a_tensor_parallel_step_equals_the_full_batch_steps(results, case, recor
     assert err <= BOUND, (case.label(), err)
     dp, tp = case.resume or (case.dp, case.tp)
     assert got["mesh"] == f"FSDP × TP mesh {dp} × {tp} (dp × tp)"
+
+
+PER_LAYER = {"gpt": (4, 1), "llama": (7, 0)}
+"""Each layer's tensor-parallel collectives in one micro-step, from the plans: the GPT's fused
+q, k, v (its input's gradient all-reduced in backward, its bias's share gathered) and MLP
+input (all-reduced in backward), attention and MLP outputs (all-reduced in forward); the
+Llama's q, k, v, gate and up each all-reduce their input's gradient, o and down their output."""
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if not c.resume], ids=TPCase.label)
+def test_the_tensor_parallel_collectives_are_counted_apart(results, case):
+    """`comm/tp_*`: the layers' collectives of every micro-step and the gradient norm's one
+    all-reduce over `tp` (its other over `dp`, like FSDP's reduce-scatters, not counted here)."""
+    allreduce, gathers = PER_LAYER[case.model]
+    model = case.config().model
+    layers = model.n_layer if case.model == "gpt" else model.hf.config["num_hidden_layers"]
+    for calls, micro_steps in results[case.index]["calls"]:
+        assert calls is not None
+        expected = (micro_steps * allreduce * layers + 1, micro_steps * gathers * layers, 0)
+        assert (calls.allreduce, calls.all_gather, calls.reduce_scatter) == expected, case

@@ -320,8 +320,20 @@ def test_fsdp_on_padded_token_rows_equals_full_batch(
         tracking={"enabled": False},
     )
     result = fit_or_fail(cfg)
-    assert result.split.num_workers == 2  # the data-parallel ranks
+    assert (result.split.num_workers, result.split.data_parallel) == (2 * tp, 2)
     record = result.history[0]
+    assert record["scaling/num_workers"] == 2 * tp
+    if tp > 1:
+        # each layer's colwise q, k, v and MLP input all-reduce their input's gradient, the
+        # attention and MLP outputs theirs in forward, the fused bias gathers its share; the
+        # recomputed forward all-reduces the attention's again (not the MLP's: recomputation
+        # stops once the saved tensors are back); and the gradient norm's one over `tp`
+        again = 1 if recompute == "full" else 0
+        accum = record["scaling/grad_accum_steps"]
+        assert record["comm/tp_allreduce_calls"] == accum * 2 * (4 + again) + 1, record
+        assert record["comm/tp_all_gather_calls"] == accum * 2, record
+    else:
+        assert "comm/tp_allreduce_calls" not in record, record
     assert record["train/items"] == sum(len(s) - 1 for s in seqs)
     units = 3  # two blocks and the root
     expected = units * (4 if grad_sync == "every_micro_step" else 1)

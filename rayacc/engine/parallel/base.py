@@ -77,6 +77,25 @@ class Contract:
 
 
 @dataclass(frozen=True)
+class GroupCalls:
+    """The collectives one group of ranks ran in a window, by kind."""
+
+    allreduce: int = 0
+    all_gather: int = 0
+    reduce_scatter: int = 0
+
+    def __add__(self, other: GroupCalls) -> GroupCalls:
+        return GroupCalls(
+            self.allreduce + other.allreduce,
+            self.all_gather + other.all_gather,
+            self.reduce_scatter + other.reduce_scatter,
+        )
+
+    def __mul__(self, n: int) -> GroupCalls:
+        return GroupCalls(self.allreduce * n, self.all_gather * n, self.reduce_scatter * n)
+
+
+@dataclass(frozen=True)
 class CommStats:
     """The gradient communication of one window on this rank."""
 
@@ -89,6 +108,9 @@ class CommStats:
     """Backward passes that synced gradients (1 when accumulation skips the others)."""
     sync_time_s: float = 0.0
     """From the window's first gradient collective launched to the last one done."""
+    tensor_parallel: GroupCalls | None = None
+    """The tensor-parallel group's collectives (its layers' and the gradient norm's), apart
+    from the data-parallel ones above; None without tensor parallelism."""
 
 
 class _Timeline:

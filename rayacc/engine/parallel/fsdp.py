@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -12,6 +13,7 @@ from rayacc.engine.collectives import all_gather_objects, all_reduce
 from rayacc.engine.parallel.base import (
     CommStats,
     Contract,
+    GroupCalls,
     ModelRecipe,
     Strategy,
     _checkpoint_blocks,
@@ -122,6 +124,13 @@ class FSDP(Strategy):
         self.tensor_parallel = tensor_parallel
         self._dp_group = None
         """The data-parallel ranks' group under tensor parallelism (set at build)."""
+        self._tp_group = None
+        self._tp_across = 0
+        """Tensor-parallel groups whose ranks the placement put on more than one node."""
+        self._tp_per_micro: GroupCalls | None = None
+        """The tensor-parallel collectives of one micro-step, measured on the first (each
+        micro-step runs the same layers)."""
+        self._tp_norm = GroupCalls()
         self.replicate = replicate
         self.node = node
         self.offload = offload
@@ -151,6 +160,7 @@ class FSDP(Strategy):
         from rayacc.engine.parallel.fsdp_mesh import (
             MeshShape,
             build_mesh,
+            groups_across_nodes,
             materialize_shards,
             mesh_shape,
             node_mesh,
@@ -188,9 +198,11 @@ class FSDP(Strategy):
             self.mesh = MeshShape(1, world // tp)
             # each tensor-parallel group (one all-reduce per layer) on a node where it can be
             grid = node_mesh(device.type, nodes, (world // tp, tp), ("dp", "tp"))
+            self._tp_across = groups_across_nodes(nodes, tp)
             apply_plan(module, grid["tp"], plan)
             mesh, placement = grid["dp"], fsdp_placement
             self._dp_group = mesh.get_group()
+            self._tp_group = grid["tp"].get_group()
         else:
             self.mesh = mesh_shape(self.replicate, nodes)
             mesh = build_mesh(device.type, self.mesh, nodes)
@@ -225,7 +237,12 @@ class FSDP(Strategy):
 
     def describe_mesh(self) -> str:
         if self.tensor_parallel > 1 and self.mesh is not None:
-            return f"FSDP × TP mesh {self.mesh.shard} × {self.tensor_parallel} (dp × tp)"
+            across = ""
+            if self._tp_across:
+                # the placement filled a node with a count T does not divide
+                across = (f"; {self._tp_across} tensor-parallel group(s) across nodes: their "
+                          "per-layer collectives run over the links between them")  # fmt: skip
+            return f"FSDP × TP mesh {self.mesh.shard} × {self.tensor_parallel} (dp × tp){across}"
         if self.mesh is None or self.replicate == 1:
             return ""
         why = f"; replicate auto: {self.mesh.why}" if self.mesh.why else ""
@@ -277,7 +294,20 @@ class FSDP(Strategy):
             self.model.set_requires_gradient_sync(sync)
         elif self.hsdp:
             self.model.set_requires_all_reduce(sync)
+        if self.counted and self._tp_group is not None and self._tp_per_micro is None:
+            return self._count_tensor_parallel("micro")
         return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def _count_tensor_parallel(self, what: str) -> Iterator[None]:
+        from rayacc.engine.parallel.tensor import CountCollectives
+
+        with CountCollectives(self._tp_group) as counter:
+            yield
+        if what == "micro":
+            self._tp_per_micro = counter.calls()
+        else:
+            self._tp_norm = self._tp_norm + counter.calls()
 
     def agree_forwards(self, n: int, group=None) -> int:
         if _world() == 1:
@@ -288,7 +318,9 @@ class FSDP(Strategy):
         if self.tensor_parallel > 1:
             from rayacc.engine.parallel import tensor
 
-            return tensor.grad_norm(grads)  # parts on the 2-D mesh and on `dp` alone
+            counted = self.counted and self._tp_group is not None
+            with self._count_tensor_parallel("norm") if counted else contextlib.nullcontext():
+                return tensor.grad_norm(grads)  # parts on the 2-D mesh and on `dp` alone
         # the sharded gradients' norms combined over the ranks: a collective
         norm = torch.nn.utils.get_total_norm(grads)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
@@ -308,6 +340,7 @@ class FSDP(Strategy):
     def begin_window(self) -> None:
         self._timeline.begin_window()
         self._all_reduces = 0
+        self._tp_norm = GroupCalls()
 
     def comm_stats(self, micro_steps: int) -> CommStats:
         synced = 0
@@ -315,9 +348,13 @@ class FSDP(Strategy):
             synced = micro_steps if self.grad_sync == "every_micro_step" else 1
         if not self.counted:
             return CommStats(sync_passes=synced)
+        tp = None
+        if self._tp_group is not None:
+            tp = (self._tp_per_micro or GroupCalls()) * micro_steps + self._tp_norm
         return CommStats(
             allreduce_calls=self._all_reduces,
             reduce_scatter_calls=self._timeline.launches,
             sync_passes=synced,
             sync_time_s=self._timeline.span_s(),
+            tensor_parallel=tp,
         )

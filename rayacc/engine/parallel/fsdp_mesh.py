@@ -100,12 +100,24 @@ def node_mesh(
     shares a node where the placement allows."""
     from torch.distributed.device_mesh import DeviceMesh
 
+    ranks = torch.tensor(node_order(nodes), dtype=torch.int).reshape(*dims)
+    return DeviceMesh(device_type, ranks, mesh_dim_names=names)
+
+
+def node_order(nodes: Sequence[str]) -> list[int]:
+    """The ranks node by node (nodes in the order of their first rank)."""
     first: dict[str, int] = {}
     for rank, node in enumerate(nodes):
         first.setdefault(node, rank)
-    order = sorted(range(len(nodes)), key=lambda r: (first[nodes[r]], r))
-    ranks = torch.tensor(order, dtype=torch.int).reshape(*dims)
-    return DeviceMesh(device_type, ranks, mesh_dim_names=names)
+    return sorted(range(len(nodes)), key=lambda r: (first[nodes[r]], r))
+
+
+def groups_across_nodes(nodes: Sequence[str], size: int) -> int:
+    """How many of `node_mesh`'s groups of `size` consecutive ranks (along its last
+    dimension) span more than one node: where a node holds a count `size` does not divide."""
+    order = node_order(nodes)
+    groups = [order[i : i + size] for i in range(0, len(order), size)]
+    return sum(len({nodes[r] for r in g}) > 1 for g in groups)
 
 
 def shard_model(

@@ -10,16 +10,39 @@ More: docs/design.md, "Tensor parallelism".
 from __future__ import annotations
 
 import math
+from collections import Counter
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from torch.distributed.tensor.placement_types import _StridedShard
+from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["FusedColwise", "apply_plan", "fsdp_placement", "grad_norm", "tp_plan"]
+from rayacc.engine.parallel.base import GroupCalls
+
+__all__ = [
+    "CountCollectives",
+    "FusedColwise",
+    "apply_plan",
+    "fsdp_placement",
+    "grad_norm",
+    "tp_plan",
+]
+
+_KINDS = {
+    "all_reduce": "allreduce",
+    "all_reduce_coalesced": "allreduce",
+    "all_gather_into_tensor": "all_gather",
+    "all_gather_into_tensor_coalesced": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter",
+}
+"""DTensor's collectives (torch's functional collectives, `_c10d_functional`) by kind."""
 
 
 class FusedColwise(ParallelStyle):
@@ -51,6 +74,43 @@ class FusedColwise(ParallelStyle):
 
         module.forward = forward
         return module
+
+
+class CountCollectives(TorchDispatchMode):
+    """Counts the collectives DTensor runs over the ranks of `group` while it is entered,
+    forward and backward (autograd carries the mode to its threads). Every op passes through
+    it: it is entered for one micro-step, not every one. A group is known by its ranks: DTensor
+    may run a layer's collective on an equal mesh's group made earlier in the process."""
+
+    def __init__(self, group) -> None:
+        super().__init__()
+        self.ranks = tuple(dist.get_process_group_ranks(group))
+        self.counts: Counter[str] = Counter()
+        self._ours: dict[str, bool] = {}
+
+    def _is_ours(self, name: str) -> bool:
+        if name not in self._ours:
+            group = _resolve_process_group(name)
+            self._ours[name] = tuple(dist.get_process_group_ranks(group)) == self.ranks
+        return self._ours[name]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            return func(*args, **kwargs)
+        if any(issubclass(t, DTensor) for t in types):
+            # DTensor first: the collectives it turns the op into come back here (a mode
+            # runs before a subclass, and is off while it handles an op)
+            return NotImplemented
+        kind = _KINDS.get(func._overloadpacket.__name__)
+        if kind is not None and func.namespace == "_c10d_functional":
+            name = kwargs.get("group_name", args[-1] if args else None)
+            if isinstance(name, str) and self._is_ours(name):
+                self.counts[kind] += 1
+        return func(*args, **kwargs)
+
+    def calls(self) -> GroupCalls:
+        return GroupCalls(**self.counts)
 
 
 def tp_plan(module: nn.Module) -> dict[str, ParallelStyle]:

@@ -80,16 +80,19 @@ def run_phase(case: TPCase, rank: int, world: int, folder: Path, phase: str) -> 
         windows = windows[:1]
     here = dist.get_rank(strategy.process_group)  # the data-parallel rank: its group's rows
     assert dist.get_world_size(strategy.process_group) == dp
+    steps = []
     for window in windows:
         mine = M.rank_share(window, here, dp)
-        step(M.micro_batches(mine, M.MICRO, dp, len(window)), loss_fn, count)
+        steps.append(step(M.micro_batches(mine, M.MICRO, dp, len(window)), loss_fn, count))
+    # the tensor-parallel group's collectives each window counted, with its micro-steps
+    calls = [(r.tensor_parallel_calls, r.micro_steps) for r in steps]
     if phase == "A" and case.resume:
         whole, _ = strategy.state.save(model, optimizer, folder, rank)
         if rank == 0:
             torch.save(whole, folder / "state.pt")
         return None
     full = full_weights(strategy.unwrapped())  # a collective: every rank gathers
-    return {"params": full, "mesh": strategy.describe_mesh()} if rank == 0 else None
+    return {"params": full, "mesh": strategy.describe_mesh(), "calls": calls} if rank == 0 else None
 
 
 run_group = functools.partial(M.run_group, body=run_phase)

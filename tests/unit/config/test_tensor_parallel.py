@@ -37,6 +37,8 @@ REFUSED = [
      "does not divide model.n_head=2"),
     (with_(model={"name": "mlp"}), "the mlp model declares no tensor-parallel plan"),
     (with_(fsdp={"replicate": 2}), "HSDP"),
+    *[(with_(scaling={"num_workers": 4, "placement_strategy": p}),
+       f"scaling.placement_strategy={p} spreads over nodes") for p in ("SPREAD", "STRICT_SPREAD")],
 ]  # fmt: skip
 
 

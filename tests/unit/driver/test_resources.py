@@ -75,3 +75,20 @@ def test_the_placement_strategy_decides_where_workers_may_go(placement, nodes, w
     assert check_resources(config.scaling, alive, may_grow=True) is not None, (
         "a warning on a cluster that may grow"
     )
+
+
+@pytest.mark.parametrize(("cpus", "fits"), [([1.0, 1.0], False), ([2.0, 1.0, 1.0], True)])
+def test_a_tensor_parallel_group_no_node_holds_is_refused(cpus, fits):
+    """4 workers of 1 CPU fit two nodes of 1 CPU in all, but a group of 2 on none of them."""
+    config = cfg(num_workers=2, cpus_per_worker=1)
+    alive = [{"Alive": True, "Resources": {"CPU": c}} for c in cpus]
+    if fits:
+        assert check_resources(config.scaling, alive, False, tensor_parallel=2) is None
+        return
+    with pytest.raises(ResourceError) as err:
+        check_resources(config.scaling, alive, False, tensor_parallel=2)
+    text = str(err.value)
+    assert "train.tensor_parallel=2" in text and "largest node holds 1" in text, text
+    assert "at most 1" in text, text
+    assert "largest node holds 1" in check_resources(config.scaling, alive, True, 2)
+    assert check_resources(config.scaling, alive, False) is None  # without it, the group fits

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rayacc.engine.parallel.fsdp_mesh import MeshShape, mesh_shape
+from rayacc.engine.parallel.fsdp_mesh import MeshShape, groups_across_nodes, mesh_shape
 
 
 @pytest.mark.parametrize(
@@ -47,3 +47,31 @@ def test_auto_covers_the_group_and_keeps_shard_groups_inside_nodes(nodes):
     if got.replicate > 1:
         # every node holds exactly one shard group
         assert got.replicate == len(set(nodes)) and counts == {got.shard}
+
+
+@pytest.mark.parametrize(
+    ("nodes", "size", "across"),
+    [
+        (["a", "a", "b", "b"], 2, 0),
+        (["a", "b", "a", "b"], 2, 0),  # ranks ordered node by node first
+        (["a", "a", "a", "b", "b", "b"], 2, 1),  # 3 a node: the middle group spans both
+        (["a", "a", "a", "b", "b", "b"], 3, 0),
+        (["a", "b", "c", "d"], 2, 2),
+        (["a", "a", "a", "a"], 4, 0),
+    ],
+)
+def test_the_tensor_parallel_groups_a_placement_puts_across_nodes(nodes, size, across):
+    assert groups_across_nodes(nodes, size) == across
+
+
+def test_the_mesh_line_says_a_group_across_nodes():
+    from rayacc.engine.parallel import FSDP
+
+    strategy = FSDP(tensor_parallel=2)
+    strategy.mesh, strategy._tp_across = MeshShape(1, 3), 1
+    assert strategy.describe_mesh() == (
+        "FSDP × TP mesh 3 × 2 (dp × tp); 1 tensor-parallel group(s) across nodes: their "
+        "per-layer collectives run over the links between them"
+    )
+    strategy._tp_across = 0
+    assert strategy.describe_mesh() == "FSDP × TP mesh 3 × 2 (dp × tp)"
