@@ -47,16 +47,8 @@ class StrategyEntry:
 # ----------------------------------------------------------------------------- built-in rules
 def _fsdp_rules(sections: Mapping[str, Any], scaling: Any) -> list[ConfigIssue]:
     train, fsdp = sections["train"], sections.get("fsdp")
-    issues = _fsdp_mesh_rules(fsdp, scaling) if fsdp is not None else []
-    if fsdp is not None and fsdp.replicate != 1 and train.tensor_parallel > 1:
-        issues.append(
-            ConfigIssue(
-                "train.tensor_parallel",
-                "does not compose with HSDP (fsdp.replicate) yet",
-                train.tensor_parallel,
-                "set fsdp.replicate=1, or train.tensor_parallel=1",
-            )
-        )
+    tp = train.tensor_parallel
+    issues = _fsdp_mesh_rules(fsdp, scaling, tp) if fsdp is not None else []
     if train.precision == "fp16":
         issues.append(
             ConfigIssue(
@@ -69,8 +61,9 @@ def _fsdp_rules(sections: Mapping[str, Any], scaling: Any) -> list[ConfigIssue]:
     return issues
 
 
-def _fsdp_mesh_rules(fsdp: Any, scaling: Any) -> list[ConfigIssue]:
-    """HSDP's replica groups: a number that divides every worker count the run may have."""
+def _fsdp_mesh_rules(fsdp: Any, scaling: Any, tp: int = 1) -> list[ConfigIssue]:
+    """HSDP's replica groups: a number that divides every worker count the run may have (its
+    data-parallel ranks, under tensor parallelism)."""
     r = fsdp.replicate
     if r == "auto" or r == 1 or scaling is None:
         return []
@@ -84,11 +77,15 @@ def _fsdp_mesh_rules(fsdp: Any, scaling: Any) -> list[ConfigIssue]:
                 "worker count",
             )
         ]
-    if scaling.min_workers % r:
+    if (scaling.min_workers // tp) % r:
+        ranks = f"scaling.num_workers={scaling.min_workers}"
+        if tp > 1:
+            ranks = (f"the data-parallel ranks ({ranks} / train.tensor_parallel={tp} = "
+                     f"{scaling.min_workers // tp})")  # fmt: skip
         return [
             ConfigIssue(
                 "fsdp.replicate",
-                f"does not divide scaling.num_workers={scaling.min_workers}",
+                f"does not divide {ranks}",
                 r,
                 "give a divisor of the worker count, or fsdp.replicate=auto",
             )

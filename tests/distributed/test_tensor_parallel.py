@@ -1,8 +1,8 @@
-"""Tensor parallelism composed with FSDP's data parallelism (a 2-D mesh), exact under
-accumulation: the built-in GPT and a transformers Llama (the plan transformers declares), full
-and short last windows, both FSDP sync modes, padded variable-length token rows, and resumes
-onto another mesh, against the single-process full-batch steps (the combination matrix's
-windows and bound)."""
+"""Tensor parallelism composed with FSDP's data parallelism (a 2-D mesh) and with HSDP's (3-D:
+replica groups × shard groups × tensor-parallel groups), exact under accumulation: the built-in
+GPT and a transformers Llama (the plan transformers declares), full and short last windows,
+both FSDP sync modes, padded variable-length token rows, and resumes onto another mesh,
+against the single-process full-batch steps (the combination matrix's windows and bound)."""
 
 from __future__ import annotations
 
@@ -26,6 +26,8 @@ CASES = [
     TPCase(3, 2, 2, "every_micro_step", "short", resume=(1, 2)),
     TPCase(4, 2, 2, "window_end", "short", model="llama"),
     TPCase(5, 2, 2, "every_micro_step", "full", model="llama", resume=(1, 2)),
+    TPCase(6, 2, 2, "every_micro_step", "short", replicate=2, resume=(1, 2)),
+    TPCase(7, 2, 2, "window_end", "full", replicate=2),
 ]
 """Two spawns of rank processes: every case's first phase on 2 × 2, the resumed ones' rest on
 1 × 2 (its own tensor-parallel group alone; a mesh that grows on resume is DCP's same
@@ -59,7 +61,12 @@ def test_a_tensor_parallel_step_equals_the_full_batch_steps(results, case, recor
     record_equivalence(f"tensor parallel: {case.label()}", err)
     assert err <= BOUND, (case.label(), err)
     dp, tp = case.resume or (case.dp, case.tp)
-    assert got["mesh"] == f"FSDP × TP mesh {dp} × {tp} (dp × tp)"
+    if case.replicate > 1 and not case.resume:
+        r = case.replicate
+        assert got["mesh"] == (f"HSDP × TP mesh {r} × {dp // r} × {tp} (replica groups × "
+                               "ranks sharding each × tp)")  # fmt: skip
+    else:
+        assert got["mesh"] == f"FSDP × TP mesh {dp} × {tp} (dp × tp)"
 
 
 PER_LAYER = {"gpt": (4, 1), "llama": (7, 0)}

@@ -119,8 +119,6 @@ class FSDP(Strategy):
         tensor_parallel: int = 1,
     ) -> None:
         super().__init__()
-        if tensor_parallel > 1 and replicate != 1:
-            raise ValueError("tensor parallelism with HSDP (fsdp.replicate) is not supported")
         self.tensor_parallel = tensor_parallel
         self._dp_group = None
         """The data-parallel ranks' group under tensor parallelism (set at build)."""
@@ -158,12 +156,12 @@ class FSDP(Strategy):
 
     def _build(self, recipe: ModelRecipe, device: torch.device) -> nn.Module:
         from rayacc.engine.parallel.fsdp_mesh import (
-            MeshShape,
             build_mesh,
             groups_across_nodes,
             materialize_shards,
             mesh_shape,
             node_mesh,
+            node_order,
             shard_model,
         )
 
@@ -195,13 +193,22 @@ class FSDP(Strategy):
             world, tp = _world(), self.tensor_parallel
             if world % tp:
                 raise ValueError(f"tensor_parallel={tp} does not divide the group's {world} ranks")
-            self.mesh = MeshShape(1, world // tp)
+            # HSDP's replica groups over the tensor-parallel groups (each on its first rank's node)
+            order = node_order(nodes)
+            self.mesh = mesh_shape(self.replicate, [nodes[r] for r in order[::tp]])
             # each tensor-parallel group (one all-reduce per layer) on a node where it can be
-            grid = node_mesh(device.type, nodes, (world // tp, tp), ("dp", "tp"))
             self._tp_across = groups_across_nodes(nodes, tp)
+            placement = fsdp_placement
+            if self.mesh.replicate == 1:
+                grid = node_mesh(device.type, nodes, (world // tp, tp), ("dp", "tp"))
+                mesh = dp = grid["dp"]
+            else:
+                shape = (self.mesh.replicate, self.mesh.shard, tp)
+                grid = node_mesh(device.type, nodes, shape, ("replicate", "shard", "tp"))
+                mesh = grid["replicate", "shard"]
+                dp = mesh._flatten("dp")  # the counts' group: every data-parallel rank
             apply_plan(module, grid["tp"], plan)
-            mesh, placement = grid["dp"], fsdp_placement
-            self._dp_group = mesh.get_group()
+            self._dp_group = dp.get_group()
             self._tp_group = grid["tp"].get_group()
         else:
             self.mesh = mesh_shape(self.replicate, nodes)
@@ -242,6 +249,9 @@ class FSDP(Strategy):
                 # the placement filled a node with a count T does not divide
                 across = (f"; {self._tp_across} tensor-parallel group(s) across nodes: their "
                           "per-layer collectives run over the links between them")  # fmt: skip
+            if self.hsdp:
+                return (f"HSDP × TP mesh {self.mesh} × {self.tensor_parallel} (replica groups × "
+                        f"ranks sharding each × tp){across}")  # fmt: skip
             return f"FSDP × TP mesh {self.mesh.shard} × {self.tensor_parallel} (dp × tp){across}"
         if self.mesh is None or self.replicate == 1:
             return ""

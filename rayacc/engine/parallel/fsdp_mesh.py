@@ -93,11 +93,11 @@ def build_mesh(device_type: str, shape: MeshShape, nodes: Sequence[str] | None =
 
 
 def node_mesh(
-    device_type: str, nodes: Sequence[str], dims: tuple[int, int], names: tuple[str, str]
+    device_type: str, nodes: Sequence[str], dims: tuple[int, ...], names: tuple[str, ...]
 ):
-    """A 2-D mesh of `dims` over the ranks ordered by node (rank r runs on `nodes[r]`; nodes
-    in the order of their first rank): each run of `dims[1]` ranks along the second dimension
-    shares a node where the placement allows."""
+    """A mesh of `dims` over the ranks ordered by node (rank r runs on `nodes[r]`; nodes in
+    the order of their first rank): the inner dimensions' groups (runs of consecutive ranks)
+    share a node where the placement allows, the outer ones cross nodes."""
     from torch.distributed.device_mesh import DeviceMesh
 
     ranks = torch.tensor(node_order(nodes), dtype=torch.int).reshape(*dims)

@@ -28,6 +28,8 @@ class TPCase:
     """(dp, tp) of the mesh the case resumes on after its first window."""
     model: str = "gpt"
     """`gpt` (the built-in, its fused q, k, v) or `llama` (a transformers Llama: its own plan)."""
+    replicate: int = 1
+    """HSDP's replica groups over the data-parallel ranks (the first phase's mesh)."""
 
     def config(self):
         cfg = M.config(self.matrix_case())
@@ -48,6 +50,9 @@ class TPCase:
     def label(self) -> str:
         moved = f", resumed on {self.resume[0]} × {self.resume[1]}" if self.resume else ""
         mesh = f"{self.model} {self.dp} × {self.tp} (dp × tp)"
+        if self.replicate > 1:
+            mesh = (f"{self.model} HSDP {self.replicate} × {self.dp // self.replicate} × "
+                    f"{self.tp} (replicate × shard × tp)")  # fmt: skip
         return f"{mesh}, {self.grad_sync}, {self.last} last{moved}"
 
 
@@ -65,7 +70,8 @@ def run_phase(case: TPCase, rank: int, world: int, folder: Path, phase: str) -> 
     dp, tp = case.resume if phase == "B" else (case.dp, case.tp)
     cfg, info = case.config(), M.dataset()
     device = torch.device("cpu")
-    strategy = FSDP(case.grad_sync, tensor_parallel=tp)
+    replicate = 1 if phase == "B" else case.replicate
+    strategy = FSDP(case.grad_sync, tensor_parallel=tp, replicate=replicate)
     model = strategy.build(model_recipe(cfg, info), device)
     optimizer = build_optimizer(cfg.optim, model.parameters(), M.LR, device, strategy)
     loss_fn, count = loss_functions(info, None, strategy)

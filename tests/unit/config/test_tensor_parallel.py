@@ -36,7 +36,6 @@ REFUSED = [
     (with_(model={**GPT, "n_head": 2}, train={"strategy": "fsdp", "tensor_parallel": 4}),
      "does not divide model.n_head=2"),
     (with_(model={"name": "mlp"}), "the mlp model declares no tensor-parallel plan"),
-    (with_(fsdp={"replicate": 2}), "HSDP"),
     *[(with_(scaling={"num_workers": 4, "placement_strategy": p}),
        f"scaling.placement_strategy={p} spreads over nodes") for p in ("SPREAD", "STRICT_SPREAD")],
 ]  # fmt: skip
@@ -49,6 +48,17 @@ def test_what_tensor_parallelism_does_not_compose_with_is_refused_by_name(data, 
     found = [i for i in err.value.issues if i.path == "train.tensor_parallel"]
     assert found and any(problem in i.message for i in found), err.value
     assert all(i.fix and i.value == data["train"]["tensor_parallel"] for i in found)
+
+
+def test_hsdps_replica_groups_divide_the_data_parallel_ranks():
+    assert TrainConfig.from_dict(with_(fsdp={"replicate": 2})).fsdp.replicate == 2
+    assert TrainConfig.from_dict(with_(fsdp={"replicate": "auto"})).fsdp.replicate == "auto"
+    with pytest.raises(ConfigError) as err:
+        TrainConfig.from_dict(with_(fsdp={"replicate": 4}))  # 4 workers, 2 data-parallel ranks
+    (issue,) = [i for i in err.value.issues if i.path == "fsdp.replicate"]
+    assert "the data-parallel ranks (scaling.num_workers=4 / train.tensor_parallel=2 = 2)" in (
+        issue.message
+    ), issue.message
 
 
 def test_the_global_batch_splits_over_the_data_parallel_ranks():
