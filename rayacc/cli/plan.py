@@ -20,14 +20,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from rayacc.run.quantities import elastic_summary, lr_explanation, worker_splits
 
     cfg = _load(args)
-    if cfg.train.tensor_parallel > 1 and (args.search or args.memory):
+    if cfg.train.tensor_parallel > 1 and args.memory and not args.search:
         from rayacc.config.errors import ConfigError, ConfigIssue
 
         issue = ConfigIssue(
             "train.tensor_parallel",
-            "the planner's search and memory estimate do not cover tensor parallelism yet",
+            "the memory estimate does not cover tensor parallelism yet (the search's prior "
+            "does: --search)",
             cfg.train.tensor_parallel,
-            "plan without --search and --memory, or with train.tensor_parallel=1",
+            "plan without --memory, or with --search, or with train.tensor_parallel=1",
         )
         raise ConfigError([issue], cfg.source_file)
     if args.search:

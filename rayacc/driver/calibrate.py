@@ -88,10 +88,15 @@ def measure_candidate(
     cc = with_candidate(cfg, c)
     # the candidate's own split: the fixed costs' windows of 1 and 4 micro-steps are not the
     # job's global batch (DeepSpeed's engine is configured with the split it runs)
-    split = BatchSplit(c.global_batch_size, c.micro_batch_size, c.grad_accum_steps, c.workers)
+    split = BatchSplit(
+        c.global_batch_size, c.micro_batch_size, c.grad_accum_steps, c.workers, c.tensor_parallel
+    )
     parts = build_rank(cc, info, device, cfg.optim.lr, split=split)
     strategy, step, loss_fn, count = parts.strategy, parts.accumulate, parts.loss_fn, parts.count
     m = c.micro_batch_size
+    if strategy.process_group is not None:
+        # a tensor-parallel group reads its data-parallel rank's rows
+        rank = torch.distributed.get_rank(strategy.process_group)
     index = np.resize(np.arange(len(rows)), m * (rank + 1))[rank * m :]
     try:
         used = measure_step_bytes(

@@ -28,6 +28,7 @@ from rayacc.driver.runs import RunLocation, locate_run
 from rayacc.engine.parallel import state_format_named
 from rayacc.engine.units import fsdp_blocks
 from rayacc.models import build_on_meta
+from rayacc.models.registry import check_tensor_plan
 from rayacc.run.quantities import data_order, elastic_summary
 from rayacc.run.spec import ResumeTerms, RunSpec, derive_run
 
@@ -113,7 +114,7 @@ def prepare(cfg: TrainConfig) -> Prepared:
     info, groups = source.info, source.groups
     model = build_on_meta(cfg, info)
     if cfg.train.tensor_parallel > 1:
-        _check_tensor_plan(model, cfg.train.tensor_parallel)
+        check_tensor_plan(model, cfg.train.tensor_parallel)
     order = data_order(cfg, info, groups)
     if len(order.train_units) == 0:
         raise DataError(
@@ -142,26 +143,6 @@ def prepare(cfg: TrainConfig) -> Prepared:
         [_order_note(spec, reads), *_notes(spec)],
         source.metadata,
     )
-
-
-def _check_tensor_plan(model, tp: int) -> None:
-    """The model declares a tensor-parallel plan, and an `hf` model's heads divide over `tp`
-    ranks (ModelError naming what does not)."""
-    from rayacc.engine.parallel.tensor import tp_plan
-    from rayacc.models import ModelError
-
-    try:
-        tp_plan(model)
-    except ValueError as e:
-        raise ModelError(f"train.tensor_parallel={tp}: {e}") from None
-    config = getattr(getattr(model, "hf", None), "config", None)
-    for key in ("num_attention_heads", "num_key_value_heads"):
-        heads = getattr(config, key, None)
-        if isinstance(heads, int) and heads % tp:
-            raise ModelError(
-                f"train.tensor_parallel={tp} does not divide the model's {key}={heads} (each "
-                "rank takes whole heads). Fix: choose a train.tensor_parallel that divides it"
-            )
 
 
 def read_factor(order: DataOrder, layout: EpochLayout) -> float:

@@ -128,7 +128,8 @@ def measure_step_bytes(
         held = {_local(p).untyped_storage().data_ptr() for p in model.parameters()}
 
         def pack(t: torch.Tensor):
-            storage = t.untyped_storage()
+            # a tensor-parallel layer saves DTensors: their bytes are their local shards'
+            storage = _local(t).untyped_storage()
             if storage.data_ptr() not in held:
                 saved[storage.data_ptr()] = storage.nbytes()
             return t

@@ -28,6 +28,7 @@ __all__ = [
     "ModelError",
     "build_model",
     "build_on_meta",
+    "check_tensor_plan",
     "loss_functions",
     "resolve_factory",
     "supports_chunked_loss",
@@ -196,3 +197,22 @@ def loss_functions(info: DatasetInfo, chunk: int | None = None, strategy: Strate
         return head_loss_of(batch)(m(batch["input"], return_hidden=True), unwrap_model(m).head)
 
     return (inside_forward if inside else after_forward), count_target_tokens
+
+
+def check_tensor_plan(model, tp: int) -> None:
+    """The model declares a tensor-parallel plan, and an `hf` model's heads divide over `tp`
+    ranks (ModelError naming what does not)."""
+    from rayacc.engine.parallel.tensor import tp_plan
+
+    try:
+        tp_plan(model)
+    except ValueError as e:
+        raise ModelError(f"train.tensor_parallel={tp}: {e}") from None
+    config = getattr(getattr(model, "hf", None), "config", None)
+    for key in ("num_attention_heads", "num_key_value_heads"):
+        heads = getattr(config, key, None)
+        if isinstance(heads, int) and heads % tp:
+            raise ModelError(
+                f"train.tensor_parallel={tp} does not divide the model's {key}={heads} (each "
+                "rank takes whole heads). Fix: choose a train.tensor_parallel that divides it"
+            )

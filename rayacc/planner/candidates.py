@@ -1,7 +1,8 @@
 """The planner's candidates: every combination of workers, micro-batch (accumulation derived),
 strategy and activation checkpointing that keeps the job's global batch exactly. FSDP's
 variants are candidates too: its shards offloaded to host memory, and HSDP (one replica group
-per node) where the workers span several nodes. DeepSpeed's
+per node) where the workers span several nodes, and tensor-parallel groups inside a node under
+the strategies that compose with it. DeepSpeed's
 ZeRO stages (with and without optimizer offload) are candidates of a job that runs DeepSpeed
 (`train.strategy: deepspeed`: the extra is there)."""
 
@@ -21,6 +22,7 @@ __all__ = [
     "nodes_spanned",
     "sharding_variants",
     "strategy_modes",
+    "tensor_parallel_sizes",
 ]
 
 
@@ -43,15 +45,22 @@ class Candidate:
     """deepspeed.offload_optimizer: cpu under deepspeed; fsdp.offload: cpu under fsdp."""
     replicate: int = 1
     """fsdp.replicate under fsdp: HSDP's replica groups (1: sharded over every worker)."""
+    tensor_parallel: int = 1
+    """train.tensor_parallel: each layer split over this many workers (a group on one node)."""
+
+    @property
+    def data_parallel(self) -> int:
+        """The ranks the batch splits over: the workers, or their tensor-parallel groups."""
+        return self.workers // self.tensor_parallel
 
     @property
     def global_batch_size(self) -> int:
-        return self.workers * self.micro_batch_size * self.grad_accum_steps
+        return self.data_parallel * self.micro_batch_size * self.grad_accum_steps
 
     @property
     def shard_ranks(self) -> int:
         """The ranks each parameter is sharded over (FSDP's shard group)."""
-        return self.workers // self.replicate
+        return self.data_parallel // self.replicate
 
     @property
     def overhead_label(self) -> str:
@@ -68,6 +77,8 @@ class Candidate:
             label += f" hsdp {self.replicate}×{self.shard_ranks}"
         if self.offload and self.zero_stage is None:
             label += " offload"
+        if self.tensor_parallel > 1:
+            label += f" tp{self.tensor_parallel}"
         return label
 
     @property
@@ -92,6 +103,7 @@ class Candidate:
         out["batch.micro_batch_size"] = self.micro_batch_size
         out["batch.grad_accum_steps"] = self.grad_accum_steps
         out["train.strategy"] = self.strategy
+        out["train.tensor_parallel"] = self.tensor_parallel
         out.update(strategy_class(self.strategy).candidate_overrides(self))
         out["train.activation_checkpointing"] = ac if isinstance(ac, str) else {"every_n": ac}
         return out
@@ -132,6 +144,16 @@ def nodes_spanned(workers: int, workers_per_node: int | None) -> int:
     return 1 if workers_per_node is None else -(-workers // workers_per_node)
 
 
+def tensor_parallel_sizes(
+    workers: int, allowed: list[int], workers_per_node: int | None
+) -> list[int]:
+    """The tensor-parallel group sizes tried at `workers`: 1, and each of `allowed` (those the
+    model's plan and heads take) that divides the workers and fits one node (a group's
+    collectives run every layer: it never crosses one)."""
+    node = workers if workers_per_node is None else min(workers, workers_per_node)
+    return [1, *(t for t in sorted(set(allowed)) if t > 1 and workers % t == 0 and t <= node)]
+
+
 def enumerate_candidates(
     global_batch_size: int,
     worker_counts: list[int],
@@ -140,33 +162,43 @@ def enumerate_candidates(
     micro_sizes: list[int] | None = None,
     job_strategy: str = DEFAULT_STRATEGY,
     workers_per_node: int | None = None,
+    tensor_parallel: list[int] | None = None,
 ) -> tuple[list[Candidate], list[str]]:
     """Every candidate, and a line for each worker count that cannot keep the global batch.
     `micro_sizes` limits the micro-batches tried (a benchmark's small grid); a strategy is tried
     from its wing's `min_workers` on (FSDP and ZeRO have nothing to shard on one);
     `job_strategy`: the strategy the job runs (ZeRO's modes are tried where it is DeepSpeed);
     `workers_per_node`: how the workers spread over nodes (HSDP's candidates where they span
-    several)."""
+    several); `tensor_parallel`: the group sizes the model takes (`tensor_parallel_sizes`),
+    tried under the strategies that compose with it."""
+    from rayacc.config.strategies import strategies
+
+    composes = {n for n, e in strategies().items() if e.without_tensor_parallel is None}
     out: list[Candidate] = []
     skipped: list[str] = []
     for n in worker_counts:
-        if global_batch_size % n:
-            skipped.append(
-                f"{n} workers: the global batch {global_batch_size} does not split evenly"
-            )
-            continue
-        share = global_batch_size // n
-        micros = [
-            m for m in candidate_micro_sizes(share) if micro_sizes is None or m in micro_sizes
-        ]
-        nodes = nodes_spanned(n, workers_per_node)
-        for base in strategy_modes(job_strategy):
-            if n < strategy_class(base["strategy"]).min_workers:
+        for t in tensor_parallel_sizes(n, tensor_parallel or [], workers_per_node):
+            dp = n // t
+            if global_batch_size % dp:
+                skipped.append(
+                    f"{n} workers{f' in groups of {t}' if t > 1 else ''}: the global batch "
+                    f"{global_batch_size} does not split evenly"
+                )
                 continue
-            for mode in sharding_variants(base, nodes, n):
-                for ac in checkpointing_choices(num_blocks):
-                    out.extend(
-                        Candidate(n, m, share // m, checkpointing=ac, **mode)
-                        for m in sorted(micros)
-                    )
+            share = global_batch_size // dp
+            micros = [
+                m for m in candidate_micro_sizes(share) if micro_sizes is None or m in micro_sizes
+            ]
+            nodes = nodes_spanned(n, workers_per_node)
+            for base in strategy_modes(job_strategy):
+                if n < strategy_class(base["strategy"]).min_workers:
+                    continue
+                if t > 1 and base["strategy"] not in composes:
+                    continue
+                for mode in sharding_variants(base, nodes, dp):
+                    for ac in checkpointing_choices(num_blocks):
+                        out.extend(
+                            Candidate(n, m, share // m, checkpointing=ac, tensor_parallel=t, **mode)
+                            for m in sorted(micros)
+                        )
     return out, skipped

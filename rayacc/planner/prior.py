@@ -11,7 +11,7 @@ from rayacc.engine.parallel import strategy_class
 from rayacc.planner.candidates import Candidate, nodes_spanned
 from rayacc.planner.profile import Profile, checkpointing_every
 
-__all__ = ["HOST_LINK_BYTES_PER_S", "Placement", "Prediction", "predict"]
+__all__ = ["HOST_LINK_BYTES_PER_S", "Placement", "Prediction", "TensorPlan", "predict"]
 
 
 @dataclass(frozen=True)
@@ -66,6 +66,25 @@ class Placement:
         return t
 
 
+@dataclass(frozen=True)
+class TensorPlan:
+    """What the model's tensor-parallel plan splits, for the prior of a candidate that uses it
+    (`planner/search.py::tensor_plan` reads it from the model built on the meta device)."""
+
+    split: float
+    """The share of the parameters in the plan's layers (of the FLOPs too: a linear's FLOPs
+    go with its weights), each rank of a group holding 1 / T of them."""
+    allreduces: int
+    """All-reduces over the group per micro-step: one per layer of the plan (a column-split
+    layer's input gradient in backward, a row-split layer's output in forward)."""
+    bytes_per_sample: float
+    """Bytes those all-reduces carry per sample, all of them together."""
+
+    def keep(self, t: int) -> float:
+        """The share of the model a rank of a group of `t` holds (and computes)."""
+        return 1 - self.split + self.split / t
+
+
 def predict(
     c: Candidate,
     profile: Profile,
@@ -73,14 +92,25 @@ def predict(
     reshard_after_forward: bool = True,
     bf16_gathers: bool = False,
     placement: Placement = Placement(),
+    tensor_plan: TensorPlan | None = None,
 ) -> Prediction:
-    """The prior of `c` (the profile was measured at the most workers any candidate has)."""
+    """The prior of `c` (the profile was measured at the most workers any candidate has, on
+    the whole model). A tensor-parallel candidate (`tensor_plan` says what splits): each rank
+    holds, computes and keeps the activations of its share of the model (`TensorPlan.keep`:
+    the attention scores and the layers left whole are counted as split, an optimistic
+    bound), FSDP shards that share over the data-parallel ranks, and the group's all-reduces
+    run at the profile's rate on one node's links."""
     key = str(c.checkpointing)
     kind = strategy_class(c.strategy).prior  # what the wing declares: replicated, sharded, zero
-    P, n, m, a = profile.param_bytes, c.workers, c.micro_batch_size, c.grad_accum_steps
+    tp = c.tensor_parallel
+    if tp > 1 and tensor_plan is None:
+        raise ValueError(f"{c.label}: a tensor-parallel candidate needs the model's TensorPlan")
+    keep = tensor_plan.keep(tp) if tensor_plan is not None and tp > 1 else 1.0
+    P, n, m, a = profile.param_bytes * keep, c.workers, c.micro_batch_size, c.grad_accum_steps
     # FSDP shards over its shard group (all n but under HSDP), which crosses nodes unless
     # HSDP keeps it inside one
     s = c.shard_ranks if kind == "sharded" else n
+    dp = c.data_parallel
     crosses = placement.nodes(n) > 1
     shard_crosses = crosses and c.replicate == 1
     on_host = c.offload and kind == "sharded" and profile.device == "cuda"
@@ -112,18 +142,18 @@ def predict(
             grads = P if c.grad_sync == "window_end" else held
             states = (0.0 if on_host else (1 + slots) * shard) + grads
         if profile.device == "cuda" and reshard_after_forward:
-            gathered = min(P, 2 * profile.largest_unit_bytes)
+            gathered = min(P, 2 * profile.largest_unit_bytes * keep)
         else:
             # a recomputed block saves only its input in forward, not its gathered weights
             every = checkpointing_every(c.checkpointing)
             recomputed = profile.block_bytes[::every] if every else []
-            gathered = P - sum(recomputed)
+            gathered = P - sum(recomputed) * keep
         gathered *= 0.5 if bf16_gathers else 1.0
-    memory = states + gathered + profile.activation_bytes[key].at(m)
+    memory = states + gathered + profile.activation_bytes[key].at(m) * keep
     # ------------------------------------------------------------------ time
-    compute = a * profile.compute_s[key].at(m)
+    compute = a * profile.compute_s[key].at(m) * keep
     latency = profile.latency_s
-    scaled_ar = placement.per_byte(profile.allreduce_s_per_byte, profile, n, crosses)
+    scaled_ar = placement.per_byte(profile.allreduce_s_per_byte, profile, dp, crosses)
     scaled_g = placement.per_byte(profile.gather_s_per_byte, profile, s, shard_crosses)
     if n == 1:
         comm = 0.0
@@ -151,7 +181,11 @@ def predict(
             # shards out
             moves = (2 if reshard_after_forward else 1) + 1
             comm += a * moves * (P / s) / HOST_LINK_BYTES_PER_S
-    optimizer = profile.optimizer_s / (1 if kind == "replicated" else s)
+    if tensor_plan is not None and tp > 1:
+        # the group's all-reduces, every layer of every micro-step, on one node's links
+        per_byte = placement.per_byte(profile.allreduce_s_per_byte, profile, tp, False)
+        comm += a * (m * tensor_plan.bytes_per_sample * per_byte + tensor_plan.allreduces * latency)
+    optimizer = profile.optimizer_s * keep / (1 if kind == "replicated" else s)
     fixed, per_micro = profile.overheads.get(c.overhead_label, (0.0, 0.0))
     step = compute + comm + optimizer + fixed + a * per_micro
     # ------------------------------------------------------------------ fits?

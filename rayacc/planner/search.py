@@ -12,10 +12,19 @@ from typing import Any
 from rayacc.config import TrainConfig
 from rayacc.planner.candidates import Candidate, checkpointing_choices, enumerate_candidates
 from rayacc.planner.planfile import PlanFile, made_for
-from rayacc.planner.prior import Placement, Prediction, predict
+from rayacc.planner.prior import Placement, Prediction, TensorPlan, predict
 from rayacc.planner.profile import Profile
 
-__all__ = ["PlanRow", "SearchResult", "format_table", "pick", "profile_sizes", "search"]
+__all__ = [
+    "PlanRow",
+    "SearchResult",
+    "format_table",
+    "pick",
+    "profile_sizes",
+    "search",
+    "tensor_parallel_options",
+    "tensor_plan",
+]
 
 
 @dataclass
@@ -124,8 +133,13 @@ class SearchResult:
         same_kind = [
             r
             for r in self.rows
-            if (r.candidate.strategy, r.candidate.grad_sync, r.candidate.checkpointing)
-            == (chosen.strategy, chosen.grad_sync, chosen.checkpointing)
+            if (
+                r.candidate.strategy,
+                r.candidate.grad_sync,
+                r.candidate.checkpointing,
+                r.candidate.tensor_parallel,
+            )
+            == (chosen.strategy, chosen.grad_sync, chosen.checkpointing, chosen.tensor_parallel)
             and r.prediction.fits
         ]
         by_workers: dict[int, Candidate] = {}
@@ -168,6 +182,52 @@ def profile_for(profiles: dict[int, Profile], workers: int) -> Profile:
     return profiles[min(profiles, key=lambda n: (abs(n - workers), -n))]
 
 
+def tensor_plan(model, tokens: int, value_bytes: int) -> TensorPlan | None:
+    """What `model`'s tensor-parallel plan splits (None: it declares none): its layers' share
+    of the parameters, and the all-reduce each runs per micro-step with the width it carries
+    (a row-split layer's output, a column-split layer's input), over `tokens` per sample."""
+    from fnmatch import fnmatchcase
+
+    from torch.distributed.tensor.parallel import RowwiseParallel
+
+    from rayacc.engine.parallel.tensor import tp_plan
+
+    try:
+        plan = tp_plan(model)
+    except ValueError:
+        return None
+    total = sum(p.numel() for p in model.parameters())
+    split = allreduces = width = 0
+    for name, module in model.named_modules():
+        style = next((s for path, s in plan.items() if fnmatchcase(name, path)), None)
+        if style is None or not hasattr(module, "in_features"):
+            continue
+        split += sum(p.numel() for p in module.parameters(recurse=False))
+        allreduces += 1
+        rows = isinstance(style, RowwiseParallel)
+        width += module.out_features if rows else module.in_features
+    return TensorPlan(split / total if total else 0.0, allreduces, tokens * width * value_bytes)
+
+
+def tensor_parallel_options(cfg: TrainConfig, model, most: int) -> list[int]:
+    """The tensor-parallel group sizes the model takes, powers of two up to `most` workers:
+    whole heads on each rank (`check_tensor_plan`; the GPT's `model.n_head`)."""
+    from rayacc.models import ModelError
+    from rayacc.models.registry import check_tensor_plan
+
+    sizes, t = [], 2
+    while t <= most:
+        try:
+            check_tensor_plan(model, t)
+        except ModelError:
+            pass
+        else:
+            if not (cfg.model.name == "gpt" and cfg.model.n_head % t):
+                sizes.append(t)
+        t *= 2
+    return sizes
+
+
 def worker_counts(cfg: TrainConfig, cluster_holds: int | None) -> list[int]:
     """Within `scaling.num_workers` (a fixed count: 1 to it; [min, max]: min to max), at most
     what the cluster holds."""
@@ -201,8 +261,11 @@ def search(
     t0 = time.time()
     g = prep.split.global_batch_size
     counts = worker_counts(cfg, cluster_holds)
-    blocks = len(fsdp_blocks(build_on_meta(cfg, prep.info)))
+    model = build_on_meta(cfg, prep.info)
+    blocks = len(fsdp_blocks(model))
     placement = Placement(cfg.scaling.workers_per_node or node_holds, cfg.scaling.inter_node_gbps)
+    tokens = min(cfg.data.seq_len, max(prep.info.max_tokens - 1, 1)) if prep.info.max_tokens else 1
+    plan = tensor_plan(model, tokens, 2 if cfg.train.precision == "bf16" else 4)
     candidates, skipped = enumerate_candidates(
         g,
         counts,
@@ -210,6 +273,7 @@ def search(
         micro_sizes=micro_sizes,
         job_strategy=cfg.train.strategy,
         workers_per_node=placement.workers_per_node,
+        tensor_parallel=tensor_parallel_options(cfg, model, max(counts)) if plan else [],
     )
     if not candidates:
         raise ValueError(
@@ -242,6 +306,7 @@ def search(
                 reshard_after_forward=cfg.fsdp.reshard_after_forward,
                 bf16_gathers=bf16,
                 placement=placement,
+                tensor_plan=plan,
             ),
         )
         for c in candidates

@@ -16,6 +16,7 @@ def test_the_calibration_probe_is_rank_safe(tmp_path):
 
     from rayacc.data.sources import describe_dataset
     from rayacc.driver.calibrate import sample_rows
+    from tests.support.data.tokens import token_data
     from tests.support.ranks import planner_workers
     from tests.support.ranks.engine_helpers import spawn_ranks
 
@@ -28,10 +29,18 @@ def test_the_calibration_probe_is_rank_safe(tmp_path):
     }
     cfg = TrainConfig.from_dict(job)
     info = describe_dataset("digits", str(tmp_path / "cache"))
+    tokens = token_data(tmp_path, "ids")
+    gpt = {"name": "gpt", "n_layer": 2, "n_head": 2, "n_embd": 16, "block_size": 8}
+    tp_cfg = TrainConfig.from_dict(
+        {"model": gpt, "data": {"source": tokens.path, "seq_len": 8},
+         "batch": {"global_batch_size": 8}}
+    )  # fmt: skip
     torch.save(
-        {"cfg": cfg.model_dump(mode="json"), "info": info, "rows": sample_rows(info, 32)},
+        {"cfg": cfg.model_dump(mode="json"), "info": info, "rows": sample_rows(info, 32),
+         "tp_cfg": tp_cfg.model_dump(mode="json"), "tp_info": tokens,
+         "tp_rows": sample_rows(tokens, 8)},
         tmp_path / "input.pt",
-    )
+    )  # fmt: skip
     ranks = spawn_ranks(planner_workers.run_rank, 2, tmp_path, "planner probe")
     for r, out in enumerate(ranks):
         assert "error" not in out, out.get("error")
@@ -39,5 +48,7 @@ def test_the_calibration_probe_is_rank_safe(tmp_path):
         assert out["ddp_fits"]["status"] == "measured"
         assert out["budgets"]["status"] == "over budget", r
     assert ranks[0]["ddp_fits"] == ranks[1]["ddp_fits"], "the ranks agree on the figures"
+    assert ranks[0]["tensor_parallel"]["status"] == "measured", ranks[0]["tensor_parallel"]
+    assert ranks[0]["tensor_parallel"] == ranks[1]["tensor_parallel"]
     assert ranks[1]["fsdp_raised"] == "TrialOutOfMemory(8)"
     assert "fsdp" not in ranks[0], "the peer never finished the probe alone"

@@ -41,6 +41,13 @@ def run_rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
         # budgets that differ per rank: one verdict, the strictest
         used = out["ddp_fits"]["memory_bytes"]
         out["budgets"] = measure(Candidate(2, 4, 4), budget=2 * used if rank == 0 else used / 2)
+        # a tensor-parallel candidate: one group of both ranks, reading the same rows
+        tp = TrainConfig.model_validate(given["tp_cfg"])
+        out["tensor_parallel"] = measure_candidate(
+            tp, given["tp_info"], given["tp_rows"],
+            Candidate(2, 4, 2, "fsdp", "every_micro_step", tensor_parallel=2),
+            rank=rank, device=torch.device("cpu"), budget=0.0,
+        )  # fmt: skip
         dist.barrier()
         # FSDP: the probe's forward is a collective; the rank that ran out raises (the group
         # fails and restarts past the candidate) instead of answering alone

@@ -131,7 +131,7 @@ def test_a_model_without_a_plan_or_heads_that_do_not_divide_are_named_before_lau
         prepare(TrainConfig.from_dict({**base, "model": factory}))
 
 
-def test_the_planner_says_it_does_not_cover_tensor_parallelism(tmp_path, capsys):
+def test_the_memory_estimate_says_it_does_not_cover_tensor_parallelism(tmp_path, capsys):
     import yaml
 
     from rayacc.cli import main
@@ -140,7 +140,6 @@ def test_the_planner_says_it_does_not_cover_tensor_parallelism(tmp_path, capsys)
     job.write_text(yaml.safe_dump(BASE))
     assert main(["plan", "-c", str(job)]) == 0
     assert "× data-parallel ranks 2 (4 workers" in capsys.readouterr().out
-    for flag in ("--memory", "--search"):
-        assert main(["plan", "-c", str(job), flag]) == 2
-        err = capsys.readouterr().err
-        assert "train.tensor_parallel: the planner's search and memory estimate" in err, err
+    assert main(["plan", "-c", str(job), "--memory"]) == 2
+    err = capsys.readouterr().err
+    assert "train.tensor_parallel: the memory estimate does not cover" in err, err

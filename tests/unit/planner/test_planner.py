@@ -692,3 +692,88 @@ def test_the_prior_counts_each_zero_stages_memory_and_communication():
     assert zero(1).comm_s == pytest.approx(1e-4 + MIB * 1e-8)
     assert zero(2).comm_s == pytest.approx(3 * (MIB * 0.5e-8 + 1e-4))
     assert zero(3).comm_s == pytest.approx(2 * (2 * gather + gather))
+
+
+def test_tensor_parallel_candidates_keep_the_global_batch_on_one_node():
+    """Groups of 2 and 4 the model takes: at 4 workers with 2 a node only groups of 2 (a
+    group's all-reduces run every layer: never across nodes), under FSDP alone (DDP and ZeRO do
+    not compose with it); the global batch splits over the data-parallel ranks."""
+    cands, _ = enumerate_candidates(64, [2, 4], 2, tensor_parallel=[2, 4], workers_per_node=2)
+    tp = {(c.workers, c.tensor_parallel, c.strategy) for c in cands if c.tensor_parallel > 1}
+    assert tp == {(2, 2, "fsdp"), (4, 2, "fsdp")}
+    assert all(c.global_batch_size == 64 for c in cands)
+    (c,) = [
+        c
+        for c in cands
+        if (c.workers, c.tensor_parallel, c.micro_batch_size, c.grad_sync, c.checkpointing)
+        == (4, 2, 8, "window_end", "none")
+        and c.replicate == 1
+    ]
+    assert (c.data_parallel, c.grad_accum_steps, c.label) == (
+        2,
+        4,
+        "4w 8×4 fsdp window_end tp2 ac=none",
+    )
+    over = c.overrides()
+    assert (over["train.tensor_parallel"], over["scaling.num_workers"]) == (2, 4)
+    one_node, _ = enumerate_candidates(64, [4], 2, tensor_parallel=[2, 4])
+    assert {c.tensor_parallel for c in one_node} == {1, 2, 4}
+    assert enumerate_candidates(64, [4], 2)[0] == [c for c in one_node if c.tensor_parallel == 1]
+
+
+def test_the_prior_splits_a_tensor_parallel_candidates_share_and_keeps_its_all_reduces_on_a_node():
+    from rayacc.planner.prior import TensorPlan
+
+    p = _profile(world=4)
+    plan = TensorPlan(split=0.75, allreduces=8, bytes_per_sample=1000.0)
+    fsdp = Candidate(4, 8, 2, "fsdp", "every_micro_step")
+    tp = Candidate(4, 16, 2, "fsdp", "every_micro_step", tensor_parallel=2)  # same global batch
+    f, t = predict(fsdp, p), predict(tp, p, tensor_plan=plan)
+    keep = 0.25 + 0.75 / 2
+    # each rank computes its share of twice the micro-batch
+    assert t.compute_s == pytest.approx(2 * p.compute_s["none"].at(16) * keep)
+    assert t.compute_s < 2 * f.compute_s
+    # the group's all-reduces, at the profile's rate scaled to 2 ranks, whatever the links
+    # between nodes
+    tp_comm = 2 * (16 * 1000.0 * 1e-8 * (1 / 2) / (3 / 4) + 8 * 1e-4)
+    slow = Placement(workers_per_node=2, inter_node_gbps=0.1)
+    plain = Candidate(2, 16, 2, "fsdp", "every_micro_step")  # the same data-parallel work
+    for placement in (Placement(), slow):
+        with_tp = predict(tp, p, tensor_plan=plan, placement=placement).comm_s
+        assert with_tp > tp_comm
+    assert predict(tp, p, tensor_plan=plan).comm_s - tp_comm < predict(plain, p).comm_s
+    with pytest.raises(ValueError, match="needs the model's TensorPlan"):
+        predict(tp, p)
+
+
+def test_the_tensor_plan_of_the_gpt_and_the_sizes_it_takes(tmp_path):
+    from rayacc.models.registry import build_on_meta
+    from rayacc.planner.search import tensor_parallel_options, tensor_plan
+    from tests.support.data.tokens import token_data
+
+    info = token_data(tmp_path, "ids")
+    gpt = {"name": "gpt", "n_layer": 2, "n_head": 4, "n_embd": 32, "block_size": 8}
+    cfg = TrainConfig.from_dict(
+        {
+            "model": gpt,
+            "data": {"source": info.path, "seq_len": 8},
+            "batch": {"global_batch_size": 8},
+        }
+    )
+    model = build_on_meta(cfg, info)
+    plan = tensor_plan(model, tokens=8, value_bytes=4)
+    total = sum(p.numel() for p in model.parameters())
+    # q, k, v and the MLP's 4× layer by columns, the projections back by rows: 12 h² + 9 h a
+    # block, and 4 all-reduces of width h
+    h = 32
+    assert plan.split == pytest.approx(2 * (12 * h * h + 9 * h) / total)
+    assert (plan.allreduces, plan.bytes_per_sample) == (8, 8 * 2 * 4 * h * 4)
+    assert tensor_parallel_options(cfg, model, 8) == [2, 4]  # 8 does not divide 4 heads
+    two_heads = cfg.model_copy(update={"model": cfg.model.model_copy(update={"n_head": 2})})
+    assert tensor_parallel_options(two_heads, model, 8) == [2]
+    mlp = TrainConfig.from_dict({"batch": {"global_batch_size": 8}})
+    from rayacc.data.bundled import prepare_bundled
+    from rayacc.data.sources import describe_dataset
+
+    digits = describe_dataset(str(prepare_bundled("digits")))
+    assert tensor_plan(build_on_meta(mlp, digits), 1, 4) is None
