@@ -159,7 +159,12 @@ _BUILT_IN = (
     StrategyEntry(
         DEFAULT_STRATEGY,
         "rayacc.engine.parallel.ddp:DDP",
-        without_tensor_parallel="DDP over tensor-parallel layers is not supported yet",
+        # the field's practice: torchtitan refuses DDP with a second dimension too
+        without_tensor_parallel="DistributedDataParallel takes no DTensor parameters; with "
+        "tensor parallelism the data-parallel ranks replicate through FSDP2's replicate "
+        "dimension (train.strategy=fsdp with fsdp.replicate = the data-parallel ranks: every "
+        "rank holds its whole tensor-parallel share and the gradients are all-reduced once a "
+        "window, as under DDP)",
     ),
     StrategyEntry(
         "fsdp",
