@@ -57,6 +57,9 @@ class RunStarted:
     process_started_at: float | None = None
     """When rank 0's worker process was created (time.time()): the group's start begins no
     earlier."""
+    announced_at: float | None = None
+    """When rank 0 sent this (time.time()): the driver reads it up to the outbox's half second
+    later, often with the first steps, so the time before it ends here, not at the read."""
 
     def describe(self, before: RunStarted | None = None) -> str | None:
         """The console's line; `before`: the fit's previous group, if any. A group that

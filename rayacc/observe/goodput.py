@@ -68,6 +68,8 @@ class Goodput(RunObserver):
     def on_event(self, event: Event) -> None:
         now = self.clock()
         if isinstance(event, RunStarted):
+            # read with the group's first steps at times: their time is theirs, not the start's
+            now = now if event.announced_at is None else min(now, event.announced_at)
             restore = max(0.0, event.restore_s)
             if self.groups == 0:
                 total = max(0.0, now - self.started)

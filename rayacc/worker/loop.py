@@ -114,8 +114,7 @@ class WorkerRun:
             lr=self.lr,
             on_resize=self.settings.on_resize,
         )
-        self.checkpoint_step = restored.step
-        events = restored.events
+        self.checkpoint_step, events = restored.step, restored.events
         self.epochs = self.spec.epochs_from(self.state, self.split, self.data_rank)
         self.cadence = Cadence(
             last_step=self.state.optimizer_step + sum(e.steps for e in self.epochs),
@@ -168,6 +167,7 @@ class WorkerRun:
                 nodes=self.telemetry.nodes,
                 node_figures=SYSTEM_NAMES if self.telemetry.node_sampler is not None else (),
                 mesh=self.strategy.describe_mesh(),
+                announced_at=time.time(),
             )
         )
         for event in events:

@@ -454,6 +454,27 @@ def test_goodput_finds_each_known_delay_in_its_category():
         assert f"{name} s" in line, line
 
 
+def test_a_start_read_after_the_first_steps_does_not_count_them_twice():
+    """The driver reads rank 0's items every half second: a group's start can arrive in one
+    batch with its first steps. Start-up (and a restart) end where rank 0 sent the start, so
+    the parts never sum past the wall time."""
+    clock = Clock(100.0)
+    g = Goodput(started=100.0, clock=clock, checked=101.0)
+    clock.t = 110.4  # sent at 110.0, read with steps 1 and 2 (0.2 s each)
+    g.on_event(RunStarted(0, 10, None, "", {}, 0.1, entered_at=105.0, announced_at=110.0))
+    for step in (1, 2):
+        g.on_step({"step": step, "perf/step_time_s": 0.2})
+    clock.t = 123.5  # a failure; the next group sends its start at 123.0, read with step 3
+    g.on_event(RunStarted(2, 10, 2, "", {}, 0.1, restore_s=1.0, announced_at=123.0))
+    g.on_step({"step": 3, "perf/step_time_s": 0.5})
+    split = g.split(wall_s=23.6)
+    assert split["startup_s"] == pytest.approx(1.0 + 5.0)  # checks + the rank's set-up
+    assert split["group_start_s"] == pytest.approx(4.0)
+    assert split["restarts_s"] == pytest.approx(123.0 - 110.4 - 1.0)
+    assert split["other_s"] == pytest.approx(0.1)
+    assert sum(split[k] for k in PARTS) == pytest.approx(23.6)
+
+
 @pytest.mark.parametrize(
     "fraction, shown",
     [
