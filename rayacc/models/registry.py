@@ -200,8 +200,8 @@ def loss_functions(info: DatasetInfo, chunk: int | None = None, strategy: Strate
 
 
 def check_tensor_plan(model, tp: int) -> None:
-    """The model declares a tensor-parallel plan, and an `hf` model's heads divide over `tp`
-    ranks (ModelError naming what does not)."""
+    """The model declares a tensor-parallel plan, and its heads (an `hf` config's, the GPT's
+    attention's) divide over `tp` ranks (ModelError naming what does not)."""
     from rayacc.engine.parallel.tensor import tp_plan
 
     try:
@@ -209,10 +209,13 @@ def check_tensor_plan(model, tp: int) -> None:
     except ValueError as e:
         raise ModelError(f"train.tensor_parallel={tp}: {e}") from None
     config = getattr(getattr(model, "hf", None), "config", None)
-    for key in ("num_attention_heads", "num_key_value_heads"):
-        heads = getattr(config, key, None)
-        if isinstance(heads, int) and heads % tp:
+    heads = {
+        key: getattr(config, key, None) for key in ("num_attention_heads", "num_key_value_heads")
+    }
+    heads["n_head"] = next((m.n_head for m in model.modules() if hasattr(m, "n_head")), None)
+    for key, count in heads.items():
+        if isinstance(count, int) and count % tp:
             raise ModelError(
-                f"train.tensor_parallel={tp} does not divide the model's {key}={heads} (each "
+                f"train.tensor_parallel={tp} does not divide the model's {key}={count} (each "
                 "rank takes whole heads). Fix: choose a train.tensor_parallel that divides it"
             )

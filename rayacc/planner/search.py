@@ -209,9 +209,9 @@ def tensor_plan(model, tokens: int, value_bytes: int) -> TensorPlan | None:
     return TensorPlan(split / total if total else 0.0, allreduces, tokens * width * value_bytes)
 
 
-def tensor_parallel_options(cfg: TrainConfig, model, most: int) -> list[int]:
-    """The tensor-parallel group sizes the model takes, powers of two up to `most` workers:
-    whole heads on each rank (`check_tensor_plan`; the GPT's `model.n_head`)."""
+def tensor_parallel_options(model, most: int) -> list[int]:
+    """The tensor-parallel group sizes the model takes (`check_tensor_plan`: a plan, whole
+    heads on each rank), powers of two up to `most` workers."""
     from rayacc.models import ModelError
     from rayacc.models.registry import check_tensor_plan
 
@@ -222,8 +222,7 @@ def tensor_parallel_options(cfg: TrainConfig, model, most: int) -> list[int]:
         except ModelError:
             pass
         else:
-            if not (cfg.model.name == "gpt" and cfg.model.n_head % t):
-                sizes.append(t)
+            sizes.append(t)
         t *= 2
     return sizes
 
@@ -273,7 +272,7 @@ def search(
         micro_sizes=micro_sizes,
         job_strategy=cfg.train.strategy,
         workers_per_node=placement.workers_per_node,
-        tensor_parallel=tensor_parallel_options(cfg, model, max(counts)) if plan else [],
+        tensor_parallel=tensor_parallel_options(model, max(counts)) if plan else [],
     )
     if not candidates:
         raise ValueError(

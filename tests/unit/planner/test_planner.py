@@ -768,9 +768,9 @@ def test_the_tensor_plan_of_the_gpt_and_the_sizes_it_takes(tmp_path):
     h = 32
     assert plan.split == pytest.approx(2 * (12 * h * h + 9 * h) / total)
     assert (plan.allreduces, plan.bytes_per_sample) == (8, 8 * 2 * 4 * h * 4)
-    assert tensor_parallel_options(cfg, model, 8) == [2, 4]  # 8 does not divide 4 heads
+    assert tensor_parallel_options(model, 8) == [2, 4]  # 8 does not divide 4 heads
     two_heads = cfg.model_copy(update={"model": cfg.model.model_copy(update={"n_head": 2})})
-    assert tensor_parallel_options(two_heads, model, 8) == [2]
+    assert tensor_parallel_options(build_on_meta(two_heads, info), 8) == [2]
     mlp = TrainConfig.from_dict({"batch": {"global_batch_size": 8}})
     from rayacc.data.bundled import prepare_bundled
     from rayacc.data.sources import describe_dataset
