@@ -35,7 +35,7 @@ class BatchSplit:
     @property
     def data_parallel(self) -> int:
         """The ranks the batch splits over: the workers, or their tensor-parallel groups."""
-        return self.num_workers // self.tensor_parallel
+        return data_parallel_ranks(self.num_workers, self.tensor_parallel)
 
     @property
     def samples_per_worker(self) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from rayacc.config.batch_split import data_parallel_ranks
 from rayacc.config.strategies import DEFAULT_STRATEGY
 from rayacc.engine.autobatch import candidate_micro_sizes
 from rayacc.engine.parallel import strategy_class, strategy_classes
@@ -51,7 +52,7 @@ class Candidate:
     @property
     def data_parallel(self) -> int:
         """The ranks the batch splits over: the workers, or their tensor-parallel groups."""
-        return self.workers // self.tensor_parallel
+        return data_parallel_ranks(self.workers, self.tensor_parallel)
 
     @property
     def global_batch_size(self) -> int:
