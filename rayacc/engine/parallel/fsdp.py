@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -305,19 +305,23 @@ class FSDP(Strategy):
         elif self.hsdp:
             self.model.set_requires_all_reduce(sync)
         if self.counted and self._tp_group is not None and self._tp_per_micro is None:
-            return self._count_tensor_parallel("micro")
+            return self._count_tensor_parallel(self._keep_per_micro)
         return contextlib.nullcontext()
 
     @contextlib.contextmanager
-    def _count_tensor_parallel(self, what: str) -> Iterator[None]:
+    def _count_tensor_parallel(self, keep: Callable[[GroupCalls], None]) -> Iterator[None]:
+        """Counts the tensor-parallel group's collectives inside; `keep` takes the count."""
         from rayacc.engine.parallel.tensor import CountCollectives
 
         with CountCollectives(self._tp_group) as counter:
             yield
-        if what == "micro":
-            self._tp_per_micro = counter.calls()
-        else:
-            self._tp_norm = self._tp_norm + counter.calls()
+        keep(counter.calls())
+
+    def _keep_per_micro(self, calls: GroupCalls) -> None:
+        self._tp_per_micro = calls
+
+    def _add_norm(self, calls: GroupCalls) -> None:
+        self._tp_norm = self._tp_norm + calls
 
     def agree_forwards(self, n: int, group=None) -> int:
         if _world() == 1:
@@ -329,7 +333,9 @@ class FSDP(Strategy):
             from rayacc.engine.parallel import tensor
 
             counted = self.counted and self._tp_group is not None
-            with self._count_tensor_parallel("norm") if counted else contextlib.nullcontext():
+            with (
+                self._count_tensor_parallel(self._add_norm) if counted else contextlib.nullcontext()
+            ):
                 return tensor.grad_norm(grads)  # parts on the 2-D mesh and on `dp` alone
         # the sharded gradients' norms combined over the ranks: a collective
         norm = torch.nn.utils.get_total_norm(grads)
