@@ -179,7 +179,7 @@ def enumerate_candidates(
     skipped: list[str] = []
     for n in worker_counts:
         for t in tensor_parallel_sizes(n, tensor_parallel or [], workers_per_node):
-            dp = n // t
+            dp = data_parallel_ranks(n, t)
             if global_batch_size % dp:
                 skipped.append(
                     f"{n} workers{f' in groups of {t}' if t > 1 else ''}: the global batch "

@@ -105,7 +105,7 @@ def predict(
     tp = c.tensor_parallel
     if tp > 1 and tensor_plan is None:
         raise ValueError(f"{c.label}: a tensor-parallel candidate needs the model's TensorPlan")
-    keep = tensor_plan.keep(tp) if tensor_plan is not None and tp > 1 else 1.0
+    keep = tensor_plan.keep(tp) if tp > 1 else 1.0
     P, n, m, a = profile.param_bytes * keep, c.workers, c.micro_batch_size, c.grad_accum_steps
     # FSDP shards over its shard group (all n but under HSDP), which crosses nodes unless
     # HSDP keeps it inside one
@@ -181,7 +181,7 @@ def predict(
             # shards out
             moves = (2 if reshard_after_forward else 1) + 1
             comm += a * moves * (P / s) / HOST_LINK_BYTES_PER_S
-    if tensor_plan is not None and tp > 1:
+    if tp > 1:
         # the group's all-reduces, every layer of every micro-step, on one node's links
         per_byte = placement.per_byte(profile.allreduce_s_per_byte, profile, tp, False)
         comm += a * (m * tensor_plan.bytes_per_sample * per_byte + tensor_plan.allreduces * latency)
