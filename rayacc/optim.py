@@ -7,14 +7,16 @@ from collections.abc import Iterable
 import torch
 
 from rayacc.config import OptimConfig
+from rayacc.config.strategies import ADAM_FAMILY
 from rayacc.engine import SampleSchedule, Strategy
 
 __all__ = ["build_optimizer", "build_schedule", "optimizer_slots"]
 
 
 def optimizer_slots(optim: OptimConfig) -> int:
-    """Values the optimizer keeps per parameter: AdamW 2 (both moments), SGD 1 with momentum."""
-    return 2 if optim.name == "adamw" else int(optim.momentum > 0)
+    """Values the optimizer keeps per parameter: Adam and AdamW 2 (both moments), SGD 1 with
+    momentum."""
+    return 2 if optim.name in ADAM_FAMILY else int(optim.momentum > 0)
 
 
 def build_optimizer(
@@ -34,9 +36,8 @@ def build_optimizer(
         return torch.optim.SGD(
             params, lr=lr, momentum=o.momentum, weight_decay=o.weight_decay, fused=fused or None
         )
-    return torch.optim.AdamW(
-        params, lr=lr, betas=o.betas, weight_decay=o.weight_decay, fused=fused or None
-    )
+    adam = torch.optim.Adam if o.name == "adam" else torch.optim.AdamW
+    return adam(params, lr=lr, betas=o.betas, weight_decay=o.weight_decay, fused=fused or None)
 
 
 def build_schedule(

@@ -7,6 +7,7 @@ passed over and said once (`skipped`), whatever is wrong with it.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +16,7 @@ from typing import Any
 from rayacc.checkpoint.format import HISTORY_FILE, META_FILE, attempt_of, folder_name, step_of
 from rayacc.checkpoint.reader import (
     EARLIER,
+    PASSED_OVER_FILE,
     CheckpointError,
     malformed_message,
     manifests,
@@ -53,6 +55,14 @@ class Checkpoint:
     def missing(self) -> list[str]:
         """The files its manifests list that are not there as listed (empty: whole)."""
         return whole_problems(self.storage, self.meta())
+
+    def good(self) -> bool:
+        """Whole and not passed over by a restore (one a resume may take); a folder that
+        cannot be read is not."""
+        try:
+            return not self.missing()
+        except (CheckpointError, OSError):
+            return False
 
     def history(self, through: int | None = None) -> list[dict[str, Any]]:
         """The lineage's step records up to this checkpoint's step (or `through`), in order;
@@ -167,6 +177,40 @@ class RunCheckpoints:
             except (CheckpointError, OSError) as exc:
                 self._say(str(exc))
         return None
+
+    def refused(self) -> list[tuple[str, str]]:
+        """(uri, why) of each checkpoint folder a restore passed over because it did not load
+        (marked with `PASSED_OVER_FILE`), oldest first."""
+        out = []
+        for checkpoint in self.list():
+            try:
+                data = checkpoint.storage.read(PASSED_OVER_FILE)
+            except OSError:
+                continue
+            if data is None:
+                continue
+            try:
+                why = str(json.loads(data).get("reason"))[:300]
+            except (ValueError, AttributeError):
+                why = "its mark is unreadable"
+            out.append((checkpoint.uri, why))
+        return out
+
+    def prune(self, keep: int) -> list[str]:
+        """Retention (`run.keep_checkpoints`): the `keep` newest good checkpoints (whole, not
+        passed over) stay, with every folder after the oldest of them (passed over or not
+        whole: evidence, or a write in flight); every folder before it is deleted. Only good
+        ones count, so a passed-over folder never costs a good one. Returns the deleted
+        folders' names."""
+        listed = self.list()
+        good = [c for c in listed if c.good()]
+        if len(good) <= keep:
+            return []
+        oldest = good[-keep]
+        gone = [c for c in listed if (c.step, c.attempt) < (oldest.step, oldest.attempt)]
+        for checkpoint in gone:
+            self.run.delete(checkpoint.name)
+        return [c.name for c in gone]
 
     def named(self, name: str) -> Checkpoint | None:
         """The checkpoint folder `name` of the run (with a meta.json), or None."""

@@ -8,7 +8,7 @@ import argparse
 def cmd_submit(args: argparse.Namespace) -> int:
     from rayacc.driver.jobs import submit
 
-    return submit(args.job, args.overrides, args.address, args.follow)
+    return submit(args.job, args.overrides, args.address, args.follow, resume=args.resume)
 
 
 def cmd_jobs(args: argparse.Namespace) -> int:

@@ -226,6 +226,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--follow", action="store_true", help="stream the logs; exit with the job's status"
     )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue run.name on the cluster as `rayacc train --resume` does (the run's "
+        "started overrides kept, those given now over them)",
+    )
     p.set_defaults(func=cmd_submit)
 
     p = sub.add_parser("jobs", help="list, inspect, follow or stop submitted jobs")

@@ -11,6 +11,7 @@ from pathlib import Path
 from rayacc.cli.common import (
     _console_owns_ray_output,
     _given,
+    _hidden,
     _load,
 )
 from rayacc.redact import redact
@@ -23,8 +24,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     t_main = time.time()
     from rayacc.driver.fit import TrainingError, ensure_ray, fit
     from rayacc.driver.prelaunch import locate, prepare
-    from rayacc.driver.resume import RECORDED, resumed_overrides
-    from rayacc.driver.runs import locate_run
+    from rayacc.driver.resume import resume_config
     from rayacc.observe.console import (
         ProgressPrinter,
         make_console,
@@ -38,19 +38,16 @@ def cmd_train(args: argparse.Namespace) -> int:
     console, err = make_console(), make_console(stderr=True)
     _console_owns_ray_output()
     given = _given(args)
-    cfg = _load(args, given)
     # every user mistake surfaces here, before Ray starts
-    prep = prepare(cfg)
     resumed = None
     if args.resume:
-        started = locate_run(prep.spec.cfg.run, True, prep.spec.identity).previous.get(RECORDED)
-        if started is not None:
-            # the run as it was started, with only what is given now changed
-            resumed = resumed_overrides(started, given)
+        # the run as it was started, with only what is given now changed (the driver's rule)
+        cfg, prep, resumed = resume_config(args.config, given, extra=_hidden())
+        if resumed is not None:
             given = resumed.overrides
-            if resumed.kept or resumed.dropped:
-                cfg = _load(args, given)
-                prep = prepare(cfg)
+    else:
+        cfg = _load(args, given)
+        prep = prepare(cfg)
     location = locate(prep.spec.cfg.run, args.resume, prep.spec.resume_terms)
     location.overrides = given
     if args.resume and (location.resume_step or 0) >= prep.total_steps:

@@ -155,8 +155,8 @@ class BatchConfig(Section):
 
 
 class OptimConfig(Section):
-    name: Literal["adamw", "sgd"] = "adamw"
-    """Optimizer."""
+    name: Literal["adamw", "adam", "sgd"] = "adamw"
+    """Optimizer (Adam's weight decay is an L2 penalty, AdamW's decoupled)."""
     lr: float = Field(1e-3, gt=0.0)
     """Base learning rate, tuned at `optim.base_batch_size`."""
     base_batch_size: int | None = Field(None, ge=1)
@@ -167,9 +167,9 @@ class OptimConfig(Section):
     momentum: float = Field(0.0, ge=0.0, lt=1.0)
     """SGD momentum."""
     weight_decay: float = Field(0.0, ge=0.0)
-    """Decoupled weight decay (AdamW) or L2 penalty (SGD)."""
+    """Decoupled weight decay (AdamW) or L2 penalty (Adam, SGD)."""
     betas: tuple[Beta, Beta] = (0.9, 0.999)
-    """AdamW betas."""
+    """Adam's betas."""
     warmup_steps: int = Field(0, ge=0)
     """Linear LR warmup, in global batches of samples (optimizer steps at the planned global
     batch; the schedule counts samples, so a changed global batch does not move it)."""
@@ -180,9 +180,7 @@ class OptimConfig(Section):
     max_grad_norm: float | None = Field(None, gt=0.0)
     """Clip the global gradient norm to this value after unscaling; null = no clipping."""
     fused: bool | None = None
-    """The optimizer's fused kernel (AdamW and SGD: one kernel per parameter instead of several
-    per step; on a small CPU model about 3× faster than the per-tensor loop); null = on, on
-    CPU and GPU workers alike."""
+    """The optimizer's fused kernel (one per parameter, not several per tensor); null = on."""
 
 
 class EveryN(Section):
@@ -408,6 +406,7 @@ class TrainConfig(Section):
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     run: RunConfig = Field(default_factory=RunConfig)
     _source_file: str | None = PrivateAttr(None)
+    _overrides: list[str] = PrivateAttr(default_factory=list)  # the ones read over it
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -450,13 +449,17 @@ class TrainConfig(Section):
         """Loads a YAML file; each override is `key.path=value`, the value parsed as YAML."""
         data = read_yaml(path, "config", "-c jobs/digits.yaml")
         cfg = cls.from_dict(data or {}, overrides, source=str(path))
-        cfg._source_file = str(path)
+        cfg._source_file, cfg._overrides = str(path), list(overrides or [])
         return cfg
 
     @property
     def source_file(self) -> str | None:
         """The job file this config was read from (None when built in code)."""
         return self._source_file
+
+    @property
+    def overrides(self) -> list[str]:
+        return list(self._overrides)
 
     def batch_split(self, num_workers: int | None = None) -> BatchSplit:
         """The resolved batch split for `num_workers` (default: the most workers the run

@@ -16,6 +16,10 @@ from typing import Any
 
 from rayacc.config.errors import ConfigIssue
 
+ADAM_FAMILY = ("adamw", "adam")
+"""The optimizers (`optim.name`) whose state is Adam's moments (`exp_avg`, `exp_avg_sq`): what
+DeepSpeed's universal checkpoint carries."""
+
 __all__ = [
     "DEFAULT_STRATEGY",
     "ENTRY_POINT_GROUP",
@@ -136,7 +140,12 @@ def _deepspeed_rules(sections: Mapping[str, Any], scaling: Any) -> list[ConfigIs
             )
         )
     optim = sections.get("optim")
-    if scaling is not None and scaling.elastic and optim is not None and optim.name != "adamw":
+    if (
+        scaling is not None
+        and scaling.elastic
+        and optim is not None
+        and optim.name not in ADAM_FAMILY
+    ):
         # each resize restarts from DeepSpeed's universal checkpoint, whose converter and
         # ZeRO-3 loader read Adam's state (`exp_avg`, `exp_avg_sq`) and fail on any other
         issues.append(
@@ -145,8 +154,8 @@ def _deepspeed_rules(sections: Mapping[str, Any], scaling: Any) -> list[ConfigIs
                 "an elastic group under DeepSpeed resizes through DeepSpeed's universal "
                 f"checkpoint, which carries Adam's state only, and optim.name is {optim.name!r}",
                 list(scaling.num_workers),
-                "set optim.name=adamw, or give one worker count with train.strategy=deepspeed, "
-                f"or {fix}",
+                "set optim.name=adamw (or adam), or give one worker count with "
+                f"train.strategy=deepspeed, or {fix}",
             )
         )
     return issues

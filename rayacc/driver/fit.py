@@ -20,6 +20,7 @@ from typing import Any
 
 from rayacc import env
 from rayacc.checkpoint.lease import RunLease
+from rayacc.checkpoint.reader import CheckpointError
 from rayacc.cluster import capacity
 from rayacc.cluster.capacity import NodeWatch
 from rayacc.config import TrainConfig
@@ -28,11 +29,13 @@ from rayacc.config.schema import ScalingConfig
 from rayacc.data.sources import RowGroups
 from rayacc.data.vocab import Vocabulary
 from rayacc.driver.prelaunch import Prepared, check_cluster, locate, prepare
+from rayacc.driver.resume import run_to_fit
 from rayacc.driver.runs import RunLocation
 from rayacc.observe.events import RunObserver, RunStarted
 from rayacc.observe.goodput import Goodput
 from rayacc.observe.relay import FiguresRelay
 from rayacc.redact import redact
+from rayacc.worker.checkpoint import NoCheckpointLoads
 
 __all__ = [
     "FitResult",
@@ -202,7 +205,8 @@ def build_trainer(prep: Prepared, loc: RunLocation, progress, lease: str | None 
             name=loc.name,
             storage_path=loc.storage,
             failure_config=FailureConfig(max_failures=run.max_failures),
-            checkpoint_config=CheckpointConfig(num_to_keep=run.keep_checkpoints),
+            # retention is rayacc's (`Checkpointer.prune`): a passed-over folder never counts
+            checkpoint_config=CheckpointConfig(num_to_keep=None),
         ),
         # no datasets here: each rank reads its row groups through Ray Data (worker/ingest.py)
     )
@@ -282,6 +286,8 @@ class TrainerRun:
         _relay(self.buffer, self.ranks, observers)
         if "error" in self.outcome:
             exc = self.outcome["error"]
+            if (refused := NoCheckpointLoads.within(exc)) is not None:
+                raise CheckpointError(str(refused)) from None
             raise TrainingError(f"training failed: {exc}") from exc
         return self.outcome["result"]
 
@@ -330,13 +336,8 @@ def fit(
     """
     t0 = time.perf_counter()
     phases = {"called": time.time()}
-    prep = prepared or prepare(cfg)
     # from here on the run is read from its RunSpec (derived once, in `prepare`)
-    if location is None:
-        location = locate(prep.spec.cfg.run, resume, prep.spec.resume_terms)
-        for note in location.notes:
-            log.warning(note)
-    loc = location
+    prep, loc = run_to_fit(cfg, resume, prepared, location, say=log.warning)
     # one writer per run: refused while another live driver holds the run
     lease = RunLease(loc.storage, loc.name).take()
     try:
@@ -406,7 +407,7 @@ def _fit_holding(
     goodput = Goodput(started=phases["called"], checked=phases["checked"])
     try:
         result = running.relay([history, goodput, *([tracked] if tracked else []), *observers])
-    except TrainingError:
+    except (TrainingError, CheckpointError):
         if tracked is not None:
             tracked.close("FAILED")
         loc.record(status="failed", mlflow_run_id=tracked.run_id if tracked else None)

@@ -87,10 +87,13 @@ def _client(address: str | None):
         ) from None
 
 
-def job_command(rel: Path, overrides: list[str]) -> tuple[str, dict[str, str]]:
-    """The job's entrypoint and environment. An override that carries a credential travels in
-    the environment (`SECRET_OVERRIDES`), never in the entrypoint, which the cluster stores and
-    `rayacc jobs list` shows."""
+def job_command(
+    rel: Path, overrides: list[str], resume: bool = False
+) -> tuple[str, dict[str, str]]:
+    """The job's entrypoint and environment: `rayacc train` on the cluster (`--resume`: its
+    resume, the one rule of driver/resume.py). An override that carries a credential travels
+    in the environment (`SECRET_OVERRIDES`), never in the entrypoint, which the cluster stores
+    and `rayacc jobs list` shows."""
     secret = [o for o in overrides if contains_secret(o)]
     env_vars = {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}
     if secret:
@@ -105,17 +108,26 @@ def job_command(rel: Path, overrides: list[str]) -> tuple[str, dict[str, str]]:
             "-c",
             shlex.quote(str(rel)),
             *(shlex.quote(o) for o in overrides if o not in secret),
+            *(["--resume"] if resume else []),
         ]
     )
     return entrypoint, env_vars
 
 
-def submit(job_file: str, overrides: list[str], address: str | None, follow: bool) -> int:
+def submit(
+    job_file: str, overrides: list[str], address: str | None, follow: bool, resume: bool = False
+) -> int:
     job_path = Path(job_file)
     from rayacc.driver.prelaunch import check
+    from rayacc.driver.resume import resumed_overrides, started_overrides
 
-    # user mistakes stop here, before any upload
-    check(TrainConfig.from_yaml(job_path, overrides), "submit")
+    # user mistakes stop here, before any upload; a resume's run, where this machine reads
+    # its folder, with the overrides it was started with beneath these
+    checked = overrides
+    started = started_overrides(job_file, overrides) if resume else None
+    if started:
+        checked = resumed_overrides(started, overrides).overrides
+    check(TrainConfig.from_yaml(job_path, checked), "submit")
     root = project_root(Path.cwd())
     try:
         rel = job_path.resolve().relative_to(root)
@@ -131,7 +143,7 @@ def submit(job_file: str, overrides: list[str], address: str | None, follow: boo
             f"{MAX_UPLOAD_BYTES / 2**20:.0f} MiB). Fix: add large files (data, checkpoints, "
             "virtual environments) to .gitignore, and read data from a Parquet URI instead"
         )
-    entrypoint, env_vars = job_command(rel, overrides)
+    entrypoint, env_vars = job_command(rel, overrides, resume)
     client = _client(address)
     job_id = client.submit_job(
         entrypoint=entrypoint,

@@ -16,6 +16,7 @@ from rayacc.data.order import DataOrder, EpochLayout
 from rayacc.data.sources import DatasetInfo, RowGroups
 from rayacc.engine.lr import effective_lr
 from rayacc.engine.parallel import strategy_classes
+from rayacc.engine.random_state import rank_seed
 from rayacc.optim import optimizer_slots
 from rayacc.redact import redact
 
@@ -243,12 +244,6 @@ def run_identity(cfg: TrainConfig, info: DatasetInfo) -> dict[str, object]:
     identity["data order"] = order_kind(cfg, info)
     # credentials are not identity (and a checkpoint must not hold them)
     return redact(json.loads(json.dumps(identity)))
-
-
-def rank_seed(seed: int, *stream: int) -> int:
-    """A seed for the random stream `stream` (e.g. a rank) of run seed `seed`: independent
-    streams for different ranks, the same stream for the same (seed, rank) in every run."""
-    return int(np.random.SeedSequence([seed, *stream]).generate_state(1, dtype=np.uint64)[0] >> 1)
 
 
 def memory_per_rank(cfg: TrainConfig, info: DatasetInfo, num_parameters: int, workers: int):

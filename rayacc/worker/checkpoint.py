@@ -30,14 +30,29 @@ from rayacc.checkpoint.lineage import StepLog
 from rayacc.checkpoint.reader import PASSED_OVER_FILE, CheckpointError
 from rayacc.checkpoint.storage import open_storage
 from rayacc.checkpoint.upload import PartUpload, staging_folder, sweep_stale_staging
+from rayacc.engine.random_state import RandomStreams
 from rayacc.redact import redact
 
-__all__ = ["Checkpointer", "RestoreFailed", "WorkerParts"]
+__all__ = ["Checkpointer", "NoCheckpointLoads", "WorkerParts"]
 
 
-class RestoreFailed(RuntimeError):
-    """A restore that passed over every checkpoint after a load changed the group's state: the
-    group ends, and the next starts from the beginning (the checkpoints stay marked)."""
+class NoCheckpointLoads(CheckpointError):
+    """Every checkpoint of the run a restore could use was refused (not one of its parts
+    loads): the run ends with each folder and why, instead of training from the beginning
+    (or failing the same way at every restart)."""
+
+    @classmethod
+    def within(cls, exc: BaseException) -> NoCheckpointLoads | None:
+        """The ranks' NoCheckpointLoads inside a failed fit (Ray Train's WorkerGroupError
+        holds each rank's error, a task error wrapping it): a user's error on the driver, not
+        a training failure."""
+        seen: list[BaseException] = [exc, *getattr(exc, "worker_failures", {}).values()]
+        while seen:
+            e = seen.pop()
+            if isinstance(e, cls):
+                return e
+            seen += [c for c in (getattr(e, "cause", None), e.__cause__) if c is not None]
+        return None
 
 
 class Checkpointer:
@@ -45,8 +60,18 @@ class Checkpointer:
     driver's lease on the run (a part is committed only while it is the run's: `check_lease`);
     None where no driver holds one."""
 
-    def __init__(self, storage: str, name: str, parts: WorkerParts, lease: str | None = None):
+    def __init__(
+        self,
+        storage: str,
+        name: str,
+        parts: WorkerParts,
+        lease: str | None = None,
+        keep: int | None = None,
+    ):
         self.storage, self.name, self.parts, self.lease = storage, name, parts, lease
+        self.keep = keep
+        """`run.keep_checkpoints`: rank 0 deletes older checkpoints once each is written
+        (None: none deleted)."""
         self.run = open_storage(storage).child(name)
         self._in_flight: _InFlight | None = None
         self.passed_over: list[str] = []
@@ -64,20 +89,20 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ restore
     def restore(self) -> dict[str, Any] | None:
-        """Loads the newest checkpoint of the run that loads, if any, into the worker's parts
-        and returns its meta. Rank 0 chooses it (passing over ones not whole or refused) and
-        every rank loads the same one, from its view (`RunCheckpoints.read`). One that any
+        """Loads the newest checkpoint of the run that loads whole, if any, into the worker's
+        parts and returns its meta. Rank 0 chooses it (passing over ones not whole or refused)
+        and every rank loads the same one, from its view (`RunCheckpoints.read`): every part
+        (model and optimizer state, schedule, scaler, train state, random state, lineage),
+        checked before any is loaded and loaded before the run commits to it. One that any
         rank cannot read or load is passed over to the newest before it, on every rank, and
         marked in storage (`PASSED_OVER_FILE`), so no later group meets the same failure;
-        `passed_over` says each. A load that failed after the strategy began to load leaves
-        its state changed: with no checkpoint before it, the group ends (RestoreFailed) and
-        the next one starts fresh."""
+        `passed_over` says each. Where checkpoints were refused (now or by an earlier group)
+        and none loads, NoCheckpointLoads names each: the run does not start over silently."""
         from rayacc.engine import all_gather_objects
 
         self._commit()  # a group of a driver that lost its run does not start training
         w = self.parts
         refused: list[str] = []
-        touched = False
         with tempfile.TemporaryDirectory(prefix="rayacc-restore-") as scratch:
             checkpoints = RunCheckpoints(self.storage, self.name)
             while True:
@@ -88,41 +113,54 @@ class Checkpointer:
                     )
                 name = all_gather_objects(found[0].name if found else None)[0]
                 if name is None:
-                    if touched:
-                        raise RestoreFailed(
-                            "no checkpoint of the run before the ones passed over loads, and "
-                            "the failed load changed this group's state: the next group "
-                            f"starts from the beginning ({'; '.join(self.passed_over)})"
-                        )
+                    self._none_loads(checkpoints)
                     return None
                 error = None
                 try:
                     if found is None:
                         found = self._read_named(checkpoints, name, Path(scratch))
+                    _, view, (saved, _, meta) = found
+                    w.check(saved, meta)
                 except CheckpointError as exc:
                     error = str(exc)
-                if self._pass_over(name, all_gather_objects(error), refused):
-                    continue
-                _, view, (saved, _, meta) = found
-                try:
-                    w.strategy.state.load(
-                        w.strategy.model, w.optimizer, view, saved, meta["num_workers"]
-                    )
                 except OSError:
                     raise  # the storage or the disk, not the checkpoint: a restart tries again
                 except Exception as exc:
                     error = f"{type(exc).__name__}: {str(exc)[:400]}"
                 if self._pass_over(name, all_gather_objects(error), refused):
-                    touched = True
                     continue
-                if w.history is not None:
-                    w.history.load(Path(view) / HISTORY_FILE)
-                break
-        for name, part in w.stateful.items():
-            if part is not None and saved.get(name) is not None:
-                part.load_state_dict(saved[name])
-        w.restore_rng(saved.get("rng"), meta["optimizer_step"])
-        return meta
+                try:
+                    w.load(view, saved, meta)
+                except OSError:
+                    raise
+                except Exception as exc:
+                    error = f"{type(exc).__name__}: {str(exc)[:400]}"
+                if self._pass_over(name, all_gather_objects(error), refused):
+                    # what it loaded is overwritten whole by the one that loads next
+                    continue
+                return meta
+
+    def _none_loads(self, checkpoints: RunCheckpoints) -> None:
+        """No checkpoint is left to load: raises NoCheckpointLoads where any was refused by a
+        load (this restore's, or an earlier group's mark), naming each; else the run starts
+        from the beginning (none was written, or only ones not whole: a write cut short)."""
+        from rayacc.engine import all_gather_objects
+
+        marked = checkpoints.refused() if self.parts.rank == 0 else []
+        marked = all_gather_objects(marked)[0]
+        said = {n.split(" did not load", 1)[0] for n in self.passed_over}
+        lines = [*self.passed_over]
+        lines += [f"{uri} was passed over by an earlier restore ({why})" for uri, why in marked
+                  if uri not in said]  # fmt: skip
+        if not lines:
+            return
+        raise NoCheckpointLoads(
+            f"no checkpoint of run {self.run.uri()} loads:\n  "
+            + "\n  ".join(redact(line) for line in lines)
+            + "\nFix: resume with the rayacc and job that wrote them (the strategy, model and "
+            "optimizer the reasons name), or start a new run (drop --resume, or another "
+            "run.name); delete a folder's PASSED_OVER.json to have it tried again"
+        )
 
     def _read_named(self, checkpoints: RunCheckpoints, name: str, scratch: Path):
         checkpoint = checkpoints.named(name)
@@ -177,7 +215,7 @@ class Checkpointer:
         started = time.perf_counter()
         # rank 0 names the folder (one no earlier attempt wrote into), said with the random state
         gathered = all_gather_objects(
-            (w.rng_state(), self._fresh_folder(step) if w.rank == 0 else None)
+            (w.streams.state(), self._fresh_folder(step) if w.rank == 0 else None)
         )
         rng = [r for r, _ in gathered]
         name = gathered[0][1]
@@ -251,6 +289,7 @@ class Checkpointer:
             finally:
                 upload.discard()
             self.complete_s = time.perf_counter() - started
+            self.prune()
             return waited
         self._in_flight = flight
         ray.train.report(
@@ -261,6 +300,18 @@ class Checkpointer:
             checkpoint_upload_fn=put,
         )
         return waited
+
+    def prune(self) -> None:
+        """Rank 0 applies the run's retention (`RunCheckpoints.prune`) once a checkpoint of its
+        is in storage, while the run's lease is its driver's; a storage error leaves the folders
+        for the next time."""
+        if self.keep is None or self.parts.rank != 0:
+            return
+        try:
+            self._commit()
+            RunCheckpoints(self.storage, self.name).prune(self.keep)
+        except OSError:
+            pass
 
     def _fresh_folder(self, step: int) -> str:
         """The name of the checkpoint folder of `step` that nothing is in yet: a group that
@@ -298,6 +349,7 @@ class Checkpointer:
                 f"the checkpoint of step {flight.step} could not be written "
                 f"({type(flight.error).__name__}: {redact(str(flight.error))[:300]})"
             ) from flight.error
+        self.prune()
         return waited
 
 
@@ -317,7 +369,7 @@ class _InFlight:
 class WorkerParts:
     """What a worker's checkpoint saves and restores: the strategy's model and optimizer state
     (whole, or every rank's shards), the `stateful` parts by name (schedule, scaler, train
-    state: anything with `state_dict` / `load_state_dict`), every rank's random state, and on
+    state: anything with `state_dict` / `load_state_dict`), every rank's random stream, and on
     rank 0 the lineage (`history`)."""
 
     strategy: Any
@@ -326,26 +378,29 @@ class WorkerParts:
     rank: int
     world: int
     device: torch.device
-    seed: int
+    streams: RandomStreams
     history: StepLog | None = None
 
-    def rng_state(self) -> dict[str, torch.Tensor | None]:
-        cuda = self.device.type == "cuda"
-        return {
-            "cpu": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state(self.device) if cuda else None,
-        }
+    def check(self, saved: dict, meta: dict) -> None:
+        """Raises unless every part of a read checkpoint is there in the form its loader
+        takes, before anything is loaded."""
+        for key, kind in (("optimizer_step", int), ("num_workers", int)):
+            if type(meta.get(key)) is not kind:
+                raise CheckpointError(f"its meta.json has no {key}")
+        for name, part in self.stateful.items():
+            if part is not None and not isinstance(saved.get(name, {}), dict):
+                raise CheckpointError(f"its {name} state is not a state dict")
+        RandomStreams.check(saved.get("rng"))
 
-    def restore_rng(self, saved: list[dict[str, torch.Tensor | None]] | None, step: int) -> None:
-        """This rank's random state as the checkpoint left it, so a resumed run draws what an
-        uninterrupted one would; after a resize (other ranks) a fresh stream of its own,
-        seeded by the step."""
-        from rayacc.run.quantities import rank_seed
-
-        if saved is None or len(saved) != self.world:
-            torch.manual_seed(rank_seed(self.seed, self.rank, step))
-            return
-        mine = saved[self.rank]
-        torch.set_rng_state(mine["cpu"].cpu())
-        if mine["cuda"] is not None and self.device.type == "cuda":
-            torch.cuda.set_rng_state(mine["cuda"].cpu(), self.device)
+    def load(self, view: str | Path, saved: dict, meta: dict) -> None:
+        """Every part of the checkpoint (read and checked), into this rank's state: a failure
+        of any part is the checkpoint's, and the next one tried overwrites all of them."""
+        self.strategy.state.load(
+            self.strategy.model, self.optimizer, view, saved, meta["num_workers"]
+        )
+        for name, part in self.stateful.items():
+            if part is not None and saved.get(name) is not None:
+                part.load_state_dict(saved[name])
+        self.streams.restore(saved.get("rng"), meta["optimizer_step"])
+        if self.history is not None:
+            self.history.load(Path(view) / HISTORY_FILE)

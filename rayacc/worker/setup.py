@@ -21,6 +21,7 @@ from rayacc.data.sources import RowGroups
 from rayacc.data.vocab import VOCAB_FILE
 from rayacc.engine import SampleSchedule, TrainState, device_peak_tflops
 from rayacc.engine.parallel import strategy_class
+from rayacc.engine.random_state import RandomStreams
 from rayacc.observe.events import (
     CheckpointPassedOver,
     Event,
@@ -30,7 +31,7 @@ from rayacc.observe.events import (
 )
 from rayacc.optim import build_schedule
 from rayacc.rank.build import RankParts, build_rank
-from rayacc.run.quantities import EpochWindows, rank_seed
+from rayacc.run.quantities import EpochWindows
 from rayacc.run.spec import RunSpec, WorkerSettings
 from rayacc.worker.checkpoint import Checkpointer, WorkerParts
 from rayacc.worker.ingest import RankReader
@@ -127,6 +128,14 @@ def set_up(
     )
     state = TrainState()
     history = StepLog() if rank == 0 else None
+    group = parts.strategy.process_group
+    data_rank = dist.get_rank(group) if group is not None else rank
+    # one stream per data-parallel rank: a tensor-parallel group's replicated activations see
+    # the same dropout
+    streams = RandomStreams(
+        w.seed, data_rank, dist.get_world_size(group) if group is not None else world, device
+    )
+    streams.start()
     kept = WorkerParts(
         parts.strategy,
         parts.optimizer,
@@ -134,20 +143,21 @@ def set_up(
         rank=rank,
         world=world,
         device=device,
-        seed=w.seed,
+        streams=streams,
         history=history,
     )
-    group = parts.strategy.process_group
-    data_rank = dist.get_rank(group) if group is not None else rank
-    if data_rank != rank:
-        # a tensor-parallel group's replicated activations see the same dropout
-        torch.manual_seed(rank_seed(w.seed, data_rank))
     return RankSetup(
         parts=parts,
         schedule=schedule,
         state=state,
         history=history,
-        checkpoints=Checkpointer(inputs.storage, inputs.name, kept, lease=inputs.lease),
+        checkpoints=Checkpointer(
+            inputs.storage,
+            inputs.name,
+            kept,
+            lease=inputs.lease,
+            keep=spec.cfg.run.keep_checkpoints,
+        ),
         peak_tflops=device_peak_tflops(device, w.peak_tflops, w.precision, w.allow_tf32),
         data_rank=data_rank,
     )

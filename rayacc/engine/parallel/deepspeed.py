@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from rayacc.config.strategies import ADAM_FAMILY
 from rayacc.engine.parallel.base import (
     CommStats,
     Contract,
@@ -63,7 +64,7 @@ class DeepSpeedState(StateFormat):
     def resize_issues(cls, written_by, workers, optimizer):
         # DeepSpeed's universal checkpoint carries Adam's state only (its converter and its
         # ZeRO-3 loader read `exp_avg` and `exp_avg_sq`): any other would fail in the workers
-        if optimizer == "adamw":
+        if optimizer in ADAM_FAMILY:
             return []
         return [
             f"scaling.num_workers: the run's DeepSpeed checkpoint was written by {written_by} "

@@ -1,7 +1,9 @@
 """DeepSpeed's config for a job: the user's `deepspeed.config` file under the keys the job owns
 (the batch, the window, clipping, precision, ZeRO's stage and offload), `"auto"` filled in
 where the job owns the value, as Hugging Face's configs write it; a key set otherwise than the
-job is refused naming both values. Pure: DeepSpeed is not imported."""
+job is refused naming both values and why the job owns it. Every other key of the user's is
+used as given, over rayacc's defaults (quiet logging, stage 3 sharding small parameters too).
+Pure: DeepSpeed is not imported."""
 
 from __future__ import annotations
 
@@ -10,7 +12,14 @@ import json
 import math
 from typing import Any
 
-__all__ = ["AUTO", "DeepSpeedConfigError", "deepspeed_config", "read_deepspeed_user"]
+__all__ = [
+    "AUTO",
+    "RUN_BY_RAYACC",
+    "DeepSpeedConfigError",
+    "deepspeed_config",
+    "rayacc_defaults",
+    "read_deepspeed_user",
+]
 
 
 class DeepSpeedConfigError(ValueError):
@@ -41,9 +50,6 @@ def deepspeed_config(
     rayacc's over them. Raises DeepSpeedConfigError naming every key the user's file sets
     otherwise than the job."""
     zero: dict[str, Any] = {"stage": stage}
-    if stage == 3:
-        # small parameters are sharded too: the strategy's memory is what the stage says
-        zero["stage3_param_persistence_threshold"] = 0
     if offload_optimizer != "none":
         zero["offload_optimizer"] = {"device": offload_optimizer}
     if offload_params != "none":
@@ -56,13 +62,9 @@ def deepspeed_config(
         "fp16": {"enabled": precision == "fp16"},
         "bf16": {"enabled": precision == "bf16"},
         "zero_optimization": zero,
-        "managed_gradient_accumulation": False,
-        "zero_allow_untested_optimizer": True,
-        # rayacc's optimizer (optim.name) steps offloaded state too: on the CPU it is torch's
-        "zero_force_ds_cpu_optimizer": False,
-        "steps_per_print": 2**31 - 1,
-        "wall_clock_breakdown": False,
+        **{key: value for key, (value, _) in RUN_BY_RAYACC.items()},
     }
+    defaults = rayacc_defaults(stage)
     user = user or {}
     if not isinstance(user, dict):
         raise DeepSpeedConfigError([f"{source}: not a JSON object. Fix: give a JSON object"])
@@ -87,6 +89,19 @@ def deepspeed_config(
                 f'Fix: drop {key} from the file or write "auto" (rayacc fills it in), or set '
                 f"{field} to match"
             )
+    for key, (value, why_ours) in RUN_BY_RAYACC.items():
+        if key in user and user[key] != value:
+            problems.append(
+                f"{source} sets {key}={_json(user[key])}: rayacc runs DeepSpeed with "
+                f"{_json(value)} ({why_ours}). Fix: drop {key} from the file"
+            )
+    if user.get("zero_force_ds_cpu_optimizer") is True and offload_optimizer != "none":
+        problems.append(
+            f"{source} sets zero_force_ds_cpu_optimizer=true with the optimizer offloaded: "
+            "DeepSpeed then takes only its own CPU Adam, and rayacc hands it the torch "
+            "optimizer optim.name builds. Fix: drop the key (or set it false), or set "
+            "deepspeed.offload_optimizer=none"
+        )
     for key, field in (("optimizer", "optim"), ("scheduler", "optim's schedule")):
         if key in user:
             problems.append(
@@ -126,7 +141,7 @@ def deepspeed_config(
     ]
     if problems:
         raise DeepSpeedConfigError(problems)
-    merged = _deep_merge(user, ours)
+    merged = _deep_merge(_deep_merge(defaults, user), ours)
     for key in ("fp16", "bf16", "amp"):  # an "auto" left where the job has no value: off
         if isinstance(merged.get(key), dict) and merged[key].get("enabled") == AUTO:
             merged[key]["enabled"] = False
@@ -135,6 +150,37 @@ def deepspeed_config(
 
 AUTO = "auto"
 """Hugging Face's DeepSpeed configs write it where the trainer fills the value in."""
+
+
+def rayacc_defaults(stage: int) -> dict[str, Any]:
+    """rayacc's values where DeepSpeed's defaults differ: the user's file overrides each."""
+    defaults: dict[str, Any] = {
+        # rayacc's optimizer (optim.name) steps offloaded state too: on the CPU it is torch's
+        "zero_force_ds_cpu_optimizer": False,
+        # rayacc prints its own progress and timings
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
+    if stage == 3:
+        # small parameters are sharded too: the strategy's memory is what the stage says
+        defaults["zero_optimization"] = {"stage3_param_persistence_threshold": 0}
+    return defaults
+
+
+RUN_BY_RAYACC: dict[str, tuple[Any, str]] = {
+    "managed_gradient_accumulation": (
+        False,
+        "rayacc owns the window: every engine.step() ends one, the loss divided by the "
+        "window's global item count, a short last window exact",
+    ),
+    "zero_allow_untested_optimizer": (
+        True,
+        "rayacc hands DeepSpeed the torch optimizer optim.name builds, which DeepSpeed "
+        "refuses without it",
+    ),
+}
+"""Keys the job must own beyond the batch, clipping, precision and ZeRO's stage and offload:
+a user's other value is refused, naming why."""
 
 
 def _json(value: Any) -> str:

@@ -186,8 +186,12 @@ def load_sharded(folder: str | Path, model: nn.Module, optimizer: torch.optim.Op
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     model_state, optimizer_state = get_state_dict(model, optimizer)
-    state = _chunked({"model": model_state, "optimizer": optimizer_state})
+    placed = {"model": model_state, "optimizer": optimizer_state}
+    state = _chunked(placed)
     _load(state, folder)
+    # each value back in its parameter's layout: a moment left whole on the tensor-parallel
+    # dimension beside a split parameter is stepped as a copy by the fused kernels, and lost
+    state = _placed_as(state, placed)
     set_state_dict(
         model,
         optimizer,
@@ -212,6 +216,26 @@ def _chunked(state: Any) -> Any:
         whole = [Replicate() if isinstance(p, _StridedShard) else p for p in state.placements]
         return state.redistribute(state.device_mesh, whole)
     return state
+
+
+def _placed_as(loaded: Any, placed: Any) -> Any:
+    """`loaded` (what `_chunked` made of `placed`, read back) with each DTensor redistributed
+    to the placements of its counterpart in `placed`: the layout the run steps it in."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(loaded, dict):
+        return {k: _placed_as(v, placed.get(k) if isinstance(placed, dict) else None)
+                for k, v in loaded.items()}  # fmt: skip
+    if isinstance(loaded, list):
+        others = placed if isinstance(placed, list) else [None] * len(loaded)
+        return [_placed_as(v, p) for v, p in zip(loaded, others, strict=True)]
+    if (
+        isinstance(loaded, DTensor)
+        and isinstance(placed, DTensor)
+        and tuple(loaded.placements) != tuple(placed.placements)
+    ):
+        return loaded.redistribute(placed.device_mesh, placed.placements)
+    return loaded
 
 
 @torch.no_grad()

@@ -136,9 +136,10 @@ def _then_exit(rank: int, target, *args) -> None:
     os._exit(0)
 
 
-def spawn_ranks(target, world: int, folder, what: str) -> list[dict]:
+def spawn_ranks(target, world: int, folder, what: str, deadline_s: float = 240) -> list[dict]:
     """Runs `target(rank, world, init_file, out_dir)` on `world` spawned processes and returns
-    what each rank saved to `out_dir/rank{r}.pt`; a hang fails the test instead of the suite."""
+    what each rank saved to `out_dir/rank{r}.pt`; a hang (past `deadline_s`) fails the test
+    instead of the suite."""
     import time
 
     import pytest
@@ -151,7 +152,7 @@ def spawn_ranks(target, world: int, folder, what: str) -> list[dict]:
         join=False,
         start_method="spawn",
     )
-    deadline = time.monotonic() + 240
+    deadline = time.monotonic() + deadline_s
     try:
         while not ctx.join(timeout=5):
             if time.monotonic() > deadline:

@@ -95,7 +95,7 @@ BAD = [
     ),
     (with_("optim", lr=0), "optim.lr", "> 0"),
     (with_("optim", lr_scaling="cubic"), "optim.lr_scaling", "'linear', 'sqrt' or 'none'"),
-    (with_("optim", name="lamb"), "optim.name", "'adamw' or 'sgd'"),
+    (with_("optim", name="lamb"), "optim.name", "'adamw', 'adam' or 'sgd'"),
     (with_("optim", max_grad_norm=-1.0), "optim.max_grad_norm", "> 0"),
     (with_("train", precision="fp8"), "train.precision", "'fp32', 'bf16' or 'fp16'"),
     (with_("train", max_steps="ten"), "train.max_steps", "whole number"),

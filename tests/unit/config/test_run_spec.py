@@ -129,7 +129,7 @@ ERRORS = {
     "CheckpointError": lambda c: c("meta.json unreadable"),
     "NotAFile": lambda c: c("/runs/r/checkpoint_step00000003/state.pt", "link"),
     "UploadError": lambda c: c("rank 1's part of the checkpoint of step 3 could not be put"),
-    "RestoreFailed": lambda c: c("no checkpoint of the run before the ones passed over loads"),
+    "NoCheckpointLoads": lambda c: c("no checkpoint of run /runs/r loads: step 4 (KeyError)"),
     "LeaseLost": lambda c: c("run 'r''s lease is no longer this run's driver's"),
     "ResourceError": lambda c: c("3 workers need 3 CPUs"),
     "MicroStepMismatchError": lambda c: c("rank 0 ran 3, rank 1 ran 4"),

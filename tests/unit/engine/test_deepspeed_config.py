@@ -123,3 +123,71 @@ def test_what_disagrees_or_cannot_be_filled_in_is_refused_with_settable_fields(u
         deepspeed_config(**JOB, user=user, source="deepspeed.config='ds.json'")
     said = str(caught.value)
     assert named in said and "Fix:" in said and "True" not in said, said
+
+
+def _paths(d: dict, prefix: str = "") -> list[tuple[str, object]]:
+    out = []
+    for key, value in d.items():
+        where = f"{prefix}.{key}" if prefix else key
+        out += _paths(value, where) if isinstance(value, dict) else [(where, value)]
+    return out
+
+
+def _nested(path: str, value: object) -> dict:
+    head, _, rest = path.partition(".")
+    return {head: _nested(rest, value) if rest else value}
+
+
+def _at(d: dict, path: str) -> object:
+    for key in path.split("."):
+        d = d[key]
+    return d
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_key_rayacc_only_defaults_is_the_users_when_the_file_sets_it(stage):
+    """Every value rayacc writes where DeepSpeed's default differs (generated from
+    `rayacc_defaults`): the user's file wins, never replaced without a word."""
+    from rayacc.engine.parallel.deepspeed_config import rayacc_defaults
+
+    job = {**JOB, "stage": stage, "offload_optimizer": "none"}
+    defaults = _paths(rayacc_defaults(stage))
+    assert defaults, "rayacc writes defaults"
+    for path, ours in defaults:
+        theirs = (not ours) if isinstance(ours, bool) else (ours or 0) + 12345
+        merged = deepspeed_config(**job, user=_nested(path, theirs))
+        assert _at(merged, path) == theirs, (path, _at(merged, path))
+        # without the key in the file, rayacc's value
+        assert _at(deepspeed_config(**job), path) == ours, path
+
+
+def test_the_users_keys_the_review_found_replaced_are_kept():
+    user = {
+        "zero_optimization": {"stage3_param_persistence_threshold": 100000},
+        "wall_clock_breakdown": True,
+        "steps_per_print": 10,
+        "zero_force_ds_cpu_optimizer": True,
+    }
+    merged = deepspeed_config(**{**JOB, "offload_optimizer": "none"}, user=user)
+    assert merged["zero_optimization"]["stage3_param_persistence_threshold"] == 100000
+    assert merged["wall_clock_breakdown"] is True and merged["steps_per_print"] == 10
+    assert merged["zero_force_ds_cpu_optimizer"] is True
+
+
+@pytest.mark.parametrize("key", ["managed_gradient_accumulation", "zero_allow_untested_optimizer"])
+def test_a_key_the_job_must_own_is_refused_naming_it_and_why(key):
+    from rayacc.engine.parallel.deepspeed_config import RUN_BY_RAYACC
+
+    value, why = RUN_BY_RAYACC[key]
+    with pytest.raises(DeepSpeedConfigError) as caught:
+        deepspeed_config(**JOB, user={key: not value}, source="deepspeed.config='ds.json'")
+    said = str(caught.value)
+    assert f"sets {key}={str(not value).lower()}" in said and why in said and "Fix:" in said
+    assert deepspeed_config(**JOB, user={key: value})[key] == value
+
+
+def test_forcing_deepspeeds_cpu_adam_with_rayaccs_optimizer_offloaded_is_refused():
+    with pytest.raises(DeepSpeedConfigError) as caught:
+        deepspeed_config(**JOB, user={"zero_force_ds_cpu_optimizer": True})
+    assert "zero_force_ds_cpu_optimizer=true" in str(caught.value)
+    assert "deepspeed.offload_optimizer=none" in str(caught.value)
