@@ -202,15 +202,22 @@ class RunCheckpoints:
         whole: evidence, or a write in flight); every folder before it is deleted. Only good
         ones count, so a passed-over folder never costs a good one. Returns the deleted
         folders' names."""
+        if keep < 1:
+            return []
         listed = self.list()
         good = [c for c in listed if c.good()]
         if len(good) <= keep:
             return []
         oldest = good[-keep]
         gone = [c for c in listed if (c.step, c.attempt) < (oldest.step, oldest.attempt)]
+        deleted = []
         for checkpoint in gone:
-            self.run.delete(checkpoint.name)
-        return [c.name for c in gone]
+            try:
+                self.run.delete(checkpoint.name)
+                deleted.append(checkpoint.name)
+            except OSError as exc:  # left for the next time: a storage fault costs no run
+                self._say(f"{checkpoint.uri} could not be deleted ({type(exc).__name__})")
+        return deleted
 
     def named(self, name: str) -> Checkpoint | None:
         """The checkpoint folder `name` of the run (with a meta.json), or None."""

@@ -399,8 +399,7 @@ def _fit_holding(
         identity=prep.spec.identity,
         total_steps=prep.total_steps,
         status="running",
-        # what the run is for where it is not training (verify's one-step probe)
-        kind="verify" if (tags or {}).get("rayacc.verify") else None,
+        kind="verify" if (tags or {}).get("rayacc.verify") else None,  # verify's one-step probe
         overrides=loc.overrides,
     )
     history = History(lineage)
@@ -413,6 +412,7 @@ def _fit_holding(
         loc.record(status="failed", mlflow_run_id=tracked.run_id if tracked else None)
         raise
     phases["trained"] = time.time()
+    loc.checkpoints.prune(cfg.run.keep_checkpoints)  # every rank's part is in storage now
     # one measure of a fit's time, for the console, FitResult and the MLflow run alike
     wall_time_s = time.perf_counter() - t0
     split = goodput.split(wall_time_s)

@@ -143,3 +143,17 @@ def test_retention_keeps_the_newest_good_checkpoints_and_never_counts_a_passed_o
     checkpointer.prune()
     assert sorted(p.name for p in run.iterdir()) == [folder_name(s) for s in (5, 6)]
     assert [c.step for c in RunCheckpoints(str(tmp_path / "runs"), "r").list()] == [5, 6]
+
+
+def test_the_driver_finds_the_ranks_refusal_inside_ray_trains_failure():
+    """What Ray Train raises when the ranks' restore ends with NoCheckpointLoads: a
+    WorkerGroupError holding each rank's error, a task error wrapping it (its `cause`)."""
+    from ray.exceptions import RayTaskError
+    from ray.train.v2.api.exceptions import WorkerGroupError
+
+    refused = NoCheckpointLoads("no checkpoint of run /runs/r loads: step 4 (KeyError)")
+    wrapped = RayTaskError("train_fn", "Traceback …", refused)
+    failure = WorkerGroupError("rank 0 failed", {0: wrapped, 1: RuntimeError("gloo: peer gone")})
+    found = NoCheckpointLoads.within(failure)
+    assert found is not None and "step 4" in str(found)
+    assert NoCheckpointLoads.within(WorkerGroupError("x", {0: RuntimeError("oom")})) is None
