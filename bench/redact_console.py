@@ -1,7 +1,8 @@
 """The console masker's cost on a real run's output: each line of a console log (as `rayacc
 train` printed it) written through `RedactingStream` as the CLI writes it, per whole log, for
-this tree's `rayacc/redact.py` and, with `--against REF`, the module at a git ref (read with
-`git show`, loaded beside it) — alternating, best of five.
+this tree's `rayacc/redact/` and, with `--against REF`, the single module `rayacc/redact.py` of a
+git ref from before it became a package (read with `git show`, loaded beside it) — alternating,
+best of five.
 
     .venv/bin/rayacc train -c jobs/digits.yaml > /tmp/console.txt
     .venv/bin/python bench/redact_console.py /tmp/console.txt --against d6d0857

@@ -1,4 +1,4 @@
-"""The credential matcher's speed (rayacc/redact.py): every console line and MLflow tag goes
+"""The credential matcher's speed (rayacc/redact/): every console line and MLflow tag goes
 through it, so it must take time linear in its input. Prints, for the hand-picked inputs and
 the worst of the inputs generated from the module's own patterns and words
 (tests/unit/package/test_redact_linear.py), ms per MB and the ratio of 2 MB's time to 1 MB's

@@ -23,6 +23,10 @@ def main(argv: list[str] | None = None) -> int:
     # the console's one boundary: every line, rayacc's or a library's (argparse's messages
     # about the command line too), loses its credentials; Ray's own records below ERROR stay
     # in Ray's log files unless RAYACC_VERBOSE=1
+    from rayacc.redact.origins import register_environment
+
+    # the environment's credentials are known before the first line is printed
+    register_environment()
     streams = sys.stdout, sys.stderr
     console_stream = RedactingStream if env.verbose() else QuietRayStream
     out, err = console_stream(sys.stdout), console_stream(sys.stderr)

@@ -29,6 +29,7 @@ from rayacc.engine.parallel import state_format_named
 from rayacc.engine.units import fsdp_blocks
 from rayacc.models import build_on_meta
 from rayacc.models.registry import check_tensor_plan
+from rayacc.redact.origins import register_run
 from rayacc.run.quantities import data_order, elastic_summary
 from rayacc.run.spec import ResumeTerms, RunSpec, derive_run
 
@@ -109,6 +110,8 @@ def prepare(cfg: TrainConfig) -> Prepared:
     """Resolves data, batch split, LR and model; raises DataError / ModelError / BatchSplitError
     (all ValueError) for user mistakes, PlaceError for every place it names that cannot be
     used."""
+    # its secrets are known by where they come from before anything is written or printed
+    register_run(cfg)
     check_places(cfg)
     source = read_source(cfg.data.source, cfg.data.cache_dir, cfg.data.seq_len)
     info, groups = source.info, source.groups

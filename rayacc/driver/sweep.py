@@ -15,6 +15,7 @@ from typing import Any
 from rayacc.config import ConfigError, SweepConfig, TrainConfig
 from rayacc.config.rules import strategy_resets
 from rayacc.redact import redact
+from rayacc.redact.origins import register_run
 
 __all__ = ["SweepResult", "Trial", "best_trial", "expand_trials", "run_sweep"]
 
@@ -74,6 +75,7 @@ def expand_trials(sweep: SweepConfig, base: dict[str, Any]) -> list[Trial]:
     """The grid × random settings (or a plan's best candidates) applied to the base; invalid
     ones carry their reason."""
     base_cfg = TrainConfig.model_validate(base)
+    register_run(base_cfg)  # the parent run's records know the base's secrets
     predicted: list[dict[str, float]] = []
     if sweep.from_plan:
         settings, predicted = _from_plan(sweep, base_cfg)

@@ -262,7 +262,7 @@ class MlflowSink:
     def log_params(self, params: dict[str, Any]) -> None:
         from mlflow.entities import Param
 
-        items = [Param(k, _param_str(redact(v))) for k, v in params.items()]
+        items = [Param(k, v) for k, v in param_items(params)]
         for i in range(0, len(items), _MAX_PARAMS_PER_CALL):
             chunk = items[i : i + _MAX_PARAMS_PER_CALL]
             self._call("log_batch", (), chunk, records=len(chunk))
@@ -430,6 +430,12 @@ class MlflowSink:
                 f"{redact(self.tracking_uri)} did not come back within {timeout_s:.0f} s",
                 file=sys.stderr,
             )
+
+
+def param_items(params: dict[str, Any]) -> list[tuple[str, str]]:
+    """MLflow's (key, value) of each param, masked: by value, and whole where the key's last
+    part names a secret (`model.kwargs.hub_token`)."""
+    return [(k, _param_str(v)) for k, v in redact(dict(params)).items()]
 
 
 def _param_str(value: Any) -> str:

@@ -31,6 +31,7 @@ from rayacc.observe.events import (
 )
 from rayacc.optim import build_schedule
 from rayacc.rank.build import RankParts, build_rank
+from rayacc.redact.origins import register_run
 from rayacc.run.quantities import EpochWindows
 from rayacc.run.spec import RunSpec, WorkerSettings
 from rayacc.worker.checkpoint import Checkpointer, WorkerParts
@@ -107,6 +108,7 @@ def set_up(
     spec: RunSpec, inputs: WorkerInputs, device: torch.device, lr: float, rank: int, world: int
 ) -> RankSetup:
     """The rank's parts at peak LR `lr`, the schedule and the checkpointer over them."""
+    register_run(spec.cfg, streams=True)  # this process's sinks know the run's secrets first
     w = spec.worker
     parts = build_rank(
         spec.cfg,

@@ -1,6 +1,6 @@
 """The credential matcher is linear by construction, and a pattern added to it tomorrow is timed
-the day it lands: every pattern `rayacc/redact.py` compiles is read here (its parse tree: no
-unbounded repetition inside another, no two adjacent ones that can take the same character),
+the day it lands: every pattern the `rayacc/redact/` modules compile is read here (its parse
+tree: no unbounded repetition inside another, no two adjacent ones that take one character),
 and adversarial inputs are generated from what the module holds — its patterns' literals and
 classes, its words, its separators — 1 MB each, every one under a second of CPU through
 `redact`, `contains_secret` and `RedactingStream`."""
@@ -16,6 +16,7 @@ from re import _parser
 import pytest
 
 import rayacc.redact as R
+from rayacc.redact import keys, shapes
 
 MB = 1 << 20
 BOUND_S = 1.0
@@ -36,8 +37,12 @@ def compiled_patterns() -> dict[str, re.Pattern]:
             for i, v in enumerate(value):
                 walk(f"{name}[{i}]", v, depth + 1)
 
-    for name, value in vars(R).items():
-        walk(name, value)
+    import importlib
+    import pkgutil
+
+    for module in pkgutil.iter_modules(R.__path__, "rayacc.redact."):
+        for name, value in vars(importlib.import_module(module.name)).items():
+            walk(f"{module.name}.{name}", value)
     return found
 
 
@@ -167,7 +172,7 @@ def literals() -> set[str]:
 
 WORDS = sorted(
     set(R.SECRET_WORDS) | set(R.KEY_QUALIFIERS) | set(R.WEAK_WORDS) | set(R.SCHEME_WORDS)
-    | set(R.QUERY_KEYS) | set(R._STEMS)
+    | set(R.QUERY_KEYS) | set(keys._STEMS)
 )  # fmt: skip
 
 
@@ -189,8 +194,8 @@ def adversarial() -> dict[str, str]:
     for sep in SEPARATORS:
         add(f"{sep!r}*", sep)
         add(f"a{sep!r}*", "a" + sep)
-    add("BEGIN…", R._PEM_BEGIN)
-    add("BEGIN PRIVATE KEY----- …", R._PEM_BEGIN + R._PEM_KIND)
+    add("BEGIN…", shapes._PEM_BEGIN)
+    add("BEGIN PRIVATE KEY----- …", shapes._PEM_BEGIN + shapes._PEM_KIND)
     return inputs
 
 

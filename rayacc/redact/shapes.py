@@ -1,92 +1,21 @@
-"""Credentials out of everything rayacc writes or prints: the one matcher every boundary uses
-(console streams, files in run storage and checkpoints, PLAN.yaml and reports, MLflow, job
-entrypoints, messages). What it masks is `CATALOGUE` (the README's security section is made
-from it).
-
-More: docs/design.md, "Notes from the code" (redact.py).
-"""
+"""The second net: the shapes a credential takes where no origin announced it (`CATALOGUE`; the
+README's security section is made from it), found in one pass each, linear by construction
+(tests/unit/package/test_redact_linear.py reads every pattern here)."""
 
 from __future__ import annotations
 
-import functools
 import re
-from dataclasses import dataclass
-from typing import Any
 
-__all__ = [
-    "CATALOGUE",
-    "MASK",
-    "RedactingStream",
-    "Shape",
-    "catalogue_table",
-    "contains_secret",
-    "redact",
-]
-
-MASK = "***"
-
-
-@dataclass(frozen=True)
-class Shape:
-    """One shape the matcher masks: its name, an example (what is masked in brackets)."""
-
-    name: str
-    example: str
-
-
-# ----------------------------------------------------------------------------- words
-SECRET_WORDS = frozenset(
-    (  # noqa: SIM905 (a list of words, read as one)
-        "password passwd passphrase pwd secret token credential credentials signature auth "
-        "authorization apikey accesskey secretkey privatekey accountkey "
-    ).split()
+from rayacc.redact.keys import (
+    _QUERY_MARKS,
+    _STEM_GATE,
+    DOTTED_WORDS,
+    QUERY_KEYS,
+    SCHEME_WORDS,
+    WEAK_MIN,
+    Shape,
+    secret_key,
 )
-"""A key that ends in one of these holds a secret (`AWS_SECRET_ACCESS_KEY`, `sessionToken`,
-`db_password`)."""
-KEY_QUALIFIERS = frozenset(
-    {"api", "access", "secret", "private", "account", "shared", "signing", "master", "client"}
-)
-"""... or that ends in `key` after one of these (`api_key`, `AccountKey`, `X-Api-Key`)."""
-WEAK_WORDS = frozenset({"key", "pass", "pw"})
-"""... or one of these (alone or after another word) with a value of at least 16 characters
-(`cloudant_key=<64 hex>`): a short value is a dictionary key's, a count's, a name's."""
-WEAK_MIN = 16
-_STRONG_ENDS = tuple(SECRET_WORDS) + tuple(f"{q}key" for q in sorted(KEY_QUALIFIERS))
-_WEAK_ENDS = tuple(WEAK_WORDS)
-SCHEME_WORDS = frozenset({"bearer", "basic", "token", "digest", "negotiate"})
-"""An HTTP authorization scheme, kept before the masked value."""
-QUERY_KEYS = frozenset(
-    (  # noqa: SIM905
-        "sig signature x-amz-signature x-amz-security-token x-amz-credential x-goog-signature "
-        "x-goog-credential awsaccesskeyid aws_access_key_id aws_secret_access_key "
-        "aws_session_token access_key secret_key token access_token refresh_token id_token "
-        "private_token auth auth_token authorization credential credentials api_key api-key "
-        "apikey key password passwd pwd secret client_secret "
-    ).split()
-)
-"""A query or fragment key whose value is a secret (presigned URLs, OAuth, API keys)."""
-
-_STEMS = ("pass", "pwd", "pw", "secret", "token", "key", "credential", "auth", "sig")
-"""Every secret word holds one of these (lower case): a line without any has no keyed value."""
-_STEM_GATE = re.compile("|".join(_STEMS))
-_QUERY_MARKS = re.compile(r"[?&;#]")
-
-
-@functools.lru_cache(maxsize=4096)
-def _secret_key(key: str) -> str:
-    """'': not a secret's key; 'strong': its value is masked; 'weak': masked when long. The
-    key's last dotted part, its `_` and `-` dropped, in lower case, ends with a secret word:
-    every casing reads the same (`secretAccessKey`, `SECRET_ACCESS_KEY`, `secret-access-key`
-    all end in `accesskey`), and a word inside another (`tokenizer`, `keyboard`, `author`)
-    ends the key otherwise."""
-    low = key.rsplit(".", 1)[-1].lower()
-    if not any(stem in low for stem in _STEMS):
-        return ""
-    flat = low.replace("_", "").replace("-", "")
-    if flat.endswith(_STRONG_ENDS):
-        return "strong"
-    return "weak" if flat.endswith(_WEAK_ENDS) else ""
-
 
 # ----------------------------------------------------------------------------- patterns
 _RUN = re.compile(r"[A-Za-z0-9_.\-]+")
@@ -125,6 +54,8 @@ TOKENS: tuple[tuple[Shape, re.Pattern], ...] = tuple(
             r"gl(?:pat|dt|ft|soat|rt|cbt|imt|ptt|agent|oas)-[A-Za-z0-9_\-]{20,}",
         ),
         ("GitLab runner token", "[GR1348941…]", r"GR1348941[A-Za-z0-9_\-]{20,}"),
+        ("Google API key", "[AIza…35]", r"AIza[0-9A-Za-z_\-]{35}"),
+        ("Google OAuth access token", "[ya29.…]", r"ya29\.[0-9A-Za-z_\-]{20,}"),
         ("OpenAI or Anthropic key", "[sk-…]", r"sk-[A-Za-z0-9_\-]{20,}"),
         ("Stripe key", "[sk_live_…]", r"[rs]k_(?:live|test)_[A-Za-z0-9]{16,}"),
         ("Slack token", "[xoxb-…]", r"[xX][oO][xX][abposrABPOSR]-[0-9]+-[A-Za-z0-9\-]+"),
@@ -156,9 +87,12 @@ TOKENS: tuple[tuple[Shape, re.Pattern], ...] = tuple(
 """Token formats, masked wherever they stand after a character that is not a letter or digit:
 each is a literal prefix and then character classes, repeated (one of them without bound)."""
 _TOKEN_START = re.compile(
-    r"(?<![A-Za-z0-9_\-.\\])(?:gh[pousr]_|github_pat_|hf_|gl(?:pat|dt|ft|soat|rt|cbt|imt|ptt|agent|oas)-|GR1348941"
+    # after a character that is not part of a token, or after an escape (`\n` in JSON) or a
+    # percent-encoded character (`%3D`)
+    r"(?:(?<![A-Za-z0-9_\-.\\])|(?<=\\[ntr])|(?<=%[0-9A-Fa-f]{2}))"
+    r"(?:gh[pousr]_|github_pat_|hf_|gl(?:pat|dt|ft|soat|rt|cbt|imt|ptt|agent|oas)-|GR1348941"
     r"|sk-|[rs]k_|[xX][oO][xX]|dapi|npm_|pypi-|SG\.|sq0csp-|AC|SK|AKC|AP|eyJ|A3T|ABIA|ACCA"
-    r"|AKIA|ASIA)"
+    r"|AKIA|ASIA|AIza|ya29\.)"
 )
 _DISCORD = re.compile(
     r"(?<![A-Za-z0-9_\-.\\])[MNO][A-Za-z0-9_\-]{23,25}\.[A-Za-z0-9_\-]{6}\.[A-Za-z0-9_\-]{27}"
@@ -177,6 +111,9 @@ CATALOGUE: tuple[Shape, ...] = (
     ),
     Shape("an HTTP authorization header", "Authorization: Bearer […]"),
     Shape("a command line's secret flag", "--db-password=[…] · --api-key […]"),
+    Shape("a braced or bracketed value", "Pwd={[…]} · password: [[…]]"),
+    Shape("a YAML value on the lines below its key", "password: | ⏎ [  …]"),
+    Shape("a command's password", "curl -u user:[…] · sshpass -p […] · mysql -p[…]"),
     Shape("a bearer token on its own", "Bearer [16+ characters, a digit among them]"),
     Shape("a PEM private key block, over several writes too", "-----BEGIN … PRIVATE KEY-----[…]"),
     Shape("a Slack webhook", "https://hooks.slack.com/services/[…]"),
@@ -234,10 +171,62 @@ def _pem(text: str, spans: list[tuple[int, int]]) -> None:
         spans.append((putty + len("PuTTY-User-Key-File-"), len(text)))
 
 
+def _line_end(text: str, pos: int, stop: int | None = None) -> int:
+    """Where the line at `pos` ends (searched up to `stop`: `stop` when it goes on)."""
+    stop = len(text) if stop is None else stop
+    ends = [e for e in (text.find("\n", pos, stop), text.find("\r", pos, stop)) if e != -1]
+    return min(ends) if ends else stop
+
+
+def _block(text: str, at: int) -> tuple[int, int] | None:
+    """A YAML value on the lines below its key (`password: |` or `password:` at the line's
+    end): the lines indented deeper than the key's, from the first one's text on. Only the
+    characters at `at` decide whether there is one (the search stays linear)."""
+    pos = at
+    if pos < len(text) and text[pos] in "|>":
+        pos += 1
+        while pos < len(text) and text[pos] in "-+0123456789":
+            pos += 1
+        while pos < len(text) and text[pos] in " \t":
+            pos += 1
+    if pos >= len(text) or text[pos] not in "\r\n":
+        return None
+    line_start = max(text.rfind("\n", 0, at), text.rfind("\r", 0, at)) + 1
+    head = text[line_start:at]
+    indent = len(head) - len(head.lstrip(" "))
+    first = last = None
+    pos += 2 if text.startswith("\r\n", pos) else 1
+    while pos < len(text):
+        end = _line_end(text, pos)
+        line = text[pos:end]
+        body = line.lstrip(" ")
+        if body and len(line) - len(body) <= indent:
+            break
+        if body.strip():
+            first = pos + len(line) - len(body) if first is None else first
+            last = end
+        pos = end + 1
+    return (first, last) if first is not None and last is not None else None
+
+
 def _value(text: str, pos: int) -> tuple[int, int] | None:
     """The value at `pos`: quoted (the span inside its quotes), or bare."""
     if pos >= len(text):
         return None
+    if text[pos] in "{[":  # ODBC's braced value (`}}` is a brace inside it), a bracketed one
+        close_char = "}" if text[pos] == "{" else "]"
+        end = pos + 1
+        while True:
+            close = text.find(close_char, end)
+            if close != -1 and _line_end(text, pos, close) < close:
+                close = -1  # closed on a later line only: the value is the rest of its line
+            if close == -1:
+                line_end = _line_end(text, pos)
+                return (pos + 1, line_end) if line_end > pos + 1 else None
+            if close_char == "}" and text.startswith("}}", close):
+                end = close + 2
+                continue
+            return (pos + 1, close) if close > pos + 1 else None
     quote = _QUOTED.get(text[pos])
     if quote is not None:
         m = quote.match(text, pos)
@@ -259,6 +248,12 @@ def _runs(text: str, low: str, spans: list[tuple[int, int]]) -> None:
         queried = "=" in text and _QUERY_MARKS.search(text) is not None
         for m in _QUERY_KEY.finditer(text) if queried else ():
             if m.start() >= done and m.group(1).lower() in QUERY_KEYS:
+                if text.startswith(("{", "["), m.end()):  # ODBC's `Pwd={…}`
+                    braced = _value(text, m.end())
+                    if braced:
+                        spans.append(braced)
+                        done = braced[1]
+                    continue
                 v = _QUERY_VALUE.match(text, m.end())
                 if v:
                     spans.append(v.span())
@@ -268,12 +263,13 @@ def _runs(text: str, low: str, spans: list[tuple[int, int]]) -> None:
             if m.start() < done:
                 continue  # inside a value masked already
             key = m.group(1)
-            kind = _secret_key(key)
+            kind = secret_key(key)
             if not kind:
                 continue
             sep = m.group(2) if m.group(2) is not None else m.group(3)
             if sep != "=" and (
-                "." in key or text.startswith("//", m.end(2 if m.group(2) is not None else 3))
+                ("." in key and not _dotted_secret(key))
+                or text.startswith("//", m.end(2 if m.group(2) is not None else 3))
             ):
                 continue
             done = _take(text, m.end(), kind, spans) or done
@@ -281,17 +277,63 @@ def _runs(text: str, low: str, spans: list[tuple[int, int]]) -> None:
         for m in _FLAG.finditer(text) if "-" in text else ():
             if m.start() < done:
                 continue
-            kind = _secret_key(m.group(1))
+            kind = secret_key(m.group(1))
             if kind:
                 done = _take(text, m.end(), kind, spans) or done
+    _commands(text, low, spans)
     if "bearer" in low:
         for m in _BEARER.finditer(text):
             if any(c.isdigit() for c in m.group(1)):
                 spans.append(m.span(1))
 
 
+_CURL_USER = re.compile(r"(?<![\w\-])(?:-u|--user)(?:[ \t]++|=)['\"]?+[^\s'\":]++:([^\s'\"]++)")
+PASSWORD_FLAGS = {"sshpass": ("-p",), "mysql": ("-p",), "mariadb": ("-p",),
+                  "mysqldump": ("-p",), "mysqladmin": ("-p",)}  # fmt: skip
+"""Commands whose short flag takes a password (sshpass's `-p PW`, mysql's attached `-pPW`)."""
+
+
+def _commands(text: str, low: str, spans: list[tuple[int, int]]) -> None:
+    """A command line's password: curl's `-u user:PW`, and the flags of `PASSWORD_FLAGS` on
+    the line of their command (one search a line: linear)."""
+    if "-u" in text or "--user" in text:
+        spans.extend(m.span(1) for m in _CURL_USER.finditer(text))
+    for command, flags in PASSWORD_FLAGS.items():
+        at = low.find(command)
+        while at != -1:
+            line_end = _line_end(text, at)
+            for flag in flags:
+                f = text.find(f" {flag}", at, line_end)
+                if f == -1:
+                    continue
+                value = f + 1 + len(flag)
+                attached = value < line_end and not text[value].isspace()
+                if not attached and command == "sshpass":
+                    value = (
+                        len(text[:value])
+                        + len(text[value:line_end])
+                        - len(text[value:line_end].lstrip(" \t"))
+                    )
+                    attached = value < line_end
+                if attached:
+                    end = value
+                    while end < line_end and not text[end].isspace():
+                        end += 1
+                    spans.append((value, end))
+            at = low.find(command, line_end)
+
+
+def _dotted_secret(key: str) -> bool:
+    flat = key.rsplit(".", 1)[-1].lower().replace("_", "").replace("-", "")
+    return flat.endswith(tuple(DOTTED_WORDS))
+
+
 def _take(text: str, at: int, kind: str, spans: list[tuple[int, int]]) -> int:
     """Masks the value at `at` for a key of `kind`; returns where it ends (0: none)."""
+    block = _block(text, at) if kind == "strong" else None
+    if block is not None:
+        spans.append(block)
+        return block[1]
     value = _value(text, at)
     if value and (kind == "strong" or value[1] - value[0] >= WEAK_MIN):
         spans.append(value)
@@ -368,7 +410,8 @@ def _tokens(text: str, low: str, spans: list[tuple[int, int]]) -> None:
         spans.extend(s.span(1) for s in _AWS_QUOTED.finditer(text))
 
 
-def _spans(text: str) -> list[tuple[int, int]]:
+def credential_spans(text: str) -> list[tuple[int, int]]:
+    """Where the shapes of `CATALOGUE` find a credential in `text` (the second net)."""
     spans: list[tuple[int, int]] = []
     _pem(text, spans)
     if "://" in text:
@@ -377,117 +420,3 @@ def _spans(text: str) -> list[tuple[int, int]]:
     _runs(text, low, spans)
     _tokens(text, low, spans)
     return spans
-
-
-def _mask_str(text: str) -> str:
-    spans = _spans(text)
-    if not spans:
-        return text
-    out, at = [], 0
-    merged: list[list[int]] = []
-    for start, end in sorted(spans):
-        if merged and start <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], end)
-        else:
-            merged.append([start, end])
-    for start, end in merged:
-        out.append(text[at:start])
-        out.append(MASK)
-        at = end
-    out.append(text[at:])
-    return "".join(out)
-
-
-def redact(value: Any) -> Any:
-    """`value` with every credential in it masked (strings; containers recursively)."""
-    if isinstance(value, str):
-        return _mask_str(value)
-    if isinstance(value, dict):
-        return {k: redact(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(redact(v) for v in value)
-    return value
-
-
-def contains_secret(text: str) -> bool:
-    """Whether the matcher finds a credential in `text` (masked already or not)."""
-    return bool(_spans(text))
-
-
-class RedactingStream:
-    """A text stream (stdout, stderr) that masks credentials in what is written to it: the
-    console's boundary, for rayacc's own lines and for any library's. It masks whole lines
-    (ended by a line feed or a carriage return): a URI written in pieces is masked as one.
-    A partial line waits for its end, or for `release()` (the CLI calls it when the command
-    ends); one longer than `MAX_LINE` characters is masked and written as it stands. A PEM
-    private key block is held from its BEGIN line to its END line, so a key written over
-    several writes is masked whole."""
-
-    MAX_LINE = 1 << 20
-    MAX_KEY = 1 << 16
-    """A key block held longer than this is not a key's: what was held is masked (the whole of
-    it, from the BEGIN line) and the rest of the block dropped up to its END line."""
-
-    def __init__(self, stream):
-        self._stream = stream
-        self._partial = ""
-        self._dropping = False
-
-    def write(self, text: str) -> int:
-        if not text:
-            return 0
-        if not self._partial and not self._dropping and text[-1] == "\n" and _PEM_BEGIN not in text:
-            self._stream.write(_mask_str(text))  # whole lines, no key block: the common write
-            return len(text)
-        pending = self._partial + text
-        if self._dropping:
-            end = pending.find(_PEM_END)
-            if end == -1:  # keep a tail: the END line may come in two writes
-                self._partial = pending[-len(_PEM_END) :]
-                return len(text)
-            self._dropping = False
-            pending = pending[end:]
-        cut = max(pending.rfind("\n"), pending.rfind("\r")) + 1
-        if cut == 0 and len(pending) > self.MAX_LINE:
-            cut = len(pending)
-        begin = pending.rfind(_PEM_BEGIN, 0, cut or len(pending))
-        if begin != -1 and pending.find(_PEM_END, begin) == -1:
-            # a key block still open: held from its BEGIN line until its END line
-            if len(pending) - begin <= self.MAX_KEY:
-                cut = begin
-            else:
-                self._emit(pending)  # masked from its BEGIN line on
-                self._partial, self._dropping = "", True
-                return len(text)
-        self._partial = pending[cut:]
-        if cut:
-            self._emit(pending[:cut])
-        return len(text)
-
-    def write_data(self, text: str) -> int:
-        """Writes what a command was asked to show (a job's logs, Ray's records included),
-        masked like any line; a console stream that drops Ray's records keeps this."""
-        return RedactingStream.write(self, text)
-
-    def _emit(self, lines: str) -> None:
-        self._stream.write(_mask_str(lines))
-
-    def writelines(self, lines) -> None:
-        for line in lines:
-            self.write(line)
-
-    def release(self) -> None:
-        """Writes the partial line held back, masked, and flushes."""
-        if self._partial:
-            text, self._partial = self._partial, ""
-            self._emit(text)
-        self._stream.flush()
-
-    def __getattr__(self, name: str):
-        return getattr(self._stream, name)
-
-
-def catalogue_table() -> str:
-    """`CATALOGUE` as the README's Markdown table."""
-    rows = [f"| {shape.name} | `{shape.example}` |" for shape in CATALOGUE]
-    return "\n".join(["| shape | masked (in brackets) |", "|---|---|", *rows])
