@@ -11,7 +11,7 @@ class SecretValues:
     automaton (Aho–Corasick) over them, so a text is read once whatever they are. A value
     shorter than `MIN_LENGTH` is not registered (it would mask ordinary words)."""
 
-    MIN_LENGTH = 4
+    MIN_LENGTH = 6
 
     def __init__(self) -> None:
         self._values: set[str] = set()
