@@ -29,6 +29,7 @@ from rayacc.config.schema import ScalingConfig
 from rayacc.data.sources import RowGroups
 from rayacc.data.vocab import Vocabulary
 from rayacc.driver.prelaunch import Prepared, check_cluster, locate, prepare
+from rayacc.driver.ray_record import retain
 from rayacc.driver.resume import run_to_fit
 from rayacc.driver.runs import RunLocation
 from rayacc.observe.events import RunObserver, RunStarted
@@ -142,8 +143,7 @@ def ensure_ray(scaling: ScalingConfig) -> None:
         # workers report through rayacc's own records; RAYACC_VERBOSE=1 shows Ray's worker logs
         log_to_driver=env.verbose(),
         # no idle workers started ahead: Ray Train's actors carry a runtime env of their own
-        # and never use them, and on a small machine they take the CPU the workers start on
-        # (seconds off every start on 2 cores)
+        # and never use them, and on a small machine they take the workers' CPU at the start
         _system_config={"prestart_worker_first_driver": False},
         runtime_env={"env_vars": scaling.ray_train_env()},
     )
@@ -412,7 +412,7 @@ def _fit_holding(
         loc.record(status="failed", mlflow_run_id=tracked.run_id if tracked else None)
         raise
     phases["trained"] = time.time()
-    loc.checkpoints.prune(cfg.run.keep_checkpoints)  # every rank's part is in storage now
+    retain(loc.storage, loc.name, cfg.run.keep_checkpoints)  # every rank's part is in storage
     # one measure of a fit's time, for the console, FitResult and the MLflow run alike
     wall_time_s = time.perf_counter() - t0
     split = goodput.split(wall_time_s)

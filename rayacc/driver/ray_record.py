@@ -12,7 +12,7 @@ from typing import Any
 
 from rayacc.checkpoint.storage import Storage
 
-__all__ = ["RECORD_FILE", "reconcile_record"]
+__all__ = ["RECORD_FILE", "reconcile_record", "retain"]
 
 RECORD_FILE = "checkpoint_manager_snapshot.json"
 """Ray Train's name for it (`ray.train.v2._internal.constants`)."""
@@ -81,3 +81,16 @@ def reconcile_record(run: Storage) -> list[str]:
         "record; the run goes on from its newest whole checkpoint"
         for name in gone
     ]
+
+
+def retain(storage: str, name: str, keep: int) -> list[str]:
+    """The run's retention once a fit ends (`RunCheckpoints.prune`: the `keep` newest good
+    checkpoints), and Ray Train's record of it brought in step with what is left; returns the
+    folders deleted."""
+    from rayacc.checkpoint.catalogue import RunCheckpoints
+    from rayacc.checkpoint.storage import open_storage
+
+    deleted = RunCheckpoints(storage, name).prune(keep)
+    # the ranks pruned as they went too: every folder the record names that is gone leaves it
+    reconcile_record(open_storage(storage).child(name))
+    return deleted

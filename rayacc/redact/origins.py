@@ -61,6 +61,9 @@ CREDENTIAL_VARIABLES = (
 """Environment variables whose value is a credential, by name; a variable not listed whose
 name names a secret (`*_PASSWORD`, `*_TOKEN`, `*_SECRET_KEY`, …) counts too."""
 
+NOT_CREDENTIAL_VARIABLES = frozenset({"PWD", "OLDPWD"})
+"""Named like a secret (`pwd`) and none: the shell's working directories."""
+
 CREDENTIAL_FILES = {
     "GOOGLE_APPLICATION_CREDENTIALS": "json",
     "AWS_SHARED_CREDENTIALS_FILE": "ini",
@@ -121,7 +124,9 @@ def register_environment(environ: Mapping[str, str] | None = None) -> None:
     for name, value in environ.items():
         if not value:
             continue
-        if name in CREDENTIAL_VARIABLES or secret_key(name) == "strong":
+        if name in CREDENTIAL_VARIABLES or (
+            secret_key(name) == "strong" and name not in NOT_CREDENTIAL_VARIABLES
+        ):
             KNOWN.add(value)
         if "://" in value or "=" in value:
             for found in secrets_of({"": value}):

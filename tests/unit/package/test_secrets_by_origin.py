@@ -293,3 +293,14 @@ def test_rayaccs_own_console_lines_are_left_as_they_are():
     before, after = _stream(CONSOLE)
     assert before == after == "".join(CONSOLE)
     assert [redact(line) for line in CONSOLE] == CONSOLE
+
+
+def test_variables_named_like_a_secret_that_hold_none_are_not_registered():
+    """The shell's working directories (`PWD`: `pwd` is a secret word): registered, every path
+    under the working directory would be masked (a plan file's job path read back as `***`)."""
+    register_environment({"PWD": "/tmp/work/project", "OLDPWD": "/tmp/work/before"})
+    assert len(KNOWN) == 0
+    assert (
+        redact("job: /tmp/work/project/jobs/digits.yaml")
+        == "job: /tmp/work/project/jobs/digits.yaml"
+    )
