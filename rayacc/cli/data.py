@@ -12,9 +12,17 @@ OWN_TEXT_FLAGS = {
     "rows_per_file": 1 << 20,
     "shuffle": False,
     "seed": 0,
+    "instruct": False,
+    "count": "answers",
+    "pack": False,
+    "skip_empty": False,
 }
 """`rayacc data prepare` flags of the user's own text (with --out), and their defaults."""
 SEQ_LEN = 128
+INSTRUCT_COUNTS = ("answers", "all")
+"""`--count`: `rayacc.data.instruct.COUNTS` (kept here: the parser imports no data module)."""
+INSTRUCT_ONLY = ("count", "pack", "skip_empty")
+TEXT_ONLY = ("text_field", "rows_per_file", "shuffle", "seed")
 
 
 def cmd_data_prepare(args: argparse.Namespace) -> int:
@@ -45,11 +53,34 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
             f"rayacc data prepare {' '.join(args.inputs)}: text or JSONL inputs need --out DIR "
             f"(a new folder for the Parquet); bundled names are {', '.join(BUNDLED)}"
         )
-    from rayacc.data.prepare import prepare_corpus
     from rayacc.driver.places import PlaceError, check_folder
 
     if problem := check_folder("--out", args.out):
         raise PlaceError([problem])
+    other = TEXT_ONLY if args.instruct else INSTRUCT_ONLY
+    if given := [k for k in other if getattr(args, k) != OWN_TEXT_FLAGS[k]]:
+        flags = ", ".join(f"--{k.replace('_', '-')}" for k in given)
+        raise DataError(
+            f"{flags}: only {'without' if args.instruct else 'with'} --instruct. Fix: "
+            f"{'leave them out' if args.instruct else 'add --instruct, or leave them out'}"
+        )
+    if args.instruct:
+        from rayacc.data.instruct import prepare_instructions
+
+        prepare_instructions(
+            args.inputs,
+            args.out,
+            seq_len=args.seq_len,
+            tokenizer=args.tokenizer,
+            count=args.count,
+            pack=args.pack,
+            skip_empty=args.skip_empty,
+            rows_per_group=args.rows_per_group,
+        )
+        print(f"train on it: rayacc train -c jobs/finetune_chat.yaml data.source={args.out}")
+        return 0
+    from rayacc.data.prepare import prepare_corpus
+
     prepare_corpus(
         args.inputs,
         args.out,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from importlib.metadata import version
 
-from rayacc.cli.data import OWN_TEXT_FLAGS, SEQ_LEN, cmd_data_prepare
+from rayacc.cli.data import INSTRUCT_COUNTS, OWN_TEXT_FLAGS, SEQ_LEN, cmd_data_prepare
 from rayacc.cli.jobs import cmd_jobs, cmd_submit
 from rayacc.cli.plan import cmd_plan
 from rayacc.cli.runs import cmd_export, cmd_runs, cmd_sample
@@ -18,6 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
     from rayacc.driver.arguments import (
         Address,
         ExistingFile,
+        ExistingPath,
         Factory,
         Folder,
         Name,
@@ -274,9 +275,34 @@ def build_parser() -> argparse.ArgumentParser:
     own = OWN_TEXT_FLAGS
     p.add_argument(
         "--tokenizer",
-        type=ExistingFile("a tokenizer.json (Hugging Face tokenizers' format)"),
+        type=ExistingPath("a tokenizer.json, or a transformers tokenizer folder"),
         default=own["tokenizer"],
-        help="a tokenizer.json (default: byte-level, 257 ids)",
+        help="a tokenizer.json, or (--instruct) a transformers tokenizer folder whose chat "
+        "template renders messages (default: byte-level, 257 ids)",
+    )
+    p.add_argument(
+        "--instruct",
+        action="store_true",
+        help='JSONL of {"prompt", "completion"} or {"messages": [{"role", "content"}, …]}: '
+        "tokens and a loss_mask counting the answers",
+    )
+    p.add_argument(
+        "--count",
+        choices=INSTRUCT_COUNTS,
+        default=own["count"],
+        help="--instruct: the tokens that count as targets (answers: completions and "
+        "assistant turns)",
+    )
+    p.add_argument(
+        "--pack",
+        action="store_true",
+        help="--instruct: whole examples packed into rows of --seq-len + 1 tokens (attention "
+        "crosses the examples of a row); default one example a row",
+    )
+    p.add_argument(
+        "--skip-empty",
+        action="store_true",
+        help="--instruct: skip an example with no counted token (default: refuse it)",
     )
     p.add_argument(
         "--text-field",

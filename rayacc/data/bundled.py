@@ -1,9 +1,11 @@
-"""The bundled datasets (`digits`, `shakespeare`), prepared as Parquet once in the cache."""
+"""The bundled datasets (`digits`, `shakespeare`, `chat`), prepared as Parquet once in the
+cache."""
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -80,6 +82,68 @@ def _prepare_shakespeare(path: Path, seq_len: int) -> None:
     _write_atomic(table.replace_schema_metadata(meta), path)
 
 
+CHAT_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if m['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('unknown role ' + m['role']) }}{% endif %}"
+    "<|{{ m['role'] }}|>{{ m['content'] }}<|end|>"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+"""The bundled chat tokenizer's template: roles as special tokens, an unknown role refused."""
+
+
+def chat_tokenizer(folder: Path) -> Path:
+    """A byte-level tokenizer (256 byte ids, no merges) with the chat roles as special tokens
+    and `CHAT_TEMPLATE`, saved as a transformers tokenizer folder (made once, from code)."""
+    if (folder / "tokenizer_config.json").is_file():
+        return folder
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|endoftext|>",
+        additional_special_tokens=["<|system|>", "<|user|>", "<|assistant|>", "<|end|>"],
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".tokenizer."))
+    fast.save_pretrained(str(staging))
+    try:
+        staging.rename(folder)
+    except OSError:  # another process made it first
+        shutil.rmtree(staging, ignore_errors=True)
+    return folder
+
+
+def _prepare_chat(root: Path, seq_len: int) -> Path:
+    from rayacc.data.instruct import prepare_instructions
+
+    path = root / "chat" / f"chat_seq{seq_len}"
+    if path.is_dir() and any(path.iterdir()):
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tokenizer = chat_tokenizer(root / "chat" / "tokenizer")
+    sample = Path(__file__).parent / "samples" / "chat.jsonl"
+    try:
+        prepare_instructions(
+            [str(sample)],
+            str(path),
+            seq_len=seq_len,
+            tokenizer=str(tokenizer),
+            skip_empty=True,
+            progress=lambda line: None,
+        )
+    except DataError:
+        if not (path.is_dir() and any(path.iterdir())):  # not another process's copy
+            raise
+    return path
+
+
 def prepare_bundled(
     name: str, cache_dir: str | os.PathLike | None = None, seq_len: int = 128
 ) -> Path:
@@ -93,6 +157,8 @@ def prepare_bundled(
         path = root / "shakespeare" / f"shakespeare_seq{seq_len}.parquet"
         if not path.exists():
             _prepare_shakespeare(path, seq_len)
+    elif name == "chat":
+        path = _prepare_chat(root, seq_len)
     else:
         raise DataError(
             f"data.source={name!r} is not a bundled dataset ({', '.join(BUNDLED)}) "

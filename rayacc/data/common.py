@@ -3,14 +3,24 @@ keeps in a token Parquet's metadata (beneath sources, bundled, saved datasets an
 
 from __future__ import annotations
 
-__all__ = ["BUNDLED", "ORIGIN_KEY", "TOKENIZER_KEY", "VOCAB_KEY", "VOCAB_SIZE_KEY", "DataError"]
+__all__ = [
+    "BUNDLED",
+    "MASK_RULE_KEY",
+    "ORIGIN_KEY",
+    "TOKENIZER_KEY",
+    "VOCAB_KEY",
+    "VOCAB_SIZE_KEY",
+    "DataError",
+]
 
-BUNDLED = ("digits", "shakespeare")
+BUNDLED = ("digits", "shakespeare", "chat")
 VOCAB_KEY = b"rayacc.vocab"
 VOCAB_SIZE_KEY = b"rayacc.vocab_size"
 """Token files: the tokenizer's vocabulary size (ids may stop short of it)."""
 TOKENIZER_KEY = b"rayacc.tokenizer"
 """Token files of `rayacc data prepare`: `bytes`, or the tokenizer.json it used (data/vocab.py)."""
+MASK_RULE_KEY = b"rayacc.mask_rule"
+"""Instruction data: what its `loss_mask` counts (`answers` or `all`)."""
 ORIGIN_KEY = b"rayacc.origin"
 """Where the rows came from (a corpus, a tokenizer), in words."""
 

@@ -14,7 +14,7 @@ import torch
 
 from rayacc.data.reads import parquet_file
 from rayacc.data.sources import DatasetInfo, RowGroups
-from rayacc.engine import collate_tokens
+from rayacc.engine import IGNORE_INDEX, collate_tokens
 
 __all__ = [
     "LocalRows",
@@ -38,6 +38,10 @@ class LocalRows:
     """Equal-length sequences as one [n, L] tensor."""
     token_lists: list[np.ndarray] | None = None
     """Sequences of varying length (collated and padded per micro-batch)."""
+    masks: torch.Tensor | None = None
+    """Instruction data: 1 where a token counts as a target, shaped as `tokens`."""
+    mask_lists: list[np.ndarray] | None = None
+    """The same, shaped as `token_lists`."""
 
     def __len__(self) -> int:
         if self.format == "classification":
@@ -51,8 +55,15 @@ class LocalRows:
             return {"features": self.features[idx], "label": self.labels[idx]}
         if self.tokens is not None:
             chunk = self.tokens[idx]
-            return {"input": chunk[:, :-1], "target": chunk[:, 1:]}
-        return collate_tokens([self.token_lists[i] for i in index])
+            batch = {"input": chunk[:, :-1], "target": chunk[:, 1:]}
+            if self.masks is not None:
+                batch["target"] = _masked(batch["target"], self.masks[idx][:, 1:])
+            return batch
+        batch = collate_tokens([self.token_lists[i] for i in index])
+        if self.mask_lists is not None:
+            masks = collate_tokens([self.mask_lists[i] for i in index], pad_id=0)["target"]
+            batch["target"] = _masked(batch["target"], masks)
+        return batch
 
     def take_split(self, index: np.ndarray, sizes: list[int]) -> list[dict[str, torch.Tensor]]:
         """Consecutive micro-batches of `sizes` rows from the rows at `index`: one gather for
@@ -66,8 +77,17 @@ class LocalRows:
         return [{k: v[i] for k, v in pieces.items()} for i in range(len(sizes))]
 
 
+def _masked(target: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Targets the mask does not count become IGNORE_INDEX: they carry no loss and no count,
+    so the one normalisation rule (the global count of loss items) covers masks as it covers
+    padding."""
+    return torch.where(counts == 1, target, IGNORE_INDEX)
+
+
 def columns_of(info: DatasetInfo) -> list[str]:
-    return ["features", "label"] if info.format == "classification" else ["tokens"]
+    if info.format == "classification":
+        return ["features", "label"]
+    return ["tokens", "loss_mask"] if info.loss_mask else ["tokens"]
 
 
 def to_local_rows(table: pa.Table, info: DatasetInfo) -> LocalRows:
@@ -79,15 +99,27 @@ def to_local_rows(table: pa.Table, info: DatasetInfo) -> LocalRows:
         features = torch.from_numpy(np.array(flat, dtype=np.float32).reshape(n, info.num_features))
         labels = torch.from_numpy(table["label"].to_numpy().astype(np.int64))
         return LocalRows("classification", features=features, labels=labels)
-    col = table["tokens"].combine_chunks()
-    offsets = col.offsets.to_numpy()
-    values = col.flatten().to_numpy(zero_copy_only=False).astype(np.int64)
-    offsets = offsets - offsets[0]
+    offsets, values = _flat(table["tokens"])
+    masks = _flat(table["loss_mask"])[1] if "loss_mask" in table.column_names else None
     lengths = np.diff(offsets)
     if n and (lengths == lengths[0]).all():
-        return LocalRows("tokens", tokens=torch.from_numpy(values.reshape(n, int(lengths[0]))))
+        shape = (n, int(lengths[0]))
+        return LocalRows(
+            "tokens",
+            tokens=torch.from_numpy(values.reshape(shape)),
+            masks=None if masks is None else torch.from_numpy(masks.reshape(shape)),
+        )
     lists = [values[offsets[i] : offsets[i + 1]] for i in range(n)]
-    return LocalRows("tokens", token_lists=lists)
+    mask_lists = None if masks is None else [masks[offsets[i] : offsets[i + 1]] for i in range(n)]
+    return LocalRows("tokens", token_lists=lists, mask_lists=mask_lists)
+
+
+def _flat(column) -> tuple[np.ndarray, np.ndarray]:
+    """(offsets from 0, values as int64) of a list column."""
+    col = column.combine_chunks()
+    offsets = col.offsets.to_numpy()
+    values = col.flatten().to_numpy(zero_copy_only=False).astype(np.int64)
+    return offsets - offsets[0], values
 
 
 def read_rows(info: DatasetInfo, groups: RowGroups, row_ids: np.ndarray) -> dict[str, Any]:
@@ -112,6 +144,12 @@ def read_local_rows(info: DatasetInfo, groups: RowGroups, row_ids: np.ndarray) -
 
 _EMPTY = {
     "tokens": pa.table({"tokens": pa.array([], pa.list_(pa.int64()))}),
+    "instructions": pa.table(
+        {
+            "tokens": pa.array([], pa.list_(pa.int64())),
+            "loss_mask": pa.array([], pa.list_(pa.uint8())),
+        }
+    ),
     "classification": pa.table(
         {"features": pa.array([], pa.list_(pa.float32())), "label": pa.array([], pa.int64())}
     ),
@@ -130,7 +168,7 @@ def assemble(
     group = group_of(groups, rows)
     held = np.unique(group)
     if len(held) == 0:
-        return _EMPTY[info.format]
+        return _EMPTY["instructions" if info.loss_mask else info.format]
     parts = [tables[int(h)] for h in held]
     offsets = np.concatenate([[0], np.cumsum([t.num_rows for t in parts])[:-1]])
     index = offsets[np.searchsorted(held, group)] + (rows - groups.start[group])

@@ -2,7 +2,8 @@
 
 Formats (docs/design.md): classification rows hold `features` (list<float32>, fixed length) and
 `label` (int64); token rows hold `tokens` (a list of integers of any width, length ≥ 2; uint16 or
-int32 keeps files and reads small, batches are widened to int64).
+int32 keeps files and reads small, batches are widened to int64) and, for instruction data, a
+`loss_mask` beside them (a 0/1 per token: whether it counts as a target).
 """
 
 from __future__ import annotations
@@ -58,6 +59,8 @@ class DatasetInfo:
     num_row_groups: int = 0
     data_bytes: int = 0
     """Uncompressed size of the columns rayacc reads, from the Parquet metadata."""
+    loss_mask: bool = False
+    """Token rows carry a `loss_mask`: only the tokens it marks count as targets (loss items)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -261,15 +264,18 @@ def _scan_classification(ds: pq.ParquetDataset) -> tuple[int, int]:
     return int(width or 0), top + 1
 
 
-def _scan_tokens(ds: pq.ParquetDataset, declared: int | None) -> tuple[int, int]:
+def _scan_tokens(ds: pq.ParquetDataset, declared: int | None, masked: bool) -> tuple[int, int]:
     """(vocabulary size, longest row) in one streamed pass; DataError with file and row for a
-    null, a row under 2 tokens, or an id outside the vocabulary."""
+    null, a row under 2 tokens, an id outside the vocabulary, or a `loss_mask` that does not
+    fit its tokens."""
     top, longest = 0, 0
     limit = declared or MAX_IDS
-    for path, first, batch in _batches(ds, ["tokens"]):
+    for path, first, batch in _batches(ds, ["tokens", "loss_mask"] if masked else ["tokens"]):
         tokens = batch.column("tokens")
         _check_lists(path, first, tokens, "tokens", "drop the row, or re-tokenize the text")
         lengths = pc.list_value_length(tokens)
+        if masked:
+            _check_mask(path, first, batch.column("loss_mask"), lengths)
         short = _first(pc.less(lengths, 2))
         if short is not None:
             raise _bad_row(path, first + short, "`tokens` has fewer than 2 tokens", "drop the row")
@@ -298,6 +304,28 @@ def _scan_tokens(ds: pq.ParquetDataset, declared: int | None) -> tuple[int, int]
     return (declared or top + 1), longest
 
 
+def _check_mask(path: str, first: int, mask, lengths) -> None:
+    """A `loss_mask` as long as its row's tokens, of 0s and 1s."""
+    fix = "write the file again with `rayacc data prepare --instruct`"
+    _check_lists(path, first, mask, "loss_mask", fix)
+    other = _first(pc.not_equal(pc.list_value_length(mask), lengths))
+    if other is not None:
+        raise _bad_row(
+            path,
+            first + other,
+            f"`loss_mask` has {pc.list_value_length(mask)[other].as_py()} entries for "
+            f"{lengths[other].as_py()} tokens",
+            fix,
+        )
+    flat = pc.list_flatten(mask)
+    if pa.types.is_boolean(flat.type):
+        return
+    odd = _first(pc.invert(pc.is_in(flat, value_set=pa.array([0, 1], flat.type))))
+    if odd is not None:
+        row = first + pc.list_parent_indices(mask)[odd].as_py()
+        raise _bad_row(path, row, f"`loss_mask` holds {flat[odd].as_py()}, not 0 or 1", fix)
+
+
 def _list_of(kinds: tuple[str, ...], element) -> Any:
     def check(t: pa.DataType) -> bool:
         return any(getattr(pa.types, f"is_{k}")(t) for k in kinds) and element(t.value_type)
@@ -321,6 +349,10 @@ COLUMNS: dict[str, dict[str, tuple[Any, str]]] = {
         "tokens": (
             _list_of(("list", "large_list"), pa.types.is_integer),
             "list<int64> (token ids; any integer width)",
+        ),
+        "loss_mask": (
+            _list_of(("list", "large_list"), lambda t: pa.types.is_integer(t) or t == pa.bool_()),
+            "list<uint8> (1 where the token counts as a target, 0 where not)",
         ),
     },
 }
@@ -420,7 +452,7 @@ def _describe(source: str, ds: pq.ParquetDataset) -> DatasetInfo:
     fingerprint = _fingerprint(ds, counts)
     shape = {
         "num_row_groups": sum(f.metadata.num_row_groups for f in ds.fragments),
-        "data_bytes": _data_bytes(ds, {"features", "label", "tokens"}),
+        "data_bytes": _data_bytes(ds, {"features", "label", "tokens", "loss_mask"}),
     }
 
     if {"features", "label"} <= names:
@@ -439,7 +471,8 @@ def _describe(source: str, ds: pq.ParquetDataset) -> DatasetInfo:
     if "tokens" in names:
         _check_columns(source, ds, "tokens")
         vocab, declared = _declared_vocabulary(source, schema.metadata or {})
-        vocab_size, longest = _scan_tokens(ds, declared)
+        masked = "loss_mask" in names
+        vocab_size, longest = _scan_tokens(ds, declared, masked)
         return DatasetInfo(
             source,
             "tokens",
@@ -448,6 +481,7 @@ def _describe(source: str, ds: pq.ParquetDataset) -> DatasetInfo:
             max_tokens=longest,
             vocab=vocab,
             fingerprint=fingerprint,
+            loss_mask=masked,
             **shape,
         )
 

@@ -115,6 +115,19 @@ class ExistingFile(Name):
         return None
 
 
+class ExistingPath(Name):
+    """A local file or folder that exists (`what`: e.g. "a tokenizer folder")."""
+
+    malformed = "no-such-path"
+
+    def problem(self, text: str) -> str | None:
+        if bad := super().problem(text):
+            return bad
+        if not Path(text).expanduser().exists():
+            return f"no such file or folder {text!r}. Fix: give {self.what}"
+        return None
+
+
 class Folder(Kind):
     """A local folder rayacc writes in: one that is writable, or can be made."""
 

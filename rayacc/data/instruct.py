@@ -1,0 +1,373 @@
+"""`rayacc data prepare --instruct`: instruction data → token Parquet with a `loss_mask`.
+
+Each JSONL line is one example: `{"prompt", "completion"}` (the prompt's tokens, then the
+completion's and the end of text) or `{"messages": [{"role", "content"}, …]}` rendered with the
+tokenizer's own chat template. The mask counts the completion, or the assistant turns (what the
+template adds for each assistant message after the generation prompt), or every token
+(`count="all"`). Rows hold one example each (padded per micro-batch when read), or with `pack`
+several whole examples up to `seq_len + 1` tokens (attention crosses the examples of a row: no
+model rayacc builds takes a document mask). Longer examples are cut to `seq_len + 1` tokens; an
+example left with no counted target is refused naming its line, or skipped with `skip_empty`;
+both are said in numbers. Written beside the target and renamed into place, as `prepare` does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from rayacc.data.common import (
+    MASK_RULE_KEY,
+    ORIGIN_KEY,
+    TOKENIZER_KEY,
+    VOCAB_SIZE_KEY,
+    DataError,
+)
+
+__all__ = ["COUNTS", "InstructResult", "Renderer", "prepare_instructions", "renderer"]
+
+COUNTS = ("answers", "all")
+"""What the mask counts: the completions / assistant turns, or every token."""
+
+
+@dataclass(frozen=True)
+class InstructResult:
+    out: str
+    rows: int
+    examples: int
+    tokens: int
+    counted: int
+    truncated: int
+    skipped: int
+    vocab_size: int
+
+
+@dataclass(frozen=True)
+class Renderer:
+    """One example (a JSON record) → (token ids, 0/1 counted per token); DataError names why
+    a record cannot be rendered (the caller adds the file and line)."""
+
+    encode: Callable[[str], list[int]]
+    chat: Callable[[list[dict]], tuple[list[int], list[int]]] | None
+    bos: list[int]
+    eos: list[int]
+    vocab_size: int
+    described: str
+    recorded: bytes
+
+    def example(self, record: object) -> tuple[list[int], list[int]]:
+        if not isinstance(record, dict):
+            raise DataError(f"a {type(record).__name__}, not a JSON object")
+        if "messages" in record:
+            messages = _messages(record["messages"])
+            if self.chat is None:
+                raise DataError(
+                    "chat messages need a chat template. Fix: --tokenizer FOLDER of a "
+                    "transformers tokenizer whose tokenizer_config.json holds a chat_template"
+                )
+            return self.chat(messages)
+        missing = [k for k in ("prompt", "completion") if k not in record]
+        if missing:
+            raise DataError(
+                f"no {' or '.join(repr(k) for k in missing)} (found {sorted(record)}). Fix: "
+                'one example per line: {"prompt": …, "completion": …} or {"messages": '
+                '[{"role": …, "content": …}, …]}'
+            )
+        for key in ("prompt", "completion"):
+            if not isinstance(record[key], str):
+                raise DataError(f"{key!r} is a {type(record[key]).__name__}, not text")
+        prompt = self.bos + self.encode(record["prompt"])
+        answer = self.encode(record["completion"]) + self.eos
+        return prompt + answer, [0] * len(prompt) + [1] * len(answer)
+
+
+def _messages(value: object) -> list[dict]:
+    if not isinstance(value, list) or not value:
+        raise DataError("'messages' is not a non-empty list of {role, content} objects")
+    for i, m in enumerate(value):
+        if not isinstance(m, dict) or not {"role", "content"} <= set(m):
+            raise DataError(f"messages[{i}] is not an object with 'role' and 'content'")
+        if not isinstance(m["role"], str) or not isinstance(m["content"], str):
+            raise DataError(f"messages[{i}]: 'role' and 'content' must be text")
+    if not any(m["role"] == "assistant" for m in value):
+        raise DataError("no assistant message: nothing to learn from")
+    return value
+
+
+def renderer(tokenizer: str | None) -> Renderer:
+    """Byte-level (no tokenizer: prompt/completion only), a `tokenizer.json`, or a transformers
+    tokenizer folder (or a tokenizer.json with its tokenizer_config.json beside it)."""
+    if tokenizer is None:
+        return Renderer(
+            lambda text: list(text.encode("utf-8")), None, [], [256], 257, "byte-level", b"bytes"
+        )
+    path = Path(tokenizer).expanduser()
+    folder = path if path.is_dir() else path.parent
+    if (folder / "tokenizer_config.json").is_file():
+        return _hf_renderer(folder)
+    if path.is_dir():
+        raise DataError(
+            f"--tokenizer {tokenizer}: the folder holds no tokenizer_config.json. Fix: give the "
+            "folder a transformers tokenizer was saved in (save_pretrained), or a tokenizer.json"
+        )
+    from rayacc.data.prepare import _tokenizer
+
+    tok = _tokenizer(str(path))
+    return Renderer(
+        lambda text: tok.encode(text).tolist(),
+        None,
+        [],
+        [],
+        tok.vocab_size,
+        tok.described,
+        tok.recorded,
+    )
+
+
+def _hf_renderer(folder: Path) -> Renderer:
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise DataError(
+            f"--tokenizer {folder}: a tokenizer folder needs transformers. Fix: pip install "
+            "'rayacc[hf]'"
+        ) from None
+    try:
+        # local files only, and no code a folder names is run
+        tok = AutoTokenizer.from_pretrained(
+            str(folder), local_files_only=True, trust_remote_code=False
+        )
+    except Exception as exc:
+        raise DataError(
+            f"--tokenizer {folder}: transformers cannot load it ({type(exc).__name__}: "
+            f"{str(exc)[:300]}). Fix: give the folder a tokenizer was saved in (save_pretrained)"
+        ) from None
+    if not getattr(tok, "is_fast", False):
+        raise DataError(
+            f"--tokenizer {folder}: not a fast tokenizer (no tokenizer.json). Fix: save the "
+            "tokenizer with tokenizers installed, so the folder holds tokenizer.json"
+        )
+
+    def encode(text: str) -> list[int]:
+        return list(tok(text, add_special_tokens=False)["input_ids"])
+
+    bos = [] if tok.bos_token_id is None else [tok.bos_token_id]
+    eos = [] if tok.eos_token_id is None else [tok.eos_token_id]
+    chat = _chat(tok, folder) if getattr(tok, "chat_template", None) else None
+    return Renderer(
+        encode,
+        chat,
+        bos if getattr(tok, "add_bos_token", False) else [],
+        eos,
+        len(tok),
+        f"tokenizer {folder.name} ({len(tok)} ids)",
+        tok.backend_tokenizer.to_str().encode("utf-8"),
+    )
+
+
+def _chat(tok, folder: Path) -> Callable[[list[dict]], tuple[list[int], list[int]]]:
+    """The conversation rendered by the template once, and again up to each assistant turn
+    (with the generation prompt): what each assistant message adds is counted. A template
+    that does not render a message (drops an unknown role) or whose renderings are not
+    prefixes of each other is refused."""
+
+    def render(messages: list[dict], generation: bool) -> str:
+        try:
+            return tok.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=generation
+            )
+        except Exception as exc:  # jinja's TemplateError, raise_exception(...) in the template
+            raise DataError(
+                f"the chat template of {folder.name} refused the messages ({str(exc)[:200]}). "
+                "Fix: use the roles the template knows (often system, user, assistant), in the "
+                "order it expects"
+            ) from None
+
+    def chat(messages: list[dict]) -> tuple[list[int], list[int]]:
+        full = render(messages, False)
+        spans, before = [], ""
+        for i, m in enumerate(messages):
+            upto = render(messages[: i + 1], False)
+            if m["content"] and m["content"] not in upto[len(before) :]:
+                raise DataError(
+                    f"messages[{i}]: the chat template of {folder.name} does not render role "
+                    f"{m['role']!r}. Fix: use the roles the template knows"
+                )
+            if m["role"] == "assistant":
+                start = render(messages[:i], True) if i else ""
+                if not upto.startswith(start) or not full.startswith(upto):
+                    raise DataError(
+                        f"the chat template of {folder.name} renders a conversation's start "
+                        "differently from the whole conversation: the assistant turns cannot "
+                        "be found. Fix: a template whose renderings extend each other"
+                    )
+                spans.append((len(start), len(upto)))
+            before = upto
+        encoded = tok(full, add_special_tokens=False, return_offsets_mapping=True)
+        ids = list(encoded["input_ids"])
+        counted = [int(any(lo <= a < hi for lo, hi in spans)) for a, _ in encoded["offset_mapping"]]
+        return ids, counted
+
+    return chat
+
+
+def _records(path: Path, shown: str) -> Iterator[tuple[int, object]]:
+    """(line number, parsed record) of each non-empty line; DataError naming the line."""
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                yield line_no, json.loads(line)
+            except (json.JSONDecodeError, RecursionError) as exc:
+                why = getattr(exc, "msg", "nested deeper than the parser follows")
+                raise DataError(
+                    f"{shown}, line {line_no}: not JSON ({why}). Fix: one JSON object per line"
+                ) from None
+            except UnicodeDecodeError:
+                raise DataError(
+                    f"{shown}: not UTF-8 text near line {line_no}. Fix: convert it to UTF-8"
+                ) from None
+
+
+@dataclass
+class _Rows:
+    """Rows of a part waiting to be written, and what was said of them."""
+
+    tokens: list[list[int]] = dataclasses.field(default_factory=list)
+    masks: list[list[int]] = dataclasses.field(default_factory=list)
+
+
+def prepare_instructions(
+    inputs: list[str],
+    out: str,
+    *,
+    seq_len: int = 128,
+    tokenizer: str | None = None,
+    count: str = "answers",
+    pack: bool = False,
+    skip_empty: bool = False,
+    rows_per_group: int = 64,
+    progress: Callable[[str], None] | None = None,
+) -> InstructResult:
+    """Instruction JSONL files (local) → token Parquet with `loss_mask` under `out` (a new
+    folder); see the module doc."""
+    say = progress or (lambda line: print(line, file=sys.stderr, flush=True))
+    if count not in COUNTS:
+        raise DataError(f"--count {count!r}: one of {', '.join(COUNTS)}")
+    target = Path(out).expanduser().resolve()
+    if target.is_file() or (target.is_dir() and any(target.iterdir())):
+        raise DataError(f"--out {out} exists and is not empty. Fix: give a new folder")
+    files = _jsonl_files(inputs)
+    render = renderer(tokenizer)
+    width = seq_len + 1
+    rows, stats = _Rows(), dict(examples=0, tokens=0, counted=0, truncated=0, skipped=0)
+    packed: tuple[list[int], list[int]] = ([], [])
+    for path, shown in files:
+        for line_no, record in _records(path, shown):
+            try:
+                ids, counted = render.example(record)
+            except DataError as exc:
+                raise DataError(f"{shown}, line {line_no}: {exc}") from None
+            if len(ids) > width:
+                stats["truncated"] += 1
+                ids, counted = ids[:width], counted[:width]
+            if pack:
+                counted = [0, *counted[1:]]  # no example's first token follows from the last
+            if not any(counted[1:]):
+                if not skip_empty:
+                    cut = f" after the cut to --seq-len {seq_len}" if len(ids) == width else ""
+                    raise DataError(
+                        f"{shown}, line {line_no}: no token counts as a target{cut}. Fix: give "
+                        "it a non-empty answer, raise --seq-len, or --skip-empty"
+                    )
+                stats["skipped"] += 1
+                continue
+            stats["examples"] += 1
+            stats["tokens"] += len(ids)
+            stats["counted"] += sum(counted[1:])
+            if not pack:
+                rows.tokens.append(ids)
+                rows.masks.append(counted)
+            elif len(packed[0]) + len(ids) > width:
+                rows.tokens.append(packed[0])
+                rows.masks.append(packed[1])
+                packed = (list(ids), list(counted))
+            else:
+                packed[0].extend(ids)
+                packed[1].extend(counted)
+    if packed[0]:
+        rows.tokens.append(packed[0])
+        rows.masks.append(packed[1])
+    if not rows.tokens:
+        raise DataError(
+            f"the inputs ({', '.join(s for _, s in files[:3])}) hold no example with a counted "
+            "token. Fix: give examples with answers"
+        )
+    metadata = {
+        VOCAB_SIZE_KEY: str(render.vocab_size).encode(),
+        ORIGIN_KEY: render.described.encode(),
+        TOKENIZER_KEY: render.recorded,
+        MASK_RULE_KEY: count.encode(),
+    }
+    _write(rows, target, render.vocab_size, rows_per_group, metadata)
+    result = InstructResult(str(target), len(rows.tokens), vocab_size=render.vocab_size, **stats)
+    say(
+        f"{out}: {result.examples:,} examples in {result.rows:,} rows "
+        f"({'packed, attention crosses the examples of a row' if pack else 'one example a row'})"
+        f", {result.tokens:,} tokens of which {result.counted:,} count as targets "
+        f"({count}); {result.truncated:,} cut to {width} tokens, {result.skipped:,} skipped "
+        "with nothing counted"
+    )
+    return result
+
+
+def _jsonl_files(inputs: list[str]) -> list[tuple[Path, str]]:
+    files = []
+    for item in inputs:
+        path = Path(item).expanduser()
+        if path.is_dir():
+            inner = sorted(p for p in path.rglob("*") if p.is_file())
+            files += [(p, str(p)) for p in inner]
+        elif path.is_file():
+            files.append((path, item))
+        else:
+            raise DataError(f"{item}: no such file or folder. Fix: give instruction JSONL files")
+    if not files:
+        raise DataError(f"{', '.join(inputs)}: no files. Fix: give instruction JSONL files")
+    return files
+
+
+def _write(rows: _Rows, target: Path, vocab: int, rows_per_group: int, metadata) -> None:
+    dtype = pa.uint16() if vocab <= 1 << 16 else pa.int32()
+    schema = pa.schema(
+        [("tokens", pa.list_(dtype)), ("loss_mask", pa.list_(pa.uint8()))], metadata=metadata
+    )
+    table = pa.table(
+        {
+            "tokens": pa.array(rows.tokens, pa.list_(dtype)),
+            "loss_mask": pa.array(
+                [np.asarray(m, np.uint8) for m in rows.masks], pa.list_(pa.uint8())
+            ),
+        },
+        schema=schema,
+    )
+    staging = target.parent / f".{target.name}.partial"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    try:
+        pq.write_table(table, staging / "part-00000.parquet", row_group_size=rows_per_group)
+        if target.exists():
+            target.rmdir()
+        staging.rename(target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
