@@ -205,7 +205,13 @@ def build_parser() -> argparse.ArgumentParser:
         choices=EXPORT_FORMATS,
         default="hf",
         help="hf: a folder transformers loads with from_pretrained (hf and gpt models); "
-        "safetensors: the weights under rayacc's names (any model)",
+        "safetensors: the weights under rayacc's names (any model); peft: a LoRA run's adapter "
+        "folder (PeftModel.from_pretrained on the base)",
+    )
+    p.add_argument(
+        "--merge",
+        action="store_true",
+        help="with --format peft: the adapters folded into the base, as a from_pretrained folder",
     )
     p.set_defaults(func=cmd_export)
 

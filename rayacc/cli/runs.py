@@ -88,11 +88,18 @@ def cmd_export(args: argparse.Namespace) -> int:
     from rayacc.driver.export import export_model
 
     done = export_model(
-        args.target, args.out, fmt=args.format, storage=args.storage, factory=args.factory
+        args.target,
+        args.out,
+        fmt=args.format,
+        storage=args.storage,
+        factory=args.factory,
+        merge=args.merge,
     )
     for note in done.passed_over:
         print(f"rayacc: passed over {redact(note)}", file=sys.stderr)
     print(f"wrote {done.out}: {done.what}, from {redact(done.checkpoint)}")
-    if args.format == "hf":
+    if args.format == "hf" or args.merge:
         print(f"  load it: transformers.AutoModelForCausalLM.from_pretrained({str(done.out)!r})")
+    elif args.format == "peft":
+        print(f"  load it: peft.PeftModel.from_pretrained(base_model, {str(done.out)!r})")
     return 0

@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 from rayacc.config.batch_split import BatchSplit, resolve_batch_split
 from rayacc.config.environment import environment_issues
 from rayacc.config.errors import ConfigError, ConfigIssue, issues_from_validation
+from rayacc.config.finetune import LoraConfig
 from rayacc.config.loader import read_yaml
 from rayacc.config.overrides import apply_overrides, flatten
 from rayacc.config.rules import cross_field_issues
@@ -54,8 +55,7 @@ class HFModelConfig(Section):
     mapping with `model_type` (e.g. {model_type: llama, hidden_size: 256, ...}); null: the
     config.json of `model.hf.weights`. Read once, on the driver."""
     weights: str | None = None
-    """A local folder of weights (`save_pretrained`'s: safetensors) to start from, readable on
-    every node; null: initialised from `seed`."""
+    """A local folder of `save_pretrained` weights, readable on every node; null: from `seed`."""
 
 
 class ModelConfig(Section):
@@ -82,6 +82,8 @@ class ModelConfig(Section):
     """Dropout probability (0 keeps accumulation exactly equivalent to the big batch)."""
     hf: HFModelConfig = Field(default_factory=HFModelConfig)
     """`model.name: hf`: the `transformers` model's config and weights."""
+    lora: LoraConfig | None = None
+    """LoRA adapters on a frozen base (`gpt`, `hf`, a factory naming `target_modules`)."""
 
 
 class DataConfig(Section):
@@ -116,8 +118,7 @@ class DataConfig(Section):
     the read tasks' processes costs more than the read (about 3 s of the default job's start on
     2 cores). 0 reads all data through Ray Data."""
     materialize: bool | None = None
-    """No longer used (every rank reads its rows through Ray Data); a value is ignored with a
-    warning."""
+    """No longer used (every rank reads its rows through Ray Data): ignored, with a warning."""
 
 
 class BatchConfig(Section):
@@ -197,17 +198,15 @@ class FSDPConfig(Section):
     window (`set_requires_gradient_sync(False)` on the others: one reduce-scatter per block and
     window, but every rank holds unsharded gradients for the whole model meanwhile)."""
     reshard_after_forward: bool = True
-    """Free each block's gathered parameters after its forward (gathered again in backward):
-    less memory, one more all-gather per block and micro-step."""
+    """Free each block's gathered parameters after its forward (gathered again in backward)."""
     mixed_precision: bool = True
-    """bf16 runs: blocks compute in bf16 and gradients are reduced in float32."""
+    """bf16 runs: blocks compute in bf16, gradients reduced in float32."""
     replicate: Count | Literal["auto"] = 1
-    """Replica groups (HSDP): the parameters are sharded inside each group of
-    workers / replicate ranks and replicated across the groups, whose sharded gradients are
-    all-reduced once per window. 1 = shard over every rank; `auto` = one group per node of the
-    placement the worker group got (each shard group inside a node, its gathers and
-    reduce-scatters on the node's fast links), 1 where the nodes hold unequal numbers of
-    workers. A number must divide the worker count."""
+    """Replica groups (HSDP): parameters sharded inside each group of workers / replicate ranks,
+    replicated across the groups (sharded gradients all-reduced once per window). 1 = shard over
+    every rank; `auto` = one group per node of the worker group's placement (gathers and
+    reduce-scatters on a node's fast links), 1 where nodes hold unequal numbers of workers. A
+    number must divide the worker count."""
     offload: Literal["none", "cpu"] = "none"
     """`cpu`: the sharded parameters, their gradients and the optimizer state live in host
     memory and the optimizer steps there (FSDP2's `CPUOffloadPolicy`): device memory for what
@@ -256,9 +255,8 @@ class TrainSection(Section):
     recomputed. The ranks learn of a notice with the window's counts (no collective of its
     own); false = only the periodic checkpoints survive a reclaim."""
     compile: bool = False
-    """torch.compile the model (before DDP wraps it; under FSDP each block, before it is
-    sharded). The first steps pay the compilation (tens of seconds for GPT-2 small);
-    accumulation and gradient sync work as without it."""
+    """torch.compile the model (before DDP wraps it; under FSDP each block, before sharding);
+    the first steps pay the compilation (tens of seconds for GPT-2 small)."""
     allow_tf32: bool = False
     """GPU, fp32 precision: let matmuls and convolutions use TF32 tensor cores (about 10 bits
     of mantissa instead of 23: faster, not bit-equal to fp32)."""
@@ -280,11 +278,14 @@ class TrainSection(Section):
     """Recompute transformer blocks' activations in backward instead of keeping them: `full`
     (every block), `{every_n: k}` (every k-th block) or `none`. Less activation memory for
     about one more forward of compute; the step is unchanged (to rounding)."""
+    loss: str | None = None
+    """The user's objective, `package.module:function`, called per micro-batch as
+    `function(output, batch)` → (sum of its loss items, their count); null: cross-entropy."""
     straggler_margin: float = Field(0.3, gt=0.0)
-    """A rank is named a straggler (console line, `rayacc.stragglers` tag) when its own time
-    per window — compute, data wait and optimizer, not the wait for its peers — stays this far
-    above the other ranks' median (0.3 = 30 %, and at least 0.1 s) for two logging intervals
-    in a row (an interval is a tenth of the run); the part furthest above is named with it."""
+    """A rank is named a straggler (console line, `rayacc.stragglers` tag) when its own time per
+    window (compute, data wait, optimizer; not the wait for peers) stays this far above the
+    others' median (0.3 = 30 %, at least 0.1 s) for two logging intervals (a tenth of the run
+    each) in a row; the part furthest above is named with it."""
     peak_tflops: float | None = Field(None, gt=0.0)
     """Peak TFLOP/s of one worker's device for `perf/mfu`; null = a known GPU's dense peak at
     the run's precision (H200, H100, A100, L4, A10G: `engine/perf.PEAK_TFLOPS`), none on a CPU
@@ -370,10 +371,9 @@ class TrackingConfig(Section):
     run_name: str | None = None
     """MLflow run name; null = generated."""
     system_metrics: bool = False
-    """Record every node's CPU and memory use (and, on NVIDIA GPUs, their utilisation and
-    memory) as MLflow system metrics, one series per node (`system/<node>/<name>`, MLflow's
-    names), every tenth of the run: sampled with MLflow's own monitors by the first rank of
-    each node and carried to the driver with the ranks' figures. Off by default."""
+    """Record each node's CPU, memory (and NVIDIA GPU) use as MLflow system metrics
+    (`system/<node>/<name>`) every tenth of the run, sampled by MLflow's own monitors on each
+    node's first rank and carried with the ranks' figures. Off by default."""
 
 
 class RunConfig(Section):

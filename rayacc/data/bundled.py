@@ -121,26 +121,25 @@ def chat_tokenizer(folder: Path) -> Path:
 
 
 def _prepare_chat(root: Path, seq_len: int) -> Path:
+    """One Parquet file, as the other bundled datasets (a run stages it to shared storage)."""
     from rayacc.data.instruct import prepare_instructions
 
-    path = root / "chat" / f"chat_seq{seq_len}"
-    if path.is_dir() and any(path.iterdir()):
+    path = root / "chat" / f"chat_seq{seq_len}.parquet"
+    if path.is_file():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     tokenizer = chat_tokenizer(root / "chat" / "tokenizer")
     sample = Path(__file__).parent / "samples" / "chat.jsonl"
-    try:
+    with tempfile.TemporaryDirectory(dir=path.parent, prefix=".chat.") as scratch:
         prepare_instructions(
             [str(sample)],
-            str(path),
+            str(Path(scratch) / "rows"),
             seq_len=seq_len,
             tokenizer=str(tokenizer),
             skip_empty=True,
             progress=lambda line: None,
         )
-    except DataError:
-        if not (path.is_dir() and any(path.iterdir())):  # not another process's copy
-            raise
+        os.replace(Path(scratch) / "rows" / "part-00000.parquet", path)
     return path
 
 

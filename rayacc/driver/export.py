@@ -2,8 +2,10 @@
 ecosystem. `--format hf` (default): a folder `transformers` loads with `from_pretrained(DIR)`
 (config.json and model.safetensors) — an `hf` model as itself, rayacc's `gpt` as the GPT-2 it is
 layer for layer; `--format safetensors`: the model's weights under rayacc's names, for any
-model. The checkpoint is read by the one reader (`load_model`: data only, nothing outside its
-folder); the folder appears whole or not at all."""
+model; `--format peft`: a LoRA run's adapter folder (`PeftModel.from_pretrained(base, DIR)`),
+with `--merge` the adapters folded into the base, written as `--format hf` writes. The
+checkpoint is read by the one reader (`load_model`: data only, nothing outside its folder);
+the folder appears whole or not at all."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from pathlib import Path
 
 __all__ = ["EXPORT_FORMATS", "Exported", "export_model"]
 
-EXPORT_FORMATS = ("hf", "safetensors")
+EXPORT_FORMATS = ("hf", "safetensors", "peft")
 
 
 @dataclass
@@ -34,6 +36,7 @@ def export_model(
     fmt: str = "hf",
     storage: str | None = None,
     factory: str | None = None,
+    merge: bool = False,
 ) -> Exported:
     """Writes the weights of RUN_OR_CHECKPOINT `target` to the new folder `out`."""
     from rayacc.checkpoint.reader import load_model
@@ -42,6 +45,8 @@ def export_model(
 
     if fmt not in EXPORT_FORMATS:
         raise DataError(f"--format {fmt!r} is not one of {', '.join(EXPORT_FORMATS)}")
+    if merge and fmt != "peft":
+        raise DataError("--merge folds a LoRA run's adapters into its base. Fix: --format peft")
     dest = Path(out).expanduser()
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         raise DataError(
@@ -53,7 +58,11 @@ def export_model(
     with tempfile.TemporaryDirectory(prefix="rayacc-export-") as scratch:
         local = _local(checkpoint, scratch)
         model = load_model(local, factory=factory)
-        vocabulary = _vocabulary(local) if fmt == "hf" else None
+        vocabulary = _vocabulary(local) if fmt == "hf" or merge else None
+        if fmt == "peft":
+            model = _as_peft(model, local)
+            if merge:
+                model, fmt = model.merge_and_unload(), "hf"
     dest.parent.mkdir(parents=True, exist_ok=True)
     # written beside the destination, then renamed into place: whole or not at all
     staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
@@ -76,6 +85,9 @@ def _write(model, folder: Path, fmt: str) -> str:
     from rayacc.models.gpt import GPT
     from rayacc.models.hf import HFCausalLM
 
+    if fmt == "peft":
+        model.save_pretrained(str(folder))
+        return "a peft adapter (PeftModel.from_pretrained on the run's base)"
     if fmt == "safetensors":
         from safetensors.torch import save_model
 
@@ -107,6 +119,41 @@ def _write(model, folder: Path, fmt: str) -> str:
         f"a {type(model).__name__} has no transformers counterpart (only model.name hf and gpt "
         "export as one). Fix: --format safetensors"
     )
+
+
+def _as_peft(model, folder: str):
+    """The run's base (the checkpoint's weights without the adapters: nothing is read outside
+    the folder) under a `PeftModel` holding the checkpoint's adapters."""
+    import copy
+
+    from peft import get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+    from peft.tuners.lora import LoraLayer
+
+    from rayacc.data.common import DataError
+    from rayacc.models.lora import adapter_root
+
+    root = adapter_root(model)
+    config = getattr(root, "peft_config", {}).get("default")
+    if config is None:
+        raise DataError(
+            f"{folder} is not a LoRA run's checkpoint (no model.lora). Fix: --format hf"
+        )
+    adapters = get_peft_model_state_dict(root)
+    base = copy.deepcopy(root)
+    for name, module in list(base.named_modules()):
+        if isinstance(module, LoraLayer):
+            parent, _, leaf = name.rpartition(".")
+            setattr(base.get_submodule(parent), leaf, module.base_layer)
+    del base.peft_config
+    peft_model = get_peft_model(base, copy.deepcopy(config))
+    loaded = set_peft_model_state_dict(
+        peft_model, {f"base_model.model.{k}": v for k, v in adapters.items()}
+    )
+    if loaded.unexpected_keys:
+        raise DataError(
+            f"{folder}: adapters with no place in the base: {loaded.unexpected_keys[:3]}"
+        )
+    return peft_model.eval()
 
 
 def _vocabulary(folder: str):

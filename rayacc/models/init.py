@@ -32,7 +32,13 @@ def initial_values(model: nn.Module, seed: int):
     """`(name, shape) -> full initial tensor (CPU, float32)` for a model that seeds its
     parameters."""
 
+    from rayacc.models.lora import base_name, is_adapter, lora_initial_value
+
     def value(name: str, shape: torch.Size) -> torch.Tensor:
+        if is_adapter(name):
+            return lora_initial_value(name, torch.Size(shape), parameter_generator(seed, name))
+        # a base under adapters starts as it does without them
+        name = base_name(name)
         out = model.initial_value(name, torch.Size(shape), parameter_generator(seed, name))
         if tuple(out.shape) != tuple(shape):
             raise ValueError(

@@ -86,40 +86,51 @@ def build_model(cfg: TrainConfig, info: DatasetInfo | None = None) -> nn.Module:
     m = cfg.model
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
-        if m.name == "factory":
-            model = _call_factory(m.factory or "", info, m.kwargs)
+        model = _build_base(cfg, info)
+        if m.lora is not None:
+            from rayacc.models.lora import apply_lora
+
+            model = apply_lora(model, m.lora)
             if seeds_parameters(model):
                 init_parameters(model, cfg.seed)
-            return model
-        if m.name == "mlp":
-            if info.format != "classification":
-                raise ModelError(
-                    f"model.name=mlp needs classification data (`features`, `label`); "
-                    f"{info.path} holds {info.format}. Fix: use model.name=gpt"
-                )
-            from rayacc.models.mlp import MLP
+        return model
 
-            return MLP(info.num_features, info.num_classes, m.hidden_sizes, m.dropout)
-        if info.format != "tokens":
+
+def _build_base(cfg: TrainConfig, info: DatasetInfo) -> nn.Module:
+    """The model of `cfg` without adapters (the caller seeds the global RNG)."""
+    m = cfg.model
+    if m.name == "factory":
+        model = _call_factory(m.factory or "", info, m.kwargs)
+        if seeds_parameters(model):
+            init_parameters(model, cfg.seed)
+        return model
+    if m.name == "mlp":
+        if info.format != "classification":
             raise ModelError(
-                f"model.name={m.name} needs token data (`tokens`); {info.path} holds "
-                f"{info.format}. Fix: use model.name=mlp"
+                f"model.name=mlp needs classification data (`features`, `label`); "
+                f"{info.path} holds {info.format}. Fix: use model.name=gpt"
             )
-        if m.name == "hf":
-            from rayacc.models.hf import build_hf, resolve_hf_config
+        from rayacc.models.mlp import MLP
 
-            config = resolve_hf_config(m.hf.config, m.hf.weights)
-            return build_hf(config, m.hf.weights, info.vocab_size, info.max_tokens)
-        if info.max_tokens - 1 > m.block_size:
-            raise ModelError(
-                f"model.block_size={m.block_size} is shorter than the longest sequence of "
-                f"{info.path} ({info.max_tokens - 1} input tokens). Fix: raise model.block_size"
-            )
-        from rayacc.models.gpt import GPT
-
-        return GPT(
-            info.vocab_size, m.block_size, m.n_layer, m.n_head, m.n_embd, m.dropout, cfg.seed
+        return MLP(info.num_features, info.num_classes, m.hidden_sizes, m.dropout)
+    if info.format != "tokens":
+        raise ModelError(
+            f"model.name={m.name} needs token data (`tokens`); {info.path} holds "
+            f"{info.format}. Fix: use model.name=mlp"
         )
+    if m.name == "hf":
+        from rayacc.models.hf import build_hf, resolve_hf_config
+
+        config = resolve_hf_config(m.hf.config, m.hf.weights)
+        return build_hf(config, m.hf.weights, info.vocab_size, info.max_tokens)
+    if info.max_tokens - 1 > m.block_size:
+        raise ModelError(
+            f"model.block_size={m.block_size} is shorter than the longest sequence of "
+            f"{info.path} ({info.max_tokens - 1} input tokens). Fix: raise model.block_size"
+        )
+    from rayacc.models.gpt import GPT
+
+    return GPT(info.vocab_size, m.block_size, m.n_layer, m.n_head, m.n_embd, m.dropout, cfg.seed)
 
 
 @contextlib.contextmanager

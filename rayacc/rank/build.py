@@ -59,7 +59,9 @@ def build_rank(
     this rank's node (HSDP's `fsdp.replicate: auto` lays its mesh by the group's nodes)."""
     strategy = strategy_for(cfg, split, strategy_user, node)
     model = strategy.build(model_recipe(cfg, info), device)
-    optimizer = build_optimizer(cfg.optim, model.parameters(), lr, device, strategy)
+    # a frozen base (adapters) has no optimizer state
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = build_optimizer(cfg.optim, trainable, lr, device, strategy)
     model, optimizer = strategy.bind_optimizer(optimizer)
     loss_fn, count = loss_functions(info, cfg.train.loss_chunk_tokens, strategy)
     accumulate = AccumulationStep(

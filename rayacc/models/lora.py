@@ -1,0 +1,99 @@
+"""LoRA adapters through peft (`model.lora`; `pip install 'rayacc[hf]'`): injected into the
+model in place (peft's `inject_adapter_in_model`), so the names rayacc shards, checkpoints and
+plans by stay the model's own with peft's `base_layer` / `lora_A` / `lora_B` inside. An `hf`
+model gets them on its transformers module, so an exported adapter is the one `PeftModel`
+loads on that base."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from rayacc.config.finetune import LoraConfig
+from rayacc.models.errors import ModelError
+
+__all__ = [
+    "GPT_TARGETS",
+    "adapter_root",
+    "apply_lora",
+    "base_name",
+    "is_adapter",
+    "lora_initial_value",
+    "peft_config",
+    "trainable_count",
+]
+
+GPT_TARGETS = ["qkv", "proj"]
+"""`gpt`'s attention: the query-key-value projection and the projection back."""
+
+
+def adapter_root(model: nn.Module) -> nn.Module:
+    """The module adapters go on: an `hf` model's transformers module, else the model."""
+    return getattr(model, "hf", model)
+
+
+def peft_config(lora: LoraConfig, model: nn.Module):
+    try:
+        from peft import LoraConfig as PeftLora
+    except ImportError:
+        raise ModelError("model.lora needs peft. Fix: pip install 'rayacc[hf]'") from None
+    targets = lora.target_modules
+    if targets is None:
+        root = adapter_root(model)
+        if root is model:
+            if not any(n.rpartition(".")[2] in GPT_TARGETS for n, _ in model.named_modules()):
+                raise ModelError(
+                    "model.lora: the model has no layers named "
+                    f"{' or '.join(GPT_TARGETS)}. Fix: model.lora.target_modules naming its "
+                    "linear layers"
+                )
+            targets = GPT_TARGETS
+    return PeftLora(
+        r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets
+    )
+
+
+def apply_lora(model: nn.Module, lora: LoraConfig) -> nn.Module:
+    """Adapters on `model` in place; every other parameter frozen. Draws the adapters' start
+    from the global RNG (the caller seeds it), as peft does."""
+    from peft import inject_adapter_in_model
+
+    config = peft_config(lora, model)
+    root = adapter_root(model)
+    try:
+        inject_adapter_in_model(config, root)
+    except ValueError as exc:  # a target that matches no layer, a layer peft cannot adapt
+        raise ModelError(
+            f"model.lora: {str(exc).splitlines()[0][:300]}. Fix: model.lora.target_modules "
+            "naming linear layers of the model"
+        ) from None
+    for name, p in model.named_parameters():
+        p.requires_grad_(is_adapter(name))
+    return model
+
+
+def is_adapter(name: str) -> bool:
+    return ".lora_A." in name or ".lora_B." in name
+
+
+def base_name(name: str) -> str:
+    """The base parameter's name without the adapter's wrapping (`x.base_layer.weight` →
+    `x.weight`): a base starts as it would without adapters."""
+    return name.replace(".base_layer.", ".")
+
+
+def lora_initial_value(name: str, shape: torch.Size, generator: torch.Generator) -> torch.Tensor:
+    """peft's start of an adapter: A Kaiming-uniform (a = √5, as `nn.Linear`), B zero (the
+    adapted model starts as its base)."""
+    if ".lora_B." in name:
+        return torch.zeros(shape)
+    bound = 1.0 / math.sqrt(shape[1])  # kaiming_uniform_(a=√5) on fan_in
+    return torch.empty(shape).uniform_(-bound, bound, generator=generator)
+
+
+def trainable_count(model: nn.Module) -> tuple[int, int]:
+    """(trainable parameters, all parameters)."""
+    params = list(model.parameters())
+    return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)
