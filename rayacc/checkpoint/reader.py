@@ -29,6 +29,7 @@ from rayacc.checkpoint.manifest import (
 )
 from rayacc.checkpoint.storage import open_storage
 from rayacc.engine.parallel import ShardedState, StateFormat, state_format_named
+from rayacc.engine.parallel.state import frozen_names, load_weights
 
 __all__ = [
     "EARLIER",
@@ -221,6 +222,9 @@ def described_model(
                 for k, v in meta_model.state_dict().items()
                 if isinstance(v, torch.Tensor)
             }
+            # a frozen base (adapters) is not in a checkpoint: the build makes it
+            frozen = frozen_names(meta_model) - shapes.keys()
+            described = {k: v for k, v in described.items() if k not in frozen}
             if described != shapes:
                 other = sorted(
                     k for k in described.keys() | shapes.keys() if described.get(k) != shapes.get(k)
@@ -262,7 +266,7 @@ def _load_model(path: Path, view: Path, factory: str | None) -> nn.Module:
         if not isinstance(weights, dict):
             raise CheckpointError(malformed_message(str(Path(path) / STATE_FILE), "model"))
         held = {k: tuple(v.shape) for k, v in weights.items() if isinstance(v, torch.Tensor)}
-        load = lambda model: model.load_state_dict(weights)  # noqa: E731
+        load = lambda model: load_weights(model, weights)  # noqa: E731
     else:
         fmt, world = _parts_format(view, meta)
         held, load = _as_checkpoint_error(fmt.open_weights, shards, world)

@@ -39,7 +39,7 @@ from rayacc.engine.parallel.base import (
 )
 from rayacc.engine.parallel.deepspeed_config import deepspeed_config, read_deepspeed_user
 from rayacc.engine.parallel.deepspeed_files import read_zero_weights, vet_zero_files
-from rayacc.engine.parallel.state import StateFormat, _written
+from rayacc.engine.parallel.state import StateFormat, _written, frozen_names, load_weights
 
 __all__ = ["DeepSpeed", "DeepSpeedState", "to_universal"]
 
@@ -81,11 +81,15 @@ class DeepSpeedState(StateFormat):
     def open_weights(cls, parts, written_by):
         # DeepSpeed's files read as data, its runtime neither started nor imported
         zero = read_zero_weights(parts, written_by)
-        return {k: tuple(v.shape) for k, v in zero.items()}, lambda m: m.load_state_dict(zero)
+        return {k: tuple(v.shape) for k, v in zero.items()}, lambda m: load_weights(m, zero)
 
     def save(self, model, optimizer, folder, rank, *, background=False):
         engine = self.strategy.engine
-        engine.save_checkpoint(str(folder), tag=TAG, save_latest=False)
+        # a frozen base is not state (state.py): DeepSpeed's own switch leaves it out
+        frozen = bool(frozen_names(model))
+        engine.save_checkpoint(
+            str(folder), tag=TAG, save_latest=False, exclude_frozen_parameters=frozen
+        )
         # DeepSpeed's rank 0 copies its conversion scripts beside the files: a checkpoint holds
         # data (rank 0 removes them: the folder may be every rank's)
         if rank == 0:
@@ -107,8 +111,9 @@ class DeepSpeedState(StateFormat):
         # for `written_by` ranks, so nothing else reaches DeepSpeed's loader
         vet_zero_files(zero, written_by)
         engine = self.strategy.engine
+        strict = not frozen_names(model)
         if written_by == _world():
-            path, _ = engine.load_checkpoint(str(folder), tag=TAG)
+            path, _ = engine.load_checkpoint(str(folder), tag=TAG, load_module_strict=strict)
         else:
             # written at another number of ranks: through DeepSpeed's universal checkpoint
             # (each parameter's fp32 value and optimizer state whole, resharded as it loads);
@@ -117,7 +122,7 @@ class DeepSpeedState(StateFormat):
                 to_universal(zero, Path(tmp) / TAG)
                 engine._config.load_universal_checkpoint = True
                 try:
-                    path, _ = engine.load_checkpoint(tmp, tag=TAG)
+                    path, _ = engine.load_checkpoint(tmp, tag=TAG, load_module_strict=strict)
                 finally:
                     engine._config.load_universal_checkpoint = False
         if path is None:

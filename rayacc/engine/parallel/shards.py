@@ -171,7 +171,7 @@ def save_sharded(
     from torch.distributed.checkpoint import async_save, save
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    model_state, optimizer_state = get_state_dict(model, optimizer)
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=_options(model))
     state = _chunked({"model": model_state, "optimizer": optimizer_state})
     writer = FileSystemWriter(os.fspath(folder), single_file_per_rank=True)
     if group is None:
@@ -185,7 +185,9 @@ def load_sharded(folder: str | Path, model: nn.Module, optimizer: torch.optim.Op
     number of ranks (a collective)."""
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    model_state, optimizer_state = get_state_dict(model, optimizer)
+    options = _options(model)
+    # what is asked for is what must be there: DCP's read refuses a checkpoint without it
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=options)
     placed = {"model": model_state, "optimizer": optimizer_state}
     state = _chunked(placed)
     _load(state, folder)
@@ -197,7 +199,19 @@ def load_sharded(folder: str | Path, model: nn.Module, optimizer: torch.optim.Op
         optimizer,
         model_state_dict=state["model"],
         optim_state_dict=state["optimizer"],
+        options=options,
     )
+
+
+def _options(model: nn.Module):
+    """A model with frozen parameters (adapters on a base): its state leaves them out."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    from rayacc.engine.parallel.state import frozen_names
+
+    if not frozen_names(model):
+        return None
+    return StateDictOptions(ignore_frozen_params=True, strict=False)
 
 
 def _chunked(state: Any) -> Any:
@@ -242,9 +256,11 @@ def _placed_as(loaded: Any, placed: Any) -> Any:
 def load_model_shards(folder: str | Path, model: nn.Module) -> None:
     """Loads the model part of a `save_sharded` folder whole into an unsharded model, in this
     process alone (no process group): for inference."""
-    state = {"model": model.state_dict()}
+    from rayacc.engine.parallel.state import load_weights, without_frozen
+
+    state = {"model": without_frozen(model, model.state_dict())}
     _load(state, folder, no_dist=True)
-    model.load_state_dict(state["model"])
+    load_weights(model, state["model"])
 
 
 def _load(state: dict, folder: str | Path, no_dist: bool = False) -> None:

@@ -2,7 +2,10 @@
 strategy (`Strategy.state`), not part of its stepping. `WholeState`: rank 0 writes the
 unwrapped model's and the optimizer's whole state dicts (a replicated model); `ShardedState`:
 every rank writes its shards through `torch.distributed.checkpoint`, which loads at any number
-of ranks (a sharded model). Another format (DeepSpeed's own, say) is one more class."""
+of ranks (a sharded model). Another format (DeepSpeed's own, say) is one more class.
+
+A frozen parameter (a base under adapters) is not state: the build makes it, every format
+leaves it out, and a load wants every other value (`frozen_names`, `load_weights`)."""
 
 from __future__ import annotations
 
@@ -17,7 +20,16 @@ from torch import nn
 
 from rayacc.engine.units import unwrap
 
-__all__ = ["SHARDS_DIR", "ShardedState", "StateFormat", "WholeState", "host_copy"]
+__all__ = [
+    "SHARDS_DIR",
+    "ShardedState",
+    "StateFormat",
+    "WholeState",
+    "frozen_names",
+    "host_copy",
+    "load_weights",
+    "without_frozen",
+]
 
 SHARDS_DIR = "shards"
 
@@ -36,6 +48,29 @@ def host_copy(state: Any) -> Any:
     if isinstance(state, list | tuple):
         return type(state)(host_copy(v) for v in state)
     return state
+
+
+def frozen_names(model: nn.Module) -> set[str]:
+    """The state-dict names of the model's frozen parameters."""
+    return {name for name, p in unwrap(model).named_parameters() if not p.requires_grad}
+
+
+def without_frozen(model: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
+    frozen = frozen_names(model)
+    return {k: v for k, v in state.items() if k not in frozen} if frozen else state
+
+
+def load_weights(model: nn.Module, weights: dict[str, Any]) -> None:
+    """`weights` into `model`: every value but its frozen parameters' (which may be there), and
+    nothing else (ValueError naming what is missing or unknown)."""
+    model = unwrap(model)
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    missing = sorted(set(missing) - frozen_names(model))
+    if missing or unexpected:
+        raise ValueError(
+            f"the weights do not fit the model (missing {', '.join(missing[:3]) or 'none'}; "
+            f"unknown {', '.join(unexpected[:3]) or 'none'})"
+        )
 
 
 class StateFormat(ABC):
@@ -109,7 +144,8 @@ class WholeState(StateFormat):
     def save(self, model, optimizer, folder, rank, *, background=False):
         if rank != 0:
             return {}, _written
-        whole = {"model": unwrap(model).state_dict(), "optimizer": optimizer.state_dict()}
+        weights = without_frozen(model, unwrap(model).state_dict())
+        whole = {"model": weights, "optimizer": optimizer.state_dict()}
         # the state dicts hold the live tensors: a copy, before the next step changes them
         return (host_copy(whole) if background else whole), _written
 
@@ -119,7 +155,7 @@ class WholeState(StateFormat):
                 f"{folder} holds a sharded checkpoint (written under FSDP): "
                 "this model is replicated"
             )
-        unwrap(model).load_state_dict(saved["model"])
+        load_weights(model, saved["model"])
         optimizer.load_state_dict(saved["optimizer"])
 
 
