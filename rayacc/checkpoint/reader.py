@@ -161,10 +161,13 @@ def described_model(
     description: dict,
     factory: str | None,
     shapes: dict[str, tuple[int, ...]] | None = None,
+    base: tuple[str | None, object] = (None, None),
 ) -> nn.Module:
     """The model a checkpoint's description builds (its initial weights). `shapes`: those of
     the weights the checkpoint holds; a built-in model is first built on the meta device and
-    must have them, so a description of a huge model costs nothing before it is refused."""
+    must have them, so a description of a huge model costs nothing before it is refused.
+    `base`: (the weights folder the caller names as a LoRA run's base, the digest the run
+    recorded of its base)."""
     from pydantic import ValidationError
 
     from rayacc.config import TrainConfig
@@ -187,8 +190,10 @@ def described_model(
                 f"{source} names its transformers config by a path, not the config itself "
                 f"(rayacc writes the config). {EARLIER}"
             )
-        hf = cfg.model.hf.model_copy(update={"weights": None})
+        hf = cfg.model.hf.model_copy(update={"weights": _base(path, cfg, *base)})
         cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"hf": hf})})
+    elif base[0] is not None:
+        raise CheckpointError(f"{path}: --base names the base of a LoRA run over hf weights")
     if cfg.model.name == "factory":
         if factory is None:
             raise CheckpointError(
@@ -215,8 +220,11 @@ def described_model(
         return build_model(cfg, info)
     try:
         if shapes is not None:
+            # shapes only: a base's weights are not read for them
+            hf = cfg.model.hf.model_copy(update={"weights": None})
+            shaped = cfg.model_copy(update={"model": cfg.model.model_copy(update={"hf": hf})})
             with torch.device("meta"):
-                meta_model = build_model(cfg, info)
+                meta_model = build_model(shaped, info)
             described = {
                 k: tuple(v.shape)
                 for k, v in meta_model.state_dict().items()
@@ -244,21 +252,45 @@ def described_model(
         ) from None
 
 
-def load_model(path: str | Path, factory: str | None = None) -> nn.Module:
+def _base(path, cfg, given: str | None, recorded: object) -> str | None:
+    """The weights a LoRA run's base is read from: the folder the caller names, when its
+    files are the ones the run trained on (their sha256 in the run's identity)."""
+    from rayacc.models.lora import base_identity
+
+    if cfg.model.lora is None or not cfg.model.hf.weights:
+        if given is not None:
+            raise CheckpointError(f"{path}: --base names the base of a LoRA run over hf weights")
+        return None
+    if given is None:
+        raise CheckpointError(
+            f"{path} holds the adapters of a LoRA run on the base {cfg.model.hf.weights}, "
+            "which its checkpoints do not hold. Fix: name the base you trust: --base DIR "
+            "(load_model(path, base=DIR))"
+        )
+    if not Path(given).expanduser().is_dir() or base_identity(given) != recorded:
+        raise CheckpointError(
+            f"--base {given}: not the base the adapters of {path} were trained on (the sha256 "
+            "of its files differs from the run's). Fix: the weights folder the run started from"
+        )
+    return given
+
+
+def load_model(path: str | Path, factory: str | None = None, base: str | None = None) -> nn.Module:
     """The model saved in a checkpoint folder, with its weights, in eval mode, on the CPU.
 
     A checkpoint is data: it must not be able to run code here. A built-in model (`mlp`,
     `gpt`) is rebuilt from its description; a user factory's model only when the caller names
     the factory (`factory="package.module:function"`, which the caller trusts): the one the
     checkpoint names is never imported on its word. The factory is called with the
-    checkpoint's `model.kwargs`."""
+    checkpoint's `model.kwargs`. A LoRA run over hf weights holds the adapters only: its base
+    is read from `base`, a folder the caller names, checked against the run's record."""
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="rayacc-view-") as view:
-        return _load_model(Path(path), Path(view), factory)
+        return _load_model(Path(path), Path(view), factory, base)
 
 
-def _load_model(path: Path, view: Path, factory: str | None) -> nn.Module:
+def _load_model(path: Path, view: Path, factory: str | None, base: str | None) -> nn.Module:
     state, description, meta = read_checkpoint(path, into=view)
     shards = shards_of(view, meta)
     if shards is None:
@@ -270,7 +302,10 @@ def _load_model(path: Path, view: Path, factory: str | None) -> nn.Module:
     else:
         fmt, world = _parts_format(view, meta)
         held, load = _as_checkpoint_error(fmt.open_weights, shards, world)
-    model = described_model(path, description, factory, held)
+    from rayacc.models.lora import BASE_KEY
+
+    identity = meta.get("identity") if isinstance(meta.get("identity"), dict) else {}
+    model = described_model(path, description, factory, held, (base, identity.get(BASE_KEY)))
     from rayacc.engine.parallel.shards import ShardError
 
     try:

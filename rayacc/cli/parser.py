@@ -75,6 +75,14 @@ def build_parser() -> argparse.ArgumentParser:
             help="the model factory a user factory model's checkpoint is rebuilt with (a "
             "checkpoint never names code to run on its own word)",
         )
+        p.add_argument(
+            "--base",
+            type=ExistingPath("the weights folder a LoRA run started from"),
+            default=None,
+            metavar="DIR",
+            help="a LoRA run over model.hf.weights: that base's folder (its checkpoints hold "
+            "the adapters only; checked against the run's record of the base)",
+        )
 
     p = sub.add_parser(
         "train", help="run a training job on Ray (local Ray unless RAY_ADDRESS is set)"

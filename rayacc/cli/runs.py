@@ -72,6 +72,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
         seed=args.seed,
         storage=args.storage,
         factory=args.factory,
+        base=args.base,
     )
     for note in result.passed_over:
         print(f"rayacc: passed over {redact(note)}", file=sys.stderr)
@@ -93,6 +94,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         fmt=args.format,
         storage=args.storage,
         factory=args.factory,
+        base=args.base,
         merge=args.merge,
     )
     for note in done.passed_over:

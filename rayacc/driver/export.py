@@ -37,6 +37,7 @@ def export_model(
     storage: str | None = None,
     factory: str | None = None,
     merge: bool = False,
+    base: str | None = None,
 ) -> Exported:
     """Writes the weights of RUN_OR_CHECKPOINT `target` to the new folder `out`."""
     from rayacc.checkpoint.reader import load_model
@@ -57,10 +58,10 @@ def export_model(
     checkpoint = find_checkpoint(target, storage, passed_over)
     with tempfile.TemporaryDirectory(prefix="rayacc-export-") as scratch:
         local = _local(checkpoint, scratch)
-        model = load_model(local, factory=factory)
+        model = load_model(local, factory=factory, base=base)
         vocabulary = _vocabulary(local) if fmt == "hf" or merge else None
         if fmt == "peft":
-            model = _as_peft(model, local)
+            model = _as_peft(model, local, base)
             if merge:
                 model, fmt = model.merge_and_unload(), "hf"
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -121,7 +122,7 @@ def _write(model, folder: Path, fmt: str) -> str:
     )
 
 
-def _as_peft(model, folder: str):
+def _as_peft(model, folder: str, base_folder: str | None):
     """The run's base (the checkpoint's weights without the adapters: nothing is read outside
     the folder) under a `PeftModel` holding the checkpoint's adapters."""
     import copy
@@ -145,7 +146,10 @@ def _as_peft(model, folder: str):
             parent, _, leaf = name.rpartition(".")
             setattr(base.get_submodule(parent), leaf, module.base_layer)
     del base.peft_config
-    peft_model = get_peft_model(base, copy.deepcopy(config))
+    config = copy.deepcopy(config)
+    # what the adapter names as its base: the folder the caller named (none: built from the seed)
+    config.base_model_name_or_path = str(Path(base_folder).resolve()) if base_folder else None
+    peft_model = get_peft_model(base, config)
     loaded = set_peft_model_state_dict(
         peft_model, {f"base_model.model.{k}": v for k, v in adapters.items()}
     )

@@ -159,10 +159,11 @@ def sample(
     storage: str | None = None,
     device: str | None = None,
     factory: str | None = None,
+    base: str | None = None,
 ) -> Sample:
     """`tokens` new tokens after `prompt` (none: a line break) from the model of
     RUN_OR_CHECKPOINT `target`, sharded checkpoints included. `factory`: the model factory a
-    user factory's checkpoint is rebuilt with (`load_model`)."""
+    user factory's checkpoint is rebuilt with, `base`: a LoRA run's base weights (`load_model`)."""
     from rayacc.checkpoint.reader import load_model
     from rayacc.data.common import DataError
     from rayacc.models.generate import generate
@@ -180,7 +181,7 @@ def sample(
     if not start:
         raise DataError("--prompt: encodes to no tokens. Fix: give some text")
     with tempfile.TemporaryDirectory(prefix="rayacc-sample-") as scratch:
-        model = load_model(_local(checkpoint, scratch), factory=factory)
+        model = load_model(_local(checkpoint, scratch), factory=factory, base=base)
     bad = [
         n for n, p in model.state_dict().items() if p.is_floating_point() and not p.isfinite().all()
     ]

@@ -15,9 +15,11 @@ from rayacc.config.finetune import LoraConfig
 from rayacc.models.errors import ModelError
 
 __all__ = [
+    "BASE_KEY",
     "GPT_TARGETS",
     "adapter_root",
     "apply_lora",
+    "base_identity",
     "base_name",
     "is_adapter",
     "lora_initial_value",
@@ -27,6 +29,27 @@ __all__ = [
 
 GPT_TARGETS = ["qkv", "proj"]
 """`gpt`'s attention: the query-key-value projection and the projection back."""
+
+
+BASE_KEY = "base weights (sha256 of the folder's files)"
+"""The run identity's entry of a LoRA run's base weights (checked on resume, and when a
+checkpoint is read back with the base the caller names)."""
+
+
+def base_identity(weights: str) -> str:
+    """sha256 over a weights folder's files (names, sizes, contents), read once: an adapter
+    is trained on one base, and a base changed in place under the same path is another."""
+    import hashlib
+    from pathlib import Path
+
+    folder = Path(weights).expanduser()
+    digest = hashlib.sha256()
+    for path in sorted(p for p in folder.rglob("*") if p.is_file() and not p.name.startswith(".")):
+        digest.update(f"{path.relative_to(folder)}\0{path.stat().st_size}\0".encode())
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 24):
+                digest.update(chunk)
+    return digest.hexdigest()
 
 
 def adapter_root(model: nn.Module) -> nn.Module:

@@ -242,6 +242,11 @@ def run_identity(cfg: TrainConfig, info: DatasetInfo) -> dict[str, object]:
     }
     identity["dataset (Parquet files, sizes, row counts)"] = info.fingerprint
     identity["data order"] = order_kind(cfg, info)
+    if cfg.model.lora is not None and cfg.model.name == "hf" and cfg.model.hf.weights:
+        from rayacc.models.lora import BASE_KEY, base_identity
+
+        # the base is not in the checkpoints: its files are what the adapters belong to
+        identity[BASE_KEY] = base_identity(cfg.model.hf.weights)
     # credentials are not identity (and a checkpoint must not hold them)
     return redact(json.loads(json.dumps(identity)))
 
