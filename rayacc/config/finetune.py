@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-__all__ = ["LoraConfig"]
+__all__ = ["LoraConfig", "finetune_rules"]
 
 
 class LoraConfig(BaseModel):
@@ -26,3 +26,62 @@ class LoraConfig(BaseModel):
     target_modules: list[str] | None = None
     """Names (or name endings) of the linear layers that get adapters; null: `gpt`'s attention
     (qkv, proj), or the layers peft lists for an `hf` model's architecture."""
+
+
+def finetune_rules(sections: dict) -> list:
+    """What `model.lora` and `train.loss` cannot be combined with, as config issues."""
+    from rayacc.config.errors import MISSING, ConfigIssue
+
+    model, train = sections.get("model"), sections.get("train")
+    issues = []
+    lora = getattr(model, "lora", None)
+    if lora is not None and model.name == "mlp":
+        issues.append(
+            ConfigIssue(
+                "model.lora",
+                "adapts linear layers of gpt, hf or a factory's model, not the mlp",
+                MISSING,
+                "remove model.lora",
+            )
+        )
+    if lora is not None and model.name == "factory" and not lora.target_modules:
+        issues.append(
+            ConfigIssue(
+                "model.lora.target_modules",
+                "is empty for a factory's model",
+                None,
+                "name the linear layers to adapt (names or name endings)",
+            )
+        )
+    if lora is not None and train is not None and train.tensor_parallel > 1:
+        issues.append(
+            ConfigIssue(
+                "model.lora",
+                "with train.tensor_parallel > 1: the adapters' layers are "
+                "not in the tensor-parallel plan",
+                MISSING,
+                "set train.tensor_parallel: 1 (FSDP or ZeRO-3 shard the base)",
+            )
+        )
+    if train is not None and train.loss is not None:
+        if train.precision == "fp16":
+            issues.append(
+                ConfigIssue(
+                    "train.loss",
+                    "with train.precision fp16: fp16's loss scale needs "
+                    "the count of loss items before the forward, and train.loss counts "
+                    "them in it",
+                    train.loss,
+                    "use bf16 or fp32",
+                )
+            )
+        if "loss_chunk_tokens" in train.model_fields_set and train.loss_chunk_tokens:
+            issues.append(
+                ConfigIssue(
+                    "train.loss_chunk_tokens",
+                    "is rayacc's chunked cross-entropy, which train.loss replaces",
+                    train.loss_chunk_tokens,
+                    "remove train.loss_chunk_tokens",
+                )
+            )
+    return issues

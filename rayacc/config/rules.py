@@ -11,6 +11,7 @@ from rayacc.config.batch_split import (
     split_for_workers,
 )
 from rayacc.config.errors import MISSING, ConfigIssue
+from rayacc.config.finetune import finetune_rules
 from rayacc.config.strategies import strategies, strategy_sections
 
 # the sections (config/schema.py) arrive as arguments: this module imports nothing of the schema,
@@ -296,6 +297,7 @@ def cross_field_issues(sections: dict[str, Any]) -> list[ConfigIssue]:
     issues: list[ConfigIssue] = []
     if model is not None:
         issues += _model_rules(model, data)
+    issues += finetune_rules(sections)
     if scaling is not None:
         scaling_issues = _scaling_rules(scaling)
         issues += scaling_issues

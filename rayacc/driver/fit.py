@@ -32,11 +32,12 @@ from rayacc.driver.prelaunch import Prepared, check_cluster, locate, prepare
 from rayacc.driver.ray_record import retain
 from rayacc.driver.resume import run_to_fit
 from rayacc.driver.runs import RunLocation
+from rayacc.models.errors import ModelError
 from rayacc.observe.events import RunObserver, RunStarted
 from rayacc.observe.goodput import Goodput
 from rayacc.observe.relay import FiguresRelay
 from rayacc.redact import redact
-from rayacc.worker.checkpoint import NoCheckpointLoads
+from rayacc.worker.checkpoint import NoCheckpointLoads, raised_by_ranks
 
 __all__ = [
     "FitResult",
@@ -142,8 +143,7 @@ def ensure_ray(scaling: ScalingConfig) -> None:
         logging_level=logging.WARNING,
         # workers report through rayacc's own records; RAYACC_VERBOSE=1 shows Ray's worker logs
         log_to_driver=env.verbose(),
-        # no idle workers started ahead: Ray Train's actors carry a runtime env of their own
-        # and never use them, and on a small machine they take the workers' CPU at the start
+        # no idle workers ahead: Ray Train's actors (own runtime env) never use them, they take CPU
         _system_config={"prestart_worker_first_driver": False},
         runtime_env={"env_vars": scaling.ray_train_env()},
     )
@@ -286,8 +286,8 @@ class TrainerRun:
         _relay(self.buffer, self.ranks, observers)
         if "error" in self.outcome:
             exc = self.outcome["error"]
-            if (refused := NoCheckpointLoads.within(exc)) is not None:
-                raise CheckpointError(str(refused)) from None
+            if (mine := raised_by_ranks(exc, (NoCheckpointLoads, ModelError))) is not None:
+                raise mine from None  # the user's, as a check on the driver would raise it
             raise TrainingError(f"training failed: {exc}") from exc
         return self.outcome["result"]
 

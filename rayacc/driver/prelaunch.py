@@ -96,13 +96,16 @@ def check(cfg: TrainConfig, scope: str = "run") -> Prepared | None:
     everything, returned as `prepare` resolves it; `plan`: everything but the pass over the
     data (places, the model factory); `submit`: what this machine can judge of a job the
     cluster runs (the URIs' schemes, the model factory's import: the project is uploaded)."""
-    from rayacc.models.registry import resolve_factory
+    from rayacc.models.objective import OBJECTIVE_FIX
+    from rayacc.models.registry import resolve_callable, resolve_factory
 
     if scope == "run":
         return prepare(cfg)
     check_places(cfg, here=scope == "plan")
     if cfg.model.name == "factory":
         resolve_factory(cfg.model.factory or "")
+    if cfg.train.loss is not None:
+        resolve_callable("train.loss", cfg.train.loss, OBJECTIVE_FIX)
     return None
 
 
@@ -116,6 +119,11 @@ def prepare(cfg: TrainConfig) -> Prepared:
     source = read_source(cfg.data.source, cfg.data.cache_dir, cfg.data.seq_len)
     info, groups = source.info, source.groups
     model = build_on_meta(cfg, info)
+    if cfg.train.loss is not None:
+        from rayacc.models.objective import OBJECTIVE_FIX
+        from rayacc.models.registry import resolve_callable
+
+        resolve_callable("train.loss", cfg.train.loss, OBJECTIVE_FIX)
     if cfg.train.tensor_parallel > 1:
         check_tensor_plan(model, cfg.train.tensor_parallel)
     order = data_order(cfg, info, groups)

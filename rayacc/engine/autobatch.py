@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from rayacc.engine.collectives import all_reduce
-from rayacc.engine.losses import Batch, LossFn
+from rayacc.engine.losses import Batch, LossFn, summed
 from rayacc.engine.parallel import Strategy, strategy_of
 
 __all__ = [
@@ -120,7 +120,7 @@ def measure_step_bytes(
             torch.cuda.reset_peak_memory_stats(device)
             with strategy.sync_context(False), ctx:
                 # through the strategy: an engine that owns the backward (DeepSpeed) must see it
-                strategy.backward(loss_fn(model, batch).float().sum())
+                strategy.backward(summed(loss_fn(model, batch))[0])
             torch.cuda.synchronize(device)
             return torch.cuda.max_memory_allocated(device) + optimizer_bytes
         saved: dict[int, int] = {}
@@ -137,7 +137,7 @@ def measure_step_bytes(
         with strategy.sync_context(False), ctx:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 losses = loss_fn(model, batch)
-            strategy.backward(losses.float().sum())
+            strategy.backward(summed(losses)[0])
         params = _param_bytes(model)
         # FSDP window_end holds every rank's whole gradients across the window, not its shard
         grads = params * (_world() if strategy.contract.holds_whole_gradients else 1)

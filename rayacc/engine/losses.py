@@ -2,8 +2,9 @@
 
 A loss function returns one loss per loss item (ignored items contribute exactly 0), or their
 sum as a 0-dim tensor (a fused kernel such as `chunked_cross_entropy_sum` never forms the
-per-item values); an item counter says how many real items a micro-batch holds. The
-accumulation step normalises.
+per-item values), or the pair (sum, count) of an objective that counts its own items; an item
+counter says how many real items a micro-batch holds (0 for such an objective: its items come
+with its losses). The accumulation step normalises.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ __all__ = [
     "collate_tokens",
     "count_rows",
     "count_target_tokens",
+    "counted_with_losses",
+    "summed",
     "to_device",
     "token_item_losses",
 ]
@@ -42,6 +45,19 @@ def to_device(
 
 IGNORE_INDEX = -100
 """Target value of padding positions; matches F.cross_entropy's default ignore_index."""
+
+
+def summed(out: torch.Tensor | tuple[torch.Tensor, int]) -> tuple[torch.Tensor, int]:
+    """A loss function's result as (its sum in float32 or wider, the items it counted itself:
+    0 where its counter counts them)."""
+    if isinstance(out, tuple):
+        return out[0].float(), out[1]
+    return out.float().sum(), 0
+
+
+def counted_with_losses(batch: Batch) -> int:
+    """The item counter of an objective that returns its own count with its losses."""
+    return 0
 
 
 def count_rows(batch: Batch) -> int:

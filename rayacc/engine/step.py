@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from rayacc.engine.collectives import all_reduce
-from rayacc.engine.losses import Batch, ItemCounter, LossFn, count_rows
+from rayacc.engine.losses import Batch, ItemCounter, LossFn, count_rows, summed
 from rayacc.engine.parallel import Strategy, strategy_of
 from rayacc.engine.precision import PRECISIONS, autocast
 from rayacc.engine.result import StepResult
@@ -280,7 +280,9 @@ class AccumulationStep:
                 with self.strategy.sync_context(last):
                     with self._autocast():
                         item_losses = loss_fn(self.model, mb)
-                    micro_sum = item_losses.float().sum()
+                    # an objective that counts its own items hands them over with its losses
+                    micro_sum, counted = summed(item_losses)
+                    counts[0] += counted
                     micro_sums.append(micro_sum.detach())
                     if last:
                         # summed over ranks with the gradients: loss, items, samples, a

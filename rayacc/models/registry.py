@@ -19,6 +19,7 @@ from rayacc.engine import (
     token_item_losses,
 )
 from rayacc.engine.chunked_loss import chunked_cross_entropy_sum
+from rayacc.engine.losses import counted_with_losses
 from rayacc.engine.parallel import Strategy
 from rayacc.engine.parallel import unwrap as unwrap_model
 from rayacc.models.errors import ModelError
@@ -44,21 +45,24 @@ _FACTORY_FIX = (
 
 
 def resolve_factory(spec: str) -> Callable[..., nn.Module]:
+    return resolve_callable("model.factory", spec, _FACTORY_FIX)
+
+
+def resolve_callable(field: str, spec: str, fix: str) -> Callable:
+    """The function `package.module:function` a config field names (ModelError naming the
+    field, what is wrong and `fix`)."""
     module_name, colon, fn_name = spec.partition(":")
     if not colon or not module_name or not fn_name:
-        raise ModelError(f"model.factory={spec!r} is not `package.module:function`. {_FACTORY_FIX}")
+        raise ModelError(f"{field}={spec!r} is not `package.module:function`. {fix}")
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:  # an error inside the module is the user's, as a missing one is
         raise ModelError(
-            f"model.factory={spec!r}: cannot import {module_name!r} "
-            f"({type(exc).__name__}: {exc}). {_FACTORY_FIX}"
+            f"{field}={spec!r}: cannot import {module_name!r} ({type(exc).__name__}: {exc}). {fix}"
         ) from None
     fn = getattr(module, fn_name, None)
     if not callable(fn):
-        raise ModelError(
-            f"model.factory={spec!r}: {module_name} has no callable {fn_name!r}. {_FACTORY_FIX}"
-        )
+        raise ModelError(f"{field}={spec!r}: {module_name} has no callable {fn_name!r}. {fix}")
     return fn
 
 
@@ -179,11 +183,23 @@ def supports_chunked_loss(model: nn.Module, inside_forward: bool) -> bool:
     return isinstance(getattr(inner, "head", None), nn.Linear) and needed in takes
 
 
-def loss_functions(info: DatasetInfo, chunk: int | None = None, strategy: Strategy | None = None):
-    """(per-item loss, item counter) for a dataset format. Token models that support it (see
+def loss_functions(
+    info: DatasetInfo,
+    chunk: int | None = None,
+    strategy: Strategy | None = None,
+    objective: str | None = None,
+):
+    """(per-item loss, item counter) for a dataset format, or the user's `objective`
+    (`train.loss`, counting its own items). Token models that support it (see
     `supports_chunked_loss`) get the chunked cross-entropy when `chunk` is set; where it runs
     is the strategy's word (`Contract.gathers_in_forward`: a sharded head is whole only inside
     the forward that gathered it)."""
+    if objective is not None:
+        from rayacc.models.objective import OBJECTIVE_FIX, Objective
+
+        fn = resolve_callable("train.loss", objective, OBJECTIVE_FIX)
+        key = "features" if info.format == "classification" else "input"
+        return Objective(objective, fn, key), counted_with_losses
     if info.format == "classification":
         return classification_item_losses, count_rows
     inside = strategy is not None and strategy.contract.gathers_in_forward

@@ -63,7 +63,7 @@ def build_rank(
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = build_optimizer(cfg.optim, trainable, lr, device, strategy)
     model, optimizer = strategy.bind_optimizer(optimizer)
-    loss_fn, count = loss_functions(info, cfg.train.loss_chunk_tokens, strategy)
+    loss_fn, count = loss_functions(info, cfg.train.loss_chunk_tokens, strategy, cfg.train.loss)
     accumulate = AccumulationStep(
         model,
         optimizer,

@@ -33,7 +33,7 @@ from rayacc.checkpoint.upload import PartUpload, staging_folder, sweep_stale_sta
 from rayacc.engine.random_state import RandomStreams
 from rayacc.redact import redact
 
-__all__ = ["Checkpointer", "NoCheckpointLoads", "WorkerParts"]
+__all__ = ["Checkpointer", "NoCheckpointLoads", "WorkerParts", "raised_by_ranks"]
 
 
 class NoCheckpointLoads(CheckpointError):
@@ -41,18 +41,20 @@ class NoCheckpointLoads(CheckpointError):
     loads): the run ends with each folder and why, instead of training from the beginning
     (or failing the same way at every restart)."""
 
-    @classmethod
-    def within(cls, exc: BaseException) -> NoCheckpointLoads | None:
-        """The ranks' NoCheckpointLoads inside a failed fit (Ray Train's WorkerGroupError
-        holds each rank's error, a task error wrapping it): a user's error on the driver, not
-        a training failure."""
-        seen: list[BaseException] = [exc, *getattr(exc, "worker_failures", {}).values()]
-        while seen:
-            e = seen.pop()
-            if isinstance(e, cls):
-                return e
-            seen += [c for c in (getattr(e, "cause", None), e.__cause__) if c is not None]
-        return None
+
+def raised_by_ranks(
+    exc: BaseException, kinds: tuple[type[BaseException], ...]
+) -> BaseException | None:
+    """An error of `kind` a rank raised inside a failed fit (Ray Train's WorkerGroupError holds
+    each rank's error, a task error wrapping it): a user's error on the driver (exit 2), not a
+    training failure."""
+    seen: list[BaseException] = [exc, *getattr(exc, "worker_failures", {}).values()]
+    while seen:
+        e = seen.pop()
+        if isinstance(e, kinds):
+            return e
+        seen += [c for c in (getattr(e, "cause", None), e.__cause__) if c is not None]
+    return None
 
 
 class Checkpointer:

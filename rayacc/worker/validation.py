@@ -11,6 +11,7 @@ import torch
 
 from rayacc.data.rows import LocalRows
 from rayacc.engine import Strategy, all_reduce, autocast, to_device
+from rayacc.engine.losses import summed
 
 __all__ = ["Validator"]
 
@@ -61,8 +62,9 @@ class Validator:
                 if self.classification:
                     correct = inner(mb["features"]).argmax(-1) == mb["label"]
             if b < own:
-                totals[0] += float(losses.float().sum())
-                totals[1] += self.count(mb)
+                loss, counted = summed(losses)
+                totals[0] += float(loss)
+                totals[1] += self.count(mb) + counted
                 totals[2] += float(correct.sum()) if self.classification else 0.0
         inner.train(was_training)
         loss_sum, items, correct = all_reduce(totals).tolist()

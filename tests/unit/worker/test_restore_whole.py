@@ -21,7 +21,7 @@ from rayacc.config.batch_split import BatchSplit
 from rayacc.engine import TrainState
 from rayacc.engine.parallel.state import WholeState
 from rayacc.engine.random_state import RandomStreams
-from rayacc.worker.checkpoint import Checkpointer, NoCheckpointLoads, WorkerParts
+from rayacc.worker.checkpoint import Checkpointer, NoCheckpointLoads, WorkerParts, raised_by_ranks
 
 
 @dataclass
@@ -154,6 +154,9 @@ def test_the_driver_finds_the_ranks_refusal_inside_ray_trains_failure():
     refused = NoCheckpointLoads("no checkpoint of run /runs/r loads: step 4 (KeyError)")
     wrapped = RayTaskError("train_fn", "Traceback …", refused)
     failure = WorkerGroupError("rank 0 failed", {0: wrapped, 1: RuntimeError("gloo: peer gone")})
-    found = NoCheckpointLoads.within(failure)
+    found = raised_by_ranks(failure, (NoCheckpointLoads,))
     assert found is not None and "step 4" in str(found)
-    assert NoCheckpointLoads.within(WorkerGroupError("x", {0: RuntimeError("oom")})) is None
+    assert (
+        raised_by_ranks(WorkerGroupError("x", {0: RuntimeError("oom")}), (NoCheckpointLoads,))
+        is None
+    )

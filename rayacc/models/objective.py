@@ -1,0 +1,66 @@
+"""The user's objective (`train.loss: package.module:function`): called per micro-batch as
+`function(output, batch)` with the model's output on the batch's input and the batch itself,
+it returns (the sum of its loss items, their count). rayacc keeps the rest: the count summed
+over micro-steps, ranks and the short last window divides the summed losses once, as for its
+own cross-entropy (engine/step.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from rayacc.engine.losses import Batch
+from rayacc.models.errors import ModelError
+
+__all__ = ["OBJECTIVE_FIX", "Objective"]
+
+OBJECTIVE_FIX = (
+    "Fix: train.loss is `package.module:function`, importable on every node, called as "
+    "`function(output, batch)` and returning (sum of its loss items as a 0-dim tensor, their "
+    "count as an int)"
+)
+
+
+class Objective:
+    """The user's function as a loss function of rayacc's (engine/losses.py): the forward on
+    `input_key`, the function, its return checked. Its count is read on the host: one device
+    sync per micro-step on a GPU."""
+
+    def __init__(self, spec: str, fn: Callable, input_key: str):
+        self.spec, self.fn, self.input_key = spec, fn, input_key
+
+    def __call__(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, int]:
+        out = self.fn(model(batch[self.input_key]), batch)
+        return checked(self.spec, out)
+
+
+def checked(spec: str, out: object) -> tuple[torch.Tensor, int]:
+    """(loss sum as a 0-dim tensor, count as an int) from what the function returned."""
+    if not isinstance(out, tuple | list) or len(out) != 2:
+        raise ModelError(
+            f"train.loss={spec!r} returned {_kind(out)}, not a pair (sum, count). {OBJECTIVE_FIX}"
+        )
+    total, count = out
+    if not isinstance(total, torch.Tensor) or total.numel() != 1 or not total.is_floating_point():
+        raise ModelError(
+            f"train.loss={spec!r}: the sum it returned is {_kind(total)}, not a one-number "
+            f"floating tensor (the summed loss, with its graph). {OBJECTIVE_FIX}"
+        )
+    if isinstance(count, torch.Tensor) and count.numel() == 1:
+        count = count.item()
+    if isinstance(count, float) and count.is_integer():
+        count = int(count)
+    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+        raise ModelError(
+            f"train.loss={spec!r}: the count it returned is {_kind(count)}, not a whole number "
+            f"≥ 0 (how many loss items the sum holds). {OBJECTIVE_FIX}"
+        )
+    return total.reshape(()), count
+
+
+def _kind(value: object) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)} ({value.dtype})"
+    return f"{value!r}"[:60] if isinstance(value, int | float) else f"a {type(value).__name__}"
