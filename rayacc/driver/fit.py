@@ -91,11 +91,8 @@ class FitResult:
         # the history holds every step's record: a repr of it all would fill the screen
         m = self.metrics
         parts = [f"run_name={self.run_name!r}", f"steps={m.get('step', len(self.history))}"]
-        for key, name in (
-            ("train/loss", "train_loss"),
-            ("val/loss", "val_loss"),
-            ("val/accuracy", "val_acc"),
-        ):
+        names = {"train/loss": "train_loss", "val/loss": "val_loss", "val/accuracy": "val_acc"}
+        for key, name in names.items():
             if isinstance(m.get(key), (int, float)):
                 parts.append(f"{name}={m[key]:.4g}")
         parts += [
@@ -468,7 +465,9 @@ def _open_tracking(prep: Prepared, loc: RunLocation, resume, parent_run_id, tags
     from rayacc.tracking import RunIdentity, open_tracking
 
     previous, continues = continued_run(loc.previous if resume else {}, cfg.tracking.tracking_uri)
+    tags = {**(tags or {}), **prep.tags}
     if continues:
+        tags["rayacc.continues"] = continues
         print(
             f"rayacc: --resume into another tracking store: a new MLflow run continues run "
             f"{continues} (tag rayacc.continues)",
@@ -483,7 +482,7 @@ def _open_tracking(prep: Prepared, loc: RunLocation, resume, parent_run_id, tags
         num_parameters=prep.num_parameters,
         previous_run_id=previous,
         parent_run_id=parent_run_id,
-        tags={**(tags or {}), **({"rayacc.continues": continues} if continues else {})},
+        tags=tags,
         data=prep.info,
         train_rows=prep.spec.order.num_train_rows,
         record_files=prep.spec.record_files,

@@ -28,6 +28,7 @@ from rayacc.driver.runs import RunLocation, locate_run
 from rayacc.engine.parallel import state_format_named
 from rayacc.engine.units import fsdp_blocks
 from rayacc.models import build_on_meta
+from rayacc.models.lora import trainable_count
 from rayacc.models.registry import check_tensor_plan
 from rayacc.redact.origins import register_run
 from rayacc.run.quantities import data_order, elastic_summary
@@ -60,6 +61,10 @@ class Prepared:
     source_metadata: dict[bytes, bytes] = field(default_factory=dict)
     """The source's schema metadata, as the one read of the source found it (its vocabulary's
     kind and tokenizer)."""
+    tags: dict[str, str] = field(default_factory=dict)
+    """The fine-tuning a run does, for its record (`finetune_tags`)."""
+    trainable_parameters: int | None = None
+    """Adapters (`model.lora`): the parameters that train; None: all do."""
 
     # the run's own quantities, read through (derived once, in `derive_run`)
     @property
@@ -147,13 +152,42 @@ def prepare(cfg: TrainConfig) -> Prepared:
     # from here on the run is read from its RunSpec, not from the config
     spec = derive_run(cfg, info, groups, order, split)
     reads = read_factor(order, spec.layout) if order.chunked else None
+    trainable, total = trainable_count(model)
     return Prepared(
         spec,
-        sum(p.numel() for p in model.parameters()),
+        total,
         _warnings(spec, model, reads),
         [_order_note(spec, reads), *_notes(spec)],
         source.metadata,
+        finetune_tags(spec, source.metadata, trainable, total),
+        trainable if cfg.model.lora is not None else None,
     )
+
+
+def finetune_tags(
+    spec: RunSpec, metadata: dict[bytes, bytes], trainable: int, total: int
+) -> dict[str, str]:
+    """MLflow tags of a fine-tuning run: what its loss counts (a `loss_mask`'s rule), its
+    adapters' trainable parameters and its base (the adapters' config is among the params)."""
+    from rayacc.data.common import MASK_RULE_KEY
+    from rayacc.models.lora import BASE_KEY
+
+    tags = {}
+    if spec.info.loss_mask:
+        rule = metadata.get(MASK_RULE_KEY, b"the loss_mask column").decode("utf-8", "replace")
+        tags["rayacc.mask_rule"] = rule
+    if spec.cfg.model.lora is not None:
+        tags["rayacc.trainable_parameters"] = f"{trainable} of {total}"
+        m = spec.cfg.model
+        base = spec.identity.get(BASE_KEY)
+        tags["rayacc.base"] = (
+            f"{m.hf.weights} (sha256 {base})"
+            if base
+            else f"{m.name} built from seed {spec.cfg.seed}"
+        )
+    if spec.cfg.train.loss is not None:
+        tags["rayacc.loss"] = spec.cfg.train.loss
+    return tags
 
 
 def read_factor(order: DataOrder, layout: EpochLayout) -> float:

@@ -229,6 +229,22 @@ def length_note(cfg, steps_per_epoch: int) -> str:
     return f" (train.max_steps; {epochs:.3g} epoch{'s' if epochs != 1 else ''} of data)"
 
 
+def _adapters(cfg, prep) -> str:
+    """The adapters a LoRA run trains, and how many of the parameters they are."""
+    lora = cfg.model.lora
+    if lora is None:
+        return ""
+    share = prep.trainable_parameters / max(1, prep.num_parameters)
+    from rayacc.models.lora import GPT_TARGETS
+
+    default = GPT_TARGETS if cfg.model.name == "gpt" else ["peft's layers for the architecture"]
+    layers = ", ".join(lora.target_modules or default)
+    return (
+        f" (LoRA r={lora.r} on {layers}: {prep.trainable_parameters:,} trainable, "
+        f"{share:.2%}; the base frozen)"
+    )
+
+
 def run_header(cfg, prep, data_path: str) -> list[str]:
     """The lines a run starts with: the batch arithmetic, the LR, how it computes, the data and
     the model (`prep`: the driver's Prepared)."""
@@ -239,7 +255,7 @@ def run_header(cfg, prep, data_path: str) -> list[str]:
         lr_explanation(cfg, prep.split),
         strategy_line(cfg),
         f"data: {data_path} — {prep.layout.describe()}",
-        f"model: {cfg.model.name}, {prep.num_parameters:,} parameters; "
+        f"model: {cfg.model.name}, {prep.num_parameters:,} parameters{_adapters(cfg, prep)}; "
         f"{prep.total_steps} optimizer steps{length_note(cfg, prep.layout.steps_per_epoch)}",
         *prep.notes,
     ]
