@@ -63,25 +63,14 @@ def finetune_rules(sections: dict) -> list:
                 "set train.tensor_parallel: 1 (FSDP or ZeRO-3 shard the base)",
             )
         )
-    if train is not None and train.loss is not None:
-        if train.precision == "fp16":
-            issues.append(
-                ConfigIssue(
-                    "train.loss",
-                    "with train.precision fp16: fp16's loss scale needs "
-                    "the count of loss items before the forward, and train.loss counts "
-                    "them in it",
-                    train.loss,
-                    "use bf16 or fp32",
-                )
+    chunk = train is not None and "loss_chunk_tokens" in train.model_fields_set
+    if chunk and train.loss is not None and train.loss_chunk_tokens:
+        issues.append(
+            ConfigIssue(
+                "train.loss_chunk_tokens",
+                "is rayacc's chunked cross-entropy, which train.loss replaces",
+                train.loss_chunk_tokens,
+                "remove train.loss_chunk_tokens",
             )
-        if "loss_chunk_tokens" in train.model_fields_set and train.loss_chunk_tokens:
-            issues.append(
-                ConfigIssue(
-                    "train.loss_chunk_tokens",
-                    "is rayacc's chunked cross-entropy, which train.loss replaces",
-                    train.loss_chunk_tokens,
-                    "remove train.loss_chunk_tokens",
-                )
-            )
+        )
     return issues

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from rayacc.engine.losses import Batch
+from rayacc.engine.losses import Batch, ItemCounter
 from rayacc.models.errors import ModelError
 
 __all__ = ["OBJECTIVE_FIX", "Objective"]
@@ -26,14 +26,31 @@ OBJECTIVE_FIX = (
 class Objective:
     """The user's function as a loss function of rayacc's (engine/losses.py): the forward on
     `input_key`, the function, its return checked. Its count is read on the host: one device
-    sync per micro-step on a GPU."""
+    sync per micro-step on a GPU.
 
-    def __init__(self, spec: str, fn: Callable, input_key: str):
-        self.spec, self.fn, self.input_key = spec, fn, input_key
+    `ahead`: where the window's count must be known before its first backward (DeepSpeed's
+    engine, fp16's loss scale), rayacc's own counter counts the items first (the counted
+    target tokens, or the rows) and the function must count the same; its count then adds
+    nothing (0), the counter's stands."""
+
+    def __init__(self, spec: str, fn: Callable, input_key: str, ahead: ItemCounter | None = None):
+        self.spec, self.fn, self.input_key, self.ahead = spec, fn, input_key, ahead
 
     def __call__(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, int]:
-        out = self.fn(model(batch[self.input_key]), batch)
-        return checked(self.spec, out)
+        total, count = checked(self.spec, self.fn(model(batch[self.input_key]), batch))
+        if self.ahead is None:
+            return total, count
+        expected = self.ahead(batch)
+        if count != expected:
+            what = "the counted target tokens" if self.input_key == "input" else "the rows"
+            raise ModelError(
+                f"train.loss={self.spec!r} counted {count} loss items where rayacc counted "
+                f"{expected} ({what}) before the forward. This strategy or "
+                "precision (DeepSpeed's engine, fp16's loss scale) needs the window's count "
+                "before its first backward. Fix: count those items, or train under ddp or fsdp "
+                "in fp32 or bf16, which take the count the function returns"
+            )
+        return total, 0
 
 
 def checked(spec: str, out: object) -> tuple[torch.Tensor, int]:

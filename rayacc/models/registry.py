@@ -188,9 +188,11 @@ def loss_functions(
     chunk: int | None = None,
     strategy: Strategy | None = None,
     objective: str | None = None,
+    counts_first: bool = False,
 ):
     """(per-item loss, item counter) for a dataset format, or the user's `objective`
-    (`train.loss`, counting its own items). Token models that support it (see
+    (`train.loss`: counting its own items, or with `counts_first` checked against rayacc's
+    count, made before the forward). Token models that support it (see
     `supports_chunked_loss`) get the chunked cross-entropy when `chunk` is set; where it runs
     is the strategy's word (`Contract.gathers_in_forward`: a sharded head is whole only inside
     the forward that gathered it)."""
@@ -198,8 +200,12 @@ def loss_functions(
         from rayacc.models.objective import OBJECTIVE_FIX, Objective
 
         fn = resolve_callable("train.loss", objective, OBJECTIVE_FIX)
-        key = "features" if info.format == "classification" else "input"
-        return Objective(objective, fn, key), counted_with_losses
+        classification = info.format == "classification"
+        key = "features" if classification else "input"
+        if not counts_first:
+            return Objective(objective, fn, key), counted_with_losses
+        counter = count_rows if classification else count_target_tokens
+        return Objective(objective, fn, key, ahead=counter), counter
     if info.format == "classification":
         return classification_item_losses, count_rows
     inside = strategy is not None and strategy.contract.gathers_in_forward

@@ -196,6 +196,7 @@ def measure_profile(
     """The profile of `cfg`'s model on this group (every rank calls it; every rank returns the
     same). `sizes`: micro-batches to measure at (the candidates' smallest to largest)."""
     precision = autocast_dtype(cfg.train.precision)
+    # the objective's own count: the profile measures memory and time, not the step's scale
     loss_fn, count = loss_functions(info, cfg.train.loss_chunk_tokens, objective=cfg.train.loss)
     index = np.resize(np.arange(len(rows)), max(sizes) * (rank + 1))[rank * max(sizes) :]
     slots = optimizer_slots(cfg.optim)

@@ -63,7 +63,11 @@ def build_rank(
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = build_optimizer(cfg.optim, trainable, lr, device, strategy)
     model, optimizer = strategy.bind_optimizer(optimizer)
-    loss_fn, count = loss_functions(info, cfg.train.loss_chunk_tokens, strategy, cfg.train.loss)
+    # the window's count before its first backward: an engine that owns backward, fp16's scale
+    first = strategy.contract.window_rule == "count_first" or cfg.train.precision == "fp16"
+    loss_fn, count = loss_functions(
+        info, cfg.train.loss_chunk_tokens, strategy, cfg.train.loss, counts_first=first
+    )
     accumulate = AccumulationStep(
         model,
         optimizer,
