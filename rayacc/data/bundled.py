@@ -111,6 +111,7 @@ def chat_tokenizer(folder: Path) -> Path:
         additional_special_tokens=["<|system|>", "<|user|>", "<|assistant|>", "<|end|>"],
     )
     fast.chat_template = CHAT_TEMPLATE
+    folder.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".tokenizer."))
     fast.save_pretrained(str(staging))
     try:

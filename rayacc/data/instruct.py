@@ -35,6 +35,10 @@ from rayacc.data.common import (
 
 __all__ = ["COUNTS", "InstructResult", "Renderer", "prepare_instructions", "renderer"]
 
+FORMAT_FIX = (
+    'Fix: one example per line: {"prompt": text, "completion": text} or {"messages": '
+    '[{"role": text, "content": text}, …]} with an assistant message'
+)
 COUNTS = ("answers", "all")
 """What the mask counts: the completions / assistant turns, or every token."""
 
@@ -66,7 +70,7 @@ class Renderer:
 
     def example(self, record: object) -> tuple[list[int], list[int]]:
         if not isinstance(record, dict):
-            raise DataError(f"a {type(record).__name__}, not a JSON object")
+            raise DataError(f"a {type(record).__name__}, not a JSON object. {FORMAT_FIX}")
         if "messages" in record:
             messages = _messages(record["messages"])
             if self.chat is None:
@@ -78,13 +82,13 @@ class Renderer:
         missing = [k for k in ("prompt", "completion") if k not in record]
         if missing:
             raise DataError(
-                f"no {' or '.join(repr(k) for k in missing)} (found {sorted(record)}). Fix: "
-                'one example per line: {"prompt": …, "completion": …} or {"messages": '
-                '[{"role": …, "content": …}, …]}'
+                f"no {' or '.join(repr(k) for k in missing)} (found {sorted(record)}). {FORMAT_FIX}"
             )
         for key in ("prompt", "completion"):
             if not isinstance(record[key], str):
-                raise DataError(f"{key!r} is a {type(record[key]).__name__}, not text")
+                raise DataError(
+                    f"{key!r} is a {type(record[key]).__name__}, not text. {FORMAT_FIX}"
+                )
         prompt = self.bos + self.encode(record["prompt"])
         answer = self.encode(record["completion"]) + self.eos
         return prompt + answer, [0] * len(prompt) + [1] * len(answer)
@@ -92,14 +96,21 @@ class Renderer:
 
 def _messages(value: object) -> list[dict]:
     if not isinstance(value, list) or not value:
-        raise DataError("'messages' is not a non-empty list of {role, content} objects")
+        raise DataError(
+            f"'messages' is not a non-empty list of {{role, content}} objects. {FORMAT_FIX}"
+        )
     for i, m in enumerate(value):
         if not isinstance(m, dict) or not {"role", "content"} <= set(m):
-            raise DataError(f"messages[{i}] is not an object with 'role' and 'content'")
+            raise DataError(
+                f"messages[{i}] is not an object with 'role' and 'content'. {FORMAT_FIX}"
+            )
         if not isinstance(m["role"], str) or not isinstance(m["content"], str):
-            raise DataError(f"messages[{i}]: 'role' and 'content' must be text")
+            raise DataError(f"messages[{i}]: 'role' and 'content' must be text. {FORMAT_FIX}")
     if not any(m["role"] == "assistant" for m in value):
-        raise DataError("no assistant message: nothing to learn from")
+        raise DataError(
+            "no assistant message: nothing to learn from. Fix: end the conversation with the "
+            "assistant's answer, or leave it out"
+        )
     return value
 
 
@@ -278,6 +289,8 @@ def prepare_instructions(
                 ids, counted = render.example(record)
             except DataError as exc:
                 raise DataError(f"{shown}, line {line_no}: {exc}") from None
+            if count == "all":
+                counted = [1] * len(ids)
             if len(ids) > width:
                 stats["truncated"] += 1
                 ids, counted = ids[:width], counted[:width]

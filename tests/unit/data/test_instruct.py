@@ -1,0 +1,296 @@
+"""`rayacc data prepare --instruct`: prompt/completion and chat JSONL → tokens and a `loss_mask`
+that counts the answers (the chat rendered by the tokenizer's own template); packing, cuts and
+skips said in numbers; bad instruction data named by file and line with the fix, and nothing
+half-written; a `loss_mask` column checked when a source is read, and applied to the targets
+when rows are taken."""
+
+from __future__ import annotations
+
+import json
+from functools import cache
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from rayacc.cli import main
+from rayacc.data.bundled import CHAT_TEMPLATE, chat_tokenizer
+from rayacc.data.common import DataError
+from rayacc.data.instruct import prepare_instructions
+from rayacc.data.rows import LocalRows
+from rayacc.data.sources import describe_dataset
+from rayacc.engine import IGNORE_INDEX
+
+pytest.importorskip("transformers")
+
+CHAT = [
+    {"role": "system", "content": "Answer briefly."},
+    {"role": "user", "content": "What is 2 + 2?"},
+    {"role": "assistant", "content": "4."},
+    {"role": "user", "content": "And 3 + 3?"},
+    {"role": "assistant", "content": "6, of course."},
+]
+
+
+def quiet(line: str) -> None:
+    pass
+
+
+@cache
+def _tokenizer(root: str) -> Path:
+    return chat_tokenizer(Path(root) / "tokenizer")
+
+
+@pytest.fixture
+def tokenizer(tmp_path_factory) -> Path:
+    return _tokenizer(str(tmp_path_factory.getbasetemp() / "chat-tokenizer"))
+
+
+def write_jsonl(path: Path, records: list) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
+    return path
+
+
+def rows(out: Path) -> list[dict]:
+    return pq.read_table(out).to_pylist()
+
+
+def decode(tokenizer: Path, ids) -> str:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tokenizer)).decode(list(ids))
+
+
+def test_a_chat_counts_its_assistant_turns_and_their_ends_only(tmp_path, tokenizer):
+    out = tmp_path / "out"
+    src = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CHAT}])
+    result = prepare_instructions([str(src)], str(out), tokenizer=str(tokenizer), progress=quiet)
+    (row,) = rows(out)
+    counted = [t for t, m in zip(row["tokens"], row["loss_mask"], strict=True) if m]
+    assert decode(tokenizer, counted) == "4.<|end|>6, of course.<|end|>"
+    assert decode(tokenizer, row["tokens"]).startswith("<|system|>Answer briefly.<|end|><|user|>")
+    assert (result.examples, result.rows, result.counted) == (1, 1, len(counted))
+    info = describe_dataset(str(out))
+    assert info.loss_mask and info.vocab_size == 261
+
+
+def test_a_prompt_and_completion_count_the_completion_and_the_end(tmp_path, tokenizer):
+    out = tmp_path / "out"
+    src = write_jsonl(tmp_path / "pc.jsonl", [{"prompt": "Q: 1+1?", "completion": " A: 2"}])
+    prepare_instructions([str(src)], str(out), progress=quiet)  # byte-level
+    (row,) = rows(out)
+    assert bytes(row["tokens"][:-1]) == b"Q: 1+1? A: 2" and row["tokens"][-1] == 256
+    assert row["loss_mask"] == [0] * len("Q: 1+1?") + [1] * (len(" A: 2") + 1)
+    prepare_instructions(
+        [str(src)], str(tmp_path / "all"), count="all", tokenizer=str(tokenizer), progress=quiet
+    )
+    (row,) = rows(tmp_path / "all")
+    assert set(row["loss_mask"]) == {1} and decode(tokenizer, row["tokens"][-1:]) == "<|endoftext|>"
+
+
+def test_packing_keeps_examples_whole_and_counts_no_first_token(tmp_path, tokenizer):
+    records = [{"messages": CHAT[1:3]}] * 7 + [{"prompt": "p" * 5, "completion": "c" * 3}] * 5
+    src = write_jsonl(tmp_path / "mix.jsonl", records)
+    out, seq_len = tmp_path / "packed", 40
+    result = prepare_instructions(
+        [str(src)], str(out), seq_len=seq_len, tokenizer=str(tokenizer), pack=True, progress=quiet
+    )
+    table = rows(out)
+    assert result.examples == 12 and len(table) == result.rows < 12
+    assert all(len(r["tokens"]) <= seq_len + 1 for r in table)
+    text = "".join(decode(tokenizer, r["tokens"]) for r in table)
+    assert text.count("<|user|>What is 2 + 2?<|end|><|assistant|>4.<|end|>") == 7
+    assert text.count("pppppccc") == 5
+    # a row's examples start uncounted: nothing is learnt across their boundary
+    for r in table:
+        starts = [i for i, t in enumerate(r["tokens"]) if decode(tokenizer, [t]) == "<|user|>"]
+        assert all(r["loss_mask"][i] == 0 for i in starts)
+
+
+def test_cuts_and_skips_are_said_in_numbers(tmp_path, tokenizer):
+    long = {"prompt": "x" * 50, "completion": "y" * 50}
+    src = write_jsonl(tmp_path / "cut.jsonl", [long, {"messages": CHAT[1:3]}, long])
+    said = []
+    result = prepare_instructions(
+        [str(src)],
+        str(tmp_path / "o"),
+        seq_len=40,
+        tokenizer=str(tokenizer),
+        skip_empty=True,
+        progress=said.append,
+    )
+    # the cut keeps 41 tokens, all of the long prompt: nothing counted, skipped
+    assert (result.truncated, result.skipped, result.examples) == (2, 2, 1)
+    assert "2 cut to 41 tokens, 2 skipped with nothing counted" in said[-1], said
+    with pytest.raises(DataError, match="line 1: no token counts as a target after the cut"):
+        prepare_instructions([str(src)], str(tmp_path / "o2"), seq_len=40, progress=quiet)
+
+
+BAD = [
+    ("not JSON", '{"prompt": oops}', "not JSON"),
+    ("a list", "[1, 2]", "a list, not a JSON object"),
+    ("no fields", {"question": "q"}, "no 'prompt' or 'completion' (found ['question'])"),
+    ("no completion", {"prompt": "q"}, "no 'completion'"),
+    ("completion not text", {"prompt": "q", "completion": 5}, "'completion' is a int, not text"),
+    ("messages not a list", {"messages": "hi"}, "'messages' is not a non-empty list"),
+    ("no messages", {"messages": []}, "'messages' is not a non-empty list"),
+    ("a message without a role", {"messages": [{"content": "x"}]}, "messages[0] is not an object"),
+    ("a role not text", {"messages": [{"role": 1, "content": "x"}]}, "must be text"),
+    ("no assistant", {"messages": [{"role": "user", "content": "x"}]}, "no assistant message"),
+    (
+        "a role the template does not know",
+        {"messages": [{"role": "robot", "content": "x"}, {"role": "assistant", "content": "y"}]},
+        "refused the messages (unknown role robot)",
+    ),
+    (
+        "nothing counted after the cut",
+        {
+            "messages": [
+                {"role": "user", "content": "x" * 300},
+                {"role": "assistant", "content": "y"},
+            ]
+        },
+        "no token counts as a target after the cut to --seq-len 128",
+    ),
+]
+
+
+@pytest.mark.parametrize(("name", "record", "message"), BAD, ids=[b[0] for b in BAD])
+def test_bad_instruction_data_is_named_by_line_and_nothing_is_left(
+    tmp_path, capsys, tokenizer, name, record, message
+):
+    good = {"messages": CHAT[1:3]}
+    src = write_jsonl(tmp_path / "data.jsonl", [good, good, record])
+    out = tmp_path / "out"
+    argv = ["data", "prepare", str(src), "--instruct", "--tokenizer", str(tokenizer)]
+    code = main([*argv, "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2 and "data.jsonl, line 3: " in err and message in err, err
+    assert "Fix:" in err and "Traceback" not in err, err
+    assert not out.exists() and not list(tmp_path.glob(".out*")), "nothing half-written"
+
+
+def test_a_template_that_drops_a_role_silently_is_refused(tmp_path, tokenizer):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer))
+    # renders user and assistant, drops any other role without a word
+    tok.chat_template = CHAT_TEMPLATE.replace(
+        "{{ raise_exception('unknown role ' + m['role']) }}", ""
+    ).replace("<|{{ m['role'] }}|>{{ m['content'] }}<|end|>",
+              "{% if m['role'] in ['user', 'assistant'] %}<|{{ m['role'] }}|>"
+              "{{ m['content'] }}<|end|>{% endif %}")  # fmt: skip
+    tok.save_pretrained(str(tmp_path / "dropping"))
+    src = write_jsonl(tmp_path / "d.jsonl", [{"messages": CHAT}])
+    with pytest.raises(DataError, match=r"line 1: messages\[0\]: .* does not render role 'system'"):
+        prepare_instructions(
+            [str(src)], str(tmp_path / "o"), tokenizer=str(tmp_path / "dropping"), progress=quiet
+        )
+
+
+def test_a_tokenizer_without_a_template_or_config_is_named(tmp_path, tokenizer):
+    src = write_jsonl(tmp_path / "c.jsonl", [{"messages": CHAT[1:3]}])
+    with pytest.raises(DataError, match="line 1: chat messages need a chat template"):
+        prepare_instructions([str(src)], str(tmp_path / "o"), progress=quiet)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match="holds no tokenizer_config.json"):
+        prepare_instructions(
+            [str(src)], str(tmp_path / "o"), tokenizer=str(tmp_path / "empty"), progress=quiet
+        )
+
+
+def test_flags_of_the_other_kind_of_input_are_refused(tmp_path, capsys):
+    src = write_jsonl(tmp_path / "c.jsonl", [{"prompt": "a", "completion": "b"}])
+    assert main(["data", "prepare", str(src), "--out", str(tmp_path / "o"), "--pack"]) == 2
+    assert "--pack: only with --instruct" in capsys.readouterr().err
+    code = main(["data", "prepare", str(src), "--out", str(tmp_path / "o"), "--instruct",
+                 "--shuffle"])  # fmt: skip
+    assert code == 2 and "--shuffle: only without --instruct" in capsys.readouterr().err
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    st.lists(
+        st.recursive(
+            st.none() | st.booleans() | st.integers() | st.text(max_size=8),
+            lambda inner: (
+                st.lists(inner, max_size=3)
+                | st.dictionaries(
+                    st.sampled_from(["prompt", "completion", "messages", "role", "content", "x"]),
+                    inner,
+                    max_size=4,
+                )
+            ),
+            max_leaves=12,
+        ),
+        min_size=1,
+        max_size=4,
+    )
+)
+def test_any_json_lines_give_rows_or_a_named_error(tmp_path_factory, tokenizer, records):
+    """Untrusted lines: a value of any JSON shape where an example is expected gives rows or a
+    DataError naming the file and line, never another exception."""
+    folder = tmp_path_factory.mktemp("fuzz")
+    src = write_jsonl(folder / "f.jsonl", [json.dumps(r) for r in records])
+    try:
+        prepare_instructions(
+            [str(src)], str(folder / "o"), tokenizer=str(tokenizer), progress=quiet
+        )
+    except DataError as exc:
+        assert "f.jsonl" in str(exc), exc
+
+
+def _parquet(path: Path, tokens, masks, mask_type=None) -> str:
+    pq.write_table(
+        pa.table(
+            {
+                "tokens": pa.array(tokens, pa.list_(pa.int64())),
+                "loss_mask": pa.array(masks, pa.list_(mask_type or pa.uint8())),
+            }
+        ),
+        path,
+    )
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    ("masks", "message"),
+    [
+        ([[0, 1, 1], [0, 1]], "row 1: `loss_mask` has 2 entries for 3 tokens"),
+        ([[0, 1, 1], [0, 2, 1]], "row 1: `loss_mask` holds 2, not 0 or 1"),
+        ([[0, 1, 1], None], "row 1: `loss_mask` is null"),
+    ],
+)
+def test_a_loss_mask_that_does_not_fit_its_tokens_is_named_by_row(tmp_path, masks, message):
+    source = _parquet(tmp_path / "m.parquet", [[1, 2, 3], [4, 5, 6]], masks)
+    with pytest.raises(DataError, match=message.replace("`", "`").replace("(", r"\(")):
+        describe_dataset(source)
+
+
+def test_taken_rows_ignore_the_targets_the_mask_does_not_count(tmp_path):
+    """Equal-length rows (one tensor) and rows of varying length (padded per micro-batch)
+    alike; a boolean mask as a 0/1 one."""
+    from rayacc.data.rows import read_local_rows
+    from rayacc.data.sources import read_source
+
+    for tokens, masks, kind in (
+        ([[1, 2, 3, 4], [5, 6, 7, 8]], [[0, 0, 1, 1], [0, 1, 0, 1]], pa.uint8()),
+        ([[1, 2, 3, 4], [5, 6]], [[False, False, True, True], [False, True]], pa.bool_()),
+    ):
+        source = read_source(_parquet(tmp_path / f"{len(tokens[1])}.parquet", tokens, masks, kind))
+        assert source.info.loss_mask
+        local = read_local_rows(source.info, source.groups, np.arange(2))
+        batch = local.take(np.arange(2))
+        for i, (t, m) in enumerate(zip(tokens, masks, strict=True)):
+            want = [x if c else IGNORE_INDEX for x, c in zip(t[1:], m[1:], strict=True)]
+            got = batch["target"][i, : len(want)].tolist()
+            assert got == want, (got, want)
+            assert (batch["target"][i, len(want) :] == IGNORE_INDEX).all()
+    assert isinstance(local, LocalRows) and torch.is_tensor(batch["input"])
