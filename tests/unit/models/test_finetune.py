@@ -1,0 +1,141 @@
+"""LoRA adapters (`model.lora`) and the user's objective (`train.loss`) in one process: what
+trains, how adapters start (the same built whole or materialised by name), what a checkpoint
+keeps of a frozen base, what the config refuses, and every wrong return of an objective named."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from rayacc.config import ConfigError, TrainConfig
+from rayacc.data.sources import DatasetInfo
+from rayacc.engine import IGNORE_INDEX
+from rayacc.engine.parallel.state import WholeState, frozen_names
+from rayacc.models import ModelError, build_model
+from rayacc.models.init import initial_values
+from rayacc.models.objective import Objective
+from rayacc.models.registry import build_on_meta, loss_functions
+
+pytest.importorskip("peft")
+
+INFO = DatasetInfo(path="t.parquet", format="tokens", num_rows=8, vocab_size=16, max_tokens=17)
+GPT = {"name": "gpt", "n_layer": 2, "n_head": 2, "n_embd": 16, "block_size": 16}
+
+
+def cfg(**model) -> TrainConfig:
+    return TrainConfig.model_validate({"seed": 3, "model": {**GPT, **model}})
+
+
+def test_only_the_adapters_train_and_the_adapted_model_starts_as_its_base():
+    adapted, base = build_model(cfg(lora={"r": 4}), INFO), build_model(cfg(), INFO)
+    trainable = {n for n, p in adapted.named_parameters() if p.requires_grad}
+    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
+    assert {n.split(".")[3] for n in trainable} == {"qkv", "proj"}  # gpt's default targets
+    x = torch.randint(0, 16, (2, 9))
+    assert torch.equal(adapted(x), base(x))
+    # the base's weights are the same values under their wrapped names
+    wrapped = {n.replace(".base_layer.", "."): p for n, p in adapted.named_parameters()}
+    for name, p in base.named_parameters():
+        assert torch.equal(wrapped[name], p), name
+
+
+def test_a_sharded_start_materialises_the_same_adapters_by_name():
+    built = build_model(cfg(lora={"r": 4, "target_modules": ["qkv", "mlp.0"]}), INFO)
+    meta = build_on_meta(cfg(lora={"r": 4, "target_modules": ["qkv", "mlp.0"]}), INFO)
+    assert all(p.is_meta for p in meta.parameters())
+    value = initial_values(meta, 3)
+    for name, p in built.named_parameters():
+        assert torch.equal(value(name, p.shape), p.detach()), name
+
+
+def test_a_checkpoint_keeps_the_adapters_not_the_frozen_base(tmp_path):
+    model = build_model(cfg(lora={"r": 4}), INFO)
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_B." in name:
+                p.normal_()
+    whole, _ = WholeState().save(model, optimizer, tmp_path, 0)
+    assert set(whole["model"]).isdisjoint(frozen_names(model))
+    assert any(".lora_A." in k for k in whole["model"])
+    fresh = build_model(cfg(lora={"r": 4}), INFO)
+    fresh_opt = torch.optim.SGD([p for p in fresh.parameters() if p.requires_grad], lr=0.1)
+    WholeState().load(fresh, fresh_opt, tmp_path, whole)
+    x = torch.randint(0, 16, (2, 9))
+    assert torch.equal(fresh(x), model(x))
+    # an adapter missing from what is loaded is refused, not left at its start
+    short = {k: v for k, v in whole["model"].items() if ".lora_B." not in k}
+    with pytest.raises(
+        ValueError, match=r"do not fit the model \(missing blocks\.0\.attn\..*lora_B"
+    ):
+        WholeState().load(fresh, fresh_opt, tmp_path, {**whole, "model": short})
+
+
+@pytest.mark.parametrize(
+    ("sections", "where", "message"),
+    [
+        ({"model": {"name": "mlp", "lora": {"r": 2}}}, "model.lora", "not the mlp"),
+        ({"model": {"name": "factory", "factory": "a:b", "lora": {}}}, "model.lora.target_modules",
+         "is empty for a factory's model"),
+        ({"model": {**GPT, "lora": {}}, "train": {"strategy": "fsdp", "tensor_parallel": 2},
+          "scaling": {"num_workers": 2}}, "model.lora", "tensor-parallel plan"),
+        ({"train": {"loss": "a:b", "loss_chunk_tokens": 64}}, "train.loss_chunk_tokens",
+         "which train.loss replaces"),
+        ({"model": {**GPT, "lora": {"r": 0}}}, "model.lora.r", "greater than or equal to 1"),
+    ],
+)  # fmt: skip
+def test_what_fine_tuning_cannot_be_combined_with_is_named(sections, where, message):
+    with pytest.raises(ConfigError) as info:
+        TrainConfig.from_dict(sections)
+    assert where in str(info.value) and message in str(info.value), str(info.value)
+
+
+def test_unknown_target_modules_are_named():
+    with pytest.raises(ModelError, match="model.lora: .*Fix: model.lora.target_modules"):
+        build_model(cfg(lora={"target_modules": ["no_such_layer"]}), INFO)
+
+
+BATCH = {"input": torch.randint(0, 16, (2, 5)), "target": torch.randint(0, 16, (2, 5))}
+WRONG = [
+    ("a tensor", lambda out, b: out.sum(), "not a pair (sum, count)"),
+    ("three values", lambda out, b: (out.sum(), 1, 2), "not a pair (sum, count)"),
+    ("a vector sum", lambda out, b: (out.sum(-1), 3), "not a one-number floating tensor"),
+    ("an int sum", lambda out, b: (3, 3), "not a one-number floating tensor"),
+    ("a negative count", lambda out, b: (out.sum(), -1), "not a whole number ≥ 0"),
+    ("a fractional count", lambda out, b: (out.sum(), 2.5), "not a whole number ≥ 0"),
+    ("a bool count", lambda out, b: (out.sum(), True), "not a whole number ≥ 0"),
+    ("a vector count", lambda out, b: (out.sum(), torch.ones(2)), "not a whole number ≥ 0"),
+]
+
+
+@pytest.mark.parametrize(("name", "fn", "message"), WRONG, ids=[w[0] for w in WRONG])
+def test_every_wrong_return_of_an_objective_is_named(name, fn, message):
+    model = build_model(cfg(), INFO)
+    with pytest.raises(ModelError, match=f"train.loss='m:f'.*{re.escape(message)}.*Fix: train"):
+        Objective("m:f", fn, "input")(model, BATCH)
+
+
+def test_an_objective_counts_its_items_or_matches_the_count_made_first():
+    model = build_model(cfg(), INFO)
+    batch = {**BATCH, "target": BATCH["target"].clone()}
+    batch["target"][0, :3] = IGNORE_INDEX
+    loss_fn, count = loss_functions(
+        INFO, objective="tests.support.models.objectives:label_smoothed"
+    )
+    total, counted = loss_fn(model, batch)
+    assert counted == 7 and count(batch) == 0 and total.dim() == 0
+    # counted first (DeepSpeed's engine, fp16): rayacc's count stands and the objective's must
+    # agree; a pair loss counting pairs does not
+    loss_fn, count = loss_functions(
+        INFO, objective="tests.support.models.objectives:label_smoothed", counts_first=True
+    )
+    assert loss_fn(model, batch)[1] == 0 and count(batch) == 7
+    pairs, _ = loss_functions(
+        INFO, objective="tests.support.models.objectives:pair_margin", counts_first=True
+    )
+    with pytest.raises(ModelError, match="counted 1 loss items where rayacc counted 7"):
+        pairs(model, batch)
+    with pytest.raises(ModelError, match="train.loss='tests.support:nope'.*no callable 'nope'"):
+        loss_functions(INFO, objective="tests.support:nope")
