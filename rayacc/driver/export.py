@@ -95,9 +95,13 @@ def _write(model, folder: Path, fmt: str) -> str:
         # shared (tied) weights are written once, as safetensors requires
         save_model(model, str(folder / "model.safetensors"))
         return "model.safetensors (rayacc's parameter names)"
-    if isinstance(model, HFCausalLM):
-        model.hf.save_pretrained(str(folder), safe_serialization=True)
-        return f"a transformers {type(model.hf).__name__} (from_pretrained)"
+    from transformers import PreTrainedModel
+
+    # an `hf` model, or one its adapters were merged into (peft hands back the inner model)
+    inner = model.hf if isinstance(model, HFCausalLM) else model
+    if isinstance(inner, PreTrainedModel):
+        inner.save_pretrained(str(folder), safe_serialization=True)
+        return f"a transformers {type(inner).__name__} (from_pretrained)"
     if isinstance(model, GPT):
         from transformers import GPT2Config, GPT2LMHeadModel
 

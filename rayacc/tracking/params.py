@@ -14,9 +14,9 @@ __all__ = ["MODEL_KEYS", "contract_params"]
 
 MODEL_KEYS = {
     "mlp": ("hidden_sizes", "dropout"),
-    "gpt": ("n_layer", "n_head", "n_embd", "block_size", "dropout"),
-    "factory": ("factory", "kwargs", "dropout"),
-    "hf": ("hf",),
+    "gpt": ("n_layer", "n_head", "n_embd", "block_size", "dropout", "lora"),
+    "factory": ("factory", "kwargs", "dropout", "lora"),
+    "hf": ("hf", "lora"),
 }
 """The `model.*` keys each model kind reads (`model.name` is always recorded)."""
 

@@ -51,8 +51,9 @@ def host_copy(state: Any) -> Any:
 
 
 def frozen_names(model: nn.Module) -> set[str]:
-    """The state-dict names of the model's frozen parameters."""
-    return {name for name, p in unwrap(model).named_parameters() if not p.requires_grad}
+    """The state-dict names of the model's frozen parameters (a tied one under each name)."""
+    params = unwrap(model).named_parameters(remove_duplicate=False)
+    return {name for name, p in params if not p.requires_grad}
 
 
 def without_frozen(model: nn.Module, state: dict[str, Any]) -> dict[str, Any]:

@@ -97,6 +97,8 @@ def sgd_step_errors(
             window_loss(ref, dtype).backward()
             with torch.no_grad():
                 for p in ref.parameters():
+                    if p.grad is None:  # frozen (a base under adapters)
+                        continue
                     v = velocity.get(p)
                     velocity[p] = p.grad.clone() if v is None else momentum * v + p.grad
                     p -= 0.1 * velocity[p]
@@ -118,12 +120,18 @@ def padded_token_rows(path, seed: int, dtype) -> list[list[int]]:
     return seqs
 
 
-def padded_token_loss(seqs):
-    """The full-batch loss of `seqs` in one process: the mean over every target token."""
-    from rayacc.engine import IGNORE_INDEX, collate_tokens
+def padded_token_loss(seqs, masks=None):
+    """The full-batch loss of `seqs` in one process: the mean over every target token (with
+    `masks`, every target token its mask counts)."""
+    from rayacc.data.rows import LocalRows
+    from rayacc.engine import IGNORE_INDEX
+
+    lists = [np.asarray(s) for s in seqs]
+    held = None if masks is None else [np.asarray(m) for m in masks]
+    rows = LocalRows("tokens", token_lists=lists, mask_lists=held)
 
     def loss(model, dtype):
-        batch = collate_tokens(seqs)
+        batch = rows.take(np.arange(len(seqs)))
         logits = model(batch["input"])
         return F.cross_entropy(
             logits.reshape(-1, logits.shape[-1]),
