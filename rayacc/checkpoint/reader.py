@@ -29,7 +29,7 @@ from rayacc.checkpoint.manifest import (
 )
 from rayacc.checkpoint.storage import open_storage
 from rayacc.engine.parallel import ShardedState, StateFormat, state_format_named
-from rayacc.engine.parallel.state import frozen_names, load_weights
+from rayacc.engine.units import frozen_names, load_weights
 
 __all__ = [
     "EARLIER",
@@ -190,7 +190,7 @@ def described_model(
                 f"{source} names its transformers config by a path, not the config itself "
                 f"(rayacc writes the config). {EARLIER}"
             )
-        hf = cfg.model.hf.model_copy(update={"weights": _base(path, cfg, *base)})
+        hf = cfg.model.hf.model_copy(update={"weights": _base(path, cfg.model, *base)})
         cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"hf": hf})})
     elif base[0] is not None:
         raise CheckpointError(f"{path}: --base names the base of a LoRA run over hf weights")
@@ -252,18 +252,18 @@ def described_model(
         ) from None
 
 
-def _base(path, cfg, given: str | None, recorded: object) -> str | None:
+def _base(path, model, given: str | None, recorded: object) -> str | None:
     """The weights a LoRA run's base is read from: the folder the caller names, when its
     files are the ones the run trained on (their sha256 in the run's identity)."""
     from rayacc.models.lora import base_identity
 
-    if cfg.model.lora is None or not cfg.model.hf.weights:
+    if model.lora is None or not model.hf.weights:
         if given is not None:
             raise CheckpointError(f"{path}: --base names the base of a LoRA run over hf weights")
         return None
     if given is None:
         raise CheckpointError(
-            f"{path} holds the adapters of a LoRA run on the base {cfg.model.hf.weights}, "
+            f"{path} holds the adapters of a LoRA run on the base {model.hf.weights}, "
             "which its checkpoints do not hold. Fix: name the base you trust: --base DIR "
             "(load_model(path, base=DIR))"
         )

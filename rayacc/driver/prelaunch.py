@@ -31,9 +31,9 @@ from rayacc.models import build_on_meta
 from rayacc.models.lora import trainable_count
 from rayacc.models.registry import check_tensor_plan
 from rayacc.redact.origins import register_run
-from rayacc.run.finetune import finetune_tags
 from rayacc.run.quantities import data_order, elastic_summary
 from rayacc.run.spec import ResumeTerms, RunSpec, derive_run
+from rayacc.run.tags import finetune_tags
 
 __all__ = [
     "Prepared",

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from rayacc.config import TrainConfig
+from rayacc.config.schema import ModelConfig
 from rayacc.data.sources import DatasetInfo, describe_dataset
 from rayacc.engine import (
     classification_item_losses,
@@ -90,7 +91,7 @@ def build_model(cfg: TrainConfig, info: DatasetInfo | None = None) -> nn.Module:
     m = cfg.model
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
-        model = _build_base(cfg, info)
+        model = _build_base(cfg.model, info, cfg.seed)
         if m.lora is not None:
             from rayacc.models.lora import apply_lora
 
@@ -100,13 +101,12 @@ def build_model(cfg: TrainConfig, info: DatasetInfo | None = None) -> nn.Module:
         return model
 
 
-def _build_base(cfg: TrainConfig, info: DatasetInfo) -> nn.Module:
-    """The model of `cfg` without adapters (the caller seeds the global RNG)."""
-    m = cfg.model
+def _build_base(m: ModelConfig, info: DatasetInfo, seed: int) -> nn.Module:
+    """The model `m` describes, without adapters (the caller seeds the global RNG)."""
     if m.name == "factory":
         model = _call_factory(m.factory or "", info, m.kwargs)
         if seeds_parameters(model):
-            init_parameters(model, cfg.seed)
+            init_parameters(model, seed)
         return model
     if m.name == "mlp":
         if info.format != "classification":
@@ -134,7 +134,7 @@ def _build_base(cfg: TrainConfig, info: DatasetInfo) -> nn.Module:
         )
     from rayacc.models.gpt import GPT
 
-    return GPT(info.vocab_size, m.block_size, m.n_layer, m.n_head, m.n_embd, m.dropout, cfg.seed)
+    return GPT(info.vocab_size, m.block_size, m.n_layer, m.n_head, m.n_embd, m.dropout, seed)
 
 
 @contextlib.contextmanager

@@ -39,7 +39,8 @@ from rayacc.engine.parallel.base import (
 )
 from rayacc.engine.parallel.deepspeed_config import deepspeed_config, read_deepspeed_user
 from rayacc.engine.parallel.deepspeed_files import read_zero_weights, vet_zero_files
-from rayacc.engine.parallel.state import StateFormat, _written, frozen_names, load_weights
+from rayacc.engine.parallel.state import StateFormat, _written
+from rayacc.engine.units import frozen_names, load_weights
 
 __all__ = ["DeepSpeed", "DeepSpeedState", "to_universal"]
 

@@ -207,7 +207,7 @@ def _options(model: nn.Module):
     """A model with frozen parameters (adapters on a base): its state leaves them out."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    from rayacc.engine.parallel.state import frozen_names
+    from rayacc.engine.units import frozen_names
 
     if not frozen_names(model):
         return None
@@ -256,7 +256,7 @@ def _placed_as(loaded: Any, placed: Any) -> Any:
 def load_model_shards(folder: str | Path, model: nn.Module) -> None:
     """Loads the model part of a `save_sharded` folder whole into an unsharded model, in this
     process alone (no process group): for inference."""
-    from rayacc.engine.parallel.state import load_weights, without_frozen
+    from rayacc.engine.units import load_weights, without_frozen
 
     state = {"model": without_frozen(model, model.state_dict())}
     _load(state, folder, no_dist=True)

@@ -5,7 +5,8 @@ every rank writes its shards through `torch.distributed.checkpoint`, which loads
 of ranks (a sharded model). Another format (DeepSpeed's own, say) is one more class.
 
 A frozen parameter (a base under adapters) is not state: the build makes it, every format
-leaves it out, and a load wants every other value (`frozen_names`, `load_weights`)."""
+leaves it out, and a load wants every other value (engine/units.py: `frozen_names`,
+`load_weights`)."""
 
 from __future__ import annotations
 
@@ -18,18 +19,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from rayacc.engine.units import unwrap
+from rayacc.engine.units import load_weights, unwrap, without_frozen
 
-__all__ = [
-    "SHARDS_DIR",
-    "ShardedState",
-    "StateFormat",
-    "WholeState",
-    "frozen_names",
-    "host_copy",
-    "load_weights",
-    "without_frozen",
-]
+__all__ = ["SHARDS_DIR", "ShardedState", "StateFormat", "WholeState", "host_copy"]
 
 SHARDS_DIR = "shards"
 
@@ -48,30 +40,6 @@ def host_copy(state: Any) -> Any:
     if isinstance(state, list | tuple):
         return type(state)(host_copy(v) for v in state)
     return state
-
-
-def frozen_names(model: nn.Module) -> set[str]:
-    """The state-dict names of the model's frozen parameters (a tied one under each name)."""
-    params = unwrap(model).named_parameters(remove_duplicate=False)
-    return {name for name, p in params if not p.requires_grad}
-
-
-def without_frozen(model: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
-    frozen = frozen_names(model)
-    return {k: v for k, v in state.items() if k not in frozen} if frozen else state
-
-
-def load_weights(model: nn.Module, weights: dict[str, Any]) -> None:
-    """`weights` into `model`: every value but its frozen parameters' (which may be there), and
-    nothing else (ValueError naming what is missing or unknown)."""
-    model = unwrap(model)
-    missing, unexpected = model.load_state_dict(weights, strict=False)
-    missing = sorted(set(missing) - frozen_names(model))
-    if missing or unexpected:
-        raise ValueError(
-            f"the weights do not fit the model (missing {', '.join(missing[:3]) or 'none'}; "
-            f"unknown {', '.join(unexpected[:3]) or 'none'})"
-        )
 
 
 class StateFormat(ABC):

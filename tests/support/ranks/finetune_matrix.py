@@ -21,7 +21,7 @@ LR = 0.5
 WINDOWS = (8, 5)
 """Rows per window: a full one (2 micro-steps of 2 rows per rank), then a short last one."""
 MICRO = 2
-OBJECTIVE = "tests.support.models.objectives:label_smoothed"
+OBJECTIVE = "jobs.objectives:label_smoothed"
 STRATEGIES = {
     "ddp": {"train": {"strategy": "ddp"}},
     "fsdp": {"train": {"strategy": "fsdp"}},
@@ -155,8 +155,8 @@ def reference(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
     of the loss over the window's counted targets."""
     import torch.nn.functional as F
 
+    from jobs.objectives import label_smoothed
     from rayacc.models import build_model
-    from tests.support.models.objectives import label_smoothed
 
     model = build_model(config(case), dataset())
     before = full_weights(model)

@@ -12,7 +12,8 @@ import torch
 from rayacc.config import ConfigError, TrainConfig
 from rayacc.data.sources import DatasetInfo
 from rayacc.engine import IGNORE_INDEX
-from rayacc.engine.parallel.state import WholeState, frozen_names
+from rayacc.engine.parallel.state import WholeState
+from rayacc.engine.units import frozen_names
 from rayacc.models import ModelError, build_model
 from rayacc.models.init import initial_values
 from rayacc.models.objective import Objective
@@ -121,21 +122,31 @@ def test_an_objective_counts_its_items_or_matches_the_count_made_first():
     model = build_model(cfg(), INFO)
     batch = {**BATCH, "target": BATCH["target"].clone()}
     batch["target"][0, :3] = IGNORE_INDEX
-    loss_fn, count = loss_functions(
-        INFO, objective="tests.support.models.objectives:label_smoothed"
-    )
+    loss_fn, count = loss_functions(INFO, objective="jobs.objectives:label_smoothed")
     total, counted = loss_fn(model, batch)
     assert counted == 7 and count(batch) == 0 and total.dim() == 0
     # counted first (DeepSpeed's engine, fp16): rayacc's count stands and the objective's must
     # agree; a pair loss counting pairs does not
     loss_fn, count = loss_functions(
-        INFO, objective="tests.support.models.objectives:label_smoothed", counts_first=True
+        INFO, objective="jobs.objectives:label_smoothed", counts_first=True
     )
     assert loss_fn(model, batch)[1] == 0 and count(batch) == 7
-    pairs, _ = loss_functions(
-        INFO, objective="tests.support.models.objectives:pair_margin", counts_first=True
-    )
+    pairs, _ = loss_functions(INFO, objective="jobs.objectives:pair_margin", counts_first=True)
     with pytest.raises(ModelError, match="counted 1 loss items where rayacc counted 7"):
         pairs(model, batch)
     with pytest.raises(ModelError, match="train.loss='tests.support:nope'.*no callable 'nope'"):
         loss_functions(INFO, objective="tests.support:nope")
+
+
+def test_an_objectives_error_in_a_rank_reaches_the_driver_as_raised():
+    """A wrong return found by a rank is the user's error on the driver (exit 2), as the
+    driver finds it inside Ray Train's failure."""
+    from ray.exceptions import RayTaskError
+    from ray.train.v2.api.exceptions import WorkerGroupError
+
+    from rayacc.worker.checkpoint import NoCheckpointLoads, raised_by_ranks
+
+    wrong = ModelError("train.loss='m:f' returned a tensor …, not a pair (sum, count)")
+    failure = WorkerGroupError("rank 1 failed", {1: RayTaskError("train_fn", "…", wrong)})
+    found = raised_by_ranks(failure, (NoCheckpointLoads, ModelError))
+    assert isinstance(found, ModelError) and "not a pair" in str(found)
