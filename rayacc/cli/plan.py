@@ -113,13 +113,15 @@ def _print_memory(cfg, split) -> None:
 
     prep = prepare(cfg)
     micro = cfg.batch.fixed_micro_batch_size
+    trainable = prep.trainable_parameters
+    adapters = "" if trainable is None else f" of which {trainable:,} train (LoRA)"
     print(
-        f"memory per rank, MiB (estimate; {prep.num_parameters:,} parameters, fp32, "
+        f"memory per rank, MiB (estimate; {prep.num_parameters:,} parameters{adapters}, fp32, "
         f"{split.num_workers} workers, activations of one micro-batch of {micro or '?'})"
     )
     print(f"  {'strategy':24} {'params':>9} {'grads':>9} {'optimizer':>9} {'activations':>11}")
     for label, params, grads, optim, acts in memory_per_rank(
-        cfg, prep.info, prep.num_parameters, split.num_workers
+        cfg, prep.info, prep.num_parameters, split.num_workers, trainable
     ):
         act = f"{acts:11.1f}" if acts is not None else f"{'n/a':>11}"
         print(f"  {label:24} {params:9.1f} {grads:9.1f} {optim:9.1f} {act}")

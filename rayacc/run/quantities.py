@@ -251,21 +251,28 @@ def run_identity(cfg: TrainConfig, info: DatasetInfo) -> dict[str, object]:
     return redact(json.loads(json.dumps(identity)))
 
 
-def memory_per_rank(cfg: TrainConfig, info: DatasetInfo, num_parameters: int, workers: int):
+def memory_per_rank(
+    cfg: TrainConfig,
+    info: DatasetInfo,
+    num_parameters: int,
+    workers: int,
+    trainable: int | None = None,
+):
     """Estimated memory per rank (MiB) for each strategy: parameters, gradients and optimizer
-    state (fp32, AdamW 2 slots, SGD with momentum 1), and activations of one micro-batch from a
-    simple model of the `gpt` and `mlp` models (None for a factory model). Rows:
-    (label, params, grads, optimizer, activations)."""
+    state (fp32, AdamW 2 slots, SGD with momentum 1; of the `trainable` parameters only, where
+    a base is frozen), and activations of one micro-batch from a simple model of the `gpt` and
+    `mlp` models (None for a factory model). Rows: (label, params, grads, optimizer, acts)."""
     mib = 4 / 2**20  # fp32 bytes per value, in MiB
     slots = optimizer_slots(cfg.optim)
     micro = cfg.batch.fixed_micro_batch_size
     acts = _activations_per_sample(cfg, info)
     acts = acts * micro / 2**20 if acts is not None and micro else None
     p = num_parameters * mib
+    share = 1.0 if trainable is None else trainable / max(1, num_parameters)
     return [
-        row
+        (label, params, grads * share, state * share, a)
         for cls in strategy_classes().values()
-        for row in cls.memory_rows(p, workers, slots, acts)
+        for label, params, grads, state, a in cls.memory_rows(p, workers, slots, acts)
     ]
 
 

@@ -150,3 +150,13 @@ def test_an_objectives_error_in_a_rank_reaches_the_driver_as_raised():
     failure = WorkerGroupError("rank 1 failed", {1: RayTaskError("train_fn", "…", wrong)})
     found = raised_by_ranks(failure, (NoCheckpointLoads, ModelError))
     assert isinstance(found, ModelError) and "not a pair" in str(found)
+
+
+def test_the_memory_estimate_counts_gradients_and_optimizer_state_of_what_trains():
+    from rayacc.run.quantities import memory_per_rank
+
+    config = TrainConfig.model_validate({"model": GPT, "optim": {"name": "adamw"}})
+    whole = memory_per_rank(config, INFO, 1000, 2)
+    adapted = memory_per_rank(config, INFO, 1000, 2, trainable=100)
+    for (label, p, g, o, a), (_, p2, g2, o2, a2) in zip(whole, adapted, strict=True):
+        assert (p2, a2) == (p, a) and g2 == pytest.approx(g / 10) and o2 == pytest.approx(o / 10)
