@@ -77,6 +77,12 @@ def test_a_chat_counts_its_assistant_turns_and_their_ends_only(tmp_path, tokeniz
     assert (result.examples, result.rows, result.counted) == (1, 1, len(counted))
     info = describe_dataset(str(out))
     assert info.loss_mask and info.vocab_size == 261
+    # a tokenizer.json with its tokenizer_config.json beside it: the same
+    again = tmp_path / "again"
+    prepare_instructions(
+        [str(src)], str(again), tokenizer=str(tokenizer / "tokenizer.json"), progress=quiet
+    )
+    assert rows(again) == rows(out)
 
 
 def test_a_prompt_and_completion_count_the_completion_and_the_end(tmp_path, tokenizer):

@@ -159,4 +159,30 @@ def test_the_memory_estimate_counts_gradients_and_optimizer_state_of_what_trains
     whole = memory_per_rank(config, INFO, 1000, 2)
     adapted = memory_per_rank(config, INFO, 1000, 2, trainable=100)
     for (label, p, g, o, a), (_, p2, g2, o2, a2) in zip(whole, adapted, strict=True):
-        assert (p2, a2) == (p, a) and g2 == pytest.approx(g / 10) and o2 == pytest.approx(o / 10)
+        assert (p2, a2) == (p, a), label
+        assert (g2, o2) == (pytest.approx(g / 10), pytest.approx(o / 10)), label
+
+
+def test_a_base_from_weights_is_in_the_runs_identity_by_its_files(tmp_path):
+    """An adapter is trained on one base: its files' sha256 is what a resume must match (the
+    same path with other weights is another base)."""
+    from rayacc.models.lora import BASE_KEY
+    from rayacc.run.quantities import run_identity
+    from tests.support.models.hf_configs import tiny_llama
+
+    transformers = pytest.importorskip("transformers")
+    values = {k: v for k, v in tiny_llama(vocab_size=16).items() if k != "model_type"}
+    config = transformers.LlamaConfig(**values)
+    weights = tmp_path / "base"
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(str(weights))
+    lora_cfg = TrainConfig.model_validate(
+        {"model": {"name": "hf", "hf": {"weights": str(weights)}, "lora": {"r": 2}}}
+    )
+    first = run_identity(lora_cfg, INFO)[BASE_KEY]
+    assert first == run_identity(lora_cfg, INFO)[BASE_KEY]
+    with open(next(weights.glob("*.safetensors")), "r+b") as f:
+        f.seek(-4, 2)
+        f.write(b"\x00\x01\x02\x03")
+    assert run_identity(lora_cfg, INFO)[BASE_KEY] != first
+    plain = lora_cfg.model_copy(update={"model": lora_cfg.model.model_copy(update={"lora": None})})
+    assert BASE_KEY not in run_identity(plain, INFO)
