@@ -63,6 +63,7 @@ def export_model(
         if fmt == "peft":
             model = _as_peft(model, local, base)
             if merge:
+                _untie_adapted(model)
                 model, fmt = model.merge_and_unload(), "hf"
     dest.parent.mkdir(parents=True, exist_ok=True)
     # written beside the destination, then renamed into place: whole or not at all
@@ -111,8 +112,10 @@ def _write(model, folder: Path, fmt: str) -> str:
         values.pop("model_type")
         gpt2 = GPT2LMHeadModel(GPT2Config(**values))
         missing, unexpected = gpt2.load_state_dict(gpt2_state(model), strict=False)
-        # the head is tied to the embedding (not a state of its own)
-        if [k for k in missing if k != "lm_head.weight"] or unexpected:
+        # a tied head is the embedding (not a state of its own)
+        if [
+            k for k in missing if k != "lm_head.weight" or not values["tie_word_embeddings"]
+        ] or unexpected:
             raise CheckpointError(
                 f"the gpt model does not map onto GPT-2 (missing {missing[:3]}, unexpected "
                 f"{unexpected[:3]}). Fix: --format safetensors"
@@ -162,6 +165,27 @@ def _as_peft(model, folder: str, base_folder: str | None):
             f"{folder}: adapters with no place in the base: {loaded.unexpected_keys[:3]}"
         )
     return peft_model.eval()
+
+
+def _untie_adapted(peft_model) -> None:
+    """An adapted layer whose weight is tied to another (a head tied to the embedding) gets a
+    copy of its own before the merge: merged in place, the delta would change the embedding
+    too. The merged model then says its head is its own (`tie_word_embeddings: false`)."""
+    import torch
+    from peft.tuners.lora import LoraLayer
+
+    names: dict[int, int] = {}
+    for _, p in peft_model.named_parameters(remove_duplicate=False):
+        names[id(p)] = names.get(id(p), 0) + 1
+    untied = False
+    for module in peft_model.modules():
+        base = getattr(module, "base_layer", None)
+        if isinstance(module, LoraLayer) and names.get(id(getattr(base, "weight", None)), 0) > 1:
+            base.weight = torch.nn.Parameter(base.weight.detach().clone(), requires_grad=False)
+            untied = True
+    config = getattr(peft_model.get_base_model(), "config", None)
+    if untied and config is not None:
+        config.tie_word_embeddings = False
 
 
 def _vocabulary(folder: str):

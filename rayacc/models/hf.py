@@ -275,7 +275,8 @@ def _safetensors_header(path: Path, field: str) -> None:
 # ----------------------------------------------------------------------------- rayacc's gpt out
 def gpt2_config(model: nn.Module) -> dict[str, Any]:
     """The GPT-2 config of rayacc's `gpt` model: the same layers (GELU exact, LayerNorm eps
-    1e-5, learned positions, a tied head), so `GPT2LMHeadModel` computes the same logits."""
+    1e-5, learned positions, its head tied unless adapters merged into it made it its own), so
+    `GPT2LMHeadModel` computes the same logits."""
     attn = model.blocks[0].attn
     n_embd = attn.qkv.in_features
     return {
@@ -291,7 +292,7 @@ def gpt2_config(model: nn.Module) -> dict[str, Any]:
         "embd_pdrop": 0.0,
         "attn_pdrop": 0.0,
         "layer_norm_epsilon": model.ln_f.eps,
-        "tie_word_embeddings": True,
+        "tie_word_embeddings": model.head.weight is model.tok.weight,
         "architectures": ["GPT2LMHeadModel"],
     }
 
@@ -319,4 +320,6 @@ def gpt2_state(model: nn.Module) -> dict[str, torch.Tensor]:
         "transformer.ln_f.weight": model.ln_f.weight,
         "transformer.ln_f.bias": model.ln_f.bias,
     }
+    if model.head.weight is not model.tok.weight:
+        state["lm_head.weight"] = model.head.weight
     return {k: v.detach().contiguous().clone() for k, v in state.items()}

@@ -24,6 +24,8 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
+from rayacc.engine.units import frozen_names, load_weights, without_frozen
+
 __all__ = [
     "INDEX_FILE",
     "ShardError",
@@ -172,6 +174,7 @@ def save_sharded(
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_state, optimizer_state = get_state_dict(model, optimizer, options=_options(model))
+    model_state = without_frozen(model, model_state)
     state = _chunked({"model": model_state, "optimizer": optimizer_state})
     writer = FileSystemWriter(os.fspath(folder), single_file_per_rank=True)
     if group is None:
@@ -188,7 +191,7 @@ def load_sharded(folder: str | Path, model: nn.Module, optimizer: torch.optim.Op
     options = _options(model)
     # what is asked for is what must be there: DCP's read refuses a checkpoint without it
     model_state, optimizer_state = get_state_dict(model, optimizer, options=options)
-    placed = {"model": model_state, "optimizer": optimizer_state}
+    placed = {"model": without_frozen(model, model_state), "optimizer": optimizer_state}
     state = _chunked(placed)
     _load(state, folder)
     # each value back in its parameter's layout: a moment left whole on the tensor-parallel
@@ -204,10 +207,9 @@ def load_sharded(folder: str | Path, model: nn.Module, optimizer: torch.optim.Op
 
 
 def _options(model: nn.Module):
-    """A model with frozen parameters (adapters on a base): its state leaves them out."""
+    """A model with frozen parameters (adapters on a base): its state leaves them out (and
+    `without_frozen` a tied one's other names, which DCP's option keeps)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-    from rayacc.engine.units import frozen_names
 
     if not frozen_names(model):
         return None
@@ -256,8 +258,6 @@ def _placed_as(loaded: Any, placed: Any) -> Any:
 def load_model_shards(folder: str | Path, model: nn.Module) -> None:
     """Loads the model part of a `save_sharded` folder whole into an unsharded model, in this
     process alone (no process group): for inference."""
-    from rayacc.engine.units import load_weights, without_frozen
-
     state = {"model": without_frozen(model, model.state_dict())}
     _load(state, folder, no_dist=True)
     load_weights(model, state["model"])
