@@ -156,6 +156,11 @@ def _as_peft(model, folder: str, base_folder: str | None):
     config = copy.deepcopy(config)
     # what the adapter names as its base: the folder the caller named (none: built from the seed)
     config.base_model_name_or_path = str(Path(base_folder).resolve()) if base_folder else None
+    if hasattr(base, "generation_config"):  # a transformers causal LM: peft's task for it
+        config.task_type = "CAUSAL_LM"
+        # peft saves the base model's own name: the folder named, not where it was read from
+        base.name_or_path = config.base_model_name_or_path or ""
+        base.config._name_or_path = base.name_or_path
     peft_model = get_peft_model(base, config)
     loaded = set_peft_model_state_dict(
         peft_model, {f"base_model.model.{k}": v for k, v in adapters.items()}

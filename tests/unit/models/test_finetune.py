@@ -4,6 +4,7 @@ keeps of a frozen base, what the config refuses, and every wrong return of an ob
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -186,3 +187,64 @@ def test_a_base_from_weights_is_in_the_runs_identity_by_its_files(tmp_path):
     assert run_identity(lora_cfg, INFO)[BASE_KEY] != first
     plain = lora_cfg.model_copy(update={"model": lora_cfg.model.model_copy(update={"lora": None})})
     assert BASE_KEY not in run_identity(plain, INFO)
+
+
+def test_adapters_over_given_weights_read_back_only_on_the_base_named(tmp_path, capsys):
+    """A LoRA run over `model.hf.weights` keeps the adapters only: reading it back takes the
+    base from `--base DIR`, checked against the run's record of its files; its peft export
+    names that base and loads in `AutoPeftModelForCausalLM` with the reader's logits."""
+    transformers = pytest.importorskip("transformers")
+    from peft import AutoPeftModelForCausalLM
+
+    from rayacc import load_model
+    from rayacc.checkpoint import write_checkpoint
+    from rayacc.checkpoint.reader import CheckpointError
+    from rayacc.cli import main
+    from rayacc.driver.export import export_model
+    from rayacc.models.lora import BASE_KEY
+    from rayacc.run.quantities import run_identity
+    from tests.support.models.hf_configs import tiny_llama
+
+    mapping = tiny_llama(vocab_size=16)
+    values = {k: v for k, v in mapping.items() if k != "model_type"}
+    weights, other = tmp_path / "base", tmp_path / "other"
+    for seed, folder in ((1, weights), (2, other)):
+        torch.manual_seed(seed)
+        transformers.LlamaForCausalLM(transformers.LlamaConfig(**values)).save_pretrained(folder)
+    config = TrainConfig.model_validate(
+        {"seed": 4, "model": {"name": "hf", "hf": {"config": mapping, "weights": str(weights)},
+                              "lora": {"r": 2}}}
+    )  # fmt: skip
+    trained = build_model(config, INFO)
+    with torch.no_grad():
+        for name, p in trained.named_parameters():
+            if ".lora_B." in name:
+                p.normal_()
+    optimizer = torch.optim.SGD([p for p in trained.parameters() if p.requires_grad], lr=0.1)
+    whole, _ = WholeState().save(trained, optimizer, tmp_path, 0)
+    checkpoint = write_checkpoint(
+        tmp_path / "checkpoint",
+        state={"train_state": {}, **whole},
+        description={"config": config.model_dump(mode="json"), "dataset": INFO.to_dict()},
+        meta={"optimizer_step": 1, "shards": None, "identity": run_identity(config, INFO)},
+    )
+    assert BASE_KEY in run_identity(config, INFO)
+    with pytest.raises(CheckpointError, match="which its checkpoints do not hold.*--base DIR"):
+        load_model(checkpoint)
+    with pytest.raises(CheckpointError, match="not the base the adapters .* were trained on"):
+        load_model(checkpoint, base=str(other))
+    x = torch.randint(0, 16, (2, 7))
+    with torch.no_grad():
+        expected = trained(x)
+        assert torch.equal(load_model(checkpoint, base=str(weights))(x), expected)
+    export_model(str(checkpoint), str(tmp_path / "adapter"), fmt="peft", base=str(weights))
+    adapter = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert (adapter["base_model_name_or_path"], adapter["task_type"]) == (
+        str(weights.resolve()),
+        "CAUSAL_LM",
+    )
+    theirs = AutoPeftModelForCausalLM.from_pretrained(str(tmp_path / "adapter")).eval()
+    with torch.no_grad():
+        assert torch.allclose(theirs(input_ids=x).logits, expected, atol=1e-6)
+    code = main(["export", str(checkpoint), "--format", "peft", "--out", str(tmp_path / "x")])
+    assert code == 2 and "--base DIR" in capsys.readouterr().err
