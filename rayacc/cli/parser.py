@@ -310,8 +310,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--pack",
         action="store_true",
-        help="--instruct: whole examples packed into rows of --seq-len + 1 tokens (attention "
-        "crosses the examples of a row); default one example a row",
+        help="--instruct: whole examples packed into rows of --seq-len + 1 tokens, each "
+        "attending to itself only (a documents column); default one example a row",
     )
     p.add_argument(
         "--skip-empty",

@@ -5,10 +5,11 @@ completion's and the end of text) or `{"messages": [{"role", "content"}, …]}` 
 tokenizer's own chat template. The mask counts the completion, or the assistant turns (what the
 template adds for each assistant message after the generation prompt), or every token
 (`count="all"`). Rows hold one example each (padded per micro-batch when read), or with `pack`
-several whole examples up to `seq_len + 1` tokens (attention crosses the examples of a row: no
-model rayacc builds takes a document mask). Longer examples are cut to `seq_len + 1` tokens; an
-example left with no counted target is refused naming its line, or skipped with `skip_empty`;
-both are said in numbers. Written beside the target and renamed into place, as `prepare` does.
+several whole examples up to `seq_len + 1` tokens and a `documents` column numbering them, so
+that attention stays inside each (`gpt` and `hf` take it; models/gpt.py). Longer examples are
+cut to `seq_len + 1` tokens; an example left with no counted target is refused naming its line,
+or skipped with `skip_empty`; both are said in numbers. Written beside the target and renamed
+into place, as `prepare` does.
 """
 
 from __future__ import annotations
@@ -256,6 +257,8 @@ class _Rows:
 
     tokens: list[list[int]] = dataclasses.field(default_factory=list)
     masks: list[list[int]] = dataclasses.field(default_factory=list)
+    documents: list[list[int]] = dataclasses.field(default_factory=list)
+    """Packed rows: each token's example, numbered from 0 in the row."""
 
 
 def prepare_instructions(
@@ -282,7 +285,7 @@ def prepare_instructions(
     render = renderer(tokenizer)
     width = seq_len + 1
     rows, stats = _Rows(), dict(examples=0, tokens=0, counted=0, truncated=0, skipped=0)
-    packed: tuple[list[int], list[int]] = ([], [])
+    packed: tuple[list[int], list[int], list[int]] = ([], [], [])
     for path, shown in files:
         for line_no, record in _records(path, shown):
             try:
@@ -311,16 +314,20 @@ def prepare_instructions(
             if not pack:
                 rows.tokens.append(ids)
                 rows.masks.append(counted)
-            elif len(packed[0]) + len(ids) > width:
+                continue
+            if len(packed[0]) + len(ids) > width:
                 rows.tokens.append(packed[0])
                 rows.masks.append(packed[1])
-                packed = (list(ids), list(counted))
-            else:
-                packed[0].extend(ids)
-                packed[1].extend(counted)
+                rows.documents.append(packed[2])
+                packed = ([], [], [])
+            number = packed[2][-1] + 1 if packed[2] else 0
+            packed[0].extend(ids)
+            packed[1].extend(counted)
+            packed[2].extend([number] * len(ids))
     if packed[0]:
         rows.tokens.append(packed[0])
         rows.masks.append(packed[1])
+        rows.documents.append(packed[2])
     if not rows.tokens:
         raise DataError(
             f"the inputs ({', '.join(s for _, s in files[:3])}) hold no example with a counted "
@@ -336,7 +343,7 @@ def prepare_instructions(
     result = InstructResult(str(target), len(rows.tokens), vocab_size=render.vocab_size, **stats)
     say(
         f"{out}: {result.examples:,} examples in {result.rows:,} rows "
-        f"({'packed, attention crosses the examples of a row' if pack else 'one example a row'})"
+        f"({'packed, each example attending to itself' if pack else 'one example a row'})"
         f", {result.tokens:,} tokens of which {result.counted:,} count as targets "
         f"({count}); {result.truncated:,} cut to {width} tokens, {result.skipped:,} skipped "
         "with nothing counted"
@@ -362,18 +369,13 @@ def _jsonl_files(inputs: list[str]) -> list[tuple[Path, str]]:
 
 def _write(rows: _Rows, target: Path, vocab: int, rows_per_group: int, metadata) -> None:
     dtype = pa.uint16() if vocab <= 1 << 16 else pa.int32()
-    schema = pa.schema(
-        [("tokens", pa.list_(dtype)), ("loss_mask", pa.list_(pa.uint8()))], metadata=metadata
-    )
-    table = pa.table(
-        {
-            "tokens": pa.array(rows.tokens, pa.list_(dtype)),
-            "loss_mask": pa.array(
-                [np.asarray(m, np.uint8) for m in rows.masks], pa.list_(pa.uint8())
-            ),
-        },
-        schema=schema,
-    )
+    columns = {
+        "tokens": pa.array(rows.tokens, pa.list_(dtype)),
+        "loss_mask": pa.array([np.asarray(m, np.uint8) for m in rows.masks], pa.list_(pa.uint8())),
+    }
+    if rows.documents:
+        columns["documents"] = pa.array(rows.documents, pa.list_(pa.uint16()))
+    table = pa.table(columns).replace_schema_metadata(metadata)
     staging = target.parent / f".{target.name}.partial"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)

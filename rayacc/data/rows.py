@@ -42,6 +42,10 @@ class LocalRows:
     """Instruction data: 1 where a token counts as a target, shaped as `tokens`."""
     mask_lists: list[np.ndarray] | None = None
     """The same, shaped as `token_lists`."""
+    documents: torch.Tensor | None = None
+    """Packed rows: each token's example (numbered in its row), shaped as `tokens`."""
+    document_lists: list[np.ndarray] | None = None
+    """The same, shaped as `token_lists`."""
 
     def __len__(self) -> int:
         if self.format == "classification":
@@ -58,11 +62,17 @@ class LocalRows:
             batch = {"input": chunk[:, :-1], "target": chunk[:, 1:]}
             if self.masks is not None:
                 batch["target"] = _masked(batch["target"], self.masks[idx][:, 1:])
+            if self.documents is not None:
+                batch["documents"] = self.documents[idx][:, :-1]
             return batch
         batch = collate_tokens([self.token_lists[i] for i in index])
         if self.mask_lists is not None:
             masks = collate_tokens([self.mask_lists[i] for i in index], pad_id=0)["target"]
             batch["target"] = _masked(batch["target"], masks)
+        if self.document_lists is not None:
+            # padding: an example of its own (its targets are ignored)
+            docs = [self.document_lists[i] for i in index]
+            batch["documents"] = collate_tokens(docs, pad_id=-1)["input"]
         return batch
 
     def take_split(self, index: np.ndarray, sizes: list[int]) -> list[dict[str, torch.Tensor]]:
@@ -87,7 +97,10 @@ def _masked(target: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
 def columns_of(info: DatasetInfo) -> list[str]:
     if info.format == "classification":
         return ["features", "label"]
-    return ["tokens", "loss_mask"] if info.loss_mask else ["tokens"]
+    beside = [
+        c for c, held in (("loss_mask", info.loss_mask), ("documents", info.documents)) if held
+    ]
+    return ["tokens", *beside]
 
 
 def to_local_rows(table: pa.Table, info: DatasetInfo) -> LocalRows:
@@ -100,18 +113,28 @@ def to_local_rows(table: pa.Table, info: DatasetInfo) -> LocalRows:
         labels = torch.from_numpy(table["label"].to_numpy().astype(np.int64))
         return LocalRows("classification", features=features, labels=labels)
     offsets, values = _flat(table["tokens"])
-    masks = _flat(table["loss_mask"])[1] if "loss_mask" in table.column_names else None
+    beside = {c: _flat(table[c])[1] for c in ("loss_mask", "documents") if c in table.column_names}
     lengths = np.diff(offsets)
     if n and (lengths == lengths[0]).all():
         shape = (n, int(lengths[0]))
+        held = {c: torch.from_numpy(v.reshape(shape)) for c, v in beside.items()}
         return LocalRows(
             "tokens",
             tokens=torch.from_numpy(values.reshape(shape)),
-            masks=None if masks is None else torch.from_numpy(masks.reshape(shape)),
+            masks=held.get("loss_mask"),
+            documents=held.get("documents"),
         )
-    lists = [values[offsets[i] : offsets[i + 1]] for i in range(n)]
-    mask_lists = None if masks is None else [masks[offsets[i] : offsets[i + 1]] for i in range(n)]
-    return LocalRows("tokens", token_lists=lists, mask_lists=mask_lists)
+
+    def rows_of(flat: np.ndarray) -> list[np.ndarray]:
+        return [flat[offsets[i] : offsets[i + 1]] for i in range(n)]
+
+    held = {c: rows_of(v) for c, v in beside.items()}
+    return LocalRows(
+        "tokens",
+        token_lists=rows_of(values),
+        mask_lists=held.get("loss_mask"),
+        document_lists=held.get("documents"),
+    )
 
 
 def _flat(column) -> tuple[np.ndarray, np.ndarray]:
@@ -143,18 +166,13 @@ def read_local_rows(info: DatasetInfo, groups: RowGroups, row_ids: np.ndarray) -
 
 
 _EMPTY = {
-    "tokens": pa.table({"tokens": pa.array([], pa.list_(pa.int64()))}),
-    "instructions": pa.table(
-        {
-            "tokens": pa.array([], pa.list_(pa.int64())),
-            "loss_mask": pa.array([], pa.list_(pa.uint8())),
-        }
-    ),
-    "classification": pa.table(
-        {"features": pa.array([], pa.list_(pa.float32())), "label": pa.array([], pa.int64())}
-    ),
+    "tokens": pa.array([], pa.list_(pa.int64())),
+    "loss_mask": pa.array([], pa.list_(pa.uint8())),
+    "documents": pa.array([], pa.list_(pa.uint16())),
+    "features": pa.array([], pa.list_(pa.float32())),
+    "label": pa.array([], pa.int64()),
 }
-"""No rows (a rank without validation rows), by format."""
+"""No rows (a rank without validation rows), by column."""
 
 
 def group_of(groups: RowGroups, rows: np.ndarray) -> np.ndarray:
@@ -168,7 +186,7 @@ def assemble(
     group = group_of(groups, rows)
     held = np.unique(group)
     if len(held) == 0:
-        return _EMPTY["instructions" if info.loss_mask else info.format]
+        return pa.table({c: _EMPTY[c] for c in columns_of(info)})
     parts = [tables[int(h)] for h in held]
     offsets = np.concatenate([[0], np.cumsum([t.num_rows for t in parts])[:-1]])
     index = offsets[np.searchsorted(held, group)] + (rows - groups.start[group])

@@ -61,6 +61,9 @@ class DatasetInfo:
     """Uncompressed size of the columns rayacc reads, from the Parquet metadata."""
     loss_mask: bool = False
     """Token rows carry a `loss_mask`: only the tokens it marks count as targets (loss items)."""
+    documents: bool = False
+    """Token rows carry `documents` (packed examples, numbered per row): the model keeps each
+    example's attention to itself."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -264,18 +267,20 @@ def _scan_classification(ds: pq.ParquetDataset) -> tuple[int, int]:
     return int(width or 0), top + 1
 
 
-def _scan_tokens(ds: pq.ParquetDataset, declared: int | None, masked: bool) -> tuple[int, int]:
+def _scan_tokens(
+    ds: pq.ParquetDataset, declared: int | None, extra: tuple[str, ...]
+) -> tuple[int, int]:
     """(vocabulary size, longest row) in one streamed pass; DataError with file and row for a
-    null, a row under 2 tokens, an id outside the vocabulary, or a `loss_mask` that does not
-    fit its tokens."""
+    null, a row under 2 tokens, an id outside the vocabulary, or a `loss_mask` or `documents`
+    that does not fit its tokens."""
     top, longest = 0, 0
     limit = declared or MAX_IDS
-    for path, first, batch in _batches(ds, ["tokens", "loss_mask"] if masked else ["tokens"]):
+    for path, first, batch in _batches(ds, ["tokens", *extra]):
         tokens = batch.column("tokens")
         _check_lists(path, first, tokens, "tokens", "drop the row, or re-tokenize the text")
         lengths = pc.list_value_length(tokens)
-        if masked:
-            _check_mask(path, first, batch.column("loss_mask"), lengths)
+        for name in extra:
+            _check_beside(path, first, name, batch.column(name), lengths)
         short = _first(pc.less(lengths, 2))
         if short is not None:
             raise _bad_row(path, first + short, "`tokens` has fewer than 2 tokens", "drop the row")
@@ -304,26 +309,36 @@ def _scan_tokens(ds: pq.ParquetDataset, declared: int | None, masked: bool) -> t
     return (declared or top + 1), longest
 
 
-def _check_mask(path: str, first: int, mask, lengths) -> None:
-    """A `loss_mask` as long as its row's tokens, of 0s and 1s."""
+def _check_beside(path: str, first: int, name: str, column, lengths) -> None:
+    """A column beside the tokens (`loss_mask`: 0s and 1s; `documents`: example numbers ≥ 0
+    that never go back) as long as its row's tokens."""
     fix = "write the file again with `rayacc data prepare --instruct`"
-    _check_lists(path, first, mask, "loss_mask", fix)
-    other = _first(pc.not_equal(pc.list_value_length(mask), lengths))
+    _check_lists(path, first, column, name, fix)
+    other = _first(pc.not_equal(pc.list_value_length(column), lengths))
     if other is not None:
         raise _bad_row(
             path,
             first + other,
-            f"`loss_mask` has {pc.list_value_length(mask)[other].as_py()} entries for "
+            f"`{name}` has {pc.list_value_length(column)[other].as_py()} entries for "
             f"{lengths[other].as_py()} tokens",
             fix,
         )
-    flat = pc.list_flatten(mask)
+    flat = pc.list_flatten(column)
+    if name == "documents":
+        parents = pc.list_parent_indices(column).to_numpy()
+        values = flat.to_numpy(zero_copy_only=False).astype(np.int64)
+        back = np.flatnonzero((np.diff(values) < 0) & (np.diff(parents) == 0))
+        bad = np.flatnonzero(values < 0)
+        if len(back) or len(bad):
+            row = first + int(parents[(bad if len(bad) else back + 1)[0]])
+            raise _bad_row(path, row, "`documents` numbers go back or below 0", fix)
+        return
     if pa.types.is_boolean(flat.type):
         return
     odd = _first(pc.invert(pc.is_in(flat, value_set=pa.array([0, 1], flat.type))))
     if odd is not None:
-        row = first + pc.list_parent_indices(mask)[odd].as_py()
-        raise _bad_row(path, row, f"`loss_mask` holds {flat[odd].as_py()}, not 0 or 1", fix)
+        row = first + pc.list_parent_indices(column)[odd].as_py()
+        raise _bad_row(path, row, f"`{name}` holds {flat[odd].as_py()}, not 0 or 1", fix)
 
 
 def _list_of(kinds: tuple[str, ...], element) -> Any:
@@ -353,6 +368,10 @@ COLUMNS: dict[str, dict[str, tuple[Any, str]]] = {
         "loss_mask": (
             _list_of(("list", "large_list"), lambda t: pa.types.is_integer(t) or t == pa.bool_()),
             "list<uint8> (1 where the token counts as a target, 0 where not)",
+        ),
+        "documents": (
+            _list_of(("list", "large_list"), pa.types.is_integer),
+            "list<uint16> (each token's example in a packed row, from 0)",
         ),
     },
 }
@@ -452,7 +471,7 @@ def _describe(source: str, ds: pq.ParquetDataset) -> DatasetInfo:
     fingerprint = _fingerprint(ds, counts)
     shape = {
         "num_row_groups": sum(f.metadata.num_row_groups for f in ds.fragments),
-        "data_bytes": _data_bytes(ds, {"features", "label", "tokens", "loss_mask"}),
+        "data_bytes": _data_bytes(ds, {"features", "label", "tokens", "loss_mask", "documents"}),
     }
 
     if {"features", "label"} <= names:
@@ -471,8 +490,8 @@ def _describe(source: str, ds: pq.ParquetDataset) -> DatasetInfo:
     if "tokens" in names:
         _check_columns(source, ds, "tokens")
         vocab, declared = _declared_vocabulary(source, schema.metadata or {})
-        masked = "loss_mask" in names
-        vocab_size, longest = _scan_tokens(ds, declared, masked)
+        extra = tuple(c for c in ("loss_mask", "documents") if c in names)
+        vocab_size, longest = _scan_tokens(ds, declared, extra)
         return DatasetInfo(
             source,
             "tokens",
@@ -481,7 +500,8 @@ def _describe(source: str, ds: pq.ParquetDataset) -> DatasetInfo:
             max_tokens=longest,
             vocab=vocab,
             fingerprint=fingerprint,
-            loss_mask=masked,
+            loss_mask="loss_mask" in extra,
+            documents="documents" in extra,
             **shape,
         )
 

@@ -12,6 +12,7 @@ invariants). A user mistake found here is an error naming the field or file and 
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +28,7 @@ from rayacc.driver.places import check_places
 from rayacc.driver.runs import RunLocation, locate_run
 from rayacc.engine.parallel import state_format_named
 from rayacc.engine.units import fsdp_blocks
-from rayacc.models import build_on_meta
+from rayacc.models import ModelError, build_on_meta
 from rayacc.models.lora import trainable_count
 from rayacc.models.registry import check_tensor_plan
 from rayacc.redact.origins import register_run
@@ -125,6 +126,13 @@ def prepare(cfg: TrainConfig) -> Prepared:
     source = read_source(cfg.data.source, cfg.data.cache_dir, cfg.data.seq_len)
     info, groups = source.info, source.groups
     model = build_on_meta(cfg, info)
+    if info.documents and "documents" not in inspect.signature(model.forward).parameters:
+        raise ModelError(
+            f"data.source={info.path!r} holds packed rows (`documents`), and the model's "
+            "forward takes no `documents` to keep each example's attention to itself. Fix: "
+            "prepare the data without --pack, or give the forward a `documents` argument "
+            "(rayacc.models.gpt.document_mask builds the mask)"
+        )
     if cfg.train.loss is not None:
         from rayacc.models.objective import OBJECTIVE_FIX
         from rayacc.models.registry import resolve_callable

@@ -25,6 +25,7 @@ __all__ = [
     "count_rows",
     "count_target_tokens",
     "counted_with_losses",
+    "model_inputs",
     "summed",
     "to_device",
     "token_item_losses",
@@ -45,6 +46,12 @@ def to_device(
 
 IGNORE_INDEX = -100
 """Target value of padding positions; matches F.cross_entropy's default ignore_index."""
+
+
+def model_inputs(batch: Batch) -> dict[str, torch.Tensor]:
+    """What a token model takes beside the input ids: packed rows' `documents` (each
+    example's attention kept to itself)."""
+    return {"documents": batch["documents"]} if "documents" in batch else {}
 
 
 def summed(out: torch.Tensor | tuple[torch.Tensor, int]) -> tuple[torch.Tensor, int]:
@@ -78,7 +85,7 @@ def count_target_tokens(batch: Batch) -> int:
 
 def token_item_losses(model: nn.Module, batch: Batch) -> torch.Tensor:
     """Next-token cross-entropy per target position; padding positions give 0."""
-    logits = model(batch["input"])
+    logits = model(batch["input"], **model_inputs(batch))
     return F.cross_entropy(
         logits.float().reshape(-1, logits.shape[-1]),
         batch["target"].reshape(-1),

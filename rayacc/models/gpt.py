@@ -12,6 +12,23 @@ from torch import nn
 from rayacc.models.init import init_parameters
 
 
+def document_positions(documents: torch.Tensor) -> torch.Tensor:
+    """Each position's place in its example (packed rows: `documents` [B, T] numbers the
+    examples of a row in order): 0 where an example starts."""
+    t = documents.shape[1]
+    index = torch.arange(t, device=documents.device).expand_as(documents)
+    starts = torch.ones_like(documents, dtype=torch.bool)
+    starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    return index - torch.where(starts, index, 0).cummax(dim=1).values
+
+
+def document_mask(documents: torch.Tensor) -> torch.Tensor:
+    """[B, 1, T, T] True where a position may attend: earlier or itself, in its own example."""
+    t = documents.shape[1]
+    causal = torch.ones(t, t, dtype=torch.bool, device=documents.device).tril()
+    return (causal & (documents[:, :, None] == documents[:, None, :])).unsqueeze(1)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, n_embd: int, n_head: int, dropout: float):
         super().__init__()
@@ -21,15 +38,20 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(n_embd, n_embd)
         self.dropout = dropout
 
-    def forward(self, x):
+    def forward(self, x, mask: torch.Tensor | None = None):
         b, t, _ = x.shape
         # the heads this rank holds: all of them, or its share under tensor parallelism
         qkv = self.qkv(x)
         q, k, v = qkv.split(qkv.shape[-1] // 3, dim=2)
         q, k, v = (z.view(b, t, -1, self.head_size).transpose(1, 2) for z in (q, k, v))
-        # SDPA picks the flash / memory-efficient kernel when one applies
+        # SDPA picks the flash / memory-efficient kernel when one applies (causal, no mask)
         y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            is_causal=mask is None,
+            dropout_p=self.dropout if self.training else 0.0,
         )
         return self.proj(y.transpose(1, 2).contiguous().view(b, t, -1))
 
@@ -47,8 +69,8 @@ class Block(nn.Module):
             nn.Dropout(dropout),
         )
 
-    def forward(self, x):
-        x = x + self.attn(self.ln1(x))
+    def forward(self, x, mask: torch.Tensor | None = None):
+        x = x + self.attn(self.ln1(x), mask)
         return x + self.mlp(self.ln2(x))
 
 
@@ -146,18 +168,25 @@ class GPT(nn.Module):
         idx: torch.Tensor,
         return_hidden: bool = False,
         head_loss: Callable[[torch.Tensor, nn.Linear], torch.Tensor] | None = None,
+        documents: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits; with `return_hidden` the final hidden states that `head` projects (a chunked
         loss applies the head itself, never holding all the logits); with `head_loss`, its
         value on (hidden states, head), computed inside this forward — where a sharded
-        model's parameters are whole."""
+        model's parameters are whole. `documents` (packed rows: each position's example):
+        each example attends to itself only and its positions start at 0, as on a row of
+        its own."""
         t = idx.shape[1]
         if t > self.block_size:
             raise ValueError(f"sequence of {t} tokens exceeds model.block_size={self.block_size}")
-        pos = torch.arange(t, device=idx.device)
+        mask = None
+        if documents is None:
+            pos = torch.arange(t, device=idx.device)
+        else:
+            pos, mask = document_positions(documents), document_mask(documents)
         x = self.drop(self.tok(idx) + self.pos(pos))
         for block in self.blocks:
-            x = block(x)
+            x = block(x, mask)
         hidden = self.ln_f(x)
         if head_loss is not None:
             return head_loss(hidden, self.head)

@@ -46,8 +46,28 @@ class HFCausalLM(nn.Module):
             config, "n_positions", None
         )
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.hf(input_ids=idx, use_cache=False).logits
+    def forward(self, idx: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits; `documents` (packed rows: each position's example): each example attends to
+        itself only, its positions from 0 (a 4-D mask of the kind the attention implementation
+        takes; flash attention reads the examples from the positions)."""
+        if documents is None:
+            return self.hf(input_ids=idx, use_cache=False).logits
+        from rayacc.models.gpt import document_mask, document_positions
+
+        kind = getattr(self.hf.config, "_attn_implementation", "sdpa") or "sdpa"
+        mask = None if "flash" in kind else document_mask(documents)
+        if mask is not None and kind == "eager":  # eager adds its mask to the scores
+            dtype = self.hf.get_input_embeddings().weight.dtype
+            mask = torch.zeros(mask.shape, dtype=dtype, device=idx.device).masked_fill(
+                ~mask, torch.finfo(dtype).min
+            )
+        out = self.hf(
+            input_ids=idx,
+            position_ids=document_positions(documents),
+            attention_mask=mask,
+            use_cache=False,
+        )
+        return out.logits
 
     def tp_plan(self) -> dict:
         """The tensor-parallel plan `transformers` declares for the architecture

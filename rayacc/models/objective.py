@@ -11,7 +11,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from rayacc.engine.losses import Batch, ItemCounter
+from rayacc.engine.losses import Batch, ItemCounter, model_inputs
 from rayacc.models.errors import ModelError
 
 __all__ = ["OBJECTIVE_FIX", "Objective"]
@@ -37,7 +37,8 @@ class Objective:
         self.spec, self.fn, self.input_key, self.ahead = spec, fn, input_key, ahead
 
     def __call__(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, int]:
-        total, count = checked(self.spec, self.fn(model(batch[self.input_key]), batch))
+        output = model(batch[self.input_key], **model_inputs(batch))
+        total, count = checked(self.spec, self.fn(output, batch))
         if self.ahead is None:
             return total, count
         expected = self.ahead(batch)

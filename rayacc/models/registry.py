@@ -20,7 +20,7 @@ from rayacc.engine import (
     token_item_losses,
 )
 from rayacc.engine.chunked_loss import chunked_cross_entropy_sum
-from rayacc.engine.losses import counted_with_losses
+from rayacc.engine.losses import counted_with_losses, model_inputs
 from rayacc.engine.parallel import Strategy
 from rayacc.engine.parallel import unwrap as unwrap_model
 from rayacc.models.errors import ModelError
@@ -221,13 +221,14 @@ def loss_functions(
         return head_loss
 
     def inside_forward(m: nn.Module, batch) -> torch.Tensor:
-        return m(batch["input"], head_loss=head_loss_of(batch))
+        return m(batch["input"], head_loss=head_loss_of(batch), **model_inputs(batch))
 
     def after_forward(m: nn.Module, batch) -> torch.Tensor:
         # through the wrapper's forward (DDP prepares its gradient sync there); the head's
         # weight is then used directly, which DDP's per-parameter hooks see all the same (a
         # compiled forward returns the hidden states and the loss stays eager)
-        return head_loss_of(batch)(m(batch["input"], return_hidden=True), unwrap_model(m).head)
+        hidden = m(batch["input"], return_hidden=True, **model_inputs(batch))
+        return head_loss_of(batch)(hidden, unwrap_model(m).head)
 
     return (inside_forward if inside else after_forward), count_target_tokens
 

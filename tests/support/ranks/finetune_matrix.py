@@ -1,6 +1,7 @@
 """Fine-tuning on gloo ranks (no Ray), built as a worker builds it (`build_rank`): instruction
 rows whose `loss_mask` counts very unevenly per micro-batch (one counted token beside rows
-counted whole), read through the product's own rows (`LocalRows`), under every strategy (DDP,
+counted whole), half of them packing two examples (`documents`), read through the product's
+own rows (`LocalRows`), under every strategy (DDP,
 FSDP, HSDP, FSDP × TP, ZeRO-1/2/3, ZeRO-3 with its optimizer offloaded), with LoRA adapters or
 without, with rayacc's cross-entropy or the user's objective; each compared with the same SGD
 steps on whole windows in one process."""
@@ -61,18 +62,21 @@ def cases() -> list[Case]:
     return out
 
 
-def rows() -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """Token rows and their masks: lengths 3..24, each row's counted part a suffix (an answer)
-    of 1 token up to the whole row, so the counts per micro-batch differ by an order of
-    magnitude."""
+def rows() -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
+    """Token rows, their masks and their `documents`: lengths 3..24, each row's counted part a
+    suffix (an answer) of 1 token up to the whole row, so the counts per micro-batch differ by
+    an order of magnitude; every other row packs two examples (its second one starts at a
+    third of the row)."""
     rng = np.random.default_rng(17)
-    tokens, masks = [], []
+    tokens, masks, documents = [], [], []
     for i in range(sum(WINDOWS)):
         n = int(rng.integers(3, BLOCK + 1))
         counted = 1 if i % 3 == 0 else (n if i % 3 == 1 else int(rng.integers(1, n)))
         tokens.append(rng.integers(0, VOCAB, n))
         masks.append(np.r_[np.zeros(n - counted, np.int64), np.ones(counted, np.int64)])
-    return tokens, masks
+        second = n // 3 if i % 2 and n >= 6 else n
+        documents.append(np.r_[np.zeros(second, np.int64), np.ones(n - second, np.int64)])
+    return tokens, masks, documents
 
 
 def config(case: Case):
@@ -108,14 +112,16 @@ def dataset():
         vocab_size=VOCAB,
         max_tokens=BLOCK,
         loss_mask=True,
+        documents=True,
     )
 
 
 def _local_rows(lo: int, hi: int):
     from rayacc.data.rows import LocalRows
 
-    tokens, masks = rows()
-    return LocalRows("tokens", token_lists=tokens[lo:hi], mask_lists=masks[lo:hi])
+    tokens, masks, documents = rows()
+    return LocalRows("tokens", token_lists=tokens[lo:hi], mask_lists=masks[lo:hi],
+                     document_lists=documents[lo:hi])  # fmt: skip
 
 
 def whole(strategy) -> torch.Tensor:
@@ -163,7 +169,7 @@ def reference(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
     lo = 0
     for n in WINDOWS:
         batch = _local_rows(lo, lo + n).take(np.arange(n))
-        logits = model(batch["input"])
+        logits = model(batch["input"], documents=batch["documents"])
         if case.loss == "objective":
             total, count = label_smoothed(logits, batch)
             loss = total / count
@@ -181,7 +187,7 @@ def reference(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
 
 def counted(lo: int, hi: int) -> int:
     """The window's counted targets (a row's first token is never a target)."""
-    _, masks = rows()
+    masks = rows()[1]
     return int(sum(m[1:].sum() for m in masks[lo:hi]))
 
 

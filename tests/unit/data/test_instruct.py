@@ -6,7 +6,9 @@ when rows are taken."""
 
 from __future__ import annotations
 
+import itertools
 import json
+import re
 from functools import cache
 from pathlib import Path
 
@@ -112,6 +114,13 @@ def test_packing_keeps_examples_whole_and_counts_no_first_token(tmp_path, tokeni
     text = "".join(decode(tokenizer, r["tokens"]) for r in table)
     assert text.count("<|user|>What is 2 + 2?<|end|><|assistant|>4.<|end|>") == 7
     assert text.count("pppppccc") == 5
+    # each token's example, numbered in its row; whole examples, in order
+    for r in table:
+        docs = r["documents"]
+        assert len(docs) == len(r["tokens"]) and docs[0] == 0
+        assert all(b - a in (0, 1) for a, b in itertools.pairwise(docs))
+    assert sum(r["documents"][-1] + 1 for r in table) == 12
+    assert describe_dataset(str(out)).documents
     # a row's examples start uncounted: nothing is learnt across their boundary
     for r in table:
         starts = [i for i, t in enumerate(r["tokens"]) if decode(tokenizer, [t]) == "<|user|>"]
@@ -267,17 +276,26 @@ def _parquet(path: Path, tokens, masks, mask_type=None) -> str:
 
 
 @pytest.mark.parametrize(
-    ("masks", "message"),
+    ("column", "values", "message"),
     [
-        ([[0, 1, 1], [0, 1]], "row 1: `loss_mask` has 2 entries for 3 tokens"),
-        ([[0, 1, 1], [0, 2, 1]], "row 1: `loss_mask` holds 2, not 0 or 1"),
-        ([[0, 1, 1], None], "row 1: `loss_mask` is null"),
+        ("loss_mask", [[0, 1, 1], [0, 1]], "row 1: `loss_mask` has 2 entries for 3 tokens"),
+        ("loss_mask", [[0, 1, 1], [0, 2, 1]], "row 1: `loss_mask` holds 2, not 0 or 1"),
+        ("loss_mask", [[0, 1, 1], None], "row 1: `loss_mask` is null"),
+        ("documents", [[0, 0, 1], [0, 1]], "row 1: `documents` has 2 entries for 3 tokens"),
+        ("documents", [[0, 0, 1], [0, 1, 0]], "row 1: `documents` numbers go back or below 0"),
+        ("documents", [[0, 0, 1], [0, -1, 0]], "row 1: `documents` numbers go back or below 0"),
     ],
 )
-def test_a_loss_mask_that_does_not_fit_its_tokens_is_named_by_row(tmp_path, masks, message):
-    source = _parquet(tmp_path / "m.parquet", [[1, 2, 3], [4, 5, 6]], masks)
-    with pytest.raises(DataError, match=message.replace("`", "`").replace("(", r"\(")):
-        describe_dataset(source)
+def test_a_column_beside_the_tokens_that_does_not_fit_them_is_named_by_row(
+    tmp_path, column, values, message
+):
+    columns = {"tokens": pa.array([[1, 2, 3], [4, 5, 6]], pa.list_(pa.int64()))}
+    columns[column] = pa.array(
+        values, pa.list_(pa.int16() if column == "documents" else pa.uint8())
+    )
+    pq.write_table(pa.table(columns), tmp_path / "m.parquet")
+    with pytest.raises(DataError, match=re.escape(message)):
+        describe_dataset(str(tmp_path / "m.parquet"))
 
 
 def test_taken_rows_ignore_the_targets_the_mask_does_not_count(tmp_path):
@@ -300,3 +318,35 @@ def test_taken_rows_ignore_the_targets_the_mask_does_not_count(tmp_path):
             assert got == want, (got, want)
             assert (batch["target"][i, len(want) :] == IGNORE_INDEX).all()
     assert isinstance(local, LocalRows) and torch.is_tensor(batch["input"])
+
+
+def test_packed_rows_reach_the_model_as_documents_or_are_refused_before_launch(tmp_path, tokenizer):
+    """Taken rows carry each input position's example (padding an example of its own); a
+    model whose forward takes no `documents` is refused before anything starts."""
+    from rayacc.config import TrainConfig
+    from rayacc.data.rows import read_local_rows
+    from rayacc.data.sources import read_source
+    from rayacc.driver.prelaunch import prepare
+    from rayacc.models import ModelError
+
+    src = write_jsonl(tmp_path / "p.jsonl", [{"messages": CHAT[1:3]}] * 6 + [{"messages": CHAT}])
+    out = tmp_path / "packed"
+    prepare_instructions(
+        [str(src)], str(out), seq_len=60, tokenizer=str(tokenizer), pack=True, progress=quiet
+    )
+    source = read_source(str(out))
+    local = read_local_rows(source.info, source.groups, np.arange(source.info.num_rows))
+    batch = local.take(np.arange(source.info.num_rows))
+    table = rows(out)
+    for i, r in enumerate(table):
+        n = len(r["documents"]) - 1
+        assert batch["documents"][i, :n].tolist() == r["documents"][:-1]
+        assert (batch["documents"][i, n:] == -1).all()
+    base = {"data": {"source": str(out), "val_fraction": 0.0, "seq_len": 60},
+            "batch": {"global_batch_size": 2, "micro_batch_size": 1},
+            "scaling": {"num_workers": 1}, "tracking": {"enabled": False}}  # fmt: skip
+    gpt = {"name": "gpt", "n_layer": 1, "n_head": 1, "n_embd": 8, "block_size": 64}
+    assert prepare(TrainConfig.from_dict({**base, "model": gpt})).info.documents
+    plain = {"name": "factory", "factory": "tests.support.models.plain_token_model:build"}
+    with pytest.raises(ModelError, match="takes no `documents`.*Fix: prepare the data without"):
+        prepare(TrainConfig.from_dict({**base, "model": plain}))

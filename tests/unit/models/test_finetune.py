@@ -248,3 +248,61 @@ def test_adapters_over_given_weights_read_back_only_on_the_base_named(tmp_path, 
         assert torch.allclose(theirs(input_ids=x).logits, expected, atol=1e-6)
     code = main(["export", str(checkpoint), "--format", "peft", "--out", str(tmp_path / "x")])
     assert code == 2 and "--base DIR" in capsys.readouterr().err
+
+
+def _packed_and_alone(vocab: int):
+    """Three examples alone, and packed into one row with their `documents`."""
+    g = torch.Generator().manual_seed(5)
+    alone = [torch.randint(0, vocab, (n,), generator=g) for n in (5, 7, 3)]
+    row = torch.cat(alone)[None]
+    docs = torch.cat([torch.full((len(a),), i) for i, a in enumerate(alone)])[None]
+    return alone, row, docs
+
+
+@pytest.mark.parametrize("kind", ["gpt", "hf sdpa", "hf eager"])
+def test_a_packed_row_gives_each_example_its_logits_alone(kind):
+    """Each example of a packed row attends to itself only, its positions from 0: the logits
+    are those of the example on a row of its own (gpt; a transformers Llama under SDPA and
+    eager attention)."""
+    from tests.support.models.hf_configs import tiny_llama
+
+    if kind == "gpt":
+        model = build_model(cfg(), INFO).eval()
+    else:
+        config = {**tiny_llama(vocab_size=16), "attn_implementation": kind.split()[1]}
+        model = build_model(cfg(name="hf", hf={"config": config}), INFO).eval()
+        assert model.hf.config._attn_implementation == kind.split()[1]
+    alone, row, docs = _packed_and_alone(16)
+    with torch.no_grad():
+        packed = model(row, documents=docs)[0]
+        each = torch.cat([model(a[None])[0] for a in alone])
+        crossed = model(row)[0]
+    assert torch.allclose(packed, each, atol=1e-6), (packed - each).abs().max()
+    assert not torch.allclose(crossed, each, atol=1e-3), "without documents attention crosses"
+
+
+def test_a_step_on_packed_rows_is_the_step_on_the_examples_alone():
+    """The loss functions hand the model the rows' `documents`: the summed loss and every
+    gradient of a packed row equal those of its examples on rows of their own."""
+    from rayacc.engine import collate_tokens
+
+    alone, row, docs = _packed_and_alone(16)
+    grads = []
+    for packed in (True, False):
+        model = build_model(cfg(lora={"r": 2}), INFO)
+        loss_fn, count = loss_functions(INFO, chunk=None)
+        if packed:
+            target = row[:, 1:].clone()
+            starts = torch.cumsum(torch.tensor([len(a) for a in alone]), 0)[:-1]
+            target[0, starts - 1] = IGNORE_INDEX  # no example's first token follows the last
+            batch = {"input": row[:, :-1], "target": target, "documents": docs[:, :-1]}
+        else:
+            batch = collate_tokens(alone)
+        loss = loss_fn(model, batch).sum()
+        loss.backward()
+        grads.append((float(loss), count(batch), [p.grad.clone() for p in model.parameters()
+                                                  if p.grad is not None]))  # fmt: skip
+    (l1, n1, g1), (l2, n2, g2) = grads
+    assert n1 == n2 == sum(len(a) - 1 for a in alone) and l1 == pytest.approx(l2, rel=1e-6)
+    for a, b in zip(g1, g2, strict=True):
+        assert torch.allclose(a, b, atol=1e-6)
