@@ -62,8 +62,7 @@ class DatasetInfo:
     loss_mask: bool = False
     """Token rows carry a `loss_mask`: only the tokens it marks count as targets (loss items)."""
     documents: bool = False
-    """Token rows carry `documents` (packed examples, numbered per row): the model keeps each
-    example's attention to itself."""
+    """Token rows carry `documents` (packed examples numbered per row: attention kept in each)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -314,31 +313,20 @@ def _check_beside(path: str, first: int, name: str, column, lengths) -> None:
     that never go back) as long as its row's tokens."""
     fix = "write the file again with `rayacc data prepare --instruct`"
     _check_lists(path, first, column, name, fix)
-    other = _first(pc.not_equal(pc.list_value_length(column), lengths))
-    if other is not None:
-        raise _bad_row(
-            path,
-            first + other,
-            f"`{name}` has {pc.list_value_length(column)[other].as_py()} entries for "
-            f"{lengths[other].as_py()} tokens",
-            fix,
-        )
-    flat = pc.list_flatten(column)
+    sizes = pc.list_value_length(column)
+    if (other := _first(pc.not_equal(sizes, lengths))) is not None:
+        why = f"`{name}` has {sizes[other].as_py()} entries for {lengths[other].as_py()} tokens"
+        raise _bad_row(path, first + other, why, fix)
+    values = pc.list_flatten(column).to_numpy(zero_copy_only=False).astype(np.int64)
+    parents = pc.list_parent_indices(column).to_numpy()
     if name == "documents":
-        parents = pc.list_parent_indices(column).to_numpy()
-        values = flat.to_numpy(zero_copy_only=False).astype(np.int64)
-        back = np.flatnonzero((np.diff(values) < 0) & (np.diff(parents) == 0))
-        bad = np.flatnonzero(values < 0)
-        if len(back) or len(bad):
-            row = first + int(parents[(bad if len(bad) else back + 1)[0]])
-            raise _bad_row(path, row, "`documents` numbers go back or below 0", fix)
-        return
-    if pa.types.is_boolean(flat.type):
-        return
-    odd = _first(pc.invert(pc.is_in(flat, value_set=pa.array([0, 1], flat.type))))
-    if odd is not None:
-        row = first + pc.list_parent_indices(column)[odd].as_py()
-        raise _bad_row(path, row, f"`{name}` holds {flat[odd].as_py()}, not 0 or 1", fix)
+        back = np.r_[False, (np.diff(values) < 0) & (np.diff(parents) == 0)]
+        wrong, why = (values < 0) | back, "`documents` numbers go back or below 0"
+    else:
+        wrong = (values != 0) & (values != 1)
+        why = f"`{name}` holds {values[wrong][:1].tolist()[0] if wrong.any() else 0}, not 0 or 1"
+    if wrong.any():
+        raise _bad_row(path, first + int(parents[int(np.argmax(wrong))]), why, fix)
 
 
 def _list_of(kinds: tuple[str, ...], element) -> Any:
