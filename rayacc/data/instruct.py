@@ -234,21 +234,26 @@ def _chat(tok, folder: Path) -> Callable[[list[dict]], tuple[list[int], list[int
 
 def _records(path: Path, shown: str) -> Iterator[tuple[int, object]]:
     """(line number, parsed record) of each non-empty line; DataError naming the line."""
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
+    with open(path, "rb") as f:
+        for line_no, raw in enumerate(f, 1):
             try:
-                yield line_no, json.loads(line)
-            except (json.JSONDecodeError, RecursionError) as exc:
-                why = getattr(exc, "msg", "nested deeper than the parser follows")
-                raise DataError(
-                    f"{shown}, line {line_no}: not JSON ({why}). Fix: one JSON object per line"
-                ) from None
+                line = raw.decode("utf-8")
             except UnicodeDecodeError:
                 raise DataError(
-                    f"{shown}: not UTF-8 text near line {line_no}. Fix: convert it to UTF-8"
+                    f"{shown}, line {line_no}: not UTF-8 text. Fix: convert the file to UTF-8"
                 ) from None
+            if line.strip():
+                yield line_no, _parsed(line, shown, line_no)
+
+
+def _parsed(line: str, shown: str, line_no: int) -> object:
+    try:
+        return json.loads(line)
+    except (json.JSONDecodeError, RecursionError) as exc:
+        why = getattr(exc, "msg", "nested deeper than the parser follows")
+        raise DataError(
+            f"{shown}, line {line_no}: not JSON ({why}). Fix: one JSON object per line"
+        ) from None
 
 
 @dataclass

@@ -190,6 +190,20 @@ def test_bad_instruction_data_is_named_by_line_and_nothing_is_left(
     assert not out.exists() and not list(tmp_path.glob(".out*")), "nothing half-written"
 
 
+def test_a_file_that_is_not_utf8_or_nests_too_deep_is_named(tmp_path, capsys, tokenizer):
+    for name, content, message in (
+        ("latin.jsonl", b'{"prompt": "a", "completion": "b"}\n{"prompt": "\xe9"}\n',
+         "latin.jsonl, line 2: not UTF-8 text"),
+        ("deep.jsonl", b"[" * 100_000 + b"\n", "deep.jsonl, line 1: not JSON"),
+    ):  # fmt: skip
+        (tmp_path / name).write_bytes(content)
+        out = tmp_path / f"out-{name}"
+        code = main(["data", "prepare", str(tmp_path / name), "--instruct", "--out", str(out)])
+        err = capsys.readouterr().err
+        assert code == 2 and message in err and "Fix:" in err and "Traceback" not in err, err
+        assert not out.exists()
+
+
 def test_a_template_that_drops_a_role_silently_is_refused(tmp_path, tokenizer):
     from transformers import AutoTokenizer
 
