@@ -75,6 +75,7 @@ SECOND_WORKER = (
     "tests/unit/",
     "tests/ray/test_user_console.py",
     "tests/ray/test_local_ray.py",
+    "tests/ray/test_finetune.py",
 )
 """What the second worker of a parallel run takes (`-n 2 --dist loadgroup`, what
 `scripts/test.sh` runs): the multi-node tests, which mostly wait on their clusters, the gloo
