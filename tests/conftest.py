@@ -35,9 +35,10 @@ KIND_OF_FOLDER = {
 BUDGET = {"worker groups": 61, "Ray instances": 4, "clusters": 3, "MLflow servers": 4}
 """The most of each start the whole suite may make (tests/README.md: what each costs). 61
 groups: 60 since the pass-over scenario (`ray/test_lineage.py`: a torn sharded checkpoint, then
-three resumes at changing worker counts, four starts no other run could host), and the plan
-search measures its top candidates in one group per worker count, so it starts 6 or 7 groups as
-its measured profile ranks them (bench/results/suite.md)."""
+three resumes at changing worker counts, four starts no other run could host), and the chat
+job's run as a user runs it (`ray/test_finetune.py`); the plan search measures its top
+candidate only, so it starts 6 groups whatever its measured profile ranks first
+(bench/results/suite.md)."""
 
 
 def pytest_configure(config):

@@ -27,7 +27,10 @@ def test_plan_search_then_train_with_the_plan(ray_address, tmp_path, monkeypatch
     # digits); a time budget that does not bind on a loaded machine (120 s once did)
     code = main(
         [
-            "plan", "-c", job, "--search", "--top", "2", "--budget-s", "1200",
+            # the top candidate only: one calibration group, at its worker count (a top two
+            # at different counts would start one more; choosing among measured ones is a
+            # unit test, tests/unit/planner/test_planner.py)
+            "plan", "-c", job, "--search", "--top", "1", "--budget-s", "1200",
             "--out", "plans/P.yaml", "batch.memory_budget_mb=0.55",
             # one worker a node: 2 workers span 2 nodes, where HSDP is a candidate
             "scaling.workers_per_node=1",
@@ -39,7 +42,7 @@ def test_plan_search_then_train_with_the_plan(ray_address, tmp_path, monkeypatch
     assert "pruned: needs" in table and "the budget is 0.55 MiB" in table, table
     assert "← chosen" in table
     assert "time budget (" not in out, out
-    assert "median error of the prior over 2 measured" in out
+    assert "median error of the prior over 1 measured" in out
     plan = yaml.safe_load((tmp_path / "plans/P.yaml").read_text())
     chosen = plan["chosen"]
     labels = {c["label"].split(" ac=")[0].split(" ", 2)[-1] for c in plan["candidates"]}
@@ -49,9 +52,8 @@ def test_plan_search_then_train_with_the_plan(ray_address, tmp_path, monkeypatch
         "fsdp every_micro_step offload",
     } <= labels, labels
     measured = [c for c in plan["candidates"] if c.get("status") == "measured"]
-    assert len(measured) == 2
-    assert all(c["measured_memory_mb"] <= 0.55 for c in measured)
-    assert chosen["label"] == min(measured, key=lambda c: c["measured_step_s"])["label"]
+    assert len(measured) == 1 and measured[0]["measured_memory_mb"] <= 0.55
+    assert chosen["label"] == measured[0]["label"]
     assert not any(c["fits"] for c in plan["candidates"] if c["micro_batch_size"] >= 128)
     assert plan["made_for"]["global_batch_size"] == 256
     # the table and the plan are in MLflow
