@@ -90,6 +90,9 @@ def checkpoint_meta(
         "optimizer_step": state.optimizer_step,
         "global_batch_size": split.global_batch_size,
         "grad_accum_steps": split.grad_accum_steps,
+        # rows of a window per data-parallel rank: what the window ran with, not an input
+        # to a resume (that re-derives the shares of its own size from the global batch)
+        "shares": list(split.rank_shares),
         "num_workers": world,
         "epoch": state.epoch,
         "epoch_sample_offset": state.epoch_sample_offset,

@@ -11,6 +11,7 @@ __all__ = [
     "BatchSplit",
     "BatchSplitError",
     "data_parallel_ranks",
+    "even_shares",
     "resolve_batch_split",
     "split_for_workers",
 ]
@@ -31,6 +32,16 @@ class BatchSplit:
     num_workers: int
     tensor_parallel: int = 1
     """Workers per tensor-parallel group: each group reads one share of the batch."""
+    shares: tuple[int, ...] = ()
+    """Rows of a window per data-parallel rank where the global batch does not split evenly
+    over them (an elastic run's size): `even_shares`; empty where every rank takes G / ranks."""
+
+    @property
+    def rank_shares(self) -> tuple[int, ...]:
+        """Rows of a full window per data-parallel rank."""
+        if self.shares:
+            return self.shares
+        return (self.global_batch_size // self.data_parallel,) * self.data_parallel
 
     @property
     def data_parallel(self) -> int:
@@ -43,6 +54,12 @@ class BatchSplit:
         return self.micro_batch_size * self.grad_accum_steps
 
     def describe(self) -> str:
+        if self.shares:
+            return (
+                f"global batch {self.global_batch_size} = {' + '.join(map(str, self.shares))} "
+                f"rows over workers {self.num_workers} (micro ≤ {self.micro_batch_size} × accum "
+                f"{self.grad_accum_steps}, the same on every rank)"
+            )
         head = (
             f"global batch {self.global_batch_size} = micro {self.micro_batch_size} × "
             f"accum {self.grad_accum_steps} × "
@@ -88,6 +105,30 @@ def _or(values: list[int]) -> str:
     return " or ".join(str(v) for v in values)
 
 
+def even_shares(rows: int, ranks: int) -> tuple[int, ...]:
+    """`rows` over `ranks` as evenly as they go, the first ranks one row more (the split of a
+    window that `ranks` does not divide)."""
+    base, extra = divmod(rows, ranks)
+    return (base + 1,) * extra + (base,) * (ranks - extra)
+
+
+def _uneven(g: int, micro: int, workers: int, ranks: int, tp: int = 1) -> BatchSplit:
+    """G over `ranks` by `even_shares`: every rank runs as many micro-steps as the largest
+    share needs at `micro`, each of at most `micro` rows (collectives pair up on every rank)."""
+    shares = even_shares(g, ranks)
+    micro = min(micro, shares[0])
+    steps = -(-shares[0] // micro)
+    if shares[-1] < steps:  # micro-batches of 1: the smaller shares would run an empty one
+        raise BatchSplitError(
+            MICRO,
+            f"the global batch {g} over {workers} workers takes shares of {shares[0]} and "
+            f"{shares[-1]} rows, which micro-batches of {micro} cannot run in the same number "
+            "of micro-steps",
+            f"set {MICRO} to 2 or more, or use sizes that divide {GLOBAL}={g}",
+        )
+    return BatchSplit(g, micro, steps, workers, tp, shares)
+
+
 def data_parallel_ranks(workers: int, tensor_parallel: int) -> int:
     """The ranks among `workers` the batch splits over: a tensor-parallel group of
     `tensor_parallel` reads one share (a count it does not divide is refused by the rules)."""
@@ -101,6 +142,7 @@ def resolve_batch_split(
     micro_batch_size: int | None = None,
     grad_accum_steps: int | None = None,
     tensor_parallel: int = 1,
+    uneven: bool = False,
 ) -> BatchSplit:
     """Completes the batch split for `num_workers` workers (in tensor-parallel groups of
     `tensor_parallel`, each group one share).
@@ -110,10 +152,23 @@ def resolve_batch_split(
     - global alone: accumulation 1;
     - micro (+ accum, default 1) without global: the global batch is their product;
     - all three: they must agree.
-    Raises :class:`BatchSplitError` naming the field and the nearest valid values.
+    `uneven` (an elastic run keeping its global batch): a global batch the ranks do not divide
+    is split by `even_shares` instead of refused. Raises :class:`BatchSplitError` naming the
+    field and the nearest valid values.
     """
     _check_positive(num_workers, global_batch_size, micro_batch_size, grad_accum_steps)
     ranks = _Ranks(data_parallel_ranks(num_workers, tensor_parallel), num_workers, tensor_parallel)
+    g, w = global_batch_size, ranks.w
+    if uneven and g is not None and g % w and g >= w and grad_accum_steps is None:
+        largest = -(-g // w)
+        if micro_batch_size is not None and micro_batch_size > largest:
+            raise BatchSplitError(
+                MICRO,
+                f"{micro_batch_size} is larger than the largest worker's share of the global "
+                f"batch ({GLOBAL}={g} over {ranks}: {' + '.join(map(str, even_shares(g, w)))})",
+                f"set {MICRO} to at most {largest}",
+            )
+        return _uneven(g, micro_batch_size or largest, num_workers, w, tensor_parallel)
     split = _resolve(ranks, global_batch_size, micro_batch_size, grad_accum_steps)
     return replace(split, num_workers=num_workers, tensor_parallel=tensor_parallel)
 
@@ -243,7 +298,8 @@ def split_for_workers(
 
     keep_global_batch: the global batch stays; accumulation is re-derived, and the micro-batch
     is `planned`'s for this count (`batch.micro_batch_by_workers`, from a plan), else the
-    largest divisor of the worker's share not above the configured one.
+    largest divisor of the worker's share not above the configured one; a count that does not
+    divide it takes `even_shares` (`_uneven`).
     keep_micro_batch: micro-batch and accumulation stay; the global batch follows the workers.
     """
     if on_resize == "keep_micro_batch":
@@ -254,16 +310,19 @@ def split_for_workers(
             num_workers,
         )
     g = base.global_batch_size
-    if g % num_workers:
+    micro = (planned or {}).get(num_workers)
+    if g < num_workers:
         raise BatchSplitError(
             WORKERS,
-            f"the global batch {g} cannot be kept at {num_workers} workers (it does not split "
-            "evenly)",
-            f"use a [min, max] without {num_workers}, a global batch divisible by it, or "
+            f"the global batch {g} cannot be kept at {num_workers} workers (a rank would have "
+            "no rows)",
+            f"use a [min, max] up to {g}, a global batch of at least {num_workers}, or "
             "scaling.on_resize=keep_micro_batch",
         )
+    if g % num_workers:
+        # uneven shares: the largest one's micro-steps on every rank, none above the micro-batch
+        return _uneven(g, micro or base.micro_batch_size, num_workers, num_workers)
     per_worker = g // num_workers
-    micro = (planned or {}).get(num_workers)
     if micro is not None and per_worker % micro:
         raise BatchSplitError(
             "batch.micro_batch_by_workers",

@@ -297,9 +297,9 @@ class ScalingConfig(Section):
     """Data-parallel training workers (one DDP rank each), or [min, max] for an elastic run:
     Ray starts as many as fit and restarts the group at a new size when capacity changes."""
     on_resize: Literal["keep_global_batch", "keep_micro_batch"] = "keep_global_batch"
-    """Elastic runs: `keep_global_batch` re-derives accumulation (and the micro-batch when it
-    must) so the global batch and effective LR stay; `keep_micro_batch` keeps accumulation, so
-    the global batch follows the workers and the LR follows `optim.lr_scaling`."""
+    """Elastic runs: `keep_global_batch` keeps the global batch and effective LR at any size
+    (accumulation re-derived; uneven shares where the size does not divide it);
+    `keep_micro_batch`: the global batch and the LR (`optim.lr_scaling`) follow the workers."""
     resize_interval_s: float = Field(60.0, gt=0)
     """Elastic runs: how often Ray checks whether more workers fit."""
     use_gpu: bool = False
@@ -313,7 +313,6 @@ class ScalingConfig(Section):
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
     """How Ray places the workers on nodes: PACK fills few nodes, SPREAD spreads when it can,
     STRICT_SPREAD puts every worker on its own node."""
-
     workers_per_node: Count | None = None
     """`rayacc plan --search`: how many workers one node holds (the workers fill nodes in
     turn, as Ray's PACK places them), so the planner knows which collectives cross nodes and
@@ -470,6 +469,7 @@ class TrainConfig(Section):
             global_batch_size=self.batch.global_batch_size,
             micro_batch_size=self.batch.fixed_micro_batch_size,
             grad_accum_steps=self.batch.grad_accum_steps,
+            uneven=self.scaling.elastic and self.scaling.on_resize == "keep_global_batch",
         )
 
     def to_yaml(self) -> str:

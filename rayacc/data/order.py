@@ -1,9 +1,10 @@
 """The data order in global-sample units (docs/design.md), in plain numpy.
 
 Each epoch has one seeded order of all training rows. Optimizer step s of the epoch consumes
-positions [s·G, (s+1)·G) of that order; rank r takes its contiguous share of the window and
-splits it into micro-batches. The order depends on the seed and the epoch only, so any
-(workers, micro, accum) with the same G sees the same samples at every step.
+positions [s·G, (s+1)·G) of that order; rank r takes its contiguous share of the window (equal
+shares, or uneven ones where the ranks do not divide G) and splits it into micro-batches. The
+order depends on the seed and the epoch only, so any (workers, shares, micro, accum) with the
+same G sees the same samples at every step.
 """
 
 from __future__ import annotations
@@ -51,6 +52,18 @@ class EpochLayout:
     micro_batch_size: int
     num_workers: int
     last_window: str = "short"
+    shares: tuple[int, ...] = ()
+    """Rows of a full window per rank where they are uneven (`BatchSplit.shares`); empty:
+    G / num_workers each."""
+
+    @property
+    def rank_shares(self) -> tuple[int, ...]:
+        return self.shares or (self.global_batch_size // self.num_workers,) * self.num_workers
+
+    @property
+    def micro_steps(self) -> int:
+        """Micro-steps of a full window on every rank: as many as the largest share needs."""
+        return -(-max(self.rank_shares) // self.micro_batch_size)
 
     @property
     def full_windows(self) -> int:
@@ -109,13 +122,12 @@ class EpochLayout:
         start = step_in_epoch * self.global_batch_size
         w = self.num_workers
         if step_in_epoch < self.full_windows:
-            per_rank = self.global_batch_size // w
-            lo = start + rank * per_rank
-            positions = np.arange(lo, lo + per_rank)
-            parts = [
-                positions[i : i + self.micro_batch_size]
-                for i in range(0, per_rank, self.micro_batch_size)
-            ]
+            shares = self.rank_shares
+            lo = start + sum(shares[:rank])
+            positions = np.arange(lo, lo + shares[rank])
+            # equal shares cut into whole micro-batches; uneven ones into the largest share's
+            # count, as even as they go: no rank runs a micro-step (a collective) fewer
+            parts = np.array_split(positions, self.micro_steps)
             return RankWindow(step_in_epoch, parts, self.global_batch_size)
         rows = self.short_window_rows
         base, extra = divmod(rows, w)
@@ -131,9 +143,9 @@ class EpochLayout:
         """Rank `rank`'s positions in steps [0, stop_step) as one range [lo_s, hi_s) per step."""
         stop = self.steps_per_epoch if stop_step is None else min(stop_step, self.steps_per_epoch)
         full = min(stop, self.full_windows)
-        share = self.global_batch_size // self.num_workers
-        lo = np.arange(full, dtype=np.int64) * self.global_batch_size + rank * share
-        hi = lo + share
+        shares = self.rank_shares
+        lo = np.arange(full, dtype=np.int64) * self.global_batch_size + sum(shares[:rank])
+        hi = lo + shares[rank]
         if stop > full:
             last = np.concatenate(self.rank_window(full, rank).micro_batches)
             lo, hi = np.append(lo, last[0]), np.append(hi, last[-1] + 1)

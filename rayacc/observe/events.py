@@ -90,24 +90,30 @@ class Resized:
     old_global_batch_size: int
     new_global_batch_size: int
     effective_lr: float
+    new_micro_batch_size: int
+    new_shares: tuple[int, ...] = ()
+    """Rows per rank where the new size does not divide the global batch (uneven shares)."""
+
+    @property
+    def _shares(self) -> str:
+        return f", shares {'+'.join(map(str, self.new_shares))}" if self.new_shares else ""
 
     def describe(self) -> str:
         """The line kept in the run's `rayacc.resizes` tag: the params the group from this
         step on ran with (MLflow's params are written once, for the first group)."""
-        micro = self.new_global_batch_size // (self.new_workers * self.new_grad_accum_steps)
         return (
             f"step {self.step}: workers {self.old_workers}→{self.new_workers}, accum "
             f"{self.old_grad_accum_steps}→{self.new_grad_accum_steps}, global "
-            f"{self.old_global_batch_size}→{self.new_global_batch_size} (micro {micro}, "
-            f"effective LR {self.effective_lr:.6g})"
+            f"{self.old_global_batch_size}→{self.new_global_batch_size} (micro "
+            f"{self.new_micro_batch_size}{self._shares}, effective LR {self.effective_lr:.6g})"
         )
 
     def console_line(self) -> str:
         return (
             f"resize at step {self.step}: workers {self.old_workers} → {self.new_workers}, "
             f"accumulation {self.old_grad_accum_steps} → {self.new_grad_accum_steps}, global "
-            f"batch {self.old_global_batch_size} → {self.new_global_batch_size}, effective LR "
-            f"{self.effective_lr:.6g}"
+            f"batch {self.old_global_batch_size} → {self.new_global_batch_size}"
+            f"{self._shares.replace('+', ' + ')}, effective LR {self.effective_lr:.6g}"
         )
 
 

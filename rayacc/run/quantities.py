@@ -76,8 +76,8 @@ def elastic_summary(cfg: TrainConfig, splits: dict[int, BatchSplit | BatchSplitE
             next(iter(bad.values())),
         )
     parts = [
-        f"{w} → micro {p.micro_batch_size} × accum {p.grad_accum_steps}, global "
-        f"{p.global_batch_size}"
+        f"{w} → {'shares ' + '+'.join(map(str, p.shares)) + ', ' if p.shares else ''}"
+        f"micro {p.micro_batch_size} × accum {p.grad_accum_steps}, global {p.global_batch_size}"
         for w, p in ok.items()
     ]
     text = f"elastic run [{lo}, {hi}] ({policy}): " + "; ".join(parts)
@@ -150,6 +150,7 @@ def epoch_layout(length: RunLength, rows: int, split: BatchSplit) -> EpochLayout
         split.micro_batch_size,
         split.data_parallel,
         length.last_window,
+        split.shares,
     )
 
 

@@ -51,6 +51,9 @@ def step_record(
         "scaling/grad_accum_steps": accum_now,
         "scaling/micro_batch_size": micro_now,
         "scaling/global_batch_size": split.global_batch_size,
+        # rows of a window per data-parallel rank: equal, or uneven at an elastic size
+        "scaling/share_max": max(split.rank_shares),
+        "scaling/share_min": min(split.rank_shares),
         "comm/allreduce_calls": result.allreduce_calls,
         "comm/reduce_scatter_calls": result.reduce_scatter_calls,
         "comm/all_gather_calls": result.all_gather_calls,

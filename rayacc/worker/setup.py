@@ -217,6 +217,8 @@ def restore(
                 old_global_batch_size=meta["global_batch_size"],
                 new_global_batch_size=split.global_batch_size,
                 effective_lr=lr,
+                new_micro_batch_size=split.micro_batch_size,
+                new_shares=split.shares,
             )
         )
     return restored

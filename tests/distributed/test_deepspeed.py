@@ -53,6 +53,23 @@ def reference(stage: int, offload: str) -> tuple[torch.Tensor, torch.Tensor]:
     return before, after
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+def test_uneven_shares_under_zero_equal_the_full_batch_steps(ranks, stage, record_equivalence):
+    # an elastic size that does not divide the global batch: 13 + 12 rows, three micro-steps
+    # of at most 6 on both ranks (DeepSpeed's accumulation boundary where rayacc's window ends)
+    from tests.support.ranks import uneven as U
+
+    got = [r[("uneven", stage)] for r in ranks]
+    assert [g["shares"] for g in got] == [(13, 12)] * 2
+    assert [[s[2] for s in g["steps"]] for g in got] == [[[5, 4, 4], [2]], [[4, 4, 4], [1]]]
+    assert [s[:2] for s in got[0]["steps"]] == [(25, 3), (3, 1)]
+    before, after = U.reference(2)
+    assert torch.equal(got[0]["before"], before)
+    err = update_rel_err(before, got[0]["after"], after)
+    record_equivalence(f"uneven shares 13+12 on 2 ranks, ZeRO-{stage}", err)
+    assert err <= 1e-5, err
+
+
 @pytest.mark.parametrize(
     "stage, offload", W.CASES, ids=[f"zero{s}-offload_{o}" for s, o in W.CASES]
 )

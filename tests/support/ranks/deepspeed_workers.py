@@ -215,6 +215,12 @@ def run_rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
                 "comm": comm,
                 "lockstep": parts.strategy.contract.lockstep,
             }
+        from tests.support.ranks import uneven
+
+        for stage in (2, 3):  # 25 rows a window over 2 ranks: 13 + 12
+            out[("uneven", stage)] = uneven.train(
+                uneven.config("deepspeed", world, deepspeed_stage=stage), rank, world, whole
+            )
         out["planted"] = resume_planted(parts, out_dir, rank)
         out["adamw"] = adamw_windows(rank, world, rows, out_dir)
         out["hf_weights"] = hf_weights_first_step(hf_config(3), hf_parts(world), rank, world)

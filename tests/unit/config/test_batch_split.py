@@ -125,5 +125,42 @@ def test_elastic_plans_keep_the_global_batch_or_follow_the_workers():
     followed = elastic_sizes(base, 1, 3, "keep_micro_batch")
     assert [p.global_batch_size for p in followed.values()] == [32, 64, 96]
     assert {p.grad_accum_steps for p in followed.values()} == {1}
-    with pytest.raises(BatchSplitError, match="cannot be kept at 5 workers"):
-        split_for_workers(base, 5, "keep_global_batch")
+    # 96 over 5 ranks: 20 + 19 × 4, each rank in the largest share's 2 micro-steps of ≤ 32
+    five = split_for_workers(base, 5, "keep_global_batch")
+    assert five == BatchSplit(96, 20, 1, 5, shares=(20, 19, 19, 19, 19))
+    assert five.rank_shares == five.shares and sum(five.shares) == 96
+    assert "96 = 20 + 19 + 19 + 19 + 19 rows over workers 5" in five.describe()
+    with pytest.raises(BatchSplitError, match="cannot be kept at 97 workers"):
+        split_for_workers(base, 97, "keep_global_batch")
+
+
+@pytest.mark.parametrize("g", [7, 32, 96, 101])
+@pytest.mark.parametrize("micro", [1, 3, 4, 32])
+def test_any_elastic_size_up_to_the_global_batch_keeps_it(g, micro):
+    # every size in [1, G] runs; every rank the same micro-steps, none above the micro-batch
+    from rayacc.config.batch_split import split_for_workers
+
+    for w in range(1, g + 1):
+        if micro == 1 and g % w:
+            # a smaller share would run an empty micro-step: the one split no size can run
+            with pytest.raises(BatchSplitError, match="micro-batch_size to 2|2 or more"):
+                split_for_workers(BatchSplit(g, micro, 1, 1), w, "keep_global_batch")
+            continue
+        split = split_for_workers(BatchSplit(g, micro, 1, 1), w, "keep_global_batch")
+        assert sum(split.rank_shares) == g and len(split.rank_shares) == w
+        assert max(split.rank_shares) - min(split.rank_shares) <= 1
+        assert split.micro_batch_size <= micro
+        k = split.grad_accum_steps
+        assert all(-(-share // split.micro_batch_size) <= k for share in split.rank_shares)
+        assert all(share >= k for share in split.rank_shares)  # no empty micro-batch
+
+
+def test_an_elastic_runs_most_workers_may_leave_the_global_batch_uneven():
+    split = resolve_batch_split(
+        num_workers=3, global_batch_size=32, micro_batch_size=4, uneven=True
+    )
+    assert split == BatchSplit(32, 4, 3, 3, shares=(11, 11, 10))
+    with pytest.raises(BatchSplitError, match="larger than the largest worker's share"):
+        resolve_batch_split(num_workers=3, global_batch_size=32, micro_batch_size=16, uneven=True)
+    with pytest.raises(BatchSplitError, match="does not split evenly"):
+        resolve_batch_split(num_workers=3, global_batch_size=32, micro_batch_size=4)

@@ -83,13 +83,17 @@ def test_the_spec_holds_the_split_and_the_lr_at_every_size_the_run_may_take(
         spec.split_at(5)
 
 
-def test_a_size_the_policy_cannot_run_keeps_its_error_for_the_group_that_would(tmp_path):
-    # 40 rows a step: 3 workers cannot share them evenly
+def test_a_size_that_does_not_divide_the_global_batch_keeps_it_in_uneven_shares(tmp_path):
+    # 40 rows a step: 3 workers share them 14 + 13 + 13, each in 3 micro-steps of at most 5
     spec = prepare(_cfg(tmp_path, global_batch_size=40, micro_batch_size=5)).spec
-    assert spec.split_at(4).grad_accum_steps == 2
-    with pytest.raises(BatchSplitError) as refused:
-        spec.lr_at(3)
-    assert refused.value.field and "Fix:" in str(refused.value)
+    assert spec.split_at(4).grad_accum_steps == 2 and spec.split_at(4).shares == ()
+    three = spec.split_at(3)
+    assert three.rank_shares == (14, 13, 13) and three.grad_accum_steps == 3
+    assert spec.lr_at(3) == spec.lr_at(4) == spec.lr_at(1)
+    layout = spec.layout_at(three)
+    windows = [layout.rank_window(0, r).micro_batches for r in range(3)]
+    assert [[len(m) for m in w] for w in windows] == [[5, 5, 4], [5, 4, 4], [5, 4, 4]]
+    assert np.array_equal(np.concatenate([np.concatenate(w) for w in windows]), np.arange(40))
 
 
 def test_the_spec_crosses_a_process_boundary_whole(tmp_path):
@@ -110,8 +114,9 @@ def test_the_spec_crosses_a_process_boundary_whole(tmp_path):
         assert np.array_equal(
             back.order.row_ids(epoch, positions), spec.order.row_ids(epoch, positions)
         )
+    assert back.split_at(3).shares == (14, 13, 13)
     with pytest.raises(BatchSplitError):
-        back.split_at(3)
+        back.split_at(5)
 
 
 # one instance of every error class rayacc defines, as its own code raises it

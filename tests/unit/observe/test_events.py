@@ -1,6 +1,7 @@
 """Typed events, the driver's observers and the step clock: pure Python, no Ray."""
 
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -20,10 +21,19 @@ def test_events_describe_themselves_for_tags_and_console():
         old_global_batch_size=32,
         new_global_batch_size=32,
         effective_lr=0.05,
+        new_micro_batch_size=4,
     )
     assert (
         resize.describe()
         == "step 4: workers 2→1, accum 4→8, global 32→32 (micro 4, effective LR 0.05)"
+    )
+    uneven = replace(resize, new_workers=3, new_grad_accum_steps=3, new_shares=(11, 11, 10))
+    assert uneven.describe() == (
+        "step 4: workers 2→3, accum 4→3, global 32→32 (micro 4, shares 11+11+10, effective LR 0.05)"
+    )
+    assert uneven.console_line() == (
+        "resize at step 4: workers 2 → 3, accumulation 4 → 3, global batch 32 → 32, shares "
+        "11 + 11 + 10, effective LR 0.05"
     )
     assert resize.console_line() == (
         "resize at step 4: workers 2 → 1, accumulation 4 → 8, global batch 32 → 32, "

@@ -152,7 +152,7 @@ def test_a_reopened_run_extends_its_event_tags(tmp_path):
 
     def resize(step, old, new):
         return Resized(
-            step, "keep_global_batch", old, new, 32 // (4 * old), 32 // (4 * new), 32, 32, 0.1
+            step, "keep_global_batch", old, new, 32 // (4 * old), 32 // (4 * new), 32, 32, 0.1, 4
         )
 
     first = open_tracking(cfg, identity())
