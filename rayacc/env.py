@@ -1,17 +1,32 @@
-"""The environment variables rayacc reads, named once."""
+"""What rayacc reads of its process's environment: the variables, named once, and the umask
+files it writes for others take their modes from."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-__all__ = ["CACHE", "FIELD_VARIABLES", "FLAG_VARIABLES", "VERBOSE", "cache_dir", "verbose"]
+__all__ = [
+    "CACHE",
+    "FIELD_VARIABLES",
+    "FLAG_VARIABLES",
+    "OVERRIDES",
+    "OWN_VARIABLES",
+    "VARIABLES",
+    "VERBOSE",
+    "cache_dir",
+    "umask_modes",
+    "verbose",
+]
 
 VERBOSE = "RAYACC_VERBOSE"
 """`1`: show Ray's own log records (INFO, WARNING), its worker logs and Ray Data's progress
 on the console."""
 CACHE = "RAYACC_CACHE"
 """Where bundled datasets are prepared (default ~/.cache/rayacc); `data.cache_dir` wins."""
+OVERRIDES = "RAYACC_OVERRIDES"
+"""A JSON list of overrides `rayacc train` adds to its command line's: how a submitted job
+receives the ones that carry credentials (`driver/jobs.py`)."""
 
 
 def verbose() -> bool:
@@ -32,3 +47,37 @@ with the same lock."""
 FLAG_VARIABLES = {"RAY_ADDRESS": "--address"}
 """Variables that stand for a command's flag where it is not given (Ray's): each is checked as
 the flag is (`driver.arguments.address_problem`)."""
+OWN_VARIABLES = {
+    VERBOSE: "the switch that shows Ray's records on the console",
+    CACHE: "rayacc's cache folder",
+    OVERRIDES: "a submitted job's overrides",
+}
+"""rayacc's own variables, and what each holds."""
+VARIABLES = {**FIELD_VARIABLES, **FLAG_VARIABLES, **OWN_VARIABLES}
+"""Every variable rayacc reads and what it stands for: each is checked as that field, flag or
+value is when a command starts (`driver.arguments.environment_problems`), exit 2 naming it."""
+
+
+def _umask() -> int:
+    """The process's umask, read without changing it where Linux says it (another thread
+    creating a file meanwhile would otherwise get the wrong mode)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def umask_modes(path: Path) -> None:
+    """Gives `path` (a file, or a folder and everything in it) the modes `open()` and `mkdir()`
+    give under the umask: a file staged by `tempfile` (0600, a folder 0700) and renamed into
+    place would keep another user (a serving process, MLflow's UI) out of what is theirs."""
+    mask = _umask()
+    entries = [path, *path.rglob("*")] if path.is_dir() else [path]
+    for entry in entries:
+        if not entry.is_symlink():
+            entry.chmod((0o777 if entry.is_dir() else 0o666) & ~mask)

@@ -32,6 +32,13 @@ def main(argv: list[str] | None = None) -> int:
     out, err = console_stream(sys.stdout), console_stream(sys.stderr)
     sys.stdout, sys.stderr = out, err
     try:
+        from rayacc.driver.arguments import environment_problems
+
+        # what the environment stands for, checked before the command line is read
+        if problems := environment_problems(os.environ):
+            for problem in problems:
+                print(f"rayacc: {problem}", file=sys.stderr)
+            return EXIT_USER_ERROR
         args = parse_args(argv)
         return args.func(args)
     except _user_error_types() as exc:

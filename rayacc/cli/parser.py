@@ -206,7 +206,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     checkpoint_to_read(p)
     p.add_argument(
-        "--out", required=True, type=Folder("--out"), help="a new (or empty) folder to write"
+        "--out",
+        required=True,
+        type=Folder("--out", whole=True),
+        help="a new (or empty) folder to write",
     )
     p.add_argument(
         "--format",
@@ -273,7 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--out",
-        type=Folder("--out"),
+        type=Folder("--out", whole=True),
         default=None,
         help="new folder for the Parquet (text/JSONL inputs)",
     )

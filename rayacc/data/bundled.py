@@ -26,6 +26,7 @@ def _write_atomic(table: pa.Table, path: Path) -> None:
     os.close(fd)
     try:
         pq.write_table(table, tmp)
+        env.umask_modes(Path(tmp))
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
@@ -114,6 +115,7 @@ def chat_tokenizer(folder: Path) -> Path:
     folder.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".tokenizer."))
     fast.save_pretrained(str(staging))
+    env.umask_modes(staging)
     try:
         staging.rename(folder)
     except OSError:  # another process made it first

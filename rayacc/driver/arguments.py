@@ -7,6 +7,7 @@ one (tests/unit/cli/test_boundaries.py walks the parser and feeds each its `malf
 from __future__ import annotations
 
 import argparse
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -23,9 +24,13 @@ __all__ = [
     "NewFile",
     "Number",
     "Override",
+    "Overrides",
     "Storage",
+    "Switch",
     "Text",
     "TrackingUri",
+    "environment_problems",
+    "variable_kinds",
 ]
 
 
@@ -129,18 +134,29 @@ class ExistingPath(Name):
 
 
 class Folder(Kind):
-    """A local folder rayacc writes in: one that is writable, or can be made."""
+    """A local folder rayacc writes in: one that is writable, or can be made. `whole`: one
+    written whole, staged beside it and renamed into place, so a link there is refused (the
+    rename would replace the link, not fill the folder it names)."""
 
     malformed = "/dev/null/folder"
 
-    def __init__(self, flag: str):
-        self.flag = flag
+    def __init__(self, flag: str, whole: bool = False):
+        self.flag, self.whole = flag, whole
 
     def problem(self, text: str) -> str | None:
-        from rayacc.driver.places import check_folder
+        from rayacc.driver.places import check_folder, path_text_problem
 
         if not text.strip():
             return "is empty. Fix: name a folder"
+        if self.whole and not path_text_problem(self.flag, text):
+            path = Path(text).expanduser()
+            if path.is_symlink():
+                target = os.readlink(path)
+                return (
+                    f"{self.flag} {text!r} is a link (to {target!r}): the folder is written "
+                    "beside it and renamed into place, which would replace the link. Fix: name "
+                    "the folder itself, or a new one"
+                )
         return check_folder(self.flag, text)
 
 
@@ -161,17 +177,18 @@ class NewFile(Folder):
 
 
 class TrackingUri(Kind):
-    """An MLflow tracking URI that holds runs (`report` reads them)."""
+    """An MLflow tracking URI that holds runs (`report` reads them; `recorded=False`: one a
+    run may create)."""
 
     malformed = "nope://tracking"
 
-    def __init__(self, flag: str):
-        self.flag = flag
+    def __init__(self, flag: str, recorded: bool = True):
+        self.flag, self.recorded = flag, recorded
 
     def problem(self, text: str) -> str | None:
         from rayacc.driver.places import check_tracking_uri
 
-        return check_tracking_uri(self.flag, text, recorded=True)
+        return check_tracking_uri(self.flag, text, recorded=self.recorded)
 
 
 class Storage(Kind):
@@ -204,24 +221,32 @@ def address_problem(text: str) -> str | None:
     """Why `text` is not a Ray Jobs API address (`http://HOST:PORT`, `https://…`,
     `ray://…`, or `HOST:PORT`), None when it is one. Checked before any request: a mistyped
     one would be tried for tens of seconds before the client names it."""
+    from rayacc.driver.places import shown
+
     fix = "Fix: give e.g. http://127.0.0.1:8265 (the dashboard's address)"
-    rest = text.strip()
+    rest, said = text.strip(), shown(text)
     if rest == "auto":  # Ray's own word for the cluster this machine belongs to
         return None
-    if "://" in rest:
+    schemed = "://" in rest
+    if schemed:
         scheme, rest = rest.split("://", 1)
         if scheme.lower() not in ADDRESS_SCHEMES:
-            return f"{text!r}: {scheme}:// is not a Ray address scheme (http, https, ray). {fix}"
+            return (
+                f"{said}: {shown(scheme)}:// is not a Ray address scheme (http, https, ray). {fix}"
+            )
     elif "/" in rest or not rest:
-        return f"{text!r} is not an address (no scheme://, and not HOST:PORT). {fix}"
+        return f"{said} is not an address (no scheme://, and not HOST:PORT). {fix}"
     hostport = rest.split("/", 1)[0].rsplit("@", 1)[-1]
     host, _, port = hostport.rpartition(":") if not hostport.endswith("]") else (hostport, "", "")
     if not host:
         host, port = hostport, ""
-    if not _HOST.fullmatch(host):
-        return f"{text!r}: {host!r} is not a host name or address. {fix}"
+    # a DNS name is at most 253 characters
+    if len(host) > 253 or not _HOST.fullmatch(host):
+        return f"{said}: {shown(host)} is not a host name or address. {fix}"
+    if not schemed and not port:  # Ray takes a bare address as HOST:PORT only
+        return f"{said} is not an address (no scheme://, and no :PORT). {fix}"
     if port and not (port.isdigit() and 0 < int(port) < 65536):
-        return f"{text!r}: port {port!r} is not a port number. {fix}"
+        return f"{said}: port {shown(port)} is not a port number. {fix}"
     return None
 
 
@@ -265,3 +290,66 @@ class Override(Kind):
                 "batch.micro_batch_size=16"
             )
         return None
+
+
+class Overrides(Kind):
+    """A JSON list of config overrides (`env.OVERRIDES`), each as `Override` takes it."""
+
+    malformed = '["train.max_steps=3"'
+
+    def problem(self, text: str) -> str | None:
+        import json
+
+        fix = "Fix: unset it (`rayacc submit` sets it for the job it submits)"
+        try:
+            items = json.loads(text)
+        except ValueError:
+            return f"is not JSON (a list of key.path=value strings). {fix}"
+        if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
+            return f"is not a JSON list of key.path=value strings. {fix}"
+        return next((p for i in items if (p := Override().problem(i))), None)
+
+
+class Switch(Kind):
+    """`1` (on), `0` or empty (off)."""
+
+    malformed = "yes"
+
+    def problem(self, text: str) -> str | None:
+        return None if text in ("", "0", "1") else "is neither 1 (on) nor 0 (off). Fix: set 1 or 0"
+
+
+def variable_kinds() -> dict[str, Kind]:
+    """Each variable of `env.VARIABLES` as the kind of value it stands for: a flag's kind where
+    it stands for a flag (or for the field a flag stands for too)."""
+    from rayacc import env
+
+    kinds = {
+        "RAY_ADDRESS": Address(),
+        "MLFLOW_TRACKING_URI": TrackingUri("$MLFLOW_TRACKING_URI", recorded=False),
+        "MLFLOW_EXPERIMENT_NAME": Name("an MLflow experiment's name"),
+        env.CACHE: Folder(f"${env.CACHE}"),
+        env.OVERRIDES: Overrides(),
+        env.VERBOSE: Switch(),
+    }
+    assert kinds.keys() == env.VARIABLES.keys(), "every variable has its kind"
+    return kinds
+
+
+def environment_problems(environ) -> list[str]:
+    """Why each variable of `env.VARIABLES` set in `environ` cannot be used (its value shown
+    shortened, never whole), checked as what it stands for: a command starts with none."""
+    from rayacc import env
+    from rayacc.driver.places import shown
+
+    problems = []
+    for name, kind in variable_kinds().items():
+        value = environ.get(name)
+        if value and (problem := kind.problem(value)):
+            # the kinds quote the value they refuse: here the variable names it instead
+            said = shown(value)
+            for quoted, instead in ((f"${name}={said}", f"${name}"), (f"{said}: ", "")):
+                problem = problem.replace(quoted, instead)
+            problem = problem.replace(said, "the value")
+            problems.append(redact(f"${name} (it stands for {env.VARIABLES[name]}): {problem}"))
+    return problems

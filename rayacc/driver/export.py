@@ -15,6 +15,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from rayacc import env
+
 __all__ = ["EXPORT_FORMATS", "Exported", "export_model"]
 
 EXPORT_FORMATS = ("hf", "safetensors", "peft")
@@ -72,6 +74,7 @@ def export_model(
         what = _write(model, staging, fmt)
         if fmt == "hf":
             what += _write_tokenizer(vocabulary, staging)
+        env.umask_modes(staging)  # for whoever serves it, as any other file here
         if dest.exists():
             dest.rmdir()
         os.replace(staging, dest)

@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+from rayacc import env
 from rayacc.config import TrainConfig
 from rayacc.redact import contains_secret, redact
 
@@ -21,7 +22,7 @@ __all__ = [
     "upload_size",
 ]
 
-SECRET_OVERRIDES = "RAYACC_OVERRIDES"
+SECRET_OVERRIDES = env.OVERRIDES
 """Environment variable (a JSON list) of overrides `rayacc train` adds to its command line's:
 how a submitted job receives the ones that carry credentials."""
 

@@ -17,6 +17,8 @@ __all__ = [
     "check_folder",
     "check_places",
     "check_tracking_uri",
+    "path_text_problem",
+    "shown",
     "storage_problem",
     "storage_scheme_problem",
 ]
@@ -48,11 +50,41 @@ class PlaceError(ValueError):
         return type(self), (self.problems,)
 
 
+NAME_MAX, PATH_MAX = 255, 4095
+"""The longest file name and path (bytes) Linux file systems take."""
+
+
+def shown(value: str) -> str:
+    """`value` as a message quotes it: whole (repr) up to 80 characters, else its start and
+    its length (a 10 KB value would bury the message)."""
+    return repr(value) if len(value) <= 80 else f"{value[:40]!r}… ({len(value)} characters)"
+
+
+def path_text_problem(field: str, value: str) -> str | None:
+    """Why `value` cannot name a local path at all, or None: a control character (a line
+    break would be taken as part of the name), or a name or path longer than the system takes
+    (asked about, such a path raises instead of answering)."""
+    if any(ord(c) < 32 or ord(c) == 127 for c in value):
+        return (
+            f"{field}={redact(shown(value))} holds a line break or a control character. Fix: "
+            "name the folder on one line"
+        )
+    parts = Path(value).expanduser().parts
+    if len(os.fsencode(value)) > PATH_MAX or any(len(os.fsencode(p)) > NAME_MAX for p in parts):
+        return (
+            f"{field}={redact(shown(value))} is longer than a path can be ({NAME_MAX} bytes a "
+            f"name, {PATH_MAX} a path). Fix: name a shorter path"
+        )
+    return None
+
+
 def check_folder(field: str, value: str, *, writes: bool = True) -> str | None:
     """Why the local folder `value` (named by `field`) cannot be used, or None: it is a folder
     a probe can be written in, or one can be made (a probe folder is made and removed in its
     nearest existing parent). Tried, not read from permission bits: root passes every bit, and
     a read-only mount or a filesystem that takes no folders shows only when tried."""
+    if problem := path_text_problem(field, value):
+        return problem
     if "://" in value:
         # a local folder is wanted: the path would fold `//` and write under `scheme:/…`
         return f"{field}={redact(value)!r} is a URI. Fix: name a local folder"
@@ -114,7 +146,7 @@ def check_tracking_uri(field: str, uri: str, *, recorded: bool = False) -> str |
     scheme = urlparse(uri).scheme.split("+", 1)[0].lower()
     if scheme not in TRACKING_SCHEMES:
         return (
-            f"{field}={redact(uri)!r} is not a tracking store MLflow 3 writes to (a plain "
+            f"{field}={redact(shown(uri))} is not a tracking store MLflow 3 writes to (a plain "
             "folder, MLflow's file store, is refused since MLflow 3.13). Fix: use "
             "sqlite:///ABSOLUTE/PATH/mlflow.db, or an http(s):// tracking server, or a "
             "database URI (postgresql://, mysql://)"
@@ -125,6 +157,8 @@ def check_tracking_uri(field: str, uri: str, *, recorded: bool = False) -> str |
         path = sqlite_path(uri)
         if path is None:
             return None  # sqlite:// in memory: MLflow's own business
+        if problem := path_text_problem(f"the file of {field}", str(path)):
+            return problem
         if path.is_dir():
             return f"{field}={uri!r} names a folder, not a database file. Fix: end it in .db"
         if path.is_file() and (why := _not_sqlite(path, recorded)):

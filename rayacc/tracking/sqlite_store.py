@@ -43,6 +43,7 @@ def prepare_sqlite_store(tracking_uri: str) -> bool:
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         os.close(fd)
         shutil.copyfile(template, tmp)
+        env.umask_modes(Path(tmp))  # MLflow's UI of another user reads it
         _adopt(Path(tmp))
         try:
             # fails if another process created the store meanwhile: theirs stands

@@ -13,17 +13,16 @@ import pytest
 import rayacc
 from rayacc.config import ConfigError, TrainConfig
 from rayacc.config.strings import may_hold_credentials
-from rayacc.env import CACHE, FIELD_VARIABLES, FLAG_VARIABLES, VERBOSE
+from rayacc.env import FIELD_VARIABLES, FLAG_VARIABLES, VARIABLES
 
 NOT_FIELDS = {
-    VERBOSE: "rayacc's own switch",
-    CACHE: "a cache folder of rayacc's (data.cache_dir wins)",
     "TORCH_EXTENSIONS_DIR": "where DeepSpeed builds its ops (a cache folder of torch's)",
     "MLFLOW_TRACKING_TOKEN": "a credential MLflow's client reads, never stored",
     "MLFLOW_TRACKING_USERNAME": "a credential MLflow's client reads, never stored",
     "MLFLOW_TRACKING_PASSWORD": "a credential MLflow's client reads, never stored",
 }
-"""Variables rayacc reads that stand for no field, and why."""
+"""Variables rayacc reads that stand for nothing of its own (`env.VARIABLES` holds the rest),
+and why."""
 BASE = {"batch": {"global_batch_size": 8}}
 
 
@@ -73,7 +72,9 @@ def test_every_variable_the_code_reads_is_a_fields_a_flags_or_named_as_neither()
         text = source.read_text()
         read |= set(re.findall(r"""environ(?:\.get\(|\[)\s*["']([A-Z][A-Z0-9_]+)["']""", text))
         read |= set(re.findall(r"""getenv\(\s*["']([A-Z][A-Z0-9_]+)["']""", text))
-    known = {*FIELD_VARIABLES, *FLAG_VARIABLES, *NOT_FIELDS}
+        # a name of rayacc's own, wherever it is spelled (a constant read elsewhere)
+        read |= set(re.findall(r"""["'](RAYACC_[A-Z0-9_]+)["']""", text))
+    known = {*VARIABLES, *NOT_FIELDS}
     assert read - known == set(), f"read but in no table: {read - known}"
 
 
@@ -89,3 +90,40 @@ def test_a_variable_that_stands_for_a_flag_is_refused_as_the_flag_is(monkeypatch
     with pytest.raises(PlaceError) as refused:
         ensure_ray(TrainConfig().scaling)
     assert f"${variable}" in str(refused.value) and flag in str(refused.value)
+
+
+def _refused(variable: str) -> dict[str, str]:
+    """Values the variable's kind refuses, generated: its own malformed example, a line break,
+    and 10 KB (a name's length is MLflow's to judge)."""
+    from rayacc.driver.arguments import Name, variable_kinds
+
+    kind = variable_kinds()[variable]
+    values = {"line break": "team\nruns"}
+    if kind.malformed:
+        values["malformed"] = kind.malformed
+    if not isinstance(kind, Name):
+        values["10 KB"] = "x" * 10_000
+    return values
+
+
+ENV_CASES = [(v, what, bad) for v in VARIABLES for what, bad in _refused(v).items()]
+
+
+@pytest.mark.parametrize(
+    "variable, what, bad", ENV_CASES, ids=[f"{v}-{w}" for v, w, _ in ENV_CASES]
+)
+def test_every_variable_is_checked_when_a_command_starts(
+    monkeypatch, tmp_path, capsys, variable, what, bad
+):
+    # whatever the command: exit 2 naming the variable and what it stands for, before the
+    # command reads anything; no traceback, the value not quoted whole
+    from rayacc.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(variable, bad)
+    assert main(["runs"]) == 2
+    err = capsys.readouterr().err
+    assert f"${variable} (it stands for {VARIABLES[variable]})" in err, err
+    assert "Traceback" not in err and "Fix:" in err, err
+    assert bad not in err and len(err) < 1000, err
+    assert not list(tmp_path.iterdir()), "nothing written"
