@@ -9,6 +9,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
+from rayacc.config.batch_schedule import BatchPhase
 from rayacc.config.batch_split import BatchSplit, resolve_batch_split
 from rayacc.config.environment import environment_issues
 from rayacc.config.errors import ConfigError, ConfigIssue, issues_from_validation
@@ -103,12 +104,11 @@ class DataConfig(Section):
     """A local folder where bundled datasets are prepared as Parquet (default: ~/.cache/rayacc)."""
     order: Literal["auto", "chunks", "rows"] = "auto"
     """The data order's unit (docs/design.md, README "Data at scale"). `chunks`: an epoch is a
-    seeded permutation of Parquet row groups with a seeded shuffle of the rows inside each; every
-    rank reads only the row groups its share of the windows draws from (about one read of each
-    row per epoch over the cluster, memory bounded by the prefetch, not the data). `rows`: one
-    seeded permutation of all rows (an exact shuffle), each rank reads every row group each
-    epoch and holds the data of one epoch: for data that fits. `auto`: `rows` when the data
-    (uncompressed) is at most `data.exact_order_max_mb`, else `chunks`."""
+    seeded permutation of Parquet row groups, rows shuffled inside each; a rank reads only the
+    groups its windows draw from (about one read of each row per epoch, memory bounded by the
+    prefetch). `rows`: one seeded permutation of all rows, each rank reading every row group
+    each epoch: for data that fits. `auto`: `rows` up to `data.exact_order_max_mb`
+    (uncompressed), else `chunks`."""
     exact_order_max_mb: float = Field(1024.0, ge=0.0)
     """`order: auto`: the largest data (MiB, uncompressed, from the Parquet metadata) read in
     the exact per-row order."""
@@ -132,9 +132,7 @@ class BatchConfig(Section):
     GPU an out-of-memory error later halves it on all ranks and redoes the window."""
     grad_accum_steps: int | None = Field(None, ge=1)
     """Micro-steps per optimizer step on each worker; derived from the other two when omitted."""
-    micro_batch_by_workers: dict[Annotated[int, Field(ge=1)], Annotated[int, Field(ge=1)]] = Field(
-        default_factory=dict
-    )
+    micro_batch_by_workers: dict[Count, Count] = Field(default_factory=dict)
     """Elastic runs keeping the global batch: the micro-batch at each worker count (written by
     `rayacc plan --search`; `rayacc train --plan` sets it); a resize to a count listed here
     takes its micro-batch, a count not listed derives one as without it."""
@@ -144,6 +142,8 @@ class BatchConfig(Section):
     """`micro_batch_size: auto`: memory a micro-step may use per worker, in MiB (required on
     CPU, where it is checked against parameters, gradients, optimizer state and activations;
     on GPU it replaces `batch.memory_budget`)."""
+    schedule: list[BatchPhase] = Field(default_factory=list)
+    """Phases of the global batch over the samples trained (config/batch_schedule.py)."""
 
     @property
     def auto_micro_batch(self) -> bool:

@@ -46,6 +46,9 @@ class StrategyEntry:
     rules: Rules | None = None
     without_tensor_parallel: str | None = "it declares no tensor parallelism"
     """Why it does not compose with `train.tensor_parallel` > 1; None: it does."""
+    fixed_accumulation: str | None = None
+    """Why its accumulation cannot change within a worker group (`batch.schedule`); None: it
+    can."""
 
 
 # ----------------------------------------------------------------------------- built-in rules
@@ -189,6 +192,7 @@ _BUILT_IN = (
         _deepspeed_rules,
         without_tensor_parallel="DeepSpeed's ZeRO partitions the flattened parameters itself, "
         "which a tensor-parallel split of each layer cannot share",
+        fixed_accumulation="its engine's gradient_accumulation_steps is fixed when it is built",
     ),
 )
 

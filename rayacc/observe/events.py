@@ -118,6 +118,38 @@ class Resized:
 
 
 @dataclass(frozen=True)
+class BatchPhaseChanged:
+    """`batch.schedule` moved the run to its next global batch, at the first window starting at
+    or past the phase's sample."""
+
+    step: int
+    samples: int
+    """Samples trained when the phase starts."""
+    old_global_batch_size: int
+    new_global_batch_size: int
+    old_grad_accum_steps: int
+    new_grad_accum_steps: int
+    effective_lr: float
+    """The phase's LR by `optim.lr_scaling` (reached over the re-warmup of a resize)."""
+
+    def describe(self) -> str:
+        """The line kept in the run's `rayacc.batch_phases` tag."""
+        return (
+            f"step {self.step} (sample {self.samples}): global {self.old_global_batch_size}→"
+            f"{self.new_global_batch_size}, accum {self.old_grad_accum_steps}→"
+            f"{self.new_grad_accum_steps}, effective LR {self.effective_lr:.6g}"
+        )
+
+    def console_line(self) -> str:
+        return (
+            f"batch schedule at step {self.step} (sample {self.samples}): global batch "
+            f"{self.old_global_batch_size} → {self.new_global_batch_size}, accumulation "
+            f"{self.old_grad_accum_steps} → {self.new_grad_accum_steps}, effective LR "
+            f"{self.effective_lr:.6g}"
+        )
+
+
+@dataclass(frozen=True)
 class MicroBatchChanged:
     """The micro-batch (and so the accumulation) changed: chosen by the auto search, or cut by
     an out-of-memory retry. The global batch stays."""
@@ -353,6 +385,7 @@ Event = (
     GroupStarting
     | RunStarted
     | Resized
+    | BatchPhaseChanged
     | MicroBatchChanged
     | ScheduleChanged
     | Checkpointed

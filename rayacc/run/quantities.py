@@ -22,12 +22,15 @@ from rayacc.redact import redact
 
 __all__ = [
     "IDENTITY_FIELDS",
+    "Phase",
     "RunLength",
+    "batch_phases",
     "data_order",
     "elastic_summary",
     "epoch_layout",
     "lr_explanation",
     "order_kind",
+    "phase_sizes",
     "rank_seed",
     "remaining_epochs",
     "run_effective_lr",
@@ -35,6 +38,7 @@ __all__ = [
     "schedule_length",
     "split_at",
     "total_optimizer_steps",
+    "windows_left",
     "worker_splits",
 ]
 
@@ -61,6 +65,34 @@ def worker_splits(cfg: TrainConfig) -> dict[int, BatchSplit | BatchSplitError]:
         except BatchSplitError as exc:
             splits[workers] = exc
     return splits
+
+
+@dataclass(frozen=True)
+class Phase:
+    """A phase of `batch.schedule` as the run takes it: from which sample on, and its split and
+    effective LR at each worker count the run may run at."""
+
+    from_samples: int
+    splits: dict[int, BatchSplit | BatchSplitError]
+    lrs: dict[int, float]
+
+
+def batch_phases(cfg: TrainConfig) -> tuple[Phase, ...]:
+    """The phases of `batch.schedule` (the configured global batch holds before the first),
+    each derived as a job of its global batch would be."""
+    phases = []
+    # the LR's base stays the configured batch where `optim.base_batch_size` is omitted
+    base = cfg.optim.base_batch_size or cfg.batch.global_batch_size
+    optim = cfg.optim.model_copy(update={"base_batch_size": base})
+    for p in cfg.batch.schedule:
+        batch = cfg.batch.model_copy(
+            update={"global_batch_size": p.global_batch_size, "schedule": []}
+        )
+        at = cfg.model_copy(update={"batch": batch, "optim": optim})
+        splits = worker_splits(at)
+        lrs = {w: run_effective_lr(at, s) for w, s in splits.items() if isinstance(s, BatchSplit)}
+        phases.append(Phase(p.from_samples, splits, lrs))
+    return tuple(phases)
 
 
 def elastic_summary(cfg: TrainConfig, splits: dict[int, BatchSplit | BatchSplitError]) -> str:
@@ -167,15 +199,24 @@ class EpochWindows:
 
 
 def remaining_epochs(
-    length: RunLength, num_train_rows: int, state, split: BatchSplit, rank: int
+    length: RunLength,
+    num_train_rows: int,
+    state,
+    split: BatchSplit,
+    rank: int,
+    until_samples: int | None = None,
 ) -> list[EpochWindows]:
     """Every window rank `rank` runs from `state` (a TrainState) on: per epoch with steps left,
     its layout over the rows left from the saved sample position (which a new global batch need
     not divide). An epoch with fewer rows left than a window takes (after a resize, say) has no
     window and is left out. Which positions a rank gets does not depend on the micro-batch,
-    only how they are cut."""
+    only how they are cut. `until_samples`: none after the window that reaches it (where the
+    next phase of `batch.schedule` starts)."""
     out = []
     steps_left = (length.max_steps or 10**12) - state.optimizer_step
+    if until_samples is not None:
+        g = split.global_batch_size
+        steps_left = min(steps_left, -(-(until_samples - state.samples_seen) // g))
     bound = length.epoch_bound
     epochs = itertools.count(state.epoch) if bound is None else range(state.epoch, bound)
     for epoch in epochs:
@@ -192,6 +233,43 @@ def remaining_epochs(
         out.append(EpochWindows(epoch, layout, steps, lo + offset, hi + offset))
         steps_left -= steps
     return out
+
+
+def phase_sizes(cfg: TrainConfig, reference: BatchSplit) -> list[tuple[int, int]]:
+    """(from sample, global batch) of each phase of the run, the configured one from 0."""
+    sizes = [(0, reference.global_batch_size)]
+    return sizes + [(p.from_samples, p.global_batch_size) for p in cfg.batch.schedule]
+
+
+def windows_left(
+    length: RunLength, num_train_rows: int, state, phases: list[tuple[int, int]], ranks: int
+) -> tuple[int, int | None]:
+    """Optimizer steps from `state` to the run's end where the global batch follows `phases`
+    ((from_samples, global batch) in order, the first from 0) over `ranks` data-parallel ranks,
+    and the sample position where the last one starts (None: no step left)."""
+    steps_left = (length.max_steps or 10**12) - state.optimizer_step
+    samples, epoch, offset = state.samples_seen, state.epoch, state.epoch_sample_offset
+    bound, steps, last = length.epoch_bound, 0, None
+    while steps_left > 0 and (bound is None or epoch < bound):
+        i = max(k for k, (start, _) in enumerate(phases) if start <= samples)
+        g = phases[i][1]
+        layout = EpochLayout(num_train_rows - offset, g, 1, ranks, length.last_window)
+        n = min(layout.steps_per_epoch, steps_left)
+        if i + 1 < len(phases):  # the window that reaches the next phase is this phase's last
+            n = min(n, -(-(phases[i + 1][0] - samples) // g))
+        if n == 0:
+            if offset == 0:
+                break  # a whole epoch without a window: none after it has one either
+            epoch, offset = epoch + 1, 0
+            continue
+        short = layout.short_window_rows if n > layout.full_windows else 0
+        rows = min(n, layout.full_windows) * g + short
+        last = samples + rows - (short or g)
+        samples, offset = samples + rows, offset + rows
+        steps, steps_left = steps + n, steps_left - n
+        if n == layout.steps_per_epoch:
+            epoch, offset = epoch + 1, 0
+    return steps, last
 
 
 def total_optimizer_steps(length: RunLength, layout: EpochLayout) -> int:

@@ -15,15 +15,19 @@ from rayacc.optim import optimizer_slots
 from rayacc.rank.build import strategy_for
 from rayacc.run.quantities import (
     EpochWindows,
+    Phase,
     RunLength,
+    batch_phases,
     data_order,
     epoch_layout,
     lr_explanation,
+    phase_sizes,
     remaining_epochs,
     run_effective_lr,
     run_identity,
     schedule_length,
     total_optimizer_steps,
+    windows_left,
     worker_splits,
 )
 
@@ -126,6 +130,9 @@ class RunSpec:
     record_files: dict[str, str]
     """The strategy's files for the run's record (DeepSpeed: the merged config), as the
     strategy took them from the job and the driver's read of the user's file."""
+    phases: tuple[Phase, ...] = ()
+    """The phases of `batch.schedule`: phase k ≥ 1 is `phases[k - 1]`; phase 0 the
+    configured global batch (`splits`, `lrs`)."""
 
     @property
     def lr_explanation(self) -> str:
@@ -140,9 +147,14 @@ class RunSpec:
     def effective_lr(self) -> float:
         return self.lr_at(self.cfg.scaling.max_workers)  # the reference split's group
 
-    def split_at(self, workers: int) -> BatchSplit:
-        """The batch split of a group of `workers`; BatchSplitError where it cannot run."""
-        split = self.splits.get(workers)
+    def phase_at(self, samples: int) -> int:
+        """The phase of `batch.schedule` a window starting at sample `samples` runs in."""
+        return sum(1 for p in self.phases if p.from_samples <= samples)
+
+    def split_at(self, workers: int, phase: int = 0) -> BatchSplit:
+        """The batch split of a group of `workers` (in `phase`); BatchSplitError where it
+        cannot run."""
+        split = (self.phases[phase - 1].splits if phase else self.splits).get(workers)
         if split is None:
             raise BatchSplitError(
                 "scaling.num_workers",
@@ -153,17 +165,30 @@ class RunSpec:
             raise split
         return split
 
-    def lr_at(self, workers: int) -> float:
-        self.split_at(workers)
-        return self.lrs[workers]
+    def lr_at(self, workers: int, phase: int = 0) -> float:
+        self.split_at(workers, phase)
+        return (self.phases[phase - 1].lrs if phase else self.lrs)[workers]
 
     def layout_at(self, split: BatchSplit) -> EpochLayout:
         """An epoch of the run at `split`."""
         return epoch_layout(self.length, self.order.num_train_rows, split)
 
     def epochs_from(self, state, split: BatchSplit, rank: int) -> list[EpochWindows]:
-        """The windows rank `rank` runs at `split` from `state` on (`remaining_epochs`)."""
-        return remaining_epochs(self.length, self.order.num_train_rows, state, split, rank)
+        """The windows rank `rank` runs at `split` from `state` on (`remaining_epochs`), up to
+        the window that reaches the next phase of `batch.schedule`."""
+        phase = self.phase_at(state.samples_seen)
+        until = self.phases[phase].from_samples if phase < len(self.phases) else None
+        rows = self.order.num_train_rows
+        return remaining_epochs(self.length, rows, state, split, rank, until_samples=until)
+
+    def steps_left(self, state, ranks: int) -> int | None:
+        """The steps from `state` to the end over `ranks` data-parallel ranks where a
+        `batch.schedule` changes the global batch (None without one: each group's epochs
+        say)."""
+        if not self.phases:
+            return None
+        sizes = phase_sizes(self.cfg, self.reference)
+        return windows_left(self.length, self.order.num_train_rows, state, sizes, ranks)[0]
 
 
 @dataclass(frozen=True)
@@ -183,7 +208,8 @@ class ResumeTerms:
         cls, cfg: TrainConfig, identity: dict[str, object], reference: BatchSplit | None = None
     ) -> ResumeTerms:
         s = cfg.scaling
-        keeps = not s.elastic or s.on_resize == "keep_global_batch"
+        # a batch.schedule's global batch is the phase's at the checkpoint's sample
+        keeps = (not s.elastic or s.on_resize == "keep_global_batch") and not cfg.batch.schedule
         reference = reference if reference is not None else cfg.batch_split()
         return cls(
             identity,
@@ -227,6 +253,14 @@ def derive_run(
     strategy = strategy_for(cfg, reference, worker.strategy_user)
     length = RunLength.of(cfg)
     layout = epoch_layout(length, order.num_train_rows, reference)
+    total, schedule = total_optimizer_steps(length, layout), schedule_length(length, layout)
+    if cfg.batch.schedule:
+        # the steps and the LR schedule's length as the phases make them
+        from rayacc.engine.train_state import TrainState
+
+        sizes, ranks = phase_sizes(cfg, reference), reference.data_parallel
+        total, last = windows_left(length, order.num_train_rows, TrainState(), sizes, ranks)
+        schedule = (last or 0) / reference.global_batch_size + 1
     return RunSpec(
         cfg=cfg,
         info=info,
@@ -237,10 +271,11 @@ def derive_run(
         lrs=lrs,
         layout=layout,
         length=length,
-        schedule_length=schedule_length(length, layout),
-        total_steps=total_optimizer_steps(length, layout),
+        schedule_length=schedule,
+        total_steps=total,
         identity=run_identity(cfg, info),
         worker=worker,
         description={"config": cfg.model_dump(mode="json"), "dataset": info.to_dict()},
         record_files=strategy.record_files(),
+        phases=batch_phases(cfg),
     )

@@ -12,6 +12,7 @@ from rayacc.config import TrainConfig
 from rayacc.config.batch_split import BatchSplit
 from rayacc.data.sources import DatasetInfo
 from rayacc.observe.events import (
+    BatchPhaseChanged,
     CheckpointPassedOver,
     Event,
     MicroBatchChanged,
@@ -84,6 +85,7 @@ class TrackedRun(RunObserver):
         self.resumed_at = _entries(tags.get("rayacc.resumed_at_steps"), ",")
         self.micro_changes = _entries(tags.get("rayacc.micro_batch_events"), "; ")
         self.schedule_changes = _entries(tags.get("rayacc.schedule_changes"), "; ")
+        self.batch_phases = _entries(tags.get("rayacc.batch_phases"), "; ")
         self.preemptions = _entries(tags.get("rayacc.preemptions"), "; ")
         self.stragglers = _entries(tags.get("rayacc.stragglers"), "; ")
         self.passed_over = _entries(tags.get("rayacc.passed_over"), "; ")
@@ -117,6 +119,9 @@ class TrackedRun(RunObserver):
             self.passed_over.append(event.describe())
             # a tag's value is at most 8,000 characters: the newest kept
             self.sink.set_tags({"rayacc.passed_over": "; ".join(self.passed_over)[-7000:]})
+        elif isinstance(event, BatchPhaseChanged):
+            self.batch_phases.append(event.describe())
+            self.sink.set_tags({"rayacc.batch_phases": "; ".join(self.batch_phases)})
         elif isinstance(event, ScheduleChanged):
             self.schedule_changes.append(event.describe())
             self.sink.set_tags({"rayacc.schedule_changes": "; ".join(self.schedule_changes)})

@@ -108,6 +108,18 @@ class RankReader:
         order = np.concatenate([self.val_groups, *(e.groups for e in epochs)]).astype(np.int64)
         self._stream = self._open(order)
 
+    def restart(self, epochs: list[EpochReads]) -> None:
+        """Re-plans the stream from here on, where the windows are laid out anew (the next
+        phase of `batch.schedule`): the groups held that the first epoch still reads are kept
+        and not read again, the others dropped."""
+        self.epochs, self._cached = {e.epoch: e for e in epochs}, None
+        first = epochs[0].groups if epochs else np.zeros(0, dtype=np.int64)
+        for group in set(self._buffer) - set(first.tolist()):
+            del self._buffer[group]
+        rest = [e.groups for e in epochs[1:]]
+        order = np.concatenate([first[~np.isin(first, list(self._buffer))], *rest])
+        self._stream = self._open(order.astype(np.int64))
+
     def _open(self, order: np.ndarray) -> Iterator[tuple[int, pa.Table]]:
         """(group, table) for each group of `order`, in that order, read by Ray Data tasks (or
         by this process)."""

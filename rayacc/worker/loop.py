@@ -27,6 +27,7 @@ from rayacc.worker.autosize import MicroBatchSizer
 from rayacc.worker.cadence import Cadence
 from rayacc.worker.ingest import warm_up
 from rayacc.worker.metrics import run_summary
+from rayacc.worker.phases import BatchPhases
 from rayacc.worker.preemption import PreemptionWatch, Reclaim, ray_notice_sources
 from rayacc.worker.progress import Outbox
 from rayacc.worker.setup import (
@@ -69,6 +70,7 @@ class WorkerRun:
         # dropout and anything else random: one stream per rank, the same in every run
         torch.manual_seed(rank_seed(settings.seed, self.rank))
         self.lr = self.spec.lr_at(self.world)
+        self.phases = BatchPhases(self.spec, self.world)
         split = self.spec.split_at(self.world)
         self.sizer = MicroBatchSizer(settings, split, self.device, inputs.progress)
         say_what_starts(settings.strategy, self.outbox)
@@ -107,17 +109,13 @@ class WorkerRun:
 
     # ------------------------------------------------------------------ the run
     def train(self) -> dict[str, Any]:
-        restored = restore(
-            self.setup,
-            world=self.world,
-            split=self.split,
-            lr=self.lr,
-            on_resize=self.settings.on_resize,
-        )
-        self.checkpoint_step, events = restored.step, restored.events
+        on_resize = self.settings.on_resize
+        restored = restore(self.setup, world=self.world, at=self.phases.at, on_resize=on_resize)
+        self.checkpoint_step, events, self.lr = restored.step, restored.events, restored.lr
+        self.sizer.set_split(restored.split)
         self.epochs = self.spec.epochs_from(self.state, self.split, self.data_rank)
         self.cadence = Cadence(
-            last_step=self.state.optimizer_step + sum(e.steps for e in self.epochs),
+            last_step=self.phases.last_step(self.state, self.split, self.epochs),
             val_every=self.settings.val_every_steps,
             checkpoint_every=self.settings.checkpoint_every_steps,
             validates=bool(len(self.spec.order.val_units)),
@@ -141,12 +139,14 @@ class WorkerRun:
             self.validate.batch_size = 2 * self.split.micro_batch_size
         self.telemetry.gather_nodes(self.settings.system_metrics)
         self._announce(restored, events)
-        for ep in self.epochs:
-            if ep.epoch != self.state.epoch:
-                self.state.start_epoch(ep.epoch)
-            self.clock.restart()
-            for s in range(ep.steps):
-                self._after_window(self._window(ep.epoch, ep.layout, s))
+        while self.epochs:
+            for ep in self.epochs:
+                if ep.epoch != self.state.epoch:
+                    self.state.start_epoch(ep.epoch)
+                self.clock.restart()
+                for s in range(ep.steps):
+                    self._after_window(self._window(ep.epoch, ep.layout, s))
+            self.epochs = self.phases.next_windows(self) if self.spec.phases else []
         self.outbox.flush()
         return self._summary(restored)
 

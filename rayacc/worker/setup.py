@@ -5,6 +5,7 @@ over them, and where a resumed run stands."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -181,23 +182,31 @@ class Restored:
     events: list[Event] = field(default_factory=list)
     """A resize, when the checkpoint was written at another worker count; a replanned
     schedule."""
+    split: BatchSplit | None = None
+    lr: float = 0.0
+    """The split and effective LR the group runs at from here (its phase's: `at`)."""
 
 
 def restore(
-    setup: RankSetup, *, world: int, split: BatchSplit, lr: float, on_resize: str
+    setup: RankSetup,
+    *,
+    world: int,
+    at: Callable[[TrainState], tuple[BatchSplit, float]],
+    on_resize: str,
 ) -> Restored:
-    """Loads the latest checkpoint of the run, if any. (Whether it may be resumed at all was
-    checked before launch.)"""
+    """Loads the latest checkpoint of the run, if any (whether it may be resumed at all was
+    checked before launch); `at`: the split and LR where the restored state stands."""
     t = time.perf_counter()
     meta: dict[str, Any] | None = setup.checkpoints.restore()
     passed = [
         CheckpointPassedOver(note, meta and meta["optimizer_step"])
         for note in setup.checkpoints.passed_over
     ]
+    split, lr = at(setup.state)
     if meta is None:
-        return Restored(events=passed)
+        return Restored(events=passed, split=split, lr=lr)
     step = setup.state.optimizer_step
-    restored = Restored(step=step, seconds=time.perf_counter() - t, events=passed)
+    restored = Restored(step, time.perf_counter() - t, passed, split, lr)
     # a new global batch (keep_micro_batch) moves to its LR over a short re-warmup
     setup.schedule.set_peak(lr, rewarm_steps=REWARM_STEPS)
     if setup.schedule.replanned is not None:

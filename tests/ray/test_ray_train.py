@@ -20,7 +20,6 @@ from tests.support.services.fits import (
     config,
     digits_subset,
     fit_or_fail,
-    one_batch_config,
     padded_token_loss,
     padded_token_rows,
     rel_diff,
@@ -127,25 +126,47 @@ def test_end_to_end_fit_records_contract_params_and_every_step(ray_local, tmp_pa
     assert all(m.value > 0 for m in memory)
 
 
-def test_whole_stack_step_equals_full_batch(ray_local, tmp_path, record_equivalence):
-    """One step of 2 workers × micro 4 × accumulation 4 through the whole stack against the
-    float64 full-batch step. (One worker's windows are the combination matrix's 1-worker
-    cases; a change of worker count at one global batch, the elastic test's.)"""
-    workers, micro, accum = 2, 4, 4
-    cfg = one_batch_config(tmp_path, workers, micro, accum)
-    result = fit_or_fail(cfg)
+def test_whole_stack_steps_equal_full_batch_through_a_batch_schedule(
+    ray_local, tmp_path, record_equivalence, capfd
+):
+    """Three steps through the whole stack against float64 full-batch steps: 2 workers ×
+    micro 4 × accumulation 4, then `batch.schedule` doubles the global batch at sample 32
+    (accumulation 8, the LR by its linear rule over the re-warmup: 0.1, then 0.12 on the
+    third step, the first of the ramp's five). (One worker's windows are the combination
+    matrix's 1-worker cases; a change of worker count at one global batch, the elastic
+    test's.)"""
+    source = digits_subset(tmp_path / "d160.parquet", 160)
+    cfg = config(
+        tmp_path,
+        data={"source": source, "shuffle": False},
+        batch={"schedule": [{"from_samples": 32, "global_batch_size": 64}]},
+        train={"max_steps": 3},
+        tracking={"enabled": False},
+    )
+    result = fit_or_fail(cfg, observers=[ProgressPrinter()])
+    out = capfd.readouterr().out
+    assert (
+        "batch schedule at step 1 (sample 32): global batch 32 → 64, accumulation 4 → 8, "
+        "effective LR 0.2"
+    ) in out, out
+    assert "3 optimizer steps" in out or "/3 " in out, out
 
     table = pq.read_table(cfg.data.source)
     features = np.stack(table["features"].to_numpy(zero_copy_only=False))
     labels = torch.tensor(table["label"].to_numpy())
 
-    def full_batch_loss(model, dtype):
-        return F.cross_entropy(model(torch.tensor(features, dtype=dtype)), labels)
+    def window(lo: int, hi: int, lr_factor: float):
+        def loss(model, dtype):
+            x = torch.tensor(features[lo:hi], dtype=dtype)
+            return lr_factor * F.cross_entropy(model(x), labels[lo:hi])
 
-    err, floor = sgd_step_errors(cfg, full_batch_loss, load_model(result.checkpoint_dir))
+        return loss
+
+    windows = [window(0, 32, 1.0), window(32, 96, 1.0), window(96, 160, 1.2)]
+    err, floor = sgd_step_errors(cfg, windows, load_model(result.checkpoint_dir))
     record_equivalence(
-        f"Ray Train, {workers} worker(s) × micro {micro} × accum {accum} "
-        f"(vs float64; fp32 full batch: {floor:.3e})",
+        f"Ray Train, 2 workers, global batch 32 → 64 by batch.schedule (vs float64; fp32 full "
+        f"batch: {floor:.3e})",
         err,
     )
     assert err <= 2 * floor, (err, floor)

@@ -140,14 +140,3 @@ def padded_token_loss(seqs, masks=None):
         )
 
     return loss
-
-
-def one_batch_config(tmp_path, workers: int, micro: int, accum: int) -> TrainConfig:
-    source = digits_subset(tmp_path / "one_batch.parquet", 32)
-    return config(
-        tmp_path,
-        data={"source": source, "shuffle": False},
-        batch={"global_batch_size": 32, "micro_batch_size": micro, "grad_accum_steps": accum},
-        scaling={"num_workers": workers, "cpus_per_worker": 0.5},
-        tracking={"enabled": False},
-    )

@@ -1,0 +1,158 @@
+"""`batch.schedule`: what the config refuses (generated from the rule's own table), the phases
+a run derives (split and LR by the declared rule at each worker count), and the run's length
+under phases (`windows_left`) against the walk the worker makes window by window
+(`remaining_epochs` up to each phase's sample, then the next phase's split)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rayacc import TrainConfig
+from rayacc.config.batch_split import resolve_batch_split
+from rayacc.config.errors import ConfigError
+from rayacc.data.bundled import prepare_bundled
+from rayacc.driver.prelaunch import prepare
+from rayacc.engine.train_state import TrainState
+from rayacc.run.quantities import RunLength, remaining_epochs, windows_left
+
+BASE = {
+    "batch": {
+        "global_batch_size": 32,
+        "micro_batch_size": 4,
+        "schedule": [{"from_samples": 64, "global_batch_size": 64}],
+    },
+    "scaling": {"num_workers": 2},
+}
+REFUSED = {
+    "batch.grad_accum_steps": {"batch": {"grad_accum_steps": 4}},
+    "batch.micro_batch_size": {"batch": {"micro_batch_size": "auto", "memory_budget_mb": 64}},
+    "train.strategy": {"train": {"strategy": "deepspeed"}},
+    "scaling.on_resize": {"scaling": {"num_workers": [1, 2], "on_resize": "keep_micro_batch"}},
+    "batch.schedule": {"batch": {"schedule": [{"from_samples": 64, "global_batch_size": 64},
+                                              {"from_samples": 64, "global_batch_size": 128}]}},
+    "batch.global_batch_size": {"batch": {"global_batch_size": None}},
+    "batch.schedule[0].global_batch_size": {
+        "batch": {"schedule": [{"from_samples": 64, "global_batch_size": 66}]}
+    },
+}  # fmt: skip
+"""Each field the schedule's rules name, and a config that makes them name it."""
+
+
+def _with(extra: dict) -> dict:
+    out = {k: dict(v) for k, v in BASE.items()}
+    for section, values in extra.items():
+        out.setdefault(section, {}).update(values)
+    return out
+
+
+def test_every_exclusion_of_the_rules_has_its_case():
+    from rayacc.config.batch_schedule import EXCLUDES
+
+    assert set(EXCLUDES) <= set(REFUSED)
+    TrainConfig.from_dict(BASE)  # the base is fine
+
+
+@pytest.mark.parametrize("path", REFUSED)
+def test_what_a_schedule_cannot_go_with_is_named(path):
+    with pytest.raises(ConfigError) as refused:
+        TrainConfig.from_dict(_with(REFUSED[path]))
+    assert path in str(refused.value) and "Fix:" in str(refused.value), str(refused.value)
+
+
+def test_each_phase_has_its_split_and_its_lr_by_the_declared_rule(tmp_path):
+    cfg = TrainConfig.from_dict(
+        _with(
+            {
+                "data": {"source": str(prepare_bundled("digits")), "val_fraction": 0.0},
+                "optim": {"lr": 0.1, "base_batch_size": 32, "lr_scaling": "sqrt"},
+                "scaling": {"num_workers": [1, 3]},
+                "train": {"max_steps": 10},
+                "run": {"storage_path": str(tmp_path / "runs")},
+            }
+        )
+    )
+    spec = prepare(cfg).spec
+    assert [spec.phase_at(s) for s in (0, 63, 64, 10**6)] == [0, 0, 1, 1]
+    assert spec.lr_at(2, 1) == pytest.approx(0.1 * 2**0.5) and spec.lr_at(2, 0) == 0.1
+    # every size keeps each phase's global batch: uneven shares at 3
+    assert spec.split_at(3, 1).rank_shares == (22, 21, 21)
+    assert spec.split_at(1, 1).grad_accum_steps == 16
+    # two steps of 32, then steps of 64: 10 steps are 64 + 8 × 64 samples
+    assert spec.total_steps == 10
+    assert spec.schedule_length == (64 + 7 * 64) / 32 + 1
+    first = spec.epochs_from(TrainState(), spec.split_at(2), 0)
+    assert [e.steps for e in first] == [2]  # up to the window that reaches sample 64
+
+
+def _walk(length: RunLength, rows: int, phases: list[tuple[int, int]], ranks: int):
+    """The worker's walk: windows laid out up to the next phase, run, laid out again."""
+    state, last = TrainState(), None
+    while True:
+        phase = max(i for i, (start, _) in enumerate(phases) if start <= state.samples_seen)
+        split = resolve_batch_split(
+            num_workers=ranks, global_batch_size=phases[phase][1],
+            uneven=True,
+        )  # fmt: skip
+        until = phases[phase + 1][0] if phase + 1 < len(phases) else None
+        epochs = remaining_epochs(length, rows, state, split, 0, until_samples=until)
+        if not epochs:
+            return state.optimizer_step, last
+        for ep in epochs:
+            if ep.epoch != state.epoch:
+                state.start_epoch(ep.epoch)
+            for s in range(ep.steps):
+                g = ep.layout.rank_window(s, 0).window_samples
+                last = state.samples_seen
+                state.advance(samples=g, items=g, skipped=False)
+                if s == ep.layout.steps_per_epoch - 1:
+                    state.start_epoch(ep.epoch + 1)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    rows=st.integers(20, 400),
+    first=st.integers(2, 64),
+    later=st.lists(st.tuples(st.integers(1, 600), st.integers(2, 96)), max_size=3),
+    ranks=st.integers(1, 3),
+    max_steps=st.one_of(st.none(), st.integers(1, 40)),
+    epochs=st.one_of(st.none(), st.integers(1, 3)),
+    last_window=st.sampled_from(["short", "drop"]),
+)
+def test_the_length_under_phases_is_the_workers_walk(
+    rows, first, later, ranks, max_steps, epochs, last_window
+):
+    if max_steps is None and epochs is None:
+        epochs = 1
+    starts = sorted({s for s, _ in later})
+    phases = [(0, first)] + [(s, dict(later)[s]) for s in starts]
+    phases = [(s, max(g, ranks)) for s, g in phases]  # every rank has a row
+    length = RunLength(max_steps, epochs, last_window)
+    assert windows_left(length, rows, TrainState(), phases, ranks) == _walk(
+        length, rows, phases, ranks
+    )
+
+
+def test_a_group_restored_past_a_phases_sample_runs_that_phase(tmp_path):
+    # where a resumed (or resized) group starts: the phase of the checkpoint's sample
+    from rayacc.worker.phases import BatchPhases
+
+    cfg = TrainConfig.from_dict(
+        _with(
+            {
+                "data": {"source": str(prepare_bundled("digits")), "val_fraction": 0.0},
+                "scaling": {"num_workers": [1, 2]},
+                "train": {"max_steps": 6},
+                "run": {"storage_path": str(tmp_path / "runs")},
+            }
+        )
+    )
+    spec = prepare(cfg).spec
+    for world in (1, 2):
+        phases = BatchPhases(spec, world)
+        split, lr = phases.at(TrainState(optimizer_step=2, samples_seen=64))
+        assert (split.global_batch_size, lr, phases.phase) == (64, 2e-3, 1)  # linear, from 32
+        assert split.grad_accum_steps == 16 // world
+        split, lr = phases.at(TrainState(optimizer_step=1, samples_seen=32))
+        assert (split.global_batch_size, lr, phases.phase) == (32, 1e-3, 0)
