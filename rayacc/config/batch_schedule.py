@@ -1,12 +1,14 @@
-"""`batch.schedule`: the global batch as a function of the samples trained (a batch-size
-warmup, Megatron's step schedule): from `from_samples` on, a phase's global batch; accumulation
-is re-derived and the LR follows `optim.lr_scaling` at each phase."""
+"""What changes a window's rows as the run goes. `batch.schedule`: the global batch as a
+function of the samples trained (a batch-size warmup, Megatron's step schedule): from
+`from_samples` on, a phase's global batch; accumulation is re-derived and the LR follows
+`optim.lr_scaling` at each phase. `batch.balance: auto`: the ranks' shares of a window follow
+their measured time per row (worker/balance.py)."""
 
 from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-__all__ = ["EXCLUDES", "BatchPhase", "schedule_rules"]
+__all__ = ["EXCLUDES", "BatchPhase", "balance_rules", "schedule_rules"]
 
 EXCLUDES = {
     "batch.grad_accum_steps": ("is derived per phase", "remove it"),
@@ -101,3 +103,24 @@ def _fixed_accumulation(strategy: str) -> str | None:
 
     entry = strategies().get(strategy)
     return entry.fixed_accumulation if entry is not None else None
+
+
+def balance_rules(sections: dict) -> list:
+    """`batch.balance: auto` needs a strategy whose accumulation may change within a group
+    (moving rows may change the micro-steps of a window)."""
+    from rayacc.config.errors import MISSING, ConfigIssue
+
+    batch, train = sections.get("batch"), sections.get("train")
+    if getattr(batch, "balance", "off") != "auto" or train is None:
+        return []
+    if (why := _fixed_accumulation(train.strategy)) is None:
+        return []
+    return [
+        ConfigIssue(
+            "batch.balance",
+            f"auto moves rows between ranks, which may change a window's micro-steps; "
+            f"{train.strategy}: {why}",
+            MISSING,
+            "set batch.balance=off, or use a strategy that re-derives it (ddp, fsdp)",
+        )
+    ]

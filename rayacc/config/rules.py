@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rayacc.config.batch_schedule import schedule_rules
+from rayacc.config.batch_schedule import balance_rules, schedule_rules
 from rayacc.config.batch_split import (
     BatchSplitError,
     resolve_batch_split,
@@ -300,7 +300,7 @@ def cross_field_issues(sections: dict[str, Any]) -> list[ConfigIssue]:
     if model is not None:
         issues += _model_rules(model, data)
     issues += finetune_rules(sections)
-    issues += schedule_rules(sections)
+    issues += schedule_rules(sections) + balance_rules(sections)
     if scaling is not None:
         scaling_issues = _scaling_rules(scaling)
         issues += scaling_issues

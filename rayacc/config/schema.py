@@ -125,17 +125,16 @@ class BatchConfig(Section):
     global_batch_size: int | None = Field(None, ge=1)
     """Samples per optimizer step over all workers: micro_batch_size × grad_accum_steps ×
     num_workers. The invariant kept when the number of workers changes."""
-    micro_batch_size: Annotated[int, Field(ge=1)] | Literal["auto"] | None = None
+    micro_batch_size: Count | Literal["auto"] | None = None
     """Samples per worker per forward/backward (micro-step), or `auto`: before training, the
-    largest divisor of one worker's share of the global batch whose forward + backward fits the
-    memory budget on every rank (accumulation follows, the global batch is kept exactly); on a
-    GPU an out-of-memory error later halves it on all ranks and redoes the window."""
+    largest divisor of one worker's share whose forward + backward fits the memory budget on
+    every rank (the global batch kept exactly); on a GPU an out-of-memory error later halves it
+    on all ranks and redoes the window."""
     grad_accum_steps: int | None = Field(None, ge=1)
     """Micro-steps per optimizer step on each worker; derived from the other two when omitted."""
     micro_batch_by_workers: dict[Count, Count] = Field(default_factory=dict)
     """Elastic runs keeping the global batch: the micro-batch at each worker count (written by
-    `rayacc plan --search`; `rayacc train --plan` sets it); a resize to a count listed here
-    takes its micro-batch, a count not listed derives one as without it."""
+    `rayacc plan --search`, set by `rayacc train --plan`); a count not listed derives one."""
     memory_budget: float = Field(0.9, gt=0.0, le=1.0)
     """`micro_batch_size: auto` on GPU: share of the device's memory a micro-step may use."""
     memory_budget_mb: float | None = Field(None, gt=0.0)
@@ -144,14 +143,15 @@ class BatchConfig(Section):
     on GPU it replaces `batch.memory_budget`)."""
     schedule: list[BatchPhase] = Field(default_factory=list)
     """Phases of the global batch over the samples trained (config/batch_schedule.py)."""
+    balance: Literal["off", "auto"] = "off"
+    """`auto`: a window's rows split over the ranks by their measured time per row."""
 
     @property
     def auto_micro_batch(self) -> bool:
         return self.micro_batch_size == "auto"
 
     @property
-    def fixed_micro_batch_size(self) -> int | None:
-        """The configured micro-batch, None when omitted or `auto`."""
+    def fixed_micro_batch_size(self) -> int | None:  # None when omitted or `auto`
         return None if self.micro_batch_size == "auto" else self.micro_batch_size
 
 

@@ -150,6 +150,27 @@ class BatchPhaseChanged:
 
 
 @dataclass(frozen=True)
+class SharesChanged:
+    """`batch.balance: auto` moved rows of a window between ranks (the global batch kept)."""
+
+    step: int
+    old: tuple[int, ...]
+    new: tuple[int, ...]
+    """Rows of a full window per data-parallel rank, before and from the next step on."""
+    why: str
+
+    def describe(self) -> str:
+        """The line kept in the run's `rayacc.shares` tag."""
+        return f"step {self.step}: {'+'.join(map(str, self.old))}→{'+'.join(map(str, self.new))}"
+
+    def console_line(self) -> str:
+        return (
+            f"shares at step {self.step}: {' + '.join(map(str, self.old))} → "
+            f"{' + '.join(map(str, self.new))} rows ({self.why})"
+        )
+
+
+@dataclass(frozen=True)
 class MicroBatchChanged:
     """The micro-batch (and so the accumulation) changed: chosen by the auto search, or cut by
     an out-of-memory retry. The global batch stays."""
@@ -386,6 +407,7 @@ Event = (
     | RunStarted
     | Resized
     | BatchPhaseChanged
+    | SharesChanged
     | MicroBatchChanged
     | ScheduleChanged
     | Checkpointed

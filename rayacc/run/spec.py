@@ -56,7 +56,8 @@ class WorkerSettings:
     auto_micro_batch: bool
     memory_budget: float
     memory_budget_mb: float | None
-    """batch."""
+    balance: bool
+    """batch (`balance: auto`)."""
     on_resize: str
     """scaling."""
     system_metrics: bool
@@ -87,6 +88,7 @@ class WorkerSettings:
             auto_micro_batch=b.auto_micro_batch,
             memory_budget=b.memory_budget,
             memory_budget_mb=b.memory_budget_mb,
+            balance=b.balance == "auto",
             on_resize=cfg.scaling.on_resize,
             system_metrics=cfg.tracking.system_metrics,
             read_in_process=0 < info.data_bytes <= cfg.data.in_process_read_max_mb * 2**20,

@@ -22,6 +22,7 @@ from rayacc.observe.events import (
     RunObserver,
     RunStarted,
     ScheduleChanged,
+    SharesChanged,
     Straggler,
 )
 from rayacc.tracking.mlflow_sink import MlflowSink, tracking_target
@@ -86,6 +87,7 @@ class TrackedRun(RunObserver):
         self.micro_changes = _entries(tags.get("rayacc.micro_batch_events"), "; ")
         self.schedule_changes = _entries(tags.get("rayacc.schedule_changes"), "; ")
         self.batch_phases = _entries(tags.get("rayacc.batch_phases"), "; ")
+        self.shares = _entries(tags.get("rayacc.shares"), "; ")
         self.preemptions = _entries(tags.get("rayacc.preemptions"), "; ")
         self.stragglers = _entries(tags.get("rayacc.stragglers"), "; ")
         self.passed_over = _entries(tags.get("rayacc.passed_over"), "; ")
@@ -122,6 +124,9 @@ class TrackedRun(RunObserver):
         elif isinstance(event, BatchPhaseChanged):
             self.batch_phases.append(event.describe())
             self.sink.set_tags({"rayacc.batch_phases": "; ".join(self.batch_phases)})
+        elif isinstance(event, SharesChanged):
+            self.shares.append(event.describe())
+            self.sink.set_tags({"rayacc.shares": "; ".join(self.shares)[-7000:]})
         elif isinstance(event, ScheduleChanged):
             self.schedule_changes.append(event.describe())
             self.sink.set_tags({"rayacc.schedule_changes": "; ".join(self.schedule_changes)})

@@ -109,8 +109,13 @@ class WorkerRun:
 
     # ------------------------------------------------------------------ the run
     def train(self) -> dict[str, Any]:
-        on_resize = self.settings.on_resize
-        restored = restore(self.setup, world=self.world, at=self.phases.at, on_resize=on_resize)
+        restored = restore(
+            self.setup,
+            world=self.world,
+            at=self.phases.at,
+            on_resize=self.settings.on_resize,
+            balanced=self.settings.balance,
+        )
         self.checkpoint_step, events, self.lr = restored.step, restored.events, restored.lr
         self.sizer.set_split(restored.split)
         self.epochs = self.spec.epochs_from(self.state, self.split, self.data_rank)
@@ -139,14 +144,8 @@ class WorkerRun:
             self.validate.batch_size = 2 * self.split.micro_batch_size
         self.telemetry.gather_nodes(self.settings.system_metrics)
         self._announce(restored, events)
-        while self.epochs:
-            for ep in self.epochs:
-                if ep.epoch != self.state.epoch:
-                    self.state.start_epoch(ep.epoch)
-                self.clock.restart()
-                for s in range(ep.steps):
-                    self._after_window(self._window(ep.epoch, ep.layout, s))
-            self.epochs = self.phases.next_windows(self) if self.spec.phases else []
+        for epoch, layout, s in self.phases.windows(self):
+            self._after_window(self._window(epoch, layout, s))
         self.outbox.flush()
         return self._summary(restored)
 

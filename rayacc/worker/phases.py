@@ -1,14 +1,20 @@
-"""The worker's side of `batch.schedule` (config/batch_schedule.py): the phase a window runs
-in, and the move to the next one at the first window starting at or past its sample — the
-phase's split and LR (reached over a resize's re-warmup), said as an event, the windows laid
-out anew from the sample reached and the reader's stream re-planned for them."""
+"""The windows a rank runs, in order, and what lays them out anew within a group: the next
+phase of `batch.schedule` (config/batch_schedule.py) at the first window starting at or past
+its sample — its split and LR (reached over a resize's re-warmup) — and new shares of
+`batch.balance: auto` (worker/balance.py); each said as an event, the windows laid out again
+from the sample reached and the reader's stream re-planned for them."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from dataclasses import replace
+
 from rayacc.config.batch_split import BatchSplit
-from rayacc.observe.events import BatchPhaseChanged
+from rayacc.data.order import EpochLayout
+from rayacc.observe.events import BatchPhaseChanged, SharesChanged
 from rayacc.run.quantities import EpochWindows
 from rayacc.run.spec import RunSpec
+from rayacc.worker.balance import ShareBalancer
 from rayacc.worker.setup import REWARM_STEPS
 
 __all__ = ["BatchPhases"]
@@ -19,6 +25,43 @@ class BatchPhases:
 
     def __init__(self, spec: RunSpec, world: int):
         self.spec, self.world, self.phase = spec, world, 0
+        self.balancer = ShareBalancer() if spec.worker.balance else None
+
+    def windows(self, run) -> Iterator[tuple[int, EpochLayout, int]]:
+        """(epoch, its layout, window) of each window `run` (the WorkerRun) runs next, from its
+        `epochs` on; after each, the shares may move, and where the windows laid out end
+        before the run does (a phase's sample reached), the next are laid out."""
+        while run.epochs:
+            moved = False
+            for ep in run.epochs:
+                if ep.epoch != run.state.epoch:
+                    run.state.start_epoch(ep.epoch)
+                run.clock.restart()
+                for s in range(ep.steps):
+                    yield ep.epoch, ep.layout, s
+                    if moved := self._balance(run, ep.layout, s):
+                        break
+                if moved:
+                    break
+            run.epochs = self.next_windows(run) if moved or self.spec.phases else []
+
+    def _balance(self, run, layout: EpochLayout, s: int) -> bool:
+        """Whether the shares moved after window `s` of `layout` (each rank's rows of it, and
+        every rank's figures of the window before it, measured)."""
+        if self.balancer is None:
+            return False
+        rows = [sum(map(len, layout.rank_window(s, r).micro_batches)) for r in range(
+            layout.num_workers)]  # fmt: skip
+        self.balancer.window(rows, run.telemetry.group_figures)
+        split = run.split
+        decided = self.balancer.decide(split.rank_shares, split.micro_batch_size)
+        if decided is None:
+            return False
+        new, why = decided
+        steps = -(-max(new) // split.micro_batch_size)
+        run.sizer.set_split(replace(split, shares=new, grad_accum_steps=steps))
+        run.outbox.send(SharesChanged(run.state.optimizer_step, split.rank_shares, new, why))
+        return True
 
     def at(self, state) -> tuple[BatchSplit, float]:
         """The split and effective LR of the phase `state` (a TrainState) is in, made the
@@ -33,6 +76,8 @@ class BatchPhases:
         state, old = run.state, run.split
         if self.spec.phase_at(state.samples_seen) != self.phase:
             split, run.lr = self.at(state)
+            if self.balancer is not None:
+                self.balancer.reset()
             run.sizer.set_split(split)
             run.schedule.set_peak(run.lr, rewarm_steps=REWARM_STEPS)
             run.outbox.send(

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -193,9 +193,11 @@ def restore(
     world: int,
     at: Callable[[TrainState], tuple[BatchSplit, float]],
     on_resize: str,
+    balanced: bool = False,
 ) -> Restored:
     """Loads the latest checkpoint of the run, if any (whether it may be resumed at all was
-    checked before launch); `at`: the split and LR where the restored state stands."""
+    checked before launch); `at`: the split and LR where the restored state stands;
+    `balanced` (`batch.balance: auto`): the checkpoint's shares go on where they fit."""
     t = time.perf_counter()
     meta: dict[str, Any] | None = setup.checkpoints.restore()
     passed = [
@@ -205,6 +207,10 @@ def restore(
     split, lr = at(setup.state)
     if meta is None:
         return Restored(events=passed, split=split, lr=lr)
+    shares = tuple(meta.get("shares") or ())
+    if balanced and len(shares) == split.data_parallel and sum(shares) == split.global_batch_size:
+        steps = -(-max(shares) // split.micro_batch_size)
+        split = replace(split, shares=shares, grad_accum_steps=steps)
     step = setup.state.optimizer_step
     restored = Restored(step, time.perf_counter() - t, passed, split, lr)
     # a new global batch (keep_micro_batch) moves to its LR over a short re-warmup

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -126,21 +127,26 @@ def test_end_to_end_fit_records_contract_params_and_every_step(ray_local, tmp_pa
     assert all(m.value > 0 for m in memory)
 
 
-def test_whole_stack_steps_equal_full_batch_through_a_batch_schedule(
+def test_whole_stack_steps_equal_full_batch_through_a_batch_schedule_and_balance(
     ray_local, tmp_path, record_equivalence, capfd
 ):
-    """Three steps through the whole stack against float64 full-batch steps: 2 workers ×
+    """Twelve steps through the whole stack against float64 full-batch steps: 2 workers ×
     micro 4 × accumulation 4, then `batch.schedule` doubles the global batch at sample 32
-    (accumulation 8, the LR by its linear rule over the re-warmup: 0.1, then 0.12 on the
-    third step, the first of the ramp's five). (One worker's windows are the combination
-    matrix's 1-worker cases; a change of worker count at one global batch, the elastic
-    test's.)"""
-    source = digits_subset(tmp_path / "d160.parquet", 160)
+    (accumulation 8; the LR by its linear rule over the re-warmup: 0.1, then 0.12 … 0.2);
+    rank 1 sleeps 10 ms a row, and `batch.balance: auto` moves rows to rank 0 — its share
+    falls and the step time with it, the weights unchanged. (One worker's windows are the
+    combination matrix's 1-worker cases; a change of worker count, the elastic test's.)"""
+    source = digits_subset(tmp_path / "d736.parquet", 32 + 11 * 64)
     cfg = config(
         tmp_path,
         data={"source": source, "shuffle": False},
-        batch={"schedule": [{"from_samples": 32, "global_batch_size": 64}]},
-        train={"max_steps": 3},
+        model={
+            "name": "factory",
+            "factory": "tests.support.models.slow_model:build",
+            "kwargs": {"delay_s": 0.0, "row_delay_s": 0.01, "slow_rank": 1},
+        },
+        batch={"schedule": [{"from_samples": 32, "global_batch_size": 64}], "balance": "auto"},
+        train={"max_steps": 12},
         tracking={"enabled": False},
     )
     result = fit_or_fail(cfg, observers=[ProgressPrinter()])
@@ -149,7 +155,17 @@ def test_whole_stack_steps_equal_full_batch_through_a_batch_schedule(
         "batch schedule at step 1 (sample 32): global batch 32 → 64, accumulation 4 → 8, "
         "effective LR 0.2"
     ) in out, out
-    assert "3 optimizer steps" in out or "/3 " in out, out
+    moves = re.findall(r"shares at step (\d+): 32 \+ 32 → (\d+) \+ (\d+) rows \(rank 1: ", out)
+    assert moves and int(moves[0][2]) < 32 < int(moves[0][1]), out
+    rates = {
+        int(m[0]): float(m[1].replace(",", ""))
+        for m in re.findall(r"step (\d+)/12 .*?  ([\d,.]+) samples/s", out)
+    }
+    moved_at = int(moves[0][0])
+    before = [rates[k] for k in range(3, moved_at + 1)]
+    after = [rates[k] for k in range(moved_at + 2, 13)]
+    assert min(after) > max(before), (before, after)  # rank 1's 32 rows were the step
+    print(f"balanced: shares {moves}; samples/s before {before}, after {after}")
 
     table = pq.read_table(cfg.data.source)
     features = np.stack(table["features"].to_numpy(zero_copy_only=False))
@@ -162,11 +178,15 @@ def test_whole_stack_steps_equal_full_batch_through_a_batch_schedule(
 
         return loss
 
-    windows = [window(0, 32, 1.0), window(32, 96, 1.0), window(96, 160, 1.2)]
-    err, floor = sgd_step_errors(cfg, windows, load_model(result.checkpoint_dir))
+    # step k ≥ 2 runs at 0.1 × (1 + min(k − 2, 5) / 5): the ramp to the phase's 0.2
+    windows = [window(0, 32, 1.0)] + [
+        window(32 + 64 * (k - 2), 32 + 64 * (k - 1), 1 + min(k - 2, 5) / 5) for k in range(2, 13)
+    ]
+    trained = load_model(result.checkpoint_dir, factory=cfg.model.factory)
+    err, floor = sgd_step_errors(cfg, windows, trained)
     record_equivalence(
-        f"Ray Train, 2 workers, global batch 32 → 64 by batch.schedule (vs float64; fp32 full "
-        f"batch: {floor:.3e})",
+        f"Ray Train, 2 workers, global batch 32 → 64 by batch.schedule, shares balanced "
+        f"(vs float64; fp32 full batch: {floor:.3e})",
         err,
     )
     assert err <= 2 * floor, (err, floor)

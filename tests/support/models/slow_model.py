@@ -20,10 +20,11 @@ class Slow(nn.Module):
         hold_max_s: float,
         held: str | None,
         slow_rank: int | None = None,
+        row_delay_s: float = 0.0,
     ):
         super().__init__()
         self.inner = inner
-        self.delay_s = delay_s
+        self.delay_s, self.row_delay_s = delay_s, row_delay_s
         self.slow_rank = slow_rank
         self.holds = holds
         self.hold_max_s = hold_max_s
@@ -44,7 +45,7 @@ class Slow(nn.Module):
                     time.sleep(self.hold_max_s)
             rank = dist.get_rank() if dist.is_initialized() else 0
             if self.slow_rank is None or rank == self.slow_rank:
-                time.sleep(self.delay_s)
+                time.sleep(self.delay_s + self.row_delay_s * len(x))
         return self.inner(x)
 
 
@@ -57,11 +58,13 @@ def build(
     held: str | None = None,
     slow_rank: int | None = None,
     dropout: float = 0.0,
+    row_delay_s: float = 0.0,
 ) -> nn.Module:
     """`holds`: worker count → forwards; a group of that many workers stops in its forward
     number `forwards + 1` (counted per process: a restarted group counts from 0) for up to
     `hold_max_s` seconds; with `held` (a path prefix) only the first group of that size in the
-    run holds. `slow_rank`: only that rank's forwards take `delay_s` (a straggler)."""
+    run holds. `slow_rank`: only that rank's forwards take `delay_s`, and `row_delay_s` a row
+    (a straggler; a slower device is slower per row)."""
     mlp = MLP(dataset.num_features, dataset.num_classes, [hidden], dropout)
     holds = {int(w): n for w, n in (holds or {}).items()}
-    return Slow(mlp, delay_s, holds, hold_max_s, held, slow_rank)
+    return Slow(mlp, delay_s, holds, hold_max_s, held, slow_rank, row_delay_s)

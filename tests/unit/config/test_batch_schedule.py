@@ -156,3 +156,15 @@ def test_a_group_restored_past_a_phases_sample_runs_that_phase(tmp_path):
         assert split.grad_accum_steps == 16 // world
         split, lr = phases.at(TrainState(optimizer_step=1, samples_seen=32))
         assert (split.global_batch_size, lr, phases.phase) == (32, 1e-3, 0)
+
+
+def test_balance_needs_a_strategy_whose_accumulation_may_change():
+    refused = {
+        "batch": {"global_batch_size": 32, "balance": "auto"},
+        "train": {"strategy": "deepspeed"},
+    }
+    with pytest.raises(ConfigError) as error:
+        TrainConfig.from_dict(refused)
+    assert "batch.balance" in str(error.value) and "gradient_accumulation_steps" in str(error.value)
+    for strategy in ("ddp", "fsdp"):
+        TrainConfig.from_dict({**refused, "train": {"strategy": strategy}})
