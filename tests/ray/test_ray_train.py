@@ -165,7 +165,8 @@ def test_whole_stack_steps_equal_full_batch_through_a_batch_schedule_and_balance
     before = [rates[k] for k in range(3, moved_at + 1)]
     after = [rates[k] for k in range(moved_at + 2, 13)]
     assert min(after) > max(before), (before, after)  # rank 1's 32 rows were the step
-    print(f"balanced: shares {moves}; samples/s before {before}, after {after}")
+    every = re.findall(r"shares at step \d+: [\d +]+→ [\d +]+rows", out)
+    print(f"balanced: {every}; samples/s before {before}, after {after}")
 
     table = pq.read_table(cfg.data.source)
     features = np.stack(table["features"].to_numpy(zero_copy_only=False))
