@@ -139,7 +139,8 @@ def test_whole_stack_steps_equal_full_batch_through_a_batch_schedule_and_balance
     source = digits_subset(tmp_path / "d736.parquet", 32 + 11 * 64)
     cfg = config(
         tmp_path,
-        data={"source": source, "shuffle": False},
+        # read through Ray Data's tasks: each move re-plans a rank's stream of row groups
+        data={"source": source, "shuffle": False, "in_process_read_max_mb": 0},
         model={
             "name": "factory",
             "factory": "tests.support.models.slow_model:build",
