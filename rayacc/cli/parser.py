@@ -30,7 +30,11 @@ def build_parser() -> argparse.ArgumentParser:
         TrackingUri,
     )
 
-    parser = argparse.ArgumentParser(prog="rayacc", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="rayacc",
+        description="Train PyTorch models on Ray with data parallelism and gradient "
+        "accumulation: one global batch, the step one process would take on it.",
+    )
     # the installed package's (pyproject.toml's) version
     parser.add_argument("--version", action="version", version=f"rayacc {version('rayacc')}")
     job_file = ExistingFile("the job's YAML file, e.g. jobs/digits.yaml")
@@ -338,7 +342,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shuffle", action="store_true", help="shuffle all rows with Ray Data")
     p.add_argument("--seed", type=Number(int, 0), default=own["seed"], help="the shuffle's seed")
     p.set_defaults(func=cmd_data_prepare)
+    _say_defaults(parser)
     return parser
+
+
+def _say_defaults(parser: argparse.ArgumentParser) -> None:
+    """Every flag that has a default says it in its help, a command added later's too."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                _say_defaults(child)
+            continue
+        shown = action.default not in (None, False, argparse.SUPPRESS)
+        if shown and action.option_strings and "%(default)" not in (action.help or ""):
+            action.help = f"{action.help + ' ' if action.help else ''}(default: %(default)s)"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -62,6 +62,8 @@ VAL_NAMES = {"val/loss": "val_loss", "val/accuracy": "val_acc"}
 """Validation metrics as the console names them (MLflow keeps the `val/…` keys)."""
 
 
+UI_PORT = 5000
+"""The port the printed `mlflow ui` command names, and its link opens."""
 UI_VIEW = "workflowType=machine_learning"
 """The query that opens an MLflow 3 UI page in its model-training view (not the GenAI one)."""
 
@@ -332,9 +334,11 @@ def summary_lines(cfg, result) -> list[str]:
         if uri and uri.startswith(("http://", "https://")):
             lines.append(f"  open the UI: {uri.rstrip('/')}/{page}")
         else:
+            # the port said in the command the link is for (MLflow's default, 5000, is taken
+            # on many machines: change both)
             lines.append(
-                f"  open the UI: mlflow ui --backend-store-uri {uri}, then "
-                f"http://127.0.0.1:5000/{page}"
+                f"  open the UI: mlflow ui --backend-store-uri {uri} --port {UI_PORT}, then "
+                f"http://127.0.0.1:{UI_PORT}/{page}"
             )
     lines.append(f"checkpoint: {result.checkpoint_dir}")
     if result.checkpoint_dir and result.summary.get("token_model"):

@@ -731,3 +731,18 @@ def test_any_typed_value_ends_in_a_user_error_or_a_run(base, changes, until_the_
     argv = ["train", "-c", base, *(f"{path}={_flow(value)}" for path, value in changes)]
     ran = until_the_fit(argv)
     assert ran.code in (2, 98), ran
+
+
+@pytest.mark.parametrize("words", list(commands()))
+def test_every_flag_with_a_default_says_it_in_its_help(words):
+    parser = commands()[words]
+    text = " ".join(parser.format_help().split())
+    for action in parser._actions:
+        if action.option_strings and action.default not in (None, False, argparse.SUPPRESS):
+            shown = " ".join(f"(default: {action.default})".split())
+            assert shown in text, (words, action.option_strings, action.default)
+
+
+def test_the_top_help_opens_with_what_rayacc_is():
+    text = " ".join(build_parser().format_help().split())
+    assert "Train PyTorch models on Ray" in text and "each value with its kind" not in text

@@ -85,7 +85,7 @@ def test_every_command_shown_parses(where, line, tmp_path, monkeypatch):
         ),
         (
             "sqlite:////tmp/m.db",
-            "open the UI: mlflow ui --backend-store-uri sqlite:////tmp/m.db, then "
+            "open the UI: mlflow ui --backend-store-uri sqlite:////tmp/m.db --port 5000, then "
             "http://127.0.0.1:5000/#/experiments/7/runs/abc?workflowType=machine_learning",
         ),
     ],
