@@ -148,15 +148,15 @@ def prepare(cfg: TrainConfig) -> Prepared:
             "write the data with smaller row groups (`rayacc data prepare`), set "
             "data.order=rows, or lower data.val_fraction"
         )
-    split = cfg.batch_split()
-    if order.num_train_rows < split.global_batch_size:
-        # no step would see the declared batch, while MLflow would record it
+    split, at = cfg.batch_split(), "batch.schedule[{}].global_batch_size"
+    base = ("batch.global_batch_size", split.global_batch_size)
+    batches = [(at.format(i), p.global_batch_size) for i, p in enumerate(cfg.batch.schedule)]
+    field, g = max([base, *batches], key=lambda b: b[1])
+    if order.num_train_rows < g:  # no step would see the declared batch, MLflow would record it
         raise DataError(
-            f"batch.global_batch_size={split.global_batch_size} is more than the "
-            f"{order.num_train_rows} training rows of data.source {info.path} (after "
-            f"data.val_fraction={cfg.data.val_fraction}): no step would see that batch. Fix: "
-            f"set batch.global_batch_size to at most {order.num_train_rows} (and "
-            "batch.micro_batch_size to divide it), lower data.val_fraction, or use more data"
+            f"{field}={g} is more than the {order.num_train_rows} training rows of data.source "
+            f"{info.path} (after data.val_fraction={cfg.data.val_fraction}): no step sees it. Fix: "
+            f"set {field} to at most {order.num_train_rows}, lower data.val_fraction, or add data"
         )
     # from here on the run is read from its RunSpec, not from the config
     spec = derive_run(cfg, info, groups, order, split)

@@ -134,6 +134,27 @@ def test_a_global_batch_larger_than_the_training_rows_names_both(
     assert f"{train_rows} training rows" in message and f"at most {train_rows}" in message
 
 
+def test_a_batch_schedules_phase_larger_than_the_training_rows_is_named(tmp_path):
+    from rayacc.driver.prelaunch import prepare
+
+    source = classification(tmp_path / "d.parquet", [[0.0, 1.0]] * 150, [0, 1] * 75)
+    phases = [
+        {"from_samples": 64, "global_batch_size": 128},
+        {"from_samples": 256, "global_batch_size": 256},
+    ]
+    cfg = TrainConfig.from_dict(
+        {
+            "data": {"source": source, "val_fraction": 0.0, "order": "rows"},
+            "batch": {"global_batch_size": 32, "micro_batch_size": 8, "schedule": phases},
+        }
+    )
+    with pytest.raises(DataError) as err:
+        prepare(cfg)
+    assert "batch.schedule[1].global_batch_size=256 is more than the 150 training rows" in str(
+        err.value
+    )
+
+
 @pytest.mark.parametrize(
     ("factory", "kwargs", "says"),
     [
