@@ -84,12 +84,21 @@ def _print_report(console, report) -> None:
 def cmd_report(args: argparse.Namespace) -> int:
 
     from rayacc.driver.places import PlaceError, check_folder, check_tracking_uri
+    from rayacc.redact import redact
     from rayacc.tracking import default_tracking_uri
     from rayacc.tracking.report import build_report, write_report
 
     console = _console()
     uri = args.tracking_uri or default_tracking_uri()
     out = args.out or REPORT_OUT
+    if not args.tracking_uri and (recorded := _recorded_elsewhere(args.target, uri)):
+        # a run of this folder's rayacc_runs tracked in another store (a cluster's): read it
+        # there where it can be read, or name it
+        where = f"the store run {args.target!r} was recorded in (its rayacc_run.json)"
+        if problem := check_tracking_uri(where, recorded, recorded=True):
+            raise PlaceError([f"{problem}; or pass --tracking-uri where it is now"])
+        console.print(f"run {args.target!r} was recorded in {redact(recorded)}: read there")
+        uri = recorded
     problems = [
         check_tracking_uri("--tracking-uri", uri, recorded=True),
         check_folder("--out", out),
@@ -118,3 +127,11 @@ def cmd_report(args: argparse.Namespace) -> int:
         f"wrote {', '.join(str(f) for f in files)} (also artifacts of run {report.parent_run_id})"
     )
     return 0
+
+
+def _recorded_elsewhere(target: str, uri: str) -> str | None:
+    """The store the run `target` of ./rayacc_runs was recorded in, where it is not `uri`."""
+    from rayacc.driver.runs import default_storage, recorded_store
+
+    recorded = recorded_store(default_storage(), target)
+    return recorded if recorded and recorded != uri else None

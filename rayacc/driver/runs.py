@@ -65,6 +65,18 @@ def _run_info(storage: str, name: str) -> dict[str, Any]:
     return info
 
 
+def recorded_store(storage: str, name: str) -> str | None:
+    """The tracking URI run `name` of `storage` was recorded in (its info file's), or None: no
+    such run folder here, or none recorded."""
+    if "/" in name or name in ("", ".", "..") or not storage_exists(storage):
+        return None
+    try:
+        uri = _run_info(storage, name).get("tracking_uri")
+    except DataError:
+        return None
+    return uri if isinstance(uri, str) and uri else None
+
+
 def storage_exists(storage: str) -> bool:
     """Whether the storage path (a folder, or a URI's prefix) exists."""
     root = open_storage(storage)
