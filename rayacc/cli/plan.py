@@ -17,7 +17,12 @@ from rayacc.redact import redact
 def cmd_plan(args: argparse.Namespace) -> int:
     """Prints the resolved batch split and effective LR of a config, without running anything."""
     from rayacc.driver.prelaunch import check
-    from rayacc.run.quantities import elastic_summary, lr_explanation, worker_splits
+    from rayacc.run.quantities import (
+        elastic_summary,
+        lr_explanation,
+        phases_summary,
+        worker_splits,
+    )
 
     cfg = _load(args)
     if cfg.train.tensor_parallel > 1 and args.memory and not args.search:
@@ -42,6 +47,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if cfg.scaling.elastic:
         print(elastic_summary(cfg, worker_splits(cfg)))
     print(lr_explanation(cfg, split))
+    for line in phases_summary(cfg):
+        print(line)
     if args.memory:
         _print_memory(cfg, split)
     return 0

@@ -250,11 +250,12 @@ def _adapters(cfg, prep) -> str:
 def run_header(cfg, prep, data_path: str) -> list[str]:
     """The lines a run starts with: the batch arithmetic, the LR, how it computes, the data and
     the model (`prep`: the driver's Prepared)."""
-    from rayacc.run.quantities import lr_explanation
+    from rayacc.run.quantities import lr_explanation, phases_summary
 
     return [
         prep.split.describe(),
         lr_explanation(cfg, prep.split),
+        *phases_summary(cfg),
         strategy_line(cfg),
         f"data: {data_path} — {prep.layout.describe()}",
         f"model: {cfg.model.name}, {prep.num_parameters:,} parameters{_adapters(cfg, prep)}; "

@@ -31,6 +31,7 @@ __all__ = [
     "lr_explanation",
     "order_kind",
     "phase_sizes",
+    "phases_summary",
     "rank_seed",
     "remaining_epochs",
     "run_effective_lr",
@@ -93,6 +94,21 @@ def batch_phases(cfg: TrainConfig) -> tuple[Phase, ...]:
         lrs = {w: run_effective_lr(at, s) for w, s in splits.items() if isinstance(s, BatchSplit)}
         phases.append(Phase(p.from_samples, splits, lrs))
     return tuple(phases)
+
+
+def phases_summary(cfg: TrainConfig) -> list[str]:
+    """A line for each phase of `batch.schedule`: from which sample, its split at the most
+    workers and its effective LR."""
+    lines = []
+    for p, phase in zip(cfg.batch.schedule, batch_phases(cfg), strict=True):
+        split = phase.splits[cfg.scaling.max_workers]
+        if isinstance(split, BatchSplit):
+            lr = phase.lrs[cfg.scaling.max_workers]
+            lines.append(
+                f"batch schedule: from sample {p.from_samples}, {split.describe()}, effective "
+                f"LR {lr:.6g}"
+            )
+    return lines
 
 
 def elastic_summary(cfg: TrainConfig, splits: dict[int, BatchSplit | BatchSplitError]) -> str:

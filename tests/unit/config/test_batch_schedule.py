@@ -84,6 +84,13 @@ def test_each_phase_has_its_split_and_its_lr_by_the_declared_rule(tmp_path):
     assert spec.schedule_length == (64 + 7 * 64) / 32 + 1
     first = spec.epochs_from(TrainState(), spec.split_at(2), 0)
     assert [e.steps for e in first] == [2]  # up to the window that reaches sample 64
+    # what `rayacc plan` and a run's header say of it
+    from rayacc.run.quantities import phases_summary
+
+    assert phases_summary(cfg) == [
+        "batch schedule: from sample 64, global batch 64 = 22 + 21 + 21 rows over workers 3 "
+        "(micro ≤ 4 × accum 6, the same on every rank), effective LR 0.141421"
+    ]
 
 
 def _walk(length: RunLength, rows: int, phases: list[tuple[int, int]], ranks: int):
