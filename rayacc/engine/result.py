@@ -62,6 +62,9 @@ class StepResult:
     """k: figures in each rank's report (0: none given)."""
     all_gather_calls: int = 0
     """ZeRO-3: parameter all-gathers in the window (its forwards and backwards)."""
+    noise: tuple[float, float] | None = None
+    """The window before's gradient noise: (tr Σ, |G|²) estimated from each rank's gradient
+    as the reduction took it (engine/noise.py); None where not measured."""
     tensor_parallel_calls: GroupCalls | None = None
     """The tensor-parallel group's collectives in the window (None without it)."""
 

@@ -25,6 +25,7 @@ from torch import nn
 
 from rayacc.engine.collectives import all_reduce
 from rayacc.engine.losses import Batch, ItemCounter, LossFn, count_rows, summed
+from rayacc.engine.noise import noise_estimates
 from rayacc.engine.parallel import Strategy, strategy_of
 from rayacc.engine.precision import PRECISIONS, autocast
 from rayacc.engine.result import StepResult
@@ -103,6 +104,12 @@ class AccumulationStep:
         # default hook (count_comm=False) has averaged them already
         sums = self.strategy.setup_reduction(count_comm)
         self._rank_factor = 1.0 if sums else float(self.world_size)
+        # the noise scale's small batches, as the reduction hooks see them (engine/noise.py):
+        # this rank's sums of a window ride in the next window's reduction
+        self._local = self.strategy.local_gradients() if self.world_size > 1 else None
+        self._local_sums: list[float] = [0.0, 0.0, 0.0] if self._local is not None else []
+        self._previous: tuple[float, int] | None = None  # the window before's |g|², items
+        self._unit_items: list[int] | None = None  # loss items per micro-batch, for the noise
         self.oom_retry = oom_retry
         self._agree_forwards = contract.lockstep and self.world_size > 1
         self._count_first = self.scaler is not None or contract.window_rule == "count_first"
@@ -133,24 +140,31 @@ class AccumulationStep:
         micro_batches: Sequence[Batch],
         loss_fn: LossFn,
         count_items: ItemCounter = count_rows,
-        local_items: int | None = None,
+        local_items: int | Sequence[int] | None = None,
         signal: bool = False,
         figures: Sequence[float] = (),
     ) -> StepResult:
-        """`local_items`: this rank's loss items in the window when the caller already knows
-        them (counted on the host before the batches moved to the GPU, where counting would
-        stall the host once per micro-batch); otherwise `count_items` counts them. `signal`:
+        """`local_items`: this rank's loss items in the window (or in each micro-batch) when the
+        caller already knows them (counted on the host before the batches moved to the GPU,
+        where counting would stall the host once per micro-batch); otherwise `count_items`
+        counts them (per micro-batch where the noise scale needs them). `signal`:
         this rank raises a flag every rank sees counted in `StepResult.signals`.
         `figures`: figures of this rank (the same number on every rank) that every rank
         receives in `StepResult.figures_by_rank`; known before the window's last backward, so a
         caller reports its previous window's times."""
         t_start = time.perf_counter()
+        per_batch = list(local_items) if isinstance(local_items, Sequence) else None
         if local_items is None:
-            local_items = sum(count_items(mb) for mb in micro_batches)
+            per_batch = [count_items(mb) for mb in micro_batches]
+        local_items = sum(per_batch) if per_batch is not None else local_items
         while True:
-            given = micro_batches
+            given, per = micro_batches, per_batch
             if self.micro_batch_splits > 1:
                 given = [p for mb in micro_batches for p in _split(mb, self.micro_batch_splits)]
+                per = None
+            if self._local is not None and per is None:
+                per = [count_items(mb) for mb in given]
+            self._unit_items = per
             result = self._window(t_start, given, loss_fn, local_items, signal, figures)
             if result is not None:
                 return result
@@ -186,18 +200,32 @@ class AccumulationStep:
         # back-propagate item-loss sums and divide once the total is known, after backward
         scale = self._scale_before_backward(counts) if self._count_first else None
         self._clear_grads()
+        if self._local is not None:
+            self._local.reset()
+        noise_in = self._local_sums
         stats = self._micro_steps(
-            micro_batches, loss_fn, [*counts, int(signal)], scale, self._slots(figures)
+            micro_batches,
+            loss_fn,
+            [*counts, int(signal)],
+            scale,
+            [*noise_in, *self._slots(figures)],
         )
         if stats is None:
             return None
         k = len(figures)
-        total_loss, items, samples, sum_m, sum_m2, signals, group = self._reduced(stats, k)
+        total_loss, items, samples, sum_m, sum_m2, signals, group = self._reduced(
+            stats, k, len(noise_in)
+        )
+        # (tr Σ, |G|²) of the window before, from its units' sums over every rank
+        sums, group = list(group[: len(noise_in)]), group[len(noise_in) :]
+        noise = noise_estimates(sums, *self._previous) if sums and self._previous else None
         if scale is None:
             self._check_micro_steps(n_micro, sum_m, sum_m2)
         if items == 0 or not math.isfinite(total_loss):
             # every rank sees the same all-reduced sums, so all skip together
             self._clear_grads()
+            if self._local is not None:  # no noise estimate of a window that did not step
+                self._local_sums, self._previous = [0.0, 0.0, 0.0], None
             why = "no loss items" if items == 0 else "non-finite loss"
             return self._result(
                 t_start,
@@ -215,6 +243,10 @@ class AccumulationStep:
         t_optimizer = time.perf_counter()
         grad_norm, skip_reason = self._normalise_clip_step(items, divided=scale is not None)
         self._clear_grads()
+        if self._local is not None:
+            self._local_sums = self._local.take()
+            finite = skip_reason is None and math.isfinite(grad_norm)
+            self._previous = (grad_norm**2, items) if finite else None
         loss = total_loss / items
         return self._result(
             t_start,
@@ -229,6 +261,7 @@ class AccumulationStep:
             group_figures=group,
             rank_width=k,
             optimizer_time_s=time.perf_counter() - t_optimizer,
+            noise=noise,
         )
 
     def _slots(self, figures: Sequence[float]) -> list[float]:
@@ -266,6 +299,7 @@ class AccumulationStep:
         micro_sums: list[torch.Tensor] = []
         stats = None
         out_of_memory = None
+        unit_items = 0  # loss items since the last reduction took a gradient
         for i, mb in enumerate(micro_batches):
             last = i == n_micro - 1
             if (
@@ -296,6 +330,10 @@ class AccumulationStep:
                     if self.scaler is not None:
                         scaled = self.scaler.scale(scaled)
                     self.strategy.backward(scaled)
+                    unit_items += counted + (self._unit_items[i] if self._unit_items else 0)
+                    if self._local is not None and self._local.reduced:
+                        self._local.close_unit(unit_items)
+                        unit_items = 0
             except torch.OutOfMemoryError as exc:
                 # before the last micro-step nothing has synced: the window can be redone
                 if last or not self.oom_retry:
@@ -305,15 +343,15 @@ class AccumulationStep:
         return stats
 
     def _reduced(
-        self, stats: torch.Tensor, k: int
+        self, stats: torch.Tensor, k: int, extra: int = 0
     ) -> tuple[float, int, int, float, float, int, tuple[float, ...]]:
-        """(loss sum, items, samples, Σm, Σm², signals, every rank's `k` figures flat) over
-        all ranks."""
+        """(loss sum, items, samples, Σm, Σm², signals, then the `extra` sums and every
+        rank's `k` figures flat) over all ranks."""
         reduced = self.strategy.reduced_window_stats(stats, group=self.group)
         # a CPU–GPU sync point on GPU: whether to step depends on these
         values = reduced.tolist()
         total_loss, items, samples, sum_m, sum_m2, signals = values[:6]
-        figures = tuple(values[6:]) if k else ()
+        figures = tuple(values[6:]) if k or extra else ()
         return total_loss, int(items), int(samples), sum_m, sum_m2, int(signals), figures
 
     def _engine_step(self, items: int, divided: bool) -> tuple[float, str | None]:
@@ -416,6 +454,7 @@ class AccumulationStep:
         group_figures: tuple[float, ...] = (),
         rank_width: int = 0,
         optimizer_time_s: float = 0.0,
+        noise: tuple[float, float] | None = None,
     ) -> StepResult:
         if self.device.type == "cuda":
             peak_mb = torch.cuda.max_memory_allocated(self.device) / 2**20
@@ -450,6 +489,7 @@ class AccumulationStep:
             optimizer_time_s=optimizer_time_s,
             group_figures=group_figures,
             rank_width=rank_width,
+            noise=noise,
         )
 
 

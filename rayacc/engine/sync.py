@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from rayacc.engine.collectives import all_reduce_async
+from rayacc.engine.noise import LocalGradients
 from rayacc.engine.units import is_ddp
 
 __all__ = [
@@ -46,6 +47,8 @@ class CommCounter:
     _stats_work: dist.Work | None = field(default=None, repr=False)
     _reduced: torch.Tensor | None = field(default=None, repr=False)
     _riding: torch.Tensor | None = field(default=None, repr=False)
+    local: LocalGradients = field(default_factory=LocalGradients, repr=False)
+    """Each bucket's gradient sum before it is reduced (the noise scale's small batches)."""
 
     def begin_window(self) -> None:
         self.launches = 0
@@ -117,6 +120,7 @@ def _counting_allreduce_hook(
     counter, group = state
     counter._on_launch(bucket.index())
     grads = bucket.buffer()
+    counter.local.observe(grads)
     if counter.average and counter.world_size > 1:
         grads.div_(counter.world_size)
     stats, fits = counter._take_stats(grads.dtype) if bucket.index() == 0 else (None, False)

@@ -135,7 +135,7 @@ class BatchPhaseChanged:
     def describe(self) -> str:
         """The line kept in the run's `rayacc.batch_phases` tag."""
         return (
-            f"step {self.step} (sample {self.samples}): global {self.old_global_batch_size}→"
+            f"step {self.step}: from sample {self.samples}, global {self.old_global_batch_size}→"
             f"{self.new_global_batch_size}, accum {self.old_grad_accum_steps}→"
             f"{self.new_grad_accum_steps}, effective LR {self.effective_lr:.6g}"
         )

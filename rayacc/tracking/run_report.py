@@ -27,6 +27,8 @@ EVENT_TAGS = {
     "rayacc.preemptions": "preemption",
     "rayacc.micro_batch_events": "micro-batch",
     "rayacc.stragglers": "straggler",
+    "rayacc.batch_phases": "batch schedule",
+    "rayacc.shares": "shares",
 }
 _STEP = re.compile(r"^step (\d+): (.*)$")
 _RANK_OWN = re.compile(r"^rank_(\d+)/own_s$")
@@ -47,6 +49,8 @@ class RunReport:
     ranks: dict[int, list[tuple[int, float]]] = field(default_factory=dict)
     """Rank → (step, its own time per window over the logging interval that ended there)."""
     files: list[Path] = field(default_factory=list)
+    noise: list[tuple[int, float]] = field(default_factory=list)
+    """(step, `grad/noise_scale`): the gradient noise scale, smoothed, where it was measured."""
 
     @property
     def stragglers(self) -> list[int]:
@@ -74,6 +78,12 @@ class RunReport:
                 f"  ranks: {len(self.ranks)}; own time per window, mean over the run: median "
                 f"{statistics.median(mean.values()) * 1000:.0f} ms, slowest rank {slowest} "
                 f"{mean[slowest] * 1000:.0f} ms"
+            )
+        if self.noise:
+            (first, a), (last, b) = self.noise[0], self.noise[-1]
+            out.append(
+                f"  gradient noise scale (B_simple, smoothed): {a:.4g} at step {first}, {b:.4g} "
+                f"at step {last} (a global batch well above it gains little per sample)"
             )
         if self.goodput:
             out.append(f"  {describe(self.goodput)}")
@@ -115,6 +125,8 @@ def build_run_report(client, run) -> RunReport:
             report.goodput[key] = max(history, key=lambda m: (m.step, m.timestamp)).value
     if "fraction" not in report.goodput:
         report.goodput = {}
+    noise = sorted(client.get_metric_history(rid, "grad/noise_scale"), key=lambda m: m.step)
+    report.noise = [(m.step, m.value) for m in noise]
     for key in run.data.metrics:
         m = _RANK_OWN.match(key)
         if m:

@@ -180,7 +180,7 @@ class WorkerRun:
         sizes = [len(part) for part in layout.rank_window(s, self.data_rank).micro_batches]
         rows = self.reader.window(epoch, s)
         host = rows.take_split(np.arange(len(rows)), sizes)
-        local_items = sum(self.count(mb) for mb in host)  # on the host: no GPU sync
+        local_items = [self.count(mb) for mb in host]  # on the host: no GPU sync
         micro_batches = [to_device(mb, self.device, non_blocking=True) for mb in host]
         data_s = time.perf_counter() - t_data
         self.telemetry.count_flops(self.strategy, micro_batches)

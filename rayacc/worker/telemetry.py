@@ -17,7 +17,11 @@ from rayacc.observe.ranks import FIGURES_KEY, TIME_KEY, rank_figures
 from rayacc.worker.metrics import step_record
 from rayacc.worker.system import NodeSampler, ResidentMemory
 
-__all__ = ["Telemetry"]
+__all__ = ["NOISE_SMOOTHING", "Telemetry"]
+
+NOISE_SMOOTHING = 0.9
+"""The weight of the past in `grad/noise_scale`'s moving averages of tr Σ and |G|² (one
+window's estimate is noisy: a single rank's gradient is a small sample)."""
 
 
 class Telemetry:
@@ -40,6 +44,8 @@ class Telemetry:
         self.node_ids: tuple[str, ...] = ()
         """Every rank's Ray node id, in rank order (the run's `rayacc.worker_nodes`)."""
         self.node_sampler: NodeSampler | None = None
+        self.noise: tuple[float, float] | None = None
+        """tr Σ and |G|², each smoothed over the windows (`NOISE_SMOOTHING`)."""
 
     def gather_nodes(self, system_metrics: bool) -> None:
         """Every rank's node, once per group (a straggler is named with its node); with
@@ -76,6 +82,13 @@ class Telemetry:
             **window,
         )
         record[TIME_KEY] = time.time()
+        if result.noise is not None:
+            # the paper's smoothing: each estimate averaged on its own, then their ratio
+            a, old = NOISE_SMOOTHING, self.noise or result.noise
+            trace, square = (a * o + (1 - a) * n for o, n in zip(old, result.noise, strict=True))
+            self.noise = (trace, square)
+            if square > 0:
+                record["grad/noise_scale"] = trace / square
         self.figures = rank_figures(
             step_s=result.step_time_s,
             sync_s=result.sync_time_s,

@@ -260,6 +260,11 @@ class Strategy(ABC):
         of any rank; a rank with fewer pads them)."""
         return n
 
+    def local_gradients(self):
+        """The probe its reduction hooks feed each rank's gradient sum into
+        (`engine/noise.LocalGradients`), or None: it measures none."""
+        return None
+
     def attach_window_stats(  # noqa: B027 (default: the stats are all-reduced on their own)
         self, stats: torch.Tensor, exact_in_fp32: bool
     ) -> None:

@@ -69,6 +69,9 @@ class DDP(Strategy):
             return contextlib.nullcontext()
         return self.model.no_sync()
 
+    def local_gradients(self):
+        return self.comm.local if self.comm is not None else None
+
     def attach_window_stats(self, stats: torch.Tensor, exact_in_fp32: bool) -> None:
         if self.comm is not None:
             self.comm.attach_window_stats(stats, exact_in_fp32=exact_in_fp32)

@@ -282,7 +282,7 @@ class FSDP(Strategy):
             unit.set_force_sum_reduction_for_comms(True)
         self.counted = count_comm
         if count_comm:
-            reduce_scatter = CountingReduceScatter(self._timeline)
+            reduce_scatter = self._reduce_scatter = CountingReduceScatter(self._timeline)
             for unit in self._units():
                 unit.set_custom_reduce_scatter(reduce_scatter)
                 if self.hsdp:
@@ -290,6 +290,11 @@ class FSDP(Strategy):
                     # (a reduce-scatter that did not all-reduce returns before it)
                     unit.set_all_reduce_hook(self._all_reduced)
         return True
+
+    def local_gradients(self):
+        # under tensor parallelism a rank holds a shard of each layer's gradient: not measured
+        counting = getattr(self, "_reduce_scatter", None)
+        return counting.local if counting is not None and self.tensor_parallel == 1 else None
 
     def _all_reduced(self, _: torch.Tensor) -> None:
         self._all_reduces += 1

@@ -225,12 +225,17 @@ class CountingReduceScatter(ReduceScatter):
     `timeline` (launched / done, see engine/parallel/). Installed on every FSDP unit."""
 
     def __init__(self, timeline) -> None:
+        from rayacc.engine.noise import LocalGradients
+
         self.timeline = timeline
+        self.local = LocalGradients()
+        """Each unit's gradient sum before it is reduced (the noise scale's small batches)."""
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
+        self.local.observe(input_tensor)
         self.timeline.launched()
         work = dist.reduce_scatter_single(
             output=output_tensor, input=input_tensor, op=op, group=group, async_op=async_op

@@ -122,3 +122,28 @@ def test_a_sweep_is_found_by_its_name_and_an_unknown_name_lists_what_exists(tmp_
         build_report(uri, "acum-sweep")
     message = str(info.value)
     assert "sweeps: accum-sweep" in message and "sweeps-here" in message and "Fix:" in message
+
+
+def test_the_batch_schedule_the_shares_and_the_noise_scale_read_back(tmp_path):
+    # as the driver writes them: the events' tags (their own describe()) and the smoothed
+    # noise scale per step
+    from rayacc.observe.events import BatchPhaseChanged, SharesChanged
+    from rayacc.tracking.run_report import build_run_report
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    rid = record_run(uri)
+    client = MlflowClient(uri)
+    phase = BatchPhaseChanged(3, 96, 32, 64, 4, 8, 0.2)
+    moved = SharesChanged(8, (32, 32), (40, 24), "rank 1: 2.00× the fastest rank's time per row")
+    client.set_tag(rid, "rayacc.batch_phases", phase.describe())
+    client.set_tag(rid, "rayacc.shares", moved.describe())
+    noise = [Metric("grad/noise_scale", v, 1_800_000_000_000, s) for s, v in ((3, 40.0), (9, 55.5))]
+    client.log_batch(rid, metrics=noise)
+    report = build_run_report(client, client.get_run(rid))
+    assert (3, "batch schedule", "from sample 96, global 32→64, accum 4→8, effective LR 0.2") in (
+        report.events
+    )
+    assert (8, "shares", "32+32→40+24") in report.events
+    assert report.noise == [(3, 40.0), (9, 55.5)]
+    said = "\n".join(report.lines())
+    assert "gradient noise scale (B_simple, smoothed): 40 at step 3, 55.5 at step 9" in said

@@ -21,3 +21,29 @@ def test_the_lr_is_recorded_without_the_schedules_float_noise():
         flops_per_item=None, peak_tflops=None, token_items=False,
     )  # fmt: skip
     assert record["train/lr"] == 0.0006 and record["train/loss"] == 1.0
+
+
+def test_the_noise_scale_is_the_ratio_of_the_smoothed_estimates():
+    """tr Σ and |G|² each averaged on its own (the paper's smoothing), then their ratio; a
+    window without an estimate logs none."""
+    from dataclasses import replace
+
+    from rayacc.worker.telemetry import NOISE_SMOOTHING as A
+    from rayacc.worker.telemetry import Telemetry
+
+    base = StepResult(
+        loss=1.0, items=8, samples=8, micro_steps=2, grad_norm=0.5, lr=0.1,
+        skipped=False, skip_reason=None, allreduce_calls=1, reduce_scatter_calls=0,
+        sync_passes=1, step_time_s=0.1, sync_time_s=0.01, peak_memory_mb=1.0,
+    )  # fmt: skip
+    window = dict(
+        step=1, epoch=0, wall_s=0.1, split=BatchSplit(8, 4, 2, 1), micro_now=4, accum_now=2,
+        skipped_steps=0, rows_read=8,
+    )  # fmt: skip
+    telemetry = Telemetry(0, peak_tflops=None, token_items=False)
+    assert "grad/noise_scale" not in telemetry.record(base, data_s=0.0, **window)
+    first = telemetry.record(replace(base, noise=(4.0, 0.5)), data_s=0.0, **window)
+    assert first["grad/noise_scale"] == 8.0
+    second = telemetry.record(replace(base, noise=(10.0, 0.1)), data_s=0.0, **window)
+    trace, square = A * 4.0 + (1 - A) * 10.0, A * 0.5 + (1 - A) * 0.1
+    assert second["grad/noise_scale"] == trace / square

@@ -1,0 +1,32 @@
+"""`grad/noise_scale` (McCandlish's B_simple): the step's estimate of tr Σ and |G|² from each
+rank's gradient as the reduction takes it agrees with the same estimate computed directly in
+one process, under DDP and FSDP2 in both sync modes (2 gloo ranks)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.support.ranks import noise as N
+from tests.support.ranks.engine_helpers import spawn_ranks
+
+pytestmark = pytest.mark.distributed
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    out = spawn_ranks(N.run_rank, 2, tmp_path_factory.mktemp("noise"), "noise scale")
+    for r in out:
+        assert "error" not in r, r.get("error")
+    return out
+
+
+@pytest.mark.parametrize("strategy", N.STRATEGIES)
+def test_the_noise_scale_is_the_direct_computations(ranks, strategy):
+    first, second = ranks[0][strategy]
+    assert first is None  # a window's estimate arrives with the next window's reduction
+    assert ranks[1][strategy][1] == second  # every rank holds the same
+    trace, square = second
+    want_trace, want_square = N.direct(strategy)
+    assert trace == pytest.approx(want_trace, rel=1e-6)
+    assert square == pytest.approx(want_square, rel=1e-6)
+    assert trace / square == pytest.approx(want_trace / want_square, rel=1e-6)
