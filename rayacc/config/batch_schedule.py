@@ -1,12 +1,12 @@
 """What changes a window's rows as the run goes. `batch.schedule`: the global batch as a
 function of the samples trained (a batch-size warmup, Megatron's step schedule): from
-`from_samples` on, a phase's global batch; accumulation is re-derived and the LR follows
-`optim.lr_scaling` at each phase. `batch.balance: auto`: the ranks' shares of a window follow
-their measured time per row (worker/balance.py)."""
+`from_samples` (a token job: `from_tokens`) on, a phase's global batch; accumulation is
+re-derived and the LR follows `optim.lr_scaling` at each phase. `batch.balance: auto`: the
+ranks' shares of a window follow their measured time per row (worker/balance.py)."""
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 __all__ = ["EXCLUDES", "BatchPhase", "balance_rules", "schedule_rules"]
 
@@ -32,11 +32,32 @@ class BatchPhase(BaseModel):
         extra="forbid", use_attribute_docstrings=True, validate_assignment=True
     )
 
-    from_samples: int = Field(ge=1)
+    from_samples: int | None = Field(None, ge=1)
     """The samples trained (over all workers) from which this phase's global batch applies:
     the first window that starts at or past it runs at it."""
+    from_tokens: int | None = Field(None, ge=1)
+    """Instead of `from_samples`, for a token job: the tokens trained, a sample counting the
+    input tokens of the data's longest row (its padded length); the phase starts at the
+    first sample at or past it."""
     global_batch_size: int = Field(ge=1)
     """The global batch of this phase (`batch.global_batch_size` holds before the first)."""
+
+    @model_validator(mode="after")
+    def _one_start(self) -> BatchPhase:
+        if (self.from_samples is None) == (self.from_tokens is None):
+            raise ValueError("give one of from_samples and from_tokens")
+        return self
+
+    @property
+    def unit(self) -> str:
+        """The field it starts by: `from_samples` or `from_tokens`."""
+        return "from_samples" if self.from_samples is not None else "from_tokens"
+
+    def start(self, tokens_per_sample: int | None) -> int | None:
+        """The sample it starts from (None: counted in tokens, and the data not known)."""
+        if self.from_samples is not None:
+            return self.from_samples
+        return -(-self.from_tokens // tokens_per_sample) if tokens_per_sample else None
 
 
 def schedule_rules(sections: dict) -> list:
@@ -54,9 +75,12 @@ def schedule_rules(sections: dict) -> list:
     def refuse(path: str, problem: str, fix: str) -> None:
         issues.append(ConfigIssue(path, problem, MISSING, fix))
 
-    starts = [p.from_samples for p in phases]
-    if starts != sorted(set(starts)):
-        refuse("batch.schedule", "its phases' from_samples do not increase", "order them")
+    units = {p.unit for p in phases}
+    if len(units) > 1:
+        refuse("batch.schedule", "its phases mix from_samples and from_tokens", "count in one")
+    starts = [p.from_samples or p.from_tokens for p in phases]
+    if len(units) == 1 and starts != sorted(set(starts)):
+        refuse("batch.schedule", f"its phases' {units.pop()} do not increase", "order them")
     if batch.global_batch_size is None:
         refuse(
             "batch.global_batch_size",

@@ -32,7 +32,7 @@ from rayacc.models import ModelError, build_on_meta
 from rayacc.models.lora import trainable_count
 from rayacc.models.registry import check_tensor_plan
 from rayacc.redact.origins import register_run
-from rayacc.run.quantities import data_order, elastic_summary
+from rayacc.run.quantities import check_batches, data_order, elastic_summary
 from rayacc.run.spec import ResumeTerms, RunSpec, derive_run
 from rayacc.run.tags import finetune_tags
 
@@ -148,16 +148,8 @@ def prepare(cfg: TrainConfig) -> Prepared:
             "write the data with smaller row groups (`rayacc data prepare`), set "
             "data.order=rows, or lower data.val_fraction"
         )
-    split, at = cfg.batch_split(), "batch.schedule[{}].global_batch_size"
-    base = ("batch.global_batch_size", split.global_batch_size)
-    batches = [(at.format(i), p.global_batch_size) for i, p in enumerate(cfg.batch.schedule)]
-    field, g = max([base, *batches], key=lambda b: b[1])
-    if order.num_train_rows < g:  # no step would see the declared batch, MLflow would record it
-        raise DataError(
-            f"{field}={g} is more than the {order.num_train_rows} training rows of data.source "
-            f"{info.path} (after data.val_fraction={cfg.data.val_fraction}): no step sees it. Fix: "
-            f"set {field} to at most {order.num_train_rows}, lower data.val_fraction, or add data"
-        )
+    split = cfg.batch_split()
+    check_batches(cfg, info, order.num_train_rows)
     # from here on the run is read from its RunSpec, not from the config
     spec = derive_run(cfg, info, groups, order, split)
     reads = read_factor(order, spec.layout) if order.chunked else None

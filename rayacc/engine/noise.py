@@ -4,13 +4,18 @@ the reduce-scatter (FSDP2) as the sum over its items since the last reduction �
 the window, or one micro-batch where every micro-step syncs — and E|g_u|² = |G|² + tr Σ / B_u
 for such a unit's mean g_u over B_u items, as for the window's mean over N: two batch sizes,
 whence the unbiased estimates of tr Σ and |G|² (the paper's appendix A), the units' sums riding
-in the next window's reduction."""
+in the next window's reduction — or reduced on their own where no next window of the group is
+sure to come (before a checkpoint) or nothing is known yet (a run's first window)."""
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["LocalGradients", "noise_estimates"]
+__all__ = ["NOISE_SMOOTHING", "LocalGradients", "NoiseProbe", "NoiseScale", "noise_estimates"]
+
+NOISE_SMOOTHING = 0.9
+"""The weight of the past in the moving averages of tr Σ and |G|² (one window's estimate is
+noisy: a single rank's gradient is a small sample)."""
 
 
 class LocalGradients:
@@ -67,3 +72,85 @@ def noise_estimates(sums: list[float], big_square: float, items: int) -> tuple[f
         return None
     trace = (small - big_square) / span
     return trace, big_square - trace / items
+
+
+class NoiseProbe:
+    """An accumulation step's side of the estimate: this rank's units of a window as the
+    reduction takes them, their sums handed to the next window's reduction (`riding`), and
+    what the window itself measured (|g|², items) for when they arrive."""
+
+    def __init__(self, local: LocalGradients):
+        self.local = local
+        self.sums = [0.0, 0.0, 0.0]
+        """This rank's [Σ|g_u|², Σ 1/B_u, units] of the last window, not yet reduced."""
+        self.previous: tuple[float, int] | None = None
+        """The last window's |g|² and loss items, while its sums are not yet reduced."""
+        self.unit_items: list[int] | None = None
+        """Loss items per micro-batch of the window running (None: counted as it goes)."""
+        self._open = 0  # loss items since the reduction last took a gradient
+
+    def riding(self) -> list[float]:
+        """The sums that ride in this window's reduction; the window's own units start."""
+        self.local.reset()
+        self._open = 0
+        return self.sums
+
+    def arrived(self, sums: list[float]) -> tuple[float, float] | None:
+        """The last window's (tr Σ, |G|²) from its sums over every rank, or None."""
+        return noise_estimates(sums, *self.previous) if self.previous is not None else None
+
+    def after_backward(self, i: int, counted: int) -> None:
+        """Micro-step `i` went back (`counted`: its items where counted on the way); a unit
+        closes where the reduction took its gradient."""
+        self._open += counted + (self.unit_items[i] if self.unit_items else 0)
+        if self.local.reduced:
+            self.local.close_unit(self._open)
+            self._open = 0
+
+    def stepped(self, big_square: float | None, items: int) -> None:
+        """The window ended: its units' sums and, where it stepped (`big_square` = |g|² of its
+        mean gradient), what pairs with them; a window that did not step measures nothing."""
+        self.sums = self.local.take() if big_square is not None else [0.0, 0.0, 0.0]
+        self.previous = (big_square, items) if big_square is not None else None
+
+    @property
+    def pending(self) -> bool:
+        """Whether the last window's sums wait for a reduction (the same on every rank)."""
+        return self.previous is not None
+
+    def settled(self, reduced: list[float]) -> tuple[float, float] | None:
+        """The last window's estimate from its sums reduced on their own; none rides on."""
+        estimate = self.arrived(reduced)
+        self.sums, self.previous = [0.0, 0.0, 0.0], None
+        return estimate
+
+
+class NoiseScale:
+    """B_simple as logged: tr Σ and |G|² each smoothed over the windows (`NOISE_SMOOTHING`, the
+    paper's way), their ratio. Kept by a checkpoint, so a resumed run logs what the
+    uninterrupted one does."""
+
+    def __init__(self) -> None:
+        self.smoothed: tuple[float, float] | None = None
+
+    def absorb(self, estimate: tuple[float, float] | None) -> None:
+        if estimate is None:
+            return
+        a, old = NOISE_SMOOTHING, self.smoothed or estimate
+        trace, square = (a * o + (1 - a) * n for o, n in zip(old, estimate, strict=True))
+        self.smoothed = (trace, square)
+
+    @property
+    def value(self) -> float | None:
+        """tr Σ / |G|² smoothed; None before any estimate. Negative while the unbiased |G|²
+        is (early on, the gradient buried in its noise: the batch is far below the scale)."""
+        if self.smoothed is None or self.smoothed[1] == 0:
+            return None
+        return self.smoothed[0] / self.smoothed[1]
+
+    def state_dict(self) -> dict[str, list[float]]:
+        return {"smoothed": list(self.smoothed)} if self.smoothed is not None else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pair = state.get("smoothed")
+        self.smoothed = (float(pair[0]), float(pair[1])) if pair else None

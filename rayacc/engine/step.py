@@ -25,7 +25,7 @@ from torch import nn
 
 from rayacc.engine.collectives import all_reduce
 from rayacc.engine.losses import Batch, ItemCounter, LossFn, count_rows, summed
-from rayacc.engine.noise import noise_estimates
+from rayacc.engine.noise import NoiseProbe
 from rayacc.engine.parallel import Strategy, strategy_of
 from rayacc.engine.precision import PRECISIONS, autocast
 from rayacc.engine.result import StepResult
@@ -106,10 +106,8 @@ class AccumulationStep:
         self._rank_factor = 1.0 if sums else float(self.world_size)
         # the noise scale's small batches, as the reduction hooks see them (engine/noise.py):
         # this rank's sums of a window ride in the next window's reduction
-        self._local = self.strategy.local_gradients() if self.world_size > 1 else None
-        self._local_sums: list[float] = [0.0, 0.0, 0.0] if self._local is not None else []
-        self._previous: tuple[float, int] | None = None  # the window before's |g|², items
-        self._unit_items: list[int] | None = None  # loss items per micro-batch, for the noise
+        local = self.strategy.local_gradients() if self.world_size > 1 else None
+        self._noise = NoiseProbe(local) if local is not None else None
         self.oom_retry = oom_retry
         self._agree_forwards = contract.lockstep and self.world_size > 1
         self._count_first = self.scaler is not None or contract.window_rule == "count_first"
@@ -134,6 +132,14 @@ class AccumulationStep:
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
         # a CPU–GPU sync point on GPU: the counts decide the scale of every backward
         return all_reduce(t, group=self.group).tolist()
+
+    def settle_noise(self) -> tuple[float, float] | None:
+        """The last window's (tr Σ, |G|²) now, its sums reduced on their own (one small
+        all-reduce; every rank calls it alike) — where no next window is sure to bring them;
+        None where nothing is measured or waits."""
+        if self._noise is None or not self._noise.pending:
+            return None
+        return self._noise.settled(self._all_reduce_sum(self._noise.sums))
 
     def __call__(
         self,
@@ -162,9 +168,8 @@ class AccumulationStep:
             if self.micro_batch_splits > 1:
                 given = [p for mb in micro_batches for p in _split(mb, self.micro_batch_splits)]
                 per = None
-            if self._local is not None and per is None:
-                per = [count_items(mb) for mb in given]
-            self._unit_items = per
+            if self._noise is not None:
+                self._noise.unit_items = per or [count_items(mb) for mb in given]
             result = self._window(t_start, given, loss_fn, local_items, signal, figures)
             if result is not None:
                 return result
@@ -200,9 +205,7 @@ class AccumulationStep:
         # back-propagate item-loss sums and divide once the total is known, after backward
         scale = self._scale_before_backward(counts) if self._count_first else None
         self._clear_grads()
-        if self._local is not None:
-            self._local.reset()
-        noise_in = self._local_sums
+        noise_in = self._noise.riding() if self._noise is not None else []
         stats = self._micro_steps(
             micro_batches,
             loss_fn,
@@ -218,14 +221,14 @@ class AccumulationStep:
         )
         # (tr Σ, |G|²) of the window before, from its units' sums over every rank
         sums, group = list(group[: len(noise_in)]), group[len(noise_in) :]
-        noise = noise_estimates(sums, *self._previous) if sums and self._previous else None
+        noise = self._noise.arrived(sums) if self._noise is not None else None
         if scale is None:
             self._check_micro_steps(n_micro, sum_m, sum_m2)
         if items == 0 or not math.isfinite(total_loss):
             # every rank sees the same all-reduced sums, so all skip together
             self._clear_grads()
-            if self._local is not None:  # no noise estimate of a window that did not step
-                self._local_sums, self._previous = [0.0, 0.0, 0.0], None
+            if self._noise is not None:  # no noise estimate of a window that did not step
+                self._noise.stepped(None, items)
             why = "no loss items" if items == 0 else "non-finite loss"
             return self._result(
                 t_start,
@@ -243,10 +246,9 @@ class AccumulationStep:
         t_optimizer = time.perf_counter()
         grad_norm, skip_reason = self._normalise_clip_step(items, divided=scale is not None)
         self._clear_grads()
-        if self._local is not None:
-            self._local_sums = self._local.take()
+        if self._noise is not None:
             finite = skip_reason is None and math.isfinite(grad_norm)
-            self._previous = (grad_norm**2, items) if finite else None
+            self._noise.stepped(grad_norm**2 if finite else None, items)
         loss = total_loss / items
         return self._result(
             t_start,
@@ -299,7 +301,6 @@ class AccumulationStep:
         micro_sums: list[torch.Tensor] = []
         stats = None
         out_of_memory = None
-        unit_items = 0  # loss items since the last reduction took a gradient
         for i, mb in enumerate(micro_batches):
             last = i == n_micro - 1
             if (
@@ -330,10 +331,8 @@ class AccumulationStep:
                     if self.scaler is not None:
                         scaled = self.scaler.scale(scaled)
                     self.strategy.backward(scaled)
-                    unit_items += counted + (self._unit_items[i] if self._unit_items else 0)
-                    if self._local is not None and self._local.reduced:
-                        self._local.close_unit(unit_items)
-                        unit_items = 0
+                    if self._noise is not None:
+                        self._noise.after_backward(i, counted)
             except torch.OutOfMemoryError as exc:
                 # before the last micro-step nothing has synced: the window can be redone
                 if last or not self.oom_retry:

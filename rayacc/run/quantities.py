@@ -78,9 +78,45 @@ class Phase:
     lrs: dict[int, float]
 
 
-def batch_phases(cfg: TrainConfig) -> tuple[Phase, ...]:
+def tokens_per_sample(info: DatasetInfo) -> int | None:
+    """The tokens a sample counts for `batch.schedule`'s `from_tokens`: the input tokens of
+    the data's longest row (its padded length); None for rows that are not tokens."""
+    return info.max_tokens - 1 if info.format == "tokens" and info.max_tokens > 1 else None
+
+
+def check_batches(cfg: TrainConfig, info: DatasetInfo, rows: int) -> None:
+    """Raises DataError where the data cannot run the declared batches: one larger than the
+    `rows` of training data (no step would see it, MLflow would record it), a schedule's
+    `from_tokens` on rows that are not tokens or two of them in the same sample."""
+    from rayacc.data.common import DataError
+
+    at, where = "batch.schedule[{}].global_batch_size", f"data.source {info.path}"
+    batches = [(at.format(i), p.global_batch_size) for i, p in enumerate(cfg.batch.schedule)]
+    base = ("batch.global_batch_size", cfg.batch_split().global_batch_size)
+    field, g = max([base, *batches], key=lambda b: b[1])
+    if rows < g:
+        raise DataError(
+            f"{field}={g} is more than the {rows} training rows of {where} (after "
+            f"data.val_fraction={cfg.data.val_fraction}): no step sees it. Fix: set {field} to "
+            f"at most {rows}, lower data.val_fraction, or add data"
+        )
+    per_sample = tokens_per_sample(info)
+    starts = [p.start(per_sample) for p in cfg.batch.schedule if p.from_tokens is not None]
+    if starts and per_sample is None:
+        raise DataError(
+            f"batch.schedule[0].from_tokens counts tokens, and {where} holds {info.format} "
+            "rows. Fix: count the phases in from_samples"
+        )
+    if len(set(starts)) < len(starts):
+        raise DataError(
+            f"batch.schedule: two phases' from_tokens fall in one sample of {per_sample} "
+            f"tokens ({where}). Fix: set them at least {per_sample} tokens apart"
+        )
+
+
+def batch_phases(cfg: TrainConfig, per_sample: int | None) -> tuple[Phase, ...]:
     """The phases of `batch.schedule` (the configured global batch holds before the first),
-    each derived as a job of its global batch would be."""
+    each derived as a job of its global batch would be; `per_sample`: `tokens_per_sample`."""
     phases = []
     # the LR's base stays the configured batch where `optim.base_batch_size` is omitted
     base = cfg.optim.base_batch_size or cfg.batch.global_batch_size
@@ -92,22 +128,24 @@ def batch_phases(cfg: TrainConfig) -> tuple[Phase, ...]:
         at = cfg.model_copy(update={"batch": batch, "optim": optim})
         splits = worker_splits(at)
         lrs = {w: run_effective_lr(at, s) for w, s in splits.items() if isinstance(s, BatchSplit)}
-        phases.append(Phase(p.from_samples, splits, lrs))
+        phases.append(Phase(p.start(per_sample), splits, lrs))
     return tuple(phases)
 
 
-def phases_summary(cfg: TrainConfig) -> list[str]:
-    """A line for each phase of `batch.schedule`: from which sample, its split at the most
-    workers and its effective LR."""
+def phases_summary(cfg: TrainConfig, per_sample: int | None = None) -> list[str]:
+    """A line for each phase of `batch.schedule`: from which sample (or token, and the sample
+    where `per_sample` is known), its split at the most workers and its effective LR."""
     lines = []
-    for p, phase in zip(cfg.batch.schedule, batch_phases(cfg), strict=True):
+    for p, phase in zip(cfg.batch.schedule, batch_phases(cfg, per_sample), strict=True):
         split = phase.splits[cfg.scaling.max_workers]
         if isinstance(split, BatchSplit):
             lr = phase.lrs[cfg.scaling.max_workers]
-            lines.append(
-                f"batch schedule: from sample {p.from_samples}, {split.describe()}, effective "
-                f"LR {lr:.6g}"
-            )
+            at = f"sample {p.from_samples}"
+            if p.from_tokens is not None:
+                at = f"token {p.from_tokens}" + (
+                    f" (sample {phase.from_samples})" if per_sample else ""
+                )
+            lines.append(f"batch schedule: from {at}, {split.describe()}, effective LR {lr:.6g}")
     return lines
 
 
@@ -251,10 +289,12 @@ def remaining_epochs(
     return out
 
 
-def phase_sizes(cfg: TrainConfig, reference: BatchSplit) -> list[tuple[int, int]]:
+def phase_sizes(
+    cfg: TrainConfig, reference: BatchSplit, per_sample: int | None
+) -> list[tuple[int, int]]:
     """(from sample, global batch) of each phase of the run, the configured one from 0."""
     sizes = [(0, reference.global_batch_size)]
-    return sizes + [(p.from_samples, p.global_batch_size) for p in cfg.batch.schedule]
+    return sizes + [(p.start(per_sample), p.global_batch_size) for p in cfg.batch.schedule]
 
 
 def windows_left(

@@ -26,6 +26,7 @@ from rayacc.run.quantities import (
     run_effective_lr,
     run_identity,
     schedule_length,
+    tokens_per_sample,
     total_optimizer_steps,
     windows_left,
     worker_splits,
@@ -189,7 +190,7 @@ class RunSpec:
         say)."""
         if not self.phases:
             return None
-        sizes = phase_sizes(self.cfg, self.reference)
+        sizes = phase_sizes(self.cfg, self.reference, tokens_per_sample(self.info))
         return windows_left(self.length, self.order.num_train_rows, state, sizes, ranks)[0]
 
 
@@ -260,7 +261,8 @@ def derive_run(
         # the steps and the LR schedule's length as the phases make them
         from rayacc.engine.train_state import TrainState
 
-        sizes, ranks = phase_sizes(cfg, reference), reference.data_parallel
+        sizes = phase_sizes(cfg, reference, tokens_per_sample(info))
+        ranks = reference.data_parallel
         total, last = windows_left(length, order.num_train_rows, TrainState(), sizes, ranks)
         schedule = (last or 0) / reference.global_batch_size + 1
     return RunSpec(
@@ -279,5 +281,5 @@ def derive_run(
         worker=worker,
         description={"config": cfg.model_dump(mode="json"), "dataset": info.to_dict()},
         record_files=strategy.record_files(),
-        phases=batch_phases(cfg),
+        phases=batch_phases(cfg, tokens_per_sample(info)),
     )

@@ -81,9 +81,7 @@ class WorkerRun:
         self.state, self.schedule = self.setup.state, self.setup.schedule
         self.checkpoints = self.setup.checkpoints
         self.telemetry = Telemetry(
-            self.rank,
-            peak_tflops=self.setup.peak_tflops,
-            token_items=self.spec.info.format == "tokens",
+            self.rank, self.setup, token_items=self.spec.info.format == "tokens"
         )
         self.clock = StepClock()
         self.last: dict[str, Any] = {}
@@ -257,6 +255,7 @@ class WorkerRun:
         t = time.perf_counter()
         # records up to a checkpoint are never replayed after a restart: hand them over
         self.outbox.flush()
+        self.telemetry.settle_noise()  # the smoothing the checkpoint keeps has this window's
         step = self.state.optimizer_step
         waited = self.checkpoints.save(
             dict(self.last),

@@ -21,6 +21,7 @@ from rayacc.data.rows import LocalRows
 from rayacc.data.sources import RowGroups
 from rayacc.data.vocab import VOCAB_FILE
 from rayacc.engine import SampleSchedule, TrainState, device_peak_tflops
+from rayacc.engine.noise import NoiseScale
 from rayacc.engine.parallel import strategy_class
 from rayacc.engine.random_state import RandomStreams
 from rayacc.observe.events import (
@@ -100,6 +101,8 @@ class RankSetup:
     """The run's lineage of step records: rank 0's, carried by every checkpoint."""
     checkpoints: Checkpointer
     peak_tflops: float | None
+    noise: NoiseScale
+    """The gradient noise scale as logged (`grad/noise_scale`), kept by the checkpoints."""
     data_rank: int
     """The share of the data this rank reads: its data-parallel rank (a tensor-parallel group
     reads one share)."""
@@ -130,6 +133,7 @@ def set_up(
         total_steps=spec.schedule_length,
     )
     state = TrainState()
+    noise = NoiseScale()
     history = StepLog() if rank == 0 else None
     group = parts.strategy.process_group
     data_rank = dist.get_rank(group) if group is not None else rank
@@ -142,7 +146,12 @@ def set_up(
     kept = WorkerParts(
         parts.strategy,
         parts.optimizer,
-        {"schedule": schedule, "scaler": parts.accumulate.scaler, "train_state": state},
+        {
+            "schedule": schedule,
+            "scaler": parts.accumulate.scaler,
+            "train_state": state,
+            "noise_scale": noise,
+        },
         rank=rank,
         world=world,
         device=device,
@@ -162,6 +171,7 @@ def set_up(
             keep=spec.cfg.run.keep_checkpoints,
         ),
         peak_tflops=device_peak_tflops(device, w.peak_tflops, w.precision, w.allow_tf32),
+        noise=noise,
         data_rank=data_rank,
     )
 

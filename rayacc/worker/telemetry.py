@@ -12,24 +12,24 @@ import ray
 import torch
 
 from rayacc.engine import StepResult, all_gather_objects, flops_per_item, recompute_flops_per_item
+from rayacc.engine.noise import NoiseScale
 from rayacc.engine.parallel import Strategy
 from rayacc.observe.ranks import FIGURES_KEY, TIME_KEY, rank_figures
 from rayacc.worker.metrics import step_record
 from rayacc.worker.system import NodeSampler, ResidentMemory
 
-__all__ = ["NOISE_SMOOTHING", "Telemetry"]
-
-NOISE_SMOOTHING = 0.9
-"""The weight of the past in `grad/noise_scale`'s moving averages of tr Σ and |G|² (one
-window's estimate is noisy: a single rank's gradient is a small sample)."""
+__all__ = ["Telemetry"]
 
 
 class Telemetry:
-    """One rank's measurements. `peak_tflops`: the device's peak for MFU (None: unknown);
-    `token_items`: the loss items are tokens (the record says tokens/s)."""
+    """One rank's measurements. `setup`: the rank's parts (the device's peak for MFU, the
+    gradient noise scale it keeps); `token_items`: the loss items are tokens (the record says
+    tokens/s)."""
 
-    def __init__(self, rank: int, *, peak_tflops: float | None, token_items: bool):
-        self.rank, self.peak_tflops, self.token_items = rank, peak_tflops, token_items
+    def __init__(self, rank: int, setup, *, token_items: bool):
+        self.rank, self.peak_tflops, self.token_items = rank, setup.peak_tflops, token_items
+        self.noise: NoiseScale = setup.noise
+        self._settle = setup.parts.accumulate.settle_noise
         self.resident = ResidentMemory()
         self.flops_per_item: float | None = None
         self.recompute_flops = 0.0
@@ -44,8 +44,6 @@ class Telemetry:
         self.node_ids: tuple[str, ...] = ()
         """Every rank's Ray node id, in rank order (the run's `rayacc.worker_nodes`)."""
         self.node_sampler: NodeSampler | None = None
-        self.noise: tuple[float, float] | None = None
-        """tr Σ and |G|², each smoothed over the windows (`NOISE_SMOOTHING`)."""
 
     def gather_nodes(self, system_metrics: bool) -> None:
         """Every rank's node, once per group (a straggler is named with its node); with
@@ -82,13 +80,11 @@ class Telemetry:
             **window,
         )
         record[TIME_KEY] = time.time()
-        if result.noise is not None:
-            # the paper's smoothing: each estimate averaged on its own, then their ratio
-            a, old = NOISE_SMOOTHING, self.noise or result.noise
-            trace, square = (a * o + (1 - a) * n for o, n in zip(old, result.noise, strict=True))
-            self.noise = (trace, square)
-            if square > 0:
-                record["grad/noise_scale"] = trace / square
+        self.noise.absorb(result.noise)
+        if self.noise.smoothed is None:  # a run's first window: its own sums, reduced now
+            self.settle_noise()
+        if self.noise.value is not None:
+            record["grad/noise_scale"] = self.noise.value
         self.figures = rank_figures(
             step_s=result.step_time_s,
             sync_s=result.sync_time_s,
@@ -101,6 +97,11 @@ class Telemetry:
             self.figures += self.node_sampler.figures()
         self.group_figures = result.group_figures
         return record
+
+    def settle_noise(self) -> None:
+        """The last window's estimate taken in now, where no next window of this group is sure
+        to bring it (before a checkpoint keeps the smoothing); every rank calls it alike."""
+        self.noise.absorb(self._settle())
 
     def handed(self, record: dict[str, Any]) -> dict[str, Any]:
         """The record as it goes to the driver: with every rank's figures, which are the

@@ -30,3 +30,15 @@ def test_the_noise_scale_is_the_direct_computations(ranks, strategy):
     assert trace == pytest.approx(want_trace, rel=1e-6)
     assert square == pytest.approx(want_square, rel=1e-6)
     assert trace / square == pytest.approx(want_trace / want_square, rel=1e-6)
+
+
+@pytest.mark.parametrize("strategy", N.STRATEGIES)
+def test_a_window_settled_on_its_own_gives_the_same_estimate_and_none_rides_on(ranks, strategy):
+    """Before a checkpoint (or at a run's first window) the sums are reduced on their own:
+    the same estimate, and the next window brings none (each window is counted once)."""
+    settled, after, again = ranks[0][strategy + " settled"]
+    assert ranks[1][strategy + " settled"][0] == settled
+    want_trace, want_square = N.direct(strategy)
+    assert settled[0] == pytest.approx(want_trace, rel=1e-6)
+    assert settled[1] == pytest.approx(want_square, rel=1e-6)
+    assert after is None and again is not None  # the second window's own, settled in turn

@@ -1,5 +1,6 @@
 """The gradient noise scale on gloo ranks: the product's step (`build_rank`) over two windows —
-the second's result carries the first's estimate — against the same estimate made directly in
+the second's result carries the first's estimate; or the first's settled on its own, and then
+the second brings none — against the same estimate made directly in
 one process from each small batch's gradient and the window's (float64)."""
 
 from __future__ import annotations
@@ -84,6 +85,15 @@ def run_rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
                 mbs = [slice_rows(rows, a, a + MICRO) for a in range(lo, lo + share, MICRO)]
                 noise.append(parts.accumulate(mbs, classification_item_losses).noise)
             out[strategy] = noise
+            parts = build_rank(config(strategy), dataset(), torch.device("cpu"), LR, split=split)
+            mbs = [
+                slice_rows(rows, a, a + MICRO)
+                for a in range(rank * share, (rank + 1) * share, MICRO)
+            ]
+            parts.accumulate(mbs, classification_item_losses)
+            settled = parts.accumulate.settle_noise()
+            after = parts.accumulate(mbs, classification_item_losses).noise
+            out[strategy + " settled"] = (settled, after, parts.accumulate.settle_noise())
     except Exception as exc:  # the test reads it: a rank's error, not a hang
         import traceback
 

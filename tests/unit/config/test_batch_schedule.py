@@ -93,6 +93,52 @@ def test_each_phase_has_its_split_and_its_lr_by_the_declared_rule(tmp_path):
     ]
 
 
+def test_a_token_jobs_schedule_may_count_tokens(tmp_path):
+    """`from_tokens`: a sample counts its input tokens (data.seq_len here); the phase starts at
+    the first sample at or past the count, said in tokens and samples; a schedule counts in
+    one unit, each phase by one field; two phases in one sample are refused by name."""
+    from rayacc.data.common import DataError
+    from rayacc.run.quantities import phases_summary, tokens_per_sample
+
+    job = {
+        "data": {"source": "shakespeare", "seq_len": 16, "val_fraction": 0.0},
+        "model": {"name": "gpt", "n_layer": 1, "n_embd": 16, "n_head": 2, "block_size": 16},
+        "batch": {
+            "global_batch_size": 8,
+            "micro_batch_size": 4,
+            "schedule": [{"from_tokens": 1000, "global_batch_size": 16}],
+        },
+        "scaling": {"num_workers": 2},
+        "train": {"max_steps": 10},
+        "run": {"storage_path": str(tmp_path / "runs")},
+    }
+    cfg = TrainConfig.from_dict(job)
+    spec = prepare(cfg).spec
+    assert tokens_per_sample(spec.info) == 16
+    assert [spec.phase_at(s) for s in (62, 63)] == [0, 1]  # ⌈1000 / 16⌉ = 63
+    # 8 steps of 8 reach sample 64, past 63: then steps of 16
+    assert [e.steps for e in spec.epochs_from(TrainState(), spec.split_at(2), 0)] == [8]
+    assert spec.total_steps == 10 and spec.split_at(2, 1).global_batch_size == 16
+    assert phases_summary(cfg, 16)[0].startswith("batch schedule: from token 1000 (sample 63), ")
+    assert phases_summary(cfg)[0].startswith("batch schedule: from token 1000, global batch 16")
+    for phases, says in (
+        ([{"from_tokens": 100, "global_batch_size": 16}, {"from_samples": 99,
+          "global_batch_size": 32}], "mix from_samples and from_tokens"),
+        ([{"from_tokens": 100, "from_samples": 7, "global_batch_size": 16}], "give one of"),
+        ([{"global_batch_size": 16}], "give one of"),
+        ([{"from_tokens": 900, "global_batch_size": 16}, {"from_tokens": 100,
+          "global_batch_size": 32}], "from_tokens do not increase"),
+    ):  # fmt: skip
+        with pytest.raises(ConfigError) as refused:
+            TrainConfig.from_dict({**job, "batch": {**job["batch"], "schedule": phases}})
+        assert "batch.schedule" in str(refused.value) and says in str(refused.value)
+    same = [{"from_tokens": 1000, "global_batch_size": 16}, {"from_tokens": 1001,
+            "global_batch_size": 32}]  # fmt: skip
+    with pytest.raises(DataError) as refused:
+        prepare(TrainConfig.from_dict({**job, "batch": {**job["batch"], "schedule": same}}))
+    assert "fall in one sample of 16 tokens" in str(refused.value)
+
+
 def _walk(length: RunLength, rows: int, phases: list[tuple[int, int]], ranks: int):
     """The worker's walk: windows laid out up to the next phase, run, laid out again."""
     state, last = TrainState(), None

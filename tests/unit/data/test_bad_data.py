@@ -155,6 +155,25 @@ def test_a_batch_schedules_phase_larger_than_the_training_rows_is_named(tmp_path
     )
 
 
+def test_a_schedule_in_tokens_on_rows_that_are_not_tokens_is_named(tmp_path):
+    from rayacc.driver.prelaunch import prepare
+
+    source = classification(tmp_path / "d.parquet", [[0.0, 1.0]] * 150, [0, 1] * 75)
+    cfg = TrainConfig.from_dict(
+        {
+            "data": {"source": source, "val_fraction": 0.0, "order": "rows"},
+            "batch": {
+                "global_batch_size": 32,
+                "micro_batch_size": 8,
+                "schedule": [{"from_tokens": 640, "global_batch_size": 64}],
+            },
+        }
+    )
+    with pytest.raises(DataError) as err:
+        prepare(cfg)
+    assert "batch.schedule[0].from_tokens" in str(err.value) and "from_samples" in str(err.value)
+
+
 @pytest.mark.parametrize(
     ("factory", "kwargs", "says"),
     [

@@ -25,10 +25,13 @@ def test_the_lr_is_recorded_without_the_schedules_float_noise():
 
 def test_the_noise_scale_is_the_ratio_of_the_smoothed_estimates():
     """tr Σ and |G|² each averaged on its own (the paper's smoothing), then their ratio; a
-    window without an estimate logs none."""
+    run's first window settles its own estimate at once; a window without a new estimate
+    logs the smoothed value it carries; the smoothing goes on from a checkpoint's state."""
     from dataclasses import replace
+    from types import SimpleNamespace
 
-    from rayacc.worker.telemetry import NOISE_SMOOTHING as A
+    from rayacc.engine.noise import NOISE_SMOOTHING as A
+    from rayacc.engine.noise import NoiseScale
     from rayacc.worker.telemetry import Telemetry
 
     base = StepResult(
@@ -40,10 +43,26 @@ def test_the_noise_scale_is_the_ratio_of_the_smoothed_estimates():
         step=1, epoch=0, wall_s=0.1, split=BatchSplit(8, 4, 2, 1), micro_now=4, accum_now=2,
         skipped_steps=0, rows_read=8,
     )  # fmt: skip
-    telemetry = Telemetry(0, peak_tflops=None, token_items=False)
-    assert "grad/noise_scale" not in telemetry.record(base, data_s=0.0, **window)
-    first = telemetry.record(replace(base, noise=(4.0, 0.5)), data_s=0.0, **window)
-    assert first["grad/noise_scale"] == 8.0
+    settled = [None, (4.0, 0.5)]  # what the step's settle_noise gives, last first
+
+    def telemetry_of(noise: NoiseScale) -> Telemetry:
+        step = SimpleNamespace(settle_noise=settled.pop)
+        setup = SimpleNamespace(
+            peak_tflops=None, noise=noise, parts=SimpleNamespace(accumulate=step)
+        )
+        return Telemetry(0, setup, token_items=False)
+
+    telemetry = telemetry_of(NoiseScale())
+    first = telemetry.record(base, data_s=0.0, **window)
+    assert first["grad/noise_scale"] == 8.0 and settled == [None]  # its own, reduced now
+    assert telemetry.record(base, data_s=0.0, **window)["grad/noise_scale"] == 8.0  # carried
     second = telemetry.record(replace(base, noise=(10.0, 0.1)), data_s=0.0, **window)
     trace, square = A * 4.0 + (1 - A) * 10.0, A * 0.5 + (1 - A) * 0.1
     assert second["grad/noise_scale"] == trace / square
+    kept = NoiseScale()
+    kept.load_state_dict(telemetry.noise.state_dict())  # a checkpoint's, restored
+    assert telemetry_of(kept).record(base, data_s=0.0, **window)["grad/noise_scale"] == (
+        trace / square
+    )
+    nothing = telemetry_of(NoiseScale())  # settle_noise gives None: not measured
+    assert "grad/noise_scale" not in nothing.record(base, data_s=0.0, **window)
