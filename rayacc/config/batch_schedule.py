@@ -1,14 +1,27 @@
 """What changes a window's rows as the run goes. `batch.schedule`: the global batch as a
 function of the samples trained (a batch-size warmup, Megatron's step schedule): from
-`from_samples` (a token job: `from_tokens`) on, a phase's global batch; accumulation is
-re-derived and the LR follows `optim.lr_scaling` at each phase. `batch.balance: auto`: the
+`from_samples` (a token job: `from_tokens`) on, a phase's global batch; or `auto`: it follows
+the gradient noise scale in powers of two within `batch.min_global_batch_size` /
+`max_global_batch_size`; accumulation is re-derived and the LR follows `optim.lr_scaling` at
+each phase. `batch.balance: auto`: the
 ranks' shares of a window follow their measured time per row (worker/balance.py)."""
 
 from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-__all__ = ["EXCLUDES", "BatchPhase", "balance_rules", "schedule_rules"]
+__all__ = [
+    "EXCLUDES",
+    "FOLLOW_EVERY",
+    "BatchPhase",
+    "auto_sizes",
+    "balance_rules",
+    "schedule_rules",
+]
+
+FOLLOW_EVERY = 10
+"""`batch.schedule: auto` moves at most once in this many windows (the noise scale's smoothing
+remembers about as many: each move waits for estimates made at the batch it chose)."""
 
 EXCLUDES = {
     "batch.grad_accum_steps": ("is derived per phase", "remove it"),
@@ -60,6 +73,64 @@ class BatchPhase(BaseModel):
         return -(-self.from_tokens // tokens_per_sample) if tokens_per_sample else None
 
 
+def auto_sizes(batch) -> list[int]:
+    """The global batches `batch.schedule: auto` may run (a BatchConfig's): the configured one
+    times the powers of two within min / max (empty where they do not hold it)."""
+    g, lo = batch.global_batch_size, batch.min_global_batch_size
+    lo, hi = lo or g, batch.max_global_batch_size or g
+    if g is None or not lo <= g <= hi:
+        return []
+    while lo < g and g % 2 == 0 and g // 2 >= lo:
+        g //= 2
+    sizes = [g]
+    while sizes[-1] * 2 <= hi:
+        sizes.append(sizes[-1] * 2)
+    return sizes
+
+
+def _auto_rules(batch, scaling, train, refuse) -> list[tuple[str, int]]:
+    """What `auto` needs (or, without it, that its bounds are not set): the sizes it may run,
+    named by the field that brings them."""
+    auto = batch.schedule == "auto"
+    for bound in ("min_global_batch_size", "max_global_batch_size"):
+        if getattr(batch, bound) is not None and not auto:
+            refuse(f"batch.{bound}", "bounds batch.schedule: auto only", "remove it, or set it")
+    if not auto:
+        return []
+    if batch.max_global_batch_size is None:
+        refuse("batch.max_global_batch_size", "is required with batch.schedule: auto", "set it")
+    elif batch.global_batch_size is not None and not auto_sizes(batch):
+        refuse(
+            "batch.global_batch_size",
+            "lies outside batch.min_global_batch_size / max_global_batch_size",
+            "set it between them",
+        )
+    if train is not None and train.tensor_parallel > 1:
+        refuse(
+            "train.tensor_parallel",
+            "measures no gradient noise scale (batch.schedule: auto follows it)",
+            "set it to 1, or give batch.schedule its phases",
+        )
+    if train is not None and train.max_steps is not None:
+        refuse(
+            "train.max_steps",
+            "counts steps whose sizes batch.schedule: auto chooses as it goes",
+            "bound the run by train.epochs",
+        )
+    if scaling is not None and scaling.max_workers == 1:
+        refuse(
+            "scaling.num_workers",
+            "one rank measures no gradient noise scale (batch.schedule: auto follows it)",
+            "run 2 or more workers, or give batch.schedule its phases",
+        )
+    g = batch.global_batch_size
+    return [
+        (f"batch.{'min' if size < g else 'max'}_global_batch_size", size)
+        for size in auto_sizes(batch)
+        if size != g
+    ]
+
+
 def schedule_rules(sections: dict) -> list:
     """What `batch.schedule` must be and cannot be combined with, as config issues."""
     from rayacc.config.batch_split import BatchSplitError, resolve_batch_split, split_for_workers
@@ -67,20 +138,26 @@ def schedule_rules(sections: dict) -> list:
 
     batch, scaling = sections.get("batch"), sections.get("scaling")
     train = sections.get("train")
-    phases = getattr(batch, "schedule", None)
-    if not phases:
-        return []
     issues = []
 
     def refuse(path: str, problem: str, fix: str) -> None:
         issues.append(ConfigIssue(path, problem, MISSING, fix))
 
-    units = {p.unit for p in phases}
-    if len(units) > 1:
-        refuse("batch.schedule", "its phases mix from_samples and from_tokens", "count in one")
-    starts = [p.from_samples or p.from_tokens for p in phases]
-    if len(units) == 1 and starts != sorted(set(starts)):
-        refuse("batch.schedule", f"its phases' {units.pop()} do not increase", "order them")
+    if batch is None:
+        return []
+    sizes = _auto_rules(batch, scaling, train, refuse)
+    phases = batch.schedule
+    if not phases:
+        return issues
+    if phases != "auto":
+        at = "batch.schedule[{}].global_batch_size"
+        sizes = [(at.format(i), p.global_batch_size) for i, p in enumerate(phases)]
+        units = {p.unit for p in phases}
+        if len(units) > 1:
+            refuse("batch.schedule", "its phases mix from_samples and from_tokens", "count in one")
+        starts = [p.from_samples or p.from_tokens for p in phases]
+        if len(units) == 1 and starts != sorted(set(starts)):
+            refuse("batch.schedule", f"its phases' {units.pop()} do not increase", "order them")
     if batch.global_batch_size is None:
         refuse(
             "batch.global_batch_size",
@@ -105,12 +182,12 @@ def schedule_rules(sections: dict) -> list:
     if issues or scaling is None:
         return issues
     tp = train.tensor_parallel if train is not None else 1
-    for i, phase in enumerate(phases):
+    for path, size in sizes:
         try:
             base = resolve_batch_split(
                 num_workers=scaling.max_workers,
                 tensor_parallel=tp,
-                global_batch_size=phase.global_batch_size,
+                global_batch_size=size,
                 micro_batch_size=batch.fixed_micro_batch_size,
                 uneven=scaling.elastic,
             )
@@ -118,7 +195,7 @@ def schedule_rules(sections: dict) -> list:
                 for workers in range(scaling.min_workers, scaling.max_workers):
                     split_for_workers(base, workers, scaling.on_resize)
         except BatchSplitError as exc:
-            refuse(f"batch.schedule[{i}].global_batch_size", exc.problem, exc.fix)
+            refuse(path, f"its global batch {size}: {exc.problem}", exc.fix)
     return issues
 
 

@@ -197,10 +197,26 @@ def _issue_of(model: type[BaseModel], err: Any) -> ConfigIssue:
     return issue
 
 
+def _entered_branches(errors: list[Any]) -> list[Any]:
+    """Where a union field's value had one branch's shape (errors inside the value: a list's
+    item, a section's key), the other branches' complaints about its shape are dropped."""
+
+    def split(loc: tuple) -> tuple[tuple, bool]:
+        for i, part in enumerate(loc):
+            if isinstance(part, str) and _is_union_tag(part):
+                return loc[:i], len(loc) > i + 1
+        return loc, False
+
+    entered = {split(e["loc"])[0] for e in errors if split(e["loc"])[1]}
+    return [e for e in errors if split(e["loc"])[1] or split(e["loc"])[0] not in entered]
+
+
 def issues_from_validation(exc: ValidationError, model: type[BaseModel]) -> list[ConfigIssue]:
     """pydantic's errors for `model` as issues: unknown keys with the nearest valid one, one
-    issue per union field, each fix followed by the field's own description."""
-    issues = _merge_union_branches([_issue_of(model, err) for err in exc.errors(include_url=False)])
+    issue per union field (the branch the value's shape entered, where one did), each fix
+    followed by the field's own description."""
+    errors = _entered_branches(exc.errors(include_url=False))
+    issues = _merge_union_branches([_issue_of(model, err) for err in errors])
     for issue in issues:
         field = field_at(model, issue.loc) if issue.loc else None
         if field is not None and field.description:

@@ -103,28 +103,26 @@ class DataConfig(Section):
     cache_dir: str | None = Field(None, json_schema_extra=PLACE)
     """A local folder where bundled datasets are prepared as Parquet (default: ~/.cache/rayacc)."""
     order: Literal["auto", "chunks", "rows"] = "auto"
-    """The data order's unit (docs/design.md, README "Data at scale"). `chunks`: an epoch is a
-    seeded permutation of Parquet row groups, rows shuffled inside each; a rank reads only the
-    groups its windows draw from (about one read of each row per epoch, memory bounded by the
-    prefetch). `rows`: one seeded permutation of all rows, each rank reading every row group
-    each epoch: for data that fits. `auto`: `rows` up to `data.exact_order_max_mb`
-    (uncompressed), else `chunks`."""
+    """The data order's unit (docs/design.md). `chunks`: an epoch is a seeded permutation of
+    Parquet row groups, rows shuffled inside each; a rank reads only the groups its windows draw
+    from (about one read of each row per epoch, memory bounded by the prefetch). `rows`: one
+    seeded permutation of all rows, each rank reading every row group each epoch: for data that
+    fits. `auto`: `rows` up to `data.exact_order_max_mb` (uncompressed), else `chunks`."""
     exact_order_max_mb: float = Field(1024.0, ge=0.0)
     """`order: auto`: the largest data (MiB, uncompressed, from the Parquet metadata) read in
     the exact per-row order."""
     in_process_read_max_mb: float = Field(16.0, ge=0.0)
     """Data up to this size (MiB, uncompressed, from the Parquet metadata) is read by each rank
-    in its own process with pyarrow instead of by Ray Data read tasks: for small data, starting
-    the read tasks' processes costs more than the read (about 3 s of the default job's start on
-    2 cores). 0 reads all data through Ray Data."""
+    in its own process with pyarrow instead of by Ray Data read tasks (whose start costs more
+    than a small read). 0 reads all data through Ray Data."""
     materialize: bool | None = None
     """No longer used (every rank reads its rows through Ray Data): ignored, with a warning."""
 
 
 class BatchConfig(Section):
     global_batch_size: int | None = Field(None, ge=1)
-    """Samples per optimizer step over all workers: micro_batch_size × grad_accum_steps ×
-    num_workers. The invariant kept when the number of workers changes."""
+    """Samples per optimizer step over all workers (micro_batch_size × grad_accum_steps ×
+    num_workers): the invariant kept when the number of workers changes."""
     micro_batch_size: Count | Literal["auto"] | None = None
     """Samples per worker per forward/backward (micro-step), or `auto`: before training, the
     largest divisor of one worker's share whose forward + backward fits the memory budget on
@@ -133,16 +131,21 @@ class BatchConfig(Section):
     grad_accum_steps: int | None = Field(None, ge=1)
     """Micro-steps per optimizer step on each worker; derived from the other two when omitted."""
     micro_batch_by_workers: dict[Count, Count] = Field(default_factory=dict)
-    """Elastic runs keeping the global batch: the micro-batch at each worker count (written by
-    `rayacc plan --search`, set by `rayacc train --plan`); a count not listed derives one."""
+    """Elastic runs: the micro-batch at each worker count (written by `rayacc plan --search`,
+    set by `train --plan`); a count not listed derives one."""
     memory_budget: float = Field(0.9, gt=0.0, le=1.0)
     """`micro_batch_size: auto` on GPU: share of the device's memory a micro-step may use."""
     memory_budget_mb: float | None = Field(None, gt=0.0)
     """`micro_batch_size: auto`: memory a micro-step may use per worker, in MiB (required on
     CPU, where it is checked against parameters, gradients, optimizer state and activations;
     on GPU it replaces `batch.memory_budget`)."""
-    schedule: list[BatchPhase] = Field(default_factory=list)
-    """Phases of the global batch over the samples trained (config/batch_schedule.py)."""
+    schedule: list[BatchPhase] | Literal["auto"] = Field(default_factory=list)
+    """Phases of the global batch over the samples trained, or `auto`: it follows the gradient
+    noise scale in powers of two (config/batch_schedule.py)."""
+    min_global_batch_size: int | None = Field(None, ge=1)
+    """`schedule: auto`: the least it goes to (default: `global_batch_size`, where it starts)."""
+    max_global_batch_size: int | None = Field(None, ge=1)
+    """`schedule: auto`: the most it goes to."""
     balance: Literal["off", "auto"] = "off"
     """`auto`: a window's rows split over the ranks by their measured time per row."""
 
@@ -246,8 +249,8 @@ class TrainSection(Section):
     snapshot) and, under FSDP, staged; writing the files and copying them into the run's
     storage overlap the next windows. At most one checkpoint is in flight (the next waits for
     it), one is reported to Ray Train (and so resumed from) only once complete, and the run's
-    last checkpoint and those a reclaim asks for are waited for. `sync`: every rank waits until
-    the checkpoint is in storage (for comparison; bench/checkpoint_blocking.py)."""
+    last checkpoint and those a reclaim asks for are waited for. `sync`: every rank waits
+    until the checkpoint is in storage."""
     checkpoint_on_preemption: bool = True
     """When a node of the run is reclaimed with notice (a spot or preemptible instance that Ray
     drains for preemption): checkpoint at the next window, train on, write a last checkpoint
@@ -256,7 +259,7 @@ class TrainSection(Section):
     own); false = only the periodic checkpoints survive a reclaim."""
     compile: bool = False
     """torch.compile the model (before DDP wraps it; under FSDP each block, before sharding);
-    the first steps pay the compilation (tens of seconds for GPT-2 small)."""
+    the first steps pay the compilation."""
     allow_tf32: bool = False
     """GPU, fp32 precision: let matmuls and convolutions use TF32 tensor cores (about 10 bits
     of mantissa instead of 23: faster, not bit-equal to fp32)."""
@@ -314,14 +317,11 @@ class ScalingConfig(Section):
     """How Ray places the workers on nodes: PACK fills few nodes, SPREAD spreads when it can,
     STRICT_SPREAD puts every worker on its own node."""
     workers_per_node: Count | None = None
-    """`rayacc plan --search`: how many workers one node holds (the workers fill nodes in
-    turn, as Ray's PACK places them), so the planner knows which collectives cross nodes and
-    offers HSDP where the workers span several; null: as the joined cluster's nodes hold
-    them."""
+    """`rayacc plan --search`: workers per node (filled in turn, as Ray's PACK places them):
+    which collectives cross nodes, HSDP where workers span several; null: the cluster's."""
     inter_node_gbps: float = Field(25.0, gt=0)
-    """`rayacc plan --search`: the bandwidth between nodes, in Gbit/s, that a collective
-    crossing nodes runs at no faster than (25: a common cloud instance's network; set what
-    an all-reduce between two of your nodes measures)."""
+    """`rayacc plan --search`: the bandwidth between nodes (Gbit/s) a collective crossing them
+    runs at, at most (25: a common cloud network; set what your nodes' all-reduce measures)."""
     start_timeout_s: float | None = Field(None, gt=0)
     """How long Ray Train waits to place a worker group at a size before it gives up on that
     size (`RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S`, sent to its controller with the run). After

@@ -107,7 +107,7 @@ class AccumulationStep:
         # the noise scale's small batches, as the reduction hooks see them (engine/noise.py):
         # this rank's sums of a window ride in the next window's reduction
         local = self.strategy.local_gradients() if self.world_size > 1 else None
-        self._noise = NoiseProbe(local) if local is not None else None
+        self.noise_probe = NoiseProbe(local) if local is not None else None
         self.oom_retry = oom_retry
         self._agree_forwards = contract.lockstep and self.world_size > 1
         self._count_first = self.scaler is not None or contract.window_rule == "count_first"
@@ -137,9 +137,9 @@ class AccumulationStep:
         """The last window's (tr Σ, |G|²) now, its sums reduced on their own (one small
         all-reduce; every rank calls it alike) — where no next window is sure to bring them;
         None where nothing is measured or waits."""
-        if self._noise is None or not self._noise.pending:
+        if self.noise_probe is None or not self.noise_probe.pending:
             return None
-        return self._noise.settled(self._all_reduce_sum(self._noise.sums))
+        return self.noise_probe.settled(self._all_reduce_sum(self.noise_probe.sums))
 
     def __call__(
         self,
@@ -168,8 +168,8 @@ class AccumulationStep:
             if self.micro_batch_splits > 1:
                 given = [p for mb in micro_batches for p in _split(mb, self.micro_batch_splits)]
                 per = None
-            if self._noise is not None:
-                self._noise.unit_items = per or [count_items(mb) for mb in given]
+            if self.noise_probe is not None:
+                self.noise_probe.unit_items = per or [count_items(mb) for mb in given]
             result = self._window(t_start, given, loss_fn, local_items, signal, figures)
             if result is not None:
                 return result
@@ -205,7 +205,7 @@ class AccumulationStep:
         # back-propagate item-loss sums and divide once the total is known, after backward
         scale = self._scale_before_backward(counts) if self._count_first else None
         self._clear_grads()
-        noise_in = self._noise.riding() if self._noise is not None else []
+        noise_in = self.noise_probe.riding() if self.noise_probe is not None else []
         stats = self._micro_steps(
             micro_batches,
             loss_fn,
@@ -221,14 +221,14 @@ class AccumulationStep:
         )
         # (tr Σ, |G|²) of the window before, from its units' sums over every rank
         sums, group = list(group[: len(noise_in)]), group[len(noise_in) :]
-        noise = self._noise.arrived(sums) if self._noise is not None else None
+        noise = self.noise_probe.arrived(sums) if self.noise_probe is not None else None
         if scale is None:
             self._check_micro_steps(n_micro, sum_m, sum_m2)
         if items == 0 or not math.isfinite(total_loss):
             # every rank sees the same all-reduced sums, so all skip together
             self._clear_grads()
-            if self._noise is not None:  # no noise estimate of a window that did not step
-                self._noise.stepped(None, items)
+            if self.noise_probe is not None:  # no noise estimate of a window that did not step
+                self.noise_probe.stepped(None, items)
             why = "no loss items" if items == 0 else "non-finite loss"
             return self._result(
                 t_start,
@@ -246,9 +246,9 @@ class AccumulationStep:
         t_optimizer = time.perf_counter()
         grad_norm, skip_reason = self._normalise_clip_step(items, divided=scale is not None)
         self._clear_grads()
-        if self._noise is not None:
+        if self.noise_probe is not None:
             finite = skip_reason is None and math.isfinite(grad_norm)
-            self._noise.stepped(grad_norm**2 if finite else None, items)
+            self.noise_probe.stepped(grad_norm**2 if finite else None, items)
         loss = total_loss / items
         return self._result(
             t_start,
@@ -331,8 +331,8 @@ class AccumulationStep:
                     if self.scaler is not None:
                         scaled = self.scaler.scale(scaled)
                     self.strategy.backward(scaled)
-                    if self._noise is not None:
-                        self._noise.after_backward(i, counted)
+                    if self.noise_probe is not None:
+                        self.noise_probe.after_backward(i, counted)
             except torch.OutOfMemoryError as exc:
                 # before the last micro-step nothing has synced: the window can be redone
                 if last or not self.oom_retry:

@@ -25,6 +25,10 @@ class TrainState:
     """Samples of the current epoch's order already consumed."""
     skipped_steps: int = 0
     """Steps skipped for a non-finite loss or gradient."""
+    batch_phase: int = 0
+    """`batch.schedule: auto`: the global batch is the configured one × 2^batch_phase."""
+    batch_phase_step: int = 0
+    """The step after which `batch_phase` last moved."""
 
     def advance(self, *, samples: int, items: int, skipped: bool) -> None:
         self.optimizer_step += 1

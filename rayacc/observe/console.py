@@ -178,8 +178,9 @@ class ProgressPrinter(RunObserver):
 
     def on_event(self, event: Event) -> None:
         self.recoveries.on_event(event)
+        if isinstance(event, RunStarted) or getattr(event, "total_steps", None):
+            self.total = event.total_steps  # a run's start, or auto's new batch
         if isinstance(event, RunStarted):
-            self.total = event.total_steps
             self.eta.restart(event.step)
             line = event.describe(self.group)
             self.group = event

@@ -131,13 +131,23 @@ class BatchPhaseChanged:
     new_grad_accum_steps: int
     effective_lr: float
     """The phase's LR by `optim.lr_scaling` (reached over the re-warmup of a resize)."""
+    noise_scale: float | None = None
+    """`batch.schedule: auto`: the smoothed gradient noise scale it moved by."""
+    total_steps: int | None = None
+    """`batch.schedule: auto`: the run's last step at its new global batch."""
+
+    @property
+    def _why(self) -> str:
+        if self.noise_scale is None:
+            return ""
+        return f" (auto: gradient noise scale {self.noise_scale:.4g})"
 
     def describe(self) -> str:
         """The line kept in the run's `rayacc.batch_phases` tag."""
         return (
             f"step {self.step}: from sample {self.samples}, global {self.old_global_batch_size}→"
             f"{self.new_global_batch_size}, accum {self.old_grad_accum_steps}→"
-            f"{self.new_grad_accum_steps}, effective LR {self.effective_lr:.6g}"
+            f"{self.new_grad_accum_steps}, effective LR {self.effective_lr:.6g}{self._why}"
         )
 
     def console_line(self) -> str:
@@ -145,7 +155,8 @@ class BatchPhaseChanged:
             f"batch schedule at step {self.step} (sample {self.samples}): global batch "
             f"{self.old_global_batch_size} → {self.new_global_batch_size}, accumulation "
             f"{self.old_grad_accum_steps} → {self.new_grad_accum_steps}, effective LR "
-            f"{self.effective_lr:.6g}"
+            f"{self.effective_lr:.6g}{self._why}"
+            + (f"; {self.total_steps} optimizer steps in all" if self.total_steps else "")
         )
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from rayacc.config import TrainConfig
+from rayacc.config.batch_schedule import FOLLOW_EVERY, auto_sizes
 from rayacc.config.batch_split import BatchSplit, BatchSplitError, split_for_workers
 from rayacc.data.order import DataOrder, EpochLayout
 from rayacc.data.sources import DatasetInfo, RowGroups
@@ -70,10 +71,11 @@ def worker_splits(cfg: TrainConfig) -> dict[int, BatchSplit | BatchSplitError]:
 
 @dataclass(frozen=True)
 class Phase:
-    """A phase of `batch.schedule` as the run takes it: from which sample on, and its split and
-    effective LR at each worker count the run may run at."""
+    """A phase of `batch.schedule` as the run takes it: from which sample on (None: where
+    `auto` moves to it), and its split and effective LR at each worker count it may run at."""
 
-    from_samples: int
+    from_samples: int | None
+    global_batch_size: int
     splits: dict[int, BatchSplit | BatchSplitError]
     lrs: dict[int, float]
 
@@ -91,7 +93,10 @@ def check_batches(cfg: TrainConfig, info: DatasetInfo, rows: int) -> None:
     from rayacc.data.common import DataError
 
     at, where = "batch.schedule[{}].global_batch_size", f"data.source {info.path}"
-    batches = [(at.format(i), p.global_batch_size) for i, p in enumerate(cfg.batch.schedule)]
+    listed = cfg.batch.schedule if cfg.batch.schedule != "auto" else []
+    batches = [(at.format(i), p.global_batch_size) for i, p in enumerate(listed)]
+    if cfg.batch.schedule == "auto":
+        batches = [("batch.max_global_batch_size", max(auto_sizes(cfg.batch)))]
     base = ("batch.global_batch_size", cfg.batch_split().global_batch_size)
     field, g = max([base, *batches], key=lambda b: b[1])
     if rows < g:
@@ -101,7 +106,7 @@ def check_batches(cfg: TrainConfig, info: DatasetInfo, rows: int) -> None:
             f"at most {rows}, lower data.val_fraction, or add data"
         )
     per_sample = tokens_per_sample(info)
-    starts = [p.start(per_sample) for p in cfg.batch.schedule if p.from_tokens is not None]
+    starts = [p.start(per_sample) for p in listed if p.from_tokens is not None]
     if starts and per_sample is None:
         raise DataError(
             f"batch.schedule[0].from_tokens counts tokens, and {where} holds {info.format} "
@@ -121,31 +126,44 @@ def batch_phases(cfg: TrainConfig, per_sample: int | None) -> tuple[Phase, ...]:
     # the LR's base stays the configured batch where `optim.base_batch_size` is omitted
     base = cfg.optim.base_batch_size or cfg.batch.global_batch_size
     optim = cfg.optim.model_copy(update={"base_batch_size": base})
-    for p in cfg.batch.schedule:
-        batch = cfg.batch.model_copy(
-            update={"global_batch_size": p.global_batch_size, "schedule": []}
-        )
+    auto = cfg.batch.schedule == "auto"
+    starts = [(None, g) for g in auto_sizes(cfg.batch)] if auto else [
+        (p.start(per_sample), p.global_batch_size) for p in cfg.batch.schedule
+    ]  # fmt: skip
+    for start, size in starts:
+        batch = cfg.batch.model_copy(update={"global_batch_size": size, "schedule": []})
         at = cfg.model_copy(update={"batch": batch, "optim": optim})
         splits = worker_splits(at)
         lrs = {w: run_effective_lr(at, s) for w, s in splits.items() if isinstance(s, BatchSplit)}
-        phases.append(Phase(p.start(per_sample), splits, lrs))
+        phases.append(Phase(start, size, splits, lrs))
     return tuple(phases)
 
 
 def phases_summary(cfg: TrainConfig, per_sample: int | None = None) -> list[str]:
     """A line for each phase of `batch.schedule`: from which sample (or token, and the sample
     where `per_sample` is known), its split at the most workers and its effective LR."""
-    lines = []
-    for p, phase in zip(cfg.batch.schedule, batch_phases(cfg, per_sample), strict=True):
+    lines, phases = [], batch_phases(cfg, per_sample)
+    listed = cfg.batch.schedule
+    if listed == "auto":
+        listed = [None] * len(phases)
+        lines.append(
+            f"batch schedule: auto — from global batch {cfg.batch.global_batch_size}, doubled "
+            "while the gradient noise scale is at least twice it, halved while it is under half, "
+            f"at most once in {FOLLOW_EVERY} windows; each size:"
+        )
+    for p, phase in zip(listed, phases, strict=True):
         split = phase.splits[cfg.scaling.max_workers]
-        if isinstance(split, BatchSplit):
-            lr = phase.lrs[cfg.scaling.max_workers]
-            at = f"sample {p.from_samples}"
-            if p.from_tokens is not None:
-                at = f"token {p.from_tokens}" + (
-                    f" (sample {phase.from_samples})" if per_sample else ""
-                )
-            lines.append(f"batch schedule: from {at}, {split.describe()}, effective LR {lr:.6g}")
+        if not isinstance(split, BatchSplit):
+            continue
+        lr = phase.lrs[cfg.scaling.max_workers]
+        if p is None:
+            at = "auto"
+        elif p.from_tokens is None:
+            at = f"from sample {p.from_samples}"
+        else:
+            known = f" (sample {phase.from_samples})" if per_sample else ""
+            at = f"from token {p.from_tokens}{known}"
+        lines.append(f"batch schedule: {at}, {split.describe()}, effective LR {lr:.6g}")
     return lines
 
 

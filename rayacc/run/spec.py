@@ -135,7 +135,8 @@ class RunSpec:
     strategy took them from the job and the driver's read of the user's file."""
     phases: tuple[Phase, ...] = ()
     """The phases of `batch.schedule`: phase k ≥ 1 is `phases[k - 1]`; phase 0 the
-    configured global batch (`splits`, `lrs`)."""
+    configured global batch (`splits`, `lrs`). Under `auto`, every size it may run, phase k
+    the one 2^k times the configured (k < 0 below it)."""
 
     @property
     def lr_explanation(self) -> str:
@@ -150,14 +151,44 @@ class RunSpec:
     def effective_lr(self) -> float:
         return self.lr_at(self.cfg.scaling.max_workers)  # the reference split's group
 
+    @property
+    def auto(self) -> bool:
+        """`batch.schedule: auto`: the phase moves with the gradient noise scale."""
+        return self.cfg.batch.schedule == "auto"
+
     def phase_at(self, samples: int) -> int:
-        """The phase of `batch.schedule` a window starting at sample `samples` runs in."""
+        """The phase of a listed `batch.schedule` a window starting at sample `samples` runs in."""
         return sum(1 for p in self.phases if p.from_samples <= samples)
+
+    def phase_of(self, state) -> int:
+        """The phase a window from `state` (a TrainState) runs in: `auto`'s as the run moved
+        it (kept by the checkpoints), a listed schedule's by the samples trained."""
+        return state.batch_phase if self.auto else self.phase_at(state.samples_seen)
+
+    def has_phase(self, phase: int) -> bool:
+        """Whether the run has `phase` (`auto` moves only within its sizes)."""
+        return 0 <= self._index(phase) < len(self.phases) if self.auto else phase == 0
+
+    def _index(self, phase: int) -> int:
+        """Where `auto`'s phase stands in `phases` (ascending sizes, the configured among them)."""
+        sizes = [p.global_batch_size for p in self.phases]
+        return sizes.index(self.cfg.batch.global_batch_size) + phase
+
+    def _table(self, phase: int) -> tuple[dict, dict]:
+        """The splits and LRs by worker count of `phase`."""
+        if self.auto:
+            p = self.phases[self._index(phase)]
+            return p.splits, p.lrs
+        return (
+            (self.phases[phase - 1].splits, self.phases[phase - 1].lrs)
+            if phase
+            else (self.splits, self.lrs)
+        )
 
     def split_at(self, workers: int, phase: int = 0) -> BatchSplit:
         """The batch split of a group of `workers` (in `phase`); BatchSplitError where it
         cannot run."""
-        split = (self.phases[phase - 1].splits if phase else self.splits).get(workers)
+        split = self._table(phase)[0].get(workers)
         if split is None:
             raise BatchSplitError(
                 "scaling.num_workers",
@@ -170,7 +201,7 @@ class RunSpec:
 
     def lr_at(self, workers: int, phase: int = 0) -> float:
         self.split_at(workers, phase)
-        return (self.phases[phase - 1].lrs if phase else self.lrs)[workers]
+        return self._table(phase)[1][workers]
 
     def layout_at(self, split: BatchSplit) -> EpochLayout:
         """An epoch of the run at `split`."""
@@ -179,8 +210,9 @@ class RunSpec:
     def epochs_from(self, state, split: BatchSplit, rank: int) -> list[EpochWindows]:
         """The windows rank `rank` runs at `split` from `state` on (`remaining_epochs`), up to
         the window that reaches the next phase of `batch.schedule`."""
-        phase = self.phase_at(state.samples_seen)
-        until = self.phases[phase].from_samples if phase < len(self.phases) else None
+        phase = self.phase_of(state)
+        listed = not self.auto and phase < len(self.phases)
+        until = self.phases[phase].from_samples if listed else None
         rows = self.order.num_train_rows
         return remaining_epochs(self.length, rows, state, split, rank, until_samples=until)
 
@@ -188,7 +220,7 @@ class RunSpec:
         """The steps from `state` to the end over `ranks` data-parallel ranks where a
         `batch.schedule` changes the global batch (None without one: each group's epochs
         say)."""
-        if not self.phases:
+        if not self.phases or self.auto:
             return None
         sizes = phase_sizes(self.cfg, self.reference, tokens_per_sample(self.info))
         return windows_left(self.length, self.order.num_train_rows, state, sizes, ranks)[0]
@@ -257,7 +289,7 @@ def derive_run(
     length = RunLength.of(cfg)
     layout = epoch_layout(length, order.num_train_rows, reference)
     total, schedule = total_optimizer_steps(length, layout), schedule_length(length, layout)
-    if cfg.batch.schedule:
+    if cfg.batch.schedule and cfg.batch.schedule != "auto":
         # the steps and the LR schedule's length as the phases make them
         from rayacc.engine.train_state import TrainState
 

@@ -221,3 +221,158 @@ def test_balance_needs_a_strategy_whose_accumulation_may_change():
     assert "batch.balance" in str(error.value) and "gradient_accumulation_steps" in str(error.value)
     for strategy in ("ddp", "fsdp"):
         TrainConfig.from_dict({**refused, "train": {"strategy": strategy}})
+
+
+AUTO = {
+    "batch": {
+        "global_batch_size": 32,
+        "micro_batch_size": 4,
+        "schedule": "auto",
+        "min_global_batch_size": 8,
+        "max_global_batch_size": 128,
+    },
+    "scaling": {"num_workers": 2},
+    "train": {"epochs": 1},
+}
+AUTO_REFUSED = {
+    "batch.max_global_batch_size": {"batch": {"max_global_batch_size": None}},
+    "batch.global_batch_size": {"batch": {"global_batch_size": 256}},
+    "train.tensor_parallel": {"train": {"tensor_parallel": 2, "strategy": "fsdp"},
+                              "scaling": {"num_workers": 4}},
+    "train.max_steps": {"train": {"max_steps": 10}},
+    "scaling.num_workers": {"scaling": {"num_workers": 1}},
+    "batch.min_global_batch_size": {"batch": {"micro_batch_size": 8}},  # 8 rows on 2 ranks of 8
+}  # fmt: skip
+"""Each field `auto`'s rules name, and a change of AUTO that makes them name it."""
+
+
+def _auto(extra: dict) -> dict:
+    out = {k: dict(v) for k, v in AUTO.items()}
+    for section, values in extra.items():
+        out[section] = {**out.get(section, {}), **values}
+    return out
+
+
+@pytest.mark.parametrize("path", AUTO_REFUSED)
+def test_what_auto_needs_is_named(path):
+    with pytest.raises(ConfigError) as refused:
+        TrainConfig.from_dict(_auto(AUTO_REFUSED[path]))
+    assert path in str(refused.value) and "Fix:" in str(refused.value), str(refused.value)
+
+
+@pytest.mark.parametrize("bound", ["min_global_batch_size", "max_global_batch_size"])
+def test_auto_s_bounds_without_auto_are_refused_not_ignored(bound):
+    with pytest.raises(ConfigError) as refused:
+        TrainConfig.from_dict({"batch": {"global_batch_size": 32, bound: 64}})
+    assert f"batch.{bound}" in str(refused.value) and "auto only" in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    ("g", "lo", "hi", "sizes"),
+    [
+        (32, 8, 128, [8, 16, 32, 64, 128]),
+        (32, None, 100, [32, 64]),
+        (48, 10, 200, [12, 24, 48, 96, 192]),
+        (32, 20, 32, [32]),
+        (32, 64, 128, []),  # outside its bounds
+    ],
+)
+def test_auto_runs_the_configured_batch_times_the_powers_of_two_within_its_bounds(g, lo, hi, sizes):
+    from types import SimpleNamespace
+
+    from rayacc.config.batch_schedule import auto_sizes
+
+    bounds = SimpleNamespace(
+        global_batch_size=g, min_global_batch_size=lo, max_global_batch_size=hi
+    )
+    assert auto_sizes(bounds) == sizes
+
+
+def _auto_spec(tmp_path):
+    cfg = TrainConfig.from_dict(
+        _auto(
+            {
+                "data": {"source": str(prepare_bundled("digits")), "val_fraction": 0.0},
+                "optim": {"lr": 0.1, "lr_scaling": "linear"},
+                "batch": {"min_global_batch_size": 16},
+                "scaling": {"num_workers": [1, 3]},
+                "run": {"storage_path": str(tmp_path / "runs")},
+            }
+        )
+    )
+    return cfg, prepare(cfg).spec
+
+
+def test_auto_phases_are_its_sizes_relative_to_the_configured_batch(tmp_path):
+    from rayacc.run.quantities import phases_summary
+
+    cfg, spec = _auto_spec(tmp_path)
+    assert spec.auto and [p.global_batch_size for p in spec.phases] == [16, 32, 64, 128]
+    assert [spec.has_phase(k) for k in (-2, -1, 0, 2, 3)] == [False, True, True, True, False]
+    assert spec.split_at(2, -1).global_batch_size == 16 and spec.lr_at(2, -1) == 0.1 / 2
+    assert spec.split_at(3, 2).rank_shares == (43, 43, 42) and spec.lr_at(3, 2) == 0.4
+    # the phase is the run's (kept by its checkpoints), not the samples'
+    state = TrainState(samples_seen=10**6, batch_phase=1)
+    assert spec.phase_of(state) == 1 and spec.steps_left(state, 2) is None
+    fresh = TrainState(batch_phase=1)
+    (epoch,) = spec.epochs_from(fresh, spec.split_at(2, 1), 0)  # no phase's sample bounds it
+    assert epoch.steps == epoch.layout.steps_per_epoch == -(-1797 // 64)
+    lines = phases_summary(cfg)
+    assert lines[0].startswith("batch schedule: auto — from global batch 32, doubled while")
+    assert len(lines) == 5 and lines[-1].startswith("batch schedule: auto, global batch 128 ")
+
+
+def _follower(spec, world: int = 2):
+    from types import SimpleNamespace
+
+    from rayacc.engine.noise import NoiseScale
+    from rayacc.worker.phases import BatchPhases
+
+    phases = BatchPhases(spec, world)
+    state = TrainState()
+    split, _ = phases.at(state)
+    run = SimpleNamespace(
+        state=state,
+        split=split,
+        telemetry=SimpleNamespace(noise=NoiseScale()),
+        accumulate=SimpleNamespace(noise_probe=object()),
+    )
+    return phases, run
+
+
+def test_auto_doubles_above_twice_the_batch_halves_below_half_at_most_every_few_windows(tmp_path):
+    """The decision after a window, from the smoothed noise scale every rank holds alike: a
+    pure function of the run's state and that value, both kept by a checkpoint — so a restored
+    group that makes it again (before its first window) decides what the run decided."""
+    from rayacc.config.batch_schedule import FOLLOW_EVERY
+
+    _, spec = _auto_spec(tmp_path)
+    phases, run = _follower(spec)
+
+    def after(step: int, noise: float | None) -> int:
+        run.state.optimizer_step = step
+        run.telemetry.noise.smoothed = None if noise is None else (noise, 1.0)
+        moved = phases._follow(run)
+        if moved:
+            run.split = spec.split_at(2, run.state.batch_phase)
+        return run.state.batch_phase if moved else None
+
+    assert after(FOLLOW_EVERY - 1, 1000.0) is None  # too early
+    assert after(FOLLOW_EVERY, None) is None  # nothing measured yet
+    assert after(FOLLOW_EVERY, 63.0) is None  # 32 ≤ 63 < 64: holds
+    assert after(FOLLOW_EVERY, 64.0) == 1 and run.state.batch_phase_step == FOLLOW_EVERY
+    assert after(FOLLOW_EVERY + 5, 10**6) is None  # waits for estimates at its new batch
+    assert after(2 * FOLLOW_EVERY, -5.0) == 2  # |G|² estimate below zero: noise dominates
+    assert after(3 * FOLLOW_EVERY, 10**6) is None  # 128 is the most
+    assert after(3 * FOLLOW_EVERY, 63.9) == 1  # under half of 128
+    restored = TrainState(**run.state.state_dict())  # as a checkpoint keeps it
+    again, clone = _follower(spec)
+    clone.state, clone.split = restored, spec.split_at(2, restored.batch_phase)
+    clone.telemetry.noise.smoothed = (1.0, 1.0)
+    run.telemetry.noise.smoothed = (1.0, 1.0)
+    run.state.optimizer_step = clone.state.optimizer_step = 4 * FOLLOW_EVERY
+    assert phases._follow(run) == again._follow(clone) is True
+    assert run.state == clone.state and run.state.batch_phase == 0
+    run.accumulate.noise_probe = None  # a group of one rank measures none: it holds
+    run.state.optimizer_step, run.telemetry.noise.smoothed = 9 * FOLLOW_EVERY, (10**6, 1.0)
+    assert not phases._follow(run)
