@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from rayacc.engine.collectives import all_reduce
+from rayacc.engine.figures import RankFigures
 from rayacc.engine.losses import Batch, ItemCounter, LossFn, count_rows, summed
 from rayacc.engine.noise import NoiseProbe
 from rayacc.engine.parallel import Strategy, strategy_of
@@ -92,7 +93,8 @@ class AccumulationStep:
         self.group = self.strategy.process_group
         distributed = dist.is_available() and dist.is_initialized()
         self.world_size = dist.get_world_size(self.group) if distributed else 1
-        self._rank = dist.get_rank(self.group) if distributed else 0
+        # every rank's figures ride the window's reduction (engine/figures.py)
+        self._figures = RankFigures(self.group, self.strategy.figures_group)
         if precision == "fp16" and not engine_steps:
             self.scaler = scaler or torch.amp.GradScaler(self.device.type)
         else:
@@ -211,7 +213,7 @@ class AccumulationStep:
             loss_fn,
             [*counts, int(signal)],
             scale,
-            [*noise_in, *self._slots(figures)],
+            [*noise_in, *self._figures.slots(figures)],
         )
         if stats is None:
             return None
@@ -220,7 +222,8 @@ class AccumulationStep:
             stats, k, len(noise_in)
         )
         # (tr Σ, |G|²) of the window before, from its units' sums over every rank
-        sums, group = list(group[: len(noise_in)]), group[len(noise_in) :]
+        sums = list(group[: len(noise_in)])
+        group = self._figures.completed(group[len(noise_in) :], self.device)
         noise = self.noise_probe.arrived(sums) if self.noise_probe is not None else None
         if scale is None:
             self._check_micro_steps(n_micro, sum_m, sum_m2)
@@ -265,19 +268,6 @@ class AccumulationStep:
             optimizer_time_s=time.perf_counter() - t_optimizer,
             noise=noise,
         )
-
-    def _slots(self, figures: Sequence[float]) -> list[float]:
-        """This rank's figures in its own slots of a vector of every rank's: summed over the
-        ranks, the vector holds each rank's figures (an all-gather inside the all-reduce the
-        window makes anyway)."""
-        if not figures:
-            return []
-        k = len(figures)
-        return [
-            *[0.0] * (self._rank * k),
-            *map(float, figures),
-            *[0.0] * ((self.world_size - self._rank - 1) * k),
-        ]
 
     def _scale_before_backward(self, counts: list[int]) -> float:
         """fp16: 1 / N_window (× W after DDP's averaging hook), known before the first

@@ -54,6 +54,9 @@ class RunStarted:
     every rank's report."""
     mesh: str = ""
     """The strategy's mesh where this group decided it (`Strategy.describe_mesh`: HSDP's)."""
+    places: tuple[str, ...] = ()
+    """Every rank's place on the mesh (`dp 1 · tp 0`), in rank order, where the ranks are
+    more than their data-parallel rank (tensor parallelism); () elsewhere."""
     process_started_at: float | None = None
     """When rank 0's worker process was created (time.time()): the group's start begins no
     earlier."""

@@ -81,17 +81,21 @@ class Straggler:
     rank_s: float
     others_s: float
     intervals: int
+    place: str = ""
+    """Its place on the mesh (`dp 1 · tp 0`) where ranks are more than data-parallel ranks."""
+
+    @property
+    def _who(self) -> str:
+        place = f" ({self.place})" if self.place else ""
+        return f"rank {self.rank}{place} on node {self.node or '?'}"
 
     def describe(self) -> str:
         """The entry kept in the run's `rayacc.stragglers` tag."""
-        return (
-            f"step {self.step}: rank {self.rank} on node {self.node or '?'}, {self.part} "
-            f"({self.ratio:.2f}× the others' median)"
-        )
+        return f"step {self.step}: {self._who}, {self.part} ({self.ratio:.2f}× the others' median)"
 
     def console_line(self) -> str:
         return (
-            f"straggler at step {self.step}: rank {self.rank} on node {self.node or '?'} is "
+            f"straggler at step {self.step}: {self._who} is "
             f"slow in {self.part} — {self.rank_s * 1000:.0f} ms of its own per window against "
             f"the others' median {self.others_s * 1000:.0f} ms ({self.ratio:.2f}×) for "
             f"{self.intervals} logging intervals; every step waits for it"
@@ -134,12 +138,15 @@ class StragglerJudge:
         patience: int = 2,
         nodes: Sequence[str] = (),
         system: Sequence[str] = (),
+        places: Sequence[str] = (),
     ):
         """`system`: names of the node figures that follow `FIELDS` in every report (MLflow's
         system metrics, sampled by the first rank of each node): logged per node at each
         interval's end as `system/<node>/<name>`."""
         self.interval_steps = max(1, interval_steps)
         self.margin, self.patience, self.nodes = margin, patience, tuple(nodes)
+        self.places = tuple(places)
+        """Every rank's place on the mesh (`RunStarted.places`), named with a straggler."""
         self.system = tuple(system)
         self.width = len(FIELDS) + len(self.system)
         """Figures in one rank's report."""
@@ -281,6 +288,7 @@ class StragglerJudge:
                 step=step,
                 rank=r,
                 node=self.nodes[r] if r < len(self.nodes) else "",
+                place=self.places[r] if r < len(self.places) else "",
                 part=PART_NAMES[part],
                 ratio=mine / others if others > 0 else math.inf,
                 rank_s=mine,

@@ -34,6 +34,7 @@ class FiguresRelay:
                 StragglerJudge.interval_for(item.total_steps),
                 margin=self.margin,
                 nodes=item.nodes,
+                places=item.places,
                 system=item.node_figures,
             )
             return [item]

@@ -134,6 +134,9 @@ class TrackedRun(RunObserver):
             self._rewind(event.step)
             if event.mesh:
                 self.sink.set_tags({"rayacc.mesh": event.mesh})
+            if event.places:  # which mesh coordinates each rank_<r>/* metric is
+                places = "; ".join(f"rank {r}: {p}" for r, p in enumerate(event.places))
+                self.sink.set_tags({"rayacc.rank_places": places[-7000:]})
             if event.resumed_from is not None:
                 self.resumed_at.append(str(event.resumed_from))
                 self.sink.set_tags({"rayacc.resumed_at_steps": ",".join(self.resumed_at)})

@@ -41,11 +41,20 @@ class ShareBalancer:
         self._own: list[float] = []
         self._windows = 0
 
-    def window(self, rows: Sequence[int], figures: Sequence[float]) -> None:
-        """`rows`: each rank's rows of the window just run; `figures`: every rank's figures of
-        the window before it, flat in rank order (as the reduction brings them)."""
+    def window(
+        self, rows: Sequence[int], figures: Sequence[float], owners: Sequence[int] = ()
+    ) -> None:
+        """`rows`: each data-parallel rank's rows of the window just run; `figures`: every
+        rank's figures of the window before it, flat in rank order (as the reduction brings
+        them); `owners`: each rank's data-parallel rank where they differ (tensor
+        parallelism: a share takes its slowest rank's time)."""
         before, self._pending = self._pending, tuple(rows)
         own = list(figures[_OWN :: self.width])
+        if owners and len(owners) == len(own):
+            slowest: dict[int, float] = {}
+            for owner, t in zip(owners, own, strict=True):
+                slowest[owner] = max(t, slowest.get(owner, t))
+            own = [slowest[d] for d in sorted(slowest)]
         if before is None or len(own) != len(before):
             return
         if not self._rows:

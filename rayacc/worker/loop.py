@@ -164,6 +164,7 @@ class WorkerRun:
                 nodes=self.telemetry.nodes,
                 node_figures=SYSTEM_NAMES if self.telemetry.node_sampler is not None else (),
                 mesh=self.strategy.describe_mesh(),
+                places=self.telemetry.places,
                 announced_at=time.time(),
             )
         )

@@ -61,7 +61,7 @@ class BatchPhases:
             return False
         rows = [sum(map(len, layout.rank_window(s, r).micro_batches)) for r in range(
             layout.num_workers)]  # fmt: skip
-        self.balancer.window(rows, run.telemetry.group_figures)
+        self.balancer.window(rows, run.telemetry.group_figures, run.telemetry.owners)
         split = run.split
         decided = self.balancer.decide(split.rank_shares, split.micro_batch_size)
         if decided is None:

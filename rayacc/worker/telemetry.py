@@ -21,6 +21,14 @@ from rayacc.worker.system import NodeSampler, ResidentMemory
 __all__ = ["Telemetry"]
 
 
+def _owners(coordinates) -> tuple[int, ...]:
+    """Each rank's data-parallel rank from its mesh place: the order of its coordinates other
+    than `tp` (the data-parallel mesh's own order)."""
+    keys = [tuple(i for d, i in place if d != "tp") for place in coordinates]
+    order = {key: n for n, key in enumerate(sorted(set(keys)))}
+    return tuple(order[key] for key in keys)
+
+
 class Telemetry:
     """One rank's measurements. `setup`: the rank's parts (the device's peak for MFU, the
     gradient noise scale it keeps); `token_items`: the loss items are tokens (the record says
@@ -44,6 +52,12 @@ class Telemetry:
         self.node_ids: tuple[str, ...] = ()
         """Every rank's Ray node id, in rank order (the run's `rayacc.worker_nodes`)."""
         self.node_sampler: NodeSampler | None = None
+        coordinates = setup.parts.strategy.mesh_coordinates()
+        self.places = tuple(" · ".join(f"{d} {i}" for d, i in c) for c in coordinates)
+        """Every rank's place on the mesh (`dp 1 · tp 0`), where ranks are more than their
+        data-parallel rank; () elsewhere."""
+        self.owners = _owners(coordinates)
+        """Each rank's data-parallel rank, where they differ (the ranks of a share)."""
 
     def gather_nodes(self, system_metrics: bool) -> None:
         """Every rank's node, once per group (a straggler is named with its node); with

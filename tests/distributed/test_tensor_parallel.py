@@ -87,3 +87,21 @@ def test_the_tensor_parallel_collectives_are_counted_apart(results, case):
         assert calls is not None
         expected = (micro_steps * allreduce * layers + 1, micro_steps * gathers * layers, 0)
         assert (calls.allreduce, calls.all_gather, calls.reduce_scatter) == expected, case
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[7]], ids=TPCase.label)
+def test_every_rank_of_the_mesh_reports_its_figures(results, case):
+    """The ranks' figures ride the window's reduction over the data-parallel ranks and one
+    all-reduce over the tensor-parallel group: every rank of the mesh is seen by rank 0 (each
+    reported its rank and its data-parallel rank), and its place on the mesh is known."""
+    got = results[case.index]
+    places = [dict(p) for p in got["places"]]
+    assert len(places) == case.dp * case.tp == 4
+    assert sorted((p["tp"], *[v for k, v in p.items() if k != "tp"]) for p in places) == sorted(
+        {(p["tp"], *[v for k, v in p.items() if k != "tp"]) for p in places}
+    )  # every place once
+    from rayacc.worker.telemetry import _owners
+
+    owners = _owners(got["places"])
+    assert got["figures"] == tuple((float(r), float(owners[r])) for r in range(4))
+    assert sorted(owners) == [0, 0, 1, 1]

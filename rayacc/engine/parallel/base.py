@@ -312,6 +312,17 @@ class Strategy(ABC):
         (FSDP's mesh), for the run's record; "" where the config alone says it."""
         return ""
 
+    @property
+    def figures_group(self):
+        """The group that holds the ranks `process_group` leaves out (the tensor-parallel
+        group), over which the ranks' figures are completed; None: it leaves none out."""
+        return None
+
+    def mesh_coordinates(self) -> tuple[tuple[tuple[str, int], ...], ...]:
+        """Each rank's place on the mesh by dimension, in rank order (`(("dp", 1), ("tp",
+        0))`), where the ranks are more than their data-parallel rank; () elsewhere."""
+        return ()
+
     def record_files(self) -> dict[str, str]:
         """Files of the strategy's own configuration the run's record keeps (name → text)."""
         return {}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -123,6 +124,7 @@ class FSDP(Strategy):
         self._dp_group = None
         """The data-parallel ranks' group under tensor parallelism (set at build)."""
         self._tp_group = None
+        self._grid = None  # the (replicate, shard or dp, tp) mesh under tensor parallelism
         self._tp_across = 0
         """Tensor-parallel groups whose ranks the placement put on more than one node."""
         self._tp_per_micro: GroupCalls | None = None
@@ -210,6 +212,7 @@ class FSDP(Strategy):
             apply_plan(module, grid["tp"], plan)
             self._dp_group = dp.get_group()
             self._tp_group = grid["tp"].get_group()
+            self._grid = grid
         else:
             self.mesh = mesh_shape(self.replicate, nodes)
             mesh = build_mesh(device.type, self.mesh, nodes)
@@ -241,6 +244,19 @@ class FSDP(Strategy):
         """Under tensor parallelism the data-parallel ranks' group: the window's counts are
         summed over it (each tensor-parallel group reads the same rows)."""
         return self._dp_group
+
+    @property
+    def figures_group(self):
+        return self._tp_group
+
+    def mesh_coordinates(self) -> tuple[tuple[tuple[str, int], ...], ...]:
+        if self._grid is None:
+            return ()
+        ranks, names = self._grid.mesh, self._grid.mesh_dim_names
+        places: dict[int, tuple[tuple[str, int], ...]] = {}
+        for index in itertools.product(*map(range, ranks.shape)):
+            places[int(ranks[index])] = tuple(zip(names, index, strict=True))
+        return tuple(places[r] for r in sorted(places))
 
     def describe_mesh(self) -> str:
         if self.tensor_parallel > 1 and self.mesh is not None:

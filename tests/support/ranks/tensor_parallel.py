@@ -89,7 +89,8 @@ def run_phase(case: TPCase, rank: int, world: int, folder: Path, phase: str) -> 
     steps = []
     for window in windows:
         mine = M.rank_share(window, here, dp)
-        steps.append(step(M.micro_batches(mine, M.MICRO, dp, len(window)), loss_fn, count))
+        mbs = M.micro_batches(mine, M.MICRO, dp, len(window))
+        steps.append(step(mbs, loss_fn, count, figures=[float(rank), float(here)]))
     # the tensor-parallel group's collectives each window counted, with its micro-steps
     calls = [(r.tensor_parallel_calls, r.micro_steps) for r in steps]
     if phase == "A" and case.resume:
@@ -98,7 +99,11 @@ def run_phase(case: TPCase, rank: int, world: int, folder: Path, phase: str) -> 
             torch.save(whole, folder / "state.pt")
         return None
     full = full_weights(strategy.unwrapped())  # a collective: every rank gathers
-    return {"params": full, "mesh": strategy.describe_mesh(), "calls": calls} if rank == 0 else None
+    if rank != 0:
+        return None
+    # every rank's figures (its rank, its data-parallel rank) and its place on the mesh
+    seen = {"figures": steps[-1].figures_by_rank, "places": strategy.mesh_coordinates()}
+    return {"params": full, "mesh": strategy.describe_mesh(), "calls": calls, **seen}
 
 
 run_group = functools.partial(M.run_group, body=run_phase)

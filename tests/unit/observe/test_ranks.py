@@ -89,6 +89,16 @@ def test_a_straggler_is_named_within_two_intervals_and_an_even_run_names_none(
         assert s.part in s.describe()
 
 
+def test_a_straggler_on_a_mesh_is_named_with_its_place():
+    places = [f"dp {r // 2} · tp {r % 2}" for r in range(4)]
+    watch = StragglerJudge(2, nodes=[f"n{r}" for r in range(4)], places=places)
+    ((_, s),) = run(watch, [even(**SLOW_COMPUTE)] * 4)
+    assert s.place == places[s.rank] and f"rank {s.rank} ({places[s.rank]}) on node" in (
+        s.console_line()
+    )
+    assert f"({places[s.rank]})" in s.describe()
+
+
 def test_the_window_and_interval_figures():
     watch = StragglerJudge(3, nodes=())
     reports = even(3, r1={"compute": 0.5, "device": 300.0})

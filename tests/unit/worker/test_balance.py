@@ -79,3 +79,22 @@ def test_every_rank_decides_alike(order):
         measure(balancer, (21, 21, 22), [0.013, 0.011, 0.017])
         runs.append(balancer.decide((21, 21, 22), micro=4))
     assert runs[0] == runs[1] and runs[0] is not None
+
+
+def test_under_tensor_parallelism_a_share_takes_its_slowest_ranks_time():
+    """Four ranks, two per share (dp 0: ranks 0, 1; dp 1: ranks 2, 3, as the mesh places them):
+    rank 3 is slow, so share 1 is, whatever its fast peer measured."""
+    from rayacc.worker.telemetry import _owners
+
+    places = [(("dp", d), ("tp", t)) for d in (0, 1) for t in (0, 1)]
+    owners = _owners(places)
+    assert owners == (0, 0, 1, 1)
+    balancer = ShareBalancer()
+    shares = (32, 32)
+    for _ in range(EVERY + 1):
+        before = balancer._pending
+        ran = [] if before is None else [0.01 * before[o] * (3 if r == 3 else 1)
+                                         for r, o in enumerate(owners)]  # fmt: skip
+        balancer.window(shares, figures(ran), owners)
+    new, _ = balancer.decide(shares, micro=4)
+    assert new[1] < 32 < new[0]

@@ -47,9 +47,10 @@ def test_the_noise_scale_is_the_ratio_of_the_smoothed_estimates():
 
     def telemetry_of(noise: NoiseScale) -> Telemetry:
         step = SimpleNamespace(settle_noise=settled.pop)
-        setup = SimpleNamespace(
-            peak_tflops=None, noise=noise, parts=SimpleNamespace(accumulate=step)
+        parts = SimpleNamespace(
+            accumulate=step, strategy=SimpleNamespace(mesh_coordinates=lambda: ())
         )
+        setup = SimpleNamespace(peak_tflops=None, noise=noise, parts=parts)
         return Telemetry(0, setup, token_items=False)
 
     telemetry = telemetry_of(NoiseScale())
