@@ -25,17 +25,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
     )
 
     cfg = _load(args)
-    if cfg.train.tensor_parallel > 1 and args.memory and not args.search:
-        from rayacc.config.errors import ConfigError, ConfigIssue
-
-        issue = ConfigIssue(
-            "train.tensor_parallel",
-            "the memory estimate does not cover tensor parallelism yet (the search's prior "
-            "does: --search)",
-            cfg.train.tensor_parallel,
-            "plan without --memory, or with --search, or with train.tensor_parallel=1",
-        )
-        raise ConfigError([issue], cfg.source_file)
     if args.search:
         return _plan_search(args, cfg)
     for flag, given in (("--budget-s", args.budget_s), ("--top", args.top), ("--out", args.out)):
@@ -122,13 +111,24 @@ def _print_memory(cfg, split) -> None:
     micro = cfg.batch.fixed_micro_batch_size
     trainable = prep.trainable_parameters
     adapters = "" if trainable is None else f" of which {trainable:,} train (LoRA)"
+    tp, keep = cfg.train.tensor_parallel, 1.0
+    if tp > 1:
+        from rayacc.models import build_on_meta
+        from rayacc.planner.search import tensor_plan
+
+        # what the model's plan splits: a rank holds and computes its share of those layers
+        keep = tensor_plan(build_on_meta(cfg, prep.info), 1, 4).keep(tp)
+    mesh = (
+        f" in tensor-parallel groups of {tp}: each rank {keep:.0%} of the model" if tp > 1 else ""
+    )
     print(
         f"memory per rank, MiB (estimate; {prep.num_parameters:,} parameters{adapters}, fp32, "
-        f"{split.num_workers} workers, activations of one micro-batch of {micro or '?'})"
+        f"{split.num_workers} workers{mesh}, activations of one micro-batch of {micro or '?'})"
     )
-    print(f"  {'strategy':24} {'params':>9} {'grads':>9} {'optimizer':>9} {'activations':>11}")
+    width = 24 if tp == 1 else 30
+    print(f"  {'strategy':{width}} {'params':>9} {'grads':>9} {'optimizer':>9} {'activations':>11}")
     for label, params, grads, optim, acts in memory_per_rank(
-        cfg, prep.info, prep.num_parameters, split.num_workers, trainable
+        cfg, prep.info, prep.num_parameters, split.num_workers, trainable, keep
     ):
         act = f"{acts:11.1f}" if acts is not None else f"{'n/a':>11}"
-        print(f"  {label:24} {params:9.1f} {grads:9.1f} {optim:9.1f} {act}")
+        print(f"  {label:{width}} {params:9.1f} {grads:9.1f} {optim:9.1f} {act}")

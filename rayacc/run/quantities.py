@@ -16,7 +16,7 @@ from rayacc.config.batch_split import BatchSplit, BatchSplitError, split_for_wor
 from rayacc.data.order import DataOrder, EpochLayout
 from rayacc.data.sources import DatasetInfo, RowGroups
 from rayacc.engine.lr import effective_lr
-from rayacc.engine.parallel import strategy_classes
+from rayacc.engine.parallel import strategy_class, strategy_classes
 from rayacc.engine.random_state import rank_seed
 from rayacc.optim import optimizer_slots
 from rayacc.redact import redact
@@ -410,22 +410,32 @@ def memory_per_rank(
     num_parameters: int,
     workers: int,
     trainable: int | None = None,
+    keep: float = 1.0,
 ):
     """Estimated memory per rank (MiB) for each strategy: parameters, gradients and optimizer
     state (fp32, AdamW 2 slots, SGD with momentum 1; of the `trainable` parameters only, where
     a base is frozen), and activations of one micro-batch from a simple model of the `gpt` and
-    `mlp` models (None for a factory model). Rows: (label, params, grads, optimizer, acts)."""
+    `mlp` models (None for a factory model). Rows: (label, params, grads, optimizer, acts).
+    Under `train.tensor_parallel` T, the configured strategy's rows only, each rank holding
+    and computing `keep` of the model (the planner's `TensorPlan.keep(T)`); a sharded state
+    is split over the shard group (the data-parallel ranks over `fsdp.replicate`'s groups,
+    counted as 1 where `auto` waits for the placement)."""
     mib = 4 / 2**20  # fp32 bytes per value, in MiB
     slots = optimizer_slots(cfg.optim)
     micro = cfg.batch.fixed_micro_batch_size
     acts = _activations_per_sample(cfg, info)
-    acts = acts * micro / 2**20 if acts is not None and micro else None
-    p = num_parameters * mib
+    acts = acts * micro * keep / 2**20 if acts is not None and micro else None
+    p = num_parameters * mib * keep
     share = 1.0 if trainable is None else trainable / max(1, num_parameters)
+    tp = cfg.train.tensor_parallel
+    classes = strategy_classes().values() if tp == 1 else [strategy_class(cfg.train.strategy)]
+    mesh = f" × tp {tp}" if tp > 1 else ""
+    replicate = cfg.fsdp.replicate if isinstance(cfg.fsdp.replicate, int) else 1
+    shards = max(1, workers // tp // replicate)
     return [
-        (label, params, grads * share, state * share, a)
-        for cls in strategy_classes().values()
-        for label, params, grads, state, a in cls.memory_rows(p, workers, slots, acts)
+        (label + mesh, params, grads * share, state * share, a)
+        for cls in classes
+        for label, params, grads, state, a in cls.memory_rows(p, shards, slots, acts)
     ]
 
 

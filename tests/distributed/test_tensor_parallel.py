@@ -105,3 +105,19 @@ def test_every_rank_of_the_mesh_reports_its_figures(results, case):
     owners = _owners(got["places"])
     assert got["figures"] == tuple((float(r), float(owners[r])) for r in range(4))
     assert sorted(owners) == [0, 0, 1, 1]
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if not c.resume], ids=TPCase.label)
+def test_the_memory_estimates_share_is_what_a_rank_holds(results, case):
+    """`plan --memory` (and the planner's prior) count a rank's parameters as its share of
+    what the plan splits plus the layers left whole, over the ranks sharding it
+    (`TensorPlan.keep`): within 10 % of what rank 0 of the real mesh holds (FSDP pads its
+    shards; a fused bias the plan names stays whole)."""
+    from rayacc.models import build_on_meta
+    from rayacc.planner.search import tensor_plan
+
+    model = build_on_meta(case.config(), M.dataset())
+    total = sum(p.numel() for p in model.parameters())
+    shards = case.dp // case.replicate  # HSDP: sharded inside each replica group
+    estimate = total * tensor_plan(model, 1, 4).keep(case.tp) / shards
+    assert results[case.index]["held"] == pytest.approx(estimate, rel=0.1), case.label()

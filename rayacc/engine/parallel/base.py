@@ -202,7 +202,8 @@ class Strategy(ABC):
         cls, params: float, workers: int, slots: int, activations: float | None
     ) -> list[tuple[str, float, float, float, float | None]]:
         """The estimate `rayacc plan` shows per rank: (label, parameters, gradients, optimizer
-        state, activations), in the unit of `params` (the whole model's parameters)."""
+        state, activations), in the unit of `params` (the model's parameters a rank's group
+        holds); `workers`: the ranks a sharded state is split over."""
         return [(cls.name, params, params, slots * params, activations)]
 
     @classmethod

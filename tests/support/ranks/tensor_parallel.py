@@ -103,6 +103,8 @@ def run_phase(case: TPCase, rank: int, world: int, folder: Path, phase: str) -> 
         return None
     # every rank's figures (its rank, its data-parallel rank) and its place on the mesh
     seen = {"figures": steps[-1].figures_by_rank, "places": strategy.mesh_coordinates()}
+    # the parameters rank 0 holds: its shard of its share of the model
+    seen["held"] = sum(getattr(p, "to_local", lambda p=p: p)().numel() for p in model.parameters())
     return {"params": full, "mesh": strategy.describe_mesh(), "calls": calls, **seen}
 
 

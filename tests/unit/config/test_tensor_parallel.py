@@ -131,15 +131,55 @@ def test_a_model_without_a_plan_or_heads_that_do_not_divide_are_named_before_lau
         prepare(TrainConfig.from_dict({**base, "model": factory}))
 
 
-def test_the_memory_estimate_says_it_does_not_cover_tensor_parallelism(tmp_path, capsys):
+def test_the_memory_estimate_covers_tensor_parallelism(tmp_path, capsys):
+    """`plan --memory` under TP: the configured strategy's rows, each rank holding its share
+    of the model (what the plan splits, over T) sharded over the data-parallel ranks — the
+    planner's `TensorPlan.keep`, checked against a real mesh's shards in
+    `distributed/test_tensor_parallel.py`."""
     import yaml
 
     from rayacc.cli import main
+    from rayacc.driver.prelaunch import prepare
+    from rayacc.models import build_on_meta
+    from rayacc.planner.search import tensor_plan
 
+    spec = with_(data={"source": "shakespeare", "seq_len": 16})
     job = tmp_path / "job.yaml"
-    job.write_text(yaml.safe_dump(BASE))
+    job.write_text(yaml.safe_dump(spec))
     assert main(["plan", "-c", str(job)]) == 0
     assert "× data-parallel ranks 2 (4 workers" in capsys.readouterr().out
-    assert main(["plan", "-c", str(job), "--memory"]) == 2
-    err = capsys.readouterr().err
-    assert "train.tensor_parallel: the memory estimate does not cover" in err, err
+    assert main(["plan", "-c", str(job), "--memory"]) == 0
+    out = capsys.readouterr().out
+    cfg = TrainConfig.from_dict(spec)
+    prep = prepare(cfg)
+    keep = tensor_plan(build_on_meta(cfg, prep.info), 1, 4).keep(2)
+    assert 0.5 < keep < 1 and f"each rank {keep:.0%} of the model" in out, out
+    rows = {line.split()[1]: line.split() for line in out.splitlines() if "× tp 2" in line}
+    assert set(rows) == {"every_micro_step", "window_end"}, out  # fsdp's rows only
+    shard = prep.num_parameters * keep / 2 * 4 / 2**20
+    assert float(rows["every_micro_step"][5]) == pytest.approx(shard, abs=0.05), out
+
+
+def test_the_memory_estimate_shards_over_the_shard_group_under_hsdp():
+    """`fsdp.replicate`: the state is sharded inside each replica group, so a rank holds
+    1 / (workers / replicate) of it (it was counted over every worker)."""
+    from rayacc.data.bundled import prepare_bundled
+    from rayacc.data.sources import read_source
+    from rayacc.run.quantities import memory_per_rank
+
+    info = read_source(str(prepare_bundled("digits"))).info
+    rows = {}
+    for replicate in (1, 2):
+        cfg = TrainConfig.from_dict(
+            {
+                "model": {"name": "mlp"},
+                "batch": {"global_batch_size": 32, "micro_batch_size": 4},
+                "train": {"strategy": "fsdp"},
+                "fsdp": {"replicate": replicate},
+                "scaling": {"num_workers": 4},
+            }
+        )
+        rows[replicate] = {r[0]: r for r in memory_per_rank(cfg, info, 4 * 2**18, 4)}
+    one, two = rows[1]["fsdp every_micro_step"], rows[2]["fsdp every_micro_step"]
+    assert one[1] == 1.0 and two[1] == 2.0  # MiB of a 4 MiB model: a quarter, then a half
+    assert rows[1]["ddp"] == rows[2]["ddp"]
