@@ -12,6 +12,7 @@ from typing import Any
 
 from rayacc.redact import redact
 from rayacc.tracking.lookup import ReportError, resolve_parent
+from rayacc.tracking.plots import legend_beside
 
 __all__ = ["Report", "ReportError", "TrialRow", "build_report", "write_report"]
 
@@ -299,7 +300,7 @@ def _plot_xy(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    fig, ax = plt.subplots(figsize=(8.5, 4.2))
     every = max(1, max((len(x) for x, _ in series.values()), default=1) // 8)
     # a trial's label, a title or a note may quote a setting: the picture is a file rayacc writes
     title, note = redact(title), redact(note)
@@ -326,7 +327,7 @@ def _plot_xy(
     ax.set_title(title)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
-    ax.legend(fontsize=7)
+    legend_beside(ax)
     if note:
         ax.text(0.01, 0.01, note, transform=ax.transAxes, fontsize=7, va="bottom")
     fig.tight_layout()

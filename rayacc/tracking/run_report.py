@@ -14,6 +14,7 @@ from pathlib import Path
 
 from rayacc.observe.goodput import PARTS, describe
 from rayacc.redact import redact
+from rayacc.tracking.plots import legend_beside
 
 __all__ = ["RunReport", "build_run_report", "write_run_report"]
 
@@ -195,7 +196,7 @@ def write_run_report(report: RunReport, out_dir: str | Path) -> list[Path]:
 def _ranks_png(report: RunReport, path: Path, plt) -> Path:
     """One line per rank: its own time per window (compute, data wait, optimizer) at each
     logging interval; a straggler's line red and thick, the others thin."""
-    fig, ax = plt.subplots(figsize=(7, 3.5))
+    fig, ax = plt.subplots(figsize=(8.5, 3.5))
     slow = set(report.stragglers)
     many = len(report.ranks) > 16  # one legend entry per rank stops being readable
     for rank, points in sorted(report.ranks.items()):
@@ -214,7 +215,7 @@ def _ranks_png(report: RunReport, path: Path, plt) -> Path:
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("own time per window (ms)\n(all but waiting for peers)", fontsize=9)
     ax.set_ylim(bottom=0)
-    ax.legend(fontsize=7)
+    legend_beside(ax)
     ax.set_title(redact(f"run {report.name}: each rank's own time"), fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
