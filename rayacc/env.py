@@ -15,6 +15,7 @@ __all__ = [
     "VARIABLES",
     "VERBOSE",
     "cache_dir",
+    "plain_ray_lines",
     "umask_modes",
     "verbose",
 ]
@@ -35,6 +36,16 @@ def verbose() -> bool:
 
 def cache_dir() -> Path:
     return Path(os.environ.get(CACHE, Path.home() / ".cache" / "rayacc"))
+
+
+def plain_ray_lines() -> None:
+    """Ray colours the prefix of the lines it relays (`(raylet)`, a worker's pid) whatever the
+    console: in a file or a pipe they arrive as raw escape codes. Off there, before Ray
+    starts, unless the user set Ray's own `RAY_COLOR_PREFIX`."""
+    import sys
+
+    if not (sys.stdout.isatty() and sys.stderr.isatty()):
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
 
 
 FIELD_VARIABLES = {

@@ -26,6 +26,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from rayacc import env
 from rayacc.data.common import ORIGIN_KEY, TOKENIZER_KEY, VOCAB_SIZE_KEY, DataError
 from rayacc.data.reads import filesystem_and_path
 
@@ -378,6 +379,7 @@ def _shuffle(
     import ray.data
 
     if not ray.is_initialized():
+        env.plain_ray_lines()
         ray.init(address="local", include_dashboard=False, log_to_driver=False)
     ray.data.DataContext.get_current().enable_progress_bars = False
     schema = pq.read_schema(sorted(source.glob("*.parquet"))[0])

@@ -115,6 +115,7 @@ def ensure_ray(scaling: ScalingConfig) -> None:
 
     if ray.is_initialized():
         return
+    env.plain_ray_lines()
     if address := os.environ.get("RAY_ADDRESS"):
         from rayacc.driver.arguments import address_problem
         from rayacc.driver.places import PlaceError
