@@ -3,8 +3,8 @@ function of the samples trained (a batch-size warmup, Megatron's step schedule):
 `from_samples` (a token job: `from_tokens`) on, a phase's global batch; or `auto`: it follows
 the gradient noise scale in powers of two within `batch.min_global_batch_size` /
 `max_global_batch_size`; accumulation is re-derived and the LR follows `optim.lr_scaling` at
-each phase. `batch.balance: auto`: the
-ranks' shares of a window follow their measured time per row (worker/balance.py)."""
+each phase. `batch.balance: auto`: the ranks' shares of a window follow their measured time
+per row (worker/balance.py)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ __all__ = [
     "BatchPhase",
     "auto_sizes",
     "balance_rules",
+    "declared_batches",
     "schedule_rules",
 ]
 
@@ -88,15 +89,28 @@ def auto_sizes(batch) -> list[int]:
     return sizes
 
 
-def _auto_rules(batch, scaling, train, refuse) -> list[tuple[str, int]]:
-    """What `auto` needs (or, without it, that its bounds are not set): the sizes it may run,
-    named by the field that brings them."""
+def declared_batches(batch) -> list[tuple[str, int]]:
+    """The global batches a BatchConfig's schedule declares besides the configured one, each
+    named by the field that brings it: a listed phase's, or a size `auto` may run."""
+    if batch.schedule == "auto":
+        g = batch.global_batch_size
+        return [
+            (f"batch.{'min' if size < g else 'max'}_global_batch_size", size)
+            for size in auto_sizes(batch)
+            if size != g
+        ]
+    at = "batch.schedule[{}].global_batch_size"
+    return [(at.format(i), p.global_batch_size) for i, p in enumerate(batch.schedule)]
+
+
+def _auto_rules(batch, scaling, train, refuse) -> None:
+    """What `auto` needs (or, without it, that its bounds are not set)."""
     auto = batch.schedule == "auto"
     for bound in ("min_global_batch_size", "max_global_batch_size"):
         if getattr(batch, bound) is not None and not auto:
             refuse(f"batch.{bound}", "bounds batch.schedule: auto only", "remove it, or set it")
     if not auto:
-        return []
+        return
     if batch.max_global_batch_size is None:
         refuse("batch.max_global_batch_size", "is required with batch.schedule: auto", "set it")
     elif batch.global_batch_size is not None and not auto_sizes(batch):
@@ -123,12 +137,6 @@ def _auto_rules(batch, scaling, train, refuse) -> list[tuple[str, int]]:
             "one rank measures no gradient noise scale (batch.schedule: auto follows it)",
             "run 2 or more workers, or give batch.schedule its phases",
         )
-    g = batch.global_batch_size
-    return [
-        (f"batch.{'min' if size < g else 'max'}_global_batch_size", size)
-        for size in auto_sizes(batch)
-        if size != g
-    ]
 
 
 def schedule_rules(sections: dict) -> list:
@@ -145,13 +153,11 @@ def schedule_rules(sections: dict) -> list:
 
     if batch is None:
         return []
-    sizes = _auto_rules(batch, scaling, train, refuse)
+    _auto_rules(batch, scaling, train, refuse)
     phases = batch.schedule
     if not phases:
         return issues
     if phases != "auto":
-        at = "batch.schedule[{}].global_batch_size"
-        sizes = [(at.format(i), p.global_batch_size) for i, p in enumerate(phases)]
         units = {p.unit for p in phases}
         if len(units) > 1:
             refuse("batch.schedule", "its phases mix from_samples and from_tokens", "count in one")
@@ -182,7 +188,7 @@ def schedule_rules(sections: dict) -> list:
     if issues or scaling is None:
         return issues
     tp = train.tensor_parallel if train is not None else 1
-    for path, size in sizes:
+    for path, size in declared_batches(batch):
         try:
             base = resolve_batch_split(
                 num_workers=scaling.max_workers,

@@ -251,12 +251,12 @@ def _adapters(cfg, prep) -> str:
 def run_header(cfg, prep, data_path: str) -> list[str]:
     """The lines a run starts with: the batch arithmetic, the LR, how it computes, the data and
     the model (`prep`: the driver's Prepared)."""
-    from rayacc.run.quantities import lr_explanation, phases_summary, tokens_per_sample
+    from rayacc.run.quantities import lr_explanation, phases_summary
 
     return [
         prep.split.describe(),
         lr_explanation(cfg, prep.split),
-        *phases_summary(cfg, tokens_per_sample(prep.spec.info)),
+        *phases_summary(cfg, prep.spec.phases),
         strategy_line(cfg),
         f"data: {data_path} — {prep.layout.describe()}",
         f"model: {cfg.model.name}, {prep.num_parameters:,} parameters{_adapters(cfg, prep)}; "

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from rayacc.config import TrainConfig
-from rayacc.config.batch_schedule import FOLLOW_EVERY, auto_sizes
+from rayacc.config.batch_schedule import FOLLOW_EVERY, auto_sizes, declared_batches
 from rayacc.config.batch_split import BatchSplit, BatchSplitError, split_for_workers
 from rayacc.data.order import DataOrder, EpochLayout
 from rayacc.data.sources import DatasetInfo, RowGroups
@@ -92,13 +92,9 @@ def check_batches(cfg: TrainConfig, info: DatasetInfo, rows: int) -> None:
     `from_tokens` on rows that are not tokens or two of them in the same sample."""
     from rayacc.data.common import DataError
 
-    at, where = "batch.schedule[{}].global_batch_size", f"data.source {info.path}"
-    listed = cfg.batch.schedule if cfg.batch.schedule != "auto" else []
-    batches = [(at.format(i), p.global_batch_size) for i, p in enumerate(listed)]
-    if cfg.batch.schedule == "auto":
-        batches = [("batch.max_global_batch_size", max(auto_sizes(cfg.batch)))]
+    where = f"data.source {info.path}"
     base = ("batch.global_batch_size", cfg.batch_split().global_batch_size)
-    field, g = max([base, *batches], key=lambda b: b[1])
+    field, g = max([base, *declared_batches(cfg.batch)], key=lambda b: b[1])
     if rows < g:
         raise DataError(
             f"{field}={g} is more than the {rows} training rows of {where} (after "
@@ -106,6 +102,7 @@ def check_batches(cfg: TrainConfig, info: DatasetInfo, rows: int) -> None:
             f"at most {rows}, lower data.val_fraction, or add data"
         )
     per_sample = tokens_per_sample(info)
+    listed = cfg.batch.schedule if cfg.batch.schedule != "auto" else []
     starts = [p.start(per_sample) for p in listed if p.from_tokens is not None]
     if starts and per_sample is None:
         raise DataError(
@@ -139,10 +136,12 @@ def batch_phases(cfg: TrainConfig, per_sample: int | None) -> tuple[Phase, ...]:
     return tuple(phases)
 
 
-def phases_summary(cfg: TrainConfig, per_sample: int | None = None) -> list[str]:
-    """A line for each phase of `batch.schedule`: from which sample (or token, and the sample
-    where `per_sample` is known), its split at the most workers and its effective LR."""
-    lines, phases = [], batch_phases(cfg, per_sample)
+def phases_summary(cfg: TrainConfig, phases: tuple[Phase, ...] | None = None) -> list[str]:
+    """A line for each phase of `batch.schedule` (`phases`: the run's, or derived without the
+    data): from which sample (or token, and its sample where the data is known), its split at
+    the most workers and its effective LR."""
+    lines = []
+    phases = batch_phases(cfg, None) if phases is None else phases
     listed = cfg.batch.schedule
     if listed == "auto":
         listed = [None] * len(phases)
@@ -161,7 +160,7 @@ def phases_summary(cfg: TrainConfig, per_sample: int | None = None) -> list[str]
         elif p.from_tokens is None:
             at = f"from sample {p.from_samples}"
         else:
-            known = f" (sample {phase.from_samples})" if per_sample else ""
+            known = f" (sample {phase.from_samples})" if phase.from_samples is not None else ""
             at = f"from token {p.from_tokens}{known}"
         lines.append(f"batch schedule: {at}, {split.describe()}, effective LR {lr:.6g}")
     return lines
@@ -307,12 +306,11 @@ def remaining_epochs(
     return out
 
 
-def phase_sizes(
-    cfg: TrainConfig, reference: BatchSplit, per_sample: int | None
-) -> list[tuple[int, int]]:
-    """(from sample, global batch) of each phase of the run, the configured one from 0."""
+def phase_sizes(reference: BatchSplit, phases: tuple[Phase, ...]) -> list[tuple[int, int]]:
+    """(from sample, global batch) of each phase of a listed schedule, the configured one from
+    0 (`phases`: the run's, `batch_phases`)."""
     sizes = [(0, reference.global_batch_size)]
-    return sizes + [(p.start(per_sample), p.global_batch_size) for p in cfg.batch.schedule]
+    return sizes + [(p.from_samples, p.global_batch_size) for p in phases]
 
 
 def windows_left(

@@ -222,7 +222,7 @@ class RunSpec:
         say)."""
         if not self.phases or self.auto:
             return None
-        sizes = phase_sizes(self.cfg, self.reference, tokens_per_sample(self.info))
+        sizes = phase_sizes(self.reference, self.phases)
         return windows_left(self.length, self.order.num_train_rows, state, sizes, ranks)[0]
 
 
@@ -289,11 +289,12 @@ def derive_run(
     length = RunLength.of(cfg)
     layout = epoch_layout(length, order.num_train_rows, reference)
     total, schedule = total_optimizer_steps(length, layout), schedule_length(length, layout)
-    if cfg.batch.schedule and cfg.batch.schedule != "auto":
+    phases = batch_phases(cfg, tokens_per_sample(info))
+    if phases and cfg.batch.schedule != "auto":
         # the steps and the LR schedule's length as the phases make them
         from rayacc.engine.train_state import TrainState
 
-        sizes = phase_sizes(cfg, reference, tokens_per_sample(info))
+        sizes = phase_sizes(reference, phases)
         ranks = reference.data_parallel
         total, last = windows_left(length, order.num_train_rows, TrainState(), sizes, ranks)
         schedule = (last or 0) / reference.global_batch_size + 1
@@ -313,5 +314,5 @@ def derive_run(
         worker=worker,
         description={"config": cfg.model_dump(mode="json"), "dataset": info.to_dict()},
         record_files=strategy.record_files(),
-        phases=batch_phases(cfg, tokens_per_sample(info)),
+        phases=phases,
     )

@@ -125,6 +125,7 @@ class FSDP(Strategy):
         """The data-parallel ranks' group under tensor parallelism (set at build)."""
         self._tp_group = None
         self._grid = None  # the (replicate, shard or dp, tp) mesh under tensor parallelism
+        self._reduce_scatter = None  # counted reduce-scatters: their probe of the gradients
         self._tp_across = 0
         """Tensor-parallel groups whose ranks the placement put on more than one node."""
         self._tp_per_micro: GroupCalls | None = None
@@ -309,7 +310,7 @@ class FSDP(Strategy):
 
     def local_gradients(self):
         # under tensor parallelism a rank holds a shard of each layer's gradient: not measured
-        counting = getattr(self, "_reduce_scatter", None)
+        counting = self._reduce_scatter
         return counting.local if counting is not None and self.tensor_parallel == 1 else None
 
     def _all_reduced(self, _: torch.Tensor) -> None:

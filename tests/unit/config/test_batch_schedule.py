@@ -119,7 +119,10 @@ def test_a_token_jobs_schedule_may_count_tokens(tmp_path):
     # 8 steps of 8 reach sample 64, past 63: then steps of 16
     assert [e.steps for e in spec.epochs_from(TrainState(), spec.split_at(2), 0)] == [8]
     assert spec.total_steps == 10 and spec.split_at(2, 1).global_batch_size == 16
-    assert phases_summary(cfg, 16)[0].startswith("batch schedule: from token 1000 (sample 63), ")
+    from rayacc.run.quantities import batch_phases
+
+    with_data = phases_summary(cfg, batch_phases(cfg, 16))
+    assert with_data[0].startswith("batch schedule: from token 1000 (sample 63), ")
     assert phases_summary(cfg)[0].startswith("batch schedule: from token 1000, global batch 16")
     for phases, says in (
         ([{"from_tokens": 100, "global_batch_size": 16}, {"from_samples": 99,
