@@ -31,7 +31,9 @@ class BatchSplit:
     grad_accum_steps: int
     num_workers: int
     tensor_parallel: int = 1
-    """Workers per tensor-parallel group: each group reads one share of the batch."""
+    """Workers per tensor-parallel group (each layer split over them)."""
+    pipeline_parallel: int = 1
+    """Pipeline stages: a pipeline's ranks (× its tensor-parallel groups) read one share."""
     shares: tuple[int, ...] = ()
     """Rows of a window per data-parallel rank where the global batch does not split evenly
     over them (an elastic run's size): `even_shares`; empty where every rank takes G / ranks."""
@@ -46,7 +48,12 @@ class BatchSplit:
     @property
     def data_parallel(self) -> int:
         """The ranks the batch splits over: the workers, or their tensor-parallel groups."""
-        return data_parallel_ranks(self.num_workers, self.tensor_parallel)
+        return data_parallel_ranks(self.num_workers, self.model_parallel)
+
+    @property
+    def model_parallel(self) -> int:
+        """Workers that hold one replica's parts and read one share (tensor × pipeline)."""
+        return self.tensor_parallel * self.pipeline_parallel
 
     @property
     def samples_per_worker(self) -> int:
@@ -64,11 +71,13 @@ class BatchSplit:
             f"global batch {self.global_batch_size} = micro {self.micro_batch_size} × "
             f"accum {self.grad_accum_steps} × "
         )
-        if self.tensor_parallel == 1:
+        if self.model_parallel == 1:
             return head + f"workers {self.num_workers}"
+        tp, pp = self.tensor_parallel, self.pipeline_parallel
+        groups = {(tp, 1): f"tensor-parallel groups of {tp}", (1, pp): f"pipelines of {pp} stages"}
+        within = groups.get((tp, pp), f"groups of tensor {tp} × pipeline {pp}")
         return head + (
-            f"data-parallel ranks {self.data_parallel} ({self.num_workers} workers in "
-            f"tensor-parallel groups of {self.tensor_parallel})"
+            f"data-parallel ranks {self.data_parallel} ({self.num_workers} workers in {within})"
         )
 
 
@@ -112,7 +121,7 @@ def even_shares(rows: int, ranks: int) -> tuple[int, ...]:
     return (base + 1,) * extra + (base,) * (ranks - extra)
 
 
-def _uneven(g: int, micro: int, workers: int, ranks: int, tp: int = 1) -> BatchSplit:
+def _uneven(g: int, micro: int, workers: int, ranks: int) -> BatchSplit:
     """G over `ranks` by `even_shares`: every rank runs as many micro-steps as the largest
     share needs at `micro`, each of at most `micro` rows (collectives pair up on every rank)."""
     shares = even_shares(g, ranks)
@@ -126,13 +135,13 @@ def _uneven(g: int, micro: int, workers: int, ranks: int, tp: int = 1) -> BatchS
             "of micro-steps",
             f"set {MICRO} to 2 or more, or use sizes that divide {GLOBAL}={g}",
         )
-    return BatchSplit(g, micro, steps, workers, tp, shares)
+    return BatchSplit(g, micro, steps, workers, shares=shares)
 
 
-def data_parallel_ranks(workers: int, tensor_parallel: int) -> int:
-    """The ranks among `workers` the batch splits over: a tensor-parallel group of
-    `tensor_parallel` reads one share (a count it does not divide is refused by the rules)."""
-    return max(1, workers // tensor_parallel)
+def data_parallel_ranks(workers: int, model_parallel: int) -> int:
+    """The ranks among `workers` the batch splits over: a group of `model_parallel` (tensor ×
+    pipeline) reads one share (a count it does not divide is refused by the rules)."""
+    return max(1, workers // model_parallel)
 
 
 def resolve_batch_split(
@@ -142,6 +151,7 @@ def resolve_batch_split(
     micro_batch_size: int | None = None,
     grad_accum_steps: int | None = None,
     tensor_parallel: int = 1,
+    pipeline_parallel: int = 1,
     uneven: bool = False,
 ) -> BatchSplit:
     """Completes the batch split for `num_workers` workers (in tensor-parallel groups of
@@ -157,7 +167,8 @@ def resolve_batch_split(
     field and the nearest valid values.
     """
     _check_positive(num_workers, global_batch_size, micro_batch_size, grad_accum_steps)
-    ranks = _Ranks(data_parallel_ranks(num_workers, tensor_parallel), num_workers, tensor_parallel)
+    tp, pp = tensor_parallel, pipeline_parallel
+    ranks = _Ranks(data_parallel_ranks(num_workers, tp * pp), num_workers, tp, pp)
     g, w = global_batch_size, ranks.w
     if uneven and g is not None and g % w and g >= w and grad_accum_steps is None:
         largest = -(-g // w)
@@ -168,9 +179,10 @@ def resolve_batch_split(
                 f"batch ({GLOBAL}={g} over {ranks}: {' + '.join(map(str, even_shares(g, w)))})",
                 f"set {MICRO} to at most {largest}",
             )
-        return _uneven(g, micro_batch_size or largest, num_workers, w, tensor_parallel)
-    split = _resolve(ranks, global_batch_size, micro_batch_size, grad_accum_steps)
-    return replace(split, num_workers=num_workers, tensor_parallel=tensor_parallel)
+        split = _uneven(g, micro_batch_size or largest, num_workers, w)
+    else:
+        split = _resolve(ranks, global_batch_size, micro_batch_size, grad_accum_steps)
+    return replace(split, num_workers=num_workers, tensor_parallel=tp, pipeline_parallel=pp)
 
 
 @dataclass(frozen=True)
@@ -180,27 +192,33 @@ class _Ranks:
     w: int
     workers: int
     tp: int
+    pp: int = 1
 
     @property
     def factor(self) -> str:
-        return WORKERS if self.tp == 1 else "data-parallel ranks"
+        return WORKERS if self.group == 1 else "data-parallel ranks"
+
+    @property
+    def group(self) -> int:
+        return self.tp * self.pp
 
     def __str__(self) -> str:
-        if self.tp == 1:
+        if self.group == 1:
             return f"{WORKERS}={self.w}"
-        return (f"the data-parallel ranks ({WORKERS}={self.workers} / "
-                f"train.tensor_parallel={self.tp} = {self.w})")  # fmt: skip
+        degrees = " × ".join(f"train.{kind}_parallel={n}" for kind, n in
+                             (("tensor", self.tp), ("pipeline", self.pp)) if n > 1)  # fmt: skip
+        return f"the data-parallel ranks ({WORKERS}={self.workers} / {degrees} = {self.w})"
 
     def share(self, g: int, per: int) -> str:
-        if self.tp == 1:
+        if self.group == 1:
             return f"({GLOBAL}={g} / {self} = {per})"
         return f"({GLOBAL}={g} over {self}: {per})"
 
     @property
     def other_count(self) -> str:
-        if self.tp == 1:
+        if self.group == 1:
             return "a worker count dividing"
-        return f"a {WORKERS} whose groups of {self.tp} divide"
+        return f"a {WORKERS} whose groups of {self.group} divide"
 
 
 def _resolve(

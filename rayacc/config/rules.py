@@ -13,6 +13,7 @@ from rayacc.config.batch_split import (
 )
 from rayacc.config.errors import MISSING, ConfigIssue
 from rayacc.config.finetune import finetune_rules
+from rayacc.config.parallel import pipeline_rules, tensor_parallel_rules
 from rayacc.config.strategies import strategies, strategy_sections
 
 # the sections (config/schema.py) arrive as arguments: this module imports nothing of the schema,
@@ -167,11 +168,14 @@ def _auto_micro_batch_rules(batch: BatchConfig, scaling: ScalingConfig | None) -
     return issues
 
 
-def _batch_plan_rules(batch: BatchConfig, scaling: ScalingConfig, tp: int) -> list[ConfigIssue]:
+def _batch_plan_rules(
+    batch: BatchConfig, scaling: ScalingConfig, tp: int, pp: int = 1
+) -> list[ConfigIssue]:
     try:
         base = resolve_batch_split(
             num_workers=scaling.max_workers,
             tensor_parallel=tp,
+            pipeline_parallel=pp,
             global_batch_size=batch.global_batch_size,
             micro_batch_size=batch.fixed_micro_batch_size,
             grad_accum_steps=batch.grad_accum_steps,
@@ -209,46 +213,6 @@ def _planned_micro_batch_rules(
         except BatchSplitError as exc:
             if exc.field == "batch.micro_batch_by_workers":
                 issues.append(ConfigIssue(exc.field, exc.problem, planned, exc.fix))
-    return issues
-
-
-def _tensor_parallel_rules(
-    train: TrainSection, sections: dict[str, Any], scaling: ScalingConfig | None
-) -> list[ConfigIssue]:
-    """Tensor parallelism: under a strategy that composes with it (the registry says which), a
-    fixed worker count it divides, whole heads per rank, a model that declares a plan (an `hf`
-    architecture's is checked before launch)."""
-    tp = train.tensor_parallel
-    if tp == 1:
-        return []
-    field, issues = "train.tensor_parallel", []
-
-    def refuse(problem: str, fix: str) -> None:
-        issues.append(ConfigIssue(field, problem, tp, fix))
-
-    why = strategies()[train.strategy].without_tensor_parallel
-    if why is not None:
-        able = [e.name for e in strategies().values() if e.without_tensor_parallel is None]
-        refuse(f"does not compose with train.strategy={train.strategy}: {why}",
-               f"set train.strategy={' or '.join(able)}, or train.tensor_parallel=1")  # fmt: skip
-    model = sections.get("model")
-    if scaling is not None and scaling.elastic:
-        refuse("an elastic group's size cannot be held to multiples of it",
-               "give scaling.num_workers one count")  # fmt: skip
-    elif scaling is not None and scaling.min_workers % tp:
-        refuse(f"does not divide scaling.num_workers={scaling.min_workers}",
-               f"set scaling.num_workers to a multiple of {tp}")  # fmt: skip
-    if scaling is not None and scaling.placement_strategy in ("SPREAD", "STRICT_SPREAD"):
-        # its all-reduces run every layer: across nodes they would cross the slow links
-        refuse(f"needs each tensor-parallel group on one node, which "
-               f"scaling.placement_strategy={scaling.placement_strategy} spreads over nodes",
-               "set scaling.placement_strategy=PACK, or train.tensor_parallel=1")  # fmt: skip
-    if model is not None and model.name == "gpt" and model.n_head % tp:
-        refuse(f"does not divide model.n_head={model.n_head} (each rank takes whole heads)",
-               "choose a train.tensor_parallel that divides model.n_head")  # fmt: skip
-    if model is not None and model.name == "mlp":
-        refuse("the mlp model declares no tensor-parallel plan",
-               "use model.name=gpt or hf, or train.tensor_parallel=1")  # fmt: skip
     return issues
 
 
@@ -310,12 +274,14 @@ def cross_field_issues(sections: dict[str, Any]) -> list[ConfigIssue]:
     train = sections.get("train")
     if train is not None:
         issues += _other_strategys_settings(train, sections)
-        issues += _tensor_parallel_rules(train, sections, scaling)
+        issues += tensor_parallel_rules(train, sections, scaling)
+        issues += pipeline_rules(train, sections, scaling)
         rules = strategies()[train.strategy].rules
         issues += rules(sections, scaling) if rules is not None else []
     if batch is not None:
         issues += _auto_micro_batch_rules(batch, scaling)
         if scaling is not None:
             tp = train.tensor_parallel if train is not None else 1
-            issues += _batch_plan_rules(batch, scaling, tp)
+            pp = train.pipeline_parallel if train is not None else 1
+            issues += _batch_plan_rules(batch, scaling, tp, pp)
     return issues

@@ -7,7 +7,7 @@ import os
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
+from pydantic import BaseModel, Field, PrivateAttr, ValidationError
 
 from rayacc.config.batch_schedule import BatchPhase
 from rayacc.config.batch_split import BatchSplit, resolve_batch_split
@@ -16,6 +16,13 @@ from rayacc.config.errors import ConfigError, ConfigIssue, issues_from_validatio
 from rayacc.config.finetune import LoraConfig
 from rayacc.config.loader import read_yaml
 from rayacc.config.overrides import apply_overrides, flatten
+from rayacc.config.parallel import (
+    PIPELINE_SCHEDULES,
+    Count,
+    DeepSpeedConfig,
+    FSDPConfig,
+    Section,
+)
 from rayacc.config.rules import cross_field_issues
 from rayacc.config.strategies import DEFAULT_STRATEGY, strategies
 from rayacc.config.strings import PLACE, string_issues
@@ -34,17 +41,9 @@ __all__ = [
 ]
 
 
-Count = Annotated[int, Field(ge=1)]
 StrategyName = Literal[tuple(strategies())]  # type: ignore[valid-type]
 """The registry's names (config/strategies.py), plugins' included."""
 Beta = Annotated[float, Field(ge=0.0, lt=1.0)]
-
-
-class Section(BaseModel):
-    # attribute docstrings become field descriptions, which error messages quote as the fix
-    model_config = ConfigDict(
-        extra="forbid", use_attribute_docstrings=True, validate_assignment=True
-    )
 
 
 class HFModelConfig(Section):
@@ -192,46 +191,6 @@ class EveryN(Section):
     """Checkpoint every n-th transformer block (1 = all)."""
 
 
-class FSDPConfig(Section):
-    """`train.strategy: fsdp` (docs/design.md, "Memory strategies")."""
-
-    grad_sync: Literal["every_micro_step", "window_end"] = "every_micro_step"
-    """How gradients are reduce-scattered across a window: `every_micro_step` after each
-    micro-step's backward (gradients stay sharded: the least memory), or `window_end` once per
-    window (`set_requires_gradient_sync(False)` on the others: one reduce-scatter per block and
-    window, but every rank holds unsharded gradients for the whole model meanwhile)."""
-    reshard_after_forward: bool = True
-    """Free each block's gathered parameters after its forward (gathered again in backward)."""
-    mixed_precision: bool = True
-    """bf16 runs: blocks compute in bf16, gradients reduced in float32."""
-    replicate: Count | Literal["auto"] = 1
-    """Replica groups (HSDP): parameters sharded inside each group of workers / replicate ranks,
-    replicated across the groups (sharded gradients all-reduced once per window). 1 = shard over
-    every rank; `auto` = one group per node of the worker group's placement (gathers and
-    reduce-scatters on a node's fast links), 1 where nodes hold unequal numbers of workers. A
-    number must divide the worker count."""
-    offload: Literal["none", "cpu"] = "none"
-    """`cpu`: the sharded parameters, their gradients and the optimizer state live in host
-    memory and the optimizer steps there (FSDP2's `CPUOffloadPolicy`): device memory for what
-    does not fit sharded, paid for with host↔device copies every micro-step."""
-
-
-class DeepSpeedConfig(Section):
-    """`train.strategy: deepspeed`: DeepSpeed ZeRO (`pip install rayacc[deepspeed]`;
-    docs/design.md, "Parallel strategies"). rayacc owns the batch, the optimizer, the precision
-    and clipping: it writes those keys of DeepSpeed's config from the job."""
-
-    stage: Literal[1, 2, 3] = 2
-    """ZeRO stage: 1 shards the optimizer state, 2 also the gradients, 3 also the parameters."""
-    offload_optimizer: Literal["none", "cpu"] = "none"
-    """Keep the optimizer state (and its step) in host memory (ZeRO-Offload)."""
-    offload_params: Literal["none", "cpu"] = "none"
-    """Keep the parameters in host memory between uses (ZeRO-Infinity; stage 3 only)."""
-    config: str | None = None
-    """A `deepspeed_config.json` of your own, merged under rayacc's keys; one that sets the
-    batch, precision, optimizer or clipping otherwise than the job is an error naming both."""
-
-
 class TrainSection(Section):
     max_steps: int | None = Field(None, ge=1)
     """Optimizer steps to run; null = run `train.epochs` epochs."""
@@ -277,6 +236,18 @@ class TrainSection(Section):
     the plan transformers declares for an `hf` model), under train.strategy=fsdp; 1 = none.
     `scaling.num_workers` = data-parallel ranks × this, and the global batch is micro ×
     accumulation × data-parallel ranks (a tensor-parallel group reads the same rows)."""
+    pipeline_parallel: int = Field(1, ge=1)
+    """Pipeline stages the model is cut into (embeddings first, head last, blocks balanced by
+    parameters), under train.strategy=fsdp, each stage sharded over its data-parallel ranks;
+    1 = none. `scaling.num_workers` = data-parallel ranks × this; a window's micro-batches
+    are the schedule's (accumulation ≥ this keeps the bubble small), each stage's gradients
+    reduced once per window (whatever fsdp.grad_sync) and the logits whole (no loss chunks)."""
+    pipeline_schedule: Literal[PIPELINE_SCHEDULES] = "1f1b"  # type: ignore[valid-type]
+    """`gpipe` (every forward, then every backward), `1f1b` (one forward, one backward: fewer
+    activations held), `interleaved_1f1b` (several stages per rank: a smaller bubble), `zbv`
+    (two stages per rank in a V, the backward split in two; one rank per stage)."""
+    pipeline_stages_per_rank: int = Field(2, ge=2)
+    """Stages each rank runs under `interleaved_1f1b`."""
     activation_checkpointing: Literal["none", "full"] | EveryN = "none"
     """Recompute transformer blocks' activations in backward instead of keeping them: `full`
     (every block), `{every_n: k}` (every k-th block) or `none`. Less activation memory for
@@ -466,6 +437,7 @@ class TrainConfig(Section):
         return resolve_batch_split(
             num_workers=num_workers or self.scaling.max_workers,
             tensor_parallel=self.train.tensor_parallel,
+            pipeline_parallel=self.train.pipeline_parallel,
             global_batch_size=self.batch.global_batch_size,
             micro_batch_size=self.batch.fixed_micro_batch_size,
             grad_accum_steps=self.batch.grad_accum_steps,

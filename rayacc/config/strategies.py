@@ -46,6 +46,8 @@ class StrategyEntry:
     rules: Rules | None = None
     without_tensor_parallel: str | None = "it declares no tensor parallelism"
     """Why it does not compose with `train.tensor_parallel` > 1; None: it does."""
+    without_pipeline_parallel: str | None = "it declares no pipeline parallelism"
+    """Why it does not compose with `train.pipeline_parallel` > 1; None: it does."""
     fixed_accumulation: str | None = None
     """Why its accumulation cannot change within a worker group (`batch.schedule`); None: it
     can."""
@@ -55,7 +57,8 @@ class StrategyEntry:
 def _fsdp_rules(sections: Mapping[str, Any], scaling: Any) -> list[ConfigIssue]:
     train, fsdp = sections["train"], sections.get("fsdp")
     tp = train.tensor_parallel
-    issues = _fsdp_mesh_rules(fsdp, scaling, tp) if fsdp is not None else []
+    pp = train.pipeline_parallel
+    issues = _fsdp_mesh_rules(fsdp, scaling, tp, pp) if fsdp is not None else []
     if train.precision == "fp16":
         issues.append(
             ConfigIssue(
@@ -68,10 +71,19 @@ def _fsdp_rules(sections: Mapping[str, Any], scaling: Any) -> list[ConfigIssue]:
     return issues
 
 
-def _fsdp_mesh_rules(fsdp: Any, scaling: Any, tp: int = 1) -> list[ConfigIssue]:
+def _fsdp_mesh_rules(fsdp: Any, scaling: Any, tp: int = 1, pp: int = 1) -> list[ConfigIssue]:
     """HSDP's replica groups: a number that divides every worker count the run may have (its
-    data-parallel ranks, under tensor parallelism)."""
+    data-parallel ranks, under tensor parallelism); none under a pipeline."""
     r = fsdp.replicate
+    if pp > 1 and r != 1:
+        return [
+            ConfigIssue(
+                "fsdp.replicate",
+                "a pipeline's stages shard over every data-parallel rank (not HSDP, yet)",
+                r,
+                "set fsdp.replicate=1, or train.pipeline_parallel=1",
+            )
+        ]
     if r == "auto" or r == 1 or scaling is None:
         return []
     if scaling.elastic:
@@ -177,6 +189,9 @@ _BUILT_IN = (
         "dimension (train.strategy=fsdp with fsdp.replicate = the data-parallel ranks: every "
         "rank holds its whole tensor-parallel share and the gradients are all-reduced once a "
         "window, as under DDP)",
+        without_pipeline_parallel="its reducer expects one backward per forward of its own "
+        "module, which a schedule's split backwards break; a pipeline's stages shard over the "
+        "data-parallel ranks with train.strategy=fsdp",
     ),
     StrategyEntry(
         "fsdp",
@@ -184,6 +199,7 @@ _BUILT_IN = (
         "fsdp",
         _fsdp_rules,
         without_tensor_parallel=None,
+        without_pipeline_parallel=None,
     ),
     StrategyEntry(
         "deepspeed",
@@ -192,6 +208,8 @@ _BUILT_IN = (
         _deepspeed_rules,
         without_tensor_parallel="DeepSpeed's ZeRO partitions the flattened parameters itself, "
         "which a tensor-parallel split of each layer cannot share",
+        without_pipeline_parallel="DeepSpeed has a pipeline engine of its own (PipelineModule) "
+        "that rayacc does not drive; use train.strategy=fsdp",
         fixed_accumulation="its engine's gradient_accumulation_steps is fixed when it is built",
     ),
 )

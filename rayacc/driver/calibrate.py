@@ -94,9 +94,9 @@ def measure_candidate(
     parts = build_rank(cc, info, device, cfg.optim.lr, split=split)
     strategy, step, loss_fn, count = parts.strategy, parts.accumulate, parts.loss_fn, parts.count
     m = c.micro_batch_size
-    if strategy.process_group is not None:
+    if strategy.data_group is not None:
         # a tensor-parallel group reads its data-parallel rank's rows
-        rank = torch.distributed.get_rank(strategy.process_group)
+        rank = torch.distributed.get_rank(strategy.data_group)
     index = np.resize(np.arange(len(rows)), m * (rank + 1))[rank * m :]
     try:
         used = measure_step_bytes(

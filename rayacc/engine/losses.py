@@ -26,6 +26,7 @@ __all__ = [
     "count_target_tokens",
     "counted_with_losses",
     "model_inputs",
+    "split_rows",
     "summed",
     "to_device",
     "token_item_losses",
@@ -70,6 +71,12 @@ def counted_with_losses(batch: Batch) -> int:
 def count_rows(batch: Batch) -> int:
     """Samples in a micro-batch: the leading dimension of its first tensor."""
     return int(next(iter(batch.values())).shape[0])
+
+
+def split_rows(batch: Batch, parts: int) -> list[Batch]:
+    """`batch` cut along its rows into `parts` micro-batches (sizes differ by at most one)."""
+    pieces = {k: torch.tensor_split(v, parts) for k, v in batch.items()}
+    return [{k: v[i] for k, v in pieces.items()} for i in range(parts)]
 
 
 def classification_item_losses(model: nn.Module, batch: Batch) -> torch.Tensor:

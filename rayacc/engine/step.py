@@ -25,7 +25,7 @@ from torch import nn
 
 from rayacc.engine.collectives import all_reduce
 from rayacc.engine.figures import RankFigures
-from rayacc.engine.losses import Batch, ItemCounter, LossFn, count_rows, summed
+from rayacc.engine.losses import Batch, ItemCounter, LossFn, count_rows, split_rows, summed
 from rayacc.engine.noise import NoiseProbe
 from rayacc.engine.parallel import Strategy, strategy_of
 from rayacc.engine.precision import PRECISIONS, autocast
@@ -114,6 +114,7 @@ class AccumulationStep:
         self._agree_forwards = contract.lockstep and self.world_size > 1
         self._count_first = self.scaler is not None or contract.window_rule == "count_first"
         self._normalise_clip_step = self._engine_step if engine_steps else self._own_step
+        self._run_window = self._pipelined if contract.pipelined else self._micro_steps
         # all parameters (those the optimizer holds now) on one device in one dtype: the
         # gradient norm skips the grouping by device and dtype
         self._uniform_params = (
@@ -168,7 +169,7 @@ class AccumulationStep:
         while True:
             given, per = micro_batches, per_batch
             if self.micro_batch_splits > 1:
-                given = [p for mb in micro_batches for p in _split(mb, self.micro_batch_splits)]
+                given = [p for mb in micro_batches for p in split_rows(mb, self.micro_batch_splits)]
                 per = None
             if self.noise_probe is not None:
                 self.noise_probe.unit_items = per or [count_items(mb) for mb in given]
@@ -208,7 +209,7 @@ class AccumulationStep:
         scale = self._scale_before_backward(counts) if self._count_first else None
         self._clear_grads()
         noise_in = self.noise_probe.riding() if self.noise_probe is not None else []
-        stats = self._micro_steps(
+        stats = self._run_window(
             micro_batches,
             loss_fn,
             [*counts, int(signal)],
@@ -330,6 +331,23 @@ class AccumulationStep:
                 out_of_memory = exc
                 item_losses = micro_sum = scaled = None
         return stats
+
+    def _pipelined(
+        self,
+        micro_batches: Sequence[Batch],
+        loss_fn: LossFn,
+        counts: list[int],
+        scale: float | None,
+        slots: list[float],
+    ) -> torch.Tensor:
+        """The window through the strategy's pipeline schedule in one call; the statistics as
+        `_micro_steps` gives them, loss and items from the rank holding the losses alone."""
+        if not self.strategy.holds_loss:
+            counts[0] = counts[1] = 0
+        sums, counted = self.strategy.run_pipeline(micro_batches, loss_fn)
+        counts[0] += counted
+        values = [math.fsum(sums), *counts, *slots]
+        return torch.tensor(values, dtype=torch.float64, device=self.device)
 
     def _reduced(
         self, stats: torch.Tensor, k: int, extra: int = 0
@@ -480,9 +498,3 @@ class AccumulationStep:
             rank_width=rank_width,
             noise=noise,
         )
-
-
-def _split(batch: Batch, parts: int) -> list[Batch]:
-    """`batch` cut along its rows into `parts` micro-batches (sizes differ by at most one)."""
-    pieces = {k: torch.tensor_split(v, parts) for k, v in batch.items()}
-    return [{k: v[i] for k, v in pieces.items()} for i in range(parts)]

@@ -111,6 +111,40 @@ class GPT(nn.Module):
             std /= math.sqrt(2 * self.n_layer)
         return torch.empty(shape).normal_(0.0, std, generator=generator)
 
+    def fsdp_blocks(self) -> list[nn.Module]:
+        """The transformer blocks this model holds (a pipeline stage: its share)."""
+        blocks = self.blocks
+        return list(blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks)
+
+    def pipeline_units(self) -> list[int]:
+        """The parameters of each unit a pipeline splits between its stages, in order: the
+        embeddings, each block, the final norm with the head (tied: counted with both)."""
+        count = lambda *ms: sum(p.numel() for m in ms for p in m.parameters())  # noqa: E731
+        return [count(self.tok, self.pos), *map(count, self.blocks), count(self.ln_f, self.head)]
+
+    def pipeline_tied(self) -> dict[str, str]:
+        """A parameter of a later stage → the one it shares its value with on the first."""
+        return {"head.weight": "tok.weight"}
+
+    def keep_pipeline_units(self, units: range) -> GPT:
+        """This model cut down, in place, to `units` (`pipeline_units`' indices): the blocks
+        keep their names (a stage's state is the whole model's under the same keys); a stage
+        without the embeddings takes hidden states, one without the head gives them. The
+        head's weight, tied to the embedding, becomes a parameter of its own on a last stage
+        that lacks the embedding (the pipeline sums the two copies' gradients)."""
+        last = self.n_layer + 1
+        if 0 not in units:
+            if last in units and self.tok is not None:
+                self.head.weight = nn.Parameter(self.head.weight.detach().clone())
+            self.tok = self.pos = self.drop = None
+        if last not in units:
+            self.ln_f = self.head = None
+        blocks = self.blocks
+        held = dict(blocks.items()) if isinstance(blocks, nn.ModuleDict) else {
+            str(i): b for i, b in enumerate(blocks)}  # fmt: skip
+        self.blocks = nn.ModuleDict({str(i - 1): held[str(i - 1)] for i in units if 0 < i < last})
+        return self
+
     def tp_plan(self) -> dict:
         """Megatron's split of each block over a tensor-parallel group: q, k, v and the MLP's
         first layer by output columns (each rank its heads), the projections back by input
@@ -144,7 +178,7 @@ class GPT(nn.Module):
         head_size = attn.qkv.in_features // attn.n_head
         return sum(
             2.0 * sum(p.numel() for p in block.parameters()) + 4.0 * attn.n_head * head_size * seq
-            for block in self.blocks
+            for block in self.fsdp_blocks()
             if getattr(block, "recomputed", False)
         )
 
@@ -184,9 +218,12 @@ class GPT(nn.Module):
             pos = torch.arange(t, device=idx.device)
         else:
             pos, mask = document_positions(documents), document_mask(documents)
-        x = self.drop(self.tok(idx) + self.pos(pos))
-        for block in self.blocks:
+        # a pipeline stage without the embeddings takes the hidden states of the one before
+        x = idx if self.tok is None else self.drop(self.tok(idx) + self.pos(pos))
+        for block in self.fsdp_blocks():
             x = block(x, mask)
+        if self.head is None:  # a pipeline stage before the last: its hidden states go on
+            return x
         hidden = self.ln_f(x)
         if head_loss is not None:
             return head_loss(hidden, self.head)

@@ -209,7 +209,9 @@ def loss_functions(
     if info.format == "classification":
         return classification_item_losses, count_rows
     inside = strategy is not None and strategy.contract.gathers_in_forward
-    if chunk is None or strategy is None or not supports_chunked_loss(strategy.model, inside):
+    # a pipeline's last stage hands its output on: the loss takes the logits as they are
+    plain = strategy is None or strategy.contract.pipelined
+    if chunk is None or plain or not supports_chunked_loss(strategy.model, inside):
         return token_item_losses, count_target_tokens
 
     def head_loss_of(batch):

@@ -135,7 +135,7 @@ def set_up(
     state = TrainState()
     noise = NoiseScale()
     history = StepLog() if rank == 0 else None
-    group = parts.strategy.process_group
+    group = parts.strategy.data_group
     data_rank = dist.get_rank(group) if group is not None else rank
     # one stream per data-parallel rank: a tensor-parallel group's replicated activations see
     # the same dropout

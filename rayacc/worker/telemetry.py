@@ -23,8 +23,8 @@ __all__ = ["Telemetry"]
 
 def _owners(coordinates) -> tuple[int, ...]:
     """Each rank's data-parallel rank from its mesh place: the order of its coordinates other
-    than `tp` (the data-parallel mesh's own order)."""
-    keys = [tuple(i for d, i in place if d != "tp") for place in coordinates]
+    than `tp` and `pp` (the data-parallel mesh's own order)."""
+    keys = [tuple(i for d, i in place if d not in ("tp", "pp")) for place in coordinates]
     order = {key: n for n, key in enumerate(sorted(set(keys)))}
     return tuple(order[key] for key in keys)
 

@@ -74,6 +74,9 @@ class Contract:
     module's weights (the chunked loss's head) runs inside the model's forward."""
     holds_whole_gradients: bool = False
     """Every rank holds gradients of the whole model across a window (not only its shard)."""
+    pipelined: bool = False
+    """A window's micro-batches run through a pipeline schedule in one call
+    (`Strategy.run_pipeline`), not one forward and backward each."""
 
 
 @dataclass(frozen=True)
@@ -275,6 +278,22 @@ class Strategy(ABC):
         """The window's statistics summed over the ranks."""
         return all_reduce(stats, group=group)
 
+    def run_pipeline(self, micro_batches, loss_fn, train=True) -> tuple[list[float], int]:
+        """Where `contract.pipelined`: the window's forwards and backwards (`train`; else the
+        forwards only); (the item-loss sum of each micro-batch, the items the loss function
+        counted itself) on the rank that holds the losses, ([], 0) elsewhere."""
+        raise NotImplementedError(f"{self.name} runs no pipeline")
+
+    @property
+    def pipeline_window(self) -> tuple[int, int] | None:
+        """Where `contract.pipelined`: (micro-batches, rows each) of the schedule's window."""
+        return None
+
+    @property
+    def holds_loss(self) -> bool:
+        """This rank computes the losses (every rank but a pipeline's earlier stages)."""
+        return True
+
     def backward(self, loss: torch.Tensor) -> None:
         """A micro-step's backward."""
         loss.backward()
@@ -312,6 +331,12 @@ class Strategy(ABC):
         """How the built model is laid over the group's ranks where the group decided it
         (FSDP's mesh), for the run's record; "" where the config alone says it."""
         return ""
+
+    @property
+    def data_group(self):
+        """The group whose ranks split the rows (this rank's rank in it: its data rank); the
+        counts' group where every rank of that reads its own (None: the default group)."""
+        return self.process_group
 
     @property
     def figures_group(self):

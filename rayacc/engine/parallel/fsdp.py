@@ -61,6 +61,10 @@ class FSDP(Strategy):
             node=node,
             offload=f.offload == "cpu",
             tensor_parallel=cfg.train.tensor_parallel,
+            pipeline_parallel=cfg.train.pipeline_parallel,
+            pipeline_schedule=cfg.train.pipeline_schedule,
+            stages_per_rank=cfg.train.pipeline_stages_per_rank,
+            pipeline_shape=(split.grad_accum_steps, split.micro_batch_size) if split else None,
         )
 
     @classmethod
@@ -118,9 +122,22 @@ class FSDP(Strategy):
         node: str | None = None,
         offload: bool = False,
         tensor_parallel: int = 1,
+        pipeline_parallel: int = 1,
+        pipeline_schedule: str = "1f1b",
+        stages_per_rank: int = 2,
+        pipeline_shape: tuple[int, int] | None = None,
     ) -> None:
         super().__init__()
         self.tensor_parallel = tensor_parallel
+        self.pipeline_parallel = pipeline_parallel
+        self.pipeline_schedule = pipeline_schedule
+        self.stages_per_rank = stages_per_rank
+        self.pipeline_shape = pipeline_shape
+        """A window's micro-batches and a micro-batch's rows (the split's; None: the first
+        window's)."""
+        self.pipeline = None
+        """The stages this rank runs and their schedule (engine/parallel/pipeline.py; set at
+        build when `pipeline_parallel` > 1)."""
         self._dp_group = None
         """The data-parallel ranks' group under tensor parallelism (set at build)."""
         self._tp_group = None
@@ -148,7 +165,9 @@ class FSDP(Strategy):
             # the fused SGD kernel has no rule for sharded (DTensor) parameters
             fused_sgd=False,
             gathers_in_forward=True,
-            holds_whole_gradients=grad_sync == "window_end",
+            # a pipeline's stages reduce their gradients once, after the window's last backward
+            holds_whole_gradients=grad_sync == "window_end" or pipeline_parallel > 1,
+            pipelined=pipeline_parallel > 1,
         )
         self.reshard_after_forward = reshard_after_forward
         self.param_dtype = param_dtype
@@ -168,6 +187,8 @@ class FSDP(Strategy):
             shard_model,
         )
 
+        if self.pipeline_parallel > 1:
+            return self._build_pipeline(recipe, device)
         module = recipe.build_on_meta() if recipe.build_on_meta else recipe.build()
         plan = None
         if self.tensor_parallel > 1:
@@ -231,10 +252,44 @@ class FSDP(Strategy):
             materialize_shards(module, torch.device("cpu") if self.offload else device, values)
         return module
 
+    def _build_pipeline(self, recipe: ModelRecipe, device: torch.device) -> nn.Module:
+        """This rank's stages of the model, each sharded over its stage's data-parallel ranks."""
+        from rayacc.engine.parallel.fsdp_mesh import MeshShape, shard_model
+        from rayacc.engine.parallel.pipeline import build_pipeline, stages_per_rank
+
+        if self.tensor_parallel > 1 or self.replicate != 1:
+            raise ValueError(
+                "pipeline parallelism composes with FSDP's sharding over the data-parallel "
+                "ranks only (fsdp.replicate 1, tensor_parallel 1)"
+            )
+
+        def shard(stage: nn.Module, mesh) -> None:
+            _checkpoint_blocks(stage, recipe)
+            shard_model(stage, device=device, reshard_after_forward=self.reshard_after_forward,
+                        param_dtype=self.param_dtype, mesh=mesh, offload=self.offload)  # fmt: skip
+
+        per_rank = stages_per_rank(self.pipeline_schedule, self.stages_per_rank)
+        part, self.pipeline, self._grid = build_pipeline(
+            recipe,
+            device,
+            self._placement(),
+            self.pipeline_parallel,
+            self.pipeline_schedule,
+            per_rank,
+            shard,
+            self.pipeline_shape,
+        )
+        self.mesh = MeshShape(1, _world() // self.pipeline_parallel)
+        return part
+
+    def run_pipeline(self, micro_batches, loss_fn, train=True):
+        return self.pipeline.run(micro_batches, loss_fn, train)
+
     def _placement(self) -> list[str]:
         """Each rank's node, gathered (a collective at build: every rank builds)."""
         world = _world()
-        if (self.replicate == 1 and self.tensor_parallel == 1) or world == 1:
+        alone = self.replicate == 1 and self.tensor_parallel == 1 and self.pipeline_parallel == 1
+        if alone or world == 1:
             return [self.node or ""] * world
         import socket
 
@@ -245,6 +300,20 @@ class FSDP(Strategy):
         """Under tensor parallelism the data-parallel ranks' group: the window's counts are
         summed over it (each tensor-parallel group reads the same rows)."""
         return self._dp_group
+
+    @property
+    def data_group(self):
+        """A pipeline's stages read the same rows: the data-parallel ranks of one stage."""
+        return self._grid["dp"].get_group() if self.pipeline is not None else self.process_group
+
+    @property
+    def pipeline_window(self) -> tuple[int, int] | None:
+        p = self.pipeline
+        return (p.micro_steps, p.rows) if p is not None and p.micro_steps else None
+
+    @property
+    def holds_loss(self) -> bool:
+        return self.pipeline is None or self.pipeline.holds_loss
 
     @property
     def figures_group(self):
@@ -260,6 +329,11 @@ class FSDP(Strategy):
         return tuple(places[r] for r in sorted(places))
 
     def describe_mesh(self) -> str:
+        if self.pipeline is not None:
+            p = self.pipeline
+            return (f"FSDP × PP mesh {self.pipeline_parallel} × {self.mesh.shard} (pp × dp); "
+                    f"{p.n_stages} stages by {self.pipeline_schedule}, this rank's "
+                    f"{', '.join(map(str, p.indices))}")  # fmt: skip
         if self.tensor_parallel > 1 and self.mesh is not None:
             across = ""
             if self._tp_across:
@@ -286,7 +360,9 @@ class FSDP(Strategy):
 
     def _units(self) -> list[nn.Module]:
         if self._unit_list is None:
-            self._unit_list = [m for m in self.model.modules() if is_fsdp(m)]
+            roots = self.pipeline.modules if self.pipeline is not None else [self.model]
+            seen = {id(m): m for root in roots for m in root.modules() if is_fsdp(m)}
+            self._unit_list = list(seen.values())
         return self._unit_list
 
     def setup_reduction(self, count_comm: bool) -> bool:
@@ -311,7 +387,8 @@ class FSDP(Strategy):
     def local_gradients(self):
         # under tensor parallelism a rank holds a shard of each layer's gradient: not measured
         counting = self._reduce_scatter
-        return counting.local if counting is not None and self.tensor_parallel == 1 else None
+        measured = self.tensor_parallel == 1 and self.pipeline_parallel == 1
+        return counting.local if counting is not None and measured else None
 
     def _all_reduced(self, _: torch.Tensor) -> None:
         self._all_reduces += 1
@@ -359,9 +436,13 @@ class FSDP(Strategy):
                 self._count_tensor_parallel(self._add_norm) if counted else contextlib.nullcontext()
             ):
                 return tensor.grad_norm(grads)  # parts on the 2-D mesh and on `dp` alone
+        if self.pipeline is not None:
+            grads = self.pipeline.tied_once(grads)
         # the sharded gradients' norms combined over the ranks: a collective
         norm = torch.nn.utils.get_total_norm(grads)
-        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        # a pipeline's stages: their norms combined over the stages
+        return norm if self.pipeline is None else self.pipeline.grad_norm(norm)
 
     def discard_grads(self, optimizer: torch.optim.Optimizer | None = None) -> None:
         super().discard_grads(optimizer)
@@ -372,8 +453,9 @@ class FSDP(Strategy):
         drop_unsynced_grads(self._units())
 
     def restore_sync(self) -> None:
-        self.model.set_requires_gradient_sync(True)
-        self.model.set_requires_all_reduce(True)
+        for root in self.pipeline.modules if self.pipeline is not None else [self.model]:
+            root.set_requires_gradient_sync(True)
+            root.set_requires_all_reduce(True)
 
     def begin_window(self) -> None:
         self._timeline.begin_window()

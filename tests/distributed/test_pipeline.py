@@ -1,0 +1,76 @@
+"""Pipeline parallelism, exact under accumulation: the built-in GPT cut into stages by its
+units (embeddings, blocks, head; the tied head a copy of its own on the last stage), each
+schedule (GPipe, 1F1B, Interleaved1F1B, ZBV) on 2 pipeline ranks and pipeline × FSDP's data
+parallelism on 2 × 2, full and short last windows, clipping on the norm over every stage,
+against the single-process full-batch steps (the combination matrix's windows and bound)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from tests.support.ranks.engine_helpers import spawn_ranks, update_rel_err
+from tests.support.ranks.pipeline import PPCase, reference, run_group
+
+pytestmark = pytest.mark.distributed
+
+BOUND = 1e-5
+"""The matrix's fp32 bound on the update's relative error (rounding alone gives ~1e-7)."""
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zbv")
+CASES = [
+    *(
+        PPCase(i, 2, 1, s, last)
+        for i, (s, last) in enumerate((s, last) for s in SCHEDULES for last in ("full", "short"))
+    ),
+    PPCase(8, 2, 1, "1f1b", "short", clip=0.5),
+    PPCase(9, 2, 2, "1f1b", "full"),
+    PPCase(10, 2, 2, "interleaved_1f1b", "short"),
+    PPCase(11, 2, 2, "gpipe", "short", clip=0.5),
+    PPCase(12, 2, 1, "interleaved_1f1b", "short", epochs=2),
+    PPCase(13, 2, 2, "1f1b", "short", epochs=2),
+]
+"""One spawn of rank processes per rank count: 2 (pipeline ranks alone) and 4 (2 × 2)."""
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pipeline")
+    done: dict[int, dict] = {}
+    for world in (2, 4):
+        folder = root / f"w{world}"
+        folder.mkdir()
+        chosen = [c for c in CASES if c.pp * c.dp == world]
+        target = functools.partial(run_group, phase="A", chosen=chosen)
+        ranks = spawn_ranks(target, world, folder, f"pipeline on {world} ranks")
+        assert "error" not in ranks[0], ranks[0].get("error")
+        done.update({i: v for i, v in ranks[0].items() if isinstance(i, int)})
+    return done
+
+
+@pytest.mark.parametrize("case", CASES, ids=PPCase.label)
+def test_a_pipeline_step_equals_the_full_batch_steps(results, case, record_equivalence):
+    before, after, norms, val = reference(case)
+    got = results[case.index]
+    err = update_rel_err(before, got["params"], after)
+    record_equivalence(f"pipeline parallel: {case.label()}", err)
+    assert err <= BOUND, (case.label(), err)
+    # the norm over every stage's gradients, the tied weight counted once
+    assert got["grad_norm"] == pytest.approx(norms, rel=1e-5)
+    # the tied head's copy on the last stage steps as the embedding does
+    assert got["tied_gap"] < 1e-6
+    # the forwards alone (validation's path) give the trained model's loss
+    assert got["val_loss"] == pytest.approx(val, rel=1e-5)
+    stages = 4 if case.schedule in ("interleaved_1f1b", "zbv") else 2
+    assert got["mesh"].startswith(f"FSDP × PP mesh {case.pp} × {case.dp} (pp × dp); "
+                                  f"{stages} stages by {case.schedule}")  # fmt: skip
+
+
+def test_the_window_counts_every_item_once(results):
+    """Only the last stage counts the items and samples; the window's sums over every rank of
+    every stage count each once (a short last window its 7 rows)."""
+    for case in CASES:
+        got = results[case.index]
+        assert got["samples"] == [12, 12, 7 if case.last == "short" else 12] * case.epochs
+        assert got["items"][:2] == [109, 110], case.label()

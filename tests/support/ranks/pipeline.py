@@ -1,0 +1,132 @@
+"""Pipeline parallelism under accumulation on gloo ranks: the matrix's GPT (4 blocks), windows
+and single-process full-batch reference (tests/support/ranks/matrix.py), each case on a
+(pipeline × data-parallel) mesh built by the FSDP strategy with `pipeline_parallel`; every
+stage of a pipeline reads its data-parallel rank's rows."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tests.support.ranks import matrix as M
+
+
+@dataclass(frozen=True)
+class PPCase:
+    index: int
+    pp: int
+    dp: int
+    schedule: str
+    last: str
+    clip: float | None = None
+    epochs: int = 1
+    """Passes over the windows (a short last window followed by full ones)."""
+
+    def config(self):
+        cfg = M.config(self.matrix_case())
+        data = cfg.model_dump()
+        data["model"]["n_layer"] = 4
+        return cfg.model_validate(data)
+
+    def matrix_case(self) -> M.Case:
+        return M.Case(self.index, "fsdp window_end", "none", "fixed", self.pp * self.dp,
+                      "fp32", "plain", self.last, "none")  # fmt: skip
+
+    def label(self) -> str:
+        clip = f", clipped at {self.clip}" if self.clip else ""
+        epochs = f", {self.epochs} epochs" if self.epochs > 1 else ""
+        return f"{self.schedule} {self.pp} × {self.dp} (pp × dp), {self.last} last{clip}{epochs}"
+
+    def windows(self) -> list:
+        return M.windows(self.matrix_case()) * self.epochs
+
+
+def run_phase(case: PPCase, rank: int, world: int, folder: Path, phase: str) -> dict | None:
+    import torch.distributed as dist
+
+    from rayacc.engine.parallel import FSDP
+    from rayacc.engine.step import AccumulationStep
+    from rayacc.models.registry import loss_functions
+    from rayacc.optim import build_optimizer
+    from rayacc.rank.build import model_recipe
+
+    cfg, info = case.config(), M.dataset()
+    device = torch.device("cpu")
+    strategy = FSDP("window_end", pipeline_parallel=case.pp, pipeline_schedule=case.schedule)
+    model = strategy.build(model_recipe(cfg, info), device)
+    optimizer = build_optimizer(cfg.optim, model.parameters(), M.LR, device, strategy)
+    loss_fn, count = loss_functions(info, None, strategy)
+    step = AccumulationStep(model, optimizer, strategy=strategy, max_grad_norm=case.clip)
+    here = strategy._grid.get_local_rank("dp")
+    results = []
+    for window in case.windows():
+        mine = M.rank_share(window, here, case.dp)
+        mbs = M.micro_batches(mine, M.MICRO, case.dp, len(window))
+        results.append(step(mbs, loss_fn, count))
+    # the trained stages' forwards alone on the first window (validation's path): its mean
+    # item loss over every rank
+    first = case.windows()[0]
+    mine = M.rank_share(first, here, case.dp)
+    sums, _ = strategy.run_pipeline(M.micro_batches(mine, M.MICRO, case.dp, len(first)),
+                                    loss_fn, train=False)  # fmt: skip
+    from rayacc.engine import all_reduce
+
+    val = all_reduce(torch.tensor([sum(sums)], dtype=torch.float64))
+    from torch.distributed.tensor import DTensor
+
+    # every rank: its stages' parameters by name, whole (a collective over its stage's ranks)
+    mine = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+            for n, p in model.named_parameters()}  # fmt: skip
+    box = [None] * world
+    dist.all_gather_object(box, mine)
+    if rank != 0:
+        return None
+    merged = {}
+    for part in box:
+        merged.update(part)
+    from rayacc.models import build_model
+
+    order = [n for n, _ in build_model(cfg, info).named_parameters()]
+    flat = torch.cat([merged[n].reshape(-1).double() for n in order])
+    tied_gap = float((merged["head.weight"] - merged["tok.weight"]).abs().max())
+    seen = {k: [getattr(r, k) for r in results] for k in ("loss", "grad_norm", "items", "samples")}
+    val_loss = float(val[0]) / sum(int(count(mb)) for mb in M.micro_batches(first, M.MICRO, 1, 12))
+    return {"params": flat, "tied_gap": tied_gap, "mesh": strategy.describe_mesh(),
+            "val_loss": val_loss, **seen}  # fmt: skip
+
+
+run_group = functools.partial(M.run_group, body=run_phase)
+"""Rank body: every case of one rank count in one gloo group."""
+
+
+def reference(case: PPCase) -> tuple[torch.Tensor, torch.Tensor, list[float], float]:
+    """(initial, final) weights, each window's gradient norm of the same steps on whole
+    windows in one process (the matrix's reference, clipped where the case clips), and the
+    trained model's mean loss on the first window."""
+    import torch.nn.functional as F
+
+    from rayacc.engine import IGNORE_INDEX, collate_tokens
+    from rayacc.models import build_model
+
+    model = build_model(case.config(), M.dataset())
+    flat = lambda: torch.cat([p.detach().reshape(-1).double() for p in model.parameters()])  # noqa: E731
+    before, norms = flat(), []
+    opt = torch.optim.SGD(model.parameters(), lr=M.LR, momentum=M.MOMENTUM)
+    for window in case.windows():
+        batch = collate_tokens(window)
+        logits = model(batch["input"])
+        loss = F.cross_entropy(logits.reshape(-1, M.VOCAB), batch["target"].reshape(-1),
+                               ignore_index=IGNORE_INDEX)  # fmt: skip
+        opt.zero_grad()
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), case.clip or 1e9)))
+        opt.step()
+    batch = collate_tokens(case.windows()[0])
+    with torch.no_grad():
+        logits = model(batch["input"])
+    val = F.cross_entropy(logits.reshape(-1, M.VOCAB), batch["target"].reshape(-1),
+                          ignore_index=IGNORE_INDEX)  # fmt: skip
+    return before, flat(), norms, float(val)
