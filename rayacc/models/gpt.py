@@ -165,19 +165,19 @@ class GPT(nn.Module):
         anchor count them: 6 × parameters + 12 × layers × heads × head size × sequence."""
         n = sum(p.numel() for p in self.parameters())
         seq = item_shape[-1] if item_shape else self.block_size
-        attn = self.blocks[0].attn
-        head_size = attn.qkv.in_features // attn.n_head
-        return 6.0 * n + 12.0 * len(self.blocks) * attn.n_head * head_size * seq
+        # a pipeline stage: its own parameters and blocks
+        blocks = self.fsdp_blocks()
+        width = blocks[0].attn.qkv.in_features if blocks else 0
+        return 6.0 * n + 12.0 * len(blocks) * width * seq
 
     def recompute_flops_per_item(self, item_shape=None) -> float:
         """FLOPs per target token that activation checkpointing adds: the forward of each
         recomputed block again in backward (2 × its parameters + 4 × heads × head size ×
         sequence), hardware FLOPs beyond the model's."""
         seq = item_shape[-1] if item_shape else self.block_size
-        attn = self.blocks[0].attn
-        head_size = attn.qkv.in_features // attn.n_head
         return sum(
-            2.0 * sum(p.numel() for p in block.parameters()) + 4.0 * attn.n_head * head_size * seq
+            2.0 * sum(p.numel() for p in block.parameters())
+            + 4.0 * block.attn.qkv.in_features * seq
             for block in self.fsdp_blocks()
             if getattr(block, "recomputed", False)
         )

@@ -73,12 +73,16 @@ class FSDP(Strategy):
         where = {1: "sharded", "auto": "sharded inside each node, replicated across nodes"}
         sharded = where.get(f.replicate, f"sharded inside {f.replicate} replica groups (HSDP)")
         offload = "; in host memory (offload cpu)" if f.offload == "cpu" else ""
-        tp = cfg.train.tensor_parallel
+        tp, pp = cfg.train.tensor_parallel, cfg.train.pipeline_parallel
         split = f"; each layer split over {tp} ranks (tensor parallel)" if tp > 1 else ""
+        sync = f"grad_sync {f.grad_sync}"
+        if pp > 1:
+            split = (f"; the layers cut into {pp} pipeline stages, "
+                     f"{cfg.train.pipeline_schedule} schedule")  # fmt: skip
+            sync = "gradients reduced once per window (each stage after its last backward)"
         return (
             f"FSDP2 (parameters, gradients and optimizer state {sharded}{offload}{split}; "
-            f"grad_sync {f.grad_sync}, reshard_after_forward "
-            f"{str(f.reshard_after_forward).lower()})"
+            f"{sync}, reshard_after_forward {str(f.reshard_after_forward).lower()})"
         )
 
     @classmethod
@@ -330,10 +334,8 @@ class FSDP(Strategy):
 
     def describe_mesh(self) -> str:
         if self.pipeline is not None:
-            p = self.pipeline
             return (f"FSDP × PP mesh {self.pipeline_parallel} × {self.mesh.shard} (pp × dp); "
-                    f"{p.n_stages} stages by {self.pipeline_schedule}, this rank's "
-                    f"{', '.join(map(str, p.indices))}")  # fmt: skip
+                    f"{self.pipeline.describe()}")  # fmt: skip
         if self.tensor_parallel > 1 and self.mesh is not None:
             across = ""
             if self._tp_across:

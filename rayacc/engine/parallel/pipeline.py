@@ -121,6 +121,8 @@ class Pipeline:
         """Micro-batches per window and rows per micro-batch (0: the first window's)."""
         self.n_stages = n_stages
         self.indices = list(indices)
+        self.runs: list[range] = []
+        """Every stage's units (`pipeline_units`' indices), in stage order."""
         self.stages = [
             PipelineStage(m, i, n_stages, device, group=group)
             for m, i in zip(stages, indices, strict=True)
@@ -138,6 +140,16 @@ class Pipeline:
         self._counted: list[int] = []
         self._loss_fn: LossFn | None = None
         self._batches: list[dict[str, torch.Tensor]] = []
+
+    def describe(self) -> str:
+        """The stages and what each holds, for the run's record."""
+        last = max(u for r in self.runs for u in r)
+
+        def name(u: int) -> str:
+            return "embeddings" if u == 0 else "head" if u == last else f"block {u - 1}"
+
+        held = [name(r[0]) + (f"–{name(r[-1])}" if len(r) > 1 else "") for r in self.runs]
+        return f"{self.n_stages} stages by {self.schedule}: " + " | ".join(held)
 
     def _schedule(self):
         """The one schedule (its stages' buffers are sized for one count of micro-batches:

@@ -24,7 +24,7 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from rayacc.engine.units import frozen_names, load_weights, without_frozen
+from rayacc.engine.units import frozen_names, load_weights, unwrap, without_frozen
 
 __all__ = [
     "INDEX_FILE",
@@ -193,7 +193,16 @@ def load_sharded(folder: str | Path, model: nn.Module, optimizer: torch.optim.Op
     model_state, optimizer_state = get_state_dict(model, optimizer, options=options)
     placed = {"model": without_frozen(model, model_state), "optimizer": optimizer_state}
     state = _chunked(placed)
+    renamed = _tied_aliases(state["optimizer"].get("state", {}), model, folder)
     _load(state, folder)
+    for later, first in renamed:  # back under this rank's own name
+        state["optimizer"]["state"][later] = state["optimizer"]["state"].pop(first)
+    # the groups' settings are one rank's (a pipeline's stages hold other parameters under
+    # the same settings): each rank keeps its own groups' parameter names
+    loaded, own = state["optimizer"].get("param_groups"), optimizer_state.get("param_groups")
+    if loaded and own and len(loaded) == len(own):
+        for group, mine in zip(loaded, own, strict=True):
+            group["params"] = mine["params"]
     # each value back in its parameter's layout: a moment left whole on the tensor-parallel
     # dimension beside a split parameter is stepped as a copy by the fused kernels, and lost
     state = _placed_as(state, placed)
@@ -204,6 +213,25 @@ def load_sharded(folder: str | Path, model: nn.Module, optimizer: torch.optim.Op
         optim_state_dict=state["optimizer"],
         options=options,
     )
+
+
+def _tied_aliases(optimizer_state: dict, model: nn.Module, folder) -> list[tuple[str, str]]:
+    """A tied weight's later copy (a pipeline's last stage holds the head its first stage's
+    embedding is tied to) asks for its optimizer state under the first name where the
+    checkpoint has only that one (a run without a pipeline keeps a tied weight once); the
+    (later, first) names so asked."""
+    ties = getattr(unwrap(model), "pipeline_tied", dict)()
+    wanted = [(later, first) for later, first in ties.items()
+              if later in optimizer_state and first not in optimizer_state]  # fmt: skip
+    if not wanted:
+        return []
+    saved = set(read_index(folder).state_dict_metadata or {})
+    renamed = []
+    for later, first in wanted:
+        if not any(k.startswith(f"optimizer.state.{later}.") for k in saved):
+            optimizer_state[first] = optimizer_state.pop(later)
+            renamed.append((later, first))
+    return renamed
 
 
 def _options(model: nn.Module):

@@ -24,6 +24,8 @@ class PPCase:
     clip: float | None = None
     epochs: int = 1
     """Passes over the windows (a short last window followed by full ones)."""
+    resume: tuple[int, int] | None = None
+    """(pp, dp) of the mesh the case resumes on after its first window (pp 1: FSDP alone)."""
 
     def config(self):
         cfg = M.config(self.matrix_case())
@@ -38,7 +40,12 @@ class PPCase:
     def label(self) -> str:
         clip = f", clipped at {self.clip}" if self.clip else ""
         epochs = f", {self.epochs} epochs" if self.epochs > 1 else ""
-        return f"{self.schedule} {self.pp} × {self.dp} (pp × dp), {self.last} last{clip}{epochs}"
+        moved = f", resumed on {self.resume[0]} × {self.resume[1]}" if self.resume else ""
+        return (f"{self.schedule} {self.pp} × {self.dp} (pp × dp), {self.last} last{clip}"
+                f"{epochs}{moved}")  # fmt: skip
+
+    def mesh(self, phase: str) -> tuple[int, int]:
+        return self.resume if phase == "B" and self.resume else (self.pp, self.dp)
 
     def windows(self) -> list:
         return M.windows(self.matrix_case()) * self.epochs
@@ -55,26 +62,43 @@ def run_phase(case: PPCase, rank: int, world: int, folder: Path, phase: str) -> 
 
     cfg, info = case.config(), M.dataset()
     device = torch.device("cpu")
-    strategy = FSDP("window_end", pipeline_parallel=case.pp, pipeline_schedule=case.schedule)
+    pp, dp = case.mesh(phase)
+    strategy = FSDP("window_end", pipeline_parallel=pp, pipeline_schedule=case.schedule)
     model = strategy.build(model_recipe(cfg, info), device)
     optimizer = build_optimizer(cfg.optim, model.parameters(), M.LR, device, strategy)
     loss_fn, count = loss_functions(info, None, strategy)
     step = AccumulationStep(model, optimizer, strategy=strategy, max_grad_norm=case.clip)
-    here = strategy._grid.get_local_rank("dp")
+    here = dist.get_rank(strategy.data_group) if strategy.data_group is not None else rank
+    windows = case.windows()
+    if phase == "B":
+        box = [torch.load(folder / "state.pt", weights_only=True) if rank == 0 else {}]
+        dist.broadcast_object_list(box, src=0)
+        strategy.state.load(model, optimizer, folder, box[0])
+        windows = windows[1:]
+    elif case.resume:
+        windows = windows[:1]
     results = []
-    for window in case.windows():
-        mine = M.rank_share(window, here, case.dp)
-        mbs = M.micro_batches(mine, M.MICRO, case.dp, len(window))
+    for window in windows:
+        mine = M.rank_share(window, here, dp)
+        mbs = M.micro_batches(mine, M.MICRO, dp, len(window))
         results.append(step(mbs, loss_fn, count))
+    if phase == "A" and case.resume:
+        whole, _ = strategy.state.save(model, optimizer, folder, rank)
+        if rank == 0:
+            torch.save(whole, folder / "state.pt")
+        return None
     # the trained stages' forwards alone on the first window (validation's path): its mean
     # item loss over every rank
     first = case.windows()[0]
-    mine = M.rank_share(first, here, case.dp)
-    sums, _ = strategy.run_pipeline(M.micro_batches(mine, M.MICRO, case.dp, len(first)),
-                                    loss_fn, train=False)  # fmt: skip
+    mine = M.rank_share(first, here, dp)
+    val = torch.zeros(1, dtype=torch.float64)
+    if strategy.contract.pipelined:
+        sums, _ = strategy.run_pipeline(M.micro_batches(mine, M.MICRO, dp, len(first)),
+                                        loss_fn, train=False)  # fmt: skip
+        val += sum(sums)
     from rayacc.engine import all_reduce
 
-    val = all_reduce(torch.tensor([sum(sums)], dtype=torch.float64))
+    val = all_reduce(val)
     from torch.distributed.tensor import DTensor
 
     # every rank: its stages' parameters by name, whole (a collective over its stage's ranks)
@@ -91,7 +115,9 @@ def run_phase(case: PPCase, rank: int, world: int, folder: Path, phase: str) -> 
 
     order = [n for n, _ in build_model(cfg, info).named_parameters()]
     flat = torch.cat([merged[n].reshape(-1).double() for n in order])
-    tied_gap = float((merged["head.weight"] - merged["tok.weight"]).abs().max())
+    tied_gap = float(
+        (merged.get("head.weight", merged["tok.weight"]) - merged["tok.weight"]).abs().max()
+    )
     seen = {k: [getattr(r, k) for r in results] for k in ("loss", "grad_norm", "items", "samples")}
     val_loss = float(val[0]) / sum(int(count(mb)) for mb in M.micro_batches(first, M.MICRO, 1, 12))
     return {"params": flat, "tied_gap": tied_gap, "mesh": strategy.describe_mesh(),
