@@ -336,18 +336,23 @@ def test_a_sharded_search_trial_out_of_memory_restarts_the_group_below_it(ray_lo
 
 
 @pytest.mark.parametrize(
-    ("grad_sync", "recompute", "chunk", "compile_", "micro", "tp"),
-    [("every_micro_step", "none", None, True, 2, 1), ("window_end", "full", 8, False, "auto", 2)],
+    ("grad_sync", "recompute", "chunk", "compile_", "micro", "tp", "pp"),
+    [
+        ("every_micro_step", "none", None, True, 2, 1, 2),
+        ("window_end", "full", 8, False, "auto", 2, 1),
+    ],
 )
 def test_fsdp_on_padded_token_rows_equals_full_batch(
-    ray_local, tmp_path, record_equivalence, grad_sync, recompute, chunk, compile_, micro, tp
+    ray_local, tmp_path, record_equivalence, grad_sync, recompute, chunk, compile_, micro, tp, pp
 ):
     """train.strategy=fsdp through the whole stack: Ray workers shard the GPT with FSDP2,
     accumulate in either sync mode (with activation checkpointing, the chunked loss, which
     runs inside the sharded forward, and the auto micro-batch search, whose trials run without
     sync, in one; that one also splits each layer over 2 ranks, 2 data-parallel × 2
-    tensor-parallel workers), and the step equals the full batch in one process; the model
-    loads whole from the sharded checkpoint. The reduce-scatters are counted and timed."""
+    tensor-parallel workers; the other cuts the GPT into 2 pipeline stages, 2 × 2 workers, its
+    compiled blocks under the 1F1B schedule), and the step equals the full batch in one
+    process; the model loads whole from the sharded checkpoint. The reduce-scatters are counted
+    and timed."""
     path = tmp_path / "tokens.parquet"
     seqs = padded_token_rows(path, seed=1, dtype=pa.uint16())
     cfg = config(
@@ -365,15 +370,16 @@ def test_fsdp_on_padded_token_rows_equals_full_batch(
             "loss_chunk_tokens": chunk,
             "compile": compile_,
             "tensor_parallel": tp,
+            "pipeline_parallel": pp,
         },
         fsdp={"grad_sync": grad_sync},
-        scaling={"num_workers": 2 * tp, "cpus_per_worker": 0.5 / tp},
+        scaling={"num_workers": 2 * tp * pp, "cpus_per_worker": 0.5 / tp / pp},
         tracking={"enabled": False},
     )
     result = fit_or_fail(cfg)
-    assert (result.split.num_workers, result.split.data_parallel) == (2 * tp, 2)
+    assert (result.split.num_workers, result.split.data_parallel) == (2 * tp * pp, 2)
     record = result.history[0]
-    assert record["scaling/num_workers"] == 2 * tp
+    assert record["scaling/num_workers"] == 2 * tp * pp
     if tp > 1:
         # each layer's colwise q, k, v and MLP input all-reduce their input's gradient, the
         # attention and MLP outputs theirs in forward, the fused bias gathers its share; the
@@ -388,6 +394,8 @@ def test_fsdp_on_padded_token_rows_equals_full_batch(
     assert record["train/items"] == sum(len(s) - 1 for s in seqs)
     units = 3  # two blocks and the root
     expected = units * (4 if grad_sync == "every_micro_step" else 1)
+    if pp > 1:  # rank 0's stage: the embeddings and a block; reduced once per window
+        expected = 2
     assert record["comm/reduce_scatter_calls"] == expected, record
     assert record["perf/tokens_per_s"] > 0 and record["perf/tflops"] > 0
     assert "perf/mfu" not in record, "no known peak on CPU: no MFU"
@@ -402,7 +410,8 @@ def test_fsdp_on_padded_token_rows_equals_full_batch(
     record_equivalence(
         f"Ray Train, FSDP2 {grad_sync}, activation checkpointing {recompute}, chunked loss "
         f"{chunk}, compiled blocks {compile_}, GPT, padded tokens, 2 data-parallel workers × "
-        f"{tp} tensor-parallel (vs float64; fp32 full batch: {floor:.3e})",
+        f"{tp} tensor-parallel × {pp} pipeline stages (vs float64; fp32 full batch: "
+        f"{floor:.3e})",
         err,
     )
     assert err <= 2 * floor, (err, floor)

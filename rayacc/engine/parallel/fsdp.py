@@ -269,6 +269,9 @@ class FSDP(Strategy):
 
         def shard(stage: nn.Module, mesh) -> None:
             _checkpoint_blocks(stage, recipe)
+            if recipe.compile:  # each block compiled in place before it is sharded, as below
+                for block in fsdp_blocks(stage):
+                    block.compile()
             shard_model(stage, device=device, reshard_after_forward=self.reshard_after_forward,
                         param_dtype=self.param_dtype, mesh=mesh, offload=self.offload)  # fmt: skip
 
