@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rayacc.engine.parallel.base import GroupCalls
+from rayacc.engine.parallel.base import GroupCalls, PipelineStats
 
 __all__ = ["StepResult"]
 
@@ -67,6 +67,8 @@ class StepResult:
     as the reduction took it (engine/noise.py); None where not measured."""
     tensor_parallel_calls: GroupCalls | None = None
     """The tensor-parallel group's collectives in the window (None without it)."""
+    pipeline: PipelineStats | None = None
+    """This rank's pipeline stage in the window: sends, idle time (None without a pipeline)."""
 
     @property
     def figures_by_rank(self) -> tuple[tuple[float, ...], ...]:

@@ -340,9 +340,8 @@ class AccumulationStep:
         scale: float | None,
         slots: list[float],
     ) -> torch.Tensor:
-        """The window through the strategy's pipeline schedule in one call; the statistics as
-        `_micro_steps` gives them, loss and items from the rank holding the losses alone."""
-        if not self.strategy.holds_loss:
+        """`_micro_steps` as one call of the strategy's pipeline schedule (see engine/parallel/)."""
+        if not self.strategy.holds_loss:  # the losses' rank counts the items and samples
             counts[0] = counts[1] = 0
         sums, counted = self.strategy.run_pipeline(micro_batches, loss_fn)
         counts[0] += counted
@@ -487,6 +486,7 @@ class AccumulationStep:
             reduce_scatter_calls=comm.reduce_scatter_calls,
             all_gather_calls=comm.all_gather_calls,
             tensor_parallel_calls=comm.tensor_parallel,
+            pipeline=comm.pipeline,
             sync_passes=comm.sync_passes,
             step_time_s=time.perf_counter() - t_start,
             sync_time_s=comm.sync_time_s,

@@ -53,7 +53,7 @@ def contract_params(cfg: TrainConfig, split: BatchSplit, effective_lr: float) ->
         "micro_batch_size": split.micro_batch_size,
         "grad_accum_steps": split.grad_accum_steps,
         "num_workers": split.num_workers,
-        **({"data_parallel_size": split.data_parallel} if split.tensor_parallel > 1 else {}),
+        **({"data_parallel_size": split.data_parallel} if split.model_parallel > 1 else {}),
         "global_batch_size": split.global_batch_size,
         "base_lr": cfg.optim.lr,
         "base_batch_size": cfg.optim.base_batch_size or split.global_batch_size,

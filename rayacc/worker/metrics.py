@@ -45,9 +45,7 @@ def step_record(
         "train/samples_per_s": result.samples / wall_s if wall_s > 0 else 0.0,
         "train/skipped_steps": skipped_steps,
         "scaling/num_workers": split.num_workers,
-        **(
-            {"scaling/data_parallel_size": split.data_parallel} if split.tensor_parallel > 1 else {}
-        ),
+        **({"scaling/data_parallel_size": split.data_parallel} if split.model_parallel > 1 else {}),
         "scaling/grad_accum_steps": accum_now,
         "scaling/micro_batch_size": micro_now,
         "scaling/global_batch_size": split.global_batch_size,
@@ -79,6 +77,12 @@ def step_record(
         record["comm/tp_allreduce_calls"] = tp.allreduce
         record["comm/tp_all_gather_calls"] = tp.all_gather
         record["comm/tp_reduce_scatter_calls"] = tp.reduce_scatter
+    pp = result.pipeline
+    if pp is not None:
+        record["comm/p2p_sends"] = pp.p2p_sends
+        # the measured idle share against the schedule's own
+        record["perf/pipeline_idle_frac"] = pp.idle_s / max(result.step_time_s, 1e-9)
+        record["perf/pipeline_bubble"] = pp.bubble
     record.update(cost.metrics(token_items=token_items))
     return record
 

@@ -99,9 +99,11 @@ class Telemetry:
             self.settle_noise()
         if self.noise.value is not None:
             record["grad/noise_scale"] = self.noise.value
+        # a pipeline stage's idle time is a wait for its neighbours, as a sync is for its peers
+        idle = result.pipeline.idle_s if result.pipeline is not None else 0.0
         self.figures = rank_figures(
             step_s=result.step_time_s,
-            sync_s=result.sync_time_s,
+            sync_s=result.sync_time_s + idle,
             optimizer_s=result.optimizer_time_s,
             data_s=data_s,
             host_mb=rss_mb,

@@ -83,3 +83,19 @@ def test_the_window_counts_every_item_once(results):
         # a sequence of n tokens holds n − 1 targets
         assert got["items"] == [sum(len(s) - 1 for s in w) for w in windows], case.label()
         assert got["samples"] == [len(w) for w in windows], case.label()
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if not c.resume], ids=PPCase.label)
+def test_a_stage_counts_its_sends_and_its_idle_time(results, case):
+    """`comm/p2p_sends`: rank 0's tensors sent to the other rank each window — a forward
+    activation per micro-batch from each stage before the last, a gradient per micro-batch
+    back from each stage after the first (rank 0 holds stage 0, with stage 2 of a loop or
+    stage 3 of the V); `perf/pipeline_idle_frac` its idle share, against the schedule's
+    (P − 1) / (v·m + P − 1)."""
+    m = 12 // (case.dp * 2)  # a full window's micro-batches of 2 rows
+    v = 2 if case.schedule in ("interleaved_1f1b", "zbv") else 1
+    sends = {"interleaved_1f1b": 3 * m, "zbv": 2 * m}.get(case.schedule, m)
+    for stats, step_s in results[case.index]["pipeline"]:
+        assert stats.p2p_sends == sends, case.label()
+        assert stats.bubble == pytest.approx((case.pp - 1) / (v * m + case.pp - 1))
+        assert 0.0 <= stats.idle_s < step_s

@@ -396,6 +396,13 @@ def test_fsdp_on_padded_token_rows_equals_full_batch(
     expected = units * (4 if grad_sync == "every_micro_step" else 1)
     if pp > 1:  # rank 0's stage: the embeddings and a block; reduced once per window
         expected = 2
+        accum = record["scaling/grad_accum_steps"]
+        # its activations sent on, one per micro-batch; 1F1B's bubble (P − 1) / (m + P − 1)
+        assert record["comm/p2p_sends"] == accum, record
+        assert record["perf/pipeline_bubble"] == pytest.approx(1 / (accum + 1))
+        assert 0 <= record["perf/pipeline_idle_frac"] < 1, record
+    else:
+        assert "comm/p2p_sends" not in record, record
     assert record["comm/reduce_scatter_calls"] == expected, record
     assert record["perf/tokens_per_s"] > 0 and record["perf/tflops"] > 0
     assert "perf/mfu" not in record, "no known peak on CPU: no MFU"

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from rayacc.config.batch_split import BatchSplit
     from rayacc.engine.parallel.state import StateFormat
 
-__all__ = ["CommStats", "Contract", "ModelRecipe", "Strategy"]
+__all__ = ["CommStats", "Contract", "ModelRecipe", "PipelineStats", "Strategy"]
 
 InitialValues = Callable[[str, torch.Size], torch.Tensor]
 
@@ -99,6 +99,20 @@ class GroupCalls:
 
 
 @dataclass(frozen=True)
+class PipelineStats:
+    """A pipeline stage's window: what it sent, how long it stood idle, and the schedule's own
+    idle share."""
+
+    p2p_sends: int
+    """Tensors sent to another rank (activations forward, their gradients back)."""
+    idle_s: float
+    """The schedule step's time this rank computed nothing (waiting for its neighbours)."""
+    bubble: float
+    """The schedule's idle share, (P − 1) / (v·m + P − 1) for m micro-batches, v stages per
+    rank (ZBV's zero-bubble V idles less)."""
+
+
+@dataclass(frozen=True)
 class CommStats:
     """The gradient communication of one window on this rank."""
 
@@ -114,6 +128,8 @@ class CommStats:
     tensor_parallel: GroupCalls | None = None
     """The tensor-parallel group's collectives (its layers' and the gradient norm's), apart
     from the data-parallel ones above; None without tensor parallelism."""
+    pipeline: PipelineStats | None = None
+    """None without pipeline parallelism."""
 
 
 class _Timeline:

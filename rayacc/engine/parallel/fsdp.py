@@ -471,6 +471,8 @@ class FSDP(Strategy):
         synced = 0
         if _world() > 1:
             synced = micro_steps if self.grad_sync == "every_micro_step" else 1
+        if self.pipeline is not None:
+            synced = 1 if _world() > self.pipeline_parallel else 0
         if not self.counted:
             return CommStats(sync_passes=synced)
         tp = None
@@ -482,4 +484,5 @@ class FSDP(Strategy):
             sync_passes=synced,
             sync_time_s=self._timeline.span_s(),
             tensor_parallel=tp,
+            pipeline=self.pipeline.stats() if self.pipeline is not None else None,
         )

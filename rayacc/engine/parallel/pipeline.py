@@ -14,16 +14,19 @@ from __future__ import annotations
 
 import copy
 import math
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.pipelining import PipelineStage
 
 from rayacc.config.parallel import PIPELINE_SCHEDULES, ZBV_SHARDED
 from rayacc.engine.collectives import all_reduce
 from rayacc.engine.losses import IGNORE_INDEX, Batch, LossFn, summed
+from rayacc.engine.parallel.base import PipelineStats
 
 __all__ = [
     "PIPELINE_SCHEDULES",
@@ -80,6 +83,43 @@ def balanced_runs(weights: Sequence[int], parts: int) -> list[range]:
     return runs[::-1]
 
 
+class _TimedStage(PipelineStage):
+    """A stage that adds up the time it computes (its chunks' forwards and backwards, its
+    gradients' reduction) and counts the tensors it sends to another rank."""
+
+    busy_s = 0.0
+    sends = 0
+
+    def _timed(self, call, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return call(*args, **kwargs)
+        finally:
+            self.busy_s += time.perf_counter() - start
+
+    def forward_one_chunk(self, *args, **kwargs):
+        return self._timed(super().forward_one_chunk, *args, **kwargs)
+
+    def backward_one_chunk(self, *args, **kwargs):
+        return self._timed(super().backward_one_chunk, *args, **kwargs)
+
+    def backward_weight_one_chunk(self, *args, **kwargs):
+        return self._timed(super().backward_weight_one_chunk, *args, **kwargs)
+
+    def perform_reduce_grad(self, *args, **kwargs):
+        return self._timed(super().perform_reduce_grad, *args, **kwargs)
+
+    def get_fwd_send_ops(self, *args, **kwargs):
+        ops = super().get_fwd_send_ops(*args, **kwargs)
+        self.sends += len(ops)
+        return ops
+
+    def get_bwd_send_ops(self, *args, **kwargs):
+        ops = super().get_bwd_send_ops(*args, **kwargs)
+        self.sends += len(ops)
+        return ops
+
+
 class _Output(nn.Module):
     """Stands for the model in a loss function on the last stage: what the schedule's forward
     gave, whatever it is called with (the loss functions call the model on their batch)."""
@@ -112,8 +152,6 @@ class Pipeline:
         tied_shapes: dict[str, tuple[torch.Size, torch.dtype]] | None = None,
         shape: tuple[int, int] | None = None,
     ) -> None:
-        from torch.distributed.pipelining import PipelineStage
-
         self.schedule = schedule
         self.group = group
         self.width = width
@@ -124,7 +162,7 @@ class Pipeline:
         self.runs: list[range] = []
         """Every stage's units (`pipeline_units`' indices), in stage order."""
         self.stages = [
-            PipelineStage(m, i, n_stages, device, group=group)
+            _TimedStage(m, i, n_stages, device, group=group)
             for m, i in zip(stages, indices, strict=True)
         ]
         self.modules = list(stages)
@@ -137,9 +175,18 @@ class Pipeline:
         """Each tied weight's gradient as this rank would hold it: a rank without a copy joins
         the sum with zeros."""
         self._built = None
+        self._window: tuple[int, float] = (0, 0.0)
+        """The last window's sends and idle seconds."""
         self._counted: list[int] = []
         self._loss_fn: LossFn | None = None
         self._batches: list[dict[str, torch.Tensor]] = []
+
+    def stats(self) -> PipelineStats:
+        """This rank's last window: its sends, its idle time, the schedule's idle share."""
+        v, m = len(self.indices), self.micro_steps
+        p = self.n_stages // v
+        bubble = (p - 1) / (v * m + p - 1) if m else 0.0
+        return PipelineStats(*self._window, bubble)
 
     def describe(self) -> str:
         """The stages and what each holds, for the run's record."""
@@ -195,6 +242,9 @@ class Pipeline:
         # equal micro-batches side by side: the schedule's split gives them back as they were
         first = 0 in self.indices
         inputs = (torch.cat([mb["input"] for mb in padded]),) if first else ()
+        for stage in self.stages:
+            stage.busy_s, stage.sends = 0.0, 0
+        start = time.perf_counter()
         # forwards alone run the same schedule, its gradients dropped: torch 2.13's `eval`
         # does not run the looped schedules, and a switch re-sizes the stages' buffers
         with torch.enable_grad():
@@ -204,6 +254,9 @@ class Pipeline:
                 losses=losses if self.holds_loss else None,
                 return_outputs=False,
             )
+        busy = sum(stage.busy_s for stage in self.stages)
+        wall = time.perf_counter() - start
+        self._window = (sum(stage.sends for stage in self.stages), max(0.0, wall - busy))
         # the stages' metadata inference (the schedule's first window) calls the loss too
         counted = sum(self._counted[-len(padded) :]) if self.holds_loss else 0
         if train:

@@ -119,6 +119,7 @@ def run_phase(case: PPCase, rank: int, world: int, folder: Path, phase: str) -> 
         (merged.get("head.weight", merged["tok.weight"]) - merged["tok.weight"]).abs().max()
     )
     seen = {k: [getattr(r, k) for r in results] for k in ("loss", "grad_norm", "items", "samples")}
+    seen["pipeline"] = [(r.pipeline, r.step_time_s) for r in results]
     val_loss = float(val[0]) / sum(int(count(mb)) for mb in M.micro_batches(first, M.MICRO, 1, 12))
     return {"params": flat, "tied_gap": tied_gap, "mesh": strategy.describe_mesh(),
             "val_loss": val_loss, **seen}  # fmt: skip
