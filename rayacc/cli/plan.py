@@ -121,11 +121,21 @@ def _print_memory(cfg, split) -> None:
     mesh = (
         f" in tensor-parallel groups of {tp}: each rank {keep:.0%} of the model" if tp > 1 else ""
     )
+    pp, held = cfg.train.pipeline_parallel, f"one micro-batch of {micro or '?'}"
+    if pp > 1:
+        from rayacc.models import build_on_meta
+        from rayacc.planner.search import pipeline_share
+        from rayacc.run.quantities import pipeline_in_flight
+
+        keep = pipeline_share(build_on_meta(cfg, prep.info), cfg.train)
+        mesh = f" in pipelines of {pp} stages: the fullest rank {keep:.0%} of the model"
+        in_flight = pipeline_in_flight(cfg, split.num_workers)
+        held = f"{in_flight} micro-batches of {micro} (the schedule's in flight)"
     print(
         f"memory per rank, MiB (estimate; {prep.num_parameters:,} parameters{adapters}, fp32, "
-        f"{split.num_workers} workers{mesh}, activations of one micro-batch of {micro or '?'})"
+        f"{split.num_workers} workers{mesh}, activations of {held})"
     )
-    width = 24 if tp == 1 else 30
+    width = 24 if tp == 1 and pp == 1 else 30
     print(f"  {'strategy':{width}} {'params':>9} {'grads':>9} {'optimizer':>9} {'activations':>11}")
     for label, params, grads, optim, acts in memory_per_rank(
         cfg, prep.info, prep.num_parameters, split.num_workers, trainable, keep

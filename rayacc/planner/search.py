@@ -20,6 +20,7 @@ __all__ = [
     "SearchResult",
     "format_table",
     "pick",
+    "pipeline_share",
     "profile_sizes",
     "search",
     "tensor_parallel_options",
@@ -207,6 +208,21 @@ def tensor_plan(model, tokens: int, value_bytes: int) -> TensorPlan | None:
         rows = isinstance(style, RowwiseParallel)
         width += module.out_features if rows else module.in_features
     return TensorPlan(split / total if total else 0.0, allreduces, tokens * width * value_bytes)
+
+
+def pipeline_share(model, train) -> float:
+    """The share of `model`'s parameters the fullest rank of its pipeline holds (`train`: the
+    run's pipeline degree and schedule): its stages' units over all of them (the tied head
+    counted on the last stage too, as it is held)."""
+    from rayacc.engine.parallel.pipeline import balanced_runs, stage_indices, stages_per_rank
+
+    pp = train.pipeline_parallel
+    v = stages_per_rank(train.pipeline_schedule, train.pipeline_stages_per_rank)
+    units = model.pipeline_units()
+    runs = balanced_runs(units, pp * v)
+    held = [sum(units[u] for i in stage_indices(train.pipeline_schedule, r, pp, v)
+                for u in runs[i]) for r in range(pp)]  # fmt: skip
+    return max(held) / sum(p.numel() for p in model.parameters())
 
 
 def tensor_parallel_options(model, most: int) -> list[int]:

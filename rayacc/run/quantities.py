@@ -33,6 +33,7 @@ __all__ = [
     "order_kind",
     "phase_sizes",
     "phases_summary",
+    "pipeline_in_flight",
     "rank_seed",
     "remaining_epochs",
     "run_effective_lr",
@@ -402,6 +403,16 @@ def run_identity(cfg: TrainConfig, info: DatasetInfo) -> dict[str, object]:
     return redact(json.loads(json.dumps(identity)))
 
 
+def pipeline_in_flight(cfg: TrainConfig, workers: int) -> int:
+    """The micro-batches whose activations a pipeline's first stage holds at once: GPipe the
+    window's, the others up to the stages (1 without a pipeline)."""
+    pp = cfg.train.pipeline_parallel
+    if pp == 1:
+        return 1
+    m = cfg.batch_split(workers).grad_accum_steps
+    return m if cfg.train.pipeline_schedule == "gpipe" else min(m, pp)
+
+
 def memory_per_rank(
     cfg: TrainConfig,
     info: DatasetInfo,
@@ -414,26 +425,33 @@ def memory_per_rank(
     state (fp32, AdamW 2 slots, SGD with momentum 1; of the `trainable` parameters only, where
     a base is frozen), and activations of one micro-batch from a simple model of the `gpt` and
     `mlp` models (None for a factory model). Rows: (label, params, grads, optimizer, acts).
-    Under `train.tensor_parallel` T, the configured strategy's rows only, each rank holding
-    and computing `keep` of the model (the planner's `TensorPlan.keep(T)`); a sharded state
-    is split over the shard group (the data-parallel ranks over `fsdp.replicate`'s groups,
-    counted as 1 where `auto` waits for the placement)."""
+    Under `train.tensor_parallel` T or `train.pipeline_parallel` P, the configured strategy's
+    rows only, each rank holding and computing `keep` of the model (the planner's
+    `TensorPlan.keep(T)`; a pipeline rank's largest share of the stages) and a pipeline's
+    activations for the micro-batches its schedule holds in flight (GPipe: the window's; the
+    others: up to P, on the first stage); a sharded state is split over the shard group (the
+    data-parallel ranks over `fsdp.replicate`'s groups, counted as 1 where `auto` waits for
+    the placement)."""
     mib = 4 / 2**20  # fp32 bytes per value, in MiB
     slots = optimizer_slots(cfg.optim)
     micro = cfg.batch.fixed_micro_batch_size
+    tp, pp = cfg.train.tensor_parallel, cfg.train.pipeline_parallel
+    in_flight = pipeline_in_flight(cfg, workers) if micro else 1
     acts = _activations_per_sample(cfg, info)
-    acts = acts * micro * keep / 2**20 if acts is not None and micro else None
+    acts = acts * micro * keep * in_flight / 2**20 if acts is not None and micro else None
     p = num_parameters * mib * keep
     share = 1.0 if trainable is None else trainable / max(1, num_parameters)
-    tp = cfg.train.tensor_parallel
-    classes = strategy_classes().values() if tp == 1 else [strategy_class(cfg.train.strategy)]
-    mesh = f" × tp {tp}" if tp > 1 else ""
+    alone = tp == 1 and pp == 1
+    classes = strategy_classes().values() if alone else [strategy_class(cfg.train.strategy)]
+    mesh = (f" × tp {tp}" if tp > 1 else "") + (f" × pp {pp}" if pp > 1 else "")
     replicate = cfg.fsdp.replicate if isinstance(cfg.fsdp.replicate, int) else 1
-    shards = max(1, workers // tp // replicate)
+    shards = max(1, workers // (tp * pp) // replicate)
     return [
         (label + mesh, params, grads * share, state * share, a)
         for cls in classes
-        for label, params, grads, state, a in cls.memory_rows(p, shards, slots, acts)
+        for label, params, grads, state, a in cls.memory_rows(
+            p, shards, slots, acts, pipelined=pp > 1
+        )
     ]
 
 

@@ -218,11 +218,12 @@ class Strategy(ABC):
 
     @classmethod
     def memory_rows(
-        cls, params: float, workers: int, slots: int, activations: float | None
+        cls, params: float, workers: int, slots: int, activations: float | None, **layout: Any
     ) -> list[tuple[str, float, float, float, float | None]]:
         """The estimate `rayacc plan` shows per rank: (label, parameters, gradients, optimizer
         state, activations), in the unit of `params` (the model's parameters a rank's group
-        holds); `workers`: the ranks a sharded state is split over."""
+        holds); `workers`: the ranks a sharded state is split over; `layout`: the mesh's other
+        degrees where they change the rows (`pipelined`: a rank is a pipeline's stage)."""
         return [(cls.name, params, params, slots * params, activations)]
 
     @classmethod

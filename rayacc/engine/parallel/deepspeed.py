@@ -205,7 +205,7 @@ class DeepSpeed(Strategy):
         ]
 
     @classmethod
-    def memory_rows(cls, params, workers, slots, activations):
+    def memory_rows(cls, params, workers, slots, activations, **layout):
         return []  # the planner's prior counts ZeRO's stages (`rayacc plan --search`)
 
     @classmethod

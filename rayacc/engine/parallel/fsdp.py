@@ -77,8 +77,14 @@ class FSDP(Strategy):
         split = f"; each layer split over {tp} ranks (tensor parallel)" if tp > 1 else ""
         sync = f"grad_sync {f.grad_sync}"
         if pp > 1:
-            split = (f"; the layers cut into {pp} pipeline stages, "
-                     f"{cfg.train.pipeline_schedule} schedule")  # fmt: skip
+            from rayacc.engine.parallel.pipeline import schedule_bubble
+
+            m = cfg.batch_split().grad_accum_steps
+            bubble = schedule_bubble(cfg.train.pipeline_schedule, pp, m,
+                                     cfg.train.pipeline_stages_per_rank)  # fmt: skip
+            short = f": accumulation {m} < {pp} stages" if m < pp else ""
+            split = (f"; the layers cut into {pp} pipeline stages, {cfg.train.pipeline_schedule}"
+                     f" schedule, idle share {bubble:.0%}{short}")  # fmt: skip
             sync = "gradients reduced once per window (each stage after its last backward)"
         return (
             f"FSDP2 (parameters, gradients and optimizer state {sharded}{offload}{split}; "
@@ -101,8 +107,10 @@ class FSDP(Strategy):
         return out
 
     @classmethod
-    def memory_rows(cls, params, workers, slots, activations):
+    def memory_rows(cls, params, workers, slots, activations, **layout):
         shard = params / workers
+        if layout.get("pipelined"):  # a stage holds its gradients whole across the window
+            return [(cls.name, shard, params, slots * shard, activations)]
         return [
             (f"{cls.name} every_micro_step", shard, shard, slots * shard, activations),
             (f"{cls.name} window_end", shard, params, slots * shard, activations),

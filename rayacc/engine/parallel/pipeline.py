@@ -49,6 +49,13 @@ def stages_per_rank(schedule: str, looped: int = 2) -> int:
     return {"interleaved_1f1b": looped, "zbv": 2}.get(schedule, 1)
 
 
+def schedule_bubble(schedule: str, pp: int, micro_steps: int, looped: int = 2) -> float:
+    """The schedule's idle share of a window, (P − 1) / (v·m + P − 1) for m micro-batches and v
+    stages per rank (ZBV's V idles less: an upper bound there)."""
+    v = stages_per_rank(schedule, looped)
+    return (pp - 1) / (v * micro_steps + pp - 1)
+
+
 def stage_indices(schedule: str, pp_rank: int, pp: int, per_rank: int) -> list[int]:
     """The stages rank `pp_rank` of the pipeline group runs: a loop (rank r: r, r + P, …) or
     ZBV's V (rank r: r and 2P − 1 − r, so the first and last stage share rank 0)."""
@@ -185,8 +192,7 @@ class Pipeline:
         """This rank's last window: its sends, its idle time, the schedule's idle share."""
         v, m = len(self.indices), self.micro_steps
         p = self.n_stages // v
-        bubble = (p - 1) / (v * m + p - 1) if m else 0.0
-        return PipelineStats(*self._window, bubble)
+        return PipelineStats(*self._window, (p - 1) / (v * m + p - 1) if m else 0.0)
 
     def describe(self) -> str:
         """The stages and what each holds, for the run's record."""

@@ -106,6 +106,10 @@ def run_phase(case: PPCase, rank: int, world: int, folder: Path, phase: str) -> 
             for n, p in model.named_parameters()}  # fmt: skip
     box = [None] * world
     dist.all_gather_object(box, mine)
+    # what each rank holds: its shards of its stages
+    held = sum(getattr(p, "to_local", lambda p=p: p)().numel() for p in model.parameters())
+    holds = [None] * world
+    dist.all_gather_object(holds, held)
     if rank != 0:
         return None
     merged = {}
@@ -121,7 +125,7 @@ def run_phase(case: PPCase, rank: int, world: int, folder: Path, phase: str) -> 
     seen = {k: [getattr(r, k) for r in results] for k in ("loss", "grad_norm", "items", "samples")}
     seen["pipeline"] = [(r.pipeline, r.step_time_s) for r in results]
     val_loss = float(val[0]) / sum(int(count(mb)) for mb in M.micro_batches(first, M.MICRO, 1, 12))
-    return {"params": flat, "tied_gap": tied_gap, "mesh": strategy.describe_mesh(),
+    return {"params": flat, "tied_gap": tied_gap, "mesh": strategy.describe_mesh(), "held": holds,
             "val_loss": val_loss, **seen}  # fmt: skip
 
 
