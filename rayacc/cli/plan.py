@@ -111,29 +111,30 @@ def _print_memory(cfg, split) -> None:
     micro = cfg.batch.fixed_micro_batch_size
     trainable = prep.trainable_parameters
     adapters = "" if trainable is None else f" of which {trainable:,} train (LoRA)"
-    tp, keep = cfg.train.tensor_parallel, 1.0
+    mesh = cfg.mesh
+    tp, keep = mesh.tensor, 1.0
     if tp > 1:
         from rayacc.models import build_on_meta
         from rayacc.planner.search import tensor_plan
 
         # what the model's plan splits: a rank holds and computes its share of those layers
         keep = tensor_plan(build_on_meta(cfg, prep.info), 1, 4).keep(tp)
-    mesh = (
+    layout = (
         f" in tensor-parallel groups of {tp}: each rank {keep:.0%} of the model" if tp > 1 else ""
     )
-    pp, held = cfg.train.pipeline_parallel, f"one micro-batch of {micro or '?'}"
+    pp, held = mesh.pipeline, f"one micro-batch of {micro or '?'}"
     if pp > 1:
         from rayacc.models import build_on_meta
         from rayacc.planner.search import pipeline_share
         from rayacc.run.quantities import pipeline_in_flight
 
-        keep = pipeline_share(build_on_meta(cfg, prep.info), cfg.train)
-        mesh = f" in pipelines of {pp} stages: the fullest rank {keep:.0%} of the model"
+        keep = pipeline_share(build_on_meta(cfg, prep.info), mesh)
+        layout = f" in pipelines of {pp} stages: the fullest rank {keep:.0%} of the model"
         in_flight = pipeline_in_flight(cfg, split.num_workers)
         held = f"{in_flight} micro-batches of {micro} (the schedule's in flight)"
     print(
         f"memory per rank, MiB (estimate; {prep.num_parameters:,} parameters{adapters}, fp32, "
-        f"{split.num_workers} workers{mesh}, activations of {held})"
+        f"{split.num_workers} workers{layout}, activations of {held})"
     )
     width = 24 if tp == 1 and pp == 1 else 30
     print(f"  {'strategy':{width}} {'params':>9} {'grads':>9} {'optimizer':>9} {'activations':>11}")

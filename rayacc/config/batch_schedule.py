@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from rayacc.config.mesh import Mesh
+
 __all__ = [
     "EXCLUDES",
     "FOLLOW_EVERY",
@@ -119,9 +121,9 @@ def _auto_rules(batch, scaling, train, refuse) -> None:
             "lies outside batch.min_global_batch_size / max_global_batch_size",
             "set it between them",
         )
-    if train is not None and train.tensor_parallel > 1:
+    if Mesh.of_sections(train).tensor > 1:
         refuse(
-            "train.tensor_parallel",
+            Mesh.key("tensor"),
             "measures no gradient noise scale (batch.schedule: auto follows it)",
             "set it to 1, or give batch.schedule its phases",
         )
@@ -185,14 +187,17 @@ def schedule_rules(sections: dict) -> list:
             if path == "train.strategy":
                 problem = f"{train.strategy}: {_fixed_accumulation(train.strategy)}"
             refuse(path, f"{problem} (batch.schedule changes the global batch)", fix)
+    if Mesh.of_sections(train).pipeline > 1:
+        why = "sizes its stages' buffers for one accumulation (batch.schedule changes it)"
+        refuse(Mesh.key("pipeline"), why, "give one global batch, or set it to 1")
     if issues or scaling is None:
         return issues
-    tp = train.tensor_parallel if train is not None else 1
+    mesh = Mesh.of_sections(train)
     for path, size in declared_batches(batch):
         try:
             base = resolve_batch_split(
                 num_workers=scaling.max_workers,
-                tensor_parallel=tp,
+                mesh=mesh,
                 global_batch_size=size,
                 micro_batch_size=batch.fixed_micro_batch_size,
                 uneven=scaling.elastic,

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from rayacc.config.mesh import Mesh
+
 __all__ = [
     "BatchSplit",
     "BatchSplitError",
@@ -150,8 +152,7 @@ def resolve_batch_split(
     global_batch_size: int | None = None,
     micro_batch_size: int | None = None,
     grad_accum_steps: int | None = None,
-    tensor_parallel: int = 1,
-    pipeline_parallel: int = 1,
+    mesh: Mesh | None = None,
     uneven: bool = False,
 ) -> BatchSplit:
     """Completes the batch split for `num_workers` workers (in tensor-parallel groups of
@@ -167,8 +168,9 @@ def resolve_batch_split(
     field and the nearest valid values.
     """
     _check_positive(num_workers, global_batch_size, micro_batch_size, grad_accum_steps)
-    tp, pp = tensor_parallel, pipeline_parallel
-    ranks = _Ranks(data_parallel_ranks(num_workers, tp * pp), num_workers, tp, pp)
+    mesh = mesh or Mesh()
+    tp, pp = mesh.tensor, mesh.pipeline
+    ranks = _Ranks(mesh.data_parallel(num_workers), num_workers, mesh)
     g, w = global_batch_size, ranks.w
     if uneven and g is not None and g % w and g >= w and grad_accum_steps is None:
         largest = -(-g // w)
@@ -191,8 +193,7 @@ class _Ranks:
 
     w: int
     workers: int
-    tp: int
-    pp: int = 1
+    mesh: Mesh
 
     @property
     def factor(self) -> str:
@@ -200,13 +201,13 @@ class _Ranks:
 
     @property
     def group(self) -> int:
-        return self.tp * self.pp
+        return self.mesh.model_parallel
 
     def __str__(self) -> str:
         if self.group == 1:
             return f"{WORKERS}={self.w}"
-        degrees = " × ".join(f"train.{kind}_parallel={n}" for kind, n in
-                             (("tensor", self.tp), ("pipeline", self.pp)) if n > 1)  # fmt: skip
+        degrees = " × ".join(self.mesh.setting(d) for d in ("tensor", "pipeline")
+                             if getattr(self.mesh, d) > 1)  # fmt: skip
         return f"the data-parallel ranks ({WORKERS}={self.workers} / {degrees} = {self.w})"
 
     def share(self, g: int, per: int) -> str:

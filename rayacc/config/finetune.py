@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from rayacc.config.mesh import Mesh
+
 __all__ = ["LoraConfig", "finetune_rules"]
 
 
@@ -53,14 +55,25 @@ def finetune_rules(sections: dict) -> list:
                 "name the linear layers to adapt (names or name endings)",
             )
         )
-    if lora is not None and train is not None and train.tensor_parallel > 1:
+    mesh = Mesh.of_sections(train)
+    if lora is not None and mesh.tensor > 1:
         issues.append(
             ConfigIssue(
                 "model.lora",
-                "with train.tensor_parallel > 1: the adapters' layers are "
+                f"with {mesh.setting('tensor')}: the adapters' layers are "
                 "not in the tensor-parallel plan",
                 MISSING,
-                "set train.tensor_parallel: 1 (FSDP or ZeRO-3 shard the base)",
+                f"set {Mesh.key('tensor')}: 1 (FSDP or ZeRO-3 shard the base)",
+            )
+        )
+    if lora is not None and mesh.pipeline > 1:
+        issues.append(
+            ConfigIssue(
+                "model.lora",
+                f"with {mesh.setting('pipeline')}: adapters on a pipeline's stages are not "
+                "built yet",
+                MISSING,
+                f"set {Mesh.key('pipeline')}: 1 (FSDP or ZeRO-3 shard the base)",
             )
         )
     chunk = train is not None and "loss_chunk_tokens" in train.model_fields_set

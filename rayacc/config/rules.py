@@ -13,6 +13,7 @@ from rayacc.config.batch_split import (
 )
 from rayacc.config.errors import MISSING, ConfigIssue
 from rayacc.config.finetune import finetune_rules
+from rayacc.config.mesh import Mesh
 from rayacc.config.parallel import pipeline_rules, tensor_parallel_rules
 from rayacc.config.strategies import strategies, strategy_sections
 
@@ -168,14 +169,11 @@ def _auto_micro_batch_rules(batch: BatchConfig, scaling: ScalingConfig | None) -
     return issues
 
 
-def _batch_plan_rules(
-    batch: BatchConfig, scaling: ScalingConfig, tp: int, pp: int = 1
-) -> list[ConfigIssue]:
+def _batch_plan_rules(batch: BatchConfig, scaling: ScalingConfig, mesh: Mesh) -> list[ConfigIssue]:
     try:
         base = resolve_batch_split(
             num_workers=scaling.max_workers,
-            tensor_parallel=tp,
-            pipeline_parallel=pp,
+            mesh=mesh,
             global_batch_size=batch.global_batch_size,
             micro_batch_size=batch.fixed_micro_batch_size,
             grad_accum_steps=batch.grad_accum_steps,
@@ -281,7 +279,5 @@ def cross_field_issues(sections: dict[str, Any]) -> list[ConfigIssue]:
     if batch is not None:
         issues += _auto_micro_batch_rules(batch, scaling)
         if scaling is not None:
-            tp = train.tensor_parallel if train is not None else 1
-            pp = train.pipeline_parallel if train is not None else 1
-            issues += _batch_plan_rules(batch, scaling, tp, pp)
+            issues += _batch_plan_rules(batch, scaling, Mesh.of_sections(train))
     return issues

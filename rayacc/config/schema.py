@@ -15,6 +15,7 @@ from rayacc.config.environment import environment_issues
 from rayacc.config.errors import ConfigError, ConfigIssue, issues_from_validation
 from rayacc.config.finetune import LoraConfig
 from rayacc.config.loader import read_yaml
+from rayacc.config.mesh import Mesh
 from rayacc.config.overrides import apply_overrides, flatten
 from rayacc.config.parallel import (
     PIPELINE_SCHEDULES,
@@ -431,13 +432,17 @@ class TrainConfig(Section):
     def overrides(self) -> list[str]:
         return list(self._overrides)
 
+    @property
+    def mesh(self) -> Mesh:
+        """The run's layout as the degrees of one mesh (config/mesh.py)."""
+        return Mesh.of(self)
+
     def batch_split(self, num_workers: int | None = None) -> BatchSplit:
         """The resolved batch split for `num_workers` (default: the most workers the run
         uses), over their data-parallel ranks."""
         return resolve_batch_split(
             num_workers=num_workers or self.scaling.max_workers,
-            tensor_parallel=self.train.tensor_parallel,
-            pipeline_parallel=self.train.pipeline_parallel,
+            mesh=self.mesh,
             global_batch_size=self.batch.global_batch_size,
             micro_batch_size=self.batch.fixed_micro_batch_size,
             grad_accum_steps=self.batch.grad_accum_steps,

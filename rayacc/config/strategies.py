@@ -15,6 +15,7 @@ from importlib import metadata
 from typing import Any
 
 from rayacc.config.errors import ConfigIssue
+from rayacc.config.mesh import Mesh
 
 ADAM_FAMILY = ("adamw", "adam")
 """The optimizers (`optim.name`) whose state is Adam's moments (`exp_avg`, `exp_avg_sq`): what
@@ -45,9 +46,9 @@ class StrategyEntry:
     """The config section only it reads (refused, not ignored, under another strategy)."""
     rules: Rules | None = None
     without_tensor_parallel: str | None = "it declares no tensor parallelism"
-    """Why it does not compose with `train.tensor_parallel` > 1; None: it does."""
+    """Why it does not compose with tensor parallelism (`Mesh.tensor` > 1); None: it does."""
     without_pipeline_parallel: str | None = "it declares no pipeline parallelism"
-    """Why it does not compose with `train.pipeline_parallel` > 1; None: it does."""
+    """Why it does not compose with pipeline parallelism (`Mesh.pipeline` > 1); None: it does."""
     fixed_accumulation: str | None = None
     """Why its accumulation cannot change within a worker group (`batch.schedule`); None: it
     can."""
@@ -56,9 +57,8 @@ class StrategyEntry:
 # ----------------------------------------------------------------------------- built-in rules
 def _fsdp_rules(sections: Mapping[str, Any], scaling: Any) -> list[ConfigIssue]:
     train, fsdp = sections["train"], sections.get("fsdp")
-    tp = train.tensor_parallel
-    pp = train.pipeline_parallel
-    issues = _fsdp_mesh_rules(fsdp, scaling, tp, pp) if fsdp is not None else []
+    mesh = Mesh.of_sections(train, fsdp)
+    issues = _fsdp_mesh_rules(mesh, scaling) if fsdp is not None else []
     if train.precision == "fp16":
         issues.append(
             ConfigIssue(
@@ -71,17 +71,17 @@ def _fsdp_rules(sections: Mapping[str, Any], scaling: Any) -> list[ConfigIssue]:
     return issues
 
 
-def _fsdp_mesh_rules(fsdp: Any, scaling: Any, tp: int = 1, pp: int = 1) -> list[ConfigIssue]:
+def _fsdp_mesh_rules(mesh: Mesh, scaling: Any) -> list[ConfigIssue]:
     """HSDP's replica groups: a number that divides every worker count the run may have (its
     data-parallel ranks, under tensor parallelism); none under a pipeline."""
-    r = fsdp.replicate
-    if pp > 1 and r != 1:
+    r, tp = mesh.replicate, mesh.tensor
+    if mesh.pipeline > 1 and r != 1:
         return [
             ConfigIssue(
                 "fsdp.replicate",
                 "a pipeline's stages shard over every data-parallel rank (not HSDP, yet)",
                 r,
-                "set fsdp.replicate=1, or train.pipeline_parallel=1",
+                f"set fsdp.replicate=1, or {Mesh.key('pipeline')}=1",
             )
         ]
     if r == "auto" or r == 1 or scaling is None:
@@ -99,7 +99,7 @@ def _fsdp_mesh_rules(fsdp: Any, scaling: Any, tp: int = 1, pp: int = 1) -> list[
     if (scaling.min_workers // tp) % r:
         ranks = f"scaling.num_workers={scaling.min_workers}"
         if tp > 1:
-            ranks = (f"the data-parallel ranks ({ranks} / train.tensor_parallel={tp} = "
+            ranks = (f"the data-parallel ranks ({ranks} / {mesh.setting('tensor')} = "
                      f"{scaling.min_workers // tp})")  # fmt: skip
         return [
             ConfigIssue(

@@ -369,7 +369,7 @@ def _fit_holding(
     cfg = prep.spec.cfg  # its sections, read (the run's quantities come from the RunSpec)
     phases["checked"] = time.time()
     ensure_ray(cfg.scaling)
-    check_cluster(cfg.scaling, cfg.train.tensor_parallel)
+    check_cluster(cfg.scaling, cfg.mesh)
     refresh_elastic_sizing(cfg.scaling)
     phases["ray_started"] = time.time()
     buffer = _progress_buffer()

@@ -20,6 +20,7 @@ from typing import Any
 
 from rayacc.config import TrainConfig
 from rayacc.config.batch_split import BatchSplit
+from rayacc.config.mesh import Mesh
 from rayacc.config.schema import RunConfig, ScalingConfig, TrainSection
 from rayacc.data.common import DataError
 from rayacc.data.order import DataOrder, EpochLayout
@@ -138,8 +139,8 @@ def prepare(cfg: TrainConfig) -> Prepared:
         from rayacc.models.registry import resolve_callable
 
         resolve_callable("train.loss", cfg.train.loss, OBJECTIVE_FIX)
-    if cfg.train.tensor_parallel > 1:
-        check_tensor_plan(model, cfg.train.tensor_parallel)
+    if cfg.mesh.tensor > 1:
+        check_tensor_plan(model, cfg.mesh)
     order = data_order(cfg, info, groups)
     if len(order.train_units) == 0:
         raise DataError(
@@ -397,7 +398,7 @@ def _global_batch_change(terms: ResumeTerms, meta: dict[str, Any]) -> list[str]:
 
 
 # ----------------------------------------------------------------------------- the cluster
-def check_cluster(scaling: ScalingConfig, tensor_parallel: int = 1) -> None:
+def check_cluster(scaling: ScalingConfig, mesh: Mesh | None = None) -> None:
     """A worker group the cluster can never hold is a user error (Ray Train would wait
     forever), as is a tensor-parallel group no node holds; on a cluster that may grow (one
     rayacc did not start), a warning."""
@@ -407,7 +408,7 @@ def check_cluster(scaling: ScalingConfig, tensor_parallel: int = 1) -> None:
     import ray
 
     may_grow = bool(os.environ.get("RAY_ADDRESS"))
-    warning = check_resources(scaling, ray.nodes(), may_grow, tensor_parallel)
+    warning = check_resources(scaling, ray.nodes(), may_grow, mesh)
     if warning:
         print(f"rayacc: warning: {warning}; waiting for the cluster to grow", file=sys.stderr)
 
@@ -428,12 +429,13 @@ def workers_that_fit(nodes: list[dict[str, float]], need: dict[str, float]) -> i
 
 
 def check_resources(
-    scaling: ScalingConfig, nodes: list[dict[str, Any]], may_grow: bool, tensor_parallel: int = 1
+    scaling: ScalingConfig, nodes: list[dict[str, Any]], may_grow: bool, mesh: Mesh | None = None
 ) -> str | None:
     """Raises ResourceError when the alive `nodes` (as `ray.nodes()` lists them) can never hold
-    `scaling.num_workers`' minimum, or no node holds a tensor-parallel group of
-    `tensor_parallel` workers; with `may_grow` (a cluster that may add nodes) returns the same
-    finding as a warning instead. None when the group fits."""
+    `scaling.num_workers`' minimum, or no node holds a tensor-parallel group of the `mesh`'s
+    workers; with `may_grow` (a cluster that may add nodes) returns the same finding as a
+    warning instead. None when the group fits."""
+    tensor_parallel = (mesh or Mesh()).tensor
     need = scaling.worker_needs()
     alive = [n.get("Resources", {}) for n in nodes if n.get("Alive", True)]
     placement = scaling.placement_strategy
@@ -442,10 +444,10 @@ def check_resources(
     if tensor_parallel > largest > 0:
         # its collectives run every layer, forward and backward: one node's links
         text = (
-            f"train.tensor_parallel={tensor_parallel}: a tensor-parallel group shares a node, "
+            f"{mesh.setting('tensor')}: a tensor-parallel group shares a node, "
             f"and the cluster's largest node holds {largest} worker(s) of "
             f"{{{', '.join(f'{k}: {v:g}' for k, v in need.items())}}}. Fix: set "
-            f"train.tensor_parallel to at most {largest}, or use nodes that hold "
+            f"{Mesh.key('tensor')} to at most {largest}, or use nodes that hold "
             f"{tensor_parallel} workers each"
         )
         if may_grow:

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from rayacc.config import TrainConfig
+from rayacc.config.mesh import Mesh
 from rayacc.config.schema import ModelConfig
 from rayacc.data.sources import DatasetInfo, describe_dataset
 from rayacc.engine import (
@@ -235,15 +236,16 @@ def loss_functions(
     return (inside_forward if inside else after_forward), count_target_tokens
 
 
-def check_tensor_plan(model, tp: int) -> None:
+def check_tensor_plan(model, mesh: Mesh) -> None:
     """The model declares a tensor-parallel plan, and its heads (an `hf` config's, the GPT's
-    attention's) divide over `tp` ranks (ModelError naming what does not)."""
+    attention's) divide over the mesh's tensor ranks (ModelError naming what does not)."""
     from rayacc.engine.parallel.tensor import tp_plan
 
+    tp = mesh.tensor
     try:
         tp_plan(model)
     except ValueError as e:
-        raise ModelError(f"train.tensor_parallel={tp}: {e}") from None
+        raise ModelError(f"{mesh.setting('tensor')}: {e}") from None
     config = getattr(getattr(model, "hf", None), "config", None)
     heads = {
         key: getattr(config, key, None) for key in ("num_attention_heads", "num_key_value_heads")
@@ -252,6 +254,6 @@ def check_tensor_plan(model, tp: int) -> None:
     for key, count in heads.items():
         if isinstance(count, int) and count % tp:
             raise ModelError(
-                f"train.tensor_parallel={tp} does not divide the model's {key}={count} (each "
-                "rank takes whole heads). Fix: choose a train.tensor_parallel that divides it"
+                f"{mesh.setting('tensor')} does not divide the model's {key}={count} (each "
+                f"rank takes whole heads). Fix: choose a {Mesh.key('tensor')} that divides it"
             )

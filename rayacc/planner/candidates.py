@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from rayacc.config.batch_split import data_parallel_ranks
+from rayacc.config.mesh import Mesh
 from rayacc.config.strategies import DEFAULT_STRATEGY
 from rayacc.engine.autobatch import candidate_micro_sizes
 from rayacc.engine.parallel import strategy_class, strategy_classes
@@ -47,7 +48,7 @@ class Candidate:
     replicate: int = 1
     """fsdp.replicate under fsdp: HSDP's replica groups (1: sharded over every worker)."""
     tensor_parallel: int = 1
-    """train.tensor_parallel: each layer split over this many workers (a group on one node)."""
+    """The mesh's tensor degree: each layer split over this many workers (a group on one node)."""
 
     @property
     def data_parallel(self) -> int:
@@ -104,7 +105,7 @@ class Candidate:
         out["batch.micro_batch_size"] = self.micro_batch_size
         out["batch.grad_accum_steps"] = self.grad_accum_steps
         out["train.strategy"] = self.strategy
-        out["train.tensor_parallel"] = self.tensor_parallel
+        out[Mesh.key("tensor")] = self.tensor_parallel
         out.update(strategy_class(self.strategy).candidate_overrides(self))
         out["train.activation_checkpointing"] = ac if isinstance(ac, str) else {"every_n": ac}
         return out

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rayacc.config import TrainConfig
+from rayacc.config.mesh import Mesh
 from rayacc.planner.candidates import Candidate, checkpointing_choices, enumerate_candidates
 from rayacc.planner.planfile import PlanFile, made_for
 from rayacc.planner.prior import Placement, Prediction, TensorPlan, predict
@@ -210,18 +211,17 @@ def tensor_plan(model, tokens: int, value_bytes: int) -> TensorPlan | None:
     return TensorPlan(split / total if total else 0.0, allreduces, tokens * width * value_bytes)
 
 
-def pipeline_share(model, train) -> float:
-    """The share of `model`'s parameters the fullest rank of its pipeline holds (`train`: the
-    run's pipeline degree and schedule): its stages' units over all of them (the tied head
-    counted on the last stage too, as it is held)."""
-    from rayacc.engine.parallel.pipeline import balanced_runs, stage_indices, stages_per_rank
+def pipeline_share(model, mesh) -> float:
+    """The share of `model`'s parameters the fullest rank of the `mesh`'s pipeline holds: its
+    stages' units over all of them (the tied head counted on the last stage too, as it is
+    held)."""
+    from rayacc.engine.parallel.pipeline import balanced_runs, stage_indices
 
-    pp = train.pipeline_parallel
-    v = stages_per_rank(train.pipeline_schedule, train.pipeline_stages_per_rank)
+    pp, v = mesh.pipeline, mesh.stages_per_rank
     units = model.pipeline_units()
     runs = balanced_runs(units, pp * v)
-    held = [sum(units[u] for i in stage_indices(train.pipeline_schedule, r, pp, v)
-                for u in runs[i]) for r in range(pp)]  # fmt: skip
+    held = [sum(units[u] for i in stage_indices(mesh.schedule, r, pp, v) for u in runs[i])
+            for r in range(pp)]  # fmt: skip
     return max(held) / sum(p.numel() for p in model.parameters())
 
 
@@ -234,7 +234,7 @@ def tensor_parallel_options(model, most: int) -> list[int]:
     sizes, t = [], 2
     while t <= most:
         try:
-            check_tensor_plan(model, t)
+            check_tensor_plan(model, Mesh(tensor=t))
         except ModelError:
             pass
         else:

@@ -406,11 +406,11 @@ def run_identity(cfg: TrainConfig, info: DatasetInfo) -> dict[str, object]:
 def pipeline_in_flight(cfg: TrainConfig, workers: int) -> int:
     """The micro-batches whose activations a pipeline's first stage holds at once: GPipe the
     window's, the others up to the stages (1 without a pipeline)."""
-    pp = cfg.train.pipeline_parallel
-    if pp == 1:
+    mesh = cfg.mesh
+    if mesh.pipeline == 1:
         return 1
     m = cfg.batch_split(workers).grad_accum_steps
-    return m if cfg.train.pipeline_schedule == "gpipe" else min(m, pp)
+    return m if mesh.schedule == "gpipe" else min(m, mesh.pipeline)
 
 
 def memory_per_rank(
@@ -425,7 +425,7 @@ def memory_per_rank(
     state (fp32, AdamW 2 slots, SGD with momentum 1; of the `trainable` parameters only, where
     a base is frozen), and activations of one micro-batch from a simple model of the `gpt` and
     `mlp` models (None for a factory model). Rows: (label, params, grads, optimizer, acts).
-    Under `train.tensor_parallel` T or `train.pipeline_parallel` P, the configured strategy's
+    Under the mesh's tensor degree T or pipeline degree P, the configured strategy's
     rows only, each rank holding and computing `keep` of the model (the planner's
     `TensorPlan.keep(T)`; a pipeline rank's largest share of the stages) and a pipeline's
     activations for the micro-batches its schedule holds in flight (GPipe: the window's; the
@@ -435,7 +435,7 @@ def memory_per_rank(
     mib = 4 / 2**20  # fp32 bytes per value, in MiB
     slots = optimizer_slots(cfg.optim)
     micro = cfg.batch.fixed_micro_batch_size
-    tp, pp = cfg.train.tensor_parallel, cfg.train.pipeline_parallel
+    tp, pp = cfg.mesh.tensor, cfg.mesh.pipeline
     in_flight = pipeline_in_flight(cfg, workers) if micro else 1
     acts = _activations_per_sample(cfg, info)
     acts = acts * micro * keep * in_flight / 2**20 if acts is not None and micro else None

@@ -106,14 +106,13 @@ def test_the_memory_estimates_share_is_what_the_fullest_rank_holds(results, case
     """`plan --memory` counts a pipeline rank's parameters as the fullest rank's share of the
     stages (`pipeline_share`), sharded over its data-parallel ranks: within 5 % of what the
     fullest rank of the real mesh holds (FSDP pads its shards)."""
+    from rayacc.config.mesh import Mesh
     from rayacc.models import build_on_meta
     from rayacc.planner.search import pipeline_share
     from tests.support.ranks import matrix as M
 
     cfg = case.config()
-    train = cfg.train.model_copy(update={"pipeline_parallel": case.pp,
-                                         "pipeline_schedule": case.schedule})  # fmt: skip
     model = build_on_meta(cfg, M.dataset())
     total = sum(p.numel() for p in model.parameters())
-    estimate = total * pipeline_share(model, train) / case.dp
+    estimate = total * pipeline_share(model, Mesh(case.pp, schedule=case.schedule)) / case.dp
     assert max(results[case.index]["held"]) == pytest.approx(estimate, rel=0.05), case.label()

@@ -60,10 +60,10 @@ class FSDP(Strategy):
             replicate=f.replicate,
             node=node,
             offload=f.offload == "cpu",
-            tensor_parallel=cfg.train.tensor_parallel,
-            pipeline_parallel=cfg.train.pipeline_parallel,
-            pipeline_schedule=cfg.train.pipeline_schedule,
-            stages_per_rank=cfg.train.pipeline_stages_per_rank,
+            tensor_parallel=cfg.mesh.tensor,
+            pipeline_parallel=cfg.mesh.pipeline,
+            pipeline_schedule=cfg.mesh.schedule,
+            stages_per_rank=cfg.mesh.looped,
             pipeline_shape=(split.grad_accum_steps, split.micro_batch_size) if split else None,
         )
 
@@ -73,17 +73,17 @@ class FSDP(Strategy):
         where = {1: "sharded", "auto": "sharded inside each node, replicated across nodes"}
         sharded = where.get(f.replicate, f"sharded inside {f.replicate} replica groups (HSDP)")
         offload = "; in host memory (offload cpu)" if f.offload == "cpu" else ""
-        tp, pp = cfg.train.tensor_parallel, cfg.train.pipeline_parallel
+        mesh = cfg.mesh
+        tp, pp = mesh.tensor, mesh.pipeline
         split = f"; each layer split over {tp} ranks (tensor parallel)" if tp > 1 else ""
         sync = f"grad_sync {f.grad_sync}"
         if pp > 1:
             from rayacc.engine.parallel.pipeline import schedule_bubble
 
             m = cfg.batch_split().grad_accum_steps
-            bubble = schedule_bubble(cfg.train.pipeline_schedule, pp, m,
-                                     cfg.train.pipeline_stages_per_rank)  # fmt: skip
+            bubble = schedule_bubble(mesh.schedule, pp, m, mesh.looped)
             short = f": accumulation {m} < {pp} stages" if m < pp else ""
-            split = (f"; the layers cut into {pp} pipeline stages, {cfg.train.pipeline_schedule}"
+            split = (f"; the layers cut into {pp} pipeline stages, {mesh.schedule}"
                      f" schedule, idle share {bubble:.0%}{short}")  # fmt: skip
             sync = "gradients reduced once per window (each stage after its last backward)"
         return (

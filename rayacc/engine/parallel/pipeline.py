@@ -42,7 +42,7 @@ _LOOPED = ("interleaved_1f1b", "zbv")
 
 def stages_per_rank(schedule: str, looped: int = 2) -> int:
     """The stages each rank of the pipeline group runs (`looped`:
-    `train.pipeline_stages_per_rank` of an interleaved schedule; ZBV's V holds two)."""
+    the mesh's `looped` stages of an interleaved schedule; ZBV's V holds two)."""
     if schedule not in PIPELINE_SCHEDULES:
         raise ValueError(f"pipeline_schedule={schedule!r} is not one of "
                          f"{', '.join(PIPELINE_SCHEDULES)}")  # fmt: skip

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from rayacc.config import TrainConfig
+from rayacc.config.mesh import Mesh
 from rayacc.driver.prelaunch import ResourceError, check_resources, workers_that_fit
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -83,12 +84,12 @@ def test_a_tensor_parallel_group_no_node_holds_is_refused(cpus, fits):
     config = cfg(num_workers=2, cpus_per_worker=1)
     alive = [{"Alive": True, "Resources": {"CPU": c}} for c in cpus]
     if fits:
-        assert check_resources(config.scaling, alive, False, tensor_parallel=2) is None
+        assert check_resources(config.scaling, alive, False, Mesh(tensor=2)) is None
         return
     with pytest.raises(ResourceError) as err:
-        check_resources(config.scaling, alive, False, tensor_parallel=2)
+        check_resources(config.scaling, alive, False, Mesh(tensor=2))
     text = str(err.value)
     assert "train.tensor_parallel=2" in text and "largest node holds 1" in text, text
     assert "at most 1" in text, text
-    assert "largest node holds 1" in check_resources(config.scaling, alive, True, 2)
+    assert "largest node holds 1" in check_resources(config.scaling, alive, True, Mesh(tensor=2))
     assert check_resources(config.scaling, alive, False) is None  # without it, the group fits

@@ -204,3 +204,31 @@ def test_no_circle_of_imports_between_modules():
         if v not in index:
             visit(v)
     assert not circles, circles
+
+
+MESH_ROOM = {"config/mesh.py": "the degrees, read once", "config/parallel.py": "their rules"}
+"""Where the mesh's degrees are read from the config and their keys named; the schema declares
+the fields (by their names in `train`, never the dotted keys) and each degree's wing
+(engine/parallel/) takes them from a `Mesh`."""
+
+
+def test_a_degree_of_the_mesh_is_read_and_named_in_the_mesh_room_alone():
+    """Every key `Mesh.KEYS` lists (tomorrow's degree included), as a dotted key or an
+    attribute read of the `train` section, appears in the mesh room only: any other module
+    asks a `Mesh` (`cfg.mesh`, `Mesh.of_sections`) for the degree and `Mesh.key` for its
+    name."""
+    import re
+
+    from rayacc.config.mesh import Mesh
+
+    fields = "|".join(re.escape(k.split(".", 1)[1]) for k in Mesh.KEYS.values())
+    pattern = re.compile(rf"\btrain\.({fields})\b")
+    seen = {
+        f"{p.relative_to(ROOT)}:{n}": m.group(0)
+        for p in ROOT.rglob("*.py")
+        if str(p.relative_to(ROOT)) not in MESH_ROOM
+        for n, line in enumerate(p.read_text().splitlines(), 1)
+        if (m := pattern.search(line))
+    }
+    assert not seen, f"a degree read or named outside the mesh room: {seen}"
+    assert len(Mesh.KEYS) >= 4, "the room's own list is what this test reads"
