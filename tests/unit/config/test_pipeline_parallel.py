@@ -47,6 +47,10 @@ REFUSED = [
     (with_(batch={"global_batch_size": 32, "micro_batch_size": "auto",
                   "memory_budget_mb": 512}), "batch.micro_batch_size", "one micro-batch"),
     (with_(fsdp={"replicate": 2}), "fsdp.replicate", "not HSDP"),
+    (with_(model={**GPT, "lora": {"r": 4}}), "model.lora", "adapters on a pipeline's stages"),
+    (with_(batch={"global_batch_size": 32, "micro_batch_size": 4,
+                  "schedule": [{"from_samples": 64, "global_batch_size": 64}]}),
+     "train.pipeline_parallel", "one accumulation"),
     (with_(fsdp={"replicate": "auto"}), "fsdp.replicate", "not HSDP"),
     *[(with_(train={"strategy": "fsdp", "pipeline_parallel": 1, key: value}), f"train.{key}",
        "applies to a pipeline only")
