@@ -133,9 +133,9 @@ def tensor_parallel_rules(train: Any, sections: dict[str, Any], scaling: Any) ->
 
 def pipeline_rules(train: Any, sections: dict[str, Any], scaling: Any) -> list[ConfigIssue]:
     """Pipeline parallelism: under a strategy that composes with it (the registry says which;
-    its own rules say with which of its settings), not with tensor parallelism yet, a fixed worker
-    count it divides, a model that declares its split with enough units for the stages, a
-    loss the last stage computes whole and a micro-batch that does not change."""
+    its own rules say with which of its settings), with tensor parallelism inside its stages,
+    a fixed worker count it divides, a model that declares its split with enough units for
+    the stages, a loss the last stage computes whole and a micro-batch that does not change."""
     pp, issues = train.pipeline_parallel, []
     if pp == 1:
         fields = type(train).model_fields
@@ -156,9 +156,11 @@ def pipeline_rules(train: Any, sections: dict[str, Any], scaling: Any) -> list[C
 
     for problem, fix in _degree_rules("pipeline", train, scaling):
         refuse(problem, fix)
-    if train.tensor_parallel > 1:
-        refuse("does not compose with train.tensor_parallel > 1 yet",
-               "set one of train.tensor_parallel, train.pipeline_parallel to 1")  # fmt: skip
+    both = pp * train.tensor_parallel
+    if scaling is not None and not scaling.elastic and both > pp and scaling.min_workers % both:
+        refuse(f"× train.tensor_parallel={train.tensor_parallel} = {both} does not divide "
+               f"scaling.num_workers={scaling.min_workers}",
+               f"set scaling.num_workers to a multiple of {both}")  # fmt: skip
     if (
         scaling is not None
         and not scaling.elastic

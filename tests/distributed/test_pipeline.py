@@ -33,6 +33,8 @@ CASES = [
     PPCase(14, 2, 2, "1f1b", "short", resume=(2, 1)),
     PPCase(15, 2, 2, "interleaved_1f1b", "full", resume=(1, 2)),
     PPCase(16, 1, 2, "1f1b", "short", resume=(2, 1)),
+    PPCase(17, 2, 1, "1f1b", "short", clip=0.5, tp=2),
+    PPCase(18, 2, 1, "interleaved_1f1b", "full", tp=2, resume=(2, 1)),
 ]
 """One spawn of rank processes per rank count: 2 (pipeline ranks alone) and 4 (2 × 2)."""
 
@@ -41,7 +43,7 @@ CASES = [
 def results(tmp_path_factory):
     root = tmp_path_factory.mktemp("pipeline")
     done: dict[int, dict] = {}
-    groups = [("A", w, [c for c in CASES if c.pp * c.dp == w]) for w in (2, 4)]
+    groups = [("A", w, [c for c in CASES if c.world == w]) for w in (2, 4)]
     groups += [("B", 2, [c for c in CASES if c.resume])]
     for phase, world, chosen in groups:
         folder = root / f"{phase}{world}"
@@ -69,9 +71,12 @@ def test_a_pipeline_step_equals_the_full_batch_steps(results, case, record_equiv
     if pp > 1:
         assert got["val_loss"] == pytest.approx(val, rel=1e-5)
     stages = pp * (2 if case.schedule in ("interleaved_1f1b", "zbv") else 1)
-    if pp > 1:
+    if pp > 1 and (case.tp == 1 or case.resume):
         assert got["mesh"].startswith(f"FSDP × PP mesh {pp} × {dp} (pp × dp); "
                                       f"{stages} stages by {case.schedule}")  # fmt: skip
+    elif pp > 1:
+        assert got["mesh"].startswith(f"FSDP × PP × TP mesh {pp} × {dp} × {case.tp} "
+                                      f"(pp × dp × tp); {stages} stages")  # fmt: skip
 
 
 def test_the_window_counts_every_item_once(results):
@@ -101,7 +106,8 @@ def test_a_stage_counts_its_sends_and_its_idle_time(results, case):
         assert 0.0 <= stats.idle_s < step_s
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if not c.resume], ids=PPCase.label)
+@pytest.mark.parametrize("case", [c for c in CASES if not c.resume and c.tp == 1],
+                         ids=PPCase.label)  # fmt: skip
 def test_the_memory_estimates_share_is_what_the_fullest_rank_holds(results, case):
     """`plan --memory` counts a pipeline rank's parameters as the fullest rank's share of the
     stages (`pipeline_share`), sharded over its data-parallel ranks: within 5 % of what the

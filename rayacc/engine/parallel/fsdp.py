@@ -83,7 +83,7 @@ class FSDP(Strategy):
             m = cfg.batch_split().grad_accum_steps
             bubble = schedule_bubble(mesh.schedule, pp, m, mesh.looped)
             short = f": accumulation {m} < {pp} stages" if m < pp else ""
-            split = (f"; the layers cut into {pp} pipeline stages, {mesh.schedule}"
+            split += (f"; the layers cut into {pp} pipeline stages, {mesh.schedule}"
                      f" schedule, idle share {bubble:.0%}{short}")  # fmt: skip
             sync = "gradients reduced once per window (each stage after its last backward)"
         return (
@@ -269,13 +269,11 @@ class FSDP(Strategy):
         from rayacc.engine.parallel.fsdp_mesh import MeshShape, shard_model
         from rayacc.engine.parallel.pipeline import build_pipeline, stages_per_rank
 
-        if self.tensor_parallel > 1 or self.replicate != 1:
-            raise ValueError(
-                "pipeline parallelism composes with FSDP's sharding over the data-parallel "
-                "ranks only (fsdp.replicate 1, tensor_parallel 1)"
-            )
+        if self.replicate != 1:
+            raise ValueError("pipeline parallelism composes with FSDP over every data-parallel "
+                             "rank (fsdp.replicate 1)")  # fmt: skip
 
-        def shard(stage: nn.Module, mesh) -> None:
+        def shard(stage: nn.Module, mesh, placement) -> None:
             _checkpoint_blocks(stage, recipe)
             if recipe.compile:  # each block compiled in place before it is sharded, as below
                 for block in fsdp_blocks(stage):
@@ -285,16 +283,13 @@ class FSDP(Strategy):
 
         per_rank = stages_per_rank(self.pipeline_schedule, self.stages_per_rank)
         part, self.pipeline, self._grid = build_pipeline(
-            recipe,
-            device,
-            self._placement(),
-            self.pipeline_parallel,
-            self.pipeline_schedule,
-            per_rank,
-            shard,
-            self.pipeline_shape,
-        )
-        self.mesh = MeshShape(1, _world() // self.pipeline_parallel)
+            recipe, device, self._placement(), self.pipeline_parallel, self.pipeline_schedule,
+            per_rank, shard, self.pipeline_shape, self.tensor_parallel)  # fmt: skip
+        self.mesh = MeshShape(1, _world() // self.pipeline_parallel // self.tensor_parallel)
+        if self.tensor_parallel > 1:
+            # the window's counts over every stage's data-parallel ranks, once per tp group
+            self._dp_group = self._grid["pp", "dp"]._flatten("pp_dp").get_group()
+            self._tp_group = self._grid["tp"].get_group()
         return part
 
     def run_pipeline(self, micro_batches, loss_fn, train=True):
@@ -344,9 +339,10 @@ class FSDP(Strategy):
         return tuple(places[r] for r in sorted(places))
 
     def describe_mesh(self) -> str:
-        if self.pipeline is not None:
-            return (f"FSDP × PP mesh {self.pipeline_parallel} × {self.mesh.shard} (pp × dp); "
-                    f"{self.pipeline.describe()}")  # fmt: skip
+        if self.pipeline is not None:  # FSDP × PP mesh 2 × 2 (pp × dp), × TP with `tp`
+            names, grid = self._grid.mesh_dim_names, " × ".join(map(str, self._grid.mesh.shape))
+            label = " × ".join(n.upper() for n in names if n != "dp")
+            return f"FSDP × {label} mesh {grid} ({' × '.join(names)}); {self.pipeline.describe()}"
         if self.tensor_parallel > 1 and self.mesh is not None:
             across = ""
             if self._tp_across:
@@ -441,6 +437,8 @@ class FSDP(Strategy):
         return int(all_reduce(torch.tensor([float(n)]), op="max", group=group).item())
 
     def grad_norm(self, grads: list[torch.Tensor], uniform: bool) -> torch.Tensor:
+        if self.pipeline is not None:
+            grads = self.pipeline.tied_once(grads)
         if self.tensor_parallel > 1:
             from rayacc.engine.parallel import tensor
 
@@ -448,12 +446,11 @@ class FSDP(Strategy):
             with (
                 self._count_tensor_parallel(self._add_norm) if counted else contextlib.nullcontext()
             ):
-                return tensor.grad_norm(grads)  # parts on the 2-D mesh and on `dp` alone
-        if self.pipeline is not None:
-            grads = self.pipeline.tied_once(grads)
-        # the sharded gradients' norms combined over the ranks: a collective
-        norm = torch.nn.utils.get_total_norm(grads)
-        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+                norm = tensor.grad_norm(grads)  # parts on the 2-D mesh and on `dp` alone
+        else:
+            # the sharded gradients' norms combined over the ranks: a collective
+            norm = torch.nn.utils.get_total_norm(grads)
+            norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
         # a pipeline's stages: their norms combined over the stages
         return norm if self.pipeline is None else self.pipeline.grad_norm(norm)
 

@@ -360,21 +360,26 @@ def build_pipeline(
     pp: int,
     schedule: str,
     per_rank: int,
-    shard: Callable[[nn.Module, Any], None],
+    shard: Callable[..., None],
     shape: tuple[int, int] | None = None,
+    tp: int = 1,
 ) -> tuple[nn.Module, Pipeline, Any]:
-    """This rank's part of `recipe`'s model (its stages, each sharded by `shard(stage, mesh)`
-    over the data-parallel ranks of its stage), the pipeline that runs them and the
-    (`pp`, `dp`) mesh: stages outermost (a stage's p2p sends may cross nodes), each stage's
-    data-parallel group inside a node where the placement allows."""
+    """This rank's part of `recipe`'s model (its stages, each split over the tensor-parallel
+    ranks by the model's plan where `tp` > 1, then sharded by `shard(stage, mesh, placement)`
+    over the data-parallel ranks of its stage), the pipeline that runs them and the (`pp`,
+    `dp`[, `tp`]) mesh: stages outermost (a stage's p2p sends may cross nodes), each stage's
+    data-parallel and tensor-parallel groups inside a node where the placement allows."""
     from rayacc.engine.parallel.fsdp_mesh import materialize_shards, node_mesh
 
     world = len(nodes)
-    if world % pp:
-        raise ValueError(f"pipeline_parallel={pp} does not divide the group's {world} ranks")
+    if world % (pp * tp):
+        raise ValueError(f"pipeline_parallel={pp} × tensor_parallel={tp} does not divide the "
+                         f"group's {world} ranks")  # fmt: skip
     if schedule == "zbv" and world > pp:
         raise ValueError(ZBV_SHARDED)
-    grid = node_mesh(device.type, nodes, (pp, world // pp), ("pp", "dp"))
+    dp = world // (pp * tp)
+    dims, names = ((pp, dp, tp), ("pp", "dp", "tp")) if tp > 1 else ((pp, dp), ("pp", "dp"))
+    grid = node_mesh(device.type, nodes, dims, names)
     n_stages = pp * per_rank
     indices = stage_indices(schedule, grid.get_local_rank("pp"), pp, per_rank)
     whole = recipe.build_on_meta or recipe.build
@@ -390,12 +395,17 @@ def build_pipeline(
                    for first in tied_names.values()}  # fmt: skip
     build = whole if values is not None else recipe.build
     part, stages, runs = cut_stages(build, lambda m: m.pipeline_units(), n_stages, indices)
-    dp_mesh = grid["dp"]
+    placement = None
     for stage in stages:
         if values is None:
             stage.to(device)
+        if tp > 1:
+            from rayacc.engine.parallel.tensor import apply_plan, fsdp_placement, tp_plan
+
+            apply_plan(stage, grid["tp"], tp_plan(stage))
+            placement = fsdp_placement
         if world > pp:  # one rank per stage: nothing to shard
-            shard(stage, dp_mesh)
+            shard(stage, grid["dp"], placement)
     if values is not None:
         given = values
 
@@ -411,7 +421,7 @@ def build_pipeline(
                 p = dict(stage.named_parameters()).get(name)
                 if p is not None and all(p is not q for q in tied.get(first, {}).values()):
                     tied.setdefault(first, {})[name] = p
-    dp_rank, dp = grid.get_local_rank("dp"), world // pp
+    dp_rank = grid.get_local_rank("dp")
     shapes = {}
     for first, full in full_shapes.items():
         rows = math.ceil(full[0] / dp)

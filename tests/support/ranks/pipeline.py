@@ -25,7 +25,14 @@ class PPCase:
     epochs: int = 1
     """Passes over the windows (a short last window followed by full ones)."""
     resume: tuple[int, int] | None = None
-    """(pp, dp) of the mesh the case resumes on after its first window (pp 1: FSDP alone)."""
+    """(pp, dp) of the mesh the case resumes on after its first window (pp 1: FSDP alone;
+    no tensor parallelism)."""
+    tp: int = 1
+    """Tensor-parallel ranks inside each stage (the first phase's mesh)."""
+
+    @property
+    def world(self) -> int:
+        return self.pp * self.dp * self.tp
 
     def config(self):
         cfg = M.config(self.matrix_case())
@@ -41,8 +48,10 @@ class PPCase:
         clip = f", clipped at {self.clip}" if self.clip else ""
         epochs = f", {self.epochs} epochs" if self.epochs > 1 else ""
         moved = f", resumed on {self.resume[0]} × {self.resume[1]}" if self.resume else ""
-        return (f"{self.schedule} {self.pp} × {self.dp} (pp × dp), {self.last} last{clip}"
-                f"{epochs}{moved}")  # fmt: skip
+        mesh = f"{self.pp} × {self.dp} (pp × dp)"
+        if self.tp > 1:
+            mesh = f"{self.pp} × {self.dp} × {self.tp} (pp × dp × tp)"
+        return f"{self.schedule} {mesh}, {self.last} last{clip}{epochs}{moved}"
 
     def mesh(self, phase: str) -> tuple[int, int]:
         return self.resume if phase == "B" and self.resume else (self.pp, self.dp)
@@ -63,7 +72,9 @@ def run_phase(case: PPCase, rank: int, world: int, folder: Path, phase: str) -> 
     cfg, info = case.config(), M.dataset()
     device = torch.device("cpu")
     pp, dp = case.mesh(phase)
-    strategy = FSDP("window_end", pipeline_parallel=pp, pipeline_schedule=case.schedule)
+    tp = 1 if phase == "B" else case.tp
+    strategy = FSDP("window_end", pipeline_parallel=pp, pipeline_schedule=case.schedule,
+                    tensor_parallel=tp)  # fmt: skip
     model = strategy.build(model_recipe(cfg, info), device)
     optimizer = build_optimizer(cfg.optim, model.parameters(), M.LR, device, strategy)
     loss_fn, count = loss_functions(info, None, strategy)
@@ -98,7 +109,7 @@ def run_phase(case: PPCase, rank: int, world: int, folder: Path, phase: str) -> 
         val += sum(sums)
     from rayacc.engine import all_reduce
 
-    val = all_reduce(val)
+    val = all_reduce(val, group=strategy.process_group)  # a tensor-parallel group once
     from torch.distributed.tensor import DTensor
 
     # every rank: its stages' parameters by name, whole (a collective over its stage's ranks)

@@ -31,8 +31,8 @@ REFUSED = [
     *[(with_(train={**PP, "strategy": s}), "train.pipeline_parallel",
        f"train.strategy={s}: {e.without_pipeline_parallel}")
       for s, e in strategies().items() if e.without_pipeline_parallel],
-    (with_(train={**PP, "tensor_parallel": 2}), "train.pipeline_parallel",
-     "train.tensor_parallel > 1"),
+    (with_(train={**PP, "tensor_parallel": 2}, scaling={"num_workers": 6}),
+     "train.pipeline_parallel", "× train.tensor_parallel=2 = 4 does not divide"),
     (with_(scaling={"num_workers": [2, 4]}), "train.pipeline_parallel", "elastic group"),
     (with_(scaling={"num_workers": 3}), "train.pipeline_parallel",
      "does not divide scaling.num_workers=3"),
@@ -77,6 +77,13 @@ def test_the_global_batch_splits_over_the_pipelines():
         TrainConfig.from_dict(with_(batch={"global_batch_size": 31, "micro_batch_size": 3}))
     assert ("the data-parallel ranks (scaling.num_workers=4 / train.pipeline_parallel=2 = 2)"
             in str(err.value))  # fmt: skip
+
+
+def test_a_pipeline_composes_with_tensor_parallelism_in_its_stages():
+    both = with_(train={**PP, "tensor_parallel": 2}, scaling={"num_workers": 8})
+    cfg = TrainConfig.from_dict(both)
+    assert (cfg.mesh.pipeline, cfg.mesh.tensor, cfg.batch_split().data_parallel) == (2, 2, 2)
+    assert cfg.batch_split().describe().endswith("(8 workers in groups of tensor 2 × pipeline 2)")
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved_1f1b"])
