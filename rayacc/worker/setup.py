@@ -137,10 +137,14 @@ def set_up(
     history = StepLog() if rank == 0 else None
     group = parts.strategy.data_group
     data_rank = dist.get_rank(group) if group is not None else rank
-    # one stream per data-parallel rank: a tensor-parallel group's replicated activations see
-    # the same dropout
+    # one stream per rank of the counts' group: a tensor-parallel group's replicated
+    # activations see the same dropout; a pipeline's stages each their own
+    group = parts.strategy.process_group
     streams = RandomStreams(
-        w.seed, data_rank, dist.get_world_size(group) if group is not None else world, device
+        w.seed,
+        dist.get_rank(group) if group is not None else rank,
+        dist.get_world_size(group) if group is not None else world,
+        device,
     )
     streams.start()
     kept = WorkerParts(

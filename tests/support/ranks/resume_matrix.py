@@ -36,6 +36,7 @@ LAYOUTS = (
     "hsdp",
     "fsdp × tp",
     "hsdp × tp",
+    "fsdp × pp",
     "zero1",
     "zero2",
     "zero3",
@@ -53,10 +54,12 @@ class Mesh:
     workers: int
     tp: int = 1
     replicate: int = 1
+    pp: int = 1
+    """Pipeline stages (1F1B)."""
 
     @property
     def dp(self) -> int:
-        return self.workers // self.tp
+        return self.workers // self.tp // self.pp
 
 
 def meshes(layout: str, change: str) -> tuple[Mesh, Mesh] | None:
@@ -77,6 +80,13 @@ def meshes(layout: str, change: str) -> tuple[Mesh, Mesh] | None:
             "shrink": (Mesh(4, 2), Mesh(2, 2)),
             "grow": (Mesh(2, 2), Mesh(4, 2)),
             "tp": (Mesh(4, 2), Mesh(2, 1)),
+        }[change]
+    if layout == "fsdp × pp":
+        return {
+            "same": (Mesh(2, pp=2), Mesh(2, pp=2)),
+            "shrink": (Mesh(4, pp=2), Mesh(2, pp=2)),
+            "grow": (Mesh(2, pp=2), Mesh(4, pp=2)),
+            "tp": (Mesh(2, pp=2), Mesh(4, 2, pp=2)),
         }[change]
     if layout == "hsdp × tp":
         return {
@@ -130,6 +140,8 @@ class ResumeCase:
     def label(self) -> str:
         f, t = self.first, self.then
         mesh = f"{f.workers}→{t.workers} workers, tp {f.tp}→{t.tp}"
+        if f.pp > 1 or t.pp > 1:
+            mesh += f", pp {f.pp}→{t.pp}"
         mesh += f", replicate {f.replicate}→{t.replicate}"
         dropout = " | dropout" if self.dropout else ""
         return f"{self.layout} | {self.optimizer} | {self.change} ({mesh}){dropout}"
@@ -199,7 +211,11 @@ def config(case: ResumeCase, mesh: Mesh):
             "batch": {"global_batch_size": GLOBAL, "micro_batch_size": MICRO},
             "scaling": {"num_workers": mesh.workers, "cpus_per_worker": 0.5},
             "optim": optim,
-            "train": {"strategy": strategy, "tensor_parallel": mesh.tp},
+            "train": {
+                "strategy": strategy,
+                "tensor_parallel": mesh.tp,
+                "pipeline_parallel": mesh.pp,
+            },
             **sections,
         }
     )
@@ -239,11 +255,14 @@ def run_phase(case: ResumeCase, rank: int, world: int, folder: Path, phase: str)
     device = torch.device("cpu")
     parts = build_rank(cfg, info, device, LRS[case.optimizer], split=cfg.batch_split(world))
     strategy = parts.strategy
-    group = strategy.process_group
+    group = strategy.data_group
     data_rank = dist.get_rank(group) if group is not None else rank
     dp = dist.get_world_size(group) if group is not None else world
     assert dp == mesh.dp, (dp, mesh)
-    streams = RandomStreams(cfg.seed, data_rank, dp, device)
+    counts = strategy.process_group  # the streams: a pipeline's stages each their own
+    stream = dist.get_rank(counts) if counts is not None else rank
+    streams = RandomStreams(cfg.seed, stream, dist.get_world_size(counts) if counts else world,
+                            device)  # fmt: skip
     streams.start()
     kept = WorkerParts(
         strategy, parts.optimizer, {}, rank=rank, world=world, device=device, streams=streams
@@ -272,12 +291,24 @@ def run_phase(case: ResumeCase, rank: int, world: int, folder: Path, phase: str)
         kept.check(box[0], meta)
         kept.load(folder, box[0], meta)
         train(all_windows[2:])
-    weights = _weights(strategy)
+    # a pipeline's ranks hold their stages: every rank's parts, merged
+    weights = _merged(_weights(strategy))
     state = _optimizer_state(strategy, parts.optimizer)
+    state = _merged(state) if state is not None else None
     replicated = _replicated_locals(strategy.unwrapped())
     if rank != 0:
         return {"replicated": replicated}
     return {"weights": weights, "optimizer": state, "replicated": replicated}
+
+
+def _merged(parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every rank's `parts` in one (a collective)."""
+    from rayacc.engine import all_gather_objects
+
+    out: dict[str, torch.Tensor] = {}
+    for got in all_gather_objects(parts):
+        out.update(got)
+    return out
 
 
 def _weights(strategy) -> dict[str, torch.Tensor]:
