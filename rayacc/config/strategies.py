@@ -73,17 +73,8 @@ def _fsdp_rules(sections: Mapping[str, Any], scaling: Any) -> list[ConfigIssue]:
 
 def _fsdp_mesh_rules(mesh: Mesh, scaling: Any) -> list[ConfigIssue]:
     """HSDP's replica groups: a number that divides every worker count the run may have (its
-    data-parallel ranks, under tensor parallelism); none under a pipeline."""
-    r, tp = mesh.replicate, mesh.tensor
-    if mesh.pipeline > 1 and r != 1:
-        return [
-            ConfigIssue(
-                "fsdp.replicate",
-                "a pipeline's stages shard over every data-parallel rank (not HSDP, yet)",
-                r,
-                f"set fsdp.replicate=1, or {Mesh.key('pipeline')}=1",
-            )
-        ]
+    data-parallel ranks, under tensor or pipeline parallelism)."""
+    r, tp = mesh.replicate, mesh.model_parallel
     if r == "auto" or r == 1 or scaling is None:
         return []
     if scaling.elastic:
@@ -99,7 +90,9 @@ def _fsdp_mesh_rules(mesh: Mesh, scaling: Any) -> list[ConfigIssue]:
     if (scaling.min_workers // tp) % r:
         ranks = f"scaling.num_workers={scaling.min_workers}"
         if tp > 1:
-            ranks = (f"the data-parallel ranks ({ranks} / {mesh.setting('tensor')} = "
+            degrees = " × ".join(mesh.setting(d) for d in ("tensor", "pipeline")
+                                 if getattr(mesh, d) > 1)  # fmt: skip
+            ranks = (f"the data-parallel ranks ({ranks} / {degrees} = "
                      f"{scaling.min_workers // tp})")  # fmt: skip
         return [
             ConfigIssue(

@@ -1,8 +1,9 @@
 """Pipeline parallelism, exact under accumulation: the built-in GPT cut into stages by its
 units (embeddings, blocks, head; the tied head a copy of its own on the last stage), each
-schedule (GPipe, 1F1B, Interleaved1F1B, ZBV) on 2 pipeline ranks and pipeline × FSDP's data
-parallelism on 2 × 2, full and short last windows, clipping on the norm over every stage,
-against the single-process full-batch steps (the combination matrix's windows and bound)."""
+schedule (GPipe, 1F1B, Interleaved1F1B, ZBV) on 2 pipeline ranks, pipeline × FSDP's data
+parallelism on 2 × 2, × HSDP's on 2 × 2 × 1 and × tensor parallelism on 2 × 1 × 2, full and
+short last windows, clipping on the norm over every stage, resumes onto other meshes, against
+the single-process full-batch steps (the combination matrix's windows and bound)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,8 @@ CASES = [
     PPCase(16, 1, 2, "1f1b", "short", resume=(2, 1)),
     PPCase(17, 2, 1, "1f1b", "short", clip=0.5, tp=2),
     PPCase(18, 2, 1, "interleaved_1f1b", "full", tp=2, resume=(2, 1)),
+    PPCase(19, 2, 2, "1f1b", "short", replicate=2, resume=(2, 1)),
+    PPCase(20, 2, 2, "gpipe", "full", clip=0.5, replicate=2),
 ]
 """One spawn of rank processes per rank count: 2 (pipeline ranks alone) and 4 (2 × 2)."""
 
@@ -71,7 +74,11 @@ def test_a_pipeline_step_equals_the_full_batch_steps(results, case, record_equiv
     if pp > 1:
         assert got["val_loss"] == pytest.approx(val, rel=1e-5)
     stages = pp * (2 if case.schedule in ("interleaved_1f1b", "zbv") else 1)
-    if pp > 1 and (case.tp == 1 or case.resume):
+    if pp > 1 and case.replicate > 1 and not case.resume:
+        shards = dp // case.replicate
+        assert got["mesh"].startswith(f"HSDP × PP mesh {pp} × {case.replicate} × {shards} "
+                                      "(pp × replicate × shard)")  # fmt: skip
+    elif pp > 1 and (case.tp == 1 or case.resume):
         assert got["mesh"].startswith(f"FSDP × PP mesh {pp} × {dp} (pp × dp); "
                                       f"{stages} stages by {case.schedule}")  # fmt: skip
     elif pp > 1:
@@ -120,5 +127,6 @@ def test_the_memory_estimates_share_is_what_the_fullest_rank_holds(results, case
     cfg = case.config()
     model = build_on_meta(cfg, M.dataset())
     total = sum(p.numel() for p in model.parameters())
-    estimate = total * pipeline_share(model, Mesh(case.pp, schedule=case.schedule)) / case.dp
+    shards = case.dp // case.replicate  # HSDP: sharded inside each replica group
+    estimate = total * pipeline_share(model, Mesh(case.pp, schedule=case.schedule)) / shards
     assert max(results[case.index]["held"]) == pytest.approx(estimate, rel=0.05), case.label()

@@ -1,7 +1,7 @@
 """A resume is the uninterrupted run: the resume matrix (tests/support/ranks/resume_matrix.py)
 over strategy × layout (DDP, FSDP in both sync modes, HSDP, FSDP × TP, HSDP × TP, FSDP × PP,
-ZeRO-1/2/3 ± offload) × optimizer (SGD, AdamW fused and not, Adam) × change (same size, shrink, grow,
-tensor-parallel size), every pair of values covered: two windows, a checkpoint of every part,
+ZeRO-1/2/3 ± offload) × optimizer (SGD, AdamW fused and not, Adam) × change (same size, shrink,
+grow, tensor-parallel size), every pair of values covered: two windows, a checkpoint of every part,
 two more windows, against the same two windows resumed from that checkpoint on the changed
 layout. Weights and optimizer state equal (bit for bit on the same layout, ≤ 1e-6 relative
 elsewhere); a tensor-parallel group's replicated parameters stay equal on its ranks."""

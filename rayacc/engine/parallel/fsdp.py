@@ -266,12 +266,15 @@ class FSDP(Strategy):
 
     def _build_pipeline(self, recipe: ModelRecipe, device: torch.device) -> nn.Module:
         """This rank's stages of the model, each sharded over its stage's data-parallel ranks."""
-        from rayacc.engine.parallel.fsdp_mesh import MeshShape, shard_model
+        from rayacc.engine.parallel.fsdp_mesh import mesh_shape, node_order, shard_model
         from rayacc.engine.parallel.pipeline import build_pipeline, stages_per_rank
 
-        if self.replicate != 1:
-            raise ValueError("pipeline parallelism composes with FSDP over every data-parallel "
-                             "rank (fsdp.replicate 1)")  # fmt: skip
+        nodes = self._placement()
+        # HSDP's replica groups over a stage's data-parallel ranks (the first stage's nodes)
+        stage_ranks = node_order(nodes)[: _world() // self.pipeline_parallel]
+        self.mesh = mesh_shape(
+            self.replicate, [nodes[r] for r in stage_ranks[:: self.tensor_parallel]]
+        )
 
         def shard(stage: nn.Module, mesh, placement) -> None:
             _checkpoint_blocks(stage, recipe)
@@ -283,12 +286,14 @@ class FSDP(Strategy):
 
         per_rank = stages_per_rank(self.pipeline_schedule, self.stages_per_rank)
         part, self.pipeline, self._grid = build_pipeline(
-            recipe, device, self._placement(), self.pipeline_parallel, self.pipeline_schedule,
-            per_rank, shard, self.pipeline_shape, self.tensor_parallel)  # fmt: skip
-        self.mesh = MeshShape(1, _world() // self.pipeline_parallel // self.tensor_parallel)
+            recipe, device, nodes, self.pipeline_parallel, self.pipeline_schedule, per_rank,
+            shard, self.pipeline_shape, self.tensor_parallel, self.mesh.replicate)  # fmt: skip
+        data = ("replicate", "shard") if self.hsdp else ("dp",)
+        grid = self._grid[data]
+        self._data_group = (grid._flatten("data") if self.hsdp else grid).get_group()
         if self.tensor_parallel > 1:
             # the window's counts over every stage's data-parallel ranks, once per tp group
-            self._dp_group = self._grid["pp", "dp"]._flatten("pp_dp").get_group()
+            self._dp_group = self._grid[("pp", *data)]._flatten("pp_dp").get_group()
             self._tp_group = self._grid["tp"].get_group()
         return part
 
@@ -314,7 +319,7 @@ class FSDP(Strategy):
     @property
     def data_group(self):
         """A pipeline's stages read the same rows: the data-parallel ranks of one stage."""
-        return self._grid["dp"].get_group() if self.pipeline is not None else self.process_group
+        return self._data_group if self.pipeline is not None else self.process_group
 
     @property
     def pipeline_window(self) -> tuple[int, int] | None:
@@ -341,8 +346,9 @@ class FSDP(Strategy):
     def describe_mesh(self) -> str:
         if self.pipeline is not None:  # FSDP × PP mesh 2 × 2 (pp × dp), × TP with `tp`
             names, grid = self._grid.mesh_dim_names, " × ".join(map(str, self._grid.mesh.shape))
-            label = " × ".join(n.upper() for n in names if n != "dp")
-            return f"FSDP × {label} mesh {grid} ({' × '.join(names)}); {self.pipeline.describe()}"
+            label = " × ".join(n.upper() for n in names if n in ("pp", "tp"))
+            kind = "HSDP" if self.hsdp else "FSDP"
+            return f"{kind} × {label} mesh {grid} ({' × '.join(names)}); {self.pipeline.describe()}"
         if self.tensor_parallel > 1 and self.mesh is not None:
             across = ""
             if self._tp_across:

@@ -363,12 +363,15 @@ def build_pipeline(
     shard: Callable[..., None],
     shape: tuple[int, int] | None = None,
     tp: int = 1,
+    replicate: int = 1,
 ) -> tuple[nn.Module, Pipeline, Any]:
     """This rank's part of `recipe`'s model (its stages, each split over the tensor-parallel
     ranks by the model's plan where `tp` > 1, then sharded by `shard(stage, mesh, placement)`
     over the data-parallel ranks of its stage), the pipeline that runs them and the (`pp`,
     `dp`[, `tp`]) mesh: stages outermost (a stage's p2p sends may cross nodes), each stage's
-    data-parallel and tensor-parallel groups inside a node where the placement allows."""
+    data-parallel and tensor-parallel groups inside a node where the placement allows;
+    `replicate` > 1: each stage's data-parallel ranks in HSDP's replica groups (`replicate`,
+    `shard` in place of `dp`)."""
     from rayacc.engine.parallel.fsdp_mesh import materialize_shards, node_mesh
 
     world = len(nodes)
@@ -378,8 +381,14 @@ def build_pipeline(
     if schedule == "zbv" and world > pp:
         raise ValueError(ZBV_SHARDED)
     dp = world // (pp * tp)
-    dims, names = ((pp, dp, tp), ("pp", "dp", "tp")) if tp > 1 else ((pp, dp), ("pp", "dp"))
+    if dp % replicate:
+        raise ValueError(f"fsdp.replicate={replicate} does not divide a stage's {dp} ranks")
+    data = (replicate, dp // replicate) if replicate > 1 else (dp,)
+    data_names = ("replicate", "shard") if replicate > 1 else ("dp",)
+    dims = (pp, *data, *((tp,) if tp > 1 else ()))
+    names = ("pp", *data_names, *(("tp",) if tp > 1 else ()))
     grid = node_mesh(device.type, nodes, dims, names)
+    shard_dim = data_names[-1]  # where a stage's rows of a parameter are cut
     n_stages = pp * per_rank
     indices = stage_indices(schedule, grid.get_local_rank("pp"), pp, per_rank)
     whole = recipe.build_on_meta or recipe.build
@@ -405,7 +414,7 @@ def build_pipeline(
             apply_plan(stage, grid["tp"], tp_plan(stage))
             placement = fsdp_placement
         if world > pp:  # one rank per stage: nothing to shard
-            shard(stage, grid["dp"], placement)
+            shard(stage, grid[data_names], placement)
     if values is not None:
         given = values
 
@@ -421,7 +430,7 @@ def build_pipeline(
                 p = dict(stage.named_parameters()).get(name)
                 if p is not None and all(p is not q for q in tied.get(first, {}).values()):
                     tied.setdefault(first, {})[name] = p
-    dp_rank = grid.get_local_rank("dp")
+    dp_rank, dp = grid.get_local_rank(shard_dim), grid[shard_dim].size()
     shapes = {}
     for first, full in full_shapes.items():
         rows = math.ceil(full[0] / dp)

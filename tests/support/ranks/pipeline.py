@@ -29,6 +29,8 @@ class PPCase:
     no tensor parallelism)."""
     tp: int = 1
     """Tensor-parallel ranks inside each stage (the first phase's mesh)."""
+    replicate: int = 1
+    """HSDP's replica groups over each stage's data-parallel ranks (the first phase's mesh)."""
 
     @property
     def world(self) -> int:
@@ -51,6 +53,9 @@ class PPCase:
         mesh = f"{self.pp} × {self.dp} (pp × dp)"
         if self.tp > 1:
             mesh = f"{self.pp} × {self.dp} × {self.tp} (pp × dp × tp)"
+        if self.replicate > 1:
+            mesh = (f"{self.pp} × {self.replicate} × {self.dp // self.replicate} "
+                    "(pp × replicate × shard)")  # fmt: skip
         return f"{self.schedule} {mesh}, {self.last} last{clip}{epochs}{moved}"
 
     def mesh(self, phase: str) -> tuple[int, int]:
@@ -72,9 +77,9 @@ def run_phase(case: PPCase, rank: int, world: int, folder: Path, phase: str) -> 
     cfg, info = case.config(), M.dataset()
     device = torch.device("cpu")
     pp, dp = case.mesh(phase)
-    tp = 1 if phase == "B" else case.tp
+    tp, replicate = (1, 1) if phase == "B" else (case.tp, case.replicate)
     strategy = FSDP("window_end", pipeline_parallel=pp, pipeline_schedule=case.schedule,
-                    tensor_parallel=tp)  # fmt: skip
+                    tensor_parallel=tp, replicate=replicate)  # fmt: skip
     model = strategy.build(model_recipe(cfg, info), device)
     optimizer = build_optimizer(cfg.optim, model.parameters(), M.LR, device, strategy)
     loss_fn, count = loss_functions(info, None, strategy)

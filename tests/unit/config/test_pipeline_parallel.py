@@ -46,12 +46,13 @@ REFUSED = [
      "logits whole"),
     (with_(batch={"global_batch_size": 32, "micro_batch_size": "auto",
                   "memory_budget_mb": 512}), "batch.micro_batch_size", "one micro-batch"),
-    (with_(fsdp={"replicate": 2}), "fsdp.replicate", "not HSDP"),
+    (with_(fsdp={"replicate": 4}), "fsdp.replicate",
+     "does not divide the data-parallel ranks (scaling.num_workers=4 / "
+     "train.pipeline_parallel=2 = 2)"),
     (with_(model={**GPT, "lora": {"r": 4}}), "model.lora", "adapters on a pipeline's stages"),
     (with_(batch={"global_batch_size": 32, "micro_batch_size": 4,
                   "schedule": [{"from_samples": 64, "global_batch_size": 64}]}),
      "train.pipeline_parallel", "one accumulation"),
-    (with_(fsdp={"replicate": "auto"}), "fsdp.replicate", "not HSDP"),
     *[(with_(train={"strategy": "fsdp", "pipeline_parallel": 1, key: value}), f"train.{key}",
        "applies to a pipeline only")
       for key, value in (("pipeline_schedule", "gpipe"), ("pipeline_stages_per_rank", 3))],
