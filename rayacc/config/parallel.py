@@ -172,10 +172,10 @@ def pipeline_rules(train: Any, sections: dict[str, Any], scaling: Any) -> list[C
     per_rank = {"interleaved_1f1b": train.pipeline_stages_per_rank, "zbv": 2}
     stages = pp * per_rank.get(train.pipeline_schedule, 1)
     model = sections.get("model")
-    if model is not None and model.name != "gpt":
+    if model is not None and model.name not in ("gpt", "hf"):
         refuse(f"model.name={model.name} declares no split into pipeline stages",
-               "use model.name=gpt, or train.pipeline_parallel=1")  # fmt: skip
-    elif model is not None and model.n_layer + 2 < stages:
+               "use model.name=gpt or hf, or train.pipeline_parallel=1")  # fmt: skip
+    elif model is not None and model.name == "gpt" and model.n_layer + 2 < stages:
         refuse(f"{stages} stages take one unit each of model.n_layer={model.n_layer} blocks, "
                "the embeddings and the head", "use fewer stages or more layers")  # fmt: skip
     chunk = type(train).model_fields["loss_chunk_tokens"].default

@@ -31,7 +31,7 @@ from rayacc.engine.parallel import state_format_named
 from rayacc.engine.units import fsdp_blocks
 from rayacc.models import ModelError, build_on_meta
 from rayacc.models.lora import trainable_count
-from rayacc.models.registry import check_tensor_plan
+from rayacc.models.registry import check_pipeline_split, check_tensor_plan
 from rayacc.redact.origins import register_run
 from rayacc.run.quantities import check_batches, data_order, elastic_summary
 from rayacc.run.spec import ResumeTerms, RunSpec, derive_run
@@ -141,6 +141,8 @@ def prepare(cfg: TrainConfig) -> Prepared:
         resolve_callable("train.loss", cfg.train.loss, OBJECTIVE_FIX)
     if cfg.mesh.tensor > 1:
         check_tensor_plan(model, cfg.mesh)
+    if cfg.mesh.pipeline > 1:
+        check_pipeline_split(model, cfg.mesh)
     order = data_order(cfg, info, groups)
     if len(order.train_units) == 0:
         raise DataError(

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from rayacc.config.mesh import Mesh
 from rayacc.models.errors import ModelError
 
 __all__ = [
@@ -46,10 +47,18 @@ class HFCausalLM(nn.Module):
             config, "n_positions", None
         )
 
+    @property
+    def _staged(self) -> bool:
+        """Cut to a pipeline stage (`keep_pipeline_units`)."""
+        base = getattr(self.hf, "base_model", None)
+        return getattr(base, "embed_tokens", 0) is None or getattr(self.hf, "lm_head", 0) is None
+
     def forward(self, idx: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
         """Logits; `documents` (packed rows: each position's example): each example attends to
         itself only, its positions from 0 (a 4-D mask of the kind the attention implementation
         takes; flash attention reads the examples from the positions)."""
+        if documents is None and self._staged:
+            return self._stage_forward(idx)
         if documents is None:
             return self.hf(input_ids=idx, use_cache=False).logits
         from rayacc.models.gpt import document_mask, document_positions
@@ -93,6 +102,74 @@ class HFCausalLM(nn.Module):
             )
         base = f"hf.{self.hf.base_model_prefix}"
         return {f"{base}.{path}": styles[style]() for path, style in plan.items()}
+
+    PIPELINED = ("llama", "mistral", "qwen2", "qwen3")
+    """Architectures whose base model's forward takes a stage's hidden states as its
+    `inputs_embeds` unchanged (embeddings, decoder layers, final norm, head)."""
+
+    def _pipeline_parts(self):
+        kind = self.hf.config.model_type
+        if kind not in self.PIPELINED:
+            raise ModelError(
+                f"model.hf: the {kind!r} architecture is not split into pipeline stages by "
+                f"rayacc (it splits {', '.join(self.PIPELINED)}). Fix: choose one of those, or "
+                f"{Mesh.key('pipeline')}=1"
+            )
+        return self.hf.base_model
+
+    def pipeline_units(self) -> list[int]:
+        """The parameters of each unit a pipeline splits: the embeddings, each decoder layer,
+        the final norm with the head (a tied head counted with both)."""
+        base = self._pipeline_parts()
+        count = lambda *ms: sum(p.numel() for m in ms for p in m.parameters())  # noqa: E731
+        return [count(base.embed_tokens), *map(count, base.layers),
+                count(base.norm, self.hf.lm_head)]  # fmt: skip
+
+    def pipeline_tied(self) -> dict[str, str]:
+        """A tied head's weight → the embedding it shares its value with."""
+        if not getattr(self.hf.config, "tie_word_embeddings", False):
+            return {}
+        prefix = f"hf.{self.hf.base_model_prefix}"
+        return {"hf.lm_head.weight": f"{prefix}.embed_tokens.weight"}
+
+    def keep_pipeline_units(self, units) -> HFCausalLM:
+        """This model cut down, in place, to `units` (`pipeline_units`' indices), the whole
+        model's names kept: the decoder layers a stage holds stay under their indices (the
+        base model's own forward runs them in order), a stage without the embeddings takes
+        hidden states (`inputs_embeds`), one without the head gives them (its final norm an
+        identity). A tied head on a last stage without the embedding gets a weight of its
+        own (the pipeline sums the two copies' gradients)."""
+        base = self._pipeline_parts()
+        last = self.hf.config.num_hidden_layers + 1
+        if 0 not in units:
+            embed = base.embed_tokens  # None where the part this stage is cut from has none
+            if last in units and embed is not None and self.hf.lm_head.weight is embed.weight:
+                self.hf.lm_head.weight = nn.Parameter(self.hf.lm_head.weight.detach().clone())
+            base.embed_tokens = None
+        if last not in units:
+            base.norm, self.hf.lm_head = nn.Identity(), None
+        held = dict(base.layers.named_children())
+        kept = nn.ModuleList()
+        kept._modules.update((str(i - 1), held[str(i - 1)]) for i in units if 0 < i < last)
+        base.layers = kept  # iterated in order under their own names
+        return self
+
+    def pipeline_view(self) -> HFCausalLM:
+        """A view of this model that a cut leaves this one as it was (a rank's stages cut
+        from its part): its own wrapper, causal LM and base model, sharing their children."""
+        from rayacc.engine.parallel.pipeline import shallow_copy
+
+        view = shallow_copy(self)
+        view.hf = shallow_copy(self.hf)
+        prefix = self.hf.base_model_prefix
+        setattr(view.hf, prefix, shallow_copy(getattr(self.hf, prefix)))
+        return view
+
+    def _stage_forward(self, idx: torch.Tensor) -> torch.Tensor:
+        base = self.hf.base_model
+        given = {"input_ids": idx} if base.embed_tokens is not None else {"inputs_embeds": idx}
+        hidden = base(**given, use_cache=False).last_hidden_state
+        return hidden if self.hf.lm_head is None else self.hf.lm_head(hidden)
 
     def fsdp_blocks(self) -> list[nn.Module]:
         """The decoder layers: the classes the model names as never to be split."""

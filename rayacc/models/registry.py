@@ -31,6 +31,7 @@ __all__ = [
     "ModelError",
     "build_model",
     "build_on_meta",
+    "check_pipeline_split",
     "check_tensor_plan",
     "loss_functions",
     "resolve_factory",
@@ -234,6 +235,26 @@ def loss_functions(
         return head_loss_of(batch)(hidden, unwrap_model(m).head)
 
     return (inside_forward if inside else after_forward), count_target_tokens
+
+
+def check_pipeline_split(model, mesh: Mesh) -> None:
+    """The model declares its split into pipeline stages (an `hf` architecture's checked), with
+    a unit for each of the mesh's stages (ModelError naming what does not)."""
+    units = getattr(model, "pipeline_units", None)
+    if units is None:
+        raise ModelError(f"{mesh.setting('pipeline')}: {type(model).__name__} declares no "
+                         "split into pipeline stages (`pipeline_units()`, "
+                         "`keep_pipeline_units(units)`)")  # fmt: skip
+    try:
+        count = len(units())
+    except ModelError as e:
+        raise ModelError(f"{mesh.setting('pipeline')}: {e}") from None
+    stages = mesh.pipeline * mesh.stages_per_rank
+    if count < stages:
+        raise ModelError(
+            f"{mesh.setting('pipeline')}: {stages} stages take a unit each of the model's "
+            f"{count} (embeddings, layers, head). Fix: use fewer stages or more layers"
+        )
 
 
 def check_tensor_plan(model, mesh: Mesh) -> None:

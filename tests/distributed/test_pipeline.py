@@ -38,6 +38,9 @@ CASES = [
     PPCase(18, 2, 1, "interleaved_1f1b", "full", tp=2, resume=(2, 1)),
     PPCase(19, 2, 2, "1f1b", "short", replicate=2, resume=(2, 1)),
     PPCase(20, 2, 2, "gpipe", "full", clip=0.5, replicate=2),
+    PPCase(21, 2, 1, "1f1b", "short", model="llama"),
+    PPCase(22, 2, 1, "interleaved_1f1b", "full", model="llama tied"),
+    PPCase(23, 2, 2, "gpipe", "short", model="llama tied", resume=(1, 2)),
 ]
 """One spawn of rank processes per rank count: 2 (pipeline ranks alone) and 4 (2 × 2)."""
 

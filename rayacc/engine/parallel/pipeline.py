@@ -32,6 +32,7 @@ __all__ = [
     "PIPELINE_SCHEDULES",
     "Pipeline",
     "balanced_runs",
+    "shallow_copy",
     "stage_indices",
     "stages_per_rank",
 ]
@@ -345,12 +346,22 @@ def cut_stages(
         return stage, [stage], runs
     stages = []
     for i in indices:
-        stage = copy.copy(part)
-        stage.__dict__ = dict(part.__dict__)
-        for attr in ("_modules", "_parameters", "_buffers"):
-            setattr(stage, attr, dict(getattr(part, attr)))
+        # a view of its own down to the modules a cut changes (the model's `pipeline_view`
+        # where they lie deeper than its own children)
+        view = getattr(part, "pipeline_view", None)
+        stage = view() if view is not None else shallow_copy(part)
         stages.append(stage.keep_pipeline_units(list(runs[i])))
     return part, stages, runs
+
+
+def shallow_copy(module: nn.Module) -> nn.Module:
+    """`module` as a module of its own that shares its children, parameters and buffers: a
+    child set or removed on the copy leaves the original as it was."""
+    out = copy.copy(module)
+    out.__dict__ = dict(module.__dict__)
+    for attr in ("_modules", "_parameters", "_buffers"):
+        setattr(out, attr, dict(getattr(module, attr)))
+    return out
 
 
 def build_pipeline(

@@ -31,6 +31,9 @@ class PPCase:
     """Tensor-parallel ranks inside each stage (the first phase's mesh)."""
     replicate: int = 1
     """HSDP's replica groups over each stage's data-parallel ranks (the first phase's mesh)."""
+    model: str = "gpt"
+    """`gpt` (the built-in, 4 blocks) or `llama` (a transformers Llama of 4 layers, its head
+    tied or not)."""
 
     @property
     def world(self) -> int:
@@ -40,6 +43,12 @@ class PPCase:
         cfg = M.config(self.matrix_case())
         data = cfg.model_dump()
         data["model"]["n_layer"] = 4
+        if self.model.startswith("llama"):
+            hf = {"model_type": "llama", "vocab_size": M.VOCAB, "hidden_size": 16,
+                  "intermediate_size": 32, "num_hidden_layers": 4, "num_attention_heads": 2,
+                  "num_key_value_heads": 2, "max_position_embeddings": M.BLOCK,
+                  "tie_word_embeddings": self.model == "llama tied"}  # fmt: skip
+            data["model"] = {"name": "hf", "hf": {"config": hf}}
         return cfg.model_validate(data)
 
     def matrix_case(self) -> M.Case:
@@ -56,7 +65,8 @@ class PPCase:
         if self.replicate > 1:
             mesh = (f"{self.pp} × {self.replicate} × {self.dp // self.replicate} "
                     "(pp × replicate × shard)")  # fmt: skip
-        return f"{self.schedule} {mesh}, {self.last} last{clip}{epochs}{moved}"
+        model = "" if self.model == "gpt" else f"{self.model}, "
+        return f"{model}{self.schedule} {mesh}, {self.last} last{clip}{epochs}{moved}"
 
     def mesh(self, phase: str) -> tuple[int, int]:
         return self.resume if phase == "B" and self.resume else (self.pp, self.dp)
@@ -135,9 +145,10 @@ def run_phase(case: PPCase, rank: int, world: int, folder: Path, phase: str) -> 
 
     order = [n for n, _ in build_model(cfg, info).named_parameters()]
     flat = torch.cat([merged[n].reshape(-1).double() for n in order])
-    tied_gap = float(
-        (merged.get("head.weight", merged["tok.weight"]) - merged["tok.weight"]).abs().max()
-    )
+    # a tied weight's copy on the last stage against the first stage's
+    ties = build_model(cfg, info).pipeline_tied().items()
+    gaps = [(merged[a] - merged[b]).abs().max() for a, b in ties if a in merged and b in merged]
+    tied_gap = float(max(gaps, default=0.0))
     seen = {k: [getattr(r, k) for r in results] for k in ("loss", "grad_norm", "items", "samples")}
     seen["pipeline"] = [(r.pipeline, r.step_time_s) for r in results]
     val_loss = float(val[0]) / sum(int(count(mb)) for mb in M.micro_batches(first, M.MICRO, 1, 12))

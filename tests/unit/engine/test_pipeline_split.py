@@ -66,3 +66,54 @@ def test_a_stage_of_the_gpt_keeps_the_whole_models_names_and_values():
     assert last.head.weight is not names["tok.weight"]
     with torch.no_grad():
         assert torch.allclose(last(middle(first(ids))), whole(ids))
+
+
+LLAMA = {"model_type": "llama", "vocab_size": 16, "hidden_size": 16, "intermediate_size": 32,
+         "num_hidden_layers": 3, "num_attention_heads": 2, "num_key_value_heads": 2,
+         "max_position_embeddings": 8}  # fmt: skip
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_stage_of_a_transformers_llama_keeps_the_whole_models_names_and_values(tied):
+    """The `hf` wrapper's split: the embeddings, each decoder layer under its own index, the
+    norm with the head; the stages' forwards in a row give the whole model's logits."""
+    pytest.importorskip("transformers")
+    from rayacc.models.hf import build_hf
+
+    def build():
+        torch.manual_seed(3)
+        return build_hf({**LLAMA, "tie_word_embeddings": tied}, None, 16, 9)
+
+    whole, ids = build(), torch.randint(0, 16, (2, 8))
+    names = dict(whole.named_parameters(remove_duplicate=False))
+    assert len(whole.pipeline_units()) == 5
+    first, middle, last = (build().keep_pipeline_units(r) for r in (range(0, 2), range(2, 3),
+                                                                      range(3, 5)))  # fmt: skip
+    for stage in (first, middle, last):
+        for name, p in stage.named_parameters():
+            assert torch.equal(p, names[name]), name
+    # every name once over the stages (a tied head under its own on the last)
+    assert {n for s in (first, middle, last) for n, _ in s.named_parameters()} == set(names)
+    assert set(dict(middle.named_parameters())) == {
+        n for n in names if n.startswith("hf.model.layers.1.")}  # fmt: skip
+    with torch.no_grad():
+        assert torch.allclose(last(middle(first(ids))), whole(ids), atol=1e-6)
+    assert whole.pipeline_tied() == ({"hf.lm_head.weight": "hf.model.embed_tokens.weight"}
+                                     if tied else {})  # fmt: skip
+
+
+def test_an_architecture_rayacc_does_not_split_is_named():
+    pytest.importorskip("transformers")
+    from rayacc.config.mesh import Mesh
+    from rayacc.models import ModelError
+    from rayacc.models.hf import build_hf
+    from rayacc.models.registry import check_pipeline_split
+
+    gpt2 = build_hf({"model_type": "gpt2", "vocab_size": 16, "n_embd": 16, "n_layer": 2,
+                     "n_head": 2, "n_positions": 8}, None, 16, 9)  # fmt: skip
+    with pytest.raises(ModelError, match="train.pipeline_parallel=2: model.hf: the 'gpt2'"):
+        check_pipeline_split(gpt2, Mesh(2))
+    llama = build_hf(LLAMA, None, 16, 9)
+    with pytest.raises(ModelError, match="6 stages take a unit each of the model's 5"):
+        check_pipeline_split(llama, Mesh(3, schedule="zbv"))
+    check_pipeline_split(llama, Mesh(2))  # 5 units for 2 stages
