@@ -39,15 +39,18 @@ CASES = [
     PPCase(21, 2, 1, "1f1b", "short", model="llama"),
     PPCase(22, 2, 1, "interleaved_1f1b", "full", model="llama tied"),
     PPCase(23, 2, 2, "gpipe", "short", model="llama tied", resume=(1, 2)),
+    PPCase(24, 2, 2, "1f1b", "short", tp=2),
+    PPCase(25, 2, 1, "gpipe", "full", recompute=True),
 ]
-"""One spawn of rank processes per rank count: 2 (pipeline ranks alone) and 4 (2 × 2)."""
+"""One spawn of rank processes per rank count and phase: 2 (pipeline ranks alone), 4 (2 × 2),
+8 (2 × 2 × 2: fractional cores), and the resumed cases' second phase on 2."""
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     root = tmp_path_factory.mktemp("pipeline")
     done: dict[int, dict] = {}
-    groups = [("A", w, [c for c in CASES if c.world == w]) for w in (2, 4)]
+    groups = [("A", w, [c for c in CASES if c.world == w]) for w in (2, 4, 8)]
     groups += [("B", 2, [c for c in CASES if c.resume])]
     for phase, world, chosen in groups:
         folder = root / f"{phase}{world}"
@@ -70,6 +73,7 @@ def test_a_pipeline_step_equals_the_full_batch_steps(results, case, record_equiv
     assert got["grad_norm"] == pytest.approx(norms[1:] if case.resume else norms, rel=1e-5)
     # the tied head's copy on the last stage steps as the embedding does
     assert got["tied_gap"] < 1e-6
+    assert got["recomputed"] == case.recompute
     pp, dp = case.mesh("B")
     # the forwards alone (validation's path) give the trained model's loss
     if pp > 1:

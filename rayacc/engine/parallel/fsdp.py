@@ -278,11 +278,12 @@ class FSDP(Strategy):
 
         def shard(stage: nn.Module, mesh, placement) -> None:
             _checkpoint_blocks(stage, recipe)
-            if recipe.compile:  # each block compiled in place before it is sharded, as below
-                for block in fsdp_blocks(stage):
-                    block.compile()
-            shard_model(stage, device=device, reshard_after_forward=self.reshard_after_forward,
-                        param_dtype=self.param_dtype, mesh=mesh, offload=self.offload)  # fmt: skip
+            for block in fsdp_blocks(stage) if recipe.compile else ():
+                block.compile()  # each block in place before it is sharded, as below
+            if mesh is not None:
+                shard_model(stage, device=device, reshard_after_forward=self.reshard_after_forward,
+                            param_dtype=self.param_dtype, mesh=mesh, offload=self.offload,
+                            placement=placement)  # fmt: skip
 
         per_rank = stages_per_rank(self.pipeline_schedule, self.stages_per_rank)
         part, self.pipeline, self._grid = build_pipeline(

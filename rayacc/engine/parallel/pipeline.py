@@ -378,11 +378,11 @@ def build_pipeline(
 ) -> tuple[nn.Module, Pipeline, Any]:
     """This rank's part of `recipe`'s model (its stages, each split over the tensor-parallel
     ranks by the model's plan where `tp` > 1, then sharded by `shard(stage, mesh, placement)`
-    over the data-parallel ranks of its stage), the pipeline that runs them and the (`pp`,
-    `dp`[, `tp`]) mesh: stages outermost (a stage's p2p sends may cross nodes), each stage's
-    data-parallel and tensor-parallel groups inside a node where the placement allows;
-    `replicate` > 1: each stage's data-parallel ranks in HSDP's replica groups (`replicate`,
-    `shard` in place of `dp`)."""
+    over the data-parallel ranks of its stage — mesh None: a rank per stage, none to shard),
+    the pipeline that runs them and the (`pp`, `dp`[, `tp`]) mesh: stages outermost (a
+    stage's p2p sends may cross nodes), each stage's data-parallel and tensor-parallel groups
+    inside a node where the placement allows; `replicate` > 1: each stage's data-parallel
+    ranks in HSDP's replica groups (`replicate`, `shard` in place of `dp`)."""
     from rayacc.engine.parallel.fsdp_mesh import materialize_shards, node_mesh
 
     world = len(nodes)
@@ -424,8 +424,9 @@ def build_pipeline(
 
             apply_plan(stage, grid["tp"], tp_plan(stage))
             placement = fsdp_placement
-        if world > pp:  # one rank per stage: nothing to shard
-            shard(stage, grid[data_names], placement)
+        # one rank per stage: nothing to shard (the stage is still prepared: recomputation,
+        # compiled blocks)
+        shard(stage, grid[data_names] if world > pp else None, placement)
     if values is not None:
         given = values
 

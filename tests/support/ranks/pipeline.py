@@ -31,6 +31,8 @@ class PPCase:
     """Tensor-parallel ranks inside each stage (the first phase's mesh)."""
     replicate: int = 1
     """HSDP's replica groups over each stage's data-parallel ranks (the first phase's mesh)."""
+    recompute: bool = False
+    """Activation checkpointing of every block."""
     model: str = "gpt"
     """`gpt` (the built-in, 4 blocks) or `llama` (a transformers Llama of 4 layers, its head
     tied or not)."""
@@ -43,6 +45,7 @@ class PPCase:
         cfg = M.config(self.matrix_case())
         data = cfg.model_dump()
         data["model"]["n_layer"] = 4
+        data["train"]["activation_checkpointing"] = "full" if self.recompute else "none"
         if self.model.startswith("llama"):
             hf = {"model_type": "llama", "vocab_size": M.VOCAB, "hidden_size": 16,
                   "intermediate_size": 32, "num_hidden_layers": 4, "num_attention_heads": 2,
@@ -58,6 +61,7 @@ class PPCase:
     def label(self) -> str:
         clip = f", clipped at {self.clip}" if self.clip else ""
         epochs = f", {self.epochs} epochs" if self.epochs > 1 else ""
+        epochs += ", recomputed" if self.recompute else ""
         moved = f", resumed on {self.resume[0]} × {self.resume[1]}" if self.resume else ""
         mesh = f"{self.pp} × {self.dp} (pp × dp)"
         if self.tp > 1:
@@ -132,6 +136,9 @@ def run_phase(case: PPCase, rank: int, world: int, folder: Path, phase: str) -> 
             for n, p in model.named_parameters()}  # fmt: skip
     box = [None] * world
     dist.all_gather_object(box, mine)
+    # every block of this rank's stages recomputed where asked (a rank per stage: no sharding)
+    blocks = strategy.unwrapped().fsdp_blocks()
+    recomputed = all(getattr(b, "recomputed", False) for b in blocks) and bool(blocks)
     # what each rank holds: its shards of its stages
     held = sum(getattr(p, "to_local", lambda p=p: p)().numel() for p in model.parameters())
     holds = [None] * world
@@ -153,6 +160,7 @@ def run_phase(case: PPCase, rank: int, world: int, folder: Path, phase: str) -> 
     seen["pipeline"] = [(r.pipeline, r.step_time_s) for r in results]
     val_loss = float(val[0]) / sum(int(count(mb)) for mb in M.micro_batches(first, M.MICRO, 1, 12))
     return {"params": flat, "tied_gap": tied_gap, "mesh": strategy.describe_mesh(), "held": holds,
+            "recomputed": recomputed,
             "val_loss": val_loss, **seen}  # fmt: skip
 
 
