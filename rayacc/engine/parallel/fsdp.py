@@ -488,7 +488,7 @@ class FSDP(Strategy):
         if not self.counted:
             return CommStats(sync_passes=synced)
         tp = None
-        if self._tp_group is not None:
+        if self._tp_group is not None and self.pipeline is None:  # a pipeline's: not counted
             tp = (self._tp_per_micro or GroupCalls()) * micro_steps + self._tp_norm
         return CommStats(
             allreduce_calls=self._all_reduces,
