@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-__all__ = ["Mesh"]
+__all__ = ["Mesh", "idle_share"]
 
 
 @dataclass(frozen=True)
@@ -72,6 +72,16 @@ class Mesh:
         """Pipeline stages each rank runs: an interleaved schedule's `looped`, ZBV's V two."""
         return {"interleaved_1f1b": self.looped, "zbv": 2}.get(self.schedule, 1)
 
+    def bubble(self, micro_steps: int) -> float:
+        """The schedule's idle share of a window of `micro_steps` micro-batches."""
+        return idle_share(self.pipeline, self.stages_per_rank, micro_steps)
+
     def overrides(self) -> dict[str, Any]:
         """The config keys that set this mesh's model-parallel degrees."""
         return {self.KEYS["tensor"]: self.tensor, self.KEYS["pipeline"]: self.pipeline}
+
+
+def idle_share(pp: int, per_rank: int, micro_steps: int) -> float:
+    """A pipeline schedule's idle share of a window, (P − 1) / (v·m + P − 1) for P stages' ranks
+    running v stages each over m micro-batches (ZBV's V idles less: an upper bound there)."""
+    return (pp - 1) / (per_rank * micro_steps + pp - 1) if micro_steps else 0.0

@@ -78,10 +78,8 @@ class FSDP(Strategy):
         split = f"; each layer split over {tp} ranks (tensor parallel)" if tp > 1 else ""
         sync = f"grad_sync {f.grad_sync}"
         if pp > 1:
-            from rayacc.engine.parallel.pipeline import schedule_bubble
-
             m = cfg.batch_split().grad_accum_steps
-            bubble = schedule_bubble(mesh.schedule, pp, m, mesh.looped)
+            bubble = mesh.bubble(m)
             short = f": accumulation {m} < {pp} stages" if m < pp else ""
             split += (f"; the layers cut into {pp} pipeline stages, {mesh.schedule}"
                      f" schedule, idle share {bubble:.0%}{short}")  # fmt: skip
@@ -266,8 +264,9 @@ class FSDP(Strategy):
 
     def _build_pipeline(self, recipe: ModelRecipe, device: torch.device) -> nn.Module:
         """This rank's stages of the model, each sharded over its stage's data-parallel ranks."""
+        from rayacc.config.mesh import Mesh
         from rayacc.engine.parallel.fsdp_mesh import mesh_shape, node_order, shard_model
-        from rayacc.engine.parallel.pipeline import build_pipeline, stages_per_rank
+        from rayacc.engine.parallel.pipeline import build_pipeline
 
         nodes = self._placement()
         # HSDP's replica groups over a stage's data-parallel ranks (the first stage's nodes)
@@ -285,7 +284,8 @@ class FSDP(Strategy):
                             param_dtype=self.param_dtype, mesh=mesh, offload=self.offload,
                             placement=placement)  # fmt: skip
 
-        per_rank = stages_per_rank(self.pipeline_schedule, self.stages_per_rank)
+        per_rank = Mesh(self.pipeline_parallel, schedule=self.pipeline_schedule,
+                        looped=self.stages_per_rank).stages_per_rank  # fmt: skip
         part, self.pipeline, self._grid = build_pipeline(
             recipe, device, nodes, self.pipeline_parallel, self.pipeline_schedule, per_rank,
             shard, self.pipeline_shape, self.tensor_parallel, self.mesh.replicate)  # fmt: skip

@@ -23,38 +23,21 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
-from rayacc.config.parallel import PIPELINE_SCHEDULES, ZBV_SHARDED
+from rayacc.config.mesh import idle_share
+from rayacc.config.parallel import ZBV_SHARDED
 from rayacc.engine.collectives import all_reduce
 from rayacc.engine.losses import IGNORE_INDEX, Batch, LossFn, summed
 from rayacc.engine.parallel.base import PipelineStats
 
 __all__ = [
-    "PIPELINE_SCHEDULES",
     "Pipeline",
     "balanced_runs",
     "shallow_copy",
     "stage_indices",
-    "stages_per_rank",
 ]
 
 
 _LOOPED = ("interleaved_1f1b", "zbv")
-
-
-def stages_per_rank(schedule: str, looped: int = 2) -> int:
-    """The stages each rank of the pipeline group runs (`looped`:
-    the mesh's `looped` stages of an interleaved schedule; ZBV's V holds two)."""
-    if schedule not in PIPELINE_SCHEDULES:
-        raise ValueError(f"pipeline_schedule={schedule!r} is not one of "
-                         f"{', '.join(PIPELINE_SCHEDULES)}")  # fmt: skip
-    return {"interleaved_1f1b": looped, "zbv": 2}.get(schedule, 1)
-
-
-def schedule_bubble(schedule: str, pp: int, micro_steps: int, looped: int = 2) -> float:
-    """The schedule's idle share of a window, (P − 1) / (v·m + P − 1) for m micro-batches and v
-    stages per rank (ZBV's V idles less: an upper bound there)."""
-    v = stages_per_rank(schedule, looped)
-    return (pp - 1) / (v * micro_steps + pp - 1)
 
 
 def stage_indices(schedule: str, pp_rank: int, pp: int, per_rank: int) -> list[int]:
@@ -95,8 +78,10 @@ class _TimedStage(PipelineStage):
     """A stage that adds up the time it computes (its chunks' forwards and backwards, its
     gradients' reduction) and counts the tensors it sends to another rank."""
 
-    busy_s = 0.0
-    sends = 0
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.busy_s = 0.0
+        self.sends = 0
 
     def _timed(self, call, *args, **kwargs):
         start = time.perf_counter()
@@ -156,6 +141,7 @@ class Pipeline:
         group: dist.ProcessGroup,
         device: torch.device,
         width: int,
+        runs: Sequence[range],
         tied: dict[str, dict[str, nn.Parameter]] | None = None,
         tied_shapes: dict[str, tuple[torch.Size, torch.dtype]] | None = None,
         shape: tuple[int, int] | None = None,
@@ -167,7 +153,7 @@ class Pipeline:
         """Micro-batches per window and rows per micro-batch (0: the first window's)."""
         self.n_stages = n_stages
         self.indices = list(indices)
-        self.runs: list[range] = []
+        self.runs = list(runs)
         """Every stage's units (`pipeline_units`' indices), in stage order."""
         self.stages = [
             _TimedStage(m, i, n_stages, device, group=group)
@@ -191,9 +177,8 @@ class Pipeline:
 
     def stats(self) -> PipelineStats:
         """This rank's last window: its sends, its idle time, the schedule's idle share."""
-        v, m = len(self.indices), self.micro_steps
-        p = self.n_stages // v
-        return PipelineStats(*self._window, (p - 1) / (v * m + p - 1) if m else 0.0)
+        v = len(self.indices)
+        return PipelineStats(*self._window, idle_share(self.n_stages // v, v, self.micro_steps))
 
     def describe(self) -> str:
         """The stages and what each holds, for the run's record."""
@@ -452,8 +437,7 @@ def build_pipeline(
     if width is None:
         raise ValueError("the model names no sequence length (`block_size`) for its stages")
     pipeline = Pipeline(stages, indices, n_stages, schedule, grid["pp"].get_group(), device,
-                        int(width), tied, shapes, shape)  # fmt: skip
-    pipeline.runs = runs
+                        int(width), runs, tied, shapes, shape)  # fmt: skip
     return part, pipeline, grid
 
 

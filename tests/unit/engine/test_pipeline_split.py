@@ -9,7 +9,8 @@ import itertools
 import pytest
 import torch
 
-from rayacc.engine.parallel.pipeline import balanced_runs, stage_indices, stages_per_rank
+from rayacc.config.mesh import Mesh
+from rayacc.engine.parallel.pipeline import balanced_runs, stage_indices
 from rayacc.models.gpt import GPT
 
 
@@ -45,10 +46,12 @@ def test_each_rank_holds_its_stages():
     assert [stage_indices("interleaved_1f1b", r, 2, 3) for r in range(2)] == [[0, 2, 4], [1, 3, 5]]
     # the V: the first and the last stage on rank 0
     assert [stage_indices("zbv", r, 2, 2) for r in range(2)] == [[0, 3], [1, 2]]
-    assert [stages_per_rank(s, 3) for s in ("gpipe", "1f1b", "interleaved_1f1b", "zbv")] == [
-        1, 1, 3, 2]  # fmt: skip
-    with pytest.raises(ValueError, match="pipeline_schedule='dualpipe'"):
-        stages_per_rank("dualpipe")
+    held = [Mesh(2, schedule=s, looped=3).stages_per_rank
+            for s in ("gpipe", "1f1b", "interleaved_1f1b", "zbv")]  # fmt: skip
+    assert held == [1, 1, 3, 2]
+    # the schedule's idle share: (P − 1) / (v·m + P − 1)
+    assert Mesh(4, schedule="1f1b").bubble(4) == 3 / 7
+    assert Mesh(4, schedule="interleaved_1f1b", looped=2).bubble(4) == 3 / 11
 
 
 def test_a_stage_of_the_gpt_keeps_the_whole_models_names_and_values():
