@@ -15,7 +15,6 @@ a whole worker or micro-step count, a skipped window or a leaked trial gradient 
 
 from __future__ import annotations
 
-import functools
 import math
 import sys
 
@@ -23,7 +22,7 @@ import pytest
 
 from tests.support.models import twin_strategy as twin
 from tests.support.ranks import matrix as M
-from tests.support.ranks.engine_helpers import spawn_ranks, update_rel_err
+from tests.support.ranks.engine_helpers import update_rel_err
 from tests.support.services.counts import note
 
 pytestmark = pytest.mark.distributed
@@ -41,16 +40,9 @@ def matrix_results(tmp_path_factory):
     plugin = str(twin.write_package(tmp_path_factory.mktemp("plugin")))
     all_cases = M.cases()
     all_cases += M.added_strategy_cases(twin.NAME, first_index=len(all_cases))
-    done: dict[int, dict] = {}
     sys.path.insert(0, plugin)
     try:
-        for phase, world, chosen in M.phase_groups(all_cases):
-            folder = root / f"{phase}{world}"
-            folder.mkdir()
-            target = functools.partial(M.run_group, phase=phase, chosen=chosen)
-            ranks = spawn_ranks(target, world, folder, f"matrix phase {phase} on {world} ranks")
-            assert "error" not in ranks[0], ranks[0].get("error")
-            done.update({i: v for i, v in ranks[0].items() if isinstance(i, int)})
+        done = M.spawn_phase_groups(root, M.phase_groups(all_cases), "matrix phase")
     finally:
         sys.path.remove(plugin)
     rows = []

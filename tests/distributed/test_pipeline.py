@@ -7,12 +7,11 @@ the single-process full-batch steps (the combination matrix's windows and bound)
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 
-from tests.support.ranks.engine_helpers import spawn_ranks, update_rel_err
-from tests.support.ranks.pipeline import PPCase, reference, run_group
+from tests.support.ranks import matrix as M
+from tests.support.ranks.engine_helpers import update_rel_err
+from tests.support.ranks.pipeline import PPCase, reference, run_phase
 
 pytestmark = pytest.mark.distributed
 
@@ -48,18 +47,9 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    root = tmp_path_factory.mktemp("pipeline")
-    done: dict[int, dict] = {}
     groups = [("A", w, [c for c in CASES if c.world == w]) for w in (2, 4, 8)]
     groups += [("B", 2, [c for c in CASES if c.resume])]
-    for phase, world, chosen in groups:
-        folder = root / f"{phase}{world}"
-        folder.mkdir()
-        target = functools.partial(run_group, phase=phase, chosen=chosen)
-        ranks = spawn_ranks(target, world, folder, f"pipeline {phase} on {world} ranks")
-        assert "error" not in ranks[0], ranks[0].get("error")
-        done.update({i: v for i, v in ranks[0].items() if isinstance(i, int)})
-    return done
+    return M.spawn_phase_groups(tmp_path_factory.mktemp("pipeline"), groups, "pipeline", run_phase)
 
 
 @pytest.mark.parametrize("case", CASES, ids=PPCase.label)

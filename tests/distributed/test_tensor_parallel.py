@@ -6,13 +6,11 @@ against the single-process full-batch steps (the combination matrix's windows an
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 
 from tests.support.ranks import matrix as M
-from tests.support.ranks.engine_helpers import spawn_ranks, update_rel_err
-from tests.support.ranks.tensor_parallel import TPCase, run_group
+from tests.support.ranks.engine_helpers import update_rel_err
+from tests.support.ranks.tensor_parallel import TPCase, run_phase
 
 pytestmark = pytest.mark.distributed
 
@@ -36,21 +34,11 @@ resharding the other way)."""
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tensor_parallel")
-    done: dict[int, dict] = {}
     groups = [("A", w, [c for c in CASES if c.dp * c.tp == w]) for w in (2, 4)]
     groups += [("B", w, [c for c in CASES if c.resume and c.resume[0] * c.resume[1] == w])
                for w in (2, 4)]  # fmt: skip
-    for phase, world, chosen in groups:
-        if not chosen:
-            continue
-        folder = root / f"{phase}{world}"
-        folder.mkdir()
-        target = functools.partial(run_group, phase=phase, chosen=chosen)
-        ranks = spawn_ranks(target, world, folder, f"tensor-parallel {phase} on {world} ranks")
-        assert "error" not in ranks[0], ranks[0].get("error")
-        done.update({i: v for i, v in ranks[0].items() if isinstance(i, int)})
-    return done
+    root = tmp_path_factory.mktemp("tensor_parallel")
+    return M.spawn_phase_groups(root, groups, "tensor-parallel", run_phase)
 
 
 @pytest.mark.parametrize("case", CASES, ids=TPCase.label)

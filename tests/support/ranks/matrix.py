@@ -14,6 +14,7 @@ matrix costs at most six spawns of rank processes.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 from dataclasses import asdict, dataclass
@@ -200,13 +201,8 @@ def run_phase(case: Case, rank: int, world: int, folder: Path, phase: str) -> di
     parts = build_rank(cfg, info, device, LR)
     strategy, optimizer, step = parts.strategy, parts.optimizer, parts.accumulate
     loss_fn, count = parts.loss_fn, parts.count
-    all_windows = windows(case)
-    if phase == "B":
-        saved = torch.load(folder / "state.pt", weights_only=True) if rank == 0 else {}
-        strategy.state.load(strategy.model, optimizer, folder, _broadcast(saved, rank))
-        todo = all_windows[1:]
-    else:
-        todo = all_windows[:1] if case.event != "none" else all_windows
+    todo = phase_windows(strategy, strategy.model, optimizer, folder, rank, phase,
+                         windows(case), resumes=case.event != "none")  # fmt: skip
 
     micro = MICRO
     if case.micro == "auto":
@@ -236,9 +232,7 @@ def run_phase(case: Case, rank: int, world: int, folder: Path, phase: str) -> di
         result = step(micro_batches(mine, micro, world, len(window)), loss_fn, count, signal=raised)
         signals.append(result.signals)
     if phase == "A" and case.event != "none":
-        whole, _ = strategy.state.save(strategy.model, optimizer, folder, rank)
-        if rank == 0:
-            torch.save(whole, folder / "state.pt")
+        save_for_phase_b(strategy, strategy.model, optimizer, folder, rank)
         return None
     full = full_weights(strategy.unwrapped())  # a collective under FSDP: every rank gathers
     ran = f"{type(strategy).__module__}:{type(strategy).__qualname__}"
@@ -292,6 +286,51 @@ def phase_groups(all_cases: list[Case]) -> list[tuple[str, int, list[Case]]]:
             if chosen:
                 groups.append((phase, world, chosen))
     return groups
+
+
+def phase_windows(
+    strategy,
+    model,
+    optimizer,
+    folder: Path,
+    rank: int,
+    phase: str,
+    all_windows: list,
+    *,
+    resumes: bool,
+) -> list:
+    """The windows a case's `phase` runs on this rank: a resumed case's first alone (A), then
+    the rest from the state A saved, read on rank 0 and handed to every rank (B); else all."""
+    if phase == "B":
+        saved = torch.load(folder / "state.pt", weights_only=True) if rank == 0 else {}
+        strategy.state.load(model, optimizer, folder, _broadcast(saved, rank))
+        return all_windows[1:]
+    return all_windows[:1] if resumes else all_windows
+
+
+def save_for_phase_b(strategy, model, optimizer, folder: Path, rank: int) -> None:
+    """The state after phase A's windows: every rank's shards, and rank 0's whole part."""
+    whole, _ = strategy.state.save(model, optimizer, folder, rank)
+    if rank == 0:
+        torch.save(whole, folder / "state.pt")
+
+
+def spawn_phase_groups(root: Path, groups, what: str, body=None) -> dict[int, dict]:
+    """Rank 0's results of every case, by index: one spawn of ranks per (phase, ranks, cases)
+    of `groups` (an empty one skipped), each case's phase run by `body` (`run_phase`)."""
+    from tests.support.ranks.engine_helpers import spawn_ranks
+
+    done: dict[int, dict] = {}
+    for phase, world, chosen in groups:
+        if not chosen:
+            continue
+        folder = root / f"{phase}{world}"
+        folder.mkdir()
+        target = functools.partial(run_group, phase=phase, chosen=chosen, body=body)
+        ranks = spawn_ranks(target, world, folder, f"{what} {phase} on {world} ranks")
+        assert "error" not in ranks[0], ranks[0].get("error")
+        done.update({i: v for i, v in ranks[0].items() if isinstance(i, int)})
+    return done
 
 
 def run_group(

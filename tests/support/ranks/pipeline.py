@@ -5,7 +5,6 @@ stage of a pipeline reads its data-parallel rank's rows."""
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -99,23 +98,15 @@ def run_phase(case: PPCase, rank: int, world: int, folder: Path, phase: str) -> 
     loss_fn, count = loss_functions(info, None, strategy)
     step = AccumulationStep(model, optimizer, strategy=strategy, max_grad_norm=case.clip)
     here = dist.get_rank(strategy.data_group) if strategy.data_group is not None else rank
-    windows = case.windows()
-    if phase == "B":
-        box = [torch.load(folder / "state.pt", weights_only=True) if rank == 0 else {}]
-        dist.broadcast_object_list(box, src=0)
-        strategy.state.load(model, optimizer, folder, box[0])
-        windows = windows[1:]
-    elif case.resume:
-        windows = windows[:1]
+    windows = M.phase_windows(strategy, model, optimizer, folder, rank, phase, case.windows(),
+                              resumes=bool(case.resume))  # fmt: skip
     results = []
     for window in windows:
         mine = M.rank_share(window, here, dp)
         mbs = M.micro_batches(mine, M.MICRO, dp, len(window))
         results.append(step(mbs, loss_fn, count))
     if phase == "A" and case.resume:
-        whole, _ = strategy.state.save(model, optimizer, folder, rank)
-        if rank == 0:
-            torch.save(whole, folder / "state.pt")
+        M.save_for_phase_b(strategy, model, optimizer, folder, rank)
         return None
     # the trained stages' forwards alone on the first window (validation's path): its mean
     # item loss over every rank
@@ -164,7 +155,6 @@ def run_phase(case: PPCase, rank: int, world: int, folder: Path, phase: str) -> 
             "val_loss": val_loss, **seen}  # fmt: skip
 
 
-run_group = functools.partial(M.run_group, body=run_phase)
 """Rank body: every case of one rank count in one gloo group."""
 
 

@@ -7,7 +7,6 @@ and goes on from it on another."""
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,14 +75,8 @@ def run_phase(case: TPCase, rank: int, world: int, folder: Path, phase: str) -> 
     optimizer = build_optimizer(cfg.optim, model.parameters(), M.LR, device, strategy)
     loss_fn, count = loss_functions(info, None, strategy)
     step = AccumulationStep(model, optimizer, strategy=strategy)
-    windows = M.windows(case.matrix_case())
-    if phase == "B":
-        box = [torch.load(folder / "state.pt", weights_only=True) if rank == 0 else {}]
-        dist.broadcast_object_list(box, src=0)
-        strategy.state.load(model, optimizer, folder, box[0])
-        windows = windows[1:]
-    elif case.resume:
-        windows = windows[:1]
+    windows = M.phase_windows(strategy, model, optimizer, folder, rank, phase,
+                              M.windows(case.matrix_case()), resumes=bool(case.resume))  # fmt: skip
     here = dist.get_rank(strategy.process_group)  # the data-parallel rank: its group's rows
     assert dist.get_world_size(strategy.process_group) == dp
     steps = []
@@ -94,9 +87,7 @@ def run_phase(case: TPCase, rank: int, world: int, folder: Path, phase: str) -> 
     # the tensor-parallel group's collectives each window counted, with its micro-steps
     calls = [(r.tensor_parallel_calls, r.micro_steps) for r in steps]
     if phase == "A" and case.resume:
-        whole, _ = strategy.state.save(model, optimizer, folder, rank)
-        if rank == 0:
-            torch.save(whole, folder / "state.pt")
+        M.save_for_phase_b(strategy, model, optimizer, folder, rank)
         return None
     full = full_weights(strategy.unwrapped())  # a collective: every rank gathers
     if rank != 0:
@@ -108,5 +99,4 @@ def run_phase(case: TPCase, rank: int, world: int, folder: Path, phase: str) -> 
     return {"params": full, "mesh": strategy.describe_mesh(), "calls": calls, **seen}
 
 
-run_group = functools.partial(M.run_group, body=run_phase)
 """Rank body: every case of one (phase, ranks) group in one gloo group."""
