@@ -46,17 +46,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def _plan_search(args: argparse.Namespace, cfg: TrainConfig) -> int:
     """`plan --search`: the search (driver/plan_search.py), then its table and where the plan
     went."""
-    from rayacc.config.errors import ConfigError, ConfigIssue
-    from rayacc.config.mesh import Mesh
     from rayacc.driver.places import PlaceError, check_folder
     from rayacc.driver.plan_search import plan_search
     from rayacc.planner.search import format_table
 
-    if cfg.mesh.pipeline > 1:  # its candidates and prior count no pipeline yet
-        raise ConfigError([ConfigIssue(
-            Mesh.key("pipeline"), "is not searched by plan --search yet", cfg.mesh.pipeline,
-            f"search the job with {Mesh.key('pipeline')}=1, or size the pipeline with "
-            "plan --memory")])  # fmt: skip
     _console_owns_ray_output()
     if args.memory:
         print(

@@ -72,13 +72,21 @@ class Mesh:
         """Pipeline stages each rank runs: an interleaved schedule's `looped`, ZBV's V two."""
         return {"interleaved_1f1b": self.looped, "zbv": 2}.get(self.schedule, 1)
 
+    def in_flight(self, micro_steps: int) -> int:
+        """The micro-batches whose activations the first stage holds at once: GPipe the
+        window's, the others up to the stages (1 without a pipeline)."""
+        if self.pipeline == 1:
+            return 1
+        return micro_steps if self.schedule == "gpipe" else min(micro_steps, self.pipeline)
+
     def bubble(self, micro_steps: int) -> float:
         """The schedule's idle share of a window of `micro_steps` micro-batches."""
         return idle_share(self.pipeline, self.stages_per_rank, micro_steps)
 
     def overrides(self) -> dict[str, Any]:
-        """The config keys that set this mesh's model-parallel degrees."""
-        return {self.KEYS["tensor"]: self.tensor, self.KEYS["pipeline"]: self.pipeline}
+        """The config keys that set this mesh's model-parallel degrees and its schedule."""
+        degrees = ("tensor", "pipeline", "schedule", "looped")
+        return {self.KEYS[d]: getattr(self, d) for d in degrees}
 
 
 def idle_share(pp: int, per_rank: int, micro_steps: int) -> float:

@@ -10,6 +10,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from rayacc.config.errors import ConfigIssue
+from rayacc.config.mesh import Mesh
 from rayacc.config.strategies import strategies
 
 __all__ = [
@@ -169,8 +170,7 @@ def pipeline_rules(train: Any, sections: dict[str, Any], scaling: Any) -> list[C
     ):
         refuse(ZBV_SHARDED.split(". Fix: ")[0], ZBV_SHARDED.split(". Fix: ")[1],
                "train.pipeline_schedule")  # fmt: skip
-    per_rank = {"interleaved_1f1b": train.pipeline_stages_per_rank, "zbv": 2}
-    stages = pp * per_rank.get(train.pipeline_schedule, 1)
+    stages = pp * Mesh.of_sections(train).stages_per_rank
     model = sections.get("model")
     if model is not None and model.name not in ("gpt", "hf"):
         refuse(f"model.name={model.name} declares no split into pipeline stages",

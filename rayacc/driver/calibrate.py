@@ -21,27 +21,17 @@ import torch
 
 from rayacc.config import TrainConfig
 from rayacc.config.batch_split import BatchSplit
-from rayacc.config.rules import strategy_resets
 from rayacc.data.sources import DatasetInfo
 from rayacc.engine import TrialOutOfMemory, autocast_dtype, to_device
 from rayacc.engine.autobatch import OUT_OF_MEMORY, measure_step_bytes
 from rayacc.engine.parallel import strategy_class
 from rayacc.optim import optimizer_slots
-from rayacc.planner.candidates import Candidate, strategy_modes
+from rayacc.planner.candidates import Candidate, strategy_modes, with_candidate
 from rayacc.planner.prior import predict
 from rayacc.planner.profile import Profile, largest_over_ranks, measure_profile, time_windows
 from rayacc.rank.build import build_rank
 
-__all__ = ["CalibrationGroup", "Ledger", "calibration_loop", "sample_rows", "with_candidate"]
-
-
-def with_candidate(cfg: TrainConfig, c: Candidate) -> TrainConfig:
-    """`cfg` running candidate `c`."""
-    data = cfg.model_dump(mode="json")
-    for key, value in {**strategy_resets(cfg, c.strategy), **c.overrides()}.items():
-        section, name = key.split(".")
-        data[section][name] = value
-    return TrainConfig.model_validate(data)
+__all__ = ["CalibrationGroup", "Ledger", "calibration_loop", "sample_rows"]
 
 
 def sample_rows(info: DatasetInfo, n: int):
@@ -89,13 +79,18 @@ def measure_candidate(
     # the candidate's own split: the fixed costs' windows of 1 and 4 micro-steps are not the
     # job's global batch (DeepSpeed's engine is configured with the split it runs)
     split = BatchSplit(
-        c.global_batch_size, c.micro_batch_size, c.grad_accum_steps, c.workers, c.tensor_parallel
+        c.global_batch_size,
+        c.micro_batch_size,
+        c.grad_accum_steps,
+        c.workers,
+        tensor_parallel=c.tensor_parallel,
+        pipeline_parallel=c.pipeline_parallel,
     )
     parts = build_rank(cc, info, device, cfg.optim.lr, split=split)
     strategy, step, loss_fn, count = parts.strategy, parts.accumulate, parts.loss_fn, parts.count
     m = c.micro_batch_size
     if strategy.data_group is not None:
-        # a tensor-parallel group reads its data-parallel rank's rows
+        # a tensor-parallel group or a pipeline reads its data-parallel rank's rows
         rank = torch.distributed.get_rank(strategy.data_group)
     index = np.resize(np.arange(len(rows)), m * (rank + 1))[rank * m :]
     try:

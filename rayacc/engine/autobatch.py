@@ -13,6 +13,7 @@ the group restarts and its next search stays below that size.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -106,7 +107,8 @@ def measure_step_bytes(
     (in the strategy's sync context for one: DDP does not sync, FSDP as its mode says), plus
     the `optimizer_slots`
     buffers per parameter the optimizer will hold (AdamW: 2), which do not exist yet before
-    the first step.
+    the first step. A pipeline's stages run one window of their schedule on `batch` (on CPU
+    every address saved counts once: memory freed and taken again is not counted twice).
 
     More: docs/design.md, "Notes from the code" (engine/autobatch.py: measure_step_bytes).
     """
@@ -118,9 +120,8 @@ def measure_step_bytes(
         if device.type == "cuda":
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
-            with strategy.sync_context(False), ctx:
-                # through the strategy: an engine that owns the backward (DeepSpeed) must see it
-                strategy.backward(summed(loss_fn(model, batch))[0])
+            with ctx:
+                _forward_backward(strategy, model, loss_fn, batch)
             torch.cuda.synchronize(device)
             return torch.cuda.max_memory_allocated(device) + optimizer_bytes
         saved: dict[int, int] = {}
@@ -134,10 +135,9 @@ def measure_step_bytes(
                 saved[storage.data_ptr()] = storage.nbytes()
             return t
 
-        with strategy.sync_context(False), ctx:
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                losses = loss_fn(model, batch)
-            strategy.backward(summed(losses)[0])
+        saving = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+        with ctx:
+            _forward_backward(strategy, model, loss_fn, batch, saving)
         params = _param_bytes(model)
         # FSDP window_end holds every rank's whole gradients across the window, not its shard
         grads = params * (_world() if strategy.contract.holds_whole_gradients else 1)
@@ -153,6 +153,25 @@ def measure_step_bytes(
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def _forward_backward(
+    strategy: Strategy, model: nn.Module, loss_fn: LossFn, batch: Batch, saving=None
+) -> None:
+    """One non-final micro-step's forward (under `saving`: what it saves counted) and
+    backward, or a pipeline's window (its backwards inside the schedule, and any
+    recomputation with them; its stages reduce as the schedule does)."""
+    saving = saving or contextlib.nullcontext()
+    window = strategy.pipeline_window
+    if window is not None:
+        with saving:
+            strategy.run_pipeline([batch] * window[0], loss_fn)
+        return
+    with strategy.sync_context(False):
+        with saving:
+            losses = loss_fn(model, batch)
+        # through the strategy: an engine that owns the backward (DeepSpeed) must see it
+        strategy.backward(summed(losses)[0])
 
 
 def agree_on_min(value: int, group=None) -> int:

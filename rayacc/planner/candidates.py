@@ -1,8 +1,8 @@
 """The planner's candidates: every combination of workers, micro-batch (accumulation derived),
 strategy and activation checkpointing that keeps the job's global batch exactly. FSDP's
 variants are candidates too: its shards offloaded to host memory, and HSDP (one replica group
-per node) where the workers span several nodes, and tensor-parallel groups inside a node under
-the strategies that compose with it. DeepSpeed's
+per node) where the workers span several nodes, tensor-parallel groups inside a node and
+pipelines of stages under the strategies that compose with them. DeepSpeed's
 ZeRO stages (with and without optimizer offload) are candidates of a job that runs DeepSpeed
 (`train.strategy: deepspeed`: the extra is there)."""
 
@@ -22,9 +22,11 @@ __all__ = [
     "checkpointing_choices",
     "enumerate_candidates",
     "nodes_spanned",
+    "rule_issues",
     "sharding_variants",
     "strategy_modes",
     "tensor_parallel_sizes",
+    "with_candidate",
 ]
 
 
@@ -49,11 +51,18 @@ class Candidate:
     """fsdp.replicate under fsdp: HSDP's replica groups (1: sharded over every worker)."""
     tensor_parallel: int = 1
     """The mesh's tensor degree: each layer split over this many workers (a group on one node)."""
+    pipeline_parallel: int = 1
+    """The mesh's pipeline degree: the layers cut into this many stages (the default
+    schedule, 1F1B)."""
+
+    @property
+    def mesh(self) -> Mesh:
+        return Mesh(self.pipeline_parallel, self.tensor_parallel)
 
     @property
     def data_parallel(self) -> int:
-        """The ranks the batch splits over: the workers, or their tensor-parallel groups."""
-        return data_parallel_ranks(self.workers, self.tensor_parallel)
+        """The ranks the batch splits over: the workers, or their model-parallel groups."""
+        return data_parallel_ranks(self.workers, self.mesh.model_parallel)
 
     @property
     def global_batch_size(self) -> int:
@@ -81,6 +90,8 @@ class Candidate:
             label += " offload"
         if self.tensor_parallel > 1:
             label += f" tp{self.tensor_parallel}"
+        if self.pipeline_parallel > 1:
+            label += f" pp{self.pipeline_parallel}"
         return label
 
     @property
@@ -105,7 +116,7 @@ class Candidate:
         out["batch.micro_batch_size"] = self.micro_batch_size
         out["batch.grad_accum_steps"] = self.grad_accum_steps
         out["train.strategy"] = self.strategy
-        out[Mesh.key("tensor")] = self.tensor_parallel
+        out.update(self.mesh.overrides())
         out.update(strategy_class(self.strategy).candidate_overrides(self))
         out["train.activation_checkpointing"] = ac if isinstance(ac, str) else {"every_n": ac}
         return out
@@ -165,6 +176,7 @@ def enumerate_candidates(
     job_strategy: str = DEFAULT_STRATEGY,
     workers_per_node: int | None = None,
     tensor_parallel: list[int] | None = None,
+    pipeline: list[int] | None = None,
 ) -> tuple[list[Candidate], list[str]]:
     """Every candidate, and a line for each worker count that cannot keep the global batch.
     `micro_sizes` limits the micro-batches tried (a benchmark's small grid); a strategy is tried
@@ -172,19 +184,30 @@ def enumerate_candidates(
     `job_strategy`: the strategy the job runs (ZeRO's modes are tried where it is DeepSpeed);
     `workers_per_node`: how the workers spread over nodes (HSDP's candidates where they span
     several); `tensor_parallel`: the group sizes the model takes (`tensor_parallel_sizes`),
-    tried under the strategies that compose with it."""
+    `pipeline`: the stage counts it takes, each tried under the strategies that compose with
+    it (a pipeline in the window-end sync mode alone: its stages reduce once a window
+    whatever the mode)."""
     from rayacc.config.strategies import strategies
 
-    composes = {n for n, e in strategies().items() if e.without_tensor_parallel is None}
+    entries = strategies().items()
+    composes = {n for n, e in entries if e.without_tensor_parallel is None}
+    pipelines = {n for n, e in entries if e.without_pipeline_parallel is None}
     out: list[Candidate] = []
     skipped: list[str] = []
     for n in worker_counts:
-        for t in tensor_parallel_sizes(n, tensor_parallel or [], workers_per_node):
-            dp = data_parallel_ranks(n, t)
+        meshes = [
+            (t, p)
+            for t in tensor_parallel_sizes(n, tensor_parallel or [], workers_per_node)
+            for p in [1, *sorted(set(pipeline or []))]
+            if (n // t) % p == 0
+        ]
+        for t, p in meshes:
+            dp = data_parallel_ranks(n, t * p)
             if global_batch_size % dp:
+                groups = f" in groups of {t * p}" if t * p > 1 else ""
                 skipped.append(
-                    f"{n} workers{f' in groups of {t}' if t > 1 else ''}: the global batch "
-                    f"{global_batch_size} does not split evenly"
+                    f"{n} workers{groups}: the global batch {global_batch_size} does not "
+                    "split evenly"
                 )
                 continue
             share = global_batch_size // dp
@@ -197,10 +220,46 @@ def enumerate_candidates(
                     continue
                 if t > 1 and base["strategy"] not in composes:
                     continue
+                if p > 1 and (base["strategy"] not in pipelines or base.get("grad_sync")
+                              not in (None, "window_end")):  # fmt: skip
+                    continue
                 for mode in sharding_variants(base, nodes, dp):
+                    if p > 1 and mode.get("offload"):
+                        continue
+                    mesh = {"tensor_parallel": t, "pipeline_parallel": p, **mode}
                     for ac in checkpointing_choices(num_blocks):
                         out.extend(
-                            Candidate(n, m, share // m, checkpointing=ac, tensor_parallel=t, **mode)
+                            Candidate(n, m, share // m, checkpointing=ac, **mesh)
                             for m in sorted(micros)
                         )
     return out, skipped
+
+
+def _candidate_data(cfg, c: Candidate) -> dict[str, Any]:
+    from rayacc.config.rules import strategy_resets
+
+    data = cfg.model_dump(mode="json")
+    for key, value in {**strategy_resets(cfg, c.strategy), **c.overrides()}.items():
+        section, name = key.split(".")
+        data[section][name] = value
+    return data
+
+
+def with_candidate(cfg, c: Candidate):
+    """`cfg` (a TrainConfig) running candidate `c`: its fields validated, as a calibration
+    group builds it (the rules across sections judge a candidate in `rule_issues`)."""
+    from rayacc.config import TrainConfig
+
+    return TrainConfig.model_validate(_candidate_data(cfg, c))
+
+
+def rule_issues(cfg, c: Candidate) -> dict[tuple[str, str], str]:
+    """What the config's rules, every one, say of `cfg` running `c`: (field, problem) → the
+    issue as it reads."""
+    from rayacc.config import ConfigError, TrainConfig
+
+    try:
+        TrainConfig.from_dict(_candidate_data(cfg, c))
+    except ConfigError as exc:
+        return {(i.path, i.message): str(i) for i in exc.issues}
+    return {}

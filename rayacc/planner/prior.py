@@ -5,13 +5,22 @@ More: docs/design.md, "Notes from the code" (planner/prior.py).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from rayacc.engine.parallel import strategy_class
+from rayacc.engine.parallel.base import CostShape
 from rayacc.planner.candidates import Candidate, nodes_spanned
 from rayacc.planner.profile import Profile, checkpointing_every
 
-__all__ = ["HOST_LINK_BYTES_PER_S", "Placement", "Prediction", "TensorPlan", "predict"]
+__all__ = [
+    "HOST_LINK_BYTES_PER_S",
+    "PipelinePlan",
+    "Placement",
+    "Prediction",
+    "TensorPlan",
+    "predict",
+]
 
 
 @dataclass(frozen=True)
@@ -85,6 +94,19 @@ class TensorPlan:
         return 1 - self.split + self.split / t
 
 
+@dataclass(frozen=True)
+class PipelinePlan:
+    """What cutting the model into stages costs a candidate (`planner/search.py::
+    pipeline_plan` reads it from the model built on the meta device)."""
+
+    shares: dict[int, float]
+    """Stages → the share of the parameters the fullest rank holds (of its compute and
+    activations too: a layer's FLOPs and activations go with its weights)."""
+    bytes_per_sample: float
+    """Bytes a stage sends the next per sample (the hidden states; their gradient comes back
+    the same size)."""
+
+
 def predict(
     c: Candidate,
     profile: Profile,
@@ -93,99 +115,82 @@ def predict(
     bf16_gathers: bool = False,
     placement: Placement = Placement(),
     tensor_plan: TensorPlan | None = None,
+    pipeline_plan: PipelinePlan | None = None,
 ) -> Prediction:
     """The prior of `c` (the profile was measured at the most workers any candidate has, on
     the whole model). A tensor-parallel candidate (`tensor_plan` says what splits): each rank
     holds, computes and keeps the activations of its share of the model (`TensorPlan.keep`:
     the attention scores and the layers left whole are counted as split, an optimistic
     bound), FSDP shards that share over the data-parallel ranks, and the group's all-reduces
-    run at the profile's rate on one node's links."""
+    run at the profile's rate on one node's links. A pipeline's candidate (`pipeline_plan`):
+    each rank holds and computes its stages' share, its first stage keeps the activations of
+    the micro-batches its schedule holds in flight, the window stretches by the schedule's
+    idle share, and each micro-batch's hidden states go to the next stage and their gradient
+    back (a send costs what an all-reduce of its bytes over two ranks does: each moves them
+    once)."""
     key = str(c.checkpointing)
-    kind = strategy_class(c.strategy).prior  # what the wing declares: replicated, sharded, zero
+    wing = strategy_class(c.strategy)
     tp = c.tensor_parallel
     if tp > 1 and tensor_plan is None:
         raise ValueError(f"{c.label}: a tensor-parallel candidate needs the model's TensorPlan")
-    keep = tensor_plan.keep(tp) if tp > 1 else 1.0
+    mesh, pp = c.mesh, c.pipeline_parallel
+    if pp > 1 and (pipeline_plan is None or pp not in pipeline_plan.shares):
+        raise ValueError(f"{c.label}: a pipeline candidate needs the model's PipelinePlan")
+    stage = pipeline_plan.shares[pp] if pp > 1 else 1.0
+    keep = (tensor_plan.keep(tp) if tp > 1 else 1.0) * stage
     P, n, m, a = profile.param_bytes * keep, c.workers, c.micro_batch_size, c.grad_accum_steps
-    # FSDP shards over its shard group (all n but under HSDP), which crosses nodes unless
-    # HSDP keeps it inside one
-    s = c.shard_ranks if kind == "sharded" else n
-    dp = c.data_parallel
     crosses = placement.nodes(n) > 1
-    shard_crosses = crosses and c.replicate == 1
-    on_host = c.offload and kind == "sharded" and profile.device == "cuda"
-    slots = profile.optimizer_slots
     failed = profile.failed.get(key)
     if key not in profile.compute_s:
         inf = float("inf")
         return Prediction(inf, inf, 0.0, 0.0, False, "out of memory in the profile")
-    # ------------------------------------------------------------------ memory
-    gathered = 0.0
-    zero = c.zero_stage if kind == "zero" else None
-    # ZeRO's fp32 master partition and the optimizer's state of it (in host memory when
-    # offloaded: spared on a GPU, still there on a CPU worker)
-    master = 0.0 if (c.offload and profile.device == "cuda") else (1 + slots) * P / n
-    if kind == "replicated":
-        states = (2 + slots) * P
-        if profile.device == "cuda" and n > 1:
-            states += P  # gradient buckets
-    elif zero in (1, 2):
-        states = P + (P if zero == 1 else P / n) + master
-    else:
-        shard = P / (n if zero == 3 else s)
-        if zero == 3:
-            states = 2 * shard + master  # parameter and gradient shards
-        else:
-            # offloaded: the shards, their gradients and the optimizer's state in host memory
-            # (`window_end`'s unsharded gradients stay on the device across the window)
-            held = 0.0 if on_host else shard
-            grads = P if c.grad_sync == "window_end" else held
-            states = (0.0 if on_host else (1 + slots) * shard) + grads
-        if profile.device == "cuda" and reshard_after_forward:
-            gathered = min(P, 2 * profile.largest_unit_bytes * keep)
-        else:
-            # a recomputed block saves only its input in forward, not its gathered weights
-            every = checkpointing_every(c.checkpointing)
-            recomputed = profile.block_bytes[::every] if every else []
-            gathered = P - sum(recomputed) * keep
-        gathered *= 0.5 if bf16_gathers else 1.0
-    memory = states + gathered + profile.activation_bytes[key].at(m) * keep
-    # ------------------------------------------------------------------ time
-    compute = a * profile.compute_s[key].at(m) * keep
-    latency = profile.latency_s
-    scaled_ar = placement.per_byte(profile.allreduce_s_per_byte, profile, dp, crosses)
-    scaled_g = placement.per_byte(profile.gather_s_per_byte, profile, s, shard_crosses)
-    if n == 1:
-        comm = 0.0
-    elif kind == "replicated" or zero == 1:
-        comm = latency + P * scaled_ar
-    elif zero == 2:
-        comm = (a + 1) * (P * scaled_g + latency)
-    else:
-        bytes_gathered = P * (0.5 if bf16_gathers else 1.0)
-        gathers = (2 if reshard_after_forward else 1) * (
-            bytes_gathered * scaled_g + profile.units * latency
+    every = checkpointing_every(c.checkpointing)
+    recomputed = sum(profile.block_bytes[::every]) if every else 0
+
+    def rate(measured: float) -> Callable[[int, bool], float]:
+        return lambda ranks, across: placement.per_byte(measured, profile, ranks, across)
+
+    # the wing's memory and communication (engine/parallel/: `Strategy.cost`)
+    cost = wing.cost(
+        CostShape(
+            params=P,
+            workers=n,
+            data_parallel=c.data_parallel,
+            shard_ranks=c.shard_ranks,
+            replicate=c.replicate,
+            micro_steps=a,
+            slots=profile.optimizer_slots,
+            gpu=profile.device == "cuda",
+            offload=c.offload,
+            grad_sync=c.grad_sync,
+            zero_stage=c.zero_stage,
+            reshard_after_forward=reshard_after_forward,
+            bf16_gathers=bf16_gathers,
+            largest_unit=profile.largest_unit_bytes * keep,
+            recomputed=recomputed * keep,
+            units=max(1, round(profile.units * stage)),
+            latency_s=profile.latency_s,
+            allreduce=rate(profile.allreduce_s_per_byte),
+            gather=rate(profile.gather_s_per_byte),
+            crosses=crosses,
+            host_link=HOST_LINK_BYTES_PER_S,
         )
-        reduce_scatter = P * scaled_g + profile.units * latency
-        syncs = 1 if c.grad_sync == "window_end" else a
-        comm = a * gathers + syncs * reduce_scatter
-        if c.replicate > 1:
-            # HSDP: the sharded gradients all-reduced across the replica groups (the nodes)
-            # once per window
-            per_byte = placement.per_byte(
-                profile.allreduce_s_per_byte, profile, c.replicate, crosses
-            )
-            comm += (P / s) * per_byte + profile.units * latency
-        if on_host:
-            # each micro-step's parameter shards in (twice with resharding) and gradient
-            # shards out
-            moves = (2 if reshard_after_forward else 1) + 1
-            comm += a * moves * (P / s) / HOST_LINK_BYTES_PER_S
+    )
+    activations = profile.activation_bytes[key].at(m) * keep * mesh.in_flight(a)
+    memory = cost.states + cost.gathered + activations
+    compute = a * profile.compute_s[key].at(m) * keep / (1 - mesh.bubble(a))
+    comm = cost.comm_s
+    if pp > 1:
+        sends = 2 * a * mesh.stages_per_rank
+        per_byte = placement.per_byte(profile.allreduce_s_per_byte, profile, 2, crosses)
+        comm += sends * (m * pipeline_plan.bytes_per_sample * per_byte + profile.latency_s)
     if tp > 1:
         # the group's all-reduces, every layer of every micro-step, on one node's links
         per_byte = placement.per_byte(profile.allreduce_s_per_byte, profile, tp, False)
-        comm += a * (m * tensor_plan.bytes_per_sample * per_byte + tensor_plan.allreduces * latency)
-    optimizer = profile.optimizer_s * keep / (1 if kind == "replicated" else s)
+        comm += a * (
+            m * tensor_plan.bytes_per_sample * per_byte + tensor_plan.allreduces * profile.latency_s
+        )
+    optimizer = profile.optimizer_s * keep / cost.optimizer_ranks
     fixed, per_micro = profile.overheads.get(c.overhead_label, (0.0, 0.0))
     step = compute + comm + optimizer + fixed + a * per_micro
     # ------------------------------------------------------------------ fits?

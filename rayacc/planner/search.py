@@ -6,14 +6,19 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from rayacc.config import TrainConfig
 from rayacc.config.mesh import Mesh
-from rayacc.planner.candidates import Candidate, checkpointing_choices, enumerate_candidates
+from rayacc.planner.candidates import (
+    Candidate,
+    checkpointing_choices,
+    enumerate_candidates,
+    rule_issues,
+)
 from rayacc.planner.planfile import PlanFile, made_for
-from rayacc.planner.prior import Placement, Prediction, TensorPlan, predict
+from rayacc.planner.prior import PipelinePlan, Placement, Prediction, TensorPlan, predict
 from rayacc.planner.profile import Profile
 
 __all__ = [
@@ -21,6 +26,7 @@ __all__ = [
     "SearchResult",
     "format_table",
     "pick",
+    "pipeline_plan",
     "pipeline_share",
     "profile_sizes",
     "search",
@@ -139,9 +145,9 @@ class SearchResult:
                 r.candidate.strategy,
                 r.candidate.grad_sync,
                 r.candidate.checkpointing,
-                r.candidate.tensor_parallel,
+                r.candidate.mesh,
             )
-            == (chosen.strategy, chosen.grad_sync, chosen.checkpointing, chosen.tensor_parallel)
+            == (chosen.strategy, chosen.grad_sync, chosen.checkpointing, chosen.mesh)
             and r.prediction.fits
         ]
         by_workers: dict[int, Candidate] = {}
@@ -225,6 +231,48 @@ def pipeline_share(model, mesh) -> float:
     return max(held) / sum(p.numel() for p in model.parameters())
 
 
+def pipeline_plan(model, tokens: int, value_bytes: int, most: int) -> PipelinePlan | None:
+    """What cutting `model` into 2, 4, … stages (up to `most` workers and its units, the
+    default schedule) leaves its fullest rank, and what a stage sends the next per sample:
+    the hidden states of `tokens` at the token embedding's width (None: it declares no split,
+    or no embedding to take the width from)."""
+    from torch import nn
+
+    if not callable(getattr(model, "pipeline_units", None)):
+        return None
+    units = len(model.pipeline_units())
+    width = next((m.embedding_dim for m in model.modules() if isinstance(m, nn.Embedding)), 0)
+    shares, p = {}, 2
+    while p <= min(most, units):
+        shares[p] = pipeline_share(model, Mesh(p))
+        p *= 2
+    if not shares or not width:
+        return None
+    return PipelinePlan(shares, tokens * width * value_bytes)
+
+
+def judged_by_the_rules(cfg: TrainConfig, candidates: list[Candidate]) -> tuple[list, list]:
+    """The candidates kept: each pipeline candidate the config's rules refuse for what its
+    stages add (an issue the same candidate without them does not raise: a job whose batch
+    follows a schedule, adapters…) is left out, with a line for each stage count and
+    reason."""
+    kept, refused = [], {}
+    for c in candidates:
+        if c.pipeline_parallel > 1:
+            added = (
+                rule_issues(cfg, c).items()
+                - rule_issues(cfg, replace(c, pipeline_parallel=1)).items()
+            )
+            if added:
+                (_, reason), *_ = sorted(added)
+                refused.setdefault((c.pipeline_parallel, reason), c.label)
+                continue
+        kept.append(c)
+    lines = [f"pipelines of {p} stages ({label} …): {reason}"
+             for (p, reason), label in refused.items()]  # fmt: skip
+    return kept, lines
+
+
 def tensor_parallel_options(model, most: int) -> list[int]:
     """The tensor-parallel group sizes the model takes (`check_tensor_plan`: a plan, whole
     heads on each rank), powers of two up to `most` workers."""
@@ -280,7 +328,9 @@ def search(
     blocks = len(fsdp_blocks(model))
     placement = Placement(cfg.scaling.workers_per_node or node_holds, cfg.scaling.inter_node_gbps)
     tokens = min(cfg.data.seq_len, max(prep.info.max_tokens - 1, 1)) if prep.info.max_tokens else 1
-    plan = tensor_plan(model, tokens, 2 if cfg.train.precision == "bf16" else 4)
+    value_bytes = 2 if cfg.train.precision == "bf16" else 4
+    plan = tensor_plan(model, tokens, value_bytes)
+    stages = pipeline_plan(model, tokens, value_bytes, max(counts))
     candidates, skipped = enumerate_candidates(
         g,
         counts,
@@ -289,7 +339,10 @@ def search(
         job_strategy=cfg.train.strategy,
         workers_per_node=placement.workers_per_node,
         tensor_parallel=tensor_parallel_options(model, max(counts)) if plan else [],
+        pipeline=list(stages.shares) if stages else [],
     )
+    candidates, refused = judged_by_the_rules(cfg, candidates)
+    skipped += refused
     if not candidates:
         raise ValueError(
             "no candidate keeps the global batch at "
@@ -322,6 +375,7 @@ def search(
                 bf16_gathers=bf16,
                 placement=placement,
                 tensor_plan=plan,
+                pipeline_plan=stages,
             ),
         )
         for c in candidates

@@ -406,11 +406,9 @@ def run_identity(cfg: TrainConfig, info: DatasetInfo) -> dict[str, object]:
 def pipeline_in_flight(cfg: TrainConfig, workers: int) -> int:
     """The micro-batches whose activations a pipeline's first stage holds at once: GPipe the
     window's, the others up to the stages (1 without a pipeline)."""
-    mesh = cfg.mesh
-    if mesh.pipeline == 1:
+    if cfg.mesh.pipeline == 1:
         return 1
-    m = cfg.batch_split(workers).grad_accum_steps
-    return m if mesh.schedule == "gpipe" else min(m, mesh.pipeline)
+    return cfg.mesh.in_flight(cfg.batch_split(workers).grad_accum_steps)
 
 
 def memory_per_rank(

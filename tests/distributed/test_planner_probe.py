@@ -10,8 +10,9 @@ from tests.support import ROOT
 
 def test_the_calibration_probe_is_rank_safe(tmp_path):
     """Rank 1 alone runs out of memory at micro-batch 8 (tests/support/models/oom_model.py):
-    under DDP both ranks answer "out of memory" and go on; budgets that differ per rank give one
-    verdict; under FSDP the rank that ran out raises, so the group fails instead of diverging."""
+        under DDP both ranks answer "out of memory" and go on; budgets that differ per rank give one
+        verdict; under FSDP the rank that ran out raises, so the group fails instead of diverging. A
+    tensor-parallel and a pipeline candidate are measured on the same two ranks."""
     import torch
 
     from rayacc.data.sources import describe_dataset
@@ -50,5 +51,9 @@ def test_the_calibration_probe_is_rank_safe(tmp_path):
     assert ranks[0]["ddp_fits"] == ranks[1]["ddp_fits"], "the ranks agree on the figures"
     assert ranks[0]["tensor_parallel"]["status"] == "measured", ranks[0]["tensor_parallel"]
     assert ranks[0]["tensor_parallel"] == ranks[1]["tensor_parallel"]
+    # a pipeline's probe runs a window of its schedule on both stages: one verdict, measured
+    assert ranks[0]["pipeline"]["status"] == "measured", ranks[0]["pipeline"]
+    assert ranks[0]["pipeline"] == ranks[1]["pipeline"]
+    assert ranks[0]["pipeline"]["memory_bytes"] > 0
     assert ranks[1]["fsdp_raised"] == "TrialOutOfMemory(8)"
     assert "fsdp" not in ranks[0], "the peer never finished the probe alone"

@@ -25,7 +25,16 @@ if TYPE_CHECKING:
     from rayacc.config.batch_split import BatchSplit
     from rayacc.engine.parallel.state import StateFormat
 
-__all__ = ["CommStats", "Contract", "ModelRecipe", "PipelineStats", "Strategy"]
+__all__ = [
+    "CommStats",
+    "Contract",
+    "CostShape",
+    "ModelRecipe",
+    "PipelineStats",
+    "Strategy",
+    "WingCost",
+    "sharded_cost",
+]
 
 InitialValues = Callable[[str, torch.Size], torch.Tensor]
 
@@ -113,6 +122,74 @@ class PipelineStats:
 
 
 @dataclass(frozen=True)
+class CostShape:
+    """What a wing's cost model (`Strategy.cost`) reads of one planner candidate: the bytes of
+    the model part a rank's group holds (the mesh's other degrees already taken out), how the
+    candidate spreads it, and the links' measured rates (planner/prior.py makes it)."""
+
+    params: float
+    """Bytes of the parameters one model-parallel part holds (the whole model without one)."""
+    workers: int
+    data_parallel: int
+    shard_ranks: int
+    """The ranks a sharded state is split over (HSDP: a replica group's)."""
+    replicate: int
+    micro_steps: int
+    slots: int
+    """The optimizer's state per parameter (AdamW: 2)."""
+    gpu: bool
+    offload: bool
+    grad_sync: str | None
+    zero_stage: int | None
+    reshard_after_forward: bool
+    bf16_gathers: bool
+    largest_unit: float
+    """Bytes of the largest unit a sharding strategy gathers at once."""
+    recomputed: float
+    """Bytes of the blocks activation checkpointing recomputes (their gathers not held)."""
+    units: int
+    latency_s: float
+    allreduce: Callable[[int, bool], float]
+    """Seconds per byte of an all-reduce over `ranks` (crossing nodes or not)."""
+    gather: Callable[[int, bool], float]
+    """Seconds per byte of an all-gather or reduce-scatter over `ranks`."""
+    crosses: bool
+    """The candidate's workers span nodes."""
+    host_link: float
+    """Bytes per second between host and device (an offloaded model's copies)."""
+
+
+@dataclass(frozen=True)
+class WingCost:
+    """A wing's answer: its state's bytes per rank, what it gathers while computing, its
+    communication per window and the ranks its optimizer step is split over."""
+
+    states: float
+    gathered: float
+    comm_s: float
+    optimizer_ranks: int
+
+
+def sharded_cost(shape: CostShape, shard: int, crosses: bool) -> tuple[float, float]:
+    """Bytes gathered at once and a window's gathers and reduce-scatters of a model whose
+    parameters are sharded over `shard` ranks (FSDP, ZeRO-3)."""
+    P, a = shape.params, shape.micro_steps
+    if shape.gpu and shape.reshard_after_forward:
+        gathered = min(P, 2 * shape.largest_unit)
+    else:
+        # a recomputed block saves only its input in forward, not its gathered weights
+        gathered = P - shape.recomputed
+    half = 0.5 if shape.bf16_gathers else 1.0
+    per_byte, latency = shape.gather(shard, crosses), shape.latency_s
+    gathers = (2 if shape.reshard_after_forward else 1) * (
+        P * half * per_byte + shape.units * latency
+    )
+    reduce_scatter = P * per_byte + shape.units * latency
+    syncs = 1 if shape.grad_sync == "window_end" else a
+    return gathered * half, a * gathers + syncs * reduce_scatter
+
+
+@dataclass(frozen=True)
 class CommStats:
     """The gradient communication of one window on this rank."""
 
@@ -177,9 +254,6 @@ class Strategy(ABC):
     """How its model and optimizer state goes into a checkpoint and back (parallel/state.py)."""
     state_format: type[StateFormat]
     """The class of `state`: what reads its checkpoints back without a process group."""
-    prior: Literal["replicated", "sharded", "zero"] = "replicated"
-    """How the planner's prior (planner/prior.py) counts its memory and communication: the
-    whole model on every rank, FSDP's shards, or ZeRO's stages."""
     min_workers: int = 1
     """The fewest workers the planner tries it at (a sharding strategy has nothing to shard
     on one)."""
@@ -225,6 +299,16 @@ class Strategy(ABC):
         holds); `workers`: the ranks a sharded state is split over; `layout`: the mesh's other
         degrees where they change the rows (`pipelined`: a rank is a pipeline's stage)."""
         return [(cls.name, params, params, slots * params, activations)]
+
+    @classmethod
+    def cost(cls, shape: CostShape) -> WingCost:
+        """Its memory per rank and communication per window for the planner's prior: here the
+        whole model on every rank (parameters, gradients, the optimizer's state; a GPU's
+        gradient buckets) and one all-reduce of the gradients a window."""
+        P, n = shape.params, shape.workers
+        states = (2 + shape.slots) * P + (P if shape.gpu and n > 1 else 0.0)
+        comm = shape.latency_s + P * shape.allreduce(shape.data_parallel, shape.crosses)
+        return WingCost(states, 0.0, comm if n > 1 else 0.0, 1)
 
     @classmethod
     def candidate_overrides(cls, candidate: Any) -> dict[str, Any]:

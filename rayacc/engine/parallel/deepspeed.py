@@ -31,11 +31,14 @@ from rayacc.config.strategies import ADAM_FAMILY
 from rayacc.engine.parallel.base import (
     CommStats,
     Contract,
+    CostShape,
     ModelRecipe,
     Strategy,
+    WingCost,
     _checkpoint_blocks,
     _Timeline,
     _world,
+    sharded_cost,
 )
 from rayacc.engine.parallel.deepspeed_config import deepspeed_config, read_deepspeed_user
 from rayacc.engine.parallel.deepspeed_files import read_zero_weights, vet_zero_files
@@ -140,7 +143,6 @@ class DeepSpeed(Strategy):
         "small op of its own with ninja: up to a minute)"
     )
 
-    prior = "zero"
     min_workers = 2
     ZERO_MODES = ((1, False), (2, False), (3, False), (2, True), (3, True))
     """(deepspeed.stage, optimizer offloaded) pairs the planner tries for a DeepSpeed job."""
@@ -207,6 +209,26 @@ class DeepSpeed(Strategy):
     @classmethod
     def memory_rows(cls, params, workers, slots, activations, **layout):
         return []  # the planner's prior counts ZeRO's stages (`rayacc plan --search`)
+
+    @classmethod
+    def cost(cls, shape: CostShape) -> WingCost:
+        """ZeRO's stages: each rank's partition of the fp32 master weights and their optimizer
+        state (in host memory when offloaded: spared on a GPU), the gradients whole (1) or
+        partitioned (2, reduce-scattered each micro-step), the parameters too (3, gathered
+        as FSDP's are)."""
+        P, n, zero = shape.params, shape.workers, shape.zero_stage
+        master = 0.0 if (shape.offload and shape.gpu) else (1 + shape.slots) * P / n
+        gathered, latency = 0.0, shape.latency_s
+        if zero == 3:
+            states = 2 * P / n + master  # parameter and gradient partitions
+            gathered, comm = sharded_cost(shape, n, shape.crosses)
+        elif zero == 2:
+            states = P + P / n + master
+            comm = (shape.micro_steps + 1) * (P * shape.gather(n, shape.crosses) + latency)
+        else:
+            states = 2 * P + master
+            comm = latency + P * shape.allreduce(shape.data_parallel, shape.crosses)
+        return WingCost(states, gathered, comm if n > 1 else 0.0, n)
 
     @classmethod
     def candidate_overrides(cls, candidate) -> dict[str, Any]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -21,6 +21,7 @@ from rayacc.engine.parallel.base import (
     _Timeline,
     _world,
 )
+from rayacc.engine.parallel.fsdp_plan import FSDPPlanning
 from rayacc.engine.parallel.state import ShardedState
 from rayacc.engine.units import GRAD_SYNC_MODES, fsdp_blocks, is_fsdp
 
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
 __all__ = ["FSDP"]
 
 
-class FSDP(Strategy):
+class FSDP(FSDPPlanning, Strategy):
     """Parameters, gradients and optimizer state sharded over the ranks (FSDP2 `fully_shard`
     per block, then at the root). `grad_sync`: `every_micro_step` reduce-scatters after every
     micro-step (least memory); `window_end` holds the unsharded gradients across the window and
@@ -46,7 +47,6 @@ class FSDP(Strategy):
 
     name = "fsdp"
     state_format = ShardedState
-    prior = "sharded"
     min_workers = 2
 
     @classmethod
@@ -88,39 +88,6 @@ class FSDP(Strategy):
             f"FSDP2 (parameters, gradients and optimizer state {sharded}{offload}{split}; "
             f"{sync}, reshard_after_forward {str(f.reshard_after_forward).lower()})"
         )
-
-    @classmethod
-    def planner_modes(cls, job_strategy: str) -> list[dict[str, Any]]:
-        return [{"strategy": cls.name, "grad_sync": g} for g in GRAD_SYNC_MODES]
-
-    @classmethod
-    def sharding_variants(cls, mode, nodes, workers) -> list[dict[str, Any]]:
-        """The shards in host memory (offload) and, where the workers span nodes evenly, HSDP
-        with one replica group per node (each shard group on one node's links)."""
-        out = [mode]
-        if mode["grad_sync"] == "every_micro_step":
-            out.append({**mode, "offload": True})
-        if nodes > 1 and workers % nodes == 0:
-            out.append({**mode, "replicate": nodes})
-        return out
-
-    @classmethod
-    def memory_rows(cls, params, workers, slots, activations, **layout):
-        shard = params / workers
-        if layout.get("pipelined"):  # a stage holds its gradients whole across the window
-            return [(cls.name, shard, params, slots * shard, activations)]
-        return [
-            (f"{cls.name} every_micro_step", shard, shard, slots * shard, activations),
-            (f"{cls.name} window_end", shard, params, slots * shard, activations),
-        ]
-
-    @classmethod
-    def candidate_overrides(cls, candidate) -> dict[str, Any]:
-        return {
-            "fsdp.grad_sync": candidate.grad_sync,
-            "fsdp.replicate": candidate.replicate,
-            "fsdp.offload": "cpu" if candidate.offload else "none",
-        }
 
     def __init__(
         self,
@@ -470,7 +437,8 @@ class FSDP(Strategy):
         drop_unsynced_grads(self._units())
 
     def restore_sync(self) -> None:
-        for root in self.pipeline.modules if self.pipeline is not None else [self.model]:
+        roots = self.pipeline.modules if self.pipeline is not None else [self.model]
+        for root in filter(is_fsdp, roots):  # a stage alone on its rank is not sharded
             root.set_requires_gradient_sync(True)
             root.set_requires_all_reduce(True)
 

@@ -48,6 +48,12 @@ def run_rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
             Candidate(2, 4, 2, "fsdp", "every_micro_step", tensor_parallel=2),
             rank=rank, device=torch.device("cpu"), budget=0.0,
         )  # fmt: skip
+        # a pipeline candidate: 2 stages, one rank each, the probe one window of its schedule
+        out["pipeline"] = measure_candidate(
+            tp, given["tp_info"], given["tp_rows"],
+            Candidate(2, 2, 4, "fsdp", "window_end", pipeline_parallel=2),
+            rank=rank, device=torch.device("cpu"), budget=0.0,
+        )  # fmt: skip
         dist.barrier()
         # FSDP: the probe's forward is a collective; the rank that ran out raises (the group
         # fails and restarts past the candidate) instead of answering alone

@@ -91,8 +91,7 @@ FSDP_JOB = {**GOOD, "train": {"strategy": "fsdp"}, "fsdp": {"grad_sync": "window
 
 
 def test_a_planner_candidate_of_another_strategy_leaves_the_jobs_fsdp_settings():
-    from rayacc.driver.calibrate import with_candidate
-    from rayacc.planner.candidates import Candidate
+    from rayacc.planner.candidates import Candidate, with_candidate
 
     job = TrainConfig.from_dict(FSDP_JOB)
     assert strategy_resets(job, "ddp") == {"fsdp.grad_sync": "every_micro_step"}

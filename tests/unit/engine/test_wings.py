@@ -12,6 +12,7 @@ import pytest
 import rayacc
 from rayacc.config.strategies import strategies, strategy_entry, strategy_sections
 from rayacc.engine.parallel import Strategy, strategy_class, strategy_classes
+from rayacc.engine.parallel.base import CostShape
 
 ROOT = Path(rayacc.__file__).parent
 REGISTRY = Path("config/strategies.py")
@@ -61,7 +62,20 @@ def test_each_registered_name_is_a_wing_of_that_name(name):
     cls = strategy_class(name)
     assert issubclass(cls, Strategy) and cls.name == name
     assert strategy_entry(name).wing == f"{cls.__module__}:{cls.__qualname__}"
-    assert cls.prior in ("replicated", "sharded", "zero") and cls.min_workers >= 1
+    assert cls.min_workers >= 1
+    # its cost model answers for any layout of its: the prior asks it, never its name
+    for mode in cls.planner_modes(name) or [{}]:
+        shape = CostShape(
+            params=1e6, workers=4, data_parallel=4, shard_ranks=4, replicate=1, micro_steps=4,
+            slots=2, gpu=False, offload=bool(mode.get("offload")),
+            grad_sync=mode.get("grad_sync"), zero_stage=mode.get("zero_stage"),
+            reshard_after_forward=True, bf16_gathers=False, largest_unit=2e5, recomputed=0.0,
+            units=5, latency_s=1e-4, allreduce=lambda n, across: 1e-9,
+            gather=lambda n, across: 1e-9, crosses=False, host_link=16e9,
+        )  # fmt: skip
+        cost = cls.cost(shape)
+        assert cost.states > 0 and cost.gathered >= 0 and cost.comm_s > 0, (mode, cost)
+        assert 1 <= cost.optimizer_ranks <= 4
     assert _in_wing(Path(cls.__module__.replace(".", "/")).relative_to("rayacc"), name)
 
 
