@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -108,7 +109,7 @@ def measure_step_bytes(
     the `optimizer_slots`
     buffers per parameter the optimizer will hold (AdamW: 2), which do not exist yet before
     the first step. A pipeline's stages run one window of their schedule on `batch` (on CPU
-    every address saved counts once: memory freed and taken again is not counted twice).
+    the most autograd holds saved at once: `_SavedBytes`).
 
     More: docs/design.md, "Notes from the code" (engine/autobatch.py: measure_step_bytes).
     """
@@ -124,24 +125,15 @@ def measure_step_bytes(
                 _forward_backward(strategy, model, loss_fn, batch)
             torch.cuda.synchronize(device)
             return torch.cuda.max_memory_allocated(device) + optimizer_bytes
-        saved: dict[int, int] = {}
         # a layer saves its weight for backward: those bytes are the parameters', counted once
-        held = {_local(p).untyped_storage().data_ptr() for p in model.parameters()}
-
-        def pack(t: torch.Tensor):
-            # a tensor-parallel layer saves DTensors: their bytes are their local shards'
-            storage = _local(t).untyped_storage()
-            if storage.data_ptr() not in held:
-                saved[storage.data_ptr()] = storage.nbytes()
-            return t
-
-        saving = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+        saved = _SavedBytes({_local(p).untyped_storage().data_ptr() for p in model.parameters()})
+        saving = torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t)
         with ctx:
             _forward_backward(strategy, model, loss_fn, batch, saving)
         params = _param_bytes(model)
         # FSDP window_end holds every rank's whole gradients across the window, not its shard
         grads = params * (_world() if strategy.contract.holds_whole_gradients else 1)
-        return params + grads + sum(saved.values()) + optimizer_bytes
+        return params + grads + saved.peak + optimizer_bytes
     except RuntimeError as exc:  # torch.OutOfMemoryError is one
         # only running out of memory means "too large"; anything else is a real error
         if not is_oom(exc):
@@ -153,6 +145,40 @@ def measure_step_bytes(
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+class _SavedBytes:
+    """What autograd holds for backward, as it goes: each storage once while a tensor saved
+    of it lives, and the largest sum (`peak`). One micro-step holds all it saves until its
+    backward; a pipeline's schedule frees a micro-batch's after its backward, as the next
+    ones' are saved."""
+
+    def __init__(self, held: set[int]) -> None:
+        self.held = held
+        self.live: dict[int, list[int]] = {}  # storage → [bytes, saved tensors of it alive]
+        self.now = self.peak = 0
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        # a tensor-parallel layer saves DTensors: their bytes are their local shards'
+        storage = _local(t).untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr in self.held:
+            return t
+        entry = self.live.get(ptr)
+        if entry is None:
+            entry = self.live[ptr] = [storage.nbytes(), 0]
+            self.now += entry[0]
+            self.peak = max(self.peak, self.now)
+        entry[1] += 1
+        weakref.finalize(t, self._release, ptr)  # autograd holds `t` until it frees it
+        return t
+
+    def _release(self, ptr: int) -> None:
+        entry = self.live[ptr]
+        entry[1] -= 1
+        if entry[1] == 0:
+            del self.live[ptr]
+            self.now -= entry[0]
 
 
 def _forward_backward(

@@ -121,3 +121,34 @@ def test_out_of_memory_counts_as_too_large_and_other_errors_propagate():
 
     with pytest.raises(RuntimeError, match="shapes"):
         measure_step_bytes(model, broken, make_batch(4))
+
+
+def test_the_probe_counts_what_autograd_holds_at_once_not_all_it_ever_saved():
+    """A pipeline's schedule frees a micro-batch's saved activations after its backward, as
+    the next ones' are saved: the probe counts the most held at once (one micro-step holds
+    all it saves until its backward: the sum)."""
+    import torch
+
+    from rayacc.engine.autobatch import _SavedBytes
+
+    layer = torch.nn.Linear(64, 64)
+    saved = _SavedBytes({p.untyped_storage().data_ptr() for p in layer.parameters()})
+    hooks = torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t)
+
+    def forward():
+        with hooks:
+            return torch.tanh(layer(torch.randn(32, 64))).sum()
+
+    loss = forward()
+    one = saved.now
+    assert one >= 2 * 32 * 64 * 4  # the layer's input and the tanh's output
+    loss.backward()
+    del loss
+    assert saved.now == 0, "a backward frees what its forward saved"
+    held = [forward(), forward()]  # two micro-batches in flight
+    assert saved.peak == saved.now == 2 * one
+    for loss in held:
+        loss.backward()
+    del held, loss
+    forward().backward()  # one more after them: the peak stays that of the two
+    assert saved.peak == 2 * one
