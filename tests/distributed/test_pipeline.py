@@ -12,6 +12,7 @@ import pytest
 from tests.support.ranks import matrix as M
 from tests.support.ranks.engine_helpers import update_rel_err
 from tests.support.ranks.pipeline import PPCase, reference, run_phase
+from tests.support.ranks.tensor_parallel import PER_LAYER
 
 pytestmark = pytest.mark.distributed
 
@@ -106,6 +107,23 @@ def test_a_stage_counts_its_sends_and_its_idle_time(results, case):
         assert stats.p2p_sends == sends, case.label()
         assert stats.bubble == pytest.approx((case.pp - 1) / (v * m + case.pp - 1))
         assert 0.0 <= stats.idle_s < step_s
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.tp > 1 and not c.resume],
+                         ids=PPCase.label)  # fmt: skip
+def test_a_stages_tensor_parallel_collectives_are_counted(results, case):
+    """`comm/tp_*` inside a pipeline: the tensor-parallel layers of rank 0's stages, every
+    micro-batch the schedule runs (a short last window's filled ones too), and the gradient
+    norm's one all-reduce over `tp` — counted from the second window (the first infers the
+    stages' shapes with forwards of its own)."""
+    allreduce, gathers = PER_LAYER[case.model]
+    got = results[case.index]
+    (first, full), *rest = got["calls"]
+    assert first is None and rest, "the first window is not counted"
+    for calls, _ in rest:
+        layers = got["blocks"] * full
+        assert (calls.allreduce, calls.all_gather, calls.reduce_scatter) == (
+            allreduce * layers + 1, gathers * layers, 0), case.label()  # fmt: skip
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if not c.resume and c.tp == 1],

@@ -10,7 +10,7 @@ import pytest
 
 from tests.support.ranks import matrix as M
 from tests.support.ranks.engine_helpers import update_rel_err
-from tests.support.ranks.tensor_parallel import TPCase, run_phase
+from tests.support.ranks.tensor_parallel import PER_LAYER, TPCase, run_phase
 
 pytestmark = pytest.mark.distributed
 
@@ -55,13 +55,6 @@ def test_a_tensor_parallel_step_equals_the_full_batch_steps(results, case, recor
                                "ranks sharding each × tp)")  # fmt: skip
     else:
         assert got["mesh"] == f"FSDP × TP mesh {dp} × {tp} (dp × tp)"
-
-
-PER_LAYER = {"gpt": (4, 1), "llama": (7, 0)}
-"""Each layer's tensor-parallel collectives in one micro-step, from the plans: the GPT's fused
-q, k, v (its input's gradient all-reduced in backward, its bias's share gathered) and MLP
-input (all-reduced in backward), attention and MLP outputs (all-reduced in forward); the
-Llama's q, k, v, gate and up each all-reduce their input's gradient, o and down their output."""
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if not c.resume], ids=TPCase.label)

@@ -123,8 +123,10 @@ class FSDP(FSDPPlanning, Strategy):
         self._tp_across = 0
         """Tensor-parallel groups whose ranks the placement put on more than one node."""
         self._tp_per_micro: GroupCalls | None = None
-        """The tensor-parallel collectives of one micro-step, measured on the first (each
-        micro-step runs the same layers)."""
+        """The tensor-parallel collectives of what repeats each window, measured once: a
+        micro-step, or a pipeline's whole window (its first, whose stages infer their shapes
+        with extra forwards, passed over)."""
+        self._pipeline_windows = 0
         self._tp_norm = GroupCalls()
         self.replicate = replicate
         self.node = node
@@ -266,7 +268,16 @@ class FSDP(FSDPPlanning, Strategy):
         return part
 
     def run_pipeline(self, micro_batches, loss_fn, train=True):
-        return self.pipeline.run(micro_batches, loss_fn, train)
+        if not train:
+            return self.pipeline.run(micro_batches, loss_fn, train)
+        self._pipeline_windows += 1
+        counting = self.counted and self._tp_group is not None and self._pipeline_windows == 2
+        with (
+            self._count_tensor_parallel(self._keep_per_micro)
+            if counting
+            else contextlib.nullcontext()
+        ):
+            return self.pipeline.run(micro_batches, loss_fn, train)
 
     def _placement(self) -> list[str]:
         """Each rank's node, gathered (a collective at build: every rank builds)."""
@@ -456,8 +467,10 @@ class FSDP(FSDPPlanning, Strategy):
         if not self.counted:
             return CommStats(sync_passes=synced)
         tp = None
-        if self._tp_group is not None and self.pipeline is None:  # a pipeline's: not counted
+        if self._tp_group is not None and self.pipeline is None:
             tp = (self._tp_per_micro or GroupCalls()) * micro_steps + self._tp_norm
+        elif self._tp_group is not None and self._tp_per_micro is not None:
+            tp = self._tp_per_micro + self._tp_norm  # a pipeline's window, from its second on
         return CommStats(
             allreduce_calls=self._all_reduces,
             reduce_scatter_calls=self._timeline.launches,

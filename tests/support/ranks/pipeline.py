@@ -149,6 +149,9 @@ def run_phase(case: PPCase, rank: int, world: int, folder: Path, phase: str) -> 
     tied_gap = float(max(gaps, default=0.0))
     seen = {k: [getattr(r, k) for r in results] for k in ("loss", "grad_norm", "items", "samples")}
     seen["pipeline"] = [(r.pipeline, r.step_time_s) for r in results]
+    # the tensor-parallel group's collectives each window, and the blocks rank 0's stages hold
+    seen["calls"] = [(r.tensor_parallel_calls, r.micro_steps) for r in results]
+    seen["blocks"] = len(blocks)
     val_loss = float(val[0]) / sum(int(count(mb)) for mb in M.micro_batches(first, M.MICRO, 1, 12))
     return {"params": flat, "tied_gap": tied_gap, "mesh": strategy.describe_mesh(), "held": holds,
             "recomputed": recomputed,

@@ -55,6 +55,13 @@ class TPCase:
         return f"{mesh}, {self.grad_sync}, {self.last} last{moved}"
 
 
+PER_LAYER = {"gpt": (4, 1), "llama": (7, 0)}
+"""Each layer's tensor-parallel collectives in one micro-step, from the plans: the GPT's fused
+q, k, v (its input's gradient all-reduced in backward, its bias's share gathered) and MLP
+input (all-reduced in backward), attention and MLP outputs (all-reduced in forward); the
+Llama's q, k, v, gate and up each all-reduce their input's gradient, o and down their output."""
+
+
 def run_phase(case: TPCase, rank: int, world: int, folder: Path, phase: str) -> dict | None:
     """This rank's part of a case's phase (A: the whole run, or its first window when the case
     resumes; B: the rest, on the resume mesh); rank 0 returns the full weights at the end."""
