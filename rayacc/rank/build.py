@@ -105,4 +105,5 @@ def model_recipe(cfg: TrainConfig, info: DatasetInfo) -> ModelRecipe:
         initial_values=values,
         activation_checkpointing=every_n,
         compile=cfg.train.compile,
+        tokens=info.max_tokens - 1 if info.max_tokens > 1 else None,
     )

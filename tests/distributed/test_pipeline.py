@@ -109,6 +109,14 @@ def test_a_stage_counts_its_sends_and_its_idle_time(results, case):
         assert 0.0 <= stats.idle_s < step_s
 
 
+@pytest.mark.parametrize("case", [c for c in CASES if c.pp > 1 and not c.resume],
+                         ids=PPCase.label)  # fmt: skip
+def test_a_stages_rows_are_padded_to_the_datas_longest_not_the_models(results, case):
+    """The stages' buffers take the data's longest row (its input tokens), not the longest
+    sequence the model takes: the Llama cases take 4 × more positions than the data holds."""
+    assert results[case.index]["width"] == M.BLOCK, case.label()
+
+
 @pytest.mark.parametrize("case", [c for c in CASES if c.tp > 1 and not c.resume],
                          ids=PPCase.label)  # fmt: skip
 def test_a_stages_tensor_parallel_collectives_are_counted(results, case):

@@ -54,6 +54,9 @@ class ModelRecipe:
     activation_checkpointing: int | None = None
     """Recompute every n-th block in backward (1: all); None: off."""
     compile: bool = False
+    tokens: int | None = None
+    """Input tokens of the data's longest row (None: not token data): what a pipeline's
+    stages size their buffers for, rather than the longest sequence the model takes."""
 
 
 @dataclass(frozen=True)

@@ -433,9 +433,13 @@ def build_pipeline(
         rows = math.ceil(full[0] / dp)
         held = max(0, min(full[0], (dp_rank + 1) * rows) - dp_rank * rows)
         shapes[first] = (torch.Size([held, *full[1:]]), torch.float32)
-    width = getattr(probe, "block_size", None)
-    if width is None:
+    longest = getattr(probe, "block_size", None)
+    if longest is None:
         raise ValueError("the model names no sequence length (`block_size`) for its stages")
+    # the data's longest row, not the model's longest sequence (an `hf` model's
+    # max_position_embeddings: padding every row to it would compute thousands of positions
+    # for hundreds)
+    width = min(int(longest), recipe.tokens or int(longest))
     pipeline = Pipeline(stages, indices, n_stages, schedule, grid["pp"].get_group(), device,
                         int(width), runs, tied, shapes, shape)  # fmt: skip
     return part, pipeline, grid

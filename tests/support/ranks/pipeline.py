@@ -48,7 +48,7 @@ class PPCase:
         if self.model.startswith("llama"):
             hf = {"model_type": "llama", "vocab_size": M.VOCAB, "hidden_size": 16,
                   "intermediate_size": 32, "num_hidden_layers": 4, "num_attention_heads": 2,
-                  "num_key_value_heads": 2, "max_position_embeddings": M.BLOCK,
+                  "num_key_value_heads": 2, "max_position_embeddings": 4 * M.BLOCK,
                   "tie_word_embeddings": self.model == "llama tied"}  # fmt: skip
             data["model"] = {"name": "hf", "hf": {"config": hf}}
         return cfg.model_validate(data)
@@ -152,6 +152,7 @@ def run_phase(case: PPCase, rank: int, world: int, folder: Path, phase: str) -> 
     # the tensor-parallel group's collectives each window, and the blocks rank 0's stages hold
     seen["calls"] = [(r.tensor_parallel_calls, r.micro_steps) for r in results]
     seen["blocks"] = len(blocks)
+    seen["width"] = getattr(strategy.pipeline, "width", None)  # what each row is padded to
     val_loss = float(val[0]) / sum(int(count(mb)) for mb in M.micro_batches(first, M.MICRO, 1, 12))
     return {"params": flat, "tied_gap": tied_gap, "mesh": strategy.describe_mesh(), "held": holds,
             "recomputed": recomputed,
