@@ -128,9 +128,12 @@ class ResumeCase:
 
     @property
     def compared(self) -> bool:
-        """Whether the resumed run is compared with the uninterrupted one (not where dropout
-        draws anew after the data-parallel ranks changed)."""
-        return not self.dropout or self.first.dp == self.then.dp
+        """Whether the resumed run is compared with the uninterrupted one: not where dropout
+        draws anew after the data-parallel ranks changed, nor after the tensor-parallel
+        degree did (a split layer draws its mask over its shard: another shape, other
+        masks)."""
+        same = self.first.dp == self.then.dp and self.first.tp == self.then.tp
+        return not self.dropout or same
 
     @property
     def bitwise(self) -> bool:
@@ -150,7 +153,7 @@ class ResumeCase:
 def cases() -> list[ResumeCase]:
     """Every pair of (layout, optimizer), (layout, change) and (optimizer, change) values that
     can run, each at least once (a greedy covering), with dropout on where it is checked; and
-    the tensor-parallel shrink with dropout."""
+    two cases of three changes at once."""
     space = [
         dict(layout=layout, optimizer=o, change=c)
         for layout, o, c in itertools.product(LAYOUTS, OPTIMIZERS, CHANGES)
@@ -169,12 +172,14 @@ def cases() -> list[ResumeCase]:
         chosen.append(best)
         for a, b in itertools.combinations(names, 2):
             uncovered.discard(((a, best[a]), (b, best[b])))
-    chosen.append(dict(layout="fsdp × tp", optimizer="adamw fused", change="shrink"))
-    out = []
-    for i, c in enumerate(chosen):
-        dropout = c["change"] == "same" or i == len(chosen) - 1
-        out.append(ResumeCase(i, dropout=dropout, **c))
-    return out
+    # three at once, with dropout (fused AdamW, a changed mesh): the tensor-parallel shrink,
+    # and a pipeline whose stages gain a tensor-parallel split — each checked where dropout
+    # lets it be (a group's ranks still draw alike: its replicated parameters stay equal)
+    extra = [dict(layout="fsdp × tp", optimizer="adamw fused", change="shrink"),
+             dict(layout="fsdp × pp", optimizer="adamw fused", change="tp")]  # fmt: skip
+    return [ResumeCase(i, dropout=c["change"] == "same", **c) for i, c in enumerate(chosen)] + [
+        ResumeCase(len(chosen) + i, dropout=True, **c) for i, c in enumerate(extra)
+    ]
 
 
 def config(case: ResumeCase, mesh: Mesh):
