@@ -434,6 +434,7 @@ def _fit_holding(
             wall_time_s=wall_time_s,
             goodput=split,
             model=cfg.model.name,
+            weights=_final_weights(cfg, checkpoint_dir),
         )
     phases["tracking_closed"] = time.time()
     loc.record(status="finished", mlflow_run_id=tracked.run_id if tracked else None)
@@ -498,3 +499,14 @@ def _open_tracking(prep: Prepared, loc: RunLocation, resume, parent_run_id, tags
     )
     phases["tracking_opened"] = time.time()
     return tracked
+
+
+def _final_weights(cfg: TrainConfig, checkpoint_dir: str | None):
+    """What reads the run's final model for its MLflow logged model (None: no checkpoint):
+    `load_model`, the factory the user's config names trusted as `rayacc sample` trusts it."""
+    if not checkpoint_dir:
+        return None
+    from rayacc.checkpoint import load_model
+
+    factory = cfg.model.factory if cfg.model.name == "factory" else None
+    return lambda: load_model(checkpoint_dir, factory=factory)

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import math
 import queue
+import shutil
 import sys
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -291,13 +292,33 @@ class MlflowSink:
             chunk = metrics[i : i + _MAX_METRICS_PER_CALL]
             self._call("log_batch", chunk, records=len(chunk))
 
-    def log_model_of(self, name: str, step: int, checkpoint: str, model_type: str) -> None:
-        """The run's final model as an MLflow logged model of the run, output at `step`: its
-        weights are the checkpoint (`rayacc.checkpoint`: `rayacc sample`, `rayacc export`
-        and `load_model` read it), not a copy."""
-        self._call("_model", name, step, checkpoint, model_type)
+    def log_model_of(
+        self,
+        name: str,
+        step: int,
+        checkpoint: str,
+        model_type: str,
+        weights: Callable[[], Any] | None = None,
+    ) -> None:
+        """The run's final model as an MLflow logged model of the run, output at `step`, that
+        MLflow's loaders load (`mlflow.pytorch.load_model`): `weights()` (the checkpoint's
+        model, `load_model`) saved in MLflow's PyTorch format, and `rayacc.checkpoint` naming
+        the checkpoint (`rayacc sample`, `export` and `load_model` read it). Where its weights
+        cannot be read or saved here, no logged model: one line says why."""
+        if not self.active:
+            return
+        try:
+            folder = _pytorch_model(weights) if weights is not None else None
+        except Exception as exc:
+            print(f"rayacc: no MLflow logged model {redact(name)}: its weights could not be "
+                  f"saved for MLflow ({type(exc).__name__}: {redact(str(exc))[:300]}); the "
+                  f"checkpoint holds them", file=sys.stderr)  # fmt: skip
+            return
+        self._call("_model", name, step, checkpoint, model_type, folder)
 
-    def _model_now(self, name: str, step: int, checkpoint: str, model_type: str) -> None:
+    def _model_now(
+        self, name: str, step: int, checkpoint: str, model_type: str, folder: str | None
+    ) -> None:
         from mlflow.entities import LoggedModelOutput
 
         shown, tags = (
@@ -323,7 +344,11 @@ class MlflowSink:
                 model_type=model_type,
             )
         )
+        if folder is not None:
+            self.client.log_model_artifacts(model.model_id, folder)
         self.client.finalize_logged_model(model.model_id, "READY")
+        if folder is not None:
+            shutil.rmtree(Path(folder).parent, ignore_errors=True)
         outputs = self.client.get_run(self.run_id).outputs
         if not any(
             o.model_id == model.model_id for o in (outputs.model_outputs if outputs else [])
@@ -442,3 +467,34 @@ def _param_str(value: Any) -> str:
     text = "null" if value is None else str(value)
     # MLflow caps a param value at 6000 characters
     return text if len(text) <= 6000 else text[:5997] + "..."
+
+
+def _pytorch_model(weights: Callable[[], Any]) -> str:
+    """A folder holding `weights()` as MLflow's PyTorch flavor saves it (the model pickled:
+    MLflow's `pt2` needs an input to trace), its requirements named rather than inferred (an
+    inference loads the model again in a process of its own)."""
+    import logging
+    import tempfile
+    from importlib.metadata import version
+
+    import mlflow.pytorch
+    import torch
+
+    module = weights()
+    folder = Path(tempfile.mkdtemp(prefix="rayacc-mlflow-model-")) / "model"
+    quiet = logging.getLogger("mlflow.pytorch")  # its warning about pickles, said in the docs
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        mlflow.pytorch.save_model(
+            module,
+            str(folder),
+            serialization_format="pickle",
+            pip_requirements=[f"torch=={torch.__version__}", f"rayacc=={version('rayacc')}"],
+        )
+    except BaseException:
+        shutil.rmtree(folder.parent, ignore_errors=True)
+        raise
+    finally:
+        quiet.setLevel(level)
+    return str(folder)

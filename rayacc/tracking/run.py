@@ -164,6 +164,7 @@ class TrackedRun(RunObserver):
         wall_time_s: float | None = None,
         goodput: dict[str, float] | None = None,
         model: str | None = None,
+        weights: Callable[[], Any] | None = None,
     ) -> None:
         """Final tags, the goodput split (`goodput/…`), the loss curve and the run's status."""
         if status == "FINISHED":
@@ -182,7 +183,8 @@ class TrackedRun(RunObserver):
             if checkpoint_dir and model and history:
                 # the run's final model: its checkpoint, output of the run at its last step
                 last = history[-1]["step"]
-                self.sink.log_model_of(f"{model}-step{last}", last, checkpoint_dir, model)
+                self.sink.log_model_of(f"{model}-step{last}", last, checkpoint_dir, model,
+                                       weights)  # fmt: skip
             if loss_curve is not None and loss_curve_png(list(history), loss_curve):
                 self.sink.log_artifact(loss_curve)
         self.sink.finish(status)

@@ -284,6 +284,16 @@ def test_the_record_is_the_final_checkpoints_lineage_across_every_fault(
             weights(load_model(r.checkpoint_dir, factory=FAULTY_MODEL)) for r in (reference, result)
         )
         assert rel_diff(b, a) <= (0.0 if workers == 2 else 1e-5), rel_diff(b, a)
+        # the run's one logged model, as MLflow's own loader reads it: the final checkpoint's
+        import mlflow.pytorch
+        import torch
+
+        (output,) = client.get_run(run_id).outputs.model_outputs
+        with mlflow.tracking._tracking_service.utils._use_tracking_uri(uri):
+            logged = mlflow.pytorch.load_model(f"models:/{output.model_id}")
+        x = torch.randn(3, 64)
+        final = load_model(result.checkpoint_dir, factory=FAULTY_MODEL)
+        assert torch.equal(logged(x), final(x))
 
         # the tracking URI's password: in the job file the user wrote, nowhere else — not in
         # the console, the run's storage and checkpoints, or the MLflow store (names, params,

@@ -259,6 +259,14 @@ def test_two_runs_of_one_config_give_the_same_weights_through_either_read_path(
     factory = "tests.support.models.slow_model:build"
     wa, wb = (weights(load_model(r.checkpoint_dir, factory)) for r in (ray_data, in_process))
     assert torch.equal(wa, wb), "two runs of one config must give identical weights"
+    # the run's logged model as MLflow's own loader reads it: the checkpoint's model
+    import mlflow.pytorch
+
+    (output,) = MlflowClient(uri).get_run(in_process.mlflow_run_id).outputs.model_outputs
+    with mlflow.tracking._tracking_service.utils._use_tracking_uri(uri):
+        logged = mlflow.pytorch.load_model(f"models:/{output.model_id}")
+    x = torch.randn(3, 64)
+    assert torch.equal(logged(x), load_model(in_process.checkpoint_dir, factory)(x))
 
     # 14 steps: a logging interval is 2; rank 1 is slow from its first window, whose figures
     # arrive with step 2, so it is named at the end of the second interval, step 4

@@ -382,3 +382,35 @@ def test_a_logged_model_retried_after_the_server_made_it_is_one_model(tmp_path, 
     assert failed and [(m.name, str(m.status)) for m in models] == [("mlp-step3", "READY")]
     assert [(o.model_id, o.step) for o in run.outputs.model_outputs] == [(models[0].model_id, 3)]
     assert "unreachable" in capsys.readouterr().err
+
+
+def test_the_logged_model_loads_with_mlflows_own_loader(tmp_path, capsys, monkeypatch):
+    """MLflow's `mlflow.pytorch.load_model` of the run's logged model gives the checkpoint's
+    model (its outputs equal); where the weights cannot be read, no logged model — one line
+    says why — rather than one MLflow's loaders fail on."""
+    import mlflow.pytorch
+    import torch
+
+    monkeypatch.chdir(tmp_path)  # a sqlite store's artifacts go under the working folder
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    sink = MlflowSink(uri, "exp", "run")
+    torch.manual_seed(0)
+    final = torch.nn.Linear(4, 3)
+    sink.log_model_of("mlp-step3", 3, str(tmp_path / "ckpt"), "mlp", lambda: final)
+
+    def unreadable():
+        raise FileNotFoundError("checkpoint_step00000004/model.pt")
+
+    sink.log_model_of("mlp-step4", 4, str(tmp_path / "ckpt4"), "mlp", unreadable)
+    sink.finish()
+    client = MlflowClient(uri)
+    run = client.get_run(sink.run_id)
+    (model,) = client.search_logged_models([run.info.experiment_id])
+    assert model.name == "mlp-step3" and model.tags["rayacc.checkpoint"] == str(tmp_path / "ckpt")
+    x = torch.randn(5, 4)
+    with mlflow.tracking._tracking_service.utils._use_tracking_uri(uri):
+        loaded = mlflow.pytorch.load_model(f"models:/{model.model_id}")
+    assert torch.equal(loaded(x), final(x))
+    err = capsys.readouterr().err
+    assert "no MLflow logged model mlp-step4: its weights could not be saved" in err, err
+    assert "FileNotFoundError" in err and not list(tmp_path.glob("rayacc-mlflow-model-*"))
