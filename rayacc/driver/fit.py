@@ -503,10 +503,13 @@ def _open_tracking(prep: Prepared, loc: RunLocation, resume, parent_run_id, tags
 
 def _final_weights(cfg: TrainConfig, checkpoint_dir: str | None):
     """What reads the run's final model for its MLflow logged model (None: no checkpoint):
-    `load_model`, the factory the user's config names trusted as `rayacc sample` trusts it."""
+    `load_model`, with the factory and a LoRA run's base weights the user's config names
+    (trusted as `rayacc sample` trusts them when named)."""
     if not checkpoint_dir:
         return None
     from rayacc.checkpoint import load_model
 
-    factory = cfg.model.factory if cfg.model.name == "factory" else None
-    return lambda: load_model(checkpoint_dir, factory=factory)
+    m = cfg.model
+    factory = m.factory if m.name == "factory" else None
+    base = m.hf.weights if m.lora is not None and m.name == "hf" and m.hf.weights else None
+    return lambda: load_model(checkpoint_dir, factory=factory, base=base)
