@@ -83,7 +83,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         err.print(styled(("warning:", "yellow"), f" {w}"))
 
     try:
-        with ProgressPrinter(console, prep.total_steps, bar=True) as display:
+        with ProgressPrinter(
+            console, prep.total_steps, bar=True, elastic=cfg.scaling.elastic
+        ) as display:
             result = fit(
                 cfg,
                 resume=args.resume,

@@ -19,6 +19,7 @@ import time
 from collections import deque
 from typing import Any
 
+from rayacc.config.batch_split import BatchSplit
 from rayacc.engine.parallel import strategy_class
 from rayacc.observe import goodput
 from rayacc.observe.events import Event, RunObserver, RunStarted
@@ -147,10 +148,15 @@ class ProgressPrinter(RunObserver):
     validation (or, with `bar=True` on a terminal, a live bar with the same fields), and the
     run's events as lines of their own. Use it as a context manager for the bar."""
 
-    def __init__(self, console=None, total_steps: int | None = None, bar: bool = False):
+    def __init__(
+        self, console=None, total_steps: int | None = None, bar: bool = False, elastic=False
+    ):
         if console is None:
             console = make_console()
         self.console = console
+        self.elastic = elastic
+        """An elastic run: each group says its size as it starts (the header gives the
+        range)."""
         self.total = total_steps
         self.bar = bar and console.is_terminal
         self.started = time.time()
@@ -183,6 +189,10 @@ class ProgressPrinter(RunObserver):
         if isinstance(event, RunStarted):
             self.eta.restart(event.step)
             line = event.describe(self.group)
+            if self.elastic and self.group is None:
+                size = f"a group of {event.split['num_workers']} workers starts: " + (
+                    BatchSplit(**event.split).describe())  # fmt: skip
+                line = "\n  ".join(filter(None, [size, line]))
             self.group = event
         else:
             line = event.console_line()
@@ -253,8 +263,13 @@ def run_header(cfg, prep, data_path: str) -> list[str]:
     the model (`prep`: the driver's Prepared)."""
     from rayacc.run.quantities import lr_explanation, phases_summary
 
+    s = cfg.scaling
+    first = prep.split.describe()
+    if s.elastic:  # the group's size is said as it starts: the range here
+        first = (f"global batch {prep.split.global_batch_size} over {s.min_workers}–"
+                 f"{s.max_workers} workers (elastic: each size's split below)")  # fmt: skip
     return [
-        prep.split.describe(),
+        first,
         lr_explanation(cfg, prep.split),
         *phases_summary(cfg, prep.spec.phases),
         strategy_line(cfg),

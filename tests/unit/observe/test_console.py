@@ -124,6 +124,31 @@ def test_the_printer_says_when_a_group_redoes_the_steps_before_it():
     assert "resumed from the checkpoint at step 4" in lines, lines
 
 
+def test_an_elastic_run_gives_its_range_and_each_group_its_size_as_it_starts():
+    """The header cannot know the first group's size (the cluster decides it): it gives the
+    range, and the group says its size and split as it starts; a resize has its own line."""
+    from dataclasses import asdict
+
+    from rayacc.config.batch_split import BatchSplit
+    from rayacc.driver.prelaunch import prepare
+    from rayacc.observe.console import run_header
+
+    cfg = TrainConfig.from_yaml("jobs/digits.yaml", ["scaling.num_workers=[1,3]"])
+    header = run_header(cfg, prepare(cfg), "digits")
+    assert header[0] == "global batch 256 over 1–3 workers (elastic: each size's split below)"
+    assert not any("over workers 3" in line for line in header), header
+    console = Console(file=io.StringIO(), width=300)
+    printer = ProgressPrinter(console, elastic=True)
+    printer.on_event(RunStarted(0, 8, None, "layout", asdict(BatchSplit(256, 32, 8, 1)), 1e-3))
+    printer.on_event(RunStarted(4, 8, 4, "layout", asdict(BatchSplit(256, 32, 4, 2)), 1e-3))
+    lines = [line.strip() for line in console.file.getvalue().splitlines()]
+    started = "a group of 1 workers starts: global batch 256 = micro 32 × accum 8 × workers 1"
+    assert lines[0] == started and lines.count(started) == 1, lines
+    plain = Console(file=io.StringIO(), width=300)
+    ProgressPrinter(plain).on_event(RunStarted(0, 8, None, "l", {"num_workers": 2}, 1e-3))
+    assert plain.file.getvalue() == "", "a fixed size is the header's"
+
+
 @pytest.mark.parametrize(
     "overrides, words",
     [
