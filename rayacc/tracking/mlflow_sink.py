@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rayacc.env import FIELD_VARIABLES
+from rayacc.env import FIELD_VARIABLES, umask_modes
 from rayacc.observe.ranks import TIME_KEY
 from rayacc.redact import redact
 
@@ -492,6 +492,7 @@ def _pytorch_model(weights: Callable[[], Any]) -> str:
             serialization_format="pickle",
             pip_requirements=[f"torch=={torch.__version__}", f"rayacc=={version('rayacc')}"],
         )
+        umask_modes(folder)  # a file store copies the modes: others read the model as theirs
     except BaseException:
         shutil.rmtree(folder.parent, ignore_errors=True)
         raise
