@@ -419,6 +419,8 @@ def _fit_holding(
     checkpoint_dir = result.checkpoint.path if result.checkpoint is not None else None
     records = history.records()
     if tracked is not None:
+        from rayacc.tracking.run import run_model_reader
+
         png = (
             loc.run_dir / "loss_curve.png"
             if loc.local
@@ -434,7 +436,7 @@ def _fit_holding(
             wall_time_s=wall_time_s,
             goodput=split,
             model=cfg.model.name,
-            weights=_final_weights(cfg, checkpoint_dir),
+            weights=run_model_reader(cfg, checkpoint_dir) if checkpoint_dir else None,
         )
     phases["tracking_closed"] = time.time()
     loc.record(status="finished", mlflow_run_id=tracked.run_id if tracked else None)
@@ -470,11 +472,8 @@ def _open_tracking(prep: Prepared, loc: RunLocation, resume, parent_run_id, tags
     tags = {**(tags or {}), **prep.tags}
     if continues:
         tags["rayacc.continues"] = continues
-        print(
-            f"rayacc: --resume into another tracking store: a new MLflow run continues run "
-            f"{continues} (tag rayacc.continues)",
-            file=sys.stderr,
-        )
+        note = f"a new MLflow run continues run {continues} (tag rayacc.continues)"
+        print(f"rayacc: --resume into another tracking store: {note}", file=sys.stderr)
     identity = RunIdentity(
         name=loc.name,
         storage_path=loc.storage,
@@ -499,17 +498,3 @@ def _open_tracking(prep: Prepared, loc: RunLocation, resume, parent_run_id, tags
     )
     phases["tracking_opened"] = time.time()
     return tracked
-
-
-def _final_weights(cfg: TrainConfig, checkpoint_dir: str | None):
-    """What reads the run's final model for its MLflow logged model (None: no checkpoint):
-    `load_model`, with the factory and a LoRA run's base weights the user's config names
-    (trusted as `rayacc sample` trusts them when named)."""
-    if not checkpoint_dir:
-        return None
-    from rayacc.checkpoint import load_model
-
-    m = cfg.model
-    factory = m.factory if m.name == "factory" else None
-    base = m.hf.weights if m.lora is not None and m.name == "hf" and m.hf.weights else None
-    return lambda: load_model(checkpoint_dir, factory=factory, base=base)

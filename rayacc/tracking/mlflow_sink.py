@@ -470,9 +470,8 @@ def _param_str(value: Any) -> str:
 
 
 def _pytorch_model(weights: Callable[[], Any]) -> str:
-    """A folder holding `weights()` as MLflow's PyTorch flavor saves it (the model pickled:
-    MLflow's `pt2` needs an input to trace), its requirements named rather than inferred (an
-    inference loads the model again in a process of its own)."""
+    """A folder holding `weights()` as MLflow's PyTorch flavor saves it (pickled: `pt2` needs
+    an input to trace; its requirements named: inferring them loads the model again)."""
     import logging
     import tempfile
     from importlib.metadata import version

@@ -250,3 +250,16 @@ def open_tracking(
     return TrackedRun(
         sink, reopened, lineage=lineage, config_text=cfg.to_yaml(), on_forked=on_forked
     )
+
+
+def run_model_reader(cfg, path: str) -> Callable[[], Any]:
+    """What reads a run's model from its checkpoint at `path`, on the driver that ran it
+    (`cfg`: its TrainConfig), for its logged model: `load_model` with the factory and a LoRA
+    run's base weights the run's own config names (trusted as `rayacc sample` trusts them
+    when named)."""
+    from rayacc.checkpoint import load_model
+
+    m = cfg.model
+    factory = m.factory if m.name == "factory" else None
+    base = m.hf.weights if m.lora is not None and m.name == "hf" and m.hf.weights else None
+    return lambda: load_model(path, factory=factory, base=base)
