@@ -150,6 +150,8 @@ def predict(
     def rate(measured: float) -> Callable[[int, bool], float]:
         return lambda ranks, across: placement.per_byte(measured, profile, ranks, across)
 
+    allreduce = rate(profile.allreduce_s_per_byte)
+
     # the wing's memory and communication (engine/parallel/: `Strategy.cost`)
     cost = wing.cost(
         CostShape(
@@ -170,7 +172,7 @@ def predict(
             recomputed=recomputed * keep,
             units=max(1, round(profile.units * stage)),
             latency_s=profile.latency_s,
-            allreduce=rate(profile.allreduce_s_per_byte),
+            allreduce=allreduce,
             gather=rate(profile.gather_s_per_byte),
             crosses=crosses,
             host_link=HOST_LINK_BYTES_PER_S,
@@ -182,11 +184,11 @@ def predict(
     comm = cost.comm_s
     if pp > 1:
         sends = 2 * a * mesh.stages_per_rank
-        per_byte = placement.per_byte(profile.allreduce_s_per_byte, profile, 2, crosses)
+        per_byte = allreduce(2, crosses)
         comm += sends * (m * pipeline_plan.bytes_per_sample * per_byte + profile.latency_s)
     if tp > 1:
         # the group's all-reduces, every layer of every micro-step, on one node's links
-        per_byte = placement.per_byte(profile.allreduce_s_per_byte, profile, tp, False)
+        per_byte = allreduce(tp, False)
         comm += a * (
             m * tensor_plan.bytes_per_sample * per_byte + tensor_plan.allreduces * profile.latency_s
         )
