@@ -489,12 +489,6 @@ def _open_tracking(prep: Prepared, loc: RunLocation, resume, parent_run_id, tags
         record_files=prep.spec.record_files,
         lr_explanation=prep.spec.lr_explanation,
     )
-    tracked = open_tracking(
-        cfg,
-        identity,
-        lineage=lineage,
-        # a replaced MLflow run: a later resume continues the new one
-        on_forked=lambda old, new: loc.record(mlflow_run_id=new),
-    )
+    tracked = open_tracking(cfg, identity, lineage=lineage)
     phases["tracking_opened"] = time.time()
     return tracked

@@ -114,9 +114,6 @@ class MlflowSink:
     back it says so and writes what waited. `finish` waits a bounded time for the queue and
     says how many records could not be written. A call the server answers with an error (a
     rejected value) is reported once and dropped; it is not retried.
-
-    Every queued call writes to the run that is current when it is written: `fork` (queued
-    like the rest) moves the writes that follow it to a new run.
     """
 
     RETRY_INTERVAL_S = 2.0
@@ -145,7 +142,6 @@ class MlflowSink:
         self._away_since: float | None = None
         self._in_flight = 0
         self._reported: set[str] = set()
-        self._forking: tuple[str, Any] | None = None
         if tracking_uri.startswith(("http://", "https://")):
             why = _server_reachable(tracking_uri)
             if why:
@@ -218,9 +214,7 @@ class MlflowSink:
         from mlflow.exceptions import RestException
 
         try:
-            if method == "_fork":
-                self._fork_now(*args)
-            elif method == "_model":
+            if method == "_model":
                 self._model_now(*args)
             else:
                 getattr(self.client, method)(self.run_id, *args)
@@ -388,59 +382,13 @@ class MlflowSink:
     def log_text(self, text: str, name: str) -> None:
         self._call("log_text", redact(text), name)
 
-    def holds_steps_after(self, step: int) -> bool:
-        """Whether the run holds (or has queued) a metric at an optimizer step after `step`."""
-        return any(s > step for _, s in self._logged_steps)
-
-    def fork(self, after_step: int, texts: dict[str, str], on_forked=None) -> None:
-        """Queues the move to a new run that takes this run's place: the same name, parent,
-        params and tags, `texts` as artifacts, and no metrics (the caller logs the steps up to
-        `after_step` that stand). The old run keeps its points, ends KILLED, and is nested
-        under the new one with the tags `rayacc.discarded_after_step` and
-        `rayacc.continued_in`. `on_forked(old_id, new_id)` runs once the new run exists."""
-        self._logged_steps = set()
-        texts = {name: redact(text) for name, text in texts.items()}
-        self._call("_fork", after_step, texts, on_forked)
-
-    def _fork_now(self, after_step: int, texts: dict[str, str], on_forked) -> None:
-        from mlflow.entities import Param, RunTag
-
-        old = self.run_id
-        if self._forking is None:  # a retry after the server went away resumes from here
-            run = self.client.get_run(old)
-            keep = {
-                k: v
-                for k, v in run.data.tags.items()
-                if k != "mlflow.runName" and not k.startswith("rayacc.discarded")
-            }
-            new = self.client.create_run(
-                run.info.experiment_id, run_name=run.info.run_name, tags=keep
-            ).info.run_id
-            self._forking = (new, run)
-        new, run = self._forking
-        params = [Param(k, v) for k, v in run.data.params.items()]
-        for i in range(0, len(params), _MAX_PARAMS_PER_CALL):
-            self.client.log_batch(new, params=params[i : i + _MAX_PARAMS_PER_CALL])
-        for name, text in texts.items():
-            self.client.log_text(new, text, name)
-        marks = {
-            "rayacc.discarded_after_step": str(after_step),
-            "rayacc.continued_in": new,
-            "mlflow.parentRunId": new,
-        }
-        self.client.log_batch(old, tags=[RunTag(k, v) for k, v in marks.items()])
-        self.client.set_terminated(old, "KILLED")
-        self._forking = None
-        self.run_id = new
-        print(
-            f"rayacc: MLflow run {old} held steps after the checkpoint at step {after_step}, "
-            f"from an attempt that did not reach a checkpoint; the run goes on as MLflow run "
-            f"{new} with the steps the checkpoints hold, and {old} is kept, nested under it "
-            f"(tag rayacc.discarded_after_step={after_step})",
-            file=sys.stderr,
-        )
-        if on_forked is not None:
-            on_forked(old, new)
+    def forget_after(self, step: int) -> int | None:
+        """The last optimizer step after `step` the run holds (or has queued) a metric at, or
+        None; those (key, step) pairs are forgotten, so the steps done again are logged anew
+        (the caller marks the points held: `tracking/history.py`)."""
+        after = {(k, s) for k, s in self._logged_steps if s > step}
+        self._logged_steps -= after
+        return max((s for _, s in after), default=None)
 
     def finish(self, status: str = "FINISHED", timeout_s: float = 60.0) -> None:
         """Marks the run ended and waits (at most `timeout_s`) for every queued write."""

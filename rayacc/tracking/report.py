@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from rayacc.redact import redact
+from rayacc.tracking.history import lineage_points
 from rayacc.tracking.lookup import ReportError, resolve_parent
 from rayacc.tracking.plots import legend_beside
 
@@ -195,8 +196,8 @@ def time_to_loss(
     return math.nan
 
 
-def _history(client, run_id: str, key: str) -> list[tuple[int, float]]:
-    return sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
+def _history(client, run, key: str) -> list[tuple[int, float]]:
+    return [(m.step, m.value) for m in lineage_points(client, run, key)]
 
 
 def build_report(tracking_uri: str, target: str) -> Report:
@@ -218,14 +219,14 @@ def build_report(tracking_uri: str, target: str) -> Report:
     curves: dict[str, tuple[list[tuple[int, float]], dict[int, float]]] = {}
     for run in sorted(children, key=lambda r: int(r.data.tags.get("rayacc.trial", 0))):
         p, rid = run.data.params, run.info.run_id
-        loss = _history(client, rid, "train/loss")
-        samples = _history(client, rid, "train/samples")
-        sps = [v for s, v in _history(client, rid, "train/samples_per_s") if s > 1]
-        val_key = "val/accuracy" if _history(client, rid, "val/accuracy") else "val/loss"
-        val = [v for _, v in _history(client, rid, val_key)]
+        loss = _history(client, run, "train/loss")
+        samples = _history(client, run, "train/samples")
+        sps = [v for s, v in _history(client, run, "train/samples_per_s") if s > 1]
+        val_key = "val/accuracy" if _history(client, run, "val/accuracy") else "val/loss"
+        val = [v for _, v in _history(client, run, val_key)]
         best = (max(val) if val_key == "val/accuracy" else min(val)) if val else math.nan
-        mem = [v for _, v in _history(client, rid, "mem/peak_mb")]
-        sync = [v for _, v in _history(client, rid, "comm/sync_time_frac")]
+        mem = [v for _, v in _history(client, run, "mem/peak_mb")]
+        sync = [v for _, v in _history(client, run, "comm/sync_time_frac")]
         end = run.info.end_time or run.info.start_time
         # the fit's own measure (the console's); a run that predates the tag: MLflow's times
         wall = run.data.tags.get("rayacc.wall_time_s")
@@ -250,7 +251,7 @@ def build_report(tracking_uri: str, target: str) -> Report:
             predicted_memory_mb=float(run.data.tags.get("rayacc.predicted_memory_mb", "nan")),
         )
         report.rows.append(row)
-        curves[rid] = loss, dict(_history(client, rid, "perf/step_time_s"))
+        curves[rid] = loss, dict(_history(client, run, "perf/step_time_s"))
         steps = [v for s, v in curves[rid][1].items() if s > 1]
         row.step_s = statistics.median(steps) if steps else math.nan
         seen, total = [], 0.0

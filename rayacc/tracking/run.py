@@ -3,6 +3,7 @@ events and step records, closed with its outcome."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +26,7 @@ from rayacc.observe.events import (
     SharesChanged,
     Straggler,
 )
+from rayacc.tracking.history import DISCARDED_TAG, Discarded, discarded_marks, marks_tag
 from rayacc.tracking.mlflow_sink import MlflowSink, tracking_target
 from rayacc.tracking.params import contract_params
 from rayacc.tracking.plots import loss_curve_png
@@ -64,9 +66,9 @@ class TrackedRun(RunObserver):
     """Writes the run's events as tags and its step records as metrics (rank 0's records only,
     on the driver), so that the run holds the lineage of its latest checkpoint: whenever a
     worker group starts from a checkpoint (a resume, a restart after a failure, a resize), the
-    steps up to it that the store lacks are written from the checkpoint's records, and a run
-    that holds steps after it (an attempt that never reached a checkpoint) is replaced by a
-    new run (`MlflowSink.fork`)."""
+    steps up to it that the store lacks are written from the checkpoint's records, and the
+    points the run holds after it (an attempt that never reached a checkpoint) are marked
+    discarded and logged anew as the group does them again (`tracking/history.py`)."""
 
     def __init__(
         self,
@@ -74,12 +76,10 @@ class TrackedRun(RunObserver):
         reopened: bool,
         *,
         lineage: Lineage = lambda step: (),
-        config_text: str = "",
-        on_forked: Callable[[str, str], None] | None = None,
     ):
         self.sink = sink
         self.reopened = reopened
-        self.lineage, self.config_text, self.on_forked = lineage, config_text, on_forked
+        self.lineage = lineage
         # a reopened run's event tags are extended, not overwritten by this driver's events
         tags = sink.existing_tags
         self.resizes = _entries(tags.get("rayacc.resizes"), "; ")
@@ -91,6 +91,7 @@ class TrackedRun(RunObserver):
         self.preemptions = _entries(tags.get("rayacc.preemptions"), "; ")
         self.stragglers = _entries(tags.get("rayacc.stragglers"), "; ")
         self.passed_over = _entries(tags.get("rayacc.passed_over"), "; ")
+        self.discarded = discarded_marks(tags)
 
     @property
     def run_id(self) -> str | None:
@@ -131,7 +132,7 @@ class TrackedRun(RunObserver):
             self.schedule_changes.append(event.describe())
             self.sink.set_tags({"rayacc.schedule_changes": "; ".join(self.schedule_changes)})
         elif isinstance(event, RunStarted):
-            self._rewind(event.step)
+            self._rewind(event.step, event.announced_at or time.time())
             if event.mesh:
                 self.sink.set_tags({"rayacc.mesh": event.mesh})
             if event.places:  # which mesh coordinates each rank_<r>/* metric is
@@ -141,12 +142,15 @@ class TrackedRun(RunObserver):
                 self.resumed_at.append(str(event.resumed_from))
                 self.sink.set_tags({"rayacc.resumed_at_steps": ",".join(self.resumed_at)})
 
-    def _rewind(self, step: int) -> None:
-        """The run made to hold the lineage up to `step`, where a worker group starts."""
+    def _rewind(self, step: int, started_at: float) -> None:
+        """The run made to hold the lineage up to `step`, where a worker group starts (at
+        `started_at`, time.time() of its rank 0): the points after it marked discarded."""
         if not self.sink.active:
             return
-        if self.sink.holds_steps_after(step):
-            self.sink.fork(step, {"config.yaml": self.config_text}, self.on_forked)
+        last = self.sink.forget_after(step)
+        if last is not None:
+            self.discarded.append(Discarded(step + 1, last, int(started_at * 1000)))
+            self.sink.set_tags({DISCARDED_TAG: marks_tag(self.discarded)})
         # (key, step) pairs the run holds already are not written again
         self.sink.log_step_metrics(self.lineage(step))
 
@@ -198,12 +202,11 @@ def open_tracking(
     cfg: TrainConfig,
     run: RunIdentity,
     lineage: Lineage = lambda step: (),
-    on_forked: Callable[[str, str], None] | None = None,
 ) -> TrackedRun:
     """Creates the MLflow run of `cfg` (or reopens `run.previous_run_id`) with the contract
     params, the resolved config and the run's tags. An unreachable store turns tracking off
     with one message (the sink's rule); training goes on. `lineage` reads the records a
-    checkpoint holds; `on_forked(old, new)` hears of a replaced run (`TrackedRun`)."""
+    checkpoint holds (`TrackedRun`)."""
     target = tracking_target(cfg.tracking.tracking_uri, cfg.tracking.experiment)
     sink = MlflowSink(
         target.uri,
@@ -247,9 +250,7 @@ def open_tracking(
                 **run.tags,
             }
         )
-    return TrackedRun(
-        sink, reopened, lineage=lineage, config_text=cfg.to_yaml(), on_forked=on_forked
-    )
+    return TrackedRun(sink, reopened, lineage=lineage)
 
 
 def run_model_reader(cfg, path: str) -> Callable[[], Any]:

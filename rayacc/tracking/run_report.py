@@ -14,6 +14,7 @@ from pathlib import Path
 
 from rayacc.observe.goodput import PARTS, describe
 from rayacc.redact import redact
+from rayacc.tracking.history import lineage_points
 from rayacc.tracking.plots import legend_beside
 
 __all__ = ["RunReport", "build_run_report", "write_run_report"]
@@ -103,9 +104,7 @@ def build_run_report(client, run) -> RunReport:
     """The report of `run` (an MLflow Run) from its step metrics and event tags."""
     rid = run.info.run_id
     report = RunReport(rid, run.data.tags.get("rayacc.run_name", run.info.run_name or rid))
-    by_key = {
-        key: sorted(client.get_metric_history(rid, key), key=lambda m: m.step) for key in SERIES
-    }
+    by_key = {key: lineage_points(client, run, key) for key in SERIES}
     first = by_key["scaling/num_workers"]
     report.steps = [m.step for m in first]
     t0 = min((m.timestamp for m in first), default=0)
@@ -121,17 +120,17 @@ def build_run_report(client, run) -> RunReport:
     report.events.sort(key=lambda e: e[0])
     # the last fit's split (each fit logs its own at its last step)
     for key in (*PARTS, "wall_s", "fraction", "restarts", "steps_recomputed"):
-        history = client.get_metric_history(rid, f"goodput/{key}")
+        history = lineage_points(client, run, f"goodput/{key}")
         if history:
             report.goodput[key] = max(history, key=lambda m: (m.step, m.timestamp)).value
     if "fraction" not in report.goodput:
         report.goodput = {}
-    noise = sorted(client.get_metric_history(rid, "grad/noise_scale"), key=lambda m: m.step)
+    noise = lineage_points(client, run, "grad/noise_scale")
     report.noise = [(m.step, m.value) for m in noise]
     for key in run.data.metrics:
         m = _RANK_OWN.match(key)
         if m:
-            history = sorted(client.get_metric_history(rid, key), key=lambda x: x.step)
+            history = lineage_points(client, run, key)
             report.ranks[int(m.group(1))] = [(x.step, x.value) for x in history]
     return report
 

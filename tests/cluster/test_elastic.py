@@ -116,16 +116,10 @@ def test_node_leaves_and_joins_with_global_batch_and_lr_kept(
     ).stdout
     assert "resize at step 2" in out and "workers 2 → 1" in out, out[-3000:]
     run, series = run_record(tmp_path, "micro")
-    from mlflow.tracking import MlflowClient
+    from rayacc.tracking.history import discarded_marks
 
-    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
-    runs = client.search_runs([run.info.experiment_id])
-    apart = [
-        r.data.tags.get("rayacc.discarded_after_step")
-        for r in runs
-        if r.info.run_id != run.info.run_id
-    ]
-    assert apart == ["2"], apart  # steps 3 and 4 of the torn checkpoint's group, kept apart
+    apart = [(m.first, m.last) for m in discarded_marks(run.data.tags)]
+    assert apart == [(3, 4)], apart  # steps 3 and 4 of the torn checkpoint's group, marked
     assert series("scaling/num_workers") == [2] * 2 + [1] * 14
     assert series("scaling/grad_accum_steps") == [4] * 16
     assert series("scaling/global_batch_size") == [32] * 2 + [16] * 14

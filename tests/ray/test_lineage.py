@@ -30,6 +30,7 @@ from rayacc import TrainConfig, load_model
 from rayacc.driver.runs import RUN_INFO
 from rayacc.observe.events import RunObserver, RunStarted
 from rayacc.observe.ranks import TIME_KEY
+from rayacc.tracking.history import DISCARDED_TAG, discarded_marks, lineage_points
 from tests.support.services.fits import config, digits_subset, fit_or_fail, rel_diff, weights
 from tests.support.services.mlflow_server import Gate
 
@@ -232,8 +233,18 @@ def test_the_record_is_the_final_checkpoints_lineage_across_every_fault(
         # middle of its write, so it was never the run's (the next attempt wrote it anew)
         assert resumed_from == [6, 6], resumed_from
 
-        # MLflow: steps 1..N exactly once, each with the uninterrupted run's values
+        # MLflow: one run, whatever the restarts; its lineage holds steps 1..N exactly once,
+        # each with the uninterrupted run's values
         run_id = result.mlflow_run_id
+        (run,) = client.search_runs([exp.experiment_id])
+        assert run.info.run_id == run_id and run.info.status == "FINISHED"
+
+        def points(key):
+            return lineage_points(client, run, key)
+
+        def steps_of(key):
+            return [m.step for m in points(key)]
+
         for key in expected[STEPS]:
             value = expected[STEPS][key]
             if key == "step" or key.startswith("val/") or not isinstance(value, int | float):
@@ -243,17 +254,16 @@ def test_the_record_is_the_final_checkpoints_lineage_across_every_fault(
             if key.startswith(("ranks/", "rank_", "system/")):
                 # every rank's figures arrive one window late: a group's first step has none;
                 # still each step at most once, in the lineage's range
-                held = steps_in(client, run_id, key)
-                assert held == sorted(set(held)) and set(held) <= set(range(2, STEPS + 1)), key
+                held = steps_of(key)
+                assert set(held) <= set(range(2, STEPS + 1)), key
                 continue
-            assert steps_in(client, run_id, key) == list(range(1, STEPS + 1)), key
-        assert steps_in(client, run_id, "val/loss") == [4, 8, 12]
+            assert steps_of(key) == list(range(1, STEPS + 1)), key
+        assert steps_of("val/loss") == [4, 8, 12]
         tol = 0.0 if workers == 2 else 1e-5  # a resize changes the float rounding only
         for key in COMPUTED:
-            for m in client.get_metric_history(run_id, key):
+            for m in points(key):
                 want = expected[m.step][key]
                 assert abs(m.value - want) <= tol * abs(want), (key, m.step, m.value, want)
-        assert client.get_run(run_id).info.status == "FINISHED"
         # every value, measured ones included, is the one the lineage computed: the final
         # checkpoint's records (an attempt no checkpoint kept measured other times)
         final = Path(result.checkpoint_dir) / "history.jsonl"
@@ -262,18 +272,19 @@ def test_the_record_is_the_final_checkpoints_lineage_across_every_fault(
         for key, value in lineage[STEPS].items():
             if key == "step" or not isinstance(value, int | float):
                 continue
-            for m in client.get_metric_history(run_id, key):
+            for m in points(key):
                 assert m.value == float(lineage[m.step][key]), (key, m.step)
         # and each step's time, the lineage's too (records reach the driver in bursts)
-        for m in client.get_metric_history(run_id, "train/loss"):
+        for m in points("train/loss"):
             assert m.timestamp == int(lineage[m.step][TIME_KEY] * 1000), m.step
-
-        # the attempts whose steps no checkpoint kept are kept apart, marked, and nested
-        others = [r for r in client.search_runs([exp.experiment_id]) if r.info.run_id != run_id]
-        assert others and all(r.info.status == "KILLED" for r in others)
-        for r in others:
-            assert "rayacc.discarded_after_step" in r.data.tags
-            assert r.data.tags["mlflow.parentRunId"] in {run_id, *(o.info.run_id for o in others)}
+        # the steps of the attempts no checkpoint kept stay in the run, marked: every point
+        # the lineage passes over lies in a mark, logged before the group that redid it
+        marks = discarded_marks(run.data.tags)
+        assert marks and all(m.first == 7 for m in marks), run.data.tags[DISCARDED_TAG]
+        kept = {(m.step, m.timestamp) for m in points("train/loss")}
+        raw = client.get_metric_history(run_id, "train/loss")
+        apart = [m for m in raw if (m.step, m.timestamp) not in kept]
+        assert apart and all(any(d.covers(m.step, m.timestamp) for d in marks) for m in apart)
         info = json.loads((tmp_path / "runs" / "faulty" / RUN_INFO).read_text())
         assert info["mlflow_run_id"] == run_id and info["status"] == "finished"
 
@@ -354,10 +365,8 @@ def test_a_resume_that_lengthens_a_cosine_run_goes_on_from_its_lr_with_the_whole
     assert sorted((m.step, m.value) for m in history) == list(enumerate(lrs, 1))
     tags = client.get_run(longer.mlflow_run_id).data.tags
     assert tags["rayacc.schedule_changes"] == change.describe()
-    assert sorted(m.step for m in client.get_metric_history(longer.mlflow_run_id, "val/loss")) == [
-        4,
-        8,
-    ]
+    assert DISCARDED_TAG not in tags  # nothing after the checkpoint it resumed from
+    assert steps_in(client, longer.mlflow_run_id, "val/loss") == [4, 8]
 
 
 def test_a_run_whose_checkpoint_was_passed_over_resumes_again_and_again_at_other_sizes(

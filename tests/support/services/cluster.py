@@ -16,6 +16,7 @@ from mlflow.tracking import MlflowClient
 
 from rayacc import load_model
 from rayacc.data.bundled import prepare_bundled
+from rayacc.tracking.history import lineage_points
 from tests.support import ROOT
 from tests.support.services.counts import count
 
@@ -152,15 +153,11 @@ def weights(checkpoint: Path) -> torch.Tensor:
 
 def run_record(tmp_path: Path, name: str):
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
-    # the run itself: an attempt whose steps no checkpoint kept is a run apart, marked
-    runs = client.search_runs([client.get_experiment_by_name(name).experiment_id])
-    (run,) = [r for r in runs if "rayacc.discarded_after_step" not in r.data.tags]
+    # one run, whatever its restarts: its lineage passes over the steps no checkpoint kept
+    (run,) = client.search_runs([client.get_experiment_by_name(name).experiment_id])
 
     def series(key):
-        return [
-            m.value
-            for m in sorted(client.get_metric_history(run.info.run_id, key), key=lambda m: m.step)
-        ]
+        return [m.value for m in lineage_points(client, run, key)]
 
     return run, series
 

@@ -414,3 +414,94 @@ def test_the_logged_model_loads_with_mlflows_own_loader(tmp_path, capsys, monkey
     err = capsys.readouterr().err
     assert "no MLflow logged model mlp-step4: its weights could not be saved" in err, err
     assert "FileNotFoundError" in err and not list(tmp_path.glob("rayacc-mlflow-model-*"))
+
+
+def test_a_restarted_attempt_stays_one_run_whose_lineage_passes_over_the_discarded_steps(
+    tmp_path,
+):
+    from rayacc.config.batch_split import BatchSplit
+    from rayacc.observe.events import RunStarted
+    from rayacc.observe.ranks import TIME_KEY
+    from rayacc.tracking import RunIdentity, open_tracking
+    from rayacc.tracking.history import DISCARDED_TAG, lineage_points
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    cfg = TrainConfig.from_dict(
+        {
+            "batch": {"global_batch_size": 32, "micro_batch_size": 4},
+            "tracking": {"tracking_uri": uri},
+        }
+    )
+    t0 = 1_765_000_000.0
+    clock = iter(t0 + 0.25 * k for k in range(1, 100))
+
+    def rec(step, loss, **extra):
+        return {"step": step, "train/loss": loss, TIME_KEY: next(clock), **extra}
+
+    lineage = {s: rec(s, 1.0 / s) for s in range(1, 4)}  # the checkpoint at step 3 holds these
+
+    def identity(previous=None):
+        return RunIdentity(
+            "run", str(tmp_path), BatchSplit(32, 4, 4, 2), 0.1, "layout", 10, previous
+        )
+
+    def started(step):
+        return RunStarted(step, 9, step or None, "layout", {}, 0.1, announced_at=next(clock))
+
+    def lineage_of(step):
+        return [lineage[s] for s in range(1, step + 1)]
+
+    first = open_tracking(cfg, identity(), lineage=lineage_of)
+    first.on_event(started(0))
+    for s in range(1, 4):
+        first.on_step(lineage[s])
+    # an attempt that reaches no checkpoint: steps 4 and 5, a third rank's figure
+    for s in (4, 5):
+        first.on_step(rec(s, 9.0, **{"rank_2/own_s": 1.0}))
+    first.on_event(started(3))  # the next group starts again from the checkpoint at step 3
+    for s in (4, 5, 6):
+        first.on_step(rec(s, 1.0 / s))
+    first.close("FAILED")
+    # the next driver session: its group starts from the checkpoint at step 3 once more
+    again = open_tracking(cfg, identity(first.run_id), lineage=lineage_of)
+    again.on_event(started(3))
+    for s in range(4, 10):
+        again.on_step(rec(s, 1.0 / s))
+    again.close("FINISHED")
+
+    client = MlflowClient(uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("rayacc").experiment_id])
+    assert run.info.run_id == first.run_id and run.info.status == "FINISHED"
+    marks = run.data.tags[DISCARDED_TAG].split("; ")
+    assert [m.split(" logged")[0] for m in marks] == ["steps 4-5", "steps 4-6"]
+    raw = sorted(m.step for m in client.get_metric_history(run.info.run_id, "train/loss"))
+    assert raw == [1, 2, 3, 4, 4, 4, 5, 5, 5, 6, 6, 7, 8, 9]  # every point kept, none deleted
+    held = [(m.step, m.value) for m in lineage_points(client, run, "train/loss")]
+    assert held == [(s, 1.0 / s) for s in range(1, 10)]
+    assert lineage_points(client, run, "rank_2/own_s") == []
+
+
+@pytest.mark.parametrize("ms", [0, 1, 999, 1_765_000_000_123, 1_765_000_000_999])
+def test_a_discarded_mark_reads_back_as_written_and_a_long_tag_keeps_whole_marks(ms):
+    from rayacc.tracking.history import Discarded, discarded_marks, marks_tag
+
+    marks = [Discarded(4 + k, 9 + k, ms + k) for k in range(400)]
+    tag = marks_tag(marks)
+    assert len(tag) <= 7000
+    kept = discarded_marks({"rayacc.discarded_steps": tag})
+    assert kept == marks[-len(kept) :] and len(kept) > 100
+
+
+def test_the_runs_history_is_read_through_the_lineage_only():
+    """A reader of a run's metrics that did not pass over the discarded points would report an
+    attempt no checkpoint kept."""
+    import rayacc
+
+    root = Path(rayacc.__file__).parent
+    readers = {
+        str(p.relative_to(root))
+        for p in root.rglob("*.py")
+        if "get_metric_history" in p.read_text()
+    }
+    # the sink reads which (key, step) a reopened run holds; history.py is the lineage's reader
+    assert readers == {"tracking/history.py", "tracking/mlflow_sink.py"}, readers
