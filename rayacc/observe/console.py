@@ -67,6 +67,16 @@ UI_PORT = 5000
 """The port the printed `mlflow ui` command names, and its link opens."""
 UI_VIEW = "workflowType=machine_learning"
 """The query that opens an MLflow 3 UI page in its model-training view (not the GenAI one)."""
+SAVED_VIEW = "rayacc-loss-first"
+"""The saved view of every experiment rayacc records in (`tracking/ui_view.py`)."""
+
+
+def charts_link(experiment_id: str) -> str:
+    """The UI's page (after its address) with the experiment's runs charted in its saved view,
+    the loss first (a run's own page orders its sections by name). The UI opens a saved view
+    only from a link without search settings: it cannot also pick the run."""
+    view = f"viewStateShareKey={SAVED_VIEW}&{UI_VIEW}&compareRunsMode=CHART"
+    return f"#/experiments/{experiment_id}/runs?{view}"
 
 
 def clock(seconds: float | None) -> str:
@@ -348,15 +358,19 @@ def summary_lines(cfg, result) -> list[str]:
         # the run's page in MLflow's model-training view: MLflow 3's UI goes by the link's
         # workflowType (or the browser's last choice), not by the experiment's kind tag
         page = f"#/experiments/{result.mlflow_experiment_id}/runs/{result.mlflow_run_id}?{UI_VIEW}"
+        charts = charts_link(result.mlflow_experiment_id)
         if uri and uri.startswith(("http://", "https://")):
-            lines.append(f"  open the UI: {uri.rstrip('/')}/{page}")
+            address = uri.rstrip("/")
+            lines.append(f"  open the UI: {address}/{page}")
         else:
             # the port said in the command the link is for (MLflow's default, 5000, is taken
             # on many machines: change both)
+            address = f"http://127.0.0.1:{UI_PORT}"
             lines.append(
                 f"  open the UI: mlflow ui --backend-store-uri {uri} --port {UI_PORT}, then "
-                f"http://127.0.0.1:{UI_PORT}/{page}"
+                f"{address}/{page}"
             )
+        lines.append(f"  the experiment's runs charted, loss first: {address}/{charts}")
     lines.append(f"checkpoint: {result.checkpoint_dir}")
     if result.checkpoint_dir and result.summary.get("token_model"):
         lines.append(f"  sample it: rayacc sample {result.checkpoint_dir}")

@@ -18,6 +18,7 @@ from typing import Any
 from rayacc.env import FIELD_VARIABLES, umask_modes
 from rayacc.observe.ranks import TIME_KEY
 from rayacc.redact import redact
+from rayacc.tracking.ui_view import VIEW_TAG, saved_view
 
 __all__ = ["MlflowSink", "TrackingTarget", "default_tracking_uri", "tracking_target"]
 
@@ -173,6 +174,9 @@ class MlflowSink:
                 # judges); a training run's is the model-training one. A kind already set
                 # (by the user, in the UI) stays.
                 self.client.set_experiment_tag(exp_id, EXPERIMENT_KIND, MODEL_TRAINING)
+            if exp is None or VIEW_TAG not in exp.tags:  # one the user changed stays
+                view = saved_view(int(time.time() * 1000))
+                self.client.set_experiment_tag(exp_id, VIEW_TAG, view)
             self.experiment_id = exp_id
             tags = {"mlflow.parentRunId": parent_run_id} if parent_run_id else None
             self.run_id = self.client.create_run(exp_id, run_name=run_name, tags=tags).info.run_id

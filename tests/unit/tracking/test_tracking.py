@@ -505,3 +505,22 @@ def test_the_runs_history_is_read_through_the_lineage_only():
     }
     # the sink reads which (key, step) a reopened run holds; history.py is the lineage's reader
     assert readers == {"tracking/history.py", "tracking/mlflow_sink.py"}, readers
+
+
+def test_each_experiment_gets_the_saved_view_once_and_a_changed_one_stays(tmp_path):
+    import json
+
+    from rayacc.tracking.ui_view import LEADING_SECTIONS, VIEW_TAG
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    mine = client.create_experiment("mine")  # made outside rayacc: the view is added
+    first = MlflowSink(uri, "mine", "run")
+    view = json.loads(client.get_experiment(mine).tags[VIEW_TAG])
+    state = json.loads(view["state"])
+    assert [s["name"] for s in state["compareRunSections"]] == list(LEADING_SECTIONS)
+    assert "params.`global_batch_size`" in state["selectedColumns"]
+    first.finish()
+    client.set_experiment_tag(mine, VIEW_TAG, "changed in the UI")
+    MlflowSink(uri, "mine", "again").finish()
+    assert client.get_experiment(mine).tags[VIEW_TAG] == "changed in the UI"
