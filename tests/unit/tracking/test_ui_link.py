@@ -51,7 +51,9 @@ def page_text(driver, url: str, waits_for: str, timeout_s: float = 60.0) -> str:
     raise AssertionError(f"{url}: {waits_for!r} never showed in {text[-3000:]!r}")
 
 
-def test_the_printed_link_opens_the_model_training_view(mlflow_server, tmp_path, browser):
+def recorded_run(uri: str, experiment: str, name: str, records: list[dict]) -> tuple[dict, dict]:
+    """A run logged by the sink with the contract params and `records`: (its params, the
+    summary's links by what they open)."""
     from rich.console import Console
 
     from rayacc.config import TrainConfig
@@ -61,28 +63,31 @@ def test_the_printed_link_opens_the_model_training_view(mlflow_server, tmp_path,
     from rayacc.tracking.mlflow_sink import MlflowSink
     from rayacc.tracking.params import contract_params
 
-    uri = f"http://127.0.0.1:{mlflow_server}"
     cfg = TrainConfig.from_dict({"batch": {"global_batch_size": 8, "micro_batch_size": 4}})
     params = contract_params(cfg, cfg.batch_split(), 1e-3)
-    sink = MlflowSink(uri, f"ui-{tmp_path.name}", "ui-link-run")  # an experiment of its own
+    sink = MlflowSink(uri, experiment, name)  # an experiment of its own
     sink.log_params(params)
-    sink.log_step_metrics([{"step": s, "train/loss": 1.0 / s} for s in (1, 2, 3)])
+    sink.log_step_metrics(records)
     sink.finish()
     run = MlflowClient(uri).get_run(sink.run_id)
     result = FitResult(
-        checkpoint_dir=str(tmp_path / "ckpt"), mlflow_run_id=sink.run_id, metrics={},
-        split=BatchSplit(8, 4, 1, 2), effective_lr=1e-3, run_name="r",
-        storage_path=str(tmp_path), tracking_uri=uri,
-        mlflow_experiment_id=run.info.experiment_id, wall_time_s=1.0,
+        checkpoint_dir="ckpt", mlflow_run_id=sink.run_id, metrics={},
+        split=BatchSplit(8, 4, 1, 2), effective_lr=1e-3, run_name="r", storage_path=".",
+        tracking_uri=uri, mlflow_experiment_id=run.info.experiment_id, wall_time_s=1.0,
     )  # fmt: skip
-    console = Console(record=True, width=300)
+    console = Console(record=True, width=400)
     for line in summary_lines(cfg, result):
         console.print(line)
-    (link,) = [
-        line.split(": ", 1)[1].strip()
-        for line in console.export_text().splitlines()
-        if line.strip().startswith("open the UI:")
-    ]
+    lines = [line.strip().split(": http", 1) for line in console.export_text().splitlines()]
+    links = {line[0]: "http" + line[1] for line in lines if len(line) == 2}
+    return params, links
+
+
+def test_the_printed_link_opens_the_model_training_view(mlflow_server, tmp_path, browser):
+    records = [{"step": s, "train/loss": 1.0 / s} for s in (1, 2, 3)]
+    uri = f"http://127.0.0.1:{mlflow_server}"
+    params, links = recorded_run(uri, f"ui-{tmp_path.name}", "ui-link-run", records)
+    link = links["open the UI"]
 
     text = page_text(browser, link, "ui-link-run")
     shot = tmp_path / "model_training_view.png"
@@ -113,37 +118,11 @@ def sections_in(text: str) -> list[str]:
 def test_the_printed_charts_link_opens_the_loss_first_and_the_table_its_batch(
     mlflow_server, tmp_path, browser
 ):
-    from rich.console import Console
-
-    from rayacc.config import TrainConfig
-    from rayacc.config.batch_split import BatchSplit
-    from rayacc.driver.fit import FitResult
-    from rayacc.observe.console import summary_lines
-    from rayacc.tracking.mlflow_sink import MlflowSink
-    from rayacc.tracking.params import contract_params
-
-    uri = f"http://127.0.0.1:{mlflow_server}"
-    cfg = TrainConfig.from_dict({"batch": {"global_batch_size": 8, "micro_batch_size": 4}})
-    sink = MlflowSink(uri, f"view-{tmp_path.name}", "loss-first-run")
-    sink.log_params(contract_params(cfg, cfg.batch_split(), 1e-3))
     keys = [f"{section}/x" for section in SECTIONS] + ["train/loss", "val/loss"]
-    sink.log_step_metrics([{"step": s, **{k: 1.0 / s for k in keys}} for s in (1, 2, 3)])
-    sink.finish()
-    run = MlflowClient(uri).get_run(sink.run_id)
-    result = FitResult(
-        checkpoint_dir=str(tmp_path / "ckpt"), mlflow_run_id=sink.run_id, metrics={},
-        split=BatchSplit(8, 4, 1, 2), effective_lr=1e-3, run_name="r",
-        storage_path=str(tmp_path), tracking_uri=uri,
-        mlflow_experiment_id=run.info.experiment_id, wall_time_s=1.0,
-    )  # fmt: skip
-    console = Console(record=True, width=400)
-    for line in summary_lines(cfg, result):
-        console.print(line)
-    (charts,) = [
-        line.split(": ", 1)[1]
-        for line in console.export_text().splitlines()
-        if line.strip().startswith("the experiment's runs charted, loss first:")
-    ]
+    records = [{"step": s, **{k: 1.0 / s for k in keys}} for s in (1, 2, 3)]
+    uri = f"http://127.0.0.1:{mlflow_server}"
+    _, links = recorded_run(uri, f"view-{tmp_path.name}", "loss-first-run", records)
+    charts = links["the experiment's runs charted, loss first"]
     browser.set_window_size(2600, 1100)  # every column of the table on the screen
 
     order = sections_in(page_text(browser, charts, "train/loss"))
