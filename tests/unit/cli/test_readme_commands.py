@@ -120,10 +120,18 @@ def test_the_summary_says_how_to_open_the_ui(uri, hint):
     # MLflow 3's UI routes in the fragment and reads its view from the fragment's query
     from urllib.parse import parse_qs, urlsplit
 
-    link = text.split("http://127.0.0.1:5000/")[-1].split()[0]
-    route, _, query = urlsplit(link).fragment.partition("?")
+    run_page, charts = (part.split()[0] for part in text.split("http://127.0.0.1:5000/")[-2:])
+    route, _, query = urlsplit(run_page).fragment.partition("?")
     assert route == "/experiments/7/runs/abc"
     assert parse_qs(query) == {"workflowType": ["machine_learning"]}
+    # and the experiment's charts in its saved view, loss first
+    route, _, query = urlsplit(charts).fragment.partition("?")
+    assert route == "/experiments/7/runs"
+    assert parse_qs(query) == {
+        "workflowType": ["machine_learning"],
+        "viewStateShareKey": ["rayacc-loss-first"],
+        "compareRunsMode": ["CHART"],
+    }
 
 
 def test_what_rayacc_writes_into_a_checkout_is_git_ignored(tmp_path, monkeypatch):
