@@ -43,6 +43,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
             )
         elif kind == "started":
             console.print(f"  trial {trial.index} started: {trial.label()}")
+        elif kind == "stopped":
+            console.print(f"  trial {trial.index} stopped early {info['stopped_early']}")
         elif kind == "finished":
             m = info.get("metrics", {})
             val = "".join(f", {part}" for part in val_parts(m))
@@ -63,7 +65,9 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     if result.parent_run_id and any(o.get("ok") for o in result.outcomes.values()):
         _print_report(console, build_report(result.tracking_uri, result.parent_run_id))
         console.print(f"  plots and CSV: rayacc report {result.parent_run_id} --out DIR")
-    return 0 if all(o.get("ok") for o in result.outcomes.values()) else 1
+    # a trial the scheduler stopped did what the sweep asked of it
+    done = [o.get("ok") or "stopped_early" in o for o in result.outcomes.values()]
+    return 0 if all(done) else 1
 
 
 def _print_report(console, report) -> None:

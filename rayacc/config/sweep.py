@@ -8,16 +8,26 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, model_validator
 
 from rayacc.config.errors import MISSING, ConfigError, ConfigIssue, issues_from_validation
 from rayacc.config.loader import read_yaml
 from rayacc.config.schema import Section, TrainConfig
 from rayacc.config.strings import CHECKED_ELSEWHERE, PLACE, string_issues
 
-__all__ = ["DISTRIBUTIONS", "RandomSearch", "SweepConfig"]
+__all__ = ["DISTRIBUTIONS", "JUDGED_METRICS", "RandomSearch", "Scheduler", "SweepConfig"]
 
 DISTRIBUTIONS = ("choice", "uniform", "loguniform", "randint")
+JUDGED_METRICS = {
+    "train/loss": "min",
+    "train/grad_norm": "min",
+    "train/samples_per_s": "max",
+    "perf/step_time_s": "min",
+    "val/loss": "min",
+    "val/accuracy": "max",
+}
+"""The step metrics a scheduler can judge trials by, and the direction that is better (a
+`val/` one at the validation steps only)."""
 
 
 class RandomSearch(Section):
@@ -28,6 +38,56 @@ class RandomSearch(Section):
     space: dict[str, dict[str, list[Any]]] = Field(default_factory=dict)
     """Key path → one distribution: {choice: [..]}, {uniform: [lo, hi]}, {loguniform: [lo, hi]}
     or {randint: [lo, hi]} (hi exclusive)."""
+
+
+class Scheduler(Section):
+    """Ray Tune's trial scheduler, which stops trials that do worse than the others at the same
+    step (`scheduler: asha` takes the defaults)."""
+
+    name: Literal["asha", "median_stopping"]
+    """`asha`: Tune's AsyncHyperBandScheduler (asynchronous successive halving, HyperBand's
+    asynchronous form); `median_stopping`: Tune's MedianStoppingRule."""
+    metric: str = "train/loss"
+    """The step metric trials are judged by: one of train/loss, train/grad_norm,
+    train/samples_per_s, perf/step_time_s, val/loss, val/accuracy."""
+    mode: Literal["min", "max"] | None = None
+    """Whether lower or higher is better; null = the metric's own (max for accuracy and
+    samples/s)."""
+    grace_period: int = Field(1, ge=1)
+    """Optimizer steps every trial runs before it can be stopped."""
+    reduction_factor: float | None = Field(None, gt=1)
+    """asha: 1/r of the trials go on at each rung (null = Tune's 4); not for median_stopping."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _by_name(cls, value: Any) -> Any:
+        return {"name": value} if isinstance(value, str) else value
+
+    def judged_as(self) -> tuple[str, str]:
+        """(metric, mode) with the mode derived where it was left out."""
+        return self.metric, self.mode or JUDGED_METRICS.get(self.metric, "min")
+
+    def issues(self) -> list[ConfigIssue]:
+        issues = []
+        if self.metric not in JUDGED_METRICS:
+            issues.append(
+                ConfigIssue(
+                    "scheduler.metric",
+                    "is not a step metric a trial reports (a trial would never be judged)",
+                    self.metric,
+                    "use one of " + ", ".join(JUDGED_METRICS),
+                )
+            )
+        if self.name == "median_stopping" and self.reduction_factor is not None:
+            issues.append(
+                ConfigIssue(
+                    "scheduler.reduction_factor",
+                    "is asha's setting; median_stopping has no rungs to reduce",
+                    self.reduction_factor,
+                    "remove it, or use name: asha",
+                )
+            )
+        return issues
 
 
 class SweepConfig(Section):
@@ -55,6 +115,10 @@ class SweepConfig(Section):
     beside what the trials measured. Instead of `grid` and `random`."""
     max_concurrent_trials: int | None = Field(None, ge=1)
     """Trials at once; null = as many as the cluster's CPUs (or GPUs) fit."""
+    scheduler: Scheduler | None = None
+    """Stop trials early (Ray Tune's schedulers by name: `asha`, `median_stopping`, or a
+    section with `name:` and its settings); null = every trial runs to its end. A stopped
+    trial's group is torn down, its MLflow run ends KILLED with `rayacc.stopped_early`."""
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike) -> tuple[SweepConfig, dict[str, Any], str]:
@@ -78,6 +142,8 @@ class SweepConfig(Section):
                 str(p),
             )
         shape_issues = sweep.plan_issues() + sweep.trial_issues() + string_issues(sweep)
+        if sweep.scheduler is not None:
+            shape_issues += sweep.scheduler.issues()
         if shape_issues:
             raise ConfigError(shape_issues, str(p))
         if sweep.plan is not None:

@@ -14,6 +14,7 @@ from typing import Any
 
 from rayacc.config import ConfigError, SweepConfig, TrainConfig
 from rayacc.config.rules import strategy_resets
+from rayacc.observe.events import RunObserver
 from rayacc.redact import redact
 from rayacc.redact.origins import register_run
 
@@ -157,8 +158,11 @@ def run_sweep(
     base: dict[str, Any],
     sweep_text: str,
     on_event: Callable[[str, Trial, dict[str, Any]], None] | None = None,
+    *,
+    trial_fit: Callable | None = None,
 ) -> SweepResult:
-    """Runs the valid trials (skipped ones are recorded on the parent run) and returns outcomes."""
+    """Runs the valid trials (skipped ones are recorded on the parent run) and returns outcomes;
+    `trial_fit`: what each trial runs in place of `fit` (same arguments and result)."""
     from ray import tune
 
     from rayacc.driver.fit import ensure_ray
@@ -184,6 +188,13 @@ def run_sweep(
     by_index = {t.index: t for t in valid}
 
     def record(kind: str, index: int, outcome: dict[str, Any]) -> None:
+        if kind == "stopped" and sweep.scheduler is not None:
+            metric, _ = sweep.scheduler.judged_as()
+            outcome = {
+                "ok": False,
+                "stopped_early": f"at step {outcome.get('step')} by {sweep.scheduler.name} "
+                f"({metric} {outcome.get(metric, math.nan):.4g})",
+            }
         if kind != "started":
             result.outcomes[index] = outcome
         if on_event:
@@ -205,11 +216,13 @@ def run_sweep(
                 },
                 # a child run is named by what it tries, as a sweep's users look for it
                 {t.index: t.label() or f"trial {t.index}" for t in valid},
+                sweep.scheduler.judged_as() if sweep.scheduler else None,
+                trial_fit,
             ),
             {"cpu": 0.01},
         ),
         param_space={"trial": tune.grid_search(list(configs))},
-        tune_config=tune.TuneConfig(max_concurrent_trials=concurrency),
+        tune_config=tune.TuneConfig(max_concurrent_trials=concurrency, scheduler=_scheduler(sweep)),
         run_config=tune.RunConfig(
             name=name,
             storage_path=_abs_storage(base_cfg.run.storage_path),
@@ -218,11 +231,14 @@ def run_sweep(
         ),
     )
     tuner.fit()
-    failed = [i for i in configs if not result.outcomes.get(i, {}).get("ok")]
+    stopped = {i: o["stopped_early"] for i, o in result.outcomes.items() if "stopped_early" in o}
+    _mark_stopped(parent, stopped)
+    failed = [i for i in configs if not result.outcomes.get(i, {}).get("ok") and i not in stopped]
     best = best_trial(result.outcomes)
     parent.set_tags(
         {
             "rayacc.failed_trials": ",".join(map(str, failed)) or "none",
+            **({"rayacc.stopped_trials": ",".join(map(str, stopped))} if stopped else {}),
             "rayacc.concurrency": concurrency,
             **({"rayacc.best_trial": by_index[best[0]].label()} if best else {}),
         }
@@ -232,6 +248,46 @@ def run_sweep(
     parent.finish("FINISHED")
     result.wall_time_s = time.perf_counter() - t0
     return result
+
+
+def _scheduler(sweep: SweepConfig):
+    """Ray Tune's scheduler the sweep names (None: none), judging trials by the optimizer step
+    (`step` in each report) so its grace period counts steps, whatever the metric's cadence."""
+    if sweep.scheduler is None:
+        return None
+    from ray.tune.schedulers import AsyncHyperBandScheduler, MedianStoppingRule
+
+    s = sweep.scheduler
+    metric, mode = s.judged_as()
+    if s.name == "asha":
+        # max_t past any run's steps: ASHA ends every trial at max_t, a cut no trial asked for
+        extra = {"reduction_factor": s.reduction_factor} if s.reduction_factor else {}
+        return AsyncHyperBandScheduler(
+            time_attr="step", metric=metric, mode=mode, grace_period=s.grace_period,
+            max_t=2**40, **extra,
+        )  # fmt: skip
+    return MedianStoppingRule(
+        time_attr="step", metric=metric, mode=mode, grace_period=s.grace_period,
+        min_samples_required=2,
+    )  # fmt: skip
+
+
+def _mark_stopped(parent, stopped: dict[int, str]) -> None:
+    """The MLflow runs of the trials a scheduler stopped: ended KILLED, tagged
+    `rayacc.stopped_early` with when and why (their process ended with them: the run could
+    not say so itself)."""
+    if not stopped or not parent.active:
+        return
+    client = parent.client
+    for index, why in stopped.items():
+        runs = client.search_runs(
+            [parent.experiment_id],
+            filter_string=f"tags.mlflow.parentRunId = '{parent.run_id}' "
+            f"and tags.`rayacc.trial` = '{index}'",
+        )
+        for run in runs:
+            client.set_tag(run.info.run_id, "rayacc.stopped_early", why)
+            client.set_terminated(run.info.run_id, "KILLED")
 
 
 def _open_parent(sweep: SweepConfig, trials: list[Trial], uri, experiment, name, sweep_text):
@@ -285,11 +341,18 @@ def _trial_function(
     parent_id: str | None,
     predicted: dict[int, dict[str, str]] | None = None,
     names: dict[int, str] | None = None,
+    judged: tuple[str, str] | None = None,
+    trial_fit: Callable | None = None,
 ):
     """Tune's function trainable: one full fit of trial `config["trial"]`, nested under the
-    sweep's parent run (tagged with what a plan predicted for it, `rayacc.predicted_*`)."""
+    sweep's parent run (tagged with what a plan predicted for it, `rayacc.predicted_*`). With
+    a scheduler (`judged`: its metric), each step that logs the metric is reported to Tune,
+    which may stop the trial there; every result carries the metric, as Tune requires."""
     predicted = predicted or {}
     from rayacc.driver.fit import fit
+
+    fit = trial_fit or fit
+    observers = [_TuneReports(judged[0])] if judged else []
 
     def trial_fn(config: dict[str, Any]) -> dict[str, Any]:
         index = config["trial"]
@@ -301,24 +364,46 @@ def _trial_function(
             tracking["run_name"] = names[index]
         cfg = cfg.model_copy(update={"tracking": cfg.tracking.model_copy(update=tracking)})
         t_start = time.perf_counter()
+        judged_now = {judged[0]: math.nan, "step": 0} if judged else {}
         try:
-            r = fit(cfg, parent_run_id=parent_id, tags=tags)
+            r = fit(cfg, parent_run_id=parent_id, tags=tags, observers=observers)
         except Exception as exc:
             return {
                 "ok": False,
                 # Tune keeps the result in the sweep's storage (result.json)
                 "error": redact(str(exc)).splitlines()[0][:500],
                 "wall_time_s": time.perf_counter() - t_start,
+                **judged_now,
             }
+        if judged:
+            last = [h for h in r.history if judged[0] in h]
+            if last:
+                judged_now = {judged[0]: float(last[-1][judged[0]]), "step": last[-1]["step"]}
         return {
             "ok": True,
             "mlflow_run_id": r.mlflow_run_id,
             "metrics": r.metrics,
             "split": r.summary.get("split"),
             "wall_time_s": r.wall_time_s,
+            **judged_now,
         }
 
     return trial_fn
+
+
+class _TuneReports(RunObserver):
+    """Reports each step's judged metric to Ray Tune from inside a trial (with the step, the
+    scheduler's clock)."""
+
+    def __init__(self, metric: str):
+        self.metric = metric
+
+    def on_step(self, record: dict[str, Any]) -> None:
+        value = record.get(self.metric)
+        if isinstance(value, int | float):
+            from ray import tune
+
+            tune.report({self.metric: float(value), "step": int(record["step"])})
 
 
 def _trial_events(record: Callable[[str, int, dict[str, Any]], None]):
@@ -335,6 +420,9 @@ def _trial_events(record: Callable[[str, int, dict[str, Any]], None]):
 
         def on_trial_complete(self, iteration, trials, trial, **info):
             outcome = trial.last_result or {}
+            if "ok" not in outcome and "step" in outcome:  # a step's report: the scheduler's stop
+                self.record("stopped", trial.config["trial"], dict(outcome))
+                return
             self.record(
                 "finished" if outcome.get("ok") else "failed", trial.config["trial"], outcome
             )

@@ -62,6 +62,8 @@ class TrialRow:
     """A trial from a plan: the planner's predicted memory per rank."""
     step_s: float = math.nan
     """The median step time of the run (steps after the first)."""
+    stopped_early: str = ""
+    """When and why the sweep's scheduler stopped the trial (`rayacc.stopped_early`)."""
     time_to_target_s: float = math.nan
     """Training-step seconds (validation, checkpoints and start-up left out) to the report's
     common loss: the whole run's when the trials agree on the final loss, else until the
@@ -86,8 +88,10 @@ class Report:
         done = [
             r for r in self.rows if r.status == "FINISHED" and math.isfinite(r.final_train_loss)
         ]
+        stopped = [f"trial {r.trial} stopped early {r.stopped_early}" for r in self.rows
+                   if r.stopped_early]  # fmt: skip
         if not done:
-            return []
+            return stopped
         losses = [r.final_train_loss for r in done]
         batches = {r.global_batch for r in done}
         spread = (max(losses) - min(losses)) / max(abs(min(losses)), 1e-12)
@@ -131,7 +135,7 @@ class Report:
             ok = [r for r in done if math.isfinite(getattr(r, attr))]
             if ok:
                 lines.append(f"{label}: " + _ranking(ok, attr, reverse=high))
-        return lines
+        return lines + stopped
 
     def plan_lines(self) -> list[str]:
         """Trials from a plan: the planner's predicted step time and memory beside the run's
@@ -249,6 +253,7 @@ def build_report(tracking_uri: str, target: str) -> Report:
             wall_time_s=float(wall) if wall else (end - run.info.start_time) / 1000,
             predicted_step_s=float(run.data.tags.get("rayacc.predicted_step_s", "nan")),
             predicted_memory_mb=float(run.data.tags.get("rayacc.predicted_memory_mb", "nan")),
+            stopped_early=run.data.tags.get("rayacc.stopped_early", ""),
         )
         report.rows.append(row)
         curves[rid] = loss, dict(_history(client, run, "perf/step_time_s"))
@@ -404,13 +409,19 @@ def write_report(
     return files
 
 
+def _trial_state(r: TrialRow) -> str:
+    if r.stopped_early:
+        return f" (stopped {r.stopped_early.split(' by ')[0]})"
+    return "" if r.status == "FINISHED" else f" ({r.status.lower()})"
+
+
 def table_rows(report: Report) -> list[dict[str, Any]]:
     """The table's cells as display strings, in COLUMNS order."""
     out = []
     for r in report.rows:
         out.append(
             {
-                "trial": r.trial + ("" if r.status == "FINISHED" else f" ({r.status.lower()})"),
+                "trial": r.trial + _trial_state(r),
                 "workers": str(r.workers),
                 "micro": str(r.micro),
                 "accum": str(r.accum),

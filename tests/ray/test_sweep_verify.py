@@ -14,7 +14,7 @@ from rayacc import TrainConfig
 from rayacc.config import SweepConfig
 from rayacc.driver.sweep import run_sweep
 from rayacc.driver.verify import verify
-from rayacc.tracking.report import build_report, write_report
+from rayacc.tracking.report import build_report, table_rows, write_report
 from tests.support.services.fits import digits_subset
 
 pytestmark = pytest.mark.ray
@@ -141,6 +141,82 @@ def test_a_sweep_over_the_strategy_with_auto_micro_batch_then_report(ray_local, 
     assert {"report/report.csv", "report/loss_vs_samples.png"} <= {
         a.path for a in client.list_artifacts(result.parent_run_id, "report")
     }
+
+
+def test_a_scheduler_stops_the_worse_trial_marks_its_run_and_the_report_names_it(
+    ray_local, tmp_path
+):
+    """Ray Tune's ASHA judges each step a trial reports and stops the worse one: its process
+    (and so its nested group) ends, its MLflow run is ended KILLED and tagged, the sweep exits
+    as done and its report says which trial stopped where. The trials run a stand-in fit that
+    logs through the same sink and observers (a group start per trial is the suite's cost)."""
+    import time
+    from types import SimpleNamespace
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    spec = {
+        "name": "asha-sweep",
+        "config": {
+            "batch": {"global_batch_size": 8, "micro_batch_size": 4},
+            "scaling": {"num_workers": 1},
+            "tracking": {"tracking_uri": uri, "experiment": "sweeps"},
+            "run": {"storage_path": str(tmp_path / "runs")},
+        },
+        "grid": {"optim.lr": [0.01, 0.0001]},  # the second learns slower: stopped at step 2
+        "max_concurrent_trials": 1,  # the first sets every rung's bar
+        "scheduler": {"name": "asha", "grace_period": 2, "reduction_factor": 2},
+    }
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    sweep, base, _ = SweepConfig.from_yaml(path)
+
+    def stand_in_fit(cfg, parent_run_id, tags, observers):
+        from rayacc.tracking import MlflowSink
+
+        sink = MlflowSink(uri, "sweeps", cfg.tracking.run_name, parent_run_id=parent_run_id)
+        sink.set_tags(tags)
+        history = []
+        for step in range(1, 9):
+            record = {"step": step, "train/loss": 2.0 / (1 + cfg.optim.lr * 100 * step)}
+            sink.log_step_metrics([record])
+            history.append(record)
+            for observer in observers:
+                observer.on_step(record)
+            time.sleep(0.3)  # the scheduler's stop reaches a trial between steps
+        sink.finish()
+        return SimpleNamespace(
+            mlflow_run_id=sink.run_id, metrics=record, summary={}, wall_time_s=1.0,
+            history=history,
+        )  # fmt: skip
+
+    events = []
+    result = run_sweep(
+        sweep, base, path.read_text(), lambda kind, t, info: events.append((kind, t.index, info)),
+        trial_fit=stand_in_fit,
+    )  # fmt: skip
+    assert [(k, i) for k, i, _ in events] == [
+        ("started", 0), ("finished", 0), ("started", 1), ("stopped", 1)
+    ], events  # fmt: skip
+    why = result.outcomes[1]["stopped_early"]
+    assert why.startswith("at step 2 by asha (train/loss "), why
+    client = MlflowClient(uri)
+    parent = client.get_run(result.parent_run_id)
+    assert parent.data.tags["rayacc.stopped_trials"] == "1"
+    assert parent.data.tags["rayacc.failed_trials"] == "none"
+    children = client.search_runs(
+        [parent.info.experiment_id],
+        filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'",
+    )
+    by_trial = {c.data.tags["rayacc.trial"]: c for c in children}
+    assert by_trial["0"].info.status == "FINISHED"
+    stopped = by_trial["1"]
+    assert stopped.info.status == "KILLED" and stopped.data.tags["rayacc.stopped_early"] == why
+    # its process ended with the stop: no step long after it
+    steps = [m.step for m in client.get_metric_history(stopped.info.run_id, "train/loss")]
+    assert 2 <= max(steps) <= 4, steps
+    report = build_report(uri, result.parent_run_id)
+    assert f"trial 1 stopped early {why}" in report.verdict(), report.verdict()
+    assert [r["trial"] for r in table_rows(report)] == ["0", "1 (stopped at step 2)"]
 
 
 @pytest.mark.parametrize(

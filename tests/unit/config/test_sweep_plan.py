@@ -116,6 +116,16 @@ def test_trials_of_a_named_base_run_each_get_a_folder_of_their_own():
             {"random": {"samples": 1, "space": {"optim.lr": {"uniform": [0.1]}}}},
             ["random.space.optim.lr", "[low, high]"],
         ),
+        ({"scheduler": "hyperopt"}, ["scheduler.name", "'asha'"]),
+        (
+            {"scheduler": {"name": "asha", "metric": "train/los"}},
+            ["scheduler.metric", "train/loss"],
+        ),
+        (
+            {"scheduler": {"name": "median_stopping", "reduction_factor": 3}},
+            ["scheduler.reduction_factor", "asha"],
+        ),
+        ({"scheduler": {"name": "asha", "grace_period": 0}}, ["scheduler.grace_period"]),
     ],
 )
 def test_every_key_and_value_a_sweep_names_is_checked_before_any_trial(tmp_path, section, names):
@@ -156,3 +166,26 @@ def test_the_best_trial_is_the_lowest_final_validation_loss_of_those_that_finish
     # no validation: by the training loss
     assert best_trial({0: {"ok": True, "metrics": {"train/loss": 0.2}}}) == (0, "train_loss", 0.2)
     assert best_trial({2: outcomes[2]}) is None
+
+
+@pytest.mark.parametrize(
+    ("given", "judged"),
+    [
+        ("asha", ("train/loss", "min")),
+        ({"name": "asha", "metric": "val/accuracy"}, ("val/accuracy", "max")),
+        (
+            {"name": "median_stopping", "metric": "train/samples_per_s"},
+            ("train/samples_per_s", "max"),
+        ),
+        ({"name": "asha", "metric": "val/accuracy", "mode": "min"}, ("val/accuracy", "min")),
+    ],
+)
+def test_a_scheduler_by_name_judges_by_its_metric_in_the_direction_left_out(given, judged):
+    from rayacc.driver.sweep import _scheduler
+
+    sweep = SweepConfig.model_validate({"config": {}, "scheduler": given})
+    assert sweep.scheduler.judged_as() == judged
+    tune_scheduler = _scheduler(sweep)
+    # Tune's own object judges the same, by the optimizer step
+    assert (tune_scheduler.metric, tune_scheduler._mode) == judged
+    assert tune_scheduler._time_attr == "step"
