@@ -15,7 +15,7 @@ from rayacc.config.loader import read_yaml
 from rayacc.config.schema import Section, TrainConfig
 from rayacc.config.strings import CHECKED_ELSEWHERE, PLACE, string_issues
 
-__all__ = ["DISTRIBUTIONS", "JUDGED_METRICS", "RandomSearch", "Scheduler", "SweepConfig"]
+__all__ = ["DISTRIBUTIONS", "JUDGED_METRICS", "RandomSearch", "Scheduler", "Search", "SweepConfig"]
 
 DISTRIBUTIONS = ("choice", "uniform", "loguniform", "randint")
 JUDGED_METRICS = {
@@ -40,23 +40,15 @@ class RandomSearch(Section):
     or {randint: [lo, hi]} (hi exclusive)."""
 
 
-class Scheduler(Section):
-    """Ray Tune's trial scheduler, which stops trials that do worse than the others at the same
-    step (`scheduler: asha` takes the defaults)."""
+class Judged(Section):
+    """What a scheduler or a search algorithm goes by; a bare name takes the defaults."""
 
-    name: Literal["asha", "median_stopping"]
-    """`asha`: Tune's AsyncHyperBandScheduler (asynchronous successive halving, HyperBand's
-    asynchronous form); `median_stopping`: Tune's MedianStoppingRule."""
     metric: str = "train/loss"
     """The step metric trials are judged by: one of train/loss, train/grad_norm,
     train/samples_per_s, perf/step_time_s, val/loss, val/accuracy."""
     mode: Literal["min", "max"] | None = None
     """Whether lower or higher is better; null = the metric's own (max for accuracy and
     samples/s)."""
-    grace_period: int = Field(1, ge=1)
-    """Optimizer steps every trial runs before it can be stopped."""
-    reduction_factor: float | None = Field(None, gt=1)
-    """asha: 1/r of the trials go on at each rung (null = Tune's 4); not for median_stopping."""
 
     @model_validator(mode="before")
     @classmethod
@@ -67,17 +59,33 @@ class Scheduler(Section):
         """(metric, mode) with the mode derived where it was left out."""
         return self.metric, self.mode or JUDGED_METRICS.get(self.metric, "min")
 
-    def issues(self) -> list[ConfigIssue]:
-        issues = []
-        if self.metric not in JUDGED_METRICS:
-            issues.append(
-                ConfigIssue(
-                    "scheduler.metric",
-                    "is not a step metric a trial reports (a trial would never be judged)",
-                    self.metric,
-                    "use one of " + ", ".join(JUDGED_METRICS),
-                )
+    def issues(self, field: str) -> list[ConfigIssue]:
+        if self.metric in JUDGED_METRICS:
+            return []
+        return [
+            ConfigIssue(
+                f"{field}.metric",
+                "is not a step metric a trial reports (a trial would never be judged)",
+                self.metric,
+                "use one of " + ", ".join(JUDGED_METRICS),
             )
+        ]
+
+
+class Scheduler(Judged):
+    """Ray Tune's trial scheduler, which stops trials that do worse than the others at the same
+    step (`scheduler: asha` takes the defaults)."""
+
+    name: Literal["asha", "median_stopping"]
+    """`asha`: Tune's AsyncHyperBandScheduler (asynchronous successive halving, HyperBand's
+    asynchronous form); `median_stopping`: Tune's MedianStoppingRule."""
+    grace_period: int = Field(1, ge=1)
+    """Optimizer steps every trial runs before it can be stopped."""
+    reduction_factor: float | None = Field(None, gt=1)
+    """asha: 1/r of the trials go on at each rung (null = Tune's 4); not for median_stopping."""
+
+    def issues(self, field: str = "scheduler") -> list[ConfigIssue]:
+        issues = super().issues(field)
         if self.name == "median_stopping" and self.reduction_factor is not None:
             issues.append(
                 ConfigIssue(
@@ -85,6 +93,35 @@ class Scheduler(Section):
                     "is asha's setting; median_stopping has no rungs to reduce",
                     self.reduction_factor,
                     "remove it, or use name: asha",
+                )
+            )
+        return issues
+
+
+SEARCH_PACKAGES = {"optuna": "optuna", "hyperopt": "hyperopt"}
+"""Each search algorithm's package (Tune wraps it; rayacc's `tune` extra brings optuna)."""
+
+
+class Search(Judged):
+    """A Ray Tune search algorithm: it proposes `random.samples` trials from `random.space`,
+    each after learning from the trials before (`search: optuna` takes the defaults)."""
+
+    name: Literal["optuna", "hyperopt"]
+    """`optuna`: Tune's OptunaSearch (TPE); `hyperopt`: Tune's HyperOptSearch."""
+
+    def issues(self, field: str = "search") -> list[ConfigIssue]:
+        import importlib.util
+
+        issues = super().issues(field)
+        package = SEARCH_PACKAGES[self.name]
+        if importlib.util.find_spec(package) is None:
+            issues.append(
+                ConfigIssue(
+                    "search.name",
+                    f"{self.name} needs the {package} package, which is not installed",
+                    self.name,
+                    f"pip install {package}"
+                    + (" (or rayacc[tune])" if package == "optuna" else ""),
                 )
             )
         return issues
@@ -115,6 +152,11 @@ class SweepConfig(Section):
     beside what the trials measured. Instead of `grid` and `random`."""
     max_concurrent_trials: int | None = Field(None, ge=1)
     """Trials at once; null = as many as the cluster's CPUs (or GPUs) fit."""
+    search: Search | None = None
+    """Propose the trials with Ray Tune's search algorithm by name (`optuna`, `hyperopt`, or a
+    section with `name:`, `metric:`, `mode:`): `random.samples` trials from `random.space`,
+    seeded by `random.seed`, instead of drawing them up front; null = the grid and the random
+    draws as listed."""
     scheduler: Scheduler | None = None
     """Stop trials early (Ray Tune's schedulers by name: `asha`, `median_stopping`, or a
     section with `name:` and its settings); null = every trial runs to its end. A stopped
@@ -142,8 +184,7 @@ class SweepConfig(Section):
                 str(p),
             )
         shape_issues = sweep.plan_issues() + sweep.trial_issues() + string_issues(sweep)
-        if sweep.scheduler is not None:
-            shape_issues += sweep.scheduler.issues()
+        shape_issues += sweep.judged_issues()
         if shape_issues:
             raise ConfigError(shape_issues, str(p))
         if sweep.plan is not None:
@@ -158,6 +199,32 @@ class SweepConfig(Section):
         if issues:
             raise ConfigError(issues, str(p))
         return sweep, dumped, str(p)
+
+    def judged_issues(self) -> list[ConfigIssue]:
+        """The scheduler's and the search's own, and what they ask of the rest: a search
+        proposes from `random.space` alone, and both go by one metric."""
+        issues = [i for part in (self.scheduler, self.search) if part for i in part.issues()]
+        if self.search is not None and (self.grid or self.from_plan):
+            issues.append(
+                ConfigIssue(
+                    "search",
+                    f"{self.search.name} proposes every trial from random.space: a grid or a "
+                    "plan's candidates beside it would not be searched",
+                    self.search.name,
+                    "move each grid key into random.space as {choice: [...]}, or remove search",
+                )
+            )
+        if self.search and self.scheduler and self.search.judged_as() != self.scheduler.judged_as():
+            issues.append(
+                ConfigIssue(
+                    "search.metric",
+                    f"the search goes by {self.search.judged_as()} and the scheduler by "
+                    f"{self.scheduler.judged_as()}: one would judge trials the other misreads",
+                    self.search.metric,
+                    "give both the same metric and mode",
+                )
+            )
+        return issues
 
     def plan_issues(self) -> list[ConfigIssue]:
         """`from_plan` needs a `plan` and replaces the grid and the random draws."""

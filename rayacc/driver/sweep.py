@@ -4,6 +4,7 @@ nested MLflow run under one parent run."""
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 import math
 import random
@@ -14,8 +15,13 @@ from typing import Any
 
 from rayacc.config import ConfigError, SweepConfig, TrainConfig
 from rayacc.config.rules import strategy_resets
-from rayacc.observe.events import RunObserver
-from rayacc.redact import redact
+from rayacc.driver.sweep_tune import (
+    scheduler_of,
+    search_of,
+    search_space,
+    trial_events,
+    trial_function,
+)
 from rayacc.redact.origins import register_run
 
 __all__ = ["SweepResult", "Trial", "best_trial", "expand_trials", "run_sweep"]
@@ -89,31 +95,45 @@ def expand_trials(sweep: SweepConfig, base: dict[str, Any]) -> list[Trial]:
         for _ in range(sweep.random.samples):
             settings.append({p: _draw(rng, d, p) for p, d in sweep.random.space.items()})
 
-    held_global = base_cfg.batch_split().global_batch_size
-    trials = []
-    for i, s in enumerate(settings):
-        data = copy.deepcopy(base)
-        # a trial of another strategy leaves the base's settings for the base's strategy
-        switched = s.get("train.strategy", base_cfg.train.strategy)
-        for path, value in {**strategy_resets(base_cfg, switched), **s}.items():
-            _set_path(data, path, value)
-        if base.get("run", {}).get("name") and "run.name" not in s:
-            # a run name means one run: each trial its own folder
-            data["run"]["name"] = f"{base['run']['name']}-trial{i}"
-        if sweep.hold == "global_batch_size":
-            data["batch"]["global_batch_size"] = held_global
-            if "batch.grad_accum_steps" not in s:
-                # derived per trial, so the global batch stays what the base says
-                data["batch"]["grad_accum_steps"] = None
-        try:
-            cfg = TrainConfig.from_dict(data)
-        except ConfigError as exc:
-            trials.append(Trial(i, s, None, "; ".join(str(issue) for issue in exc.issues)))
-            continue
-        trials.append(
-            Trial(i, s, cfg.model_dump(mode="json"), predicted=predicted[i] if predicted else {})
-        )
-    return trials
+    return [
+        trial_of(sweep, base, i, one, predicted[i] if predicted else {})
+        for i, one in enumerate(settings)
+    ]
+
+
+def trial_of(
+    sweep: SweepConfig,
+    base: dict[str, Any],
+    index: int,
+    settings: dict[str, Any],
+    predicted: dict[str, float] | None = None,
+) -> Trial:
+    """Trial `index`: `settings` applied to the base (invalid ones carry their reason)."""
+    base_cfg = TrainConfig.model_validate(base)
+    data = copy.deepcopy(base)
+    # a trial of another strategy leaves the base's settings for the base's strategy
+    switched = settings.get("train.strategy", base_cfg.train.strategy)
+    for path, value in {**strategy_resets(base_cfg, switched), **settings}.items():
+        _set_path(data, path, value)
+    if base.get("run", {}).get("name") and "run.name" not in settings:
+        # a run name means one run: each trial its own folder
+        data["run"]["name"] = f"{base['run']['name']}-trial{index}"
+    if sweep.hold == "global_batch_size":
+        data["batch"]["global_batch_size"] = base_cfg.batch_split().global_batch_size
+        if "batch.grad_accum_steps" not in settings:
+            # derived per trial, so the global batch stays what the base says
+            data["batch"]["grad_accum_steps"] = None
+    try:
+        cfg = TrainConfig.from_dict(data)
+    except ConfigError as exc:
+        return Trial(index, settings, None, "; ".join(str(issue) for issue in exc.issues))
+    return Trial(index, settings, cfg.model_dump(mode="json"), predicted=predicted or {})
+
+
+def proposal(sweep: SweepConfig, base: dict[str, Any], index: int, chosen: dict) -> Trial:
+    """Trial `index` as a search algorithm chose it, its settings in the order of the sweep's
+    space (Tune sorts them)."""
+    return trial_of(sweep, base, index, {k: chosen[k] for k in sweep.random.space})
 
 
 def _from_plan(
@@ -169,7 +189,8 @@ def run_sweep(
     from rayacc.tracking import tracking_target
 
     t0 = time.perf_counter()
-    trials = expand_trials(sweep, base)
+    # a search algorithm proposes each trial as the sweep goes
+    trials = [] if sweep.search else expand_trials(sweep, base)
     valid = [t for t in trials if t.config is not None]
     base_cfg = TrainConfig.model_validate(base)
     target = tracking_target(base_cfg.tracking.tracking_uri, base_cfg.tracking.experiment)
@@ -180,14 +201,17 @@ def run_sweep(
     for t in trials:
         if t.skip_reason and on_event:
             on_event("skipped", t, {"reason": t.skip_reason})
-    if not valid:
+    if not valid and not sweep.search:
         parent.finish("FAILED")
         return result
 
     configs = {t.index: t.config for t in valid}
     by_index = {t.index: t for t in valid}
 
-    def record(kind: str, index: int, outcome: dict[str, Any]) -> None:
+    def record(kind: str, index: int, outcome: dict[str, Any], settings=None) -> None:
+        if index not in by_index:  # proposed by the search
+            by_index[index] = Trial(index, {k: settings[k] for k in sweep.random.space})
+            result.trials.append(by_index[index])
         if kind == "stopped" and sweep.scheduler is not None:
             metric, _ = sweep.scheduler.judged_as()
             outcome = {
@@ -201,11 +225,14 @@ def run_sweep(
             on_event(kind, by_index[index], outcome)
 
     ensure_ray(base_cfg.scaling)
-    concurrency = _concurrency(sweep, [TrainConfig.model_validate(c) for c in configs.values()])
+    concurrency = _concurrency(
+        sweep, [TrainConfig.model_validate(c) for c in configs.values()] or [base_cfg]
+    )
+    judged = sweep.search or sweep.scheduler  # one metric for both (the config's rule)
     tuner = tune.Tuner(
         # the trial function only waits on its TorchTrainer, whose workers hold the resources
         tune.with_resources(
-            _trial_function(
+            trial_function(
                 configs,
                 uri,
                 parent.run_id,
@@ -216,24 +243,33 @@ def run_sweep(
                 },
                 # a child run is named by what it tries, as a sweep's users look for it
                 {t.index: t.label() or f"trial {t.index}" for t in valid},
-                sweep.scheduler.judged_as() if sweep.scheduler else None,
+                judged.judged_as() if judged else None,
                 trial_fit,
+                functools.partial(proposal, sweep, base) if sweep.search else None,
             ),
             {"cpu": 0.01},
         ),
-        param_space={"trial": tune.grid_search(list(configs))},
-        tune_config=tune.TuneConfig(max_concurrent_trials=concurrency, scheduler=_scheduler(sweep)),
+        param_space=(
+            search_space(sweep) if sweep.search else {"trial": tune.grid_search(list(configs))}
+        ),
+        tune_config=tune.TuneConfig(
+            max_concurrent_trials=concurrency,
+            scheduler=scheduler_of(sweep),
+            search_alg=search_of(sweep),
+            num_samples=sweep.random.samples if sweep.search else 1,
+        ),
         run_config=tune.RunConfig(
             name=name,
             storage_path=_abs_storage(base_cfg.run.storage_path),
-            callbacks=[_trial_events(record)],
+            callbacks=[trial_events(record)],
             verbose=0,
         ),
     )
     tuner.fit()
     stopped = {i: o["stopped_early"] for i, o in result.outcomes.items() if "stopped_early" in o}
     _mark_stopped(parent, stopped)
-    failed = [i for i in configs if not result.outcomes.get(i, {}).get("ok") and i not in stopped]
+    ended = sorted({*configs, *result.outcomes})
+    failed = [i for i in ended if not result.outcomes.get(i, {}).get("ok") and i not in stopped]
     best = best_trial(result.outcomes)
     parent.set_tags(
         {
@@ -248,28 +284,6 @@ def run_sweep(
     parent.finish("FINISHED")
     result.wall_time_s = time.perf_counter() - t0
     return result
-
-
-def _scheduler(sweep: SweepConfig):
-    """Ray Tune's scheduler the sweep names (None: none), judging trials by the optimizer step
-    (`step` in each report) so its grace period counts steps, whatever the metric's cadence."""
-    if sweep.scheduler is None:
-        return None
-    from ray.tune.schedulers import AsyncHyperBandScheduler, MedianStoppingRule
-
-    s = sweep.scheduler
-    metric, mode = s.judged_as()
-    if s.name == "asha":
-        # max_t past any run's steps: ASHA ends every trial at max_t, a cut no trial asked for
-        extra = {"reduction_factor": s.reduction_factor} if s.reduction_factor else {}
-        return AsyncHyperBandScheduler(
-            time_attr="step", metric=metric, mode=mode, grace_period=s.grace_period,
-            max_t=2**40, **extra,
-        )  # fmt: skip
-    return MedianStoppingRule(
-        time_attr="step", metric=metric, mode=mode, grace_period=s.grace_period,
-        min_samples_required=2,
-    )  # fmt: skip
 
 
 def _mark_stopped(parent, stopped: dict[int, str]) -> None:
@@ -333,108 +347,6 @@ def best_trial(outcomes: dict[int, dict[str, Any]]) -> tuple[int, str, float] | 
             index = min(scored, key=scored.get)
             return index, key.replace("/", "_"), scored[index]
     return None
-
-
-def _trial_function(
-    configs: dict[int, dict[str, Any]],
-    uri: str,
-    parent_id: str | None,
-    predicted: dict[int, dict[str, str]] | None = None,
-    names: dict[int, str] | None = None,
-    judged: tuple[str, str] | None = None,
-    trial_fit: Callable | None = None,
-):
-    """Tune's function trainable: one full fit of trial `config["trial"]`, nested under the
-    sweep's parent run (tagged with what a plan predicted for it, `rayacc.predicted_*`). With
-    a scheduler (`judged`: its metric), each step that logs the metric is reported to Tune,
-    which may stop the trial there; every result carries the metric, as Tune requires."""
-    predicted = predicted or {}
-    from rayacc.driver.fit import fit
-
-    fit = trial_fit or fit
-    observers = [_TuneReports(judged[0])] if judged else []
-
-    def trial_fn(config: dict[str, Any]) -> dict[str, Any]:
-        index = config["trial"]
-        tags = {"rayacc.trial": index, **predicted.get(index, {})}
-        cfg = TrainConfig.model_validate(configs[index])
-        # the trial's own TorchTrainer must not ask Tune for the sweep's tracking settings
-        tracking = {"tracking_uri": uri}
-        if names and index in names and not cfg.tracking.run_name:
-            tracking["run_name"] = names[index]
-        cfg = cfg.model_copy(update={"tracking": cfg.tracking.model_copy(update=tracking)})
-        t_start = time.perf_counter()
-        judged_now = {judged[0]: math.nan, "step": 0} if judged else {}
-        try:
-            r = fit(cfg, parent_run_id=parent_id, tags=tags, observers=observers)
-        except Exception as exc:
-            return {
-                "ok": False,
-                # Tune keeps the result in the sweep's storage (result.json)
-                "error": redact(str(exc)).splitlines()[0][:500],
-                "wall_time_s": time.perf_counter() - t_start,
-                **judged_now,
-            }
-        if judged:
-            last = [h for h in r.history if judged[0] in h]
-            if last:
-                judged_now = {judged[0]: float(last[-1][judged[0]]), "step": last[-1]["step"]}
-        return {
-            "ok": True,
-            "mlflow_run_id": r.mlflow_run_id,
-            "metrics": r.metrics,
-            "split": r.summary.get("split"),
-            "wall_time_s": r.wall_time_s,
-            **judged_now,
-        }
-
-    return trial_fn
-
-
-class _TuneReports(RunObserver):
-    """Reports each step's judged metric to Ray Tune from inside a trial (with the step, the
-    scheduler's clock)."""
-
-    def __init__(self, metric: str):
-        self.metric = metric
-
-    def on_step(self, record: dict[str, Any]) -> None:
-        value = record.get(self.metric)
-        if isinstance(value, int | float):
-            from ray import tune
-
-            tune.report({self.metric: float(value), "step": int(record["step"])})
-
-
-def _trial_events(record: Callable[[str, int, dict[str, Any]], None]):
-    """A Tune callback that relays trial events to `record` in the sweep driver."""
-    from ray import tune
-
-    class TrialEvents(tune.Callback):
-        # no closure over `record`: Tune pickles its callbacks with the experiment state
-        def __getstate__(self):
-            return {}
-
-        def on_trial_start(self, iteration, trials, trial, **info):
-            self.record("started", trial.config["trial"], {})
-
-        def on_trial_complete(self, iteration, trials, trial, **info):
-            outcome = trial.last_result or {}
-            if "ok" not in outcome and "step" in outcome:  # a step's report: the scheduler's stop
-                self.record("stopped", trial.config["trial"], dict(outcome))
-                return
-            self.record(
-                "finished" if outcome.get("ok") else "failed", trial.config["trial"], outcome
-            )
-
-        def on_trial_error(self, iteration, trials, trial, **info):
-            self.record(
-                "failed", trial.config["trial"], {"ok": False, "error": "the trial process failed"}
-            )
-
-    callback = TrialEvents()
-    callback.record = record
-    return callback
 
 
 def _abs_storage(storage: str | None) -> str:

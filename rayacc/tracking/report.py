@@ -92,6 +92,10 @@ class Report:
                    if r.stopped_early]  # fmt: skip
         if not done:
             return stopped
+        if len(done) == 1:  # nothing to compare it with
+            (only,) = done
+            return [f"one trial finished: trial {only.trial} ({_setting(only)}), final loss "
+                    f"{only.final_train_loss:.4f}", *stopped]  # fmt: skip
         losses = [r.final_train_loss for r in done]
         batches = {r.global_batch for r in done}
         spread = (max(losses) - min(losses)) / max(abs(min(losses)), 1e-12)

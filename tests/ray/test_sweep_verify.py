@@ -143,25 +143,57 @@ def test_a_sweep_over_the_strategy_with_auto_micro_batch_then_report(ray_local, 
     }
 
 
+def stand_in_base(tmp_path: Path, uri: str) -> dict:
+    """The base config of a sweep of `stand_in` trials (checked as any base; never trained)."""
+    return {
+        "batch": {"global_batch_size": 8, "micro_batch_size": 4},
+        "scaling": {"num_workers": 1},
+        "tracking": {"tracking_uri": uri, "experiment": "sweeps"},
+        "run": {"storage_path": str(tmp_path / "runs")},
+    }
+
+
+def stand_in(uri: str, steps: int = 8):
+    """A fit for the Tune tests: 8 steps of a loss that falls faster with the LR, logged
+    through the sink and handed to the observers as a fit does, at a pace the scheduler's stop
+    can reach between steps (a group start per trial is the suite's cost)."""
+
+    def stand_in_fit(cfg, parent_run_id, tags, observers):
+        import time
+        from types import SimpleNamespace
+
+        from rayacc.tracking import MlflowSink
+
+        sink = MlflowSink(uri, "sweeps", cfg.tracking.run_name, parent_run_id=parent_run_id)
+        sink.set_tags(tags)
+        history = []
+        for step in range(1, steps + 1):
+            record = {"step": step, "train/loss": 2.0 / (1 + cfg.optim.lr * 100 * step)}
+            sink.log_step_metrics([record])
+            history.append(record)
+            for observer in observers:
+                observer.on_step(record)
+            time.sleep(0.3)
+        sink.finish()
+        return SimpleNamespace(
+            mlflow_run_id=sink.run_id, metrics=record, summary={}, wall_time_s=1.0,
+            history=history,
+        )  # fmt: skip
+
+    return stand_in_fit
+
+
 def test_a_scheduler_stops_the_worse_trial_marks_its_run_and_the_report_names_it(
     ray_local, tmp_path
 ):
     """Ray Tune's ASHA judges each step a trial reports and stops the worse one: its process
     (and so its nested group) ends, its MLflow run is ended KILLED and tagged, the sweep exits
     as done and its report says which trial stopped where. The trials run a stand-in fit that
-    logs through the same sink and observers (a group start per trial is the suite's cost)."""
-    import time
-    from types import SimpleNamespace
-
+    logs through the same sink and observers (`stand_in`)."""
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     spec = {
         "name": "asha-sweep",
-        "config": {
-            "batch": {"global_batch_size": 8, "micro_batch_size": 4},
-            "scaling": {"num_workers": 1},
-            "tracking": {"tracking_uri": uri, "experiment": "sweeps"},
-            "run": {"storage_path": str(tmp_path / "runs")},
-        },
+        "config": stand_in_base(tmp_path, uri),
         "grid": {"optim.lr": [0.01, 0.0001]},  # the second learns slower: stopped at step 2
         "max_concurrent_trials": 1,  # the first sets every rung's bar
         "scheduler": {"name": "asha", "grace_period": 2, "reduction_factor": 2},
@@ -170,24 +202,7 @@ def test_a_scheduler_stops_the_worse_trial_marks_its_run_and_the_report_names_it
     path.write_text(yaml.safe_dump(spec))
     sweep, base, _ = SweepConfig.from_yaml(path)
 
-    def stand_in_fit(cfg, parent_run_id, tags, observers):
-        from rayacc.tracking import MlflowSink
-
-        sink = MlflowSink(uri, "sweeps", cfg.tracking.run_name, parent_run_id=parent_run_id)
-        sink.set_tags(tags)
-        history = []
-        for step in range(1, 9):
-            record = {"step": step, "train/loss": 2.0 / (1 + cfg.optim.lr * 100 * step)}
-            sink.log_step_metrics([record])
-            history.append(record)
-            for observer in observers:
-                observer.on_step(record)
-            time.sleep(0.3)  # the scheduler's stop reaches a trial between steps
-        sink.finish()
-        return SimpleNamespace(
-            mlflow_run_id=sink.run_id, metrics=record, summary={}, wall_time_s=1.0,
-            history=history,
-        )  # fmt: skip
+    stand_in_fit = stand_in(uri)
 
     events = []
     result = run_sweep(
@@ -215,8 +230,79 @@ def test_a_scheduler_stops_the_worse_trial_marks_its_run_and_the_report_names_it
     steps = [m.step for m in client.get_metric_history(stopped.info.run_id, "train/loss")]
     assert 2 <= max(steps) <= 4, steps
     report = build_report(uri, result.parent_run_id)
+    assert report.verdict()[0].startswith("one trial finished: trial 0 (")
     assert f"trial 1 stopped early {why}" in report.verdict(), report.verdict()
     assert [r["trial"] for r in table_rows(report)] == ["0", "1 (stopped at step 2)"]
+
+
+def test_a_search_algorithm_proposes_each_trial_and_each_is_a_run_of_what_it_tried(
+    ray_local, tmp_path
+):
+    """Optuna (through Tune's OptunaSearch) proposes `random.samples` trials from
+    `random.space`, each checked as a listed trial is, each a nested MLflow run named by what
+    it tried, with the final metric the search learns from; a proposal the config refuses is
+    a failed trial, named."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    spec = {
+        "name": "optuna-sweep",
+        "config": stand_in_base(tmp_path, uri),
+        "random": {
+            "samples": 4,
+            "seed": 3,
+            # 3 does not divide the global batch of 8: a proposal the rules refuse
+            "space": {
+                "optim.lr": {"loguniform": [0.0001, 0.1]},
+                "batch.micro_batch_size": {"choice": [4, 3]},
+            },
+        },
+        "search": "optuna",
+        "max_concurrent_trials": 1,
+    }
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    sweep, base, _ = SweepConfig.from_yaml(path)
+    events = []
+    result = run_sweep(
+        sweep, base, path.read_text(), lambda kind, t, info: events.append((kind, t, info)),
+        trial_fit=stand_in(uri, steps=2),
+    )  # fmt: skip
+    ended = {t.index: (kind, t.settings) for kind, t, _ in events if kind != "started"}
+    assert sorted(ended) == [0, 1, 2, 3], events
+    for kind, settings in ended.values():
+        assert set(settings) == {"optim.lr", "batch.micro_batch_size"}
+        assert 0.0001 <= settings["optim.lr"] <= 0.1
+        assert kind == ("failed" if settings["batch.micro_batch_size"] == 3 else "finished")
+    for index, (kind, _) in ended.items():
+        if kind == "failed":
+            assert "batch.micro_batch_size" in result.outcomes[index]["error"]
+    client = MlflowClient(uri)
+    children = client.search_runs(
+        [client.get_experiment_by_name("sweeps").experiment_id],
+        filter_string=f"tags.mlflow.parentRunId = '{result.parent_run_id}'",
+    )
+    ran = {int(c.data.tags["rayacc.trial"]): c for c in children}
+    assert sorted(ran) == sorted(i for i, (kind, _) in ended.items() if kind == "finished")
+    for index, child in ran.items():
+        lr = ended[index][1]["optim.lr"]
+        # named in the order of the file's space
+        assert child.info.run_name == f"batch.micro_batch_size=4, optim.lr={lr}"
+        assert child.data.metrics["train/loss"] == pytest.approx(2.0 / (1 + lr * 200))
+
+
+def test_a_search_algorithm_whose_package_is_absent_is_named_with_its_install(tmp_path):
+    import importlib.util
+
+    from rayacc.config import ConfigError
+
+    spec = {"config": {}, "search": "hyperopt", "random": {"samples": 2, "space": {
+        "optim.lr": {"uniform": [0.001, 0.1]}}}}  # fmt: skip
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    if importlib.util.find_spec("hyperopt") is not None:
+        pytest.skip("hyperopt is installed here")
+    with pytest.raises(ConfigError) as err:
+        SweepConfig.from_yaml(path)
+    assert "search.name" in str(err.value) and "pip install hyperopt" in str(err.value)
 
 
 @pytest.mark.parametrize(

@@ -181,11 +181,11 @@ def test_the_best_trial_is_the_lowest_final_validation_loss_of_those_that_finish
     ],
 )
 def test_a_scheduler_by_name_judges_by_its_metric_in_the_direction_left_out(given, judged):
-    from rayacc.driver.sweep import _scheduler
+    from rayacc.driver.sweep_tune import scheduler_of
 
     sweep = SweepConfig.model_validate({"config": {}, "scheduler": given})
     assert sweep.scheduler.judged_as() == judged
-    tune_scheduler = _scheduler(sweep)
+    tune_scheduler = scheduler_of(sweep)
     # Tune's own object judges the same, by the optimizer step
     assert (tune_scheduler.metric, tune_scheduler._mode) == judged
     assert tune_scheduler._time_attr == "step"
