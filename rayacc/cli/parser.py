@@ -62,8 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(
             "target",
             metavar="RUN_OR_CHECKPOINT",
-            type=Name("a checkpoint folder, a run's folder or a run name"),
-            help="a checkpoint folder, a run's folder (its latest checkpoint) or a run name",
+            type=Name("a checkpoint folder, a run's folder, a run name or its MLflow run id"),
+            help="a checkpoint folder, a run's folder (its latest checkpoint), a run name or the "
+            "MLflow run id its summary printed",
         )
         p.add_argument(
             "--storage",

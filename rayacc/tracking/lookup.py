@@ -46,8 +46,8 @@ _RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]*")
 
 
 def _by_run_name(client, target: str):
-    """The newest MLflow run of the rayacc run called `target` (a resume that forked its record
-    made more than one), or None."""
+    """The newest MLflow run of the rayacc run called `target` (a resume into another store
+    starts one there), or None."""
     if not _RUN_NAME.fullmatch(target):
         return None
     runs = _newest(client, f"tags.`rayacc.run_name` = '{target}'", 1)

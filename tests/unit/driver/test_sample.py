@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from rayacc.checkpoint import RunCheckpoints, write_checkpoint
+from rayacc.checkpoint.reader import CheckpointError
 from rayacc.cli import main
 from rayacc.data.common import DataError
 from rayacc.data.sources import DatasetInfo, describe_dataset
@@ -103,6 +104,16 @@ def test_rayacc_sample_finds_a_checkpoint_by_folder_run_folder_or_run_name(tmp_p
     assert find_checkpoint("shakespeare-1", storage=str(storage)) == latest
     monkeypatch.chdir(tmp_path)
     assert find_checkpoint("shakespeare-1") == latest  # ./rayacc_runs
+    # or the MLflow run id the run's summary printed: its folder records it, whatever the store
+    from rayacc.driver.runs import RUN_INFO
+
+    mlflow_id = "0123456789abcdef0123456789abcdef"
+    (storage / "shakespeare-1" / RUN_INFO).write_text(
+        json.dumps({"mlflow_run_id": mlflow_id, "status": "finished"})
+    )
+    assert find_checkpoint(mlflow_id) == latest
+    with pytest.raises(CheckpointError, match="tracked as this MLflow run"):
+        find_checkpoint("fedcba9876543210fedcba9876543210")
 
 
 def test_rayacc_sample_prints_the_prompt_and_n_tokens(tmp_path, capsys):
