@@ -19,7 +19,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     """Runs every trial of a sweep, then prints the comparison table."""
 
     from rayacc.config import SweepConfig
-    from rayacc.driver.sweep import run_sweep
+    from rayacc.driver.sweep import run_sweep, taken_run_names
     from rayacc.observe.console import styled, val_parts
     from rayacc.tracking.report import build_report
 
@@ -30,6 +30,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
     # the base as every trial shares it: its places, data, model and batch against the data
     check(TrainConfig.model_validate(base), "run")
+    taken_run_names(sweep, base)
     console.print(styled(("rayacc sweep", "bold"), f" {source}"))
 
     def on_event(kind, trial, info):

@@ -130,6 +130,32 @@ def trial_of(
     return Trial(index, settings, cfg.model_dump(mode="json"), predicted=predicted or {})
 
 
+def taken_run_names(sweep: SweepConfig, base: dict[str, Any]) -> None:
+    """A named base gives each trial a run of its own (`<name>-trial<i>`); a sweep run again
+    into the same storage would find them there and every trial would fail where it starts:
+    refused before anything runs, naming them (DataError)."""
+    from rayacc.data.common import DataError
+    from rayacc.driver.runs import _runs_in, default_storage, storage_exists
+
+    cfg = TrainConfig.model_validate(base)
+    storage = default_storage(cfg.run.storage_path)
+    if not cfg.run.name or not storage_exists(storage):
+        return
+    if sweep.search:
+        names = [f"{cfg.run.name}-trial{i}" for i in range(sweep.random.samples)]
+    else:
+        names = [t.config["run"]["name"] for t in expand_trials(sweep, base) if t.config]
+    taken = sorted(set(names) & _runs_in(storage))
+    if taken:
+        raise DataError(
+            f"run.name={cfg.run.name!r}: the trials' runs {', '.join(taken[:5])}"
+            f"{' …' if len(taken) > 5 else ''} are already in {storage} (this sweep ran "
+            "before); each trial would be refused where it starts. Fix: give the base another "
+            "run.name (an override in the sweep's `overrides`), or leave it unset for fresh "
+            "unique names"
+        )
+
+
 def proposal(sweep: SweepConfig, base: dict[str, Any], index: int, chosen: dict) -> Trial:
     """Trial `index` as a search algorithm chose it, its settings in the order of the sweep's
     space (Tune sorts them)."""

@@ -189,3 +189,24 @@ def test_a_scheduler_by_name_judges_by_its_metric_in_the_direction_left_out(give
     # Tune's own object judges the same, by the optimizer step
     assert (tune_scheduler.metric, tune_scheduler._mode) == judged
     assert tune_scheduler._time_attr == "step"
+
+
+def test_a_named_sweep_run_again_into_its_storage_is_refused_before_anything_runs(tmp_path, capsys):
+    """A named base gives each trial a run of its own; run again, the sweep would start and
+    every trial fail where it starts (exit 1 after the cluster's start): exit 2 at once."""
+    import yaml
+
+    from rayacc.cli import main
+
+    storage = tmp_path / "runs"
+    (storage / "fixed-trial1").mkdir(parents=True)  # the first sweep's second trial
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump({
+        "base": str(ROOT / "jobs/digits.yaml"),
+        "overrides": ["run.name=fixed", f"run.storage_path={storage}"],
+        "grid": {"batch.micro_batch_size": [16, 32]},
+    }))  # fmt: skip
+    assert main(["sweep", "-c", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "run.name='fixed'" in err and "fixed-trial1" in err and "Traceback" not in err, err
+    assert "fixed-trial0" not in err  # only the runs that are there
