@@ -28,6 +28,7 @@ __all__ = [
     "RunSummary",
     "default_storage",
     "list_runs",
+    "run_names",
     "storage_exists",
 ]
 
@@ -175,7 +176,7 @@ def _same_job(storage: str, identity: dict[str, Any] | None, notes: list[str]) -
 
 
 def _check_name(storage: str, name: str, resume: bool) -> None:
-    runs = _runs_in(storage)
+    runs = run_names(storage)
     if resume and name not in runs:
         known = ", ".join(sorted(runs)[:10]) or "none"
         raise DataError(
@@ -190,7 +191,7 @@ def _check_name(storage: str, name: str, resume: bool) -> None:
         )
 
 
-def _runs_in(storage: str) -> set[str]:
+def run_names(storage: str) -> set[str]:
     """The names of the run folders in `storage` (not `_data`, where shared data is staged)."""
     return {e.name for e in open_storage(storage).list() if e.kind == "dir"} - {"_data"}
 
@@ -237,7 +238,7 @@ def list_runs(storage: str) -> list[RunSummary]:
     lease; one whose info says `running` and whose driver is gone reads `unfinished` (a resume
     continues it)."""
     found = []
-    for name in _runs_in(storage):
+    for name in run_names(storage):
         try:
             info = _run_info(storage, name)
             unreadable = False

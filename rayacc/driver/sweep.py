@@ -135,7 +135,7 @@ def taken_run_names(sweep: SweepConfig, base: dict[str, Any]) -> None:
     into the same storage would find them there and every trial would fail where it starts:
     refused before anything runs, naming them (DataError)."""
     from rayacc.data.common import DataError
-    from rayacc.driver.runs import _runs_in, default_storage, storage_exists
+    from rayacc.driver.runs import default_storage, run_names, storage_exists
 
     cfg = TrainConfig.model_validate(base)
     storage = default_storage(cfg.run.storage_path)
@@ -145,7 +145,7 @@ def taken_run_names(sweep: SweepConfig, base: dict[str, Any]) -> None:
         names = [f"{cfg.run.name}-trial{i}" for i in range(sweep.random.samples)]
     else:
         names = [t.config["run"]["name"] for t in expand_trials(sweep, base) if t.config]
-    taken = sorted(set(names) & _runs_in(storage))
+    taken = sorted(set(names) & run_names(storage))
     if taken:
         raise DataError(
             f"run.name={cfg.run.name!r}: the trials' runs {', '.join(taken[:5])}"
