@@ -122,10 +122,10 @@ class FSDP(FSDPPlanning, Strategy):
         self._reduce_scatter = None  # counted reduce-scatters: their probe of the gradients
         self._tp_across = 0
         """Tensor-parallel groups whose ranks the placement put on more than one node."""
-        self._tp_per_micro: GroupCalls | None = None
-        """The tensor-parallel collectives of what repeats each window, measured once: a
-        micro-step, or a pipeline's whole window (its first, whose stages infer their shapes
-        with extra forwards, passed over)."""
+        self._tp_repeating: GroupCalls | None = None
+        """The tensor-parallel collectives of the unit that repeats, measured once: a
+        micro-step (a window repeats it `micro_steps` times), or a pipeline's whole window (its
+        first, whose stages infer their shapes with extra forwards, passed over)."""
         self._pipeline_windows = 0
         self._tp_norm = GroupCalls()
         self.replicate = replicate
@@ -273,7 +273,7 @@ class FSDP(FSDPPlanning, Strategy):
         self._pipeline_windows += 1
         counting = self.counted and self._tp_group is not None and self._pipeline_windows == 2
         with (
-            self._count_tensor_parallel(self._keep_per_micro)
+            self._count_tensor_parallel(self._keep_repeating)
             if counting
             else contextlib.nullcontext()
         ):
@@ -397,8 +397,8 @@ class FSDP(FSDPPlanning, Strategy):
             self.model.set_requires_gradient_sync(sync)
         elif self.hsdp:
             self.model.set_requires_all_reduce(sync)
-        if self.counted and self._tp_group is not None and self._tp_per_micro is None:
-            return self._count_tensor_parallel(self._keep_per_micro)
+        if self.counted and self._tp_group is not None and self._tp_repeating is None:
+            return self._count_tensor_parallel(self._keep_repeating)
         return contextlib.nullcontext()
 
     @contextlib.contextmanager
@@ -410,8 +410,8 @@ class FSDP(FSDPPlanning, Strategy):
             yield
         keep(counter.calls())
 
-    def _keep_per_micro(self, calls: GroupCalls) -> None:
-        self._tp_per_micro = calls
+    def _keep_repeating(self, calls: GroupCalls) -> None:
+        self._tp_repeating = calls
 
     def _add_norm(self, calls: GroupCalls) -> None:
         self._tp_norm = self._tp_norm + calls
@@ -468,9 +468,9 @@ class FSDP(FSDPPlanning, Strategy):
             return CommStats(sync_passes=synced)
         tp = None
         if self._tp_group is not None and self.pipeline is None:
-            tp = (self._tp_per_micro or GroupCalls()) * micro_steps + self._tp_norm
-        elif self._tp_group is not None and self._tp_per_micro is not None:
-            tp = self._tp_per_micro + self._tp_norm  # a pipeline's window, from its second on
+            tp = (self._tp_repeating or GroupCalls()) * micro_steps + self._tp_norm
+        elif self._tp_group is not None and self._tp_repeating is not None:
+            tp = self._tp_repeating + self._tp_norm  # the pipeline's window repeats once
         return CommStats(
             allreduce_calls=self._all_reduces,
             reduce_scatter_calls=self._timeline.launches,
