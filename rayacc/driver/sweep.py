@@ -335,12 +335,14 @@ def _open_parent(sweep: SweepConfig, trials: list[Trial], uri, experiment, name,
     from rayacc.tracking import MlflowSink
 
     valid = [t for t in trials if t.config is not None]
+    # a search's trials are proposed as it goes: as many as it is asked for
+    count = sweep.random.samples if sweep.search else len(valid)
     parent = MlflowSink(uri, experiment, name)
     parent.set_tags(
         {
             "rayacc.sweep": "true",
             "rayacc.hold": sweep.hold or "none",
-            "rayacc.trials": len(valid),
+            "rayacc.trials": count,
             "rayacc.skipped": len(trials) - len(valid),
         }
     )
@@ -349,8 +351,10 @@ def _open_parent(sweep: SweepConfig, trials: list[Trial], uri, experiment, name,
     parent.log_params(
         {
             "hold": sweep.hold or "none",
-            "trials": len(valid),
+            "trials": count,
             **{f"grid.{key}": values for key, values in sweep.grid.items()},
+            **({"search": sweep.search.name} if sweep.search else {}),
+            **({"scheduler": sweep.scheduler.name} if sweep.scheduler else {}),
         }
     )
     if len(valid) < len(trials):

@@ -88,14 +88,16 @@ class Report:
         done = [
             r for r in self.rows if r.status == "FINISHED" and math.isfinite(r.final_train_loss)
         ]
-        stopped = [f"trial {r.trial} stopped early {r.stopped_early}" for r in self.rows
-                   if r.stopped_early]  # fmt: skip
+        stopped = [
+            f"trial {r.trial} stopped early {r.stopped_early}" for r in self.rows if r.stopped_early
+        ]
         if not done:
             return stopped
         if len(done) == 1:  # nothing to compare it with
             (only,) = done
-            return [f"one trial finished: trial {only.trial} ({_setting(only)}), final loss "
-                    f"{only.final_train_loss:.4f}", *stopped]  # fmt: skip
+            finished = f"trial {only.trial} ({_setting(only)})"
+            loss = only.final_train_loss
+            return [f"one trial finished: {finished}, final loss {loss:.4f}", *stopped]
         losses = [r.final_train_loss for r in done]
         batches = {r.global_batch for r in done}
         spread = (max(losses) - min(losses)) / max(abs(min(losses)), 1e-12)

@@ -217,6 +217,7 @@ def test_a_scheduler_stops_the_worse_trial_marks_its_run_and_the_report_names_it
     client = MlflowClient(uri)
     parent = client.get_run(result.parent_run_id)
     assert parent.data.tags["rayacc.stopped_trials"] == "1"
+    assert parent.data.params["scheduler"] == "asha"
     assert parent.data.tags["rayacc.failed_trials"] == "none"
     children = client.search_runs(
         [parent.info.experiment_id],
@@ -280,6 +281,9 @@ def test_a_search_algorithm_proposes_each_trial_and_each_is_a_run_of_what_it_tri
         [client.get_experiment_by_name("sweeps").experiment_id],
         filter_string=f"tags.mlflow.parentRunId = '{result.parent_run_id}'",
     )
+    parent = client.get_run(result.parent_run_id).data
+    assert parent.params["search"] == "optuna" and parent.params["trials"] == "4"
+    assert parent.tags["rayacc.trials"] == "4"
     ran = {int(c.data.tags["rayacc.trial"]): c for c in children}
     assert sorted(ran) == sorted(i for i, (kind, _) in ended.items() if kind == "finished")
     for index, child in ran.items():
