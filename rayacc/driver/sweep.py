@@ -8,6 +8,7 @@ import functools
 import itertools
 import math
 import random
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from rayacc.driver.sweep_tune import (
     trial_events,
     trial_function,
 )
+from rayacc.redact import redact
 from rayacc.redact.origins import register_run
 
 __all__ = ["SweepResult", "Trial", "best_trial", "expand_trials", "run_sweep"]
@@ -245,6 +247,7 @@ def run_sweep(
                 "stopped_early": f"at step {outcome.get('step')} by {sweep.scheduler.name} "
                 f"({metric} {outcome.get(metric, math.nan):.4g})",
             }
+            _mark_stopped(parent, index, outcome["stopped_early"])
         if kind != "started":
             result.outcomes[index] = outcome
         if on_event:
@@ -293,7 +296,6 @@ def run_sweep(
     )
     tuner.fit()
     stopped = {i: o["stopped_early"] for i, o in result.outcomes.items() if "stopped_early" in o}
-    _mark_stopped(parent, stopped)
     ended = sorted({*configs, *result.outcomes})
     failed = [i for i in ended if not result.outcomes.get(i, {}).get("ok") and i not in stopped]
     best = best_trial(result.outcomes)
@@ -312,22 +314,24 @@ def run_sweep(
     return result
 
 
-def _mark_stopped(parent, stopped: dict[int, str]) -> None:
-    """The MLflow runs of the trials a scheduler stopped: ended KILLED, tagged
-    `rayacc.stopped_early` with when and why (their process ended with them: the run could
-    not say so itself)."""
-    if not stopped or not parent.active:
+def _mark_stopped(parent, index: int, why: str) -> None:
+    """The MLflow run of trial `index`, which the scheduler stopped: ended KILLED, tagged
+    `rayacc.stopped_early` with when and why, as Tune reports the stop (its process ends with
+    it: the run cannot say so itself)."""
+    if not parent.active:
         return
-    client = parent.client
-    for index, why in stopped.items():
-        runs = client.search_runs(
+    try:
+        runs = parent.client.search_runs(
             [parent.experiment_id],
             filter_string=f"tags.mlflow.parentRunId = '{parent.run_id}' "
             f"and tags.`rayacc.trial` = '{index}'",
         )
         for run in runs:
-            client.set_tag(run.info.run_id, "rayacc.stopped_early", why)
-            client.set_terminated(run.info.run_id, "KILLED")
+            parent.client.set_tag(run.info.run_id, "rayacc.stopped_early", why)
+            parent.client.set_terminated(run.info.run_id, "KILLED")
+    except Exception as exc:  # the store away: the sweep goes on, the console said it
+        said = redact(str(exc)).splitlines()[0][:200]
+        print(f"rayacc: trial {index}'s MLflow run not marked stopped: {said}", file=sys.stderr)
 
 
 def _open_parent(sweep: SweepConfig, trials: list[Trial], uri, experiment, name, sweep_text):
