@@ -53,8 +53,10 @@ def search_of(sweep: SweepConfig):
     metric, mode = sweep.search.judged_as()
     seed = sweep.random.seed
     if sweep.search.name == "optuna":
+        import optuna
         from ray.tune.search.optuna import OptunaSearch
 
+        optuna.logging.set_verbosity(optuna.logging.WARNING)  # its study's lines: not rayacc's
         return OptunaSearch(metric=metric, mode=mode, seed=seed)
     from ray.tune.search.hyperopt import HyperOptSearch
 

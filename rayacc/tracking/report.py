@@ -101,7 +101,8 @@ class Report:
         losses = [r.final_train_loss for r in done]
         batches = {r.global_batch for r in done}
         spread = (max(losses) - min(losses)) / max(abs(min(losses)), 1e-12)
-        one_batch = len(batches) == 1
+        # the same math is promised where only the split differs: one global batch, one LR
+        one_batch = len(batches) == 1 and len({r.effective_lr for r in done}) == 1
         if spread <= SAME_LOSS_RTOL:
             why = ", as expected at one global batch" if one_batch else ""
             result = (

@@ -263,7 +263,9 @@ def test_a_layout_with_no_full_window_says_so():
 
 
 # ----------------------------------------------------------------------------- sweep report
-def trial(n, *, micro, accum, workers, loss, sps, mem, t, wall, batch=256, status="FINISHED"):
+def trial(
+    n, *, micro, accum, workers, loss, sps, mem, t, wall, batch=256, status="FINISHED", lr=1e-3
+):
     from rayacc.tracking.report import TrialRow
 
     return TrialRow(
@@ -274,7 +276,7 @@ def trial(n, *, micro, accum, workers, loss, sps, mem, t, wall, batch=256, statu
         micro=micro,
         accum=accum,
         global_batch=batch,
-        effective_lr=1e-3,
+        effective_lr=lr,
         final_train_loss=loss,
         best_val=0.9,
         best_val_metric="val/accuracy",
@@ -378,8 +380,38 @@ def trial(n, *, micro, accum, workers, loss, sps, mem, t, wall, batch=256, statu
             # nothing to compare the one that finished with
             ["one trial finished: trial 0 (micro 16 × accum 16 × 1 worker(s)), final loss 0.3000"],
         ),
+        (
+            [
+                trial(
+                    0,
+                    micro=16,
+                    accum=16,
+                    workers=1,
+                    loss=0.30,
+                    sps=1000,
+                    mem=500,
+                    t=2.0,
+                    wall=9,
+                    lr=0.01,
+                ),
+                trial(
+                    1,
+                    micro=16,
+                    accum=16,
+                    workers=1,
+                    loss=0.20,
+                    sps=1000,
+                    mem=500,
+                    t=1.0,
+                    wall=9,
+                    lr=0.1,
+                ),
+            ],
+            # another LR learns otherwise: no promise of the same loss
+            ["final losses differ, 0.2000–0.3000; compared at the loss all reached"],
+        ),
     ],
-    ids=["one-batch", "two-batches", "one-batch-disagreeing", "a-failed-trial"],
+    ids=["one-batch", "two-batches", "one-batch-disagreeing", "a-failed-trial", "two-lrs"],
 )
 def test_the_report_answers_which_setting_is_fastest_for_the_same_result(rows, says):
     from rayacc.tracking.report import Report
