@@ -40,11 +40,12 @@ class LocalGradients:
         """Whether a reduction took a gradient since the last unit was closed."""
         return self._pending is not None
 
-    def close_unit(self, items: int) -> None:
-        """The gradient since the last unit was the sum over `items` loss items: |g_u|² of its
-        mean, kept on the device."""
+    def close_unit(self, items: int, factor: float = 1.0) -> None:
+        """The gradient since the last unit was the sum over `items` loss items, as the
+        backward left it: times `factor` (what multiplied the loss sums — fp16's loss scale,
+        a 1 / N known before the backward): |g_u|² of its mean, kept on the device."""
         if self._pending is not None and items > 0:
-            part = self._pending / float(items) ** 2
+            part = self._pending / (float(items) * factor) ** 2
             self._sum = part if self._sum is None else self._sum + part
             self._inverse_items += 1.0 / items
             self._units += 1
@@ -87,6 +88,9 @@ class NoiseProbe:
         """The last window's |g|² and loss items, while its sums are not yet reduced."""
         self.unit_items: list[int] | None = None
         """Loss items per micro-batch of the window running (None: counted as it goes)."""
+        self.factor = 1.0
+        """What the window's backward multiplied its loss sums by (fp16's loss scale × a scale
+        known before the backward): the reduction sees the gradients so scaled."""
         self._open = 0  # loss items since the reduction last took a gradient
 
     def riding(self) -> list[float]:
@@ -104,7 +108,7 @@ class NoiseProbe:
         closes where the reduction took its gradient."""
         self._open += counted + (self.unit_items[i] if self.unit_items else 0)
         if self.local.reduced:
-            self.local.close_unit(self._open)
+            self.local.close_unit(self._open, self.factor)
             self._open = 0
 
     def stepped(self, big_square: float | None, items: int) -> None:
@@ -140,10 +144,29 @@ class NoiseScale:
         trace, square = (a * o + (1 - a) * n for o, n in zip(old, estimate, strict=True))
         self.smoothed = (trace, square)
 
+    def move(self, global_batch: int) -> int:
+        """The batch schedule's rule (`batch.schedule: auto`): +1 doubles the global batch,
+        −1 halves it, 0 holds. The ratio decides where both estimates are positive (double at
+        B_simple ≥ 2·batch, halve below batch / 2). A negative estimate is a sign, not a
+        size: |G|² ≤ 0 with tr Σ > 0 is a gradient buried in its noise (double); tr Σ ≤ 0
+        with |G|² > 0 is noise negligible beside the gradient (B_simple ≈ 0: halve); both ≤ 0
+        is no estimate (hold)."""
+        if self.smoothed is None:
+            return 0
+        trace, square = self.smoothed
+        if trace <= 0 and square <= 0:
+            return 0
+        if square <= 0:
+            return 1
+        if trace <= 0:
+            return -1
+        value = trace / square
+        return 1 if value >= 2 * global_batch else -1 if value < global_batch / 2 else 0
+
     @property
     def value(self) -> float | None:
-        """tr Σ / |G|² smoothed; None before any estimate. Negative while the unbiased |G|²
-        is (early on, the gradient buried in its noise: the batch is far below the scale)."""
+        """tr Σ / |G|² smoothed; None before any estimate. Negative where one estimate is
+        (`move` says what each sign means)."""
         if self.smoothed is None or self.smoothed[1] == 0:
             return None
         return self.smoothed[0] / self.smoothed[1]

@@ -209,6 +209,10 @@ class AccumulationStep:
         scale = self._scale_before_backward(counts) if self._count_first else None
         self._clear_grads()
         noise_in = self.noise_probe.riding() if self.noise_probe is not None else []
+        if self.noise_probe is not None:
+            # the reduction sees the gradients of the sums times what the backward scales by
+            loss_scale = self.scaler.get_scale() if self.scaler is not None else 1.0
+            self.noise_probe.factor = (1.0 if scale is None else scale) * loss_scale
         stats = self._run_window(
             micro_batches,
             loss_fn,

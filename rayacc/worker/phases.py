@@ -74,17 +74,16 @@ class BatchPhases:
 
     def _follow(self, run) -> bool:
         """`batch.schedule: auto`: whether the global batch moves after this window — doubled
-        while the smoothed noise scale is at least twice it (or its |G|² estimate still below
-        zero: the gradient buried in noise), halved while under half, at most once in
-        `FOLLOW_EVERY` windows. Every rank holds the same estimate: all decide alike."""
+        while the smoothed noise scale is at least twice it, halved while under half (a
+        negative estimate by `NoiseScale.move`'s rule), at most once in `FOLLOW_EVERY`
+        windows. Every rank holds the same estimate: all decide alike."""
         state, value = run.state, run.telemetry.noise.value
         # a group that measures none (one rank) holds its batch: no decision on a stale value
         if not self.spec.auto or value is None or run.accumulate.noise_probe is None:
             return False
         if state.optimizer_step - state.batch_phase_step < FOLLOW_EVERY:
             return False
-        g = run.split.global_batch_size
-        move = 1 if value < 0 or value >= 2 * g else -1 if value < g / 2 else 0
+        move = run.telemetry.noise.move(run.split.global_batch_size)
         if move == 0 or not self.spec.has_phase(state.batch_phase + move):
             return False
         state.batch_phase += move

@@ -12,13 +12,19 @@ import torch
 from tests.support.ranks.engine_helpers import classification_rows, slice_rows
 
 ROWS, GLOBAL, MICRO, LR = 32, 16, 4, 0.1
-STRATEGIES = ("ddp", "fsdp every_micro_step", "fsdp window_end")
+STRATEGIES = ("ddp", "fsdp every_micro_step", "fsdp window_end", "ddp fp16")
+"""A strategy (with FSDP's sync mode), or DDP under fp16: the reduction sees loss-scaled
+gradients of the sums times 1 / N, the estimate reads them unscaled."""
+TOLERANCE = {"ddp fp16": 2e-2}
+"""fp16's forward and backward round to 11 bits: the estimates' relative tolerance (1e-6
+where the arithmetic is fp32's)."""
 
 
 def config(strategy: str):
     from rayacc.config import TrainConfig
 
-    name, _, grad_sync = strategy.partition(" ")
+    name, _, mode = strategy.partition(" ")
+    grad_sync = mode if mode != "fp16" else ""
     return TrainConfig.model_validate(
         {
             "seed": 5,
@@ -26,7 +32,7 @@ def config(strategy: str):
             "optim": {"name": "sgd", "lr": LR, "momentum": 0.0, "weight_decay": 0.0},
             "batch": {"global_batch_size": GLOBAL, "micro_batch_size": MICRO},
             "scaling": {"num_workers": 2},
-            "train": {"strategy": name},
+            "train": {"strategy": name, "precision": "fp16" if mode == "fp16" else "fp32"},
             **({"fsdp": {"grad_sync": grad_sync}} if grad_sync else {}),
         }
     )

@@ -352,9 +352,10 @@ def test_auto_doubles_above_twice_the_batch_halves_below_half_at_most_every_few_
     _, spec = _auto_spec(tmp_path)
     phases, run = _follower(spec)
 
-    def after(step: int, noise: float | None) -> int:
+    def after(step: int, noise: float | tuple[float, float] | None) -> int:
         run.state.optimizer_step = step
-        run.telemetry.noise.smoothed = None if noise is None else (noise, 1.0)
+        pair = noise if isinstance(noise, tuple) else (noise, 1.0)
+        run.telemetry.noise.smoothed = None if noise is None else pair
         moved = phases._follow(run)
         if moved:
             run.split = spec.split_at(2, run.state.batch_phase)
@@ -365,7 +366,7 @@ def test_auto_doubles_above_twice_the_batch_halves_below_half_at_most_every_few_
     assert after(FOLLOW_EVERY, 63.0) is None  # 32 ≤ 63 < 64: holds
     assert after(FOLLOW_EVERY, 64.0) == 1 and run.state.batch_phase_step == FOLLOW_EVERY
     assert after(FOLLOW_EVERY + 5, 10**6) is None  # waits for estimates at its new batch
-    assert after(2 * FOLLOW_EVERY, -5.0) == 2  # |G|² estimate below zero: noise dominates
+    assert after(2 * FOLLOW_EVERY, (5.0, -1.0)) == 2  # |G|² below zero: noise dominates
     assert after(3 * FOLLOW_EVERY, 10**6) is None  # 128 is the most
     assert after(3 * FOLLOW_EVERY, 63.9) == 1  # under half of 128
     restored = TrainState(**run.state.state_dict())  # as a checkpoint keeps it
@@ -376,6 +377,35 @@ def test_auto_doubles_above_twice_the_batch_halves_below_half_at_most_every_few_
     run.state.optimizer_step = clone.state.optimizer_step = 4 * FOLLOW_EVERY
     assert phases._follow(run) == again._follow(clone) is True
     assert run.state == clone.state and run.state.batch_phase == 0
+    # tr Σ below zero: the noise negligible beside the gradient, the batch far above the
+    # scale: halved, never doubled (the ratio alone, −5, reads as "doubled")
+    assert after(5 * FOLLOW_EVERY, (-5.0, 1.0)) == -1
+    assert after(6 * FOLLOW_EVERY, (-5.0, -1.0)) is None  # both below zero: no estimate
     run.accumulate.noise_probe = None  # a group of one rank measures none: it holds
     run.state.optimizer_step, run.telemetry.noise.smoothed = 9 * FOLLOW_EVERY, (10**6, 1.0)
     assert not phases._follow(run)
+
+
+@pytest.mark.parametrize(
+    ("trace", "square", "move"),
+    [
+        (300.0, 1.0, 1),  # B_simple 300 ≥ 2 × 100
+        (150.0, 1.0, 0),
+        (40.0, 1.0, -1),  # under half
+        (5.0, -1.0, 1),  # the gradient buried in its noise
+        (-5.0, 1.0, -1),  # the noise negligible: B_simple ≈ 0
+        (-5.0, -1.0, 0),  # no estimate
+        (0.0, 1.0, -1),
+        (0.0, 0.0, 0),
+    ],
+)
+def test_the_noise_scales_move_reads_each_estimates_sign(trace, square, move):
+    """`NoiseScale.move`: the ratio where both estimates are positive; a negative one decides
+    by its sign, not by the ratio's (tr Σ < 0 gives a negative ratio: the batch is far above
+    the scale, never below it)."""
+    from rayacc.engine.noise import NoiseScale
+
+    noise = NoiseScale()
+    assert noise.move(100) == 0  # nothing measured
+    noise.smoothed = (trace, square)
+    assert noise.move(100) == move
