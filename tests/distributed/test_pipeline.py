@@ -2,8 +2,9 @@
 units (embeddings, blocks, head; the tied head a copy of its own on the last stage), each
 schedule (GPipe, 1F1B, Interleaved1F1B, ZBV) on 2 pipeline ranks, pipeline × FSDP's data
 parallelism on 2 × 2, × HSDP's on 2 × 2 × 1 and × tensor parallelism on 2 × 1 × 2, full and
-short last windows, clipping on the norm over every stage, resumes onto other meshes, against
-the single-process full-batch steps (the combination matrix's windows and bound)."""
+short last windows, clipping on the norm over every stage, resumes onto other meshes, a user
+objective counting rows (it never sees the padding of a short window), against the
+single-process full-batch steps (the combination matrix's windows and bound)."""
 
 from __future__ import annotations
 
@@ -41,6 +42,8 @@ CASES = [
     PPCase(23, 2, 2, "gpipe", "short", model="llama tied", resume=(1, 2)),
     PPCase(24, 2, 2, "1f1b", "short", tp=2),
     PPCase(25, 2, 1, "gpipe", "full", recompute=True),
+    PPCase(26, 2, 1, "1f1b", "short", loss="rows"),
+    PPCase(27, 2, 2, "interleaved_1f1b", "short", loss="rows"),
 ]
 """One spawn of rank processes per rank count and phase: 2 (pipeline ranks alone), 4 (2 × 2),
 8 (2 × 2 × 2: fractional cores), and the resumed cases' second phase on 2."""
@@ -84,12 +87,11 @@ def test_a_pipeline_step_equals_the_full_batch_steps(results, case, record_equiv
 
 def test_the_window_counts_every_item_once(results):
     """Only the last stage counts the items and samples; the window's sums over every rank of
-    every stage count each once (a short last window its 7 rows)."""
+    every stage count each once (a short last window its 7 rows, whatever it is padded to)."""
     for case in CASES:
         got = results[case.index]
         windows = case.windows()[1:] if case.resume else case.windows()
-        # a sequence of n tokens holds n − 1 targets
-        assert got["items"] == [sum(len(s) - 1 for s in w) for w in windows], case.label()
+        assert got["items"] == [case.items(w) for w in windows], case.label()
         assert got["samples"] == [len(w) for w in windows], case.label()
 
 

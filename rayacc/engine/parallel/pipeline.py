@@ -130,7 +130,8 @@ class Pipeline:
     over the pipeline group `group`, and the schedule that runs a window through them.
 
     Every window is padded to one shape (`shape`: micro-batches × rows, each row the model's
-    `width`: a stage's buffers are sized once); padded positions carry no loss items."""
+    `width`: a stage's buffers are sized once); the loss sees each micro-batch as given, the
+    padding cut off its output."""
 
     def __init__(
         self,
@@ -173,7 +174,7 @@ class Pipeline:
         """The last window's sends and idle seconds."""
         self._counted: list[int] = []
         self._loss_fn: LossFn | None = None
-        self._batches: list[dict[str, torch.Tensor]] = []
+        self._batches: list[Batch] = []
 
     def stats(self) -> PipelineStats:
         """This rank's last window: its sends, its idle time, the schedule's idle share."""
@@ -209,8 +210,17 @@ class Pipeline:
     def _loss(self, output: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         # the schedule hands a loss a tensor: the micro-batch's index stands for its batch
         assert self._loss_fn is not None
-        batch = self._batches[int(index)]
-        total, counted = summed(self._loss_fn(_Output(output), batch))
+        i = int(index)
+        if i >= len(self._batches):
+            # a filler of a short window holds no rows: the loss never sees it (an objective
+            # that counts rows or pairs would count its padding), its gradient is zero
+            self._counted.append(0)
+            return output.float().sum() * 0.0
+        # the loss sees the micro-batch as it was given: the padding's rows and positions cut
+        # off the output (causal rows: a real position never saw the padding after it)
+        batch = self._batches[i]
+        rows, width = batch["input"].shape
+        total, counted = summed(self._loss_fn(_Output(output[:rows, :width]), batch))
         self._counted.append(counted)
         return total
 
@@ -229,7 +239,7 @@ class Pipeline:
                              f"pipeline schedule's {self.micro_steps}")  # fmt: skip
         padded = [self._padded(mb) for mb in micro_batches]
         padded += [self._empty(padded[0])] * (self.micro_steps - len(padded))
-        self._loss_fn, self._counted, self._batches = loss_fn, [], padded
+        self._loss_fn, self._counted, self._batches = loss_fn, [], list(micro_batches)
         losses: list[torch.Tensor] = []
         # equal micro-batches side by side: the schedule's split gives them back as they were
         first = 0 in self.indices

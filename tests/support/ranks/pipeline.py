@@ -12,6 +12,20 @@ import torch
 
 from tests.support.ranks import matrix as M
 
+ROW_OBJECTIVE = "tests.support.ranks.pipeline:row_mean"
+
+
+def row_mean(output: torch.Tensor, batch) -> tuple[torch.Tensor, int]:
+    """A user objective with one item a row: the mean cross-entropy of the row's targets,
+    counted as the rows it was given (a pipeline's padding rows must never reach it)."""
+    import torch.nn.functional as F
+
+    target = batch["target"]
+    keep = (target != -100).float()
+    tokens = F.cross_entropy(output.float().transpose(1, 2), target.clamp(min=0), reduction="none")
+    per_row = (tokens * keep).sum(-1) / keep.sum(-1).clamp(min=1.0)
+    return per_row.sum(), int(target.shape[0])
+
 
 @dataclass(frozen=True)
 class PPCase:
@@ -35,6 +49,9 @@ class PPCase:
     model: str = "gpt"
     """`gpt` (the built-in, 4 blocks) or `llama` (a transformers Llama of 4 layers, its head
     tied or not)."""
+    loss: str = "tokens"
+    """`tokens` (rayacc's cross-entropy) or `rows` (a user objective with one item a row:
+    `ROW_OBJECTIVE`)."""
 
     @property
     def world(self) -> int:
@@ -51,6 +68,8 @@ class PPCase:
                   "num_key_value_heads": 2, "max_position_embeddings": 4 * M.BLOCK,
                   "tie_word_embeddings": self.model == "llama tied"}  # fmt: skip
             data["model"] = {"name": "hf", "hf": {"config": hf}}
+        if self.loss == "rows":
+            data["train"].update(loss=ROW_OBJECTIVE, loss_chunk_tokens=None)
         return cfg.model_validate(data)
 
     def matrix_case(self) -> M.Case:
@@ -69,7 +88,13 @@ class PPCase:
             mesh = (f"{self.pp} × {self.replicate} × {self.dp // self.replicate} "
                     "(pp × replicate × shard)")  # fmt: skip
         model = "" if self.model == "gpt" else f"{self.model}, "
-        return f"{model}{self.schedule} {mesh}, {self.last} last{clip}{epochs}{moved}"
+        loss = ", an objective counting rows" if self.loss == "rows" else ""
+        return f"{model}{self.schedule} {mesh}, {self.last} last{clip}{epochs}{moved}{loss}"
+
+    def items(self, window: list) -> int:
+        """The window's loss items: its targets (a sequence of n tokens holds n − 1), or its
+        rows."""
+        return len(window) if self.loss == "rows" else sum(len(s) - 1 for s in window)
 
     def mesh(self, phase: str) -> tuple[int, int]:
         return self.resume if phase == "B" and self.resume else (self.pp, self.dp)
@@ -95,7 +120,7 @@ def run_phase(case: PPCase, rank: int, world: int, folder: Path, phase: str) -> 
                     tensor_parallel=tp, replicate=replicate)  # fmt: skip
     model = strategy.build(model_recipe(cfg, info), device)
     optimizer = build_optimizer(cfg.optim, model.parameters(), M.LR, device, strategy)
-    loss_fn, count = loss_functions(info, None, strategy)
+    loss_fn, count = loss_functions(info, None, strategy, cfg.train.loss)
     step = AccumulationStep(model, optimizer, strategy=strategy, max_grad_norm=case.clip)
     here = dist.get_rank(strategy.data_group) if strategy.data_group is not None else rank
     windows = M.phase_windows(strategy, model, optimizer, folder, rank, phase, case.windows(),
@@ -153,7 +178,7 @@ def run_phase(case: PPCase, rank: int, world: int, folder: Path, phase: str) -> 
     seen["calls"] = [(r.tensor_parallel_calls, r.micro_steps) for r in results]
     seen["blocks"] = len(blocks)
     seen["width"] = getattr(strategy.pipeline, "width", None)  # what each row is padded to
-    val_loss = float(val[0]) / sum(int(count(mb)) for mb in M.micro_batches(first, M.MICRO, 1, 12))
+    val_loss = float(val[0]) / case.items(first)
     return {"params": flat, "tied_gap": tied_gap, "mesh": strategy.describe_mesh(), "held": holds,
             "recomputed": recomputed,
             "val_loss": val_loss, **seen}  # fmt: skip
@@ -175,18 +200,21 @@ def reference(case: PPCase) -> tuple[torch.Tensor, torch.Tensor, list[float], fl
     flat = lambda: torch.cat([p.detach().reshape(-1).double() for p in model.parameters()])  # noqa: E731
     before, norms = flat(), []
     opt = torch.optim.SGD(model.parameters(), lr=M.LR, momentum=M.MOMENTUM)
-    for window in case.windows():
-        batch = collate_tokens(window)
+
+    def mean_loss(batch) -> torch.Tensor:
         logits = model(batch["input"])
-        loss = F.cross_entropy(logits.reshape(-1, M.VOCAB), batch["target"].reshape(-1),
+        if case.loss == "rows":
+            total, count = row_mean(logits, batch)
+            return total / count
+        return F.cross_entropy(logits.reshape(-1, M.VOCAB), batch["target"].reshape(-1),
                                ignore_index=IGNORE_INDEX)  # fmt: skip
+
+    for window in case.windows():
+        loss = mean_loss(collate_tokens(window))
         opt.zero_grad()
         loss.backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), case.clip or 1e9)))
         opt.step()
-    batch = collate_tokens(case.windows()[0])
     with torch.no_grad():
-        logits = model(batch["input"])
-    val = F.cross_entropy(logits.reshape(-1, M.VOCAB), batch["target"].reshape(-1),
-                          ignore_index=IGNORE_INDEX)  # fmt: skip
+        val = mean_loss(collate_tokens(case.windows()[0]))
     return before, flat(), norms, float(val)
