@@ -219,12 +219,24 @@ def _fixed_accumulation(strategy: str) -> str | None:
 
 def balance_rules(sections: dict) -> list:
     """`batch.balance: auto` needs a strategy whose accumulation may change within a group
-    (moving rows may change the micro-steps of a window)."""
+    (moving rows may change the micro-steps of a window), and no pipeline (its schedule is
+    built for one count of them)."""
     from rayacc.config.errors import MISSING, ConfigIssue
 
     batch, train = sections.get("batch"), sections.get("train")
     if getattr(batch, "balance", "off") != "auto" or train is None:
         return []
+    if Mesh.of_sections(train).pipeline > 1:
+        return [
+            ConfigIssue(
+                "batch.balance",
+                f"auto moves rows between ranks, which may change a window's micro-steps; "
+                f"{Mesh.key('pipeline')}={train.pipeline_parallel} sizes its stages' buffers "
+                "for one count of them",
+                MISSING,
+                f"set batch.balance=off, or {Mesh.key('pipeline')}=1",
+            )
+        ]
     if (why := _fixed_accumulation(train.strategy)) is None:
         return []
     return [

@@ -89,6 +89,18 @@ class Mesh:
         return {self.KEYS[d]: getattr(self, d) for d in degrees}
 
 
+def scheduled_micro_steps(schedule: str, pp: int, micro_steps: int) -> int:
+    """The micro-batches a window of `micro_steps` runs as under `schedule` over `pp` ranks:
+    the looped ones (interleaved 1F1B, ZBV) take a multiple of their rounds (max(1, m // P),
+    torch's rule), the next such count — the rest filled with micro-batches of no rows."""
+    if schedule not in ("interleaved_1f1b", "zbv"):
+        return micro_steps
+    m = micro_steps
+    while m % max(1, m // pp):
+        m += 1
+    return m
+
+
 def idle_share(pp: int, per_rank: int, micro_steps: int) -> float:
     """A pipeline schedule's idle share of a window, (P − 1) / (v·m + P − 1) for P stages' ranks
     running v stages each over m micro-batches (ZBV's V idles less: an upper bound there)."""

@@ -79,6 +79,10 @@ class EpochLayout:
         if self.last_window == "drop" or self.leftover_rows < self.num_workers:
             # fewer rows than ranks would leave a rank without data for the window
             return 0
+        if self.micro_batch_size == 1:
+            # micro-batches of 1 run a rank's share in as many micro-steps as it has rows: a
+            # rank one row short would run an empty one (the rows that do not divide are dropped)
+            return self.leftover_rows - self.leftover_rows % self.num_workers
         return self.leftover_rows
 
     @property
@@ -101,10 +105,16 @@ class EpochLayout:
         )
         if self.leftover_rows == 0:
             return text
-        if self.short_window_rows:
+        if self.short_window_rows == self.leftover_rows:
             return (
                 text
                 + f" + a short last window of {self.short_window_rows} rows (last_window=short)"
+            )
+        if self.short_window_rows:
+            return (
+                text + f" + a short last window of {self.short_window_rows} rows; the last "
+                f"{self.dropped_rows} rows are dropped each epoch (micro-batches of 1 over "
+                f"{self.num_workers} workers take a multiple of {self.num_workers})"
             )
         why = (
             "last_window=drop"
@@ -133,8 +143,9 @@ class EpochLayout:
         base, extra = divmod(rows, w)
         lo = start + rank * base + min(rank, extra)
         positions = np.arange(lo, lo + base + (1 if rank < extra else 0))
-        # the same number of micro-steps on every rank, whatever its share of the short window
-        k = max(1, math.ceil(base / self.micro_batch_size))
+        # the same number of micro-steps on every rank: as many as the largest share needs, so
+        # no micro-batch exceeds the micro-batch size (memory; a pipeline's buffers)
+        k = max(1, math.ceil((base + (1 if extra else 0)) / self.micro_batch_size))
         return RankWindow(step_in_epoch, list(np.array_split(positions, k)), rows)
 
     def rank_intervals(

@@ -134,6 +134,13 @@ def prepare(cfg: TrainConfig) -> Prepared:
             "prepare the data without --pack, or give the forward a `documents` argument "
             "(rayacc.models.gpt.document_mask builds the mask)"
         )
+    if info.documents and cfg.mesh.pipeline > 1:
+        raise DataError(
+            f"data.source={info.path!r} holds packed rows (`documents`), and "
+            f"{cfg.mesh.setting('pipeline')} sends each stage's activations in one shape "
+            "without each example's attention mask. Fix: prepare the data without --pack, or "
+            "set train.pipeline_parallel=1"
+        )
     if cfg.train.loss is not None:
         from rayacc.models.objective import OBJECTIVE_FIX
         from rayacc.models.registry import resolve_callable

@@ -307,26 +307,32 @@ def remaining_epochs(
     return out
 
 
-def phase_sizes(reference: BatchSplit, phases: tuple[Phase, ...]) -> list[tuple[int, int]]:
-    """(from sample, global batch) of each phase of a listed schedule, the configured one from
-    0 (`phases`: the run's, `batch_phases`)."""
-    sizes = [(0, reference.global_batch_size)]
-    return sizes + [(p.from_samples, p.global_batch_size) for p in phases]
+def phase_sizes(reference: BatchSplit, phases: tuple[Phase, ...]) -> list[tuple[int, int, int]]:
+    """(from sample, global batch, micro-batch) of each phase of a listed schedule at the
+    reference's workers, the configured one from 0 (`phases`: the run's, `batch_phases`)."""
+    sizes = [(0, reference.global_batch_size, reference.micro_batch_size)]
+    for p in phases:
+        split = p.splits.get(reference.num_workers)
+        micro = split.micro_batch_size if isinstance(split, BatchSplit) else None
+        sizes.append((p.from_samples, p.global_batch_size, micro or reference.micro_batch_size))
+    return sizes
 
 
 def windows_left(
-    length: RunLength, num_train_rows: int, state, phases: list[tuple[int, int]], ranks: int
+    length: RunLength, num_train_rows: int, state, phases: list[tuple[int, int, int]], ranks: int
 ) -> tuple[int, int | None]:
     """Optimizer steps from `state` to the run's end where the global batch follows `phases`
-    ((from_samples, global batch) in order, the first from 0) over `ranks` data-parallel ranks,
-    and the sample position where the last one starts (None: no step left)."""
+    ((from_samples, global batch, micro-batch) in order, the first from 0) over `ranks`
+    data-parallel ranks, and the sample position where the last one starts (None: no step
+    left)."""
     steps_left = (length.max_steps or 10**12) - state.optimizer_step
     samples, epoch, offset = state.samples_seen, state.epoch, state.epoch_sample_offset
     bound, steps, last = length.epoch_bound, 0, None
     while steps_left > 0 and (bound is None or epoch < bound):
-        i = max(k for k, (start, _) in enumerate(phases) if start <= samples)
-        g = phases[i][1]
-        layout = EpochLayout(num_train_rows - offset, g, 1, ranks, length.last_window)
+        i = max(k for k, (start, *_) in enumerate(phases) if start <= samples)
+        _, g, micro = phases[i]
+        # the window's rows (not its micro-batches): micro-batches of 1 drop what does not divide
+        layout = EpochLayout(num_train_rows - offset, g, micro, ranks, length.last_window)
         n = min(layout.steps_per_epoch, steps_left)
         if i + 1 < len(phases):  # the window that reaches the next phase is this phase's last
             n = min(n, -(-(phases[i + 1][0] - samples) // g))

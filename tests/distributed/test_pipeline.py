@@ -44,6 +44,8 @@ CASES = [
     PPCase(25, 2, 1, "gpipe", "full", recompute=True),
     PPCase(26, 2, 1, "1f1b", "short", loss="rows"),
     PPCase(27, 2, 2, "interleaved_1f1b", "short", loss="rows"),
+    # 5 micro-batches: torch's looped schedules take a multiple of their rounds (5 // 2)
+    PPCase(28, 2, 1, "interleaved_1f1b", "full", rows=(10, 10, 7)),
 ]
 """One spawn of rank processes per rank count and phase: 2 (pipeline ranks alone), 4 (2 × 2),
 8 (2 × 2 × 2: fractional cores), and the resumed cases' second phase on 2."""
@@ -95,7 +97,8 @@ def test_the_window_counts_every_item_once(results):
         assert got["samples"] == [len(w) for w in windows], case.label()
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if not c.resume], ids=PPCase.label)
+@pytest.mark.parametrize("case", [c for c in CASES if not c.resume and not c.rows],
+                         ids=PPCase.label)  # fmt: skip
 def test_a_stage_counts_its_sends_and_its_idle_time(results, case):
     """`comm/p2p_sends`: rank 0's tensors sent to the other rank each window — a forward
     activation per micro-batch from each stage before the last, a gradient per micro-batch

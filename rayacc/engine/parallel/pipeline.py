@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
-from rayacc.config.mesh import idle_share
+from rayacc.config.mesh import idle_share, scheduled_micro_steps
 from rayacc.config.parallel import ZBV_SHARDED
 from rayacc.engine.collectives import all_reduce
 from rayacc.engine.losses import IGNORE_INDEX, Batch, LossFn, summed
@@ -150,9 +150,11 @@ class Pipeline:
         self.schedule = schedule
         self.group = group
         self.width = width
-        self.micro_steps, self.rows = shape or (0, 0)
-        """Micro-batches per window and rows per micro-batch (0: the first window's)."""
         self.n_stages = n_stages
+        steps, self.rows = shape or (0, 0)
+        self.micro_steps = scheduled_micro_steps(schedule, n_stages // len(indices), steps)
+        """Micro-batches per window the schedule runs (0: the first window's) — a looped
+        schedule's count may hold fillers — and rows per micro-batch (0: the first window's)."""
         self.indices = list(indices)
         self.runs = list(runs)
         """Every stage's units (`pipeline_units`' indices), in stage order."""
@@ -233,7 +235,9 @@ class Pipeline:
         ranks). A window of fewer micro-batches than the schedule's is filled with ones that
         hold no loss items (a short last window: its forwards cost, its gradients are the
         window's). The tied weights' gradients are summed after a backward."""
-        self.micro_steps = self.micro_steps or len(micro_batches)
+        self.micro_steps = self.micro_steps or scheduled_micro_steps(
+            self.schedule, self.n_stages // len(self.indices), len(micro_batches)
+        )
         if len(micro_batches) > self.micro_steps:
             raise ValueError(f"a window of {len(micro_batches)} micro-batches exceeds the "
                              f"pipeline schedule's {self.micro_steps}")  # fmt: skip

@@ -49,6 +49,8 @@ class PPCase:
     model: str = "gpt"
     """`gpt` (the built-in, 4 blocks) or `llama` (a transformers Llama of 4 layers, its head
     tied or not)."""
+    rows: tuple[int, ...] = ()
+    """Rows of each window where not the matrix's (12, 12, 12 or 7)."""
     loss: str = "tokens"
     """`tokens` (rayacc's cross-entropy) or `rows` (a user objective with one item a row:
     `ROW_OBJECTIVE`)."""
@@ -89,6 +91,7 @@ class PPCase:
                     "(pp × replicate × shard)")  # fmt: skip
         model = "" if self.model == "gpt" else f"{self.model}, "
         loss = ", an objective counting rows" if self.loss == "rows" else ""
+        loss += f", windows of {'/'.join(map(str, self.rows))} rows" if self.rows else ""
         return f"{model}{self.schedule} {mesh}, {self.last} last{clip}{epochs}{moved}{loss}"
 
     def items(self, window: list) -> int:
@@ -100,7 +103,14 @@ class PPCase:
         return self.resume if phase == "B" and self.resume else (self.pp, self.dp)
 
     def windows(self) -> list:
-        return M.windows(self.matrix_case()) * self.epochs
+        if not self.rows:
+            return M.windows(self.matrix_case()) * self.epochs
+        from tests.support.ranks.engine_helpers import token_sequences
+
+        seqs = token_sequences(sum(self.rows), seed=31, min_len=2, max_len=M.BLOCK + 1)
+        seqs = [s.clamp(max=M.VOCAB - 1) for s in seqs]
+        starts = [sum(self.rows[:i]) for i in range(len(self.rows))]
+        return [seqs[a : a + n] for a, n in zip(starts, self.rows, strict=True)] * self.epochs
 
 
 def run_phase(case: PPCase, rank: int, world: int, folder: Path, phase: str) -> dict | None:

@@ -185,7 +185,9 @@ def test_the_length_under_phases_is_the_workers_walk(
     phases = [(0, first)] + [(s, dict(later)[s]) for s in starts]
     phases = [(s, max(g, ranks)) for s, g in phases]  # every rank has a row
     length = RunLength(max_steps, epochs, last_window)
-    assert windows_left(length, rows, TrainState(), phases, ranks) == _walk(
+    split = lambda g: resolve_batch_split(num_workers=ranks, global_batch_size=g, uneven=True)  # noqa: E731
+    sizes = [(s, g, split(g).micro_batch_size) for s, g in phases]
+    assert windows_left(length, rows, TrainState(), sizes, ranks) == _walk(
         length, rows, phases, ranks
     )
 
@@ -224,6 +226,19 @@ def test_balance_needs_a_strategy_whose_accumulation_may_change():
     assert "batch.balance" in str(error.value) and "gradient_accumulation_steps" in str(error.value)
     for strategy in ("ddp", "fsdp"):
         TrainConfig.from_dict({**refused, "train": {"strategy": strategy}})
+    # a pipeline's schedule is built for one count of micro-steps: a move 8 + 8 → 10 + 6
+    # needs 3 where it was built for 2 (it failed at that window)
+    piped = {
+        "batch": {"global_batch_size": 16, "micro_batch_size": 4, "balance": "auto"},
+        "scaling": {"num_workers": 4},
+        "model": {"name": "gpt", "n_layer": 2},
+        "train": {"strategy": "fsdp", "pipeline_parallel": 2},
+    }
+    with pytest.raises(ConfigError) as error:
+        TrainConfig.from_dict(piped)
+    text = str(error.value)
+    assert "batch.balance" in text and "train.pipeline_parallel=2" in text, text
+    assert "set batch.balance=off, or train.pipeline_parallel=1" in text
 
 
 AUTO = {

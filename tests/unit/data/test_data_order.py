@@ -1,5 +1,7 @@
 import numpy as np
 import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
 from rayacc.data.order import EpochLayout, epoch_order, split_train_val
 
@@ -303,3 +305,57 @@ def test_an_epoch_without_a_window_ends_a_run_that_max_steps_alone_bounds():
     # no rows: a whole epoch without a window ends the loop (no later epoch has one)
     plans = remaining_epochs(RunLength.of(cfg), 0, TrainState(), BatchSplit(16, 4, 4, 1), rank=0)
     assert plans == []
+
+
+@st.composite
+def layouts(draw):
+    """Any layout the batch split accepts: G over 1–8 workers, even or uneven shares (each
+    able to run the largest one's micro-steps), any micro-batch size, any row count."""
+    workers = draw(st.integers(1, 8))
+    g = draw(st.integers(workers, 64))
+    micro = draw(st.integers(1, g))
+    shares = ()
+    if draw(st.booleans()) and workers > 1:
+        cuts = sorted(draw(st.lists(st.integers(1, g - 1), min_size=workers - 1,
+                                    max_size=workers - 1, unique=True)))  # fmt: skip
+        shares = tuple(b - a for a, b in zip([0, *cuts], [*cuts, g], strict=True))
+        assume(min(shares) >= -(-max(shares) // micro))
+    elif g % workers:
+        shares = tuple(g // workers + (1 if r < g % workers else 0) for r in range(workers))
+        assume(min(shares) >= -(-max(shares) // micro))
+    rows = draw(st.integers(0, 5 * g))
+    last = draw(st.sampled_from(["short", "drop"]))
+    return EpochLayout(rows, g, micro, workers, last, shares)
+
+
+@settings(max_examples=400, deadline=None)
+@given(layouts())
+def test_no_micro_batch_exceeds_the_micro_batch_size_in_any_layout(layout):
+    """The micro-batch bound as a property of the layout itself: every window (full, a short
+    last one, even or uneven shares) runs the same number of micro-steps on every rank, none
+    above the full window's (a pipeline's schedule), none empty, none above
+    `micro_batch_size` (its memory); the windows take the epoch's rows in order, each once,
+    the dropped ones at the end."""
+    taken = []
+    for s in range(layout.steps_per_epoch):
+        parts = [layout.rank_window(s, r).micro_batches for r in range(layout.num_workers)]
+        steps = {len(p) for p in parts}
+        assert len(steps) == 1 and 0 < steps.pop() <= layout.micro_steps, (layout, s)
+        sizes = [len(m) for p in parts for m in p]
+        assert min(sizes) > 0 and max(sizes) <= layout.micro_batch_size, (layout, s, sizes)
+        taken.append(window_samples(layout, s))
+    got = np.concatenate(taken) if taken else np.zeros(0, dtype=np.int64)
+    kept = layout.num_rows - layout.dropped_rows
+    assert np.array_equal(got, np.arange(kept)), layout
+    assert layout.dropped_rows < max(layout.global_batch_size, 1)
+
+
+def test_a_short_window_over_ranks_it_does_not_divide_keeps_the_micro_batch():
+    """25 rows, G 16, micro 4, 2 workers: the short window's 9 rows as 5 + 4, each rank in two
+    micro-steps (one of 5 rows went past the micro-batch, and past a pipeline's buffers)."""
+    layout = EpochLayout(25, 16, 4, 2)
+    assert [len(m) for m in layout.rank_window(1, 0).micro_batches] == [3, 2]
+    assert [len(m) for m in layout.rank_window(1, 1).micro_batches] == [2, 2]
+    ones = EpochLayout(25, 16, 1, 2)
+    assert (ones.short_window_rows, ones.dropped_rows) == (8, 1)
+    assert "the last 1 rows are dropped" in ones.describe()

@@ -364,3 +364,13 @@ def test_packed_rows_reach_the_model_as_documents_or_are_refused_before_launch(t
     plain = {"name": "factory", "factory": "tests.support.models.plain_token_model:build"}
     with pytest.raises(ModelError, match="takes no `documents`.*Fix: prepare the data without"):
         prepare(TrainConfig.from_dict({**base, "model": plain}))
+    # a pipeline's stages send activations of one shape, no example's mask: refused by name
+    # before launch (its first window failed, exit 1, after the workers started)
+    piped = {**base, "model": {**gpt, "n_layer": 2},
+             "scaling": {"num_workers": 2, "cpus_per_worker": 0.5},
+             "train": {"strategy": "fsdp", "pipeline_parallel": 2}}  # fmt: skip
+    with pytest.raises(DataError) as error:
+        prepare(TrainConfig.from_dict(piped))
+    text = str(error.value)
+    assert "holds packed rows" in text and "train.pipeline_parallel=2" in text, text
+    assert "Fix: prepare the data without --pack, or set train.pipeline_parallel=1" in text
