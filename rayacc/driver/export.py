@@ -3,7 +3,8 @@ ecosystem. `--format hf` (default): a folder `transformers` loads with `from_pre
 (config.json and model.safetensors) — an `hf` model as itself, rayacc's `gpt` as the GPT-2 it is
 layer for layer; `--format safetensors`: the model's weights under rayacc's names, for any
 model; `--format peft`: a LoRA run's adapter folder (`PeftModel.from_pretrained(base, DIR)`),
-with `--merge` the adapters folded into the base, written as `--format hf` writes. The
+with `--merge` the adapters folded into the base, written as `--format hf` writes (`hf` and
+`safetensors` write a LoRA run so, merged: either format's reader would drop the adapters). The
 checkpoint is read by the one reader (`load_model`: data only, nothing outside its folder);
 the folder appears whole or not at all."""
 
@@ -62,16 +63,23 @@ def export_model(
         local = _local(checkpoint, scratch)
         model = load_model(local, factory=factory, base=base)
         vocabulary = _vocabulary(local) if fmt == "hf" or merge else None
-        if fmt == "peft":
-            model = _as_peft(model, local, base)
-            if merge:
+        # a LoRA run's model is its base with the adapters: `hf` and `safetensors` hold it
+        # merged (the adapters alone would be dropped by a reader of either), `peft` the adapter
+        adapted = _is_lora(model) and fmt != "peft"
+        if fmt == "peft" or adapted:
+            wrapper, model = model, _as_peft(model, local, base)
+            if merge or adapted:
                 _untie_adapted(model)
-                model, fmt = model.merge_and_unload(), "hf"
+                model, fmt = model.merge_and_unload(), "hf" if fmt == "peft" else fmt
+                if hasattr(wrapper, "hf"):  # an `hf` model keeps rayacc's wrapper (its names)
+                    wrapper.hf, model = model, wrapper
     dest.parent.mkdir(parents=True, exist_ok=True)
     # written beside the destination, then renamed into place: whole or not at all
     staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
     try:
         what = _write(model, staging, fmt)
+        if adapted:
+            what += "; its LoRA adapters merged into the base (--format peft: the adapter alone)"
         if fmt == "hf":
             what += _write_tokenizer(vocabulary, staging)
         env.umask_modes(staging)  # for whoever serves it, as any other file here
@@ -130,6 +138,12 @@ def _write(model, folder: Path, fmt: str) -> str:
         f"a {type(model).__name__} has no transformers counterpart (only model.name hf and gpt "
         "export as one). Fix: --format safetensors"
     )
+
+
+def _is_lora(model) -> bool:
+    from rayacc.models.lora import adapter_root
+
+    return getattr(adapter_root(model), "peft_config", {}).get("default") is not None
 
 
 def _as_peft(model, folder: str, base_folder: str | None):

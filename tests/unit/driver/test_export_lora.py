@@ -1,0 +1,91 @@
+"""A LoRA run through every export format, for each model kind: `hf` and `safetensors` hold
+the adapted model (the adapters merged: either format's reader would drop them), `peft` the
+adapter on the base it names. Each is read back as its reader reads it and gives the trained
+model's logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rayacc import TrainConfig, load_model
+from rayacc.checkpoint import write_checkpoint
+from rayacc.data.sources import DatasetInfo
+from rayacc.driver.export import export_model
+from rayacc.engine.parallel.state import WholeState
+from rayacc.models import build_model
+from tests.support.models.hf_configs import tiny_llama
+
+pytest.importorskip("peft")
+transformers = pytest.importorskip("transformers")
+
+INFO = DatasetInfo(path="t.parquet", format="tokens", num_rows=8, vocab_size=16, max_tokens=17)
+MODELS = {
+    "gpt": {"name": "gpt", "n_layer": 2, "n_head": 2, "n_embd": 16, "block_size": 16,
+            "lora": {"r": 2, "target_modules": ["qkv", "proj", "mlp.0", "head"]}},
+    "hf": {"name": "hf", "hf": {"config": tiny_llama(vocab_size=16)}, "lora": {"r": 2}},
+}  # fmt: skip
+
+
+def _trained(tmp_path, kind: str):
+    """A LoRA checkpoint whose adapters moved (lora_B away from its zero start)."""
+    config = TrainConfig.model_validate({"seed": 4, "model": MODELS[kind]})
+    trained = build_model(config, INFO)
+    with torch.no_grad():
+        for name, p in trained.named_parameters():
+            if ".lora_B." in name:
+                p.normal_(std=0.5)
+    optimizer = torch.optim.SGD([p for p in trained.parameters() if p.requires_grad], lr=0.1)
+    whole, _ = WholeState().save(trained, optimizer, tmp_path, 0)
+    checkpoint = write_checkpoint(
+        tmp_path / "checkpoint",
+        state={"train_state": {}, **whole},
+        description={"config": config.model_dump(mode="json"), "dataset": INFO.to_dict()},
+        meta={"optimizer_step": 1, "shards": None},
+    )
+    return config, trained.eval(), checkpoint
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_every_format_of_a_lora_run_reads_back_as_the_trained_model(tmp_path, kind):
+    from safetensors.torch import load_file
+
+    config, trained, checkpoint = _trained(tmp_path, kind)
+    x = torch.randint(0, 16, (2, 7))
+    with torch.no_grad():
+        expected = trained(x)
+        base = build_model(config.model_copy(update={"model": config.model.model_copy(
+            update={"lora": None})}), INFO).eval()  # fmt: skip
+        assert not torch.allclose(base(x), expected, atol=1e-3), "the adapters changed nothing"
+        assert torch.allclose(load_model(checkpoint)(x), expected, atol=1e-6)
+
+    done = export_model(str(checkpoint), str(tmp_path / "hf"), fmt="hf")
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path / "hf"), local_files_only=True
+    ).eval()
+    with torch.no_grad():
+        assert torch.allclose(theirs(input_ids=x).logits, expected, atol=1e-5)
+    assert "LoRA adapters merged" in done.what
+
+    done = export_model(str(checkpoint), str(tmp_path / "st"), fmt="safetensors")
+    assert "LoRA adapters merged" in done.what
+    saved = load_file(str(tmp_path / "st" / "model.safetensors"))
+    # rayacc's names of the model without adapters; a tied weight is written once, and an
+    # adapted head is a head of its own (its delta is not the embedding's)
+    params = dict(base.named_parameters(remove_duplicate=False))
+    shared = {n for n, p in params.items() if sum(q is p for q in params.values()) > 1}
+    if shared <= saved.keys():
+        for name in shared:
+            parent, _, leaf = name.rpartition(".")
+            setattr(base.get_submodule(parent), leaf, torch.nn.Parameter(params[name].clone()))
+    missing, unexpected = base.load_state_dict(saved, strict=False)
+    assert not unexpected and set(missing) <= shared, (missing, unexpected)
+    with torch.no_grad():
+        assert torch.allclose(base(x), expected, atol=1e-5)
+
+    export_model(str(checkpoint), str(tmp_path / "merged"), fmt="peft", merge=True)
+    merged = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path / "merged"), local_files_only=True
+    ).eval()
+    with torch.no_grad():
+        assert torch.allclose(merged(input_ids=x).logits, expected, atol=1e-5)
