@@ -66,16 +66,6 @@ def finetune_rules(sections: dict) -> list:
                 f"set {Mesh.key('tensor')}: 1 (FSDP or ZeRO-3 shard the base)",
             )
         )
-    if lora is not None and mesh.pipeline > 1:
-        issues.append(
-            ConfigIssue(
-                "model.lora",
-                f"with {mesh.setting('pipeline')}: adapters on a pipeline's stages are not "
-                "built yet",
-                MISSING,
-                f"set {Mesh.key('pipeline')}: 1 (FSDP or ZeRO-3 shard the base)",
-            )
-        )
     chunk = train is not None and "loss_chunk_tokens" in train.model_fields_set
     if chunk and train.loss is not None and train.loss_chunk_tokens:
         issues.append(

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import shutil
 import sys
 from collections.abc import Callable, Iterator
@@ -42,6 +43,15 @@ FORMAT_FIX = (
 )
 COUNTS = ("answers", "all")
 """What the mask counts: the completions / assistant turns, or every token."""
+ROLES = ("system", "user", "assistant", "tool")
+"""The roles of the field's chat format (OpenAI's, transformers' templates): every template is
+taken to know them, and whatever else it names."""
+_NAMED_ROLE = re.compile(r"""role['"]?\]?\s*==\s*['"]([A-Za-z0-9_-]+)['"]""")
+"""A role a template compares with (`message['role'] == 'ipython'`): linear, no nesting."""
+
+
+class EmptyAnswer(DataError):
+    """An assistant turn or completion with nothing in it: refused, or skipped (`skip_empty`)."""
 
 
 @dataclass(frozen=True)
@@ -90,6 +100,11 @@ class Renderer:
                 raise DataError(
                     f"{key!r} is a {type(record[key]).__name__}, not text. {FORMAT_FIX}"
                 )
+        if not record["completion"].strip():
+            raise EmptyAnswer(
+                "an empty 'completion' (it would train the end of text straight after the "
+                "prompt). Fix: give it its answer, leave the line out, or --skip-empty"
+            )
         prompt = self.bos + self.encode(record["prompt"])
         answer = self.encode(record["completion"]) + self.eos
         return prompt + answer, [0] * len(prompt) + [1] * len(answer)
@@ -107,12 +122,36 @@ def _messages(value: object) -> list[dict]:
             )
         if not isinstance(m["role"], str) or not isinstance(m["content"], str):
             raise DataError(f"messages[{i}]: 'role' and 'content' must be text. {FORMAT_FIX}")
-    if not any(m["role"] == "assistant" for m in value):
+    return value
+
+
+def template_roles(template: str) -> frozenset[str]:
+    """The roles a chat template knows: the field's (`ROLES`) and those it names."""
+    return frozenset(ROLES) | frozenset(_NAMED_ROLE.findall(template))
+
+
+def _checked_turns(messages: list[dict], roles: frozenset[str], folder: str) -> None:
+    """Every role one the template knows (one it does not would be rendered as text of no
+    one's, or dropped); an assistant turn to learn from; none of them empty."""
+    for i, m in enumerate(messages):
+        if m["role"] not in roles:
+            raise DataError(
+                f"messages[{i}]: role {m['role']!r} is not one the chat template of {folder} "
+                f"knows ({', '.join(sorted(roles))}). Fix: use one of them (an answer to learn "
+                "from is an assistant's)"
+            )
+    if not any(m["role"] == "assistant" for m in messages):
         raise DataError(
             "no assistant message: nothing to learn from. Fix: end the conversation with the "
             "assistant's answer, or leave it out"
         )
-    return value
+    for i, m in enumerate(messages):
+        if m["role"] == "assistant" and not m["content"].strip():
+            raise EmptyAnswer(
+                f"messages[{i}]: an empty assistant turn (it would train the end of turn "
+                "straight after the header). Fix: give it its answer, leave the line out, or "
+                "--skip-empty"
+            )
 
 
 def renderer(tokenizer: str | None) -> Renderer:
@@ -204,7 +243,10 @@ def _chat(tok, folder: Path) -> Callable[[list[dict]], tuple[list[int], list[int
                 "order it expects"
             ) from None
 
+    roles = template_roles(tok.chat_template if isinstance(tok.chat_template, str) else "")
+
     def chat(messages: list[dict]) -> tuple[list[int], list[int]]:
+        _checked_turns(messages, roles, folder.name)
         full = render(messages, False)
         spans, before = [], ""
         for i, m in enumerate(messages):
@@ -295,6 +337,11 @@ def prepare_instructions(
         for line_no, record in _records(path, shown):
             try:
                 ids, counted = render.example(record)
+            except EmptyAnswer as exc:
+                if not skip_empty:
+                    raise DataError(f"{shown}, line {line_no}: {exc}") from None
+                stats["skipped"] += 1
+                continue
             except DataError as exc:
                 raise DataError(f"{shown}, line {line_no}: {exc}") from None
             if count == "all":

@@ -85,6 +85,7 @@ def apply_lora(model: nn.Module, lora: LoraConfig) -> nn.Module:
 
     config = peft_config(lora, model)
     root = adapter_root(model)
+    _check_targets(root, list(config.target_modules))
     try:
         inject_adapter_in_model(config, root)
     except ValueError as exc:  # a target that matches no layer, a layer peft cannot adapt
@@ -95,6 +96,23 @@ def apply_lora(model: nn.Module, lora: LoraConfig) -> nn.Module:
     for name, p in model.named_parameters():
         p.requires_grad_(is_adapter(name))
     return model
+
+
+def _check_targets(root: nn.Module, targets: list[str]) -> None:
+    """Each target names a layer (peft's rule for a list: the name, or its ending after a
+    dot): a typo among them would otherwise adapt the rest and say nothing."""
+    names = [n for n, _ in root.named_modules() if n]
+    unmatched = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
+    if not unmatched:
+        return
+    # each linear layer by its ending: its name, or with its parent's where the name is a
+    # position in a sequence (gpt's `mlp.0`)
+    linear = sorted({".".join(n.split(".")[-2 if n.rpartition(".")[2].isdigit() else -1:])
+                     for n, m in root.named_modules() if isinstance(m, nn.Linear)})  # fmt: skip
+    raise ModelError(
+        f"model.lora.target_modules: {', '.join(map(repr, unmatched))} names no layer of the "
+        f"model. Fix: name its linear layers (by name or name ending): {', '.join(linear)}"
+    )
 
 
 def is_adapter(name: str) -> bool:

@@ -3,7 +3,8 @@ units (embeddings, blocks, head; the tied head a copy of its own on the last sta
 schedule (GPipe, 1F1B, Interleaved1F1B, ZBV) on 2 pipeline ranks, pipeline × FSDP's data
 parallelism on 2 × 2, × HSDP's on 2 × 2 × 1 and × tensor parallelism on 2 × 1 × 2, full and
 short last windows, clipping on the norm over every stage, resumes onto other meshes, a user
-objective counting rows (it never sees the padding of a short window), against the
+objective counting rows (it never sees the padding of a short window), LoRA adapters on the
+stages (the base, tied weights included, frozen), against the
 single-process full-batch steps (the combination matrix's windows and bound)."""
 
 from __future__ import annotations
@@ -46,6 +47,9 @@ CASES = [
     PPCase(27, 2, 2, "interleaved_1f1b", "short", loss="rows"),
     # 5 micro-batches: torch's looped schedules take a multiple of their rounds (5 // 2)
     PPCase(28, 2, 1, "interleaved_1f1b", "full", rows=(10, 10, 7)),
+    PPCase(29, 2, 1, "1f1b", "short", lora=True, clip=0.5),
+    PPCase(30, 2, 2, "interleaved_1f1b", "short", lora=True),
+    PPCase(31, 2, 2, "gpipe", "full", lora=True, model="llama tied"),
 ]
 """One spawn of rank processes per rank count and phase: 2 (pipeline ranks alone), 4 (2 × 2),
 8 (2 × 2 × 2: fractional cores), and the resumed cases' second phase on 2."""

@@ -410,8 +410,10 @@ def build_pipeline(
         )
     values = recipe.initial_values(probe) if recipe.initial_values and _on_meta(probe) else None
     tied_names = getattr(probe, "pipeline_tied", dict)()
-    full_shapes = {first: dict(probe.named_parameters())[first].shape
-                   for first in tied_names.values()}  # fmt: skip
+    named = dict(probe.named_parameters())
+    # a frozen tied weight (a LoRA base) keeps its start on every copy: nothing to sum
+    full_shapes = {first: named[first].shape for first in tied_names.values()
+                   if named[first].requires_grad}  # fmt: skip
     build = whole if values is not None else recipe.build
     part, stages, runs = cut_stages(build, lambda m: m.pipeline_units(), n_stages, indices)
     placement = None
@@ -436,6 +438,8 @@ def build_pipeline(
         materialize_shards(part, device, values)
     tied: dict[str, dict[str, nn.Parameter]] = {}
     for later, first in tied_names.items():
+        if first not in full_shapes:
+            continue
         for name in (first, later):
             for stage in stages:
                 p = dict(stage.named_parameters()).get(name)

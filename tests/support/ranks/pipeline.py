@@ -49,6 +49,8 @@ class PPCase:
     model: str = "gpt"
     """`gpt` (the built-in, 4 blocks) or `llama` (a transformers Llama of 4 layers, its head
     tied or not)."""
+    lora: bool = False
+    """LoRA adapters on the attention (the base frozen: the tied embedding and head too)."""
     rows: tuple[int, ...] = ()
     """Rows of each window where not the matrix's (12, 12, 12 or 7)."""
     loss: str = "tokens"
@@ -72,6 +74,8 @@ class PPCase:
             data["model"] = {"name": "hf", "hf": {"config": hf}}
         if self.loss == "rows":
             data["train"].update(loss=ROW_OBJECTIVE, loss_chunk_tokens=None)
+        if self.lora:
+            data["model"]["lora"] = {"r": 4, "alpha": 8}
         return cfg.model_validate(data)
 
     def matrix_case(self) -> M.Case:
@@ -92,6 +96,7 @@ class PPCase:
         model = "" if self.model == "gpt" else f"{self.model}, "
         loss = ", an objective counting rows" if self.loss == "rows" else ""
         loss += f", windows of {'/'.join(map(str, self.rows))} rows" if self.rows else ""
+        loss += ", LoRA" if self.lora else ""
         return f"{model}{self.schedule} {mesh}, {self.last} last{clip}{epochs}{moved}{loss}"
 
     def items(self, window: list) -> int:

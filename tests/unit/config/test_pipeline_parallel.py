@@ -49,7 +49,8 @@ REFUSED = [
     (with_(fsdp={"replicate": 4}), "fsdp.replicate",
      "does not divide the data-parallel ranks (scaling.num_workers=4 / "
      "train.pipeline_parallel=2 = 2)"),
-    (with_(model={**GPT, "lora": {"r": 4}}), "model.lora", "adapters on a pipeline's stages"),
+    (with_(batch={"global_batch_size": 32, "micro_batch_size": 4, "balance": "auto"}),
+     "batch.balance", "one count of them"),
     (with_(batch={"global_batch_size": 32, "micro_batch_size": 4,
                   "schedule": [{"from_samples": 64, "global_batch_size": 64}]}),
      "train.pipeline_parallel", "one accumulation"),

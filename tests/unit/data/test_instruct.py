@@ -160,8 +160,15 @@ BAD = [
     (
         "a role the template does not know",
         {"messages": [{"role": "robot", "content": "x"}, {"role": "assistant", "content": "y"}]},
-        "refused the messages (unknown role robot)",
+        "role 'robot' is not one the chat template of tokenizer knows "
+        "(assistant, system, tool, user)",
     ),
+    (
+        "an empty assistant turn",
+        {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": " "}]},
+        "messages[1]: an empty assistant turn",
+    ),
+    ("an empty completion", {"prompt": "q", "completion": ""}, "an empty 'completion'"),
     (
         "nothing counted after the cut",
         {
@@ -374,3 +381,44 @@ def test_packed_rows_reach_the_model_as_documents_or_are_refused_before_launch(t
     text = str(error.value)
     assert "holds packed rows" in text and "train.pipeline_parallel=2" in text, text
     assert "Fix: prepare the data without --pack, or set train.pipeline_parallel=1" in text
+
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+"""A template that renders any role (ChatML's usual form): it refuses none by itself."""
+
+
+def test_roles_are_the_templates_and_an_empty_answer_is_refused_or_skipped(tmp_path, tokenizer):
+    """A template that renders any role still knows only the field's roles and those it names:
+    `bot` beside an assistant turn, or as the only answer, is named with its line; an empty
+    assistant turn is refused, or skipped with --skip-empty and counted."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer))
+    tok.chat_template = CHATML.replace("{% for", "{% if messages[0]['role'] == 'ipython' %}"
+                                       "{% endif %}{% for")  # fmt: skip
+    tok.save_pretrained(str(tmp_path / "chatml"))
+    user, answer = {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}
+    for name, messages in (("beside", [user, {"role": "bot", "content": "x"}, answer]),
+                           ("alone", [user, {"role": "bot", "content": "x"}])):  # fmt: skip
+        src = write_jsonl(tmp_path / f"{name}.jsonl", [{"messages": [user, answer]},
+                                                       {"messages": messages}])  # fmt: skip
+        with pytest.raises(DataError) as error:
+            prepare_instructions([str(src)], str(tmp_path / f"o-{name}"),
+                                 tokenizer=str(tmp_path / "chatml"), progress=quiet)  # fmt: skip
+        text = str(error.value)
+        assert f"{name}.jsonl, line 2: messages[1]: role 'bot' is not one" in text, text
+        assert "(assistant, ipython, system, tool, user)" in text, text  # the one it names
+    empty = [user, {"role": "assistant", "content": ""}]
+    src = write_jsonl(tmp_path / "e.jsonl", [{"messages": [user, answer]}, {"messages": empty}])
+    with pytest.raises(DataError, match=r"e.jsonl, line 2: messages\[1\]: an empty assistant"):
+        prepare_instructions([str(src)], str(tmp_path / "o-e"),
+                             tokenizer=str(tmp_path / "chatml"), progress=quiet)  # fmt: skip
+    said = []
+    done = prepare_instructions(
+        [str(src)], str(tmp_path / "o-skip"), skip_empty=True,
+        tokenizer=str(tmp_path / "chatml"), progress=said.append,
+    )  # fmt: skip
+    assert (done.examples, done.skipped) == (1, 1) and "1 skipped" in said[-1], said

@@ -95,8 +95,28 @@ def test_what_fine_tuning_cannot_be_combined_with_is_named(sections, where, mess
 
 
 def test_unknown_target_modules_are_named():
-    with pytest.raises(ModelError, match="model.lora: .*Fix: model.lora.target_modules"):
+    with pytest.raises(ModelError, match="model.lora.*Fix: .*model.lora.target_modules|Fix: name"):
         build_model(cfg(lora={"target_modules": ["no_such_layer"]}), INFO)
+
+
+@pytest.mark.parametrize("model", ["gpt", "hf"])
+def test_a_typo_among_targets_is_named_with_the_models_linear_layers(model):
+    """Each target must name a layer: one typo beside a real target adapted the real one and
+    said nothing (the header listed the typo as adapted)."""
+    from tests.support.models.hf_configs import tiny_llama
+
+    real, listed = ("qkv", ["head", "mlp.0", "mlp.2", "proj", "qkv"]) if model == "gpt" else (
+        "q_proj", ["down_proj", "gate_proj", "k_proj", "lm_head", "o_proj", "q_proj",
+                   "up_proj", "v_proj"])  # fmt: skip
+    kind = {} if model == "gpt" else {"name": "hf", "hf": {"config": tiny_llama(vocab_size=16)}}
+    config = cfg(**kind, lora={"r": 2, "target_modules": [real, "nonexistent"]})
+    with pytest.raises(ModelError) as error:
+        build_model(config, INFO)
+    text = str(error.value)
+    assert "'nonexistent' names no layer" in text and repr(real) not in text, text
+    assert text.endswith(", ".join(listed)), text
+    for build in (build_model, build_on_meta):  # every target real: both builds adapt
+        build(cfg(**kind, lora={"r": 2, "target_modules": [real]}), INFO)
 
 
 BATCH = {"input": torch.randint(0, 16, (2, 5)), "target": torch.randint(0, 16, (2, 5))}
