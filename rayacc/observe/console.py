@@ -24,7 +24,7 @@ from rayacc.engine.parallel import strategy_class
 from rayacc.observe import goodput
 from rayacc.observe.events import Event, RunObserver, RunStarted
 from rayacc.observe.ranks import TIME_KEY
-from rayacc.redact import RedactingStream
+from rayacc.redact import OWN, RedactingStream
 
 __all__ = [
     "Eta",
@@ -75,6 +75,7 @@ def charts_link(experiment_id: str) -> str:
     """The UI's page (after its address) with the experiment's runs charted in its saved view,
     the loss first (a run's own page orders its sections by name). The UI opens a saved view
     only from a link without search settings: it cannot also pick the run."""
+    OWN.add(SAVED_VIEW)
     view = f"viewStateShareKey={SAVED_VIEW}&{UI_VIEW}&compareRunsMode=CHART"
     return f"#/experiments/{experiment_id}/runs?{view}"
 
@@ -352,6 +353,8 @@ def summary_lines(cfg, result) -> list[str]:
             f"wall time {result.wall_time_s:.1f} s "
             f"(training steps {result.summary.get('train_time_s', 0.0):.1f} s)"
         )
+    for own in (result.mlflow_run_id, result.mlflow_experiment_id, result.checkpoint_dir):
+        OWN.add(own)  # identifiers rayacc made: no pattern takes them for a secret
     if result.mlflow_run_id:
         uri = redact(result.tracking_uri)
         lines.append(f"MLflow run {result.mlflow_run_id} in {uri}")

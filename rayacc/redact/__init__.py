@@ -20,7 +20,7 @@ from rayacc.redact.keys import (
     Shape,
     secret_key,
 )
-from rayacc.redact.known import KNOWN, SecretValues
+from rayacc.redact.known import KNOWN, OWN, OwnValues, SecretValues
 from rayacc.redact.mask import catalogue_table, contains_secret, redact
 from rayacc.redact.shapes import CATALOGUE, credential_spans
 from rayacc.redact.stream import RedactingStream
@@ -30,10 +30,12 @@ __all__ = [
     "KEY_QUALIFIERS",
     "KNOWN",
     "MASK",
+    "OWN",
     "QUERY_KEYS",
     "SCHEME_WORDS",
     "SECRET_WORDS",
     "WEAK_WORDS",
+    "OwnValues",
     "RedactingStream",
     "SecretValues",
     "Shape",

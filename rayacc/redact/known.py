@@ -1,5 +1,6 @@
 """Secrets known by where they came from (`KNOWN`, filled by `origins`), masked by
-exact value: one automaton over them."""
+exact value: one automaton over them; rayacc's own identifiers (`OWN`), which the patterns
+never take for one."""
 
 from __future__ import annotations
 
@@ -93,3 +94,16 @@ KNOWN = SecretValues()
 """This process's secrets by origin: every boundary of the process masks them (the console's
 streams, MLflow, files), so they are one registry per process, filled before anything is
 written (`origins.register_run`)."""
+
+
+class OwnValues(SecretValues):
+    """rayacc's own identifiers (a saved view's key, a run's id, a folder it made): never a
+    secret, whatever shape they have. The patterns' second net passes over them (a view key
+    after `…Key=` read as an API key broke the link the summary exists to give); a value by
+    origin is still masked."""
+
+    MIN_LENGTH = 4
+
+
+OWN = OwnValues()
+"""This process's own identifiers, registered where rayacc makes or prints them."""

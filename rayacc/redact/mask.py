@@ -5,12 +5,16 @@ from __future__ import annotations
 from typing import Any
 
 from rayacc.redact.keys import MASK, WEAK_MIN, secret_key
-from rayacc.redact.known import KNOWN
+from rayacc.redact.known import KNOWN, OWN
 from rayacc.redact.shapes import CATALOGUE, credential_spans
 
 
 def _spans(text: str) -> list[tuple[int, int]]:
-    return KNOWN.spans(text) + credential_spans(text)
+    shaped = credential_spans(text)
+    own = OWN.spans(text) if shaped else []
+    if own:  # a pattern's match inside one of rayacc's own identifiers is none
+        shaped = [(a, b) for a, b in shaped if not any(lo <= a and b <= hi for lo, hi in own)]
+    return KNOWN.spans(text) + shaped
 
 
 def _mask_str(text: str) -> str:

@@ -592,3 +592,39 @@ def test_a_strategy_whose_start_takes_long_says_so_as_the_group_starts():
     console = Console(file=io.StringIO(), width=300)
     ProgressPrinter(console).on_event(starting)
     assert "  DeepSpeed: starting its engine" in console.file.getvalue()
+
+
+@pytest.mark.parametrize("uri", ["http://127.0.0.1:5000", "sqlite:///runs/mlflow.db"])
+def test_every_line_the_header_and_summary_print_passes_the_masker_as_it_is(tmp_path, uri):
+    """rayacc's own identifiers are never taken for secrets: each line of the header and of
+    the summary (the saved view's key after `viewStateShareKey=`, a run's id, its folders)
+    leaves the masker unchanged, through the console's stream as through `redact`; a secret
+    beside them is still masked."""
+    from rayacc.config.batch_split import BatchSplit
+    from rayacc.driver.fit import FitResult
+    from rayacc.driver.prelaunch import prepare
+    from rayacc.observe.console import run_header, summary_lines
+    from rayacc.redact import MASK, RedactingStream, redact
+
+    cfg = TrainConfig.from_yaml("jobs/digits.yaml", [])
+    result = FitResult(
+        checkpoint_dir=str(tmp_path / "runs" / "digits-20261207-191440" / "checkpoint_000012"),
+        mlflow_run_id="3f2a9c8e7b6d4e1f9a0b8c7d6e5f4a3b", metrics={"step": 12},
+        split=BatchSplit(256, 32, 4, 2), effective_lr=1e-3, run_name="digits",
+        storage_path=str(tmp_path / "runs"), tracking_uri=uri,
+        mlflow_experiment_id="817263544912345678", wall_time_s=1.0,
+    )  # fmt: skip
+    console = Console(file=io.StringIO(), width=400)
+    for line in [*run_header(cfg, prepare(cfg), "digits"), *summary_lines(cfg, result)]:
+        console.print(line)
+    lines = console.file.getvalue().splitlines()
+    assert any("viewStateShareKey=rayacc-loss-first&" in line for line in lines), lines
+    changed = [line for line in lines if redact(line) != line]
+    assert not changed, changed
+    out = io.StringIO()
+    stream = RedactingStream(out)
+    stream.write("\n".join(lines) + "\n")
+    stream.flush()
+    assert out.getvalue().splitlines() == lines
+    secret = "api_key=" + "Zq7" * 12
+    assert redact(f"{lines[-1]} {secret}") == f"{lines[-1]} api_key={MASK}"
