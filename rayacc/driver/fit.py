@@ -20,7 +20,6 @@ from typing import Any
 
 from rayacc import env
 from rayacc.checkpoint.lease import RunLease
-from rayacc.checkpoint.reader import CheckpointError
 from rayacc.cluster import capacity
 from rayacc.cluster.capacity import NodeWatch
 from rayacc.config import TrainConfig
@@ -404,10 +403,10 @@ def _fit_holding(
     goodput = Goodput(started=phases["called"], checked=phases["checked"])
     try:
         result = running.relay([history, goodput, *([tracked] if tracked else []), *observers])
-    except (TrainingError, CheckpointError):
-        if tracked is not None:
-            tracked.close("FAILED")
-        loc.record(status="failed", mlflow_run_id=tracked.run_id if tracked else None)
+    except BaseException as exc:
+        # every exit after the run opened ends it (a worker's error of any kind, Ctrl-C)
+        status = tracked.ended_by(exc) if tracked is not None else "FAILED"
+        loc.record(status=status.lower(), mlflow_run_id=tracked.run_id if tracked else None)
         raise
     phases["trained"] = time.time()
     retain(loc.storage, loc.name, cfg.run.keep_checkpoints)  # every rank's part is in storage

@@ -193,6 +193,23 @@ class TrackedRun(RunObserver):
                 self.sink.log_artifact(loss_curve)
         self.sink.finish(status)
 
+    def ended_by(self, exc: BaseException) -> str:
+        """The run ended by `exc` (any exit after the run opened: a user's mistake a worker
+        found, a worker's crash, Ctrl-C): `KILLED` for an interrupt, `FAILED` otherwise, the
+        reason a tag (`rayacc.failure`, masked as every tag). The status it set."""
+        status = "KILLED" if isinstance(exc, KeyboardInterrupt | SystemExit) else "FAILED"
+        reason = f"{type(exc).__name__}: {exc}".strip().rstrip(":")
+        try:
+            self.sink.set_tags({FAILURE_TAG: reason[-7000:]})
+            self.sink.finish(status)
+        except Exception:  # the store's own failure must not hide the run's
+            pass
+        return status
+
+
+FAILURE_TAG = "rayacc.failure"
+"""Why a run ended FAILED or KILLED: the error's kind and its message."""
+
 
 def _entries(tag: str | None, sep: str) -> list[str]:
     return [e for e in (tag or "").split(sep) if e]

@@ -524,3 +524,46 @@ def test_each_experiment_gets_the_saved_view_once_and_a_changed_one_stays(tmp_pa
     client.set_experiment_tag(mine, VIEW_TAG, "changed in the UI")
     MlflowSink(uri, "mine", "again").finish()
     assert client.get_experiment(mine).tags[VIEW_TAG] == "changed in the UI"
+
+
+@pytest.mark.parametrize(
+    ("exit_", "status"),
+    [
+        ("a user's mistake a worker found (rc 2)", "FAILED"),
+        ("a training error (rc 1)", "FAILED"),
+        ("a worker's crash (rc 1)", "FAILED"),
+        ("Ctrl-C (rc 130)", "KILLED"),
+        ("the process told to exit", "KILLED"),
+    ],
+)
+def test_every_exit_after_the_run_opens_ends_it_with_its_reason(tmp_path, exit_, status):
+    """A run the workers failed in stayed RUNNING with no word of why: each exit ends it
+    FAILED or KILLED, the reason a tag (masked as every tag), its status what `fit` records in
+    the run's folder."""
+    from rayacc.config.batch_split import BatchSplit
+    from rayacc.driver.fit import TrainingError
+    from rayacc.models import ModelError
+    from rayacc.redact import MASK
+    from rayacc.tracking import RunIdentity, open_tracking
+    from rayacc.tracking.run import FAILURE_TAG
+
+    secret = "ghp_" + "A1b2C3d4E5" * 4
+    raised = {
+        "a user's mistake a worker found (rc 2)": ModelError(
+            f"train.loss='m:f' returned a tensor of shape (2,), token {secret}"),
+        "a training error (rc 1)": TrainingError("the worker group failed 3 times"),
+        "a worker's crash (rc 1)": RuntimeError("CUDA error: an illegal memory access"),
+        "Ctrl-C (rc 130)": KeyboardInterrupt(),
+        "the process told to exit": SystemExit(143),
+    }[exit_]  # fmt: skip
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    cfg = TrainConfig.from_dict({"batch": {"global_batch_size": 32, "micro_batch_size": 4},
+                                 "tracking": {"tracking_uri": uri}})  # fmt: skip
+    identity = RunIdentity("run", str(tmp_path), BatchSplit(32, 4, 4, 2), 0.1, "layout", 10)
+    tracked = open_tracking(cfg, identity)
+    assert tracked.ended_by(raised) == status
+    run = MlflowClient(uri).get_run(tracked.run_id)
+    assert run.info.status == status
+    reason = run.data.tags[FAILURE_TAG]
+    assert reason.startswith(type(raised).__name__), reason
+    assert secret not in reason and (MASK in reason) == (secret in str(raised)), reason
