@@ -5,6 +5,7 @@ from __future__ import annotations
 
 __all__ = [
     "BUNDLED",
+    "CHAT_KEY",
     "MASK_RULE_KEY",
     "ORIGIN_KEY",
     "TOKENIZER_KEY",
@@ -19,6 +20,9 @@ VOCAB_SIZE_KEY = b"rayacc.vocab_size"
 """Token files: the tokenizer's vocabulary size (ids may stop short of it)."""
 TOKENIZER_KEY = b"rayacc.tokenizer"
 """Token files of `rayacc data prepare`: `bytes`, or the tokenizer.json it used (data/vocab.py)."""
+CHAT_KEY = b"rayacc.chat"
+"""Instruction data from a transformers tokenizer: its chat set-up as JSON (`chat_template`,
+the special tokens, the template's end of turn), for an export a chat user loads."""
 MASK_RULE_KEY = b"rayacc.mask_rule"
 """Instruction data: what its `loss_mask` counts (`answers` or `all`)."""
 ORIGIN_KEY = b"rayacc.origin"

@@ -28,6 +28,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from rayacc.data.common import (
+    CHAT_KEY,
     MASK_RULE_KEY,
     ORIGIN_KEY,
     TOKENIZER_KEY,
@@ -78,6 +79,8 @@ class Renderer:
     vocab_size: int
     described: str
     recorded: bytes
+    chat_recorded: bytes = b""
+    """The chat set-up (`chat_setup`) as JSON, where a template renders the chats."""
 
     def example(self, record: object) -> tuple[list[int], list[int]]:
         if not isinstance(record, dict):
@@ -222,7 +225,35 @@ def _hf_renderer(folder: Path) -> Renderer:
         len(tok),
         f"tokenizer {folder.name} ({len(tok)} ids)",
         tok.backend_tokenizer.to_str().encode("utf-8"),
+        json.dumps(chat_setup(tok)).encode("utf-8") if chat is not None else b"",
     )
+
+
+def chat_setup(tok) -> dict[str, str]:
+    """What a chat tokenizer adds to its vocabulary: its template, its special tokens and the
+    template's end of turn (the first special token after an assistant's answer: where
+    generation stops)."""
+    setup = {"chat_template": tok.chat_template}
+    for key in ("bos_token", "eos_token", "pad_token"):
+        value = getattr(tok, key, None)
+        if isinstance(value, str) and value:
+            setup[key] = value
+    answer = "rayacc-answer"
+    try:
+        text = tok.apply_chat_template(
+            [{"role": "user", "content": "?"}, {"role": "assistant", "content": answer}],
+            tokenize=False,
+        )
+    except Exception:  # a template with rules of its own: no end of turn known
+        return setup
+    after = text[text.rfind(answer) + len(answer) :]
+    special = set(tok.all_special_ids) | {i for i, t in tok.added_tokens_decoder.items()
+                                          if t.special}  # fmt: skip
+    for token_id in tok(after, add_special_tokens=False)["input_ids"]:
+        if token_id in special:
+            setup["end_of_turn"] = tok.convert_ids_to_tokens(token_id)
+            break
+    return setup
 
 
 def _chat(tok, folder: Path) -> Callable[[list[dict]], tuple[list[int], list[int]]]:
@@ -390,6 +421,7 @@ def prepare_instructions(
         ORIGIN_KEY: render.described.encode(),
         TOKENIZER_KEY: render.recorded,
         MASK_RULE_KEY: count.encode(),
+        **({CHAT_KEY: render.chat_recorded} if render.chat_recorded else {}),
     }
     _write(rows, target, render.vocab_size, rows_per_group, metadata)
     result = InstructResult(str(target), len(rows.tokens), vocab_size=render.vocab_size, **stats)

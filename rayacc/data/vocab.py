@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 
-from rayacc.data.common import ORIGIN_KEY, TOKENIZER_KEY, VOCAB_SIZE_KEY, DataError
+from rayacc.data.common import CHAT_KEY, ORIGIN_KEY, TOKENIZER_KEY, VOCAB_SIZE_KEY, DataError
 from rayacc.data.sources import DatasetInfo, schema_metadata
 
 __all__ = ["BYTES", "BYTE_EOD", "EOD_TOKEN", "VOCAB_FILE", "Vocabulary"]
@@ -49,6 +49,9 @@ class Vocabulary:
     size: int = 0
     chars: str = ""
     tokenizer_json: str = ""
+    chat: str = ""
+    """A chat tokenizer's set-up (JSON: `chat_template`, `bos_token`, `eos_token`,
+    `pad_token`, `end_of_turn`), where the data was rendered by one."""
 
     # ------------------------------------------------------------------ where it comes from
     @classmethod
@@ -67,7 +70,9 @@ class Vocabulary:
         if tokenizer == BYTES or meta.get(ORIGIN_KEY) == b"byte-level":
             return cls("bytes", info.vocab_size)
         if tokenizer:
-            return cls("tokenizer", info.vocab_size, tokenizer_json=tokenizer.decode("utf-8"))
+            chat = meta.get(CHAT_KEY, b"").decode("utf-8")
+            return cls("tokenizer", info.vocab_size, tokenizer_json=tokenizer.decode("utf-8"),
+                       chat=chat)  # fmt: skip
         size = int(meta[VOCAB_SIZE_KEY]) if VOCAB_SIZE_KEY in meta else info.vocab_size
         return cls("ids", size)
 
@@ -82,7 +87,19 @@ class Vocabulary:
             and self.size >= 0
             and isinstance(self.chars, str)
             and isinstance(self.tokenizer_json, str)
+            and isinstance(self.chat, str)
         )
+
+    def chat_setup(self) -> dict[str, str | None]:
+        """The chat set-up the data was rendered with ({} where none): each entry text."""
+        try:
+            raw = json.loads(self.chat) if self.chat else {}
+        except ValueError:
+            return {}
+        keys = ("chat_template", "bos_token", "eos_token", "pad_token", "end_of_turn")
+        if not isinstance(raw, dict):
+            return {}
+        return {k: raw[k] for k in keys if isinstance(raw.get(k), str) and raw[k]}
 
     @classmethod
     def from_json(cls, text: str) -> Vocabulary:

@@ -77,11 +77,12 @@ def export_model(
     # written beside the destination, then renamed into place: whole or not at all
     staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
     try:
-        what = _write(model, staging, fmt)
+        tokenizer = _tokenizer(vocabulary) if fmt == "hf" else None
+        what = _write(model, staging, fmt, _special_ids(tokenizer, vocabulary))
         if adapted:
             what += "; its LoRA adapters merged into the base (--format peft: the adapter alone)"
         if fmt == "hf":
-            what += _write_tokenizer(vocabulary, staging)
+            what += _write_tokenizer(vocabulary, tokenizer, staging)
         env.umask_modes(staging)  # for whoever serves it, as any other file here
         if dest.exists():
             dest.rmdir()
@@ -92,7 +93,7 @@ def export_model(
     return Exported(checkpoint, dest, what, passed_over)
 
 
-def _write(model, folder: Path, fmt: str) -> str:
+def _write(model, folder: Path, fmt: str, special: dict[str, int | None] | None = None) -> str:
     from rayacc.checkpoint.reader import CheckpointError
     from rayacc.data.common import DataError
     from rayacc.models.gpt import GPT
@@ -112,6 +113,7 @@ def _write(model, folder: Path, fmt: str) -> str:
     # an `hf` model, or one its adapters were merged into (peft hands back the inner model)
     inner = model.hf if isinstance(model, HFCausalLM) else model
     if isinstance(inner, PreTrainedModel):
+        _set_special(inner, special)
         inner.save_pretrained(str(folder), safe_serialization=True)
         return f"a transformers {type(inner).__name__} (from_pretrained)"
     if isinstance(model, GPT):
@@ -132,6 +134,8 @@ def _write(model, folder: Path, fmt: str) -> str:
                 f"{unexpected[:3]}). Fix: --format safetensors"
             )
         gpt2.tie_weights()
+        # GPT-2's own ids (50256) name nothing in the run's vocabulary: the run's tokenizer's
+        _set_special(gpt2, special or {})
         gpt2.save_pretrained(str(folder), safe_serialization=True)
         return "a transformers GPT2LMHeadModel (from_pretrained), the same layers as rayacc's gpt"
     raise DataError(
@@ -218,18 +222,77 @@ def _vocabulary(folder: str):
     return checkpoint_vocabulary(folder) if tokens else None
 
 
-def _write_tokenizer(vocabulary, folder: Path) -> str:
-    """The run's tokenizer beside the weights, so `AutoTokenizer.from_pretrained` encodes as
-    the run did; what was written, as a phrase to add."""
-    if vocabulary is None:
-        return ""
-    tok = vocabulary.hf_tokenizer()
+def _tokenizer(vocabulary):
+    """The run's tokenizer as transformers loads it, with the chat set-up the data was
+    rendered with (its template, special tokens; a pad token where it has none: its end of
+    text, the field's convention), or None where the data records ids only."""
+    tok = vocabulary.hf_tokenizer() if vocabulary is not None else None
     if tok is None:
-        return "; no tokenizer: the run's data records token ids only, no text"
+        return None
     from transformers import PreTrainedTokenizerFast
 
     from rayacc.data.vocab import EOD_TOKEN
 
-    special = {"eos_token": EOD_TOKEN} if tok.token_to_id(EOD_TOKEN) is not None else {}
-    PreTrainedTokenizerFast(tokenizer_object=tok, **special).save_pretrained(str(folder))
-    return f", and the run's tokenizer ({vocabulary.describe()})"
+    setup = vocabulary.chat_setup()
+    special = {k: setup[k] for k in ("bos_token", "eos_token", "pad_token") if k in setup}
+    if "eos_token" not in special and tok.token_to_id(EOD_TOKEN) is not None:
+        special["eos_token"] = EOD_TOKEN
+    if "pad_token" not in special and "eos_token" in special:
+        special["pad_token"] = special["eos_token"]
+    template = {"chat_template": setup["chat_template"]} if "chat_template" in setup else {}
+    out = PreTrainedTokenizerFast(tokenizer_object=tok, **special, **template)
+    out.end_of_turn = setup.get("end_of_turn")
+    return out
+
+
+def _special_ids(tokenizer, vocabulary) -> dict[str, int | None]:
+    """The special ids the exported config and generation config name: the tokenizer's (its
+    end of text, and a chat template's end of turn, where generation stops); none without a
+    tokenizer."""
+    if tokenizer is None:
+        return {}
+
+    def id_of(token: str | None) -> int | None:
+        return tokenizer.convert_tokens_to_ids(token) if token else None
+
+    return {
+        "bos": id_of(tokenizer.bos_token),
+        "eos": id_of(tokenizer.eos_token),
+        "pad": id_of(tokenizer.pad_token),
+        "end_of_turn": id_of(getattr(tokenizer, "end_of_turn", None)),
+    }
+
+
+def _set_special(model, special: dict[str, int | None] | None) -> None:
+    """The config's and the generation config's special ids: the tokenizer's where one is
+    exported (`special`), the model's own otherwise (None: given none); never an id outside
+    the vocabulary (transformers warns, and generation never stops)."""
+    vocab = model.get_input_embeddings().num_embeddings
+    config, generation = model.config, model.generation_config
+    for key in ("bos", "eos", "pad"):
+        value = special.get(key) if special else getattr(config, f"{key}_token_id", None)
+        if special is None and isinstance(value, list):
+            value = [v for v in value if 0 <= v < vocab] or None
+        elif not isinstance(value, int) or not 0 <= value < vocab:
+            value = None
+        setattr(config, f"{key}_token_id", value)
+        setattr(generation, f"{key}_token_id", value)
+    if special:
+        # generation stops on the end of text and on a chat template's end of turn
+        stops = [i for i in (special.get("eos"), special.get("end_of_turn"))
+                 if isinstance(i, int) and 0 <= i < vocab]  # fmt: skip
+        stops = list(dict.fromkeys(stops))
+        generation.eos_token_id = stops[0] if len(stops) == 1 else stops or None
+
+
+def _write_tokenizer(vocabulary, tokenizer, folder: Path) -> str:
+    """The run's tokenizer beside the weights, so `AutoTokenizer.from_pretrained` encodes as
+    the run did (and `apply_chat_template` renders as its data was); what was written, as a
+    phrase to add."""
+    if vocabulary is None:
+        return ""
+    if tokenizer is None:
+        return "; no tokenizer: the run's data records token ids only, no text"
+    tokenizer.save_pretrained(str(folder))
+    chat = ", its chat template" if tokenizer.chat_template else ""
+    return f", and the run's tokenizer ({vocabulary.describe()}{chat})"
