@@ -167,6 +167,11 @@ class SweepConfig(Section):
         """(sweep, base config as a dict with overrides applied, source label)."""
         raw = read_yaml(path, "sweep", "-c jobs/sweep_accum.yaml") or {}
         p = Path(path)
+        # its secrets known by where they stand (a grid over `…hub_token`) before a record of
+        # the sweep is written: the parent run's sweep.yaml, params and trials' names
+        from rayacc.redact.origins import register_config
+
+        register_config(raw if isinstance(raw, dict) else {})
         try:
             sweep = cls.model_validate(raw)
         except ValidationError as exc:

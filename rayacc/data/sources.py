@@ -383,12 +383,22 @@ def column_problems(schema: pa.Schema, fmt: str) -> str | None:
     )
 
 
-def _check_columns(source: str, ds: pq.ParquetDataset, fmt: str) -> None:
-    """Every file's own column types (a folder's files may differ from the first one)."""
+def _check_columns(
+    source: str, ds: pq.ParquetDataset, fmt: str, columns: frozenset[str] = frozenset()
+) -> None:
+    """Every file's own column types (a folder's files may differ from the first one), and the
+    `columns` the first one holds in every one (a part without `loss_mask` would fail the read
+    of its rows)."""
     for fragment in ds.fragments:
+        where = "" if fragment.path == source else f" (file {fragment.path})"
         if wrong := column_problems(fragment.physical_schema, fmt):
-            where = "" if fragment.path == source else f" (file {fragment.path})"
             raise DataError(f"data.source={source!r}{where}: {wrong}")
+        if missing := sorted(columns - set(fragment.physical_schema.names)):
+            raise DataError(
+                f"data.source={source!r}{where}: no column {', '.join(missing)}, which the "
+                "folder's first file holds: its files are of two preparations. Fix: prepare "
+                "the folder again in one `rayacc data prepare`, or move the odd file out"
+            )
 
 
 def _declared_vocabulary(source: str, meta: dict[bytes, bytes]) -> tuple[str | None, int | None]:
@@ -476,9 +486,9 @@ def _describe(source: str, ds: pq.ParquetDataset) -> DatasetInfo:
         )
 
     if "tokens" in names:
-        _check_columns(source, ds, "tokens")
-        vocab, declared = _declared_vocabulary(source, schema.metadata or {})
         extra = tuple(c for c in ("loss_mask", "documents") if c in names)
+        _check_columns(source, ds, "tokens", frozenset(extra))
+        vocab, declared = _declared_vocabulary(source, schema.metadata or {})
         vocab_size, longest = _scan_tokens(ds, declared, extra)
         return DatasetInfo(
             source,

@@ -422,3 +422,26 @@ def test_roles_are_the_templates_and_an_empty_answer_is_refused_or_skipped(tmp_p
         tokenizer=str(tmp_path / "chatml"), progress=said.append,
     )  # fmt: skip
     assert (done.examples, done.skipped) == (1, 1) and "1 skipped" in said[-1], said
+
+
+@pytest.mark.parametrize("column", ["loss_mask", "documents"])
+def test_a_prepared_folder_with_a_part_lacking_a_column_is_named_before_launch(
+    tmp_path, tokenizer, column
+):
+    """A folder whose first part holds `loss_mask` (or `documents`) and another part not:
+    it ended in pyarrow's traceback at the first read, exit 1; every part's columns are
+    checked as the first's are."""
+    src = write_jsonl(tmp_path / "p.jsonl", [{"messages": CHAT[1:3]}] * 6)
+    out = tmp_path / "packed"
+    prepare_instructions([str(src)], str(out), seq_len=60, tokenizer=str(tokenizer),
+                         pack=True, progress=quiet)  # fmt: skip
+    first = sorted(out.glob("*.parquet"))[0]
+    table = pq.read_table(first)
+    pq.write_table(table.drop_columns([column]), out / "zz-odd.parquet")
+    code = main(["plan", "-c", "jobs/digits.yaml", f"data.source={out}", "model.name=gpt",
+                 "--memory"])  # fmt: skip
+    assert code == 2
+    with pytest.raises(DataError) as error:
+        describe_dataset(str(out))
+    text = str(error.value)
+    assert "zz-odd.parquet" in text and f"no column {column}" in text and "Fix:" in text, text

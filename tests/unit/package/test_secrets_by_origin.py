@@ -304,3 +304,34 @@ def test_variables_named_like_a_secret_that_hold_none_are_not_registered():
         redact("job: /tmp/work/project/jobs/digits.yaml")
         == "job: /tmp/work/project/jobs/digits.yaml"
     )
+
+
+def test_a_sweeps_grid_over_a_secret_named_key_reaches_no_record(tmp_path):
+    """The parent run's `sweep.yaml` artifact held both values of a grid over
+    `model.kwargs.hub_token` in clear (its params were masked): the sweep file's secrets are
+    known by where they stand once it is read, so every record of it masks them."""
+    import yaml
+    from mlflow.tracking import MlflowClient
+
+    from rayacc.config.sweep import SweepConfig
+    from rayacc.driver.sweep import _open_parent, expand_trials
+
+    values = ["plain-grid-secret-one", "plain-grid-secret-two"]  # no token shape: by origin
+    text = yaml.safe_dump({
+        "name": "secret-grid",
+        "config": {"model": {"name": "factory", "factory":
+                             "tests.support.models.planted_factory:build"},
+                   "batch": {"global_batch_size": 8, "micro_batch_size": 4},
+                   "tracking": {"tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}"}},
+        "grid": {"model.kwargs.hub_token": values},
+    })  # fmt: skip
+    (tmp_path / "sweep.yaml").write_text(text)
+    sweep, base, _ = SweepConfig.from_yaml(tmp_path / "sweep.yaml")
+    uri = base["tracking"]["tracking_uri"]
+    parent = _open_parent(sweep, expand_trials(sweep, base), uri, "sweeps", "secret-grid", text)
+    parent.finish()
+    client = MlflowClient(uri)
+    artifact = client.download_artifacts(parent.run_id, "sweep.yaml", str(tmp_path / "got"))
+    records = [Path(artifact).read_text(), repr(client.get_run(parent.run_id).data.params)]
+    for record in records:
+        assert not any(v in record for v in values), record
