@@ -93,6 +93,9 @@ _TOKEN_START = re.compile(
     r"(?:gh[pousr]_|github_pat_|hf_|gl(?:pat|dt|ft|soat|rt|cbt|imt|ptt|agent|oas)-|GR1348941"
     r"|sk-|[rs]k_|[xX][oO][xX]|dapi|npm_|pypi-|SG\.|sq0csp-|AC|SK|AKC|AP|eyJ|A3T|ABIA|ACCA"
     r"|AKIA|ASIA|AIza|ya29\.)"
+    # GitHub's and GitLab's prefixes name nothing else: also inside a name (`nightly-ghp_…`,
+    # a run's name), after a separator
+    r"|(?<![A-Za-z0-9])(?:gh[pousr]_|github_pat_|gl(?:pat|dt|ft|soat|rt|cbt|imt|ptt|agent|oas)-)"
 )
 _DISCORD = re.compile(
     r"(?<![A-Za-z0-9_\-.\\])[MNO][A-Za-z0-9_\-]{23,25}\.[A-Za-z0-9_\-]{6}\.[A-Za-z0-9_\-]{27}"

@@ -222,6 +222,10 @@ REVIEWED = [
     ("curl -u admin:hunter2pw https://host/x", "hunter2pw", None),
     ("sshpass -p hunter2pw ssh host", "hunter2pw", None),
     ("mysql -uroot -phunter2pw db", "hunter2pw", None),
+    # inside a name, after a separator (`tracking.run_name=nightly-ghp_…`)
+    ("nightly-ghp_" + "c3" * 18, "ghp_" + "c3" * 18, None),
+    ("runs/nightly_github_pat_" + "D4" * 12, "github_pat_" + "D4" * 12, None),
+    ("ci.glpat-" + "e5F6" * 5, "glpat-" + "e5F6" * 5, None),
 ]
 """The reviewer's shapes of the second net: (text, the secret, another part of it)."""
 
