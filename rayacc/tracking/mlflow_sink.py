@@ -81,13 +81,19 @@ def tracking_target(uri: str | None, experiment: str | None) -> TrackingTarget:
     return TrackingTarget(u, e, u_from, e_from)
 
 
-def _server_reachable(uri: str, timeout_s: float = 10.0) -> str | None:
+def _server_reachable(uri: str) -> str | None:
     """None when the server answers; otherwise why not. Asks as MLflow's client does
-    (requests): basic auth from the URI's `user:password@`, else MLflow's variables
-    (MLFLOW_TRACKING_TOKEN, or MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD)."""
+    (requests, within its MLFLOW_HTTP_REQUEST_TIMEOUT): basic auth from the URI's
+    `user:password@`, else MLflow's variables (MLFLOW_TRACKING_TOKEN, or
+    MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD)."""
     import os
 
     import requests
+
+    try:
+        timeout_s = float(os.environ.get("MLFLOW_HTTP_REQUEST_TIMEOUT", "10"))
+    except ValueError:
+        timeout_s = 10.0
 
     headers, auth = {}, None
     if os.environ.get("MLFLOW_TRACKING_TOKEN"):
@@ -106,6 +112,13 @@ def _server_reachable(uri: str, timeout_s: float = 10.0) -> str | None:
     return None if answer.ok else f"HTTP {answer.status_code} from /health"
 
 
+def _slow(why: str) -> bool:
+    """Whether a failure is a server too slow to answer yet (read timeout, 502–504), not
+    one absent or refusing (connection refused, 401/403, a rejected call)."""
+    low = why.lower()
+    return "read timed out" in low or any(f"http {code}" in low for code in (502, 503, 504))
+
+
 class MlflowSink:
     """Creates (or reopens) one MLflow run and logs params, per-step metrics, tags and artifacts.
 
@@ -119,6 +132,9 @@ class MlflowSink:
 
     RETRY_INTERVAL_S = 2.0
     """How often the writer tries again while the server is away."""
+    OPEN_WITHIN_S = 60.0
+    """How long a server that answers too slowly (a read timeout, a 5xx while it starts) is
+    asked again to open the run before tracking is turned off."""
 
     def __init__(
         self,
@@ -143,11 +159,28 @@ class MlflowSink:
         self._away_since: float | None = None
         self._in_flight = 0
         self._reported: set[str] = set()
+        # a server that answers slowly (one just started: its first request builds its
+        # store) is asked again within OPEN_WITHIN_S; one that refuses or is not there is not
+        deadline = time.monotonic() + self.OPEN_WITHIN_S
+        while True:
+            slow = self._open(tracking_uri, experiment, run_name, run_id, parent_run_id)
+            if slow is None:
+                return
+            if time.monotonic() + self.RETRY_INTERVAL_S > deadline:
+                self._disable(slow)
+                return
+            time.sleep(self.RETRY_INTERVAL_S)
+
+    def _open(self, tracking_uri, experiment, run_name, run_id, parent_run_id) -> str | None:
+        """Opens the run (or turns tracking off); a slow server's why, to ask again."""
         if tracking_uri.startswith(("http://", "https://")):
             why = _server_reachable(tracking_uri)
             if why:
-                self._disable(f"tracking server {tracking_uri} unreachable ({why})")
-                return
+                reason = f"tracking server {tracking_uri} unreachable ({why})"
+                if _slow(why):
+                    return reason
+                self._disable(reason)
+                return None
         try:
             from mlflow.tracking import MlflowClient
 
@@ -181,7 +214,11 @@ class MlflowSink:
             tags = {"mlflow.parentRunId": parent_run_id} if parent_run_id else None
             self.run_id = self.client.create_run(exp_id, run_name=run_name, tags=tags).info.run_id
         except Exception as exc:
-            self._disable(f"MLflow at {tracking_uri} failed: {exc}")
+            reason = f"MLflow at {tracking_uri} failed: {exc}"
+            if _slow(str(exc)):
+                return reason
+            self._disable(reason)
+        return None
 
     @property
     def active(self) -> bool:

@@ -76,7 +76,14 @@ class Gate:
         self._lock = threading.Lock()
         self._listener: socket.socket | None = None
         self._conns: set[socket.socket] = set()
+        self._stalls: list[float] = []
         self.open()
+
+    def stall(self, *seconds: float) -> None:
+        """The next connections (one per value) are taken and left unanswered for that many
+        seconds, then closed: a server too busy to answer yet (one just started)."""
+        with self._lock:
+            self._stalls.extend(seconds)
 
     @property
     def is_open(self) -> bool:
@@ -108,6 +115,11 @@ class Gate:
                 client, _ = listener.accept()
             except OSError:
                 return  # closed
+            with self._lock:
+                stall = self._stalls.pop(0) if self._stalls else None
+            if stall is not None:
+                threading.Timer(stall, _shut, (client,)).start()
+                continue
             try:
                 server = socket.create_connection(self.target)
             except OSError:

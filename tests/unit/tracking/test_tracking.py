@@ -132,6 +132,30 @@ def test_unreachable_server_disables_tracking_with_one_message(capsys):
     assert capsys.readouterr().err.count("tracking off, training goes on") == 1
 
 
+def test_a_server_slow_to_answer_its_first_requests_keeps_the_record(
+    mlflow_server, monkeypatch, capsys
+):
+    """A just-started server that does not answer the first requests within MLflow's read
+    timeout turned tracking off for the whole run: a slow server is asked again (within
+    `OPEN_WITHIN_S`); one that is not there is given up at once."""
+    import time
+
+    from tests.support.services.mlflow_server import Gate
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "1")
+    gate = Gate(mlflow_server)
+    gate.stall(2.0, 2.0)  # the health check, then the first call after it
+    sink = MlflowSink(gate.uri, "slow-start", "run")
+    sink.log_params({"a": 1})
+    sink.finish()
+    assert sink.active, capsys.readouterr().err
+    assert "tracking off" not in capsys.readouterr().err
+    assert MlflowClient(gate.uri).get_run(sink.run_id).data.params == {"a": "1"}
+    start = time.monotonic()
+    gone = MlflowSink("http://127.0.0.1:9", "exp", "run")  # nobody there: no waiting
+    assert not gone.active and time.monotonic() - start < 5
+
+
 def test_a_reopened_run_extends_its_event_tags(tmp_path):
     from rayacc.config.batch_split import BatchSplit
     from rayacc.observe.events import Resized, RunStarted
