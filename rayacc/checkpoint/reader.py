@@ -276,7 +276,8 @@ def _base(path, model, given: str | None, recorded: object) -> str | None:
 
 
 def load_model(path: str | Path, factory: str | None = None, base: str | None = None) -> nn.Module:
-    """The model saved in a checkpoint folder, with its weights, in eval mode, on the CPU.
+    """The model saved in a checkpoint folder (or a run folder's newest whole checkpoint),
+    with its weights, in eval mode, on the CPU.
 
     A checkpoint is data: it must not be able to run code here. A built-in model (`mlp`,
     `gpt`) is rebuilt from its description; a user factory's model only when the caller names
@@ -287,7 +288,18 @@ def load_model(path: str | Path, factory: str | None = None, base: str | None = 
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="rayacc-view-") as view:
-        return _load_model(Path(path), Path(view), factory, base)
+        return _load_model(_checkpoint_of(Path(path)), Path(view), factory, base)
+
+
+def _checkpoint_of(path: Path) -> Path:
+    """`path`, or a run's folder's newest whole checkpoint (as `sample` and `export` take a
+    run): a folder without one is read as given (its error names it)."""
+    if (path / META_FILE).exists() or not path.is_dir():
+        return path
+    from rayacc.checkpoint.catalogue import RunCheckpoints
+
+    latest = RunCheckpoints(str(path.parent), path.name).latest()
+    return Path(latest.uri) if latest is not None and "://" not in latest.uri else path
 
 
 def _load_model(path: Path, view: Path, factory: str | None, base: str | None) -> nn.Module:

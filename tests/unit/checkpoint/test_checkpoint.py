@@ -392,3 +392,19 @@ def test_a_checkpoint_written_before_meta_listed_its_files_is_taken_on_its_meta(
     _before_the_manifest(folder)
     assert run.latest().step == 4 and run.skipped == []
     assert read_checkpoint(folder)[2]["optimizer_step"] == 3
+
+
+def test_load_model_takes_a_run_folder_as_sample_and_export_do(tmp_path):
+    """`load_model(run_dir)` refused the run folder `sample` and `export` accept: it reads the
+    run's newest whole checkpoint (one not whole is passed over)."""
+    from rayacc.checkpoint.format import folder_name
+
+    run = tmp_path / "runs" / "digits"
+    older, weights = sharded_checkpoint(run / folder_name(3))
+    newer, _ = sharded_checkpoint(run / folder_name(6))
+    (newer / "shards" / "__0_0.distcp").unlink()  # not whole
+    model = load_model(run)
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, weights[name]), name
+    with pytest.raises(CheckpointError):
+        load_model(tmp_path / "runs")  # a folder of runs is no run
