@@ -400,7 +400,7 @@ def test_load_model_takes_a_run_folder_as_sample_and_export_do(tmp_path):
     from rayacc.checkpoint.format import folder_name
 
     run = tmp_path / "runs" / "digits"
-    older, weights = sharded_checkpoint(run / folder_name(3))
+    _, weights = sharded_checkpoint(run / folder_name(3))
     newer, _ = sharded_checkpoint(run / folder_name(6))
     (newer / "shards" / "__0_0.distcp").unlink()  # not whole
     model = load_model(run)
