@@ -190,10 +190,8 @@ def _order_note(spec: RunSpec, reads: float | None) -> str:
     info, groups = spec.info, spec.groups
     mib = info.data_bytes / 2**20
     if reads is None:
-        return (
-            f"data order: rows (an exact per-row shuffle; every rank reads all {mib:.1f} MiB "
-            "each epoch)"
-        )
+        what = "an exact per-row shuffle" if spec.cfg.data.shuffle else "the stored order"
+        return f"data order: rows ({what}; every rank reads all {mib:.1f} MiB each epoch)"
     return (
         f"data order: chunks ({len(groups)} row groups of about "
         f"{info.num_rows / len(groups):.0f} rows, {mib:.1f} MiB); the cluster reads "

@@ -628,3 +628,16 @@ def test_every_line_the_header_and_summary_print_passes_the_masker_as_it_is(tmp_
     assert out.getvalue().splitlines() == lines
     secret = "api_key=" + "Zq7" * 12
     assert redact(f"{lines[-1]} {secret}") == f"{lines[-1]} api_key={MASK}"
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_the_header_says_the_data_order_once_and_alike(shuffle):
+    """With data.shuffle=false the header said both "stored order" and "an exact per-row
+    shuffle": every line that names the order says the same one."""
+    from rayacc.driver.prelaunch import prepare
+    from rayacc.observe.console import run_header
+
+    cfg = TrainConfig.from_yaml("jobs/digits.yaml", [f"data.shuffle={str(shuffle).lower()}"])
+    text = "\n".join([strategy_line(cfg), *run_header(cfg, prepare(cfg), "digits")])
+    said, other = ("shuffle", "stored order") if shuffle else ("stored order", "shuffle")
+    assert said in text and other not in text, text
