@@ -149,13 +149,16 @@ class Checkpointer:
         from rayacc.engine import all_gather_objects
 
         marked = checkpoints.refused() if self.parts.rank == 0 else []
-        marked = all_gather_objects(marked)[0]
+        # rank 0 chose: what it passed over as not whole or unreadable (random bytes, a
+        # digest that does not match) is said with the rest
+        marked, skipped = all_gather_objects((marked, list(checkpoints.skipped)))[0]
         said = {n.split(" did not load", 1)[0] for n in self.passed_over}
         lines = [*self.passed_over]
         lines += [f"{uri} was passed over by an earlier restore ({why})" for uri, why in marked
                   if uri not in said]  # fmt: skip
         if not lines:
             return
+        lines += [f"passed over: {note}" for note in skipped]
         raise NoCheckpointLoads(
             f"no checkpoint of run {self.run.uri()} loads:\n  "
             + "\n  ".join(redact(line) for line in lines)

@@ -7,6 +7,7 @@ checkpoints and never counts a passed-over one. One process, a real local storag
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -113,6 +114,19 @@ def test_no_checkpoint_that_loads_ends_the_run_naming_each_folder_now_and_later(
         Checkpointer(str(tmp_path / "runs"), "r", _parts()).restore()
     assert "passed over by an earlier restore" in str(again.value)
     assert folder_name(2) in str(again.value) and folder_name(4) in str(again.value)
+
+
+def test_when_none_loads_a_folder_of_random_bytes_is_named_beside_the_refused(tmp_path):
+    """Every checkpoint of the run fails: the weights of one do not fit, another's state is
+    random bytes (its digest does not match). The message named the first only."""
+    run = tmp_path / "runs" / "r"
+    _write(run, 2)
+    (run / folder_name(2) / "state.pt").write_bytes(os.urandom(512))
+    _write(run, 4, break_part="model")
+    with pytest.raises(NoCheckpointLoads) as caught:
+        Checkpointer(str(tmp_path / "runs"), "r", _parts()).restore()
+    said = str(caught.value)
+    assert folder_name(4) in said and folder_name(2) in said, said
 
 
 def test_a_run_with_no_checkpoint_or_only_one_cut_short_starts_from_the_beginning(tmp_path):
