@@ -286,11 +286,14 @@ def local_oversubscription(s: ScalingConfig) -> str | None:
     cores = os.cpu_count() or 1
     if wanted <= cores:
         return None
+    # the share of a core that lets every worker of the largest size have its own part
+    share = max(0.25, math.floor(cores / s.max_workers * 4) / 4)
     return (
         f"scaling.num_workers={s.max_workers} × scaling.cpus_per_worker={s.cpus_per_worker:g} "
         f"reserve {wanted:g} CPUs on this machine's {cores} cores: the local Ray is sized to "
         "hold them, so the workers share cores (oversubscribed: slower steps, the same "
-        f"results). Fix: at most {cores} workers × CPUs here, or a cluster (RAY_ADDRESS)"
+        f"results). Fix: scaling.cpus_per_worker={share:g} ({s.max_workers} workers on "
+        f"{cores} cores), fewer workers, or a cluster (RAY_ADDRESS)"
     )
 
 

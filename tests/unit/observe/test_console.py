@@ -470,6 +470,7 @@ def test_time_to_loss(losses, times, target, expected):
         (2, 1.0, None, False),
         (4, 0.5, None, False),
         ([1, 4], 1.0, None, True),  # an elastic run's most
+        ([1, 3], 1.0, None, True),
         (4, 1.0, "ray://head:10001", False),  # a cluster: check_cluster judges it
     ],
 )
@@ -495,6 +496,10 @@ def test_a_local_run_with_more_worker_cpus_than_cores_warns(
     assert (warning is not None) is warned
     if warned:
         assert "oversubscribed" in warning and "2 cores" in warning and "Fix:" in warning
+        # the value that fits, named (the user had to work it out for [1, 3])
+        most = workers[-1] if isinstance(workers, list) else workers
+        share = {4: "0.5", 3: "0.5", 2: "1"}[most]
+        assert f"Fix: scaling.cpus_per_worker={share} ({most} workers on 2 cores)" in warning
 
 
 def test_on_a_terminal_the_bar_carries_the_line_and_validations_stay_printed():
