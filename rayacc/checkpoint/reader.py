@@ -296,10 +296,18 @@ def _checkpoint_of(path: Path) -> Path:
     run): a folder without one is read as given (its error names it)."""
     if (path / META_FILE).exists() or not path.is_dir():
         return path
-    from rayacc.checkpoint.catalogue import RunCheckpoints
+    from rayacc.checkpoint.format import attempt_of, step_of
 
-    latest = RunCheckpoints(str(path.parent), path.name).latest()
-    return Path(latest.uri) if latest is not None and "://" not in latest.uri else path
+    # the catalogue's `latest` (which reads through this module): newest first, the first whole
+    named = [(step_of(p.name), attempt_of(p.name), p) for p in path.iterdir() if p.is_dir()]
+    for *_, folder in sorted((n for n in named if n[0] is not None), reverse=True):
+        storage = open_storage(str(folder))
+        try:
+            if (folder / META_FILE).exists() and not whole_problems(storage, read_meta(storage)):
+                return folder
+        except (CheckpointError, OSError):
+            continue
+    return path
 
 
 def _load_model(path: Path, view: Path, factory: str | None, base: str | None) -> nn.Module:

@@ -226,13 +226,12 @@ def balance_rules(sections: dict) -> list:
     batch, train = sections.get("batch"), sections.get("train")
     if getattr(batch, "balance", "off") != "auto" or train is None:
         return []
-    if Mesh.of_sections(train).pipeline > 1:
+    if (mesh := Mesh.of_sections(train)).pipeline > 1:
         return [
             ConfigIssue(
                 "batch.balance",
                 f"auto moves rows between ranks, which may change a window's micro-steps; "
-                f"{Mesh.key('pipeline')}={train.pipeline_parallel} sizes its stages' buffers "
-                "for one count of them",
+                f"{mesh.setting('pipeline')} sizes its stages' buffers for one count of them",
                 MISSING,
                 f"set batch.balance=off, or {Mesh.key('pipeline')}=1",
             )

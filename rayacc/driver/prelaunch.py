@@ -139,7 +139,7 @@ def prepare(cfg: TrainConfig) -> Prepared:
             f"data.source={info.path!r} holds packed rows (`documents`), and "
             f"{cfg.mesh.setting('pipeline')} sends each stage's activations in one shape "
             "without each example's attention mask. Fix: prepare the data without --pack, or "
-            "set train.pipeline_parallel=1"
+            f"set {Mesh.key('pipeline')}=1"
         )
     if cfg.train.loss is not None:
         from rayacc.models.objective import OBJECTIVE_FIX
