@@ -135,7 +135,9 @@ class GPT(nn.Module):
         last = self.n_layer + 1
         if 0 not in units:
             if last in units and self.tok is not None:
-                self.head.weight = nn.Parameter(self.head.weight.detach().clone())
+                # its own copy, frozen where the embedding is (a LoRA base)
+                weight = self.head.weight
+                self.head.weight = nn.Parameter(weight.detach().clone(), weight.requires_grad)
             self.tok = self.pos = self.drop = None
         if last not in units:
             self.ln_f = self.head = None

@@ -144,7 +144,9 @@ class HFCausalLM(nn.Module):
         if 0 not in units:
             embed = base.embed_tokens  # None where the part this stage is cut from has none
             if last in units and embed is not None and self.hf.lm_head.weight is embed.weight:
-                self.hf.lm_head.weight = nn.Parameter(self.hf.lm_head.weight.detach().clone())
+                # its own copy, frozen where the embedding is (a LoRA base)
+                weight = self.hf.lm_head.weight
+                self.hf.lm_head.weight = nn.Parameter(weight.detach().clone(), weight.requires_grad)
             base.embed_tokens = None
         if last not in units:
             base.norm, self.hf.lm_head = nn.Identity(), None

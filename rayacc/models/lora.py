@@ -85,7 +85,8 @@ def apply_lora(model: nn.Module, lora: LoraConfig) -> nn.Module:
 
     config = peft_config(lora, model)
     root = adapter_root(model)
-    _check_targets(root, list(config.target_modules))
+    if config.target_modules:  # none given for an `hf` model: peft's for its architecture
+        _check_targets(root, sorted(config.target_modules))
     try:
         inject_adapter_in_model(config, root)
     except ValueError as exc:  # a target that matches no layer, a layer peft cannot adapt

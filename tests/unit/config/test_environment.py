@@ -20,6 +20,7 @@ NOT_FIELDS = {
     "MLFLOW_TRACKING_TOKEN": "a credential MLflow's client reads, never stored",
     "MLFLOW_TRACKING_USERNAME": "a credential MLflow's client reads, never stored",
     "MLFLOW_TRACKING_PASSWORD": "a credential MLflow's client reads, never stored",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "MLflow's client's read timeout, which the health check keeps",
 }
 """Variables rayacc reads that stand for nothing of its own (`env.VARIABLES` holds the rest),
 and why."""

@@ -142,6 +142,7 @@ ERRORS = {
     "_Refused": lambda c: c("posix.system is not part of a checkpoint index"),
     "ModelError": lambda c: c("no such factory"),
     "DataError": lambda c: c("no rows"),
+    "EmptyAnswer": lambda c: c("messages[1]: an empty assistant turn"),
     "ReportError": lambda c: c("no such run"),
     "SpecError": lambda c: c("bad spec"),
     "NothingFits": lambda c: c("no candidate fits the memory budget"),
