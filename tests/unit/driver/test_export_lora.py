@@ -9,12 +9,11 @@ import pytest
 import torch
 
 from rayacc import TrainConfig, load_model
-from rayacc.checkpoint import write_checkpoint
 from rayacc.data.sources import DatasetInfo
 from rayacc.driver.export import export_model
-from rayacc.engine.parallel.state import WholeState
 from rayacc.models import build_model
 from tests.support.models.hf_configs import tiny_llama
+from tests.support.models.lora_checkpoint import lora_checkpoint
 
 pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
@@ -30,19 +29,7 @@ MODELS = {
 def _trained(tmp_path, kind: str):
     """A LoRA checkpoint whose adapters moved (lora_B away from its zero start)."""
     config = TrainConfig.model_validate({"seed": 4, "model": MODELS[kind]})
-    trained = build_model(config, INFO)
-    with torch.no_grad():
-        for name, p in trained.named_parameters():
-            if ".lora_B." in name:
-                p.normal_(std=0.5)
-    optimizer = torch.optim.SGD([p for p in trained.parameters() if p.requires_grad], lr=0.1)
-    whole, _ = WholeState().save(trained, optimizer, tmp_path, 0)
-    checkpoint = write_checkpoint(
-        tmp_path / "checkpoint",
-        state={"train_state": {}, **whole},
-        description={"config": config.model_dump(mode="json"), "dataset": INFO.to_dict()},
-        meta={"optimizer_step": 1, "shards": None},
-    )
+    trained, checkpoint = lora_checkpoint(tmp_path / "checkpoint", config, INFO, std=0.5)
     return config, trained.eval(), checkpoint
 
 
@@ -64,7 +51,7 @@ def test_every_format_of_a_lora_run_reads_back_as_the_trained_model(tmp_path, ki
         str(tmp_path / "hf"), local_files_only=True
     ).eval()
     with torch.no_grad():
-        assert torch.allclose(theirs(input_ids=x).logits, expected, atol=1e-5)
+        assert torch.allclose(theirs(input_ids=x).logits, expected, rtol=1e-5, atol=1e-4)
     assert "LoRA adapters merged" in done.what
 
     done = export_model(str(checkpoint), str(tmp_path / "st"), fmt="safetensors")
@@ -81,11 +68,11 @@ def test_every_format_of_a_lora_run_reads_back_as_the_trained_model(tmp_path, ki
     missing, unexpected = base.load_state_dict(saved, strict=False)
     assert not unexpected and set(missing) <= shared, (missing, unexpected)
     with torch.no_grad():
-        assert torch.allclose(base(x), expected, atol=1e-5)
+        assert torch.allclose(base(x), expected, rtol=1e-5, atol=1e-4)
 
     export_model(str(checkpoint), str(tmp_path / "merged"), fmt="peft", merge=True)
     merged = transformers.AutoModelForCausalLM.from_pretrained(
         str(tmp_path / "merged"), local_files_only=True
     ).eval()
     with torch.no_grad():
-        assert torch.allclose(merged(input_ids=x).logits, expected, atol=1e-5)
+        assert torch.allclose(merged(input_ids=x).logits, expected, rtol=1e-5, atol=1e-4)

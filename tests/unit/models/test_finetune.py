@@ -217,13 +217,13 @@ def test_adapters_over_given_weights_read_back_only_on_the_base_named(tmp_path, 
     from peft import AutoPeftModelForCausalLM
 
     from rayacc import load_model
-    from rayacc.checkpoint import write_checkpoint
     from rayacc.checkpoint.reader import CheckpointError
     from rayacc.cli import main
     from rayacc.driver.export import export_model
     from rayacc.models.lora import BASE_KEY
     from rayacc.run.quantities import run_identity
     from tests.support.models.hf_configs import tiny_llama
+    from tests.support.models.lora_checkpoint import lora_checkpoint
 
     mapping = tiny_llama(vocab_size=16)
     values = {k: v for k, v in mapping.items() if k != "model_type"}
@@ -235,18 +235,8 @@ def test_adapters_over_given_weights_read_back_only_on_the_base_named(tmp_path, 
         {"seed": 4, "model": {"name": "hf", "hf": {"config": mapping, "weights": str(weights)},
                               "lora": {"r": 2}}}
     )  # fmt: skip
-    trained = build_model(config, INFO)
-    with torch.no_grad():
-        for name, p in trained.named_parameters():
-            if ".lora_B." in name:
-                p.normal_()
-    optimizer = torch.optim.SGD([p for p in trained.parameters() if p.requires_grad], lr=0.1)
-    whole, _ = WholeState().save(trained, optimizer, tmp_path, 0)
-    checkpoint = write_checkpoint(
-        tmp_path / "checkpoint",
-        state={"train_state": {}, **whole},
-        description={"config": config.model_dump(mode="json"), "dataset": INFO.to_dict()},
-        meta={"optimizer_step": 1, "shards": None, "identity": run_identity(config, INFO)},
+    trained, checkpoint = lora_checkpoint(
+        tmp_path / "checkpoint", config, INFO, meta={"identity": run_identity(config, INFO)}
     )
     assert BASE_KEY in run_identity(config, INFO)
     with pytest.raises(CheckpointError, match="which its checkpoints do not hold.*--base DIR"):
