@@ -65,6 +65,10 @@ class InstructResult:
     truncated: int
     skipped: int
     vocab_size: int
+    lost: int = 0
+    """Counted tokens the cuts took off (answers cut short)."""
+    cut_lines: tuple[str, ...] = ()
+    """`file:line` of each example whose counted tokens a cut shortened (the first 20)."""
 
 
 @dataclass(frozen=True)
@@ -362,7 +366,9 @@ def prepare_instructions(
     files = _jsonl_files(inputs)
     render = renderer(tokenizer)
     width = seq_len + 1
-    rows, stats = _Rows(), dict(examples=0, tokens=0, counted=0, truncated=0, skipped=0)
+    rows, stats = _Rows(), dict(examples=0, tokens=0, counted=0, truncated=0, skipped=0, lost=0)
+    cut_lines: list[str] = []
+    answers_cut = 0
     packed: tuple[list[int], list[int], list[int]] = ([], [], [])
     for path, shown in files:
         for line_no, record in _records(path, shown):
@@ -379,6 +385,11 @@ def prepare_instructions(
                 counted = [1] * len(ids)
             if len(ids) > width:
                 stats["truncated"] += 1
+                if lost := sum(counted[width:]):
+                    stats["lost"] += lost
+                    answers_cut += 1
+                    if len(cut_lines) < 20:
+                        cut_lines.append(f"{shown}:{line_no}")
                 ids, counted = ids[:width], counted[:width]
             if pack:
                 counted = [0, *counted[1:]]  # no example's first token follows from the last
@@ -424,7 +435,8 @@ def prepare_instructions(
         **({CHAT_KEY: render.chat_recorded} if render.chat_recorded else {}),
     }
     _write(rows, target, render.vocab_size, rows_per_group, metadata)
-    result = InstructResult(str(target), len(rows.tokens), vocab_size=render.vocab_size, **stats)
+    result = InstructResult(str(target), len(rows.tokens), vocab_size=render.vocab_size,
+                            cut_lines=tuple(cut_lines), **stats)  # fmt: skip
     say(
         f"{out}: {result.examples:,} examples in {result.rows:,} rows "
         f"({'packed, each example attending to itself' if pack else 'one example a row'})"
@@ -432,6 +444,14 @@ def prepare_instructions(
         f"({count}); {result.truncated:,} cut to {width} tokens, {result.skipped:,} skipped "
         "with nothing counted"
     )
+    if result.lost:
+        share = result.lost / (result.counted + result.lost)
+        more = f" (and {answers_cut - len(cut_lines)} more)" if answers_cut > len(cut_lines) else ""
+        say(
+            f"{out}: the cut to {width} tokens took {result.lost:,} of the answers' counted "
+            f"tokens ({share:.1%}) from: {', '.join(cut_lines)}{more}. Fix: a larger --seq-len "
+            "(the job's data.seq_len), or shorter examples"
+        )
     return result
 
 

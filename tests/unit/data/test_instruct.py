@@ -141,9 +141,27 @@ def test_cuts_and_skips_are_said_in_numbers(tmp_path, tokenizer):
     )
     # the cut keeps 41 tokens, all of the long prompt: nothing counted, skipped
     assert (result.truncated, result.skipped, result.examples) == (2, 2, 1)
-    assert "2 cut to 41 tokens, 2 skipped with nothing counted" in said[-1], said
+    assert "2 cut to 41 tokens, 2 skipped with nothing counted" in said[-2], said
+    assert "cut.jsonl:1, " in said[-1] and "cut.jsonl:3. Fix:" in said[-1], said
     with pytest.raises(DataError, match="line 1: no token counts as a target after the cut"):
         prepare_instructions([str(src)], str(tmp_path / "o2"), seq_len=40, progress=quiet)
+
+
+def test_answers_cut_short_are_named_by_line_with_the_share_lost(tmp_path, tokenizer):
+    """A count alone ("147 cut to 129 tokens") left the user to find which answers lost how
+    much: each line whose counted tokens a cut took is named, with the share of them lost."""
+    short = {"prompt": "q", "completion": "fine"}
+    cut = {"prompt": "q", "completion": "y" * 60}
+    src = write_jsonl(tmp_path / "mixed.jsonl", [short, cut, short, cut])
+    said = []
+    result = prepare_instructions([str(src)], str(tmp_path / "o"), seq_len=40,
+                                  tokenizer=str(tokenizer), progress=said.append)  # fmt: skip
+    assert result.cut_lines == (f"{src}:2", f"{src}:4") and result.lost > 0
+    whole = 2 * (len("fine") + 1) + 2 * (60 + 1)  # each answer and its end of text
+    assert result.counted + result.lost == whole, (result.counted, result.lost)
+    share = f"{result.lost / whole:.1%}"
+    assert f"took {result.lost} of the answers' counted tokens ({share})" in said[-1], said
+    assert f"{src}:2, {src}:4. Fix: a larger --seq-len" in said[-1], said
 
 
 BAD = [
