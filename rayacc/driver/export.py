@@ -62,7 +62,7 @@ def export_model(
     with tempfile.TemporaryDirectory(prefix="rayacc-export-") as scratch:
         local = _local(checkpoint, scratch)
         model = load_model(local, factory=factory, base=base)
-        vocabulary = _vocabulary(local) if fmt == "hf" or merge else None
+        vocabulary = _vocabulary(local) if fmt in ("hf", "peft") else None
         # a LoRA run's model is its base with the adapters: `hf` and `safetensors` hold it
         # merged (the adapters alone would be dropped by a reader of either), `peft` the adapter
         adapted = _is_lora(model) and fmt != "peft"
@@ -77,8 +77,10 @@ def export_model(
     # written beside the destination, then renamed into place: whole or not at all
     staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
     try:
-        tokenizer = _tokenizer(vocabulary) if fmt == "hf" else None
-        what = _write(model, staging, fmt, _special_ids(tokenizer, vocabulary))
+        tokenizer = _tokenizer(vocabulary) if fmt in ("hf", "peft") else None
+        what = _write(model, staging, fmt, _special_ids(tokenizer, vocabulary), dest)
+        if fmt == "peft" and (staging / GPT2_BASE).is_dir():
+            what += _write_tokenizer(vocabulary, tokenizer, staging / GPT2_BASE)
         if adapted:
             what += "; its LoRA adapters merged into the base (--format peft: the adapter alone)"
         if fmt == "hf":
@@ -93,13 +95,18 @@ def export_model(
     return Exported(checkpoint, dest, what, passed_over)
 
 
-def _write(model, folder: Path, fmt: str, special: dict[str, int | None] | None = None) -> str:
+def _write(
+    model, folder: Path, fmt: str, special: dict[str, int | None] | None = None,
+    final: Path | None = None,
+) -> str:  # fmt: skip
     from rayacc.checkpoint.reader import CheckpointError
     from rayacc.data.common import DataError
     from rayacc.models.gpt import GPT
     from rayacc.models.hf import HFCausalLM
 
     if fmt == "peft":
+        if isinstance(model.get_base_model(), GPT):
+            return _gpt2_adapter(model, folder, special, final)
         model.save_pretrained(str(folder))
         return "a peft adapter (PeftModel.from_pretrained on the run's base)"
     if fmt == "safetensors":
@@ -141,6 +148,55 @@ def _write(model, folder: Path, fmt: str, special: dict[str, int | None] | None 
     raise DataError(
         f"a {type(model).__name__} has no transformers counterpart (only model.name hf and gpt "
         "export as one). Fix: --format safetensors"
+    )
+
+
+GPT2_BASE = "base"
+"""Where a `gpt` run's peft export keeps the GPT-2 its adapter applies to (beside it)."""
+_GPT2_LAYERS = {"attn.qkv": "attn.c_attn", "attn.proj": "attn.c_proj", "mlp.0": "mlp.c_fc",
+                "mlp.2": "mlp.c_proj"}  # fmt: skip
+"""A `gpt` block's linear layers under GPT-2's names (`models/hf.py::gpt2_state` maps the
+weights)."""
+
+
+def _gpt2_name(path: str) -> str:
+    """A `gpt` module path as GPT-2's (`blocks.0.attn.qkv`: `transformer.h.0.attn.c_attn`)."""
+    if path == "head":
+        return "lm_head"
+    if path.startswith("blocks."):
+        _, i, layer = path.split(".", 2)
+        return f"transformer.h.{i}.{_GPT2_LAYERS.get(layer, layer)}"
+    return path
+
+
+def _gpt2_adapter(peft_model, folder: Path, special, final: Path | None) -> str:
+    """A `gpt` run's adapter as peft applies it to the GPT-2 the gpt is (GPT-2's module names,
+    its Conv1D layers' `fan_in_fan_out`), that GPT-2 written beside it (`base/`) and named as
+    the adapter's base: `AutoPeftModelForCausalLM.from_pretrained(DIR)` loads the run."""
+    import copy
+
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    config = copy.deepcopy(peft_model.peft_config["default"])
+    adapters = get_peft_model_state_dict(peft_model)
+    base = peft_model.unload()  # the base's own layers back in place, unmerged
+    _write(base, folder / GPT2_BASE, "hf", special)
+    prefix = "base_model.model."
+    renamed = {}
+    for key, value in adapters.items():
+        path, _, rest = key.removeprefix(prefix).partition(".lora_")
+        renamed[f"{prefix}{_gpt2_name(path)}.lora_{rest}"] = value.contiguous()
+    targets = sorted({k.removeprefix(prefix).split(".lora_")[0] for k in renamed})
+    config.target_modules = targets
+    config.fan_in_fan_out = True  # GPT-2's Conv1D (peft turns it off for the Linear head)
+    config.task_type = "CAUSAL_LM"
+    config.base_model_name_or_path = str(((final or folder) / GPT2_BASE).resolve())
+    config.save_pretrained(str(folder))
+    save_file(renamed, str(folder / "adapter_model.safetensors"))
+    return (
+        "a peft adapter on the GPT-2 the gpt is, that GPT-2 beside it in base/ "
+        "(AutoPeftModelForCausalLM.from_pretrained)"
     )
 
 

@@ -76,3 +76,22 @@ def test_every_format_of_a_lora_run_reads_back_as_the_trained_model(tmp_path, ki
     ).eval()
     with torch.no_grad():
         assert torch.allclose(merged(input_ids=x).logits, expected, rtol=1e-5, atol=1e-4)
+
+
+def test_a_gpt_runs_peft_adapter_loads_on_the_gpt2_written_beside_it(tmp_path):
+    """The README's fine-tune gave an adapter no peft user could apply (no base named, rayacc's
+    layer names): it now names the GPT-2 written beside it, under GPT-2's names, and
+    `AutoPeftModelForCausalLM` loads the run with the trained model's logits."""
+    import json
+
+    from peft import AutoPeftModelForCausalLM
+
+    _, trained, checkpoint = _trained(tmp_path, "gpt")
+    export_model(str(checkpoint), str(tmp_path / "adapter"), fmt="peft")
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str((tmp_path / "adapter" / "base").resolve())
+    assert "transformer.h.0.attn.c_attn" in config["target_modules"], config
+    theirs = AutoPeftModelForCausalLM.from_pretrained(str(tmp_path / "adapter")).eval()
+    x = torch.randint(0, 16, (2, 7))
+    with torch.no_grad():
+        assert torch.allclose(theirs(input_ids=x).logits, trained(x), rtol=1e-5, atol=1e-4)
