@@ -4,7 +4,8 @@ function of the samples trained (a batch-size warmup, Megatron's step schedule):
 the gradient noise scale in powers of two within `batch.min_global_batch_size` /
 `max_global_batch_size`; accumulation is re-derived and the LR follows `optim.lr_scaling` at
 each phase. `batch.balance: auto`: the ranks' shares of a window follow their measured time
-per row (worker/balance.py)."""
+per row (worker/balance.py); which strategies and degrees these go with, config/features.py
+declares."""
 
 from __future__ import annotations
 
@@ -17,7 +18,6 @@ __all__ = [
     "FOLLOW_EVERY",
     "BatchPhase",
     "auto_sizes",
-    "balance_rules",
     "declared_batches",
     "schedule_rules",
 ]
@@ -28,11 +28,6 @@ remembers about as many: each move waits for estimates made at the batch it chos
 
 EXCLUDES = {
     "batch.grad_accum_steps": ("is derived per phase", "remove it"),
-    "batch.micro_batch_size": ("auto searches one share before training", "give a size"),
-    "train.strategy": (
-        "the strategy's accumulation is fixed for a worker group",
-        "use a strategy that re-derives it (ddp, fsdp)",
-    ),
     "scaling.on_resize": (
         "keep_micro_batch makes the global batch follow the workers",
         "use keep_global_batch",
@@ -121,12 +116,6 @@ def _auto_rules(batch, scaling, train, refuse) -> None:
             "lies outside batch.min_global_batch_size / max_global_batch_size",
             "set it between them",
         )
-    if Mesh.of_sections(train).tensor > 1:
-        refuse(
-            Mesh.key("tensor"),
-            "measures no gradient noise scale (batch.schedule: auto follows it)",
-            "set it to 1, or give batch.schedule its phases",
-        )
     if train is not None and train.max_steps is not None:
         refuse(
             "train.max_steps",
@@ -172,10 +161,9 @@ def schedule_rules(sections: dict) -> list:
             "is required with batch.schedule (it holds before the first phase)",
             "set it",
         )
+    # the strategy, a pipeline and `auto` micro-batches are pairs of features (features.py)
     fixed = {
         "batch.grad_accum_steps": batch.grad_accum_steps is not None,
-        "batch.micro_batch_size": batch.auto_micro_batch,
-        "train.strategy": train is not None and _fixed_accumulation(train.strategy) is not None,
         "scaling.on_resize": scaling is not None
         and scaling.elastic
         and scaling.on_resize == "keep_micro_batch",
@@ -184,13 +172,8 @@ def schedule_rules(sections: dict) -> list:
     for path, bad in fixed.items():
         if bad:
             problem, fix = EXCLUDES[path]
-            if path == "train.strategy":
-                problem = f"{train.strategy}: {_fixed_accumulation(train.strategy)}"
             refuse(path, f"{problem} (batch.schedule changes the global batch)", fix)
-    if Mesh.of_sections(train).pipeline > 1:
-        why = "sizes its stages' buffers for one accumulation (batch.schedule changes it)"
-        refuse(Mesh.key("pipeline"), why, "give one global batch, or set it to 1")
-    if issues or scaling is None:
+    if issues or scaling is None or Mesh.of_sections(train).pipeline > 1:
         return issues
     mesh = Mesh.of_sections(train)
     for path, size in declared_batches(batch):
@@ -208,42 +191,3 @@ def schedule_rules(sections: dict) -> list:
         except BatchSplitError as exc:
             refuse(path, f"its global batch {size}: {exc.problem}", exc.fix)
     return issues
-
-
-def _fixed_accumulation(strategy: str) -> str | None:
-    from rayacc.config.strategies import strategies
-
-    entry = strategies().get(strategy)
-    return entry.fixed_accumulation if entry is not None else None
-
-
-def balance_rules(sections: dict) -> list:
-    """`batch.balance: auto` needs a strategy whose accumulation may change within a group
-    (moving rows may change the micro-steps of a window), and no pipeline (its schedule is
-    built for one count of them)."""
-    from rayacc.config.errors import MISSING, ConfigIssue
-
-    batch, train = sections.get("batch"), sections.get("train")
-    if getattr(batch, "balance", "off") != "auto" or train is None:
-        return []
-    if (mesh := Mesh.of_sections(train)).pipeline > 1:
-        return [
-            ConfigIssue(
-                "batch.balance",
-                f"auto moves rows between ranks, which may change a window's micro-steps; "
-                f"{mesh.setting('pipeline')} sizes its stages' buffers for one count of them",
-                MISSING,
-                f"set batch.balance=off, or {Mesh.key('pipeline')}=1",
-            )
-        ]
-    if (why := _fixed_accumulation(train.strategy)) is None:
-        return []
-    return [
-        ConfigIssue(
-            "batch.balance",
-            f"auto moves rows between ranks, which may change a window's micro-steps; "
-            f"{train.strategy}: {why}",
-            MISSING,
-            "set batch.balance=off, or use a strategy that re-derives it (ddp, fsdp)",
-        )
-    ]

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from rayacc.config.mesh import Mesh
-
 __all__ = ["LoraConfig", "finetune_rules"]
 
 
@@ -53,17 +51,6 @@ def finetune_rules(sections: dict) -> list:
                 "is empty for a factory's model",
                 None,
                 "name the linear layers to adapt (names or name endings)",
-            )
-        )
-    mesh = Mesh.of_sections(train)
-    if lora is not None and mesh.tensor > 1:
-        issues.append(
-            ConfigIssue(
-                "model.lora",
-                f"with {mesh.setting('tensor')}: the adapters' layers are "
-                "not in the tensor-parallel plan",
-                MISSING,
-                f"set {Mesh.key('tensor')}: 1 (FSDP or ZeRO-3 shard the base)",
             )
         )
     chunk = train is not None and "loss_chunk_tokens" in train.model_fields_set

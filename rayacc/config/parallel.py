@@ -11,7 +11,6 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from rayacc.config.errors import ConfigIssue
 from rayacc.config.mesh import Mesh
-from rayacc.config.strategies import strategies
 
 __all__ = [
     "PIPELINE_SCHEDULES",
@@ -85,19 +84,11 @@ class DeepSpeedConfig(Section):
 
 # ----------------------------------------------------------------------------- the degrees' rules
 def _degree_rules(kind: str, train: Any, scaling: Any) -> list[tuple[str, str]]:
-    """(problem, fix) of `train.{kind}_parallel` against the strategy (the registry's
-    `without_{kind}_parallel`) and the worker count (fixed, a multiple of it)."""
-    key, n, out = f"train.{kind}_parallel", getattr(train, f"{kind}_parallel"), []
-    why = getattr(strategies()[train.strategy], f"without_{kind}_parallel")
-    if why is not None:
-        able = [name for name, e in strategies().items()
-                if getattr(e, f"without_{kind}_parallel") is None]  # fmt: skip
-        out.append((f"does not compose with train.strategy={train.strategy}: {why}",
-                    f"set train.strategy={' or '.join(able)}, or {key}=1"))  # fmt: skip
-    if scaling is not None and scaling.elastic:
-        out.append(("an elastic group's size cannot be held to multiples of it",
-                    "give scaling.num_workers one count"))  # fmt: skip
-    elif scaling is not None and scaling.min_workers % n:
+    """(problem, fix) of `train.{kind}_parallel` against a fixed worker count (a multiple of
+    it)."""
+    n, out = getattr(train, f"{kind}_parallel"), []
+    # the strategy and an elastic range are pairs of features (config/features.py)
+    if scaling is not None and not scaling.elastic and scaling.min_workers % n:
         out.append((f"does not divide scaling.num_workers={scaling.min_workers}",
                      f"set scaling.num_workers to a multiple of {n}"))  # fmt: skip
     return out
@@ -182,8 +173,4 @@ def pipeline_rules(train: Any, sections: dict[str, Any], scaling: Any) -> list[C
     if train.loss_chunk_tokens not in (None, chunk):
         refuse("the last stage computes its micro-batch's logits whole",
                "remove train.loss_chunk_tokens", "train.loss_chunk_tokens")  # fmt: skip
-    batch = sections.get("batch")
-    if batch is not None and batch.micro_batch_size == "auto":
-        refuse("sizes its stages' buffers for one micro-batch, which a search would change",
-               "give batch.micro_batch_size", "batch.micro_batch_size")  # fmt: skip
     return issues

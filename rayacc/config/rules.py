@@ -5,13 +5,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from rayacc.config.batch_schedule import balance_rules, schedule_rules
+from rayacc.config.batch_schedule import schedule_rules
 from rayacc.config.batch_split import (
     BatchSplitError,
     resolve_batch_split,
     split_for_workers,
 )
 from rayacc.config.errors import MISSING, ConfigIssue
+from rayacc.config.features import composition_issues
 from rayacc.config.finetune import finetune_rules
 from rayacc.config.mesh import Mesh
 from rayacc.config.parallel import pipeline_rules, tensor_parallel_rules
@@ -261,8 +262,9 @@ def cross_field_issues(sections: dict[str, Any]) -> list[ConfigIssue]:
     issues: list[ConfigIssue] = []
     if model is not None:
         issues += _model_rules(model, data)
+    issues += composition_issues(sections)
     issues += finetune_rules(sections)
-    issues += schedule_rules(sections) + balance_rules(sections)
+    issues += schedule_rules(sections)
     if scaling is not None:
         scaling_issues = _scaling_rules(scaling)
         issues += scaling_issues

@@ -13,6 +13,7 @@ from rayacc.config.batch_schedule import BatchPhase
 from rayacc.config.batch_split import BatchSplit, resolve_batch_split
 from rayacc.config.environment import environment_issues
 from rayacc.config.errors import ConfigError, ConfigIssue, issues_from_validation
+from rayacc.config.features import DataKind, composition_issues
 from rayacc.config.finetune import LoraConfig
 from rayacc.config.loader import read_yaml
 from rayacc.config.mesh import Mesh
@@ -436,6 +437,13 @@ class TrainConfig(Section):
     def mesh(self) -> Mesh:
         """The run's layout as the degrees of one mesh (config/mesh.py)."""
         return Mesh.of(self)
+
+    def check_data_kind(self, kind: DataKind) -> None:
+        """The pairs the data's kind brings (packed rows × a pipeline …): the one acceptance
+        (config/features.py) run again where the data is read. Raises ConfigError."""
+        sections = _valid_sections(self, {})
+        if issues := composition_issues(sections, kind):
+            raise ConfigError(issues, self._source_file)
 
     def batch_split(self, num_workers: int | None = None) -> BatchSplit:
         """The resolved batch split for `num_workers` (default: the most workers the run

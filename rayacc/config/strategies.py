@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import warnings
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
 
@@ -52,23 +52,15 @@ class StrategyEntry:
     fixed_accumulation: str | None = None
     """Why its accumulation cannot change within a worker group (`batch.schedule`); None: it
     can."""
+    refuses: Mapping[str, str] = field(default_factory=dict)
+    """The other features (config/features.py) it does not compose with, and why."""
 
 
 # ----------------------------------------------------------------------------- built-in rules
 def _fsdp_rules(sections: Mapping[str, Any], scaling: Any) -> list[ConfigIssue]:
     train, fsdp = sections["train"], sections.get("fsdp")
     mesh = Mesh.of_sections(train, fsdp)
-    issues = _fsdp_mesh_rules(mesh, scaling) if fsdp is not None else []
-    if train.precision == "fp16":
-        issues.append(
-            ConfigIssue(
-                "train.precision",
-                "fp16 needs a gradient scaler for sharded gradients, which rayacc does not have",
-                "fp16",
-                "use train.precision=bf16 (or fp32) with train.strategy=fsdp",
-            )
-        )
-    return issues
+    return _fsdp_mesh_rules(mesh, scaling) if fsdp is not None else []
 
 
 def _fsdp_mesh_rules(mesh: Mesh, scaling: Any) -> list[ConfigIssue]:
@@ -107,7 +99,7 @@ def _fsdp_mesh_rules(mesh: Mesh, scaling: Any) -> list[ConfigIssue]:
 
 def _deepspeed_rules(sections: Mapping[str, Any], scaling: Any) -> list[ConfigIssue]:
     """What DeepSpeed under rayacc does not run yet, and its section's own rule."""
-    train, ds, batch = sections["train"], sections.get("deepspeed"), sections.get("batch")
+    train, ds = sections["train"], sections.get("deepspeed")
     issues = []
     if ds is not None and ds.offload_params != "none" and ds.stage != 3:
         issues.append(
@@ -127,24 +119,6 @@ def _deepspeed_rules(sections: Mapping[str, Any], scaling: Any) -> list[ConfigIs
                 "accelerator has none",
                 train.precision,
                 "set train.precision=bf16 (or fp32) for CPU workers, or scaling.use_gpu=true",
-            )
-        )
-    if train.compile:
-        issues.append(
-            ConfigIssue(
-                "train.compile",
-                "torch.compile under DeepSpeed's engine is not supported",
-                True,
-                f"set train.compile=false with train.strategy=deepspeed, or {fix}",
-            )
-        )
-    if batch is not None and batch.auto_micro_batch:
-        issues.append(
-            ConfigIssue(
-                "batch.micro_batch_size",
-                "DeepSpeed's engine is built for one micro-batch: `auto` cannot search",
-                "auto",
-                f"give batch.micro_batch_size a number with train.strategy=deepspeed, or {fix}",
             )
         )
     optim = sections.get("optim")
@@ -193,6 +167,9 @@ _BUILT_IN = (
         _fsdp_rules,
         without_tensor_parallel=None,
         without_pipeline_parallel=None,
+        refuses={
+            "fp16": "fp16 needs a gradient scaler for sharded gradients, which rayacc does not have"
+        },
     ),
     StrategyEntry(
         "deepspeed",
@@ -204,6 +181,10 @@ _BUILT_IN = (
         without_pipeline_parallel="DeepSpeed has a pipeline engine of its own (PipelineModule) "
         "that rayacc does not drive; use train.strategy=fsdp",
         fixed_accumulation="its engine's gradient_accumulation_steps is fixed when it is built",
+        refuses={
+            "compile": "torch.compile under DeepSpeed's engine is not supported",
+            "auto_micro": "DeepSpeed's engine is built for one micro-batch: `auto` cannot search",
+        },
     ),
 )
 

@@ -19,6 +19,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from rayacc.config.features import DataKind
 from rayacc.data.common import (
     BUNDLED,
     VOCAB_KEY,
@@ -435,6 +436,15 @@ class Source:
     info: DatasetInfo
     groups: RowGroups
     metadata: dict[bytes, bytes]
+
+
+def data_kind(source: str, cache_dir: str | None = None, seq_len: int = 128) -> DataKind | None:
+    """What `data.source`'s rows are, from its schema alone (no pass over the rows: what
+    `rayacc plan` reads); None for a remote source, which only the run reads."""
+    if _is_uri(source):
+        return None
+    names = set(_dataset(_resolve(source, cache_dir, seq_len)).schema.names)
+    return DataKind(packed="documents" in names, masked="loss_mask" in names)
 
 
 def describe_dataset(source: str, cache_dir: str | None = None, seq_len: int = 128) -> DatasetInfo:

@@ -20,11 +20,12 @@ from typing import Any
 
 from rayacc.config import TrainConfig
 from rayacc.config.batch_split import BatchSplit
+from rayacc.config.features import DataKind
 from rayacc.config.mesh import Mesh
 from rayacc.config.schema import RunConfig, ScalingConfig, TrainSection
 from rayacc.data.common import DataError
 from rayacc.data.order import DataOrder, EpochLayout
-from rayacc.data.sources import DatasetInfo, RowGroups, read_source
+from rayacc.data.sources import DatasetInfo, RowGroups, data_kind, read_source
 from rayacc.driver.places import check_places
 from rayacc.driver.runs import RunLocation, locate_run
 from rayacc.engine.parallel import state_format_named
@@ -102,14 +103,18 @@ class Prepared:
 def check(cfg: TrainConfig, scope: str = "run") -> Prepared | None:
     """The one pre-launch validator of the commands: `run` (train, verify, a sweep's base):
     everything, returned as `prepare` resolves it; `plan`: everything but the pass over the
-    data (places, the model factory); `submit`: what this machine can judge of a job the
-    cluster runs (the URIs' schemes, the model factory's import: the project is uploaded)."""
+    data (places, the model factory, the data's kind from its schema); `submit`: what this
+    machine can judge of a job the cluster runs (the URIs' schemes, the model factory's
+    import: the project is uploaded)."""
     from rayacc.models.objective import OBJECTIVE_FIX
     from rayacc.models.registry import resolve_callable, resolve_factory
 
     if scope == "run":
         return prepare(cfg)
     check_places(cfg, here=scope == "plan")
+    if scope == "plan" and (kind := data_kind(cfg.data.source, cfg.data.cache_dir,
+                                              cfg.data.seq_len)) is not None:  # fmt: skip
+        cfg.check_data_kind(kind)
     if cfg.model.name == "factory":
         resolve_factory(cfg.model.factory or "")
     if cfg.train.loss is not None:
@@ -134,13 +139,7 @@ def prepare(cfg: TrainConfig) -> Prepared:
             "prepare the data without --pack, or give the forward a `documents` argument "
             "(rayacc.models.gpt.document_mask builds the mask)"
         )
-    if info.documents and cfg.mesh.pipeline > 1:
-        raise DataError(
-            f"data.source={info.path!r} holds packed rows (`documents`), and "
-            f"{cfg.mesh.setting('pipeline')} sends each stage's activations in one shape "
-            "without each example's attention mask. Fix: prepare the data without --pack, or "
-            f"set {Mesh.key('pipeline')}=1"
-        )
+    cfg.check_data_kind(DataKind(packed=info.documents, masked=info.loss_mask))
     if cfg.train.loss is not None:
         from rayacc.models.objective import OBJECTIVE_FIX
         from rayacc.models.registry import resolve_callable

@@ -50,10 +50,10 @@ REFUSED = [
      "does not divide the data-parallel ranks (scaling.num_workers=4 / "
      "train.pipeline_parallel=2 = 2)"),
     (with_(batch={"global_batch_size": 32, "micro_batch_size": 4, "balance": "auto"}),
-     "batch.balance", "one count of them"),
+     "batch.balance", "moving rows between ranks may change them"),
     (with_(batch={"global_batch_size": 32, "micro_batch_size": 4,
                   "schedule": [{"from_samples": 64, "global_batch_size": 64}]}),
-     "train.pipeline_parallel", "one accumulation"),
+     "train.pipeline_parallel", "batch.schedule changes the accumulation"),
     *[(with_(train={"strategy": "fsdp", "pipeline_parallel": 1, key: value}), f"train.{key}",
        "applies to a pipeline only")
       for key, value in (("pipeline_schedule", "gpipe"), ("pipeline_stages_per_rank", 3))],

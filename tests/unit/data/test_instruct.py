@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rayacc.cli import main
+from rayacc.config import ConfigError
 from rayacc.data.bundled import CHAT_TEMPLATE, chat_tokenizer
 from rayacc.data.common import DataError
 from rayacc.data.instruct import prepare_instructions
@@ -394,11 +395,12 @@ def test_packed_rows_reach_the_model_as_documents_or_are_refused_before_launch(t
     piped = {**base, "model": {**gpt, "n_layer": 2},
              "scaling": {"num_workers": 2, "cpus_per_worker": 0.5},
              "train": {"strategy": "fsdp", "pipeline_parallel": 2}}  # fmt: skip
-    with pytest.raises(DataError) as error:
+    with pytest.raises(ConfigError) as error:
         prepare(TrainConfig.from_dict(piped))
     text = str(error.value)
-    assert "holds packed rows" in text and "train.pipeline_parallel=2" in text, text
-    assert "Fix: prepare the data without --pack, or set train.pipeline_parallel=1" in text
+    assert "data.source: holds packed rows" in text and "train.pipeline_parallel=2" in text, text
+    assert "Fix: prepare the data without --pack, or train.pipeline_parallel=1" in text
+    assert str(out) in text
 
 
 CHATML = (
