@@ -183,7 +183,7 @@ def schedule_rules(sections: dict) -> list:
                 mesh=mesh,
                 global_batch_size=size,
                 micro_batch_size=batch.fixed_micro_batch_size,
-                uneven=scaling.elastic,
+                uneven=scaling.keeps_global_batch,
             )
             if scaling.elastic:
                 for workers in range(scaling.min_workers, scaling.max_workers):

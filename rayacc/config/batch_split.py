@@ -163,7 +163,7 @@ def resolve_batch_split(
     - global alone: accumulation 1;
     - micro (+ accum, default 1) without global: the global batch is their product;
     - all three: they must agree.
-    `uneven` (an elastic run keeping its global batch): a global batch the ranks do not divide
+    `uneven` (a run keeping its global batch at every size): a global batch the ranks do not divide
     is split by `even_shares` instead of refused. Raises :class:`BatchSplitError` naming the
     field and the nearest valid values.
     """

@@ -178,7 +178,7 @@ def _batch_plan_rules(batch: BatchConfig, scaling: ScalingConfig, mesh: Mesh) ->
             global_batch_size=batch.global_batch_size,
             micro_batch_size=batch.fixed_micro_batch_size,
             grad_accum_steps=batch.grad_accum_steps,
-            uneven=scaling.elastic and scaling.on_resize == "keep_global_batch",
+            uneven=scaling.keeps_global_batch,
         )
     except BatchSplitError as exc:
         return [ConfigIssue(exc.field, exc.problem, MISSING, exc.fix)]

@@ -308,6 +308,12 @@ class ScalingConfig(Section):
     def elastic(self) -> bool:
         return not isinstance(self.num_workers, int)
 
+    @property
+    def keeps_global_batch(self) -> bool:
+        """The global batch holds at every size the run has (a fixed count, or an elastic one
+        that keeps it): where the ranks do not divide it, they take uneven shares."""
+        return not self.elastic or self.on_resize == "keep_global_batch"
+
     def ray_train_env(self) -> dict[str, str]:
         """What the run's Ray job hands Ray Train's controller (`start_timeout_s`)."""
         timeout = self.start_timeout_s or (10.0 if self.elastic else None)
@@ -454,7 +460,7 @@ class TrainConfig(Section):
             global_batch_size=self.batch.global_batch_size,
             micro_batch_size=self.batch.fixed_micro_batch_size,
             grad_accum_steps=self.batch.grad_accum_steps,
-            uneven=self.scaling.elastic and self.scaling.on_resize == "keep_global_batch",
+            uneven=self.scaling.keeps_global_batch,
         )
 
     def to_yaml(self) -> str:

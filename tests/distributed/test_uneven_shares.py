@@ -1,8 +1,8 @@
-"""A window split by rows, not by ranks: at an elastic size that does not divide the global
-batch, each rank takes its share (`BatchSplit.shares`), runs as many micro-steps as the largest
-share needs (so every collective pairs up), and the update equals the single-process full-batch
-steps: DDP and FSDP2 in both sync modes on 3 gloo ranks here; ZeRO on the DeepSpeed tests' 2
-ranks (tests/distributed/test_deepspeed.py)."""
+"""A window split by rows, not by ranks: at a worker count that does not divide the global batch
+(fixed, or an elastic size), each rank takes its share (`BatchSplit.shares`), runs as many
+micro-steps as the largest share needs (so every collective pairs up), and the update equals
+the single-process full-batch steps: DDP and FSDP2 in both sync modes on 3 gloo ranks here;
+ZeRO on the DeepSpeed tests' 2 ranks (tests/distributed/test_deepspeed.py)."""
 
 from __future__ import annotations
 

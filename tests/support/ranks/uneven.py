@@ -1,4 +1,4 @@
-"""Uneven shares of a window (an elastic size that does not divide the global batch) on gloo
+"""Uneven shares of a window (a worker count that does not divide the global batch) on gloo
 ranks: the product's split and layout (`run.quantities.split_at`, `epoch_layout`) cut each
 rank's rows and micro-batches, the product's step (`build_rank`) runs them, and the update is
 compared with single-process full-batch steps over the same windows."""
@@ -27,7 +27,8 @@ STRATEGIES = ("ddp", "fsdp every_micro_step", "fsdp window_end")
 
 
 def config(strategy: str, world: int, deepspeed_stage: int | None = None):
-    """An elastic job up to `world` workers, so the split at `world` may be uneven."""
+    """A job of `world` workers whose count does not divide the global batch (an elastic one
+    at that size splits alike: tests/unit/config/test_batch_split.py)."""
     from rayacc.config import TrainConfig
 
     name, _, grad_sync = strategy.partition(" ")
@@ -37,7 +38,7 @@ def config(strategy: str, world: int, deepspeed_stage: int | None = None):
             "model": {"name": "mlp", "hidden_sizes": [16]},
             "optim": {"name": "sgd", "lr": LR, "momentum": 0.0, "weight_decay": 0.0},
             "batch": {"global_batch_size": GLOBAL[world], "micro_batch_size": MICRO[world]},
-            "scaling": {"num_workers": [1, world]},
+            "scaling": {"num_workers": world},
             "train": {"strategy": name},
             **({"fsdp": {"grad_sync": grad_sync}} if grad_sync else {}),
             **({"deepspeed": {"stage": deepspeed_stage}} if deepspeed_stage else {}),

@@ -1,5 +1,6 @@
 import pytest
 
+from rayacc.config.batch_split import even_shares
 from rayacc.engine import BatchSplit, BatchSplitError, resolve_batch_split
 
 
@@ -164,3 +165,25 @@ def test_an_elastic_runs_most_workers_may_leave_the_global_batch_uneven():
         resolve_batch_split(num_workers=3, global_batch_size=32, micro_batch_size=16, uneven=True)
     with pytest.raises(BatchSplitError, match="does not split evenly"):
         resolve_batch_split(num_workers=3, global_batch_size=32, micro_batch_size=4)
+
+
+@pytest.mark.parametrize("g", [7, 16, 25, 101])
+@pytest.mark.parametrize("micro", [2, 3, 6])
+def test_a_fixed_count_splits_as_an_elastic_run_at_that_size(g, micro):
+    """A fixed `scaling.num_workers` that does not divide the global batch takes the shares an
+    elastic run keeping it takes at that size (16 over 3 ran inside [3, 3]; over 3, refused)."""
+    from rayacc.config import TrainConfig
+    from rayacc.run.quantities import split_at
+
+    def cfg(workers) -> TrainConfig:
+        return TrainConfig.from_dict({"batch": {"global_batch_size": g, "micro_batch_size": micro},
+                                      "scaling": {"num_workers": workers}})  # fmt: skip
+
+    for w in range(1, min(g, 5) + 1):
+        try:
+            elastic = split_at(cfg([1, w]), w)
+        except (BatchSplitError, ValueError):
+            continue  # a micro-batch above the largest share: refused alike (checked above)
+        fixed = split_at(cfg(w), w)
+        assert fixed == elastic, (g, micro, w)
+        assert fixed.rank_shares == even_shares(g, w)

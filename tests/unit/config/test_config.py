@@ -85,7 +85,15 @@ BAD = [
     (with_("batch", micro_batch_size=-4), "batch.micro_batch_size", ">= 1"),
     (with_("batch", micro_batch_size=30), "batch.micro_batch_size", "32"),
     (with_("batch", grad_accum_steps=3), "batch.global_batch_size", "it would be 4"),
-    (with_("scaling", num_workers=3), "batch.global_batch_size", "scaling.num_workers=3"),
+    # 3 workers take uneven shares of 256 (86 + 85 + 85); a fixed accumulation cannot
+    (
+        {
+            **with_("scaling", num_workers=3),
+            "batch": {"global_batch_size": 256, "grad_accum_steps": 2},
+        },
+        "batch.global_batch_size",
+        "scaling.num_workers=3",
+    ),
     (with_("scaling", num_workers=0), "scaling.num_workers", "set a value >= 1"),
     (with_("scaling", num_workers=[4, 2]), "scaling.num_workers", "1 <= min <= max"),
     (

@@ -75,8 +75,12 @@ def test_the_global_batch_splits_over_the_pipelines():
     assert (split.data_parallel, split.grad_accum_steps, split.model_parallel) == (2, 4, 2)
     assert split.describe() == ("global batch 32 = micro 4 × accum 4 × data-parallel ranks 2 "
                                 "(4 workers in pipelines of 2 stages)")  # fmt: skip
+    # 31 rows over the 2 data-parallel ranks: shares of 16 and 15, six micro-steps on each
+    odd = TrainConfig.from_dict(with_(batch={"global_batch_size": 31, "micro_batch_size": 3}))
+    split = odd.batch_split()
+    assert (split.rank_shares, split.micro_batch_size, split.grad_accum_steps) == ((16, 15), 3, 6)
     with pytest.raises(ConfigError) as err:
-        TrainConfig.from_dict(with_(batch={"global_batch_size": 31, "micro_batch_size": 3}))
+        TrainConfig.from_dict(with_(batch={"global_batch_size": 31, "grad_accum_steps": 3}))
     assert ("the data-parallel ranks (scaling.num_workers=4 / train.pipeline_parallel=2 = 2)"
             in str(err.value))  # fmt: skip
 

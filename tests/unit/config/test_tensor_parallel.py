@@ -78,8 +78,11 @@ def test_the_global_batch_splits_over_the_data_parallel_ranks():
 
 
 def test_a_batch_that_does_not_split_names_the_data_parallel_ranks():
+    # 33 over the 2 data-parallel ranks is 17 + 16 where the accumulation is derived
+    odd = TrainConfig.from_dict(with_(batch={"global_batch_size": 33, "micro_batch_size": 3}))
+    assert odd.batch_split().rank_shares == (17, 16)
     with pytest.raises(ConfigError) as err:
-        TrainConfig.from_dict(with_(batch={"global_batch_size": 33, "micro_batch_size": 3}))
+        TrainConfig.from_dict(with_(batch={"global_batch_size": 33, "grad_accum_steps": 3}))
     (issue,) = [i for i in err.value.issues if i.path == "batch.global_batch_size"]
     assert "the data-parallel ranks (scaling.num_workers=4 / train.tensor_parallel=2 = 2)" in (
         issue.message
