@@ -54,11 +54,24 @@ def matrix_results(tmp_path_factory):
     return rows
 
 
-def test_the_cases_cover_every_pair_of_values():
+def test_the_cases_cover_every_accepted_pair_and_the_refused_ones_are_named():
+    """The covering array is generated from the validator: a pair of values it refuses in
+    every case is left out and its refusal names both factors' keys; every other pair is in a
+    case; the counts are printed."""
     chosen = [dict(zip(M.FACTORS, (getattr(c, k) for k in M.FACTORS))) for c in M.cases()]
     assert M.uncovered_pairs(M.FACTORS, chosen) == []
+    refused = M.refused_pairs()
+    for ((a, va), (b, vb)), message in refused.items():
+        assert M.KEYS[a] in message and M.KEYS[b] in message, (a, va, b, vb, message)
+    assert (("loss", "chunked"), ("objective", "rows")) in refused
     # far fewer than the whole space, and no case twice
     assert len(chosen) < 20 and len({tuple(c.values()) for c in chosen}) == len(chosen)
+    pairs = len(M.all_pairs(M.FACTORS))
+    space = math.prod(len(v) for v in M.FACTORS.values())
+    note("combination matrix: pairwise coverage",
+         f"{len(chosen)} cases of {space} combinations cover all {pairs - len(refused)} "
+         f"accepted pairs of values of {len(M.FACTORS)} factors; {len(refused)} pair(s) "
+         "refused before launch")  # fmt: skip
 
 
 def test_every_case_equals_the_full_batch_steps(matrix_results, record_equivalence):
