@@ -7,6 +7,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from rayacc.models.objective import weighted_items
+
 IGNORE = -100
 """A target rayacc does not count (padding, a prompt token the loss mask leaves out)."""
 SMOOTHING = 0.1
@@ -33,3 +35,17 @@ def pair_margin(output: torch.Tensor, batch) -> tuple[torch.Tensor, int]:
     per_row = picked.sum(-1)
     chosen, rejected = per_row[0::2], per_row[1::2]
     return -F.logsigmoid(chosen - rejected).sum(), int(chosen.numel())
+
+
+@weighted_items
+def sqrt_row_weighted(output: torch.Tensor, batch) -> tuple[torch.Tensor, float]:
+    """Cross-entropy over the counted targets, each of a row's n weighted 1/√n (between one
+    item a token and one item a row: long answers count more, not n times more). Its count is
+    the sum of the weights, a real: declared with `weighted_items`, the one rule divides the
+    window's sum by the global sum of weights."""
+    target = batch["target"]
+    keep = (target != IGNORE).float()
+    tokens = F.cross_entropy(output.float().transpose(1, 2), target.clamp(min=0), reduction="none")
+    n = keep.sum(-1)
+    weight = keep / n.clamp(min=1.0).sqrt().unsqueeze(-1)
+    return (tokens * weight).sum(), float(weight.sum())

@@ -52,6 +52,9 @@ class StrategyEntry:
     fixed_accumulation: str | None = None
     """Why its accumulation cannot change within a worker group (`batch.schedule`); None: it
     can."""
+    counts_first: str | None = None
+    """Why it needs a window's count before its first backward (a weighted objective's count
+    comes with the forward); None: it takes the count after."""
     refuses: Mapping[str, str] = field(default_factory=dict)
     """The other features (config/features.py) it does not compose with, and why."""
 
@@ -181,6 +184,7 @@ _BUILT_IN = (
         without_pipeline_parallel="DeepSpeed has a pipeline engine of its own (PipelineModule) "
         "that rayacc does not drive; use train.strategy=fsdp",
         fixed_accumulation="its engine's gradient_accumulation_steps is fixed when it is built",
+        counts_first="DeepSpeed's engine scales each backward itself",
         refuses={
             "compile": "torch.compile under DeepSpeed's engine is not supported",
             "auto_micro": "DeepSpeed's engine is built for one micro-batch: `auto` cannot search",

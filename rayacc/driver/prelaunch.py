@@ -118,8 +118,18 @@ def check(cfg: TrainConfig, scope: str = "run") -> Prepared | None:
     if cfg.model.name == "factory":
         resolve_factory(cfg.model.factory or "")
     if cfg.train.loss is not None:
-        resolve_callable("train.loss", cfg.train.loss, OBJECTIVE_FIX)
+        _check_objective(cfg, resolve_callable("train.loss", cfg.train.loss, OBJECTIVE_FIX))
     return None
+
+
+def _check_objective(cfg: TrainConfig, fn) -> None:
+    """What the user's objective declares against the strategy and precision (a weighted
+    count under an engine that counts first)."""
+    from rayacc.config.strategies import strategy_entry
+    from rayacc.models.objective import check_weighted
+
+    first = strategy_entry(cfg.train.strategy).counts_first
+    check_weighted(cfg.train.loss or "", fn, cfg.train.precision, first)
 
 
 def prepare(cfg: TrainConfig) -> Prepared:
@@ -144,7 +154,7 @@ def prepare(cfg: TrainConfig) -> Prepared:
         from rayacc.models.objective import OBJECTIVE_FIX
         from rayacc.models.registry import resolve_callable
 
-        resolve_callable("train.loss", cfg.train.loss, OBJECTIVE_FIX)
+        _check_objective(cfg, resolve_callable("train.loss", cfg.train.loss, OBJECTIVE_FIX))
     if cfg.mesh.tensor > 1:
         check_tensor_plan(model, cfg.mesh)
     if cfg.mesh.pipeline > 1:

@@ -321,6 +321,7 @@ class AccumulationStep:
                         stats = self._window_stats(micro_sums, [*counts, *slots])
                         # counts stay exact in a float32 bucket below 2**24
                         exact = max(counts[0], counts[3]) * self.world_size < 2**24
+                        exact = exact and float(counts[0]).is_integer()  # weights: float64
                         self.strategy.attach_window_stats(stats, exact_in_fp32=exact)
                     scaled = micro_sum if scale is None else micro_sum * scale
                     if self.scaler is not None:
@@ -362,7 +363,9 @@ class AccumulationStep:
         values = reduced.tolist()
         total_loss, items, samples, sum_m, sum_m2, signals = values[:6]
         figures = tuple(values[6:]) if k or extra else ()
-        return total_loss, int(items), int(samples), sum_m, sum_m2, int(signals), figures
+        # a count is whole but for a weighted objective's (a sum of weights)
+        items = int(items) if float(items).is_integer() else items
+        return total_loss, items, int(samples), sum_m, sum_m2, int(signals), figures
 
     def _engine_step(self, items: int, divided: bool) -> tuple[float, str | None]:
         """The strategy's engine clips (as configured from max_grad_norm) and steps; then the

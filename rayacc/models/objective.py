@@ -6,6 +6,7 @@ own cross-entropy (engine/step.py)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -14,13 +15,43 @@ from torch import nn
 from rayacc.engine.losses import Batch, ItemCounter, model_inputs
 from rayacc.models.errors import ModelError
 
-__all__ = ["OBJECTIVE_FIX", "Objective"]
+__all__ = ["OBJECTIVE_FIX", "Objective", "check_weighted", "is_weighted", "weighted_items"]
 
 OBJECTIVE_FIX = (
     "Fix: train.loss is `package.module:function`, importable on every node, called as "
     "`function(output, batch)` and returning (sum of its loss items as a 0-dim tensor, their "
-    "count as an int)"
+    "count as an int; a sum of weights where it is declared with "
+    "rayacc.models.objective.weighted_items)"
 )
+
+
+def weighted_items(fn: Callable) -> Callable:
+    """Declares that `fn`'s count is a sum of weights, a real ≥ 0 (weighted tokens, β-weighted
+    pairs): the one rule divides the window's summed losses by the global sum of weights.
+    Without it a count must be whole (a count that is not is a mistake, named)."""
+    fn.weighted_items = True
+    return fn
+
+
+def is_weighted(fn: Callable) -> bool:
+    return getattr(fn, "weighted_items", False) is True
+
+
+def check_weighted(spec: str, fn: Callable, precision: str, counts_first: str | None) -> None:
+    """A weighted count comes with the forward: where the window's count is needed before its
+    first backward (`counts_first`: the strategy's reason; fp16's loss scale), it is refused
+    before launch (ModelError naming both keys)."""
+    if not is_weighted(fn):
+        return
+    why = counts_first or ("fp16's loss scale" if precision == "fp16" else None)
+    if why is None:
+        return
+    key = "train.precision=fp16" if counts_first is None else "train.strategy"
+    raise ModelError(
+        f"train.loss={spec!r} counts weighted items (a sum of weights, known only with the "
+        f"forward), and {key} needs the window's count before its first backward ({why}). "
+        "Fix: train it under ddp or fsdp in fp32 or bf16, or count whole items"
+    )
 
 
 class Objective:
@@ -38,7 +69,7 @@ class Objective:
 
     def __call__(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, int]:
         output = model(batch[self.input_key], **model_inputs(batch))
-        total, count = checked(self.spec, self.fn(output, batch))
+        total, count = checked(self.spec, self.fn(output, batch), is_weighted(self.fn))
         if self.ahead is None:
             return total, count
         expected = self.ahead(batch)
@@ -54,8 +85,9 @@ class Objective:
         return total, 0
 
 
-def checked(spec: str, out: object) -> tuple[torch.Tensor, int]:
-    """(loss sum as a 0-dim tensor, count as an int) from what the function returned."""
+def checked(spec: str, out: object, weighted: bool = False) -> tuple[torch.Tensor, int | float]:
+    """(loss sum as a 0-dim tensor, count as an int; a real where `weighted`) from what the
+    function returned."""
     if not isinstance(out, tuple | list) or len(out) != 2:
         raise ModelError(
             f"train.loss={spec!r} returned {_kind(out)}, not a pair (sum, count). {OBJECTIVE_FIX}"
@@ -70,6 +102,8 @@ def checked(spec: str, out: object) -> tuple[torch.Tensor, int]:
         count = count.item()
     if isinstance(count, float) and count.is_integer():
         count = int(count)
+    if weighted and isinstance(count, float) and math.isfinite(count) and count > 0:
+        return total.reshape(()), count
     if isinstance(count, bool) or not isinstance(count, int) or count < 0:
         raise ModelError(
             f"train.loss={spec!r}: the count it returned is {_kind(count)}, not a whole number "

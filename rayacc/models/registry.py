@@ -199,13 +199,14 @@ def loss_functions(
     is the strategy's word (`Contract.gathers_in_forward`: a sharded head is whole only inside
     the forward that gathered it)."""
     if objective is not None:
-        from rayacc.models.objective import OBJECTIVE_FIX, Objective
+        from rayacc.models.objective import OBJECTIVE_FIX, Objective, check_weighted
 
         fn = resolve_callable("train.loss", objective, OBJECTIVE_FIX)
         classification = info.format == "classification"
         key = "features" if classification else "input"
         if not counts_first:
             return Objective(objective, fn, key), counted_with_losses
+        check_weighted(objective, fn, "", "the strategy or the precision counts first")
         counter = count_rows if classification else count_target_tokens
         return Objective(objective, fn, key, ahead=counter), counter
     if info.format == "classification":

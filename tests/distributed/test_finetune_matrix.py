@@ -32,6 +32,7 @@ def ranks(tmp_path_factory):
 
 def test_the_cases_cover_every_strategy_adapters_and_the_objective():
     cases = F.cases()
+    assert {c.strategy for c in cases if c.loss == "weighted"} == set(F.WEIGHTED_UNDER)
     assert {c.strategy for c in cases} == set(F.STRATEGIES)
     assert {c.strategy for c in cases if c.adapters == "lora"} == set(F.STRATEGIES) - {"fsdp × tp"}
     assert {c.strategy for c in cases if c.loss == "objective"} == set(F.STRATEGIES)
@@ -52,7 +53,10 @@ def test_every_case_equals_the_full_batch_step(ranks, record_equivalence):
         got = ranks[0][case.index]
         assert torch.equal(got["after"], ranks[1][case.index]["after"]), case.label()
         windows = [(0, F.WINDOWS[0]), (F.WINDOWS[0], sum(F.WINDOWS))]
-        assert got["items"] == [F.counted(lo, hi) for lo, hi in windows], case.label()
+        expected = [F.counted(lo, hi, case.loss) for lo, hi in windows]
+        assert got["items"] == pytest.approx(expected, rel=1e-6), case.label()
+        if case.loss == "weighted":  # a sum of weights: a real, not truncated
+            assert all(isinstance(i, float) and not i.is_integer() for i in got["items"])
         before, after = F.reference(case)
         err = update_rel_err(before, got["after"], after)
         record_equivalence(

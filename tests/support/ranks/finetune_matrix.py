@@ -23,6 +23,10 @@ WINDOWS = (8, 5)
 """Rows per window: a full one (2 micro-steps of 2 rows per rank), then a short last one."""
 MICRO = 2
 OBJECTIVE = "jobs.objectives:label_smoothed"
+WEIGHTED = "jobs.objectives:sqrt_row_weighted"
+"""A weighted objective (its count a sum of weights): under the strategies that take the count
+with the forward."""
+WEIGHTED_UNDER = ("ddp", "fsdp", "hsdp")
 STRATEGIES = {
     "ddp": {"train": {"strategy": "ddp"}},
     "fsdp": {"train": {"strategy": "fsdp"}},
@@ -45,7 +49,8 @@ class Case:
     adapters: str
     """`lora` or `none`."""
     loss: str
-    """`cross-entropy` (rayacc's) or `objective` (the user's `train.loss`)."""
+    """`cross-entropy` (rayacc's), `objective` (the user's `train.loss`) or `weighted` (the
+    user's, counting a sum of weights)."""
 
     def label(self) -> str:
         return f"{self.strategy} | {self.adapters} | {self.loss}"
@@ -59,6 +64,8 @@ def cases() -> list[Case]:
         first = ("none", "cross-entropy") if name == "fsdp × tp" else ("lora", "cross-entropy")
         for adapters, loss in (first, ("none", "objective")):
             out.append(Case(len(out), name, adapters, loss))
+    for name in WEIGHTED_UNDER:
+        out.append(Case(len(out), name, "none", "weighted"))
     return out
 
 
@@ -87,8 +94,9 @@ def config(case: Case):
     if case.adapters == "lora":
         model["lora"] = {"r": 4, "alpha": 8, "target_modules": ["qkv", "proj", "mlp.0"]}
     train = {**extra["train"], "precision": "fp32"}
-    if case.loss == "objective":
-        train.update(loss=OBJECTIVE, loss_chunk_tokens=None)
+    if case.loss != "cross-entropy":
+        train.update(loss=OBJECTIVE if case.loss == "objective" else WEIGHTED,
+                     loss_chunk_tokens=None)  # fmt: skip
     return TrainConfig.model_validate(
         {
             "seed": 7,
@@ -161,7 +169,7 @@ def reference(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
     of the loss over the window's counted targets."""
     import torch.nn.functional as F
 
-    from jobs.objectives import label_smoothed
+    from jobs.objectives import label_smoothed, sqrt_row_weighted
     from rayacc.models import build_model
 
     model = build_model(config(case), dataset())
@@ -170,8 +178,9 @@ def reference(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
     for n in WINDOWS:
         batch = _local_rows(lo, lo + n).take(np.arange(n))
         logits = model(batch["input"], documents=batch["documents"])
-        if case.loss == "objective":
-            total, count = label_smoothed(logits, batch)
+        if case.loss != "cross-entropy":
+            fn = label_smoothed if case.loss == "objective" else sqrt_row_weighted
+            total, count = fn(logits, batch)
             loss = total / count
         else:
             loss = F.cross_entropy(logits.reshape(-1, VOCAB), batch["target"].reshape(-1))
@@ -185,10 +194,13 @@ def reference(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
     return before, full_weights(model)
 
 
-def counted(lo: int, hi: int) -> int:
-    """The window's counted targets (a row's first token is never a target)."""
-    masks = rows()[1]
-    return int(sum(m[1:].sum() for m in masks[lo:hi]))
+def counted(lo: int, hi: int, loss: str = "cross-entropy") -> int | float:
+    """The window's counted targets (a row's first token is never a target); `weighted`: the
+    sum of their weights, √n for a row counting n."""
+    per_row = [int(m[1:].sum()) for m in rows()[1][lo:hi]]
+    if loss == "weighted":
+        return math.fsum(math.sqrt(n) for n in per_row)
+    return sum(per_row)
 
 
 def run_rank(rank: int, world: int, init_file: str, out_dir: str) -> None:

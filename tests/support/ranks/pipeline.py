@@ -62,7 +62,7 @@ class PPCase:
         return self.pp * self.dp * self.tp
 
     def config(self):
-        cfg = M.config(self.matrix_case())
+        cfg = M.config(self.matrix_case(), rules=False)
         data = cfg.model_dump()
         data["model"]["n_layer"] = 4
         data["train"]["activation_checkpointing"] = "full" if self.recompute else "none"

@@ -31,7 +31,7 @@ class TPCase:
     """HSDP's replica groups over the data-parallel ranks (the first phase's mesh)."""
 
     def config(self):
-        cfg = M.config(self.matrix_case())
+        cfg = M.config(self.matrix_case(), rules=False)
         if self.model == "gpt":
             return cfg
         hf = {"model_type": "llama", "vocab_size": M.VOCAB, "hidden_size": 16,
