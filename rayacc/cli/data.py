@@ -30,6 +30,13 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
     from rayacc.data.common import BUNDLED, DataError
     from rayacc.data.sources import describe_dataset
 
+    if args.seq_len is None:  # the job's length where one is named, so no answer is cut short
+        args.seq_len = SEQ_LEN
+        if args.config is not None:
+            from rayacc.config import TrainConfig
+
+            args.seq_len = TrainConfig.from_yaml(args.config).data.seq_len
+
     if len(args.inputs) == 1 and args.inputs[0] in BUNDLED and args.out is None:
         name = args.inputs[0]
         info = describe_dataset(name, args.cache_dir, args.seq_len)

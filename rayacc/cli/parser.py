@@ -292,7 +292,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="bundled datasets: where they are cached",
     )
     p.add_argument(
-        "--seq-len", type=Number(int, 1), default=SEQ_LEN, help="tokens per sample (rows hold +1)"
+        "--seq-len",
+        type=Number(int, 1),
+        default=None,
+        help=f"tokens per sample (rows hold +1); default: the job's data.seq_len with -c, else "
+        f"{SEQ_LEN}",
+    )
+    p.add_argument(
+        "-c",
+        "--config",
+        type=ExistingPath("a job's YAML config"),
+        default=None,
+        help="the job that will train on the data: --seq-len defaults to its data.seq_len",
     )
     own = OWN_TEXT_FLAGS
     p.add_argument(

@@ -25,6 +25,9 @@ CHAT_KEY = b"rayacc.chat"
 the special tokens, the template's end of turn), for an export a chat user loads."""
 MASK_RULE_KEY = b"rayacc.mask_rule"
 """Instruction data: what its `loss_mask` counts (`answers` or `all`)."""
+CUT_KEY = b"rayacc.cut"
+"""Instruction data: the cut it was prepared with, as JSON (`seq_len`, the examples cut and the
+answers' counted tokens they lost), checked against the job's `data.seq_len` at launch."""
 ORIGIN_KEY = b"rayacc.origin"
 """Where the rows came from (a corpus, a tokenizer), in words."""
 

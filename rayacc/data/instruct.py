@@ -29,6 +29,7 @@ import pyarrow.parquet as pq
 
 from rayacc.data.common import (
     CHAT_KEY,
+    CUT_KEY,
     MASK_RULE_KEY,
     ORIGIN_KEY,
     TOKENIZER_KEY,
@@ -36,7 +37,14 @@ from rayacc.data.common import (
     DataError,
 )
 
-__all__ = ["COUNTS", "InstructResult", "Renderer", "prepare_instructions", "renderer"]
+__all__ = [
+    "COUNTS",
+    "InstructResult",
+    "Renderer",
+    "check_cut",
+    "prepare_instructions",
+    "renderer",
+]
 
 FORMAT_FIX = (
     'Fix: one example per line: {"prompt": text, "completion": text} or {"messages": '
@@ -433,7 +441,9 @@ def prepare_instructions(
         TOKENIZER_KEY: render.recorded,
         MASK_RULE_KEY: count.encode(),
         **({CHAT_KEY: render.chat_recorded} if render.chat_recorded else {}),
-    }
+        CUT_KEY: json.dumps({"seq_len": seq_len, "examples": answers_cut,
+                             "lost": stats["lost"], "counted": stats["counted"]}).encode(),
+    }  # fmt: skip
     _write(rows, target, render.vocab_size, rows_per_group, metadata)
     result = InstructResult(str(target), len(rows.tokens), vocab_size=render.vocab_size,
                             cut_lines=tuple(cut_lines), **stats)  # fmt: skip
@@ -453,6 +463,31 @@ def prepare_instructions(
             "(the job's data.seq_len), or shorter examples"
         )
     return result
+
+
+def check_cut(source: str, metadata: dict[bytes, bytes], seq_len: int) -> None:
+    """Instruction data cut shorter than the job trains (`data.seq_len`) lost answers the job
+    has room for: refused at launch, naming both lengths and what the cut took (DataError)."""
+    raw = metadata.get(CUT_KEY)
+    if raw is None:
+        return
+    try:
+        cut = json.loads(raw)
+        prepared, examples = int(cut["seq_len"]), int(cut["examples"])
+        lost, counted = int(cut["lost"]), int(cut["counted"])
+    except (ValueError, TypeError, KeyError):
+        raise DataError(
+            f"data.source={source!r}: its {CUT_KEY.decode()!r} metadata is malformed. Fix: "
+            "prepare the data again with `rayacc data prepare --instruct`"
+        ) from None
+    if examples and prepared < seq_len:
+        share = lost / max(lost + counted, 1)
+        raise DataError(
+            f"data.source={source!r} was prepared with --seq-len {prepared}, which cut "
+            f"{examples:,} examples' answers ({share:.1%} of their counted tokens), and the "
+            f"job's data.seq_len is {seq_len}. Fix: prepare it again with --seq-len {seq_len} "
+            f"(or `rayacc data prepare -c JOB`), or set data.seq_len={prepared}"
+        )
 
 
 def _jsonl_files(inputs: list[str]) -> list[tuple[Path, str]]:

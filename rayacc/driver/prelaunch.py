@@ -24,6 +24,7 @@ from rayacc.config.features import DataKind
 from rayacc.config.mesh import Mesh
 from rayacc.config.schema import RunConfig, ScalingConfig, TrainSection
 from rayacc.data.common import DataError
+from rayacc.data.instruct import check_cut
 from rayacc.data.order import DataOrder, EpochLayout
 from rayacc.data.sources import DatasetInfo, RowGroups, data_kind, read_source
 from rayacc.driver.places import check_places
@@ -150,6 +151,7 @@ def prepare(cfg: TrainConfig) -> Prepared:
             "(rayacc.models.gpt.document_mask builds the mask)"
         )
     cfg.check_data_kind(DataKind(packed=info.documents, masked=info.loss_mask))
+    check_cut(info.path, source.metadata, cfg.data.seq_len)
     if cfg.train.loss is not None:
         from rayacc.models.objective import OBJECTIVE_FIX
         from rayacc.models.registry import resolve_callable

@@ -165,6 +165,48 @@ def test_answers_cut_short_are_named_by_line_with_the_share_lost(tmp_path, token
     assert f"{src}:2, {src}:4. Fix: a larger --seq-len" in said[-1], said
 
 
+def test_data_cut_shorter_than_the_job_trains_is_refused_at_launch(tmp_path, tokenizer, capsys):
+    """Half the chats cut to 41 tokens went on to train at data.seq_len 512: the cut is
+    recorded with the data, and a job that trains longer rows than the data was cut to is
+    refused at launch naming both lengths; `data prepare -c JOB` takes the job's length."""
+    import yaml
+
+    from rayacc.config import TrainConfig
+    from rayacc.driver.prelaunch import prepare
+
+    cut = {"prompt": "q", "completion": "y" * 60}
+    src = write_jsonl(tmp_path / "long.jsonl", [cut, {"prompt": "q", "completion": "ok"}] * 4)
+    out = tmp_path / "cut"
+    prepare_instructions([str(src)], str(out), seq_len=40, tokenizer=str(tokenizer),
+                         progress=quiet)  # fmt: skip
+    gpt = {"name": "gpt", "n_layer": 1, "n_head": 1, "n_embd": 8, "block_size": 128}
+    job = {"data": {"source": str(out), "val_fraction": 0.0, "seq_len": 100}, "model": gpt,
+           "batch": {"global_batch_size": 2, "micro_batch_size": 1},
+           "scaling": {"num_workers": 1}, "tracking": {"enabled": False}}  # fmt: skip
+    with pytest.raises(DataError) as error:
+        prepare(TrainConfig.from_dict(job))
+    text = str(error.value)
+    assert "was prepared with --seq-len 40, which cut 4 examples' answers" in text, text
+    assert "data.seq_len is 100" in text and "--seq-len 100" in text, text
+    assert "set data.seq_len=40" in text, text
+    # the job at the data's length runs
+    assert prepare(TrainConfig.from_dict({**job, "data": {**job["data"], "seq_len": 40}}))
+    # prepared for the job: --seq-len is its data.seq_len, nothing cut
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    again = tmp_path / "again"
+    assert main(["data", "prepare", "--instruct", str(src), "--out", str(again),
+                 "--tokenizer", str(tokenizer), "-c", str(path)]) == 0  # fmt: skip
+    capsys.readouterr()
+    assert prepare(TrainConfig.from_dict({**job, "data": {**job["data"], "source": str(again)}}))
+    assert (
+        json.loads(pq.read_schema(sorted(again.glob("*.parquet"))[0]).metadata[b"rayacc.cut"])[
+            "seq_len"
+        ]
+        == 100
+    )
+
+
 BAD = [
     ("not JSON", '{"prompt": oops}', "not JSON"),
     ("a list", "[1, 2]", "a list, not a JSON object"),
