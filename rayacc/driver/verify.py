@@ -174,12 +174,11 @@ def verify(cfg: TrainConfig) -> VerifyResult:
     passed = all(d.max_rel <= d.allowed(tol) for d in diffs)
     warnings = [*notes, *prep.warnings]
     if result.mlflow_run_id:
-        from mlflow.tracking import MlflowClient
+        from rayacc.tracking.mlflow_sink import tag_run
 
         try:
-            MlflowClient(result.tracking_uri).set_tag(
-                result.mlflow_run_id, "rayacc.verified", "PASS" if passed else "FAIL"
-            )
+            tag_run(result.tracking_uri, result.mlflow_run_id, "rayacc.verified",
+                    "PASS" if passed else "FAIL")  # fmt: skip
         except Exception as exc:  # the verdict stands without its tag
             warnings.append(
                 f"could not tag MLflow run {result.mlflow_run_id} rayacc.verified: "

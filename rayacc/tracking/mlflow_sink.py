@@ -20,7 +20,14 @@ from rayacc.observe.ranks import TIME_KEY
 from rayacc.redact import redact
 from rayacc.tracking.ui_view import VIEW_TAG, saved_view
 
-__all__ = ["MlflowSink", "TrackingTarget", "default_tracking_uri", "tracking_target"]
+__all__ = [
+    "MlflowSink",
+    "TrackingTarget",
+    "default_tracking_uri",
+    "log_files",
+    "tag_run",
+    "tracking_target",
+]
 
 _MAX_PARAMS_PER_CALL = 100
 _MAX_METRICS_PER_CALL = 1000
@@ -418,7 +425,13 @@ class MlflowSink:
         self._call("log_batch", (), (), tags, records=len(tags))
 
     def log_artifact(self, path: str | Path) -> None:
-        self._call("log_artifact", str(path))
+        """A file rayacc wrote: a text file's words masked on the way (`log_text` of its masked
+        text under its name), an image as it is (its labels were masked when drawn)."""
+        path = Path(path)
+        if path.suffix in TEXT_SUFFIXES:
+            self.log_text(path.read_text(errors="replace"), path.name)
+        else:
+            self._call("log_artifact", str(path))
 
     def log_text(self, text: str, name: str) -> None:
         self._call("log_text", redact(text), name)
@@ -444,6 +457,31 @@ class MlflowSink:
                 f"{redact(self.tracking_uri)} did not come back within {timeout_s:.0f} s",
                 file=sys.stderr,
             )
+
+
+TEXT_SUFFIXES = (".txt", ".csv", ".yaml", ".yml", ".json", ".md", ".log")
+"""Files whose words are masked before they are stored (every other kind rayacc writes is an
+image)."""
+
+
+def tag_run(tracking_uri: str, run_id: str, key: str, value: str) -> None:
+    """Sets one tag of a run that has ended (`rayacc verify`'s verdict), masked as every tag."""
+    from mlflow.tracking import MlflowClient
+
+    MlflowClient(tracking_uri).set_tag(run_id, redact(key), redact(str(value)))
+
+
+def log_files(tracking_uri: str, run_id: str, files: Iterable[Path], folder: str) -> None:
+    """Stores files rayacc wrote under `folder` of a run (a sweep's report): text masked as
+    `MlflowSink.log_artifact` masks it."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri)
+    for f in map(Path, files):
+        if f.suffix in TEXT_SUFFIXES:
+            client.log_text(run_id, redact(f.read_text(errors="replace")), f"{folder}/{f.name}")
+        else:
+            client.log_artifact(run_id, str(f), folder)
 
 
 def param_items(params: dict[str, Any]) -> list[tuple[str, str]]:

@@ -408,11 +408,9 @@ def write_report(
     )
     report.files = files
     if tracking_uri:
-        from mlflow.tracking import MlflowClient
+        from rayacc.tracking.mlflow_sink import log_files
 
-        client = MlflowClient(tracking_uri)
-        for f in files:
-            client.log_artifact(report.parent_run_id, str(f), "report")
+        log_files(tracking_uri, report.parent_run_id, files, "report")
     return files
 
 
