@@ -220,8 +220,13 @@ def _as_peft(model, folder: str, base_folder: str | None):
     root = adapter_root(model)
     config = getattr(root, "peft_config", {}).get("default")
     if config is None:
+        from rayacc.models.gpt import GPT
+        from rayacc.models.hf import HFCausalLM
+
+        # the format this kind exports whole: transformers' for gpt and hf, else its own
+        whole = "hf" if isinstance(model, GPT | HFCausalLM) else "safetensors"
         raise DataError(
-            f"{folder} is not a LoRA run's checkpoint (no model.lora). Fix: --format hf"
+            f"{folder} is not a LoRA run's checkpoint (no model.lora). Fix: --format {whole}"
         )
     adapters = get_peft_model_state_dict(root)
     base = copy.deepcopy(root)
