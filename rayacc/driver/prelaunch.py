@@ -123,14 +123,18 @@ def check(cfg: TrainConfig, scope: str = "run") -> Prepared | None:
     return None
 
 
-def _check_objective(cfg: TrainConfig, fn) -> None:
-    """What the user's objective declares against the strategy and precision (a weighted
-    count under an engine that counts first)."""
+def _check_objective(cfg: TrainConfig, fn, info: DatasetInfo | None = None) -> None:
+    """What the user's objective declares and counts against the strategy and precision (a
+    weighted count, or items other than rayacc's counter's, under an engine that counts
+    first); `info`: the data's shape, where it is read."""
     from rayacc.config.strategies import strategy_entry
-    from rayacc.models.objective import check_weighted
+    from rayacc.models.objective import check_counts_ahead, check_weighted
 
     first = strategy_entry(cfg.train.strategy).counts_first
     check_weighted(cfg.train.loss or "", fn, cfg.train.precision, first)
+    if info is not None:
+        fp16 = "fp16's loss scale" if cfg.train.precision == "fp16" else None
+        check_counts_ahead(cfg.train.loss or "", fn, info, first or fp16)
 
 
 def prepare(cfg: TrainConfig) -> Prepared:
@@ -156,7 +160,7 @@ def prepare(cfg: TrainConfig) -> Prepared:
         from rayacc.models.objective import OBJECTIVE_FIX
         from rayacc.models.registry import resolve_callable
 
-        _check_objective(cfg, resolve_callable("train.loss", cfg.train.loss, OBJECTIVE_FIX))
+        _check_objective(cfg, resolve_callable("train.loss", cfg.train.loss, OBJECTIVE_FIX), info)
     if cfg.mesh.tensor > 1:
         check_tensor_plan(model, cfg.mesh)
     if cfg.mesh.pipeline > 1:

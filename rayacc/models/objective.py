@@ -15,7 +15,14 @@ from torch import nn
 from rayacc.engine.losses import Batch, ItemCounter, model_inputs
 from rayacc.models.errors import ModelError
 
-__all__ = ["OBJECTIVE_FIX", "Objective", "check_weighted", "is_weighted", "weighted_items"]
+__all__ = [
+    "OBJECTIVE_FIX",
+    "Objective",
+    "check_counts_ahead",
+    "check_weighted",
+    "is_weighted",
+    "weighted_items",
+]
 
 OBJECTIVE_FIX = (
     "Fix: train.loss is `package.module:function`, importable on every node, called as "
@@ -52,6 +59,40 @@ def check_weighted(spec: str, fn: Callable, precision: str, counts_first: str | 
         f"forward), and {key} needs the window's count before its first backward ({why}). "
         "Fix: train it under ddp or fsdp in fp32 or bf16, or count whole items"
     )
+
+
+def check_counts_ahead(spec: str, fn: Callable, info, counts_first: str | None) -> None:
+    """Where the window's count is needed before its first backward (`counts_first`: why),
+    rayacc's counter counts first (the counted target tokens, or the rows) and the function
+    must count the same: it is called once on two made-up rows of the data's shape, and one
+    that counts otherwise (pairs) is refused before launch, not at the first window. A
+    function that cannot take made-up rows is left to the run's own check."""
+    from rayacc.engine.losses import IGNORE_INDEX, count_rows, count_target_tokens
+
+    if counts_first is None or is_weighted(fn):
+        return
+    gen = torch.Generator().manual_seed(0)
+    if info.format == "classification":
+        batch = {"features": torch.randn(2, info.num_features, generator=gen),
+                 "label": torch.zeros(2, dtype=torch.long)}  # fmt: skip
+        output, expected = torch.zeros(2, max(info.num_classes, 2)), count_rows(batch)
+    else:
+        target = torch.tensor([[1, 2, IGNORE_INDEX, IGNORE_INDEX], [1, 2, 3, 1]])
+        batch = {"input": target.clamp(min=0), "target": target}
+        output, expected = torch.zeros(2, 4, max(info.vocab_size, 4)), count_target_tokens(batch)
+    try:
+        _, count = checked(spec, fn(output.requires_grad_(), batch))
+    except Exception:
+        return
+    if count != expected:
+        what = "rows" if info.format == "classification" else "counted target tokens"
+        raise ModelError(
+            f"train.loss={spec!r} counted {count} loss items in two rows holding {expected} "
+            f"{what}; the run needs the window's count before its first backward "
+            f"({counts_first}: train.strategy, train.precision), counted by rayacc as its "
+            f"{what}. Fix: count those items, or train under ddp or fsdp in fp32 or bf16, "
+            "which take the count the function returns"
+        )
 
 
 class Objective:

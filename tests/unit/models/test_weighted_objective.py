@@ -67,3 +67,36 @@ def test_a_weighted_objective_that_needs_the_count_first_is_refused_before_launc
     # the same job under DDP in fp32 plans
     assert main(["plan", "-c", "jobs/digits.yaml",
                  "train.loss=jobs.objectives:sqrt_row_weighted"]) == 0  # fmt: skip
+
+
+def test_an_objective_counting_other_items_under_an_engine_that_counts_first_is_refused_early():
+    """`jobs.objectives:pair_margin` counts pairs; DeepSpeed counts the target tokens before
+    the first backward: refused before launch (it failed at the first window, after the
+    workers started); the token-counting objective passes."""
+    from jobs.objectives import label_smoothed, pair_margin
+    from rayacc import TrainConfig
+    from rayacc.data.sources import DatasetInfo
+    from rayacc.models.objective import check_counts_ahead
+
+    info = DatasetInfo(path="t.parquet", format="tokens", num_rows=8, vocab_size=16, max_tokens=9)
+    why = "DeepSpeed's engine scales each backward itself"
+    with pytest.raises(ModelError) as refused:
+        check_counts_ahead("jobs.objectives:pair_margin", pair_margin, info, why)
+    text = str(refused.value)
+    assert "counted 1 loss items in two rows holding 6 counted target tokens" in text, text
+    assert why in text and "train.strategy" in text and "Fix:" in text, text
+    check_counts_ahead("jobs.objectives:label_smoothed", label_smoothed, info, why)
+    check_counts_ahead("jobs.objectives:pair_margin", pair_margin, info, None)  # counts after
+    # through the launch's own check
+    from rayacc.driver.prelaunch import prepare
+
+    cfg = TrainConfig.from_dict({
+        "data": {"source": "shakespeare", "seq_len": 16, "val_fraction": 0.0},
+        "model": {"name": "gpt", "n_layer": 1, "n_head": 1, "n_embd": 8, "block_size": 16},
+        "batch": {"global_batch_size": 4, "micro_batch_size": 2},
+        "train": {"strategy": "deepspeed", "loss": "jobs.objectives:pair_margin",
+                  "loss_chunk_tokens": None},
+        "scaling": {"num_workers": 2}, "tracking": {"enabled": False},
+    })  # fmt: skip
+    with pytest.raises(ModelError, match="counted 1 loss items"):
+        prepare(cfg)
