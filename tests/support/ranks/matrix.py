@@ -1,7 +1,7 @@
 """The combination matrix: every accepted combination of strategy, activation checkpointing,
-micro-batch, workers, precision, loss, last window, resume event, shares (even or uneven) and
-objective (tokens or a user's counting rows), covered pairwise (the pairs the validator refuses
-left out and checked refused), each case
+micro-batch, workers, precision, loss, last window, resume event, shares (even or uneven),
+objective (tokens or a user's counting rows) and LoRA adapters (off or on), covered pairwise
+(the pairs the validator refuses left out and checked refused), each case
 run on gloo ranks (no Ray) through the product's own build path (`build_rank`: strategy,
 model, optimizer, losses and the accumulation step), and compared with single-process
 full-batch steps.
@@ -37,6 +37,7 @@ FACTORS: dict[str, tuple] = {
     "event": ("none", "resume same size", "resume other size"),
     "shares": ("even", "uneven"),
     "objective": ("tokens", "rows"),
+    "lora": ("off", "on"),
 }
 
 KEYS = {
@@ -44,6 +45,7 @@ KEYS = {
     "micro": "batch.micro_batch_size", "workers": "scaling.num_workers",
     "precision": "train.precision", "loss": "train.loss_chunk_tokens", "last": "data.last_window",
     "event": "scaling.num_workers", "shares": "batch.global_batch_size", "objective": "train.loss",
+    "lora": "model.lora",
 }  # fmt: skip
 """The config key each factor sets (a refusal names it)."""
 
@@ -171,6 +173,7 @@ class Case:
     event: str
     shares: str = "even"
     objective: str = "tokens"
+    lora: str = "off"
 
     @property
     def rows(self) -> int:
@@ -224,7 +227,10 @@ def config(case: Case, rules: bool = True):
     return (TrainConfig.from_dict if rules else TrainConfig.model_validate)(
         {
             "seed": 5,
-            "model": {"name": "gpt", "n_layer": 2, "n_head": 2, "n_embd": 16, "block_size": BLOCK},
+            "model": {
+                **{"name": "gpt", "n_layer": 2, "n_head": 2, "n_embd": 16, "block_size": BLOCK},
+                **({"lora": {"r": 2, "alpha": 4}} if case.lora == "on" else {}),
+            },
             "data": {"seq_len": BLOCK},
             "batch": {
                 "global_batch_size": case.rows,
