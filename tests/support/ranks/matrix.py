@@ -1,6 +1,7 @@
 """The combination matrix: every accepted combination of strategy, activation checkpointing,
 micro-batch, workers, precision, loss, last window, resume event, shares (even or uneven),
-objective (tokens or a user's counting rows) and LoRA adapters (off or on), covered pairwise
+objective (tokens or a user's counting rows), LoRA adapters (off or on) and data (padded, or
+masked as instruction data is), covered pairwise
 (the pairs the validator refuses left out and checked refused), each case
 run on gloo ranks (no Ray) through the product's own build path (`build_rank`: strategy,
 model, optimizer, losses and the accumulation step), and compared with single-process
@@ -38,6 +39,7 @@ FACTORS: dict[str, tuple] = {
     "shares": ("even", "uneven"),
     "objective": ("tokens", "rows"),
     "lora": ("off", "on"),
+    "data": ("padded", "masked"),
 }
 
 KEYS = {
@@ -45,7 +47,7 @@ KEYS = {
     "micro": "batch.micro_batch_size", "workers": "scaling.num_workers",
     "precision": "train.precision", "loss": "train.loss_chunk_tokens", "last": "data.last_window",
     "event": "scaling.num_workers", "shares": "batch.global_batch_size", "objective": "train.loss",
-    "lora": "model.lora",
+    "lora": "model.lora", "data": "data.source",
 }  # fmt: skip
 """The config key each factor sets (a refusal names it)."""
 
@@ -174,6 +176,9 @@ class Case:
     shares: str = "even"
     objective: str = "tokens"
     lora: str = "off"
+    data: str = "padded"
+    """`padded` rows of variable length, or `masked`: the first half of each row's targets
+    not counted (a prompt), as a `loss_mask` leaves them."""
 
     @property
     def rows(self) -> int:
@@ -267,13 +272,24 @@ def rank_share(window: list, rank: int, world: int) -> list:
     return window[lo : lo + base + (1 if rank < extra else 0)]
 
 
-def micro_batches(seqs: list, micro: int, world: int, window_len: int) -> list[dict]:
-    """This rank's share cut into as many micro-batches as every rank runs."""
-    from rayacc.engine import collate_tokens
+def collate(seqs: list, masked: bool = False) -> dict:
+    """Rows padded into a batch; `masked`: the first half of each row's targets not counted."""
+    from rayacc.engine import IGNORE_INDEX, collate_tokens
 
+    batch = collate_tokens(seqs)
+    if masked:
+        for r, seq in enumerate(seqs):
+            batch["target"][r, : (len(seq) - 1) // 2] = IGNORE_INDEX
+    return batch
+
+
+def micro_batches(
+    seqs: list, micro: int, world: int, window_len: int, masked: bool = False
+) -> list[dict]:
+    """This rank's share cut into as many micro-batches as every rank runs."""
     steps = math.ceil(math.ceil(window_len / world) / micro)
     parts = torch.tensor_split(torch.arange(len(seqs)), steps)
-    return [collate_tokens([seqs[int(i)] for i in part]) for part in parts if len(part)]
+    return [collate([seqs[int(i)] for i in part], masked) for part in parts if len(part)]
 
 
 def run_phase(case: Case, rank: int, world: int, folder: Path, phase: str) -> dict | None:
@@ -315,7 +331,8 @@ def run_phase(case: Case, rank: int, world: int, folder: Path, phase: str) -> di
         mine = rank_share(window, rank, world)
         # the last rank raises a signal in every other window: every rank must count it there
         raised = rank == world - 1 and i % 2 == 0
-        result = step(micro_batches(mine, micro, world, len(window)), loss_fn, count, signal=raised)
+        mbs = micro_batches(mine, micro, world, len(window), case.data == "masked")
+        result = step(mbs, loss_fn, count, signal=raised)
         signals.append(result.signals)
     if phase == "A" and case.event != "none":
         save_for_phase_b(strategy, strategy.model, optimizer, folder, rank)
@@ -340,7 +357,7 @@ def reference(case: Case, cfg=None) -> tuple[torch.Tensor, torch.Tensor]:
     not the matrix's)."""
     import torch.nn.functional as F
 
-    from rayacc.engine import IGNORE_INDEX, collate_tokens
+    from rayacc.engine import IGNORE_INDEX
     from rayacc.models import build_model
 
     # strategy-free: one process, whole windows (a strategy of another package included)
@@ -349,7 +366,7 @@ def reference(case: Case, cfg=None) -> tuple[torch.Tensor, torch.Tensor]:
     before = full_weights(model)
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     for window in windows(case):
-        batch = collate_tokens(window)
+        batch = collate(window, case.data == "masked")
         logits = model(batch["input"])
         if case.objective == "rows":  # the mean of the rows' means: one item a row
             from tests.support.ranks.pipeline import row_mean
