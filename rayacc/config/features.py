@@ -98,7 +98,8 @@ _CHANGES_STEPS = {
 
 
 def _all_but(*names: str) -> frozenset[str]:
-    """Every strategy and every other feature but `names` (and itself, added by `features`)."""
+    """Every strategy and every other feature but `names` (itself included: a feature never
+    meets itself, one key holding one value)."""
     return frozenset(("strategy", *_OTHERS)) - set(names)
 
 
